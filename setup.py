@@ -1,0 +1,34 @@
+"""Builds the two Cython extensions; everything else is in setup.cfg.
+
+Compiler directives are set here, once, for every module. STRATA_CYTHON_DEBUG=1 turns bounds,
+wraparound and initialisation checks back on (then rebuild: `pip install -e . --no-build-isolation`).
+"""
+
+import os
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+DEBUG = os.environ.get("STRATA_CYTHON_DEBUG", "0") not in ("", "0")
+
+directives = {
+    "language_level": 3,
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": True,
+    "embedsignature": True,
+}
+
+extensions = [
+    Extension("strata._vmm", ["src/strata/_vmm.pyx"]),
+    Extension(
+        "strata._residency",
+        ["src/strata/_residency.pyx"],
+        include_dirs=[numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
+]
+
+setup(ext_modules=cythonize(extensions, compiler_directives=directives, force=DEBUG))

@@ -1,0 +1,116 @@
+"""Virtual memory ranges backed by physical chunks, on the host (mmap) or on a CUDA device.
+
+A `Backend` owns the physical side (chunks) and reserves `Range`s: address ranges whose
+addresses never move, into which chunks are mapped and out of which they are unmapped,
+keeping their bytes. Chunk indices are relative to the range; byte offsets are too.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+class VmmError(RuntimeError):
+    """A system or driver call failed (or a fault was injected); the range is as it was."""
+
+class Chunk:
+    """One physical allocation of `chunk_bytes`, owned by whoever holds this object.
+
+    Mapped into a range, the range holds it; unmapped, it is handed back to the caller, and
+    dropping it (or `release()`) frees the memory.
+    """
+
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def released(self) -> bool: ...
+    @property
+    def mapped(self) -> bool: ...
+    def release(self) -> None:
+        """Free the physical memory now. Idempotent; an error while the chunk is mapped."""
+
+class Backend:
+    """The physical side of one kind of memory: `host` or `cuda`."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def alive_chunks(self) -> int:
+        """Physical chunks of this backend not yet released (mapped or held)."""
+    @property
+    def bytes_mapped(self) -> int:
+        """Bytes mapped in all open ranges of this backend."""
+    def reserve(self, nbytes: int) -> Range:
+        """Reserve a range of `nbytes` rounded up to whole chunks; nothing is mapped."""
+    def create_chunks(self, n: int) -> list[Chunk]:
+        """Create `n` unmapped physical chunks (all or none)."""
+    def inject_fault(self, op: str, nth: int = 1) -> None:
+        """Make the `nth` next call of `op` ('create', 'map' or 'access') fail with VmmError.
+
+        Counting starts now; one pending fault per op; `clear_faults()` cancels them.
+        """
+    def clear_faults(self) -> None: ...
+    def close(self) -> None:
+        """Close every range of this backend; chunks held by callers stay valid until dropped."""
+
+class HostBackend(Backend):
+    """memfd-backed chunks mapped with mmap(MAP_FIXED | MAP_SHARED) into PROT_NONE reservations."""
+
+    def __init__(self, chunk_bytes: int | None = None) -> None:
+        """`chunk_bytes`: a multiple of the page size; default STRATA_VMM_CHUNK_BYTES, else 2 MiB."""
+
+class CudaBackend(Backend):
+    """The driver's virtual memory API on one device, in its primary context."""
+
+    def __init__(self, device: int = 0) -> None: ...
+    @property
+    def device(self) -> int: ...
+
+class Range:
+    """A reserved address range of `n_chunks` chunks of `chunk_bytes`."""
+
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def n_chunks(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def n_mapped(self) -> int: ...
+    @property
+    def bytes_mapped(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def is_mapped(self, index: int) -> bool: ...
+    def mapped_mask(self) -> np.ndarray:
+        """A bool array [n_chunks], a copy."""
+    def map(self, lo: int, hi: int, chunks: Sequence[Chunk] | None = None) -> int:
+        """Map every unmapped chunk index in [lo, hi); return how many were mapped.
+
+        The given chunks are used first, in order, then new ones are created. Indices already
+        mapped are skipped. Access is set once per contiguous run. On any failure the range is
+        exactly as before, chunks created by this call are released and the given ones stay
+        unmapped and the caller's.
+        """
+    def unmap(self, lo: int, hi: int) -> list[Chunk]:
+        """Unmap every mapped chunk index in [lo, hi); return their chunks, in index order, bytes intact."""
+    def view(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-copy tensor over bytes [offset, offset + nbytes) of the range.
+
+        Every chunk it covers must be mapped (else ValueError). The view must not be used after
+        those chunks are unmapped or the range is closed.
+        """
+    def close(self) -> None:
+        """Unmap and release every chunk, then free the address range. Idempotent."""
+
+def open_backend(kind: str, **options) -> Backend:
+    """`host` or `cuda` (options: `chunk_bytes` for host, `device` for cuda)."""
+
+def alive_chunks() -> int:
+    """Physical chunks alive in this process, over every backend."""

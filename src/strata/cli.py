@@ -1,0 +1,46 @@
+"""The `strata` command line.
+
+Each subcommand lives with the stage it drives; this module only builds the parser and maps
+user errors to one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from strata import __version__
+
+
+class UsageError(Exception):
+    """A bad option, file or value: printed as one line, exit status 2, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strata",
+        description=(
+            "Run Mixture-of-Experts language models larger than the GPU: experts live in host "
+            "RAM, a VRAM expert cache holds those that fit, the CPU computes the rest."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"strata {__version__}")
+    parser.add_subparsers(dest="command", metavar="COMMAND")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.run(args) or 0)
+    except UsageError as err:
+        print(f"strata {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
