@@ -7,9 +7,14 @@ user errors to one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from strata import __version__
+
+# Each module adds its subcommand with `register(subparsers)`, setting `run=` to a function
+# that takes the parsed namespace and returns an exit status. Listed in the order of `--help`.
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 class UsageError(Exception):
@@ -25,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
     return parser
 
 
