@@ -1,0 +1,1 @@
+"""Policies: the plugin API and the built-in policies."""
