@@ -1,0 +1,6 @@
+"""Shared test setup. Test helpers that are not tests live in tests/support/ (importable as `support`)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
