@@ -1,7 +1,8 @@
 """Builds the two Cython extensions; everything else is in setup.cfg.
 
 Compiler directives are set here, once, for every module. STRATA_CYTHON_DEBUG=1 turns bounds,
-wraparound and initialisation checks back on (then rebuild: `pip install -e . --no-build-isolation`).
+wraparound and initialisation checks back on (then rebuild: `python setup.py build_ext --inplace`).
+STRATA_BUILD_ONLY=_vmm (a comma list) builds only those extensions, e.g. while one is mid-edit.
 """
 
 import os
@@ -30,5 +31,9 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
 ]
+
+only = {name for name in os.environ.get("STRATA_BUILD_ONLY", "").split(",") if name}
+if only:
+    extensions = [ext for ext in extensions if ext.name.removeprefix("strata.") in only]
 
 setup(ext_modules=cythonize(extensions, compiler_directives=directives, force=DEBUG))

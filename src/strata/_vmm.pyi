@@ -59,7 +59,7 @@ class HostBackend(Backend):
     """memfd-backed chunks mapped with mmap(MAP_FIXED | MAP_SHARED) into PROT_NONE reservations."""
 
     def __init__(self, chunk_bytes: int | None = None) -> None:
-        """`chunk_bytes`: a multiple of the page size; default STRATA_VMM_CHUNK_BYTES, else 2 MiB."""
+        """`chunk_bytes`: a page multiple; default STRATA_VMM_CHUNK_BYTES, else 2 MiB."""
 
 class CudaBackend(Backend):
     """The driver's virtual memory API on one device, in its primary context."""
@@ -99,7 +99,11 @@ class Range:
         unmapped and the caller's.
         """
     def unmap(self, lo: int, hi: int) -> list[Chunk]:
-        """Unmap every mapped chunk index in [lo, hi); return their chunks, in index order, bytes intact."""
+        """Unmap every mapped chunk index in [lo, hi); return their chunks in index order.
+
+        The chunks keep their bytes. If a run fails to unmap, the runs this call already unmapped
+        are mapped back before the error is raised.
+        """
     def view(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A zero-copy tensor over bytes [offset, offset + nbytes) of the range.
 

@@ -1,0 +1,141 @@
+# The cuda backend: the driver's virtual memory API through cuda-python (`cuda.bindings.driver`).
+# Driver calls are per chunk or per run, so the Python-level bindings cost little beside the ~40 µs
+# the driver takes per chunk; the bookkeeping around them is the Cython above. Included by _vmm.pyx.
+
+
+def _cuda_check(result, what):
+    """cuda-python returns (CUresult, *values): raise VmmError on failure, else the values."""
+    err = result[0]
+    if int(err) != 0:
+        from cuda.bindings import driver
+
+        name = driver.cuGetErrorName(err)[1]
+        name = name.decode() if isinstance(name, bytes) else str(err)
+        raise VmmError(f"{what} failed: {name}")
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+@cython.no_gc_clear
+cdef class CudaBackend(Backend):
+    """The driver's virtual memory API on one device, in its primary context.
+
+    The primary context is the one PyTorch uses, so ranges work beside torch's own allocations
+    and torch tensors view them through `__cuda_array_interface__`. Initialise torch's CUDA state
+    first (e.g. `torch.zeros(1, device="cuda")`).
+    """
+
+    cdef readonly int device
+    cdef object _driver
+    cdef object _cu_device
+    cdef object _context
+    cdef object _prop
+    cdef object _access
+    cdef bint _retained
+
+    def __init__(self, device=0, chunk_bytes=None):
+        try:
+            from cuda.bindings import driver
+        except ImportError as err:
+            raise VmmError(
+                "the cuda backend needs cuda-python: pip install 'strata[cuda]'"
+            ) from err
+        if not isinstance(device, int) or device < 0:
+            raise ValueError(f"device must be a non-negative int, got {device!r}")
+        self._driver = driver
+        self.kind = "cuda"
+        self.device = device
+        _cuda_check(driver.cuInit(0), "cuInit")
+        count = _cuda_check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
+        if device >= count:
+            raise ValueError(f"cuda device {device} does not exist; {count} visible")
+        self._cu_device = _cuda_check(driver.cuDeviceGet(device), "cuDeviceGet")
+        self._context = _cuda_check(
+            driver.cuDevicePrimaryCtxRetain(self._cu_device), "cuDevicePrimaryCtxRetain"
+        )
+        self._retained = True
+
+        prop = driver.CUmemAllocationProp()
+        prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        self._prop = prop
+        granularity = int(_cuda_check(
+            driver.cuMemGetAllocationGranularity(
+                prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            ),
+            "cuMemGetAllocationGranularity",
+        ))
+        if chunk_bytes is None:
+            chunk_bytes = max(granularity, DEFAULT_CHUNK_BYTES)
+        if not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % granularity:
+            raise ValueError(
+                f"chunk_bytes={chunk_bytes!r}: expected a positive multiple of the device's "
+                f"allocation granularity ({granularity})"
+            )
+        self.chunk_bytes = chunk_bytes
+
+        access = driver.CUmemAccessDesc()
+        access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = device
+        access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [access]
+
+    cdef _enter(self):
+        _cuda_check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+
+    cdef object _reserve(self, Py_ssize_t nbytes):
+        ptr = _cuda_check(
+            self._driver.cuMemAddressReserve(nbytes, self.chunk_bytes, 0, 0), "cuMemAddressReserve"
+        )
+        return int(ptr)
+
+    cdef _free_reservation(self, object address, Py_ssize_t nbytes):
+        _cuda_check(
+            self._driver.cuMemAddressFree(self._driver.CUdeviceptr(address), nbytes),
+            "cuMemAddressFree",
+        )
+
+    cdef _create_chunk(self, Chunk chunk):
+        handle = _cuda_check(self._driver.cuMemCreate(self.chunk_bytes, self._prop, 0), "cuMemCreate")
+        chunk.handle = int(handle)
+
+    cdef _release_chunk(self, Chunk chunk):
+        _cuda_check(self._driver.cuMemRelease(chunk.handle), "cuMemRelease")
+
+    cdef _map_chunk(self, object address, Chunk chunk):
+        _cuda_check(
+            self._driver.cuMemMap(
+                self._driver.CUdeviceptr(address), self.chunk_bytes, 0, chunk.handle, 0
+            ),
+            "cuMemMap",
+        )
+
+    cdef _set_access(self, object address, Py_ssize_t nbytes):
+        _cuda_check(
+            self._driver.cuMemSetAccess(self._driver.CUdeviceptr(address), nbytes, self._access, 1),
+            "cuMemSetAccess",
+        )
+
+    cdef _unmap_chunks(self, object address, Py_ssize_t n_chunks):
+        # cuMemUnmap must name whole mappings, and each chunk was mapped on its own. It behaves
+        # synchronously for device memory: work still reading the chunk finishes first.
+        cdef Py_ssize_t i
+        for i in range(n_chunks):
+            _cuda_check(
+                self._driver.cuMemUnmap(
+                    self._driver.CUdeviceptr(address + i * self.chunk_bytes), self.chunk_bytes
+                ),
+                "cuMemUnmap",
+            )
+
+    cdef object _tensor(self, object span, Py_ssize_t address, Py_ssize_t nbytes):
+        import torch
+
+        return torch.as_tensor(span, device=f"cuda:{self.device}")
+
+    def __dealloc__(self):
+        if self._retained and self._driver is not None:
+            self._driver.cuDevicePrimaryCtxRelease(self._cu_device)
+            self._retained = False

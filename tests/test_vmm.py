@@ -1,0 +1,334 @@
+"""strata._vmm on both backends: the host one here, the cuda one with `pytest -m cuda` on a GPU.
+
+Every test runs against real virtual memory. Chunk contents are checked through tensor views, so a
+chunk that loses its bytes, or a view onto the wrong memory, fails a test rather than passing
+silently.
+"""
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from strata import _vmm
+
+HOST_CHUNK = 64 << 10
+
+
+@pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.cuda)])
+def backend(request):
+    if request.param == "cuda":
+        torch.zeros(1, device="cuda")  # torch creates and uses the primary context first
+        b = _vmm.CudaBackend(0)
+    else:
+        b = _vmm.HostBackend(chunk_bytes=HOST_CHUNK)
+    yield b
+    b.close()
+    gc.collect()
+    assert b.alive_chunks == 0, "a test leaked physical chunks"
+
+
+def device_of(backend):
+    return "cpu" if backend.kind == "host" else f"cuda:{backend.device}"
+
+
+def stamp(rng, index, value):
+    """Write `value` over the whole of chunk `index` (int32 words)."""
+    n = rng.chunk_bytes // 4
+    rng.view(index * rng.chunk_bytes, (n,), torch.int32).fill_(value)
+
+
+def read_stamp(rng, index):
+    """The value over chunk `index`, checking that all its words agree."""
+    words = rng.view(index * rng.chunk_bytes, (rng.chunk_bytes // 4,), torch.int32)
+    first = int(words[0])
+    assert bool((words == first).all()), f"chunk {index} holds mixed bytes"
+    return first
+
+
+def snapshot(rng):
+    mask = rng.mapped_mask()
+    stamps = {i: read_stamp(rng, i) for i in np.flatnonzero(mask)}
+    return mask.tolist(), stamps, rng.n_mapped, rng.bytes_mapped, rng.backend.alive_chunks
+
+
+# --- reserve --------------------------------------------------------------------------------
+
+
+def test_reserve_rounds_up_to_whole_chunks(backend):
+    c = backend.chunk_bytes
+    for nbytes, want in [(1, 1), (c, 1), (c + 1, 2), (5 * c - 1, 5)]:
+        rng = backend.reserve(nbytes)
+        assert (rng.n_chunks, rng.nbytes, rng.n_mapped) == (want, want * c, 0)
+        assert rng.address % 4096 == 0
+        rng.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "8"])
+def test_reserve_rejects_bad_sizes(backend, bad):
+    with pytest.raises(ValueError, match="nbytes"):
+        backend.reserve(bad)
+
+
+# --- map, unmap, re-map -----------------------------------------------------------------------
+
+
+def test_map_fills_holes_and_skips_mapped_chunks(backend):
+    rng = backend.reserve(10 * backend.chunk_bytes)
+    assert rng.map(2, 5) == 3
+    for i in range(2, 5):
+        stamp(rng, i, 100 + i)
+    assert rng.map(0, 10) == 7
+    assert rng.n_mapped == 10 and backend.alive_chunks == 10
+    assert [read_stamp(rng, i) for i in range(2, 5)] == [102, 103, 104], "re-map touched them"
+    assert rng.map(0, 10) == 0
+
+    taken = rng.unmap(3, 6)
+    assert len(taken) == 3 and all(not c.mapped for c in taken)
+    assert rng.mapped_mask().tolist() == [True] * 3 + [False] * 3 + [True] * 4
+    assert rng.bytes_mapped == 7 * backend.chunk_bytes
+    assert backend.alive_chunks == 10, "unmapped chunks are the caller's until dropped"
+    del taken
+    gc.collect()
+    assert backend.alive_chunks == 7
+
+    assert rng.map(0, 10) == 3
+    assert read_stamp(rng, 2) == 102
+    assert rng.unmap(0, 0) == [] and rng.map(4, 4) == 0
+    rng.close()
+
+
+def test_given_chunks_are_used_first_in_order(backend):
+    src = backend.reserve(3 * backend.chunk_bytes)
+    src.map(0, 3)
+    for i in range(3):
+        stamp(src, i, 7 + i)
+    chunks = src.unmap(0, 3)
+    dst = backend.reserve(5 * backend.chunk_bytes)
+    assert dst.map(1, 5, chunks=chunks[::-1]) == 4
+    assert [read_stamp(dst, i) for i in (1, 2, 3)] == [9, 8, 7]
+    assert backend.alive_chunks == 4
+    src.close()
+    dst.close()
+
+
+def test_a_chunk_moved_between_ranges_keeps_its_bytes(backend):
+    a = backend.reserve(4 * backend.chunk_bytes)
+    b = backend.reserve(4 * backend.chunk_bytes)
+    a.map(0, 4)
+    pattern = torch.arange(backend.chunk_bytes // 2, dtype=torch.int16, device=device_of(backend))
+    a.view(2 * backend.chunk_bytes, pattern.shape, torch.int16).copy_(pattern)
+    (chunk,) = a.unmap(2, 3)
+    b.map(3, 4, chunks=[chunk])
+    moved = b.view(3 * backend.chunk_bytes, pattern.shape, torch.int16)
+    assert torch.equal(moved, pattern)
+    assert backend.alive_chunks == 4 and a.n_mapped == 3 and b.n_mapped == 1
+    a.close()
+    b.close()
+
+
+def test_views_see_each_others_writes_in_any_dtype_and_shape(backend):
+    rng = backend.reserve(3 * backend.chunk_bytes)
+    rng.map(0, 3)
+    n = backend.chunk_bytes // 4
+    floats = rng.view(0, (2, n), torch.float32)
+    floats.copy_(torch.randn(2, n, device=device_of(backend)))
+    as_int = rng.view(0, (2 * n,), torch.int32)
+    assert torch.equal(as_int.view(torch.float32).view(2, n), floats)
+    # A view across a chunk boundary, at an offset, in bf16.
+    halves = rng.view(backend.chunk_bytes - 8, (8,), torch.bfloat16)
+    halves.fill_(3.0)
+    two_halves = torch.tensor([3.0, 3.0], dtype=torch.bfloat16).view(torch.float32)
+    assert float(floats[0, -1]) == float(two_halves)
+    assert float(floats[1, 0]) == float(floats[0, -1])
+    assert rng.view(8, (0,), torch.float32).numel() == 0
+    del floats, as_int, halves
+    rng.close()
+
+
+def test_a_view_over_an_unmapped_chunk_is_an_error_not_a_crash(backend):
+    c = backend.chunk_bytes
+    rng = backend.reserve(4 * c)
+    rng.map(0, 2)
+    rng.map(3, 4)
+    with pytest.raises(ValueError, match="chunk 2, which is not mapped"):
+        rng.view(c, (c // 4 + 1,), torch.float32)
+    with pytest.raises(ValueError, match="outside the range"):
+        rng.view(3 * c, (c // 4 + 1,), torch.float32)
+    with pytest.raises(ValueError, match="not a multiple"):
+        rng.view(2, (4,), torch.float32)
+    with pytest.raises(ValueError, match="negative"):
+        rng.view(0, (-1,), torch.float32)
+    assert rng.view(3 * c, (c // 4,), torch.float32).numel() == c // 4
+    rng.close()
+
+
+# --- close and leaks ----------------------------------------------------------------------------
+
+
+def test_close_releases_everything_and_is_idempotent(backend):
+    before = _vmm.alive_chunks()
+    rngs = [backend.reserve(3 * backend.chunk_bytes) for _ in range(3)]
+    for rng in rngs:
+        rng.map(0, 3)
+    held = rngs[0].unmap(0, 1)
+    assert _vmm.alive_chunks() == before + 9
+    for rng in rngs:
+        rng.close()
+        rng.close()
+    assert rngs[0].closed and backend.bytes_mapped == 0
+    assert backend.alive_chunks == 1, "a chunk the caller holds outlives its old range"
+    held[0].release()
+    held[0].release()
+    assert backend.alive_chunks == 0 and _vmm.alive_chunks() == before
+    for call in (lambda: rngs[1].map(0, 1), lambda: rngs[1].unmap(0, 1),
+                 lambda: rngs[1].view(0, (1,), torch.uint8)):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+
+
+def test_dropping_a_range_without_close_frees_it(backend):
+    rng = backend.reserve(4 * backend.chunk_bytes)
+    rng.map(0, 4)
+    assert backend.alive_chunks == 4
+    del rng
+    gc.collect()
+    assert backend.alive_chunks == 0 and backend.bytes_mapped == 0
+
+
+def test_backend_close_closes_its_ranges(backend):
+    a, b = backend.reserve(backend.chunk_bytes), backend.reserve(2 * backend.chunk_bytes)
+    a.map(0, 1)
+    b.map(0, 2)
+    backend.close()
+    assert a.closed and b.closed and backend.alive_chunks == 0
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_bad_map_and_unmap_arguments_leave_the_range_unchanged(backend):
+    other = _vmm.HostBackend(chunk_bytes=HOST_CHUNK)
+    rng = backend.reserve(4 * backend.chunk_bytes)
+    rng.map(1, 2)
+    stamp(rng, 1, 11)
+    spare = backend.create_chunks(2)
+    foreign = other.create_chunks(1)
+    before = snapshot(rng)
+    cases = [
+        (IndexError, "outside", lambda: rng.map(0, 5)),
+        (IndexError, "outside", lambda: rng.map(3, 2)),
+        (IndexError, "outside", lambda: rng.unmap(-1, 2)),
+        (TypeError, "ints", lambda: rng.map(0.0, 2)),
+        (ValueError, "chunks given", lambda: rng.map(0, 1, chunks=spare)),
+        (ValueError, "another backend", lambda: rng.map(0, 1, chunks=foreign)),
+        (ValueError, "twice", lambda: rng.map(0, 4, chunks=[spare[0], spare[0]])),
+        (TypeError, "Chunk", lambda: rng.map(0, 1, chunks=["x"])),
+    ]
+    for error, message, call in cases:
+        with pytest.raises(error, match=message):
+            call()
+        assert snapshot(rng) == before
+    spare[1].release()
+    with pytest.raises(ValueError, match="released"):
+        rng.map(0, 1, chunks=[spare[1]])
+    rng.map(0, 1, chunks=[spare[0]])
+    with pytest.raises(ValueError, match="mapped elsewhere"):
+        rng.map(2, 3, chunks=[spare[0]])
+    with pytest.raises(ValueError, match="unmap it"):
+        spare[0].release()
+    foreign.clear()
+    rng.close()
+    other.close()
+
+
+def test_bad_fault_requests_and_env_values_are_named():
+    b = _vmm.HostBackend(chunk_bytes=HOST_CHUNK)
+    with pytest.raises(ValueError, match="unknown op 'mmap'"):
+        b.inject_fault("mmap")
+    with pytest.raises(ValueError, match="positive"):
+        b.inject_fault("map", 0)
+    with pytest.raises(ValueError, match="page size"):
+        _vmm.HostBackend(chunk_bytes=1000)
+    with pytest.raises(ValueError, match="unknown memory backend 'gpu'"):
+        _vmm.open_backend("gpu")
+
+
+@pytest.mark.parametrize("raw", ["0", "-4096", "1000", "lots", "65536.0"])
+def test_chunk_size_env_must_be_a_page_multiple(monkeypatch, raw):
+    monkeypatch.setenv("STRATA_VMM_CHUNK_BYTES", raw)
+    with pytest.raises(ValueError, match="STRATA_VMM_CHUNK_BYTES"):
+        _vmm.HostBackend()
+
+
+def test_chunk_size_env_sets_the_host_chunk(monkeypatch):
+    monkeypatch.setenv("STRATA_VMM_CHUNK_BYTES", "65536")
+    assert _vmm.open_backend("host").chunk_bytes == 65536
+    monkeypatch.delenv("STRATA_VMM_CHUNK_BYTES")
+    assert _vmm.open_backend("host").chunk_bytes == 2 << 20
+
+
+# --- fault injection -----------------------------------------------------------------------------
+
+
+def holey_range(backend):
+    """8 chunks, 0, 3 and 6 mapped and stamped: mapping [0, 8) fills three runs of holes."""
+    rng = backend.reserve(8 * backend.chunk_bytes)
+    for i in (0, 3, 6):
+        rng.map(i, i + 1)
+        stamp(rng, i, 1000 + i)
+    return rng
+
+
+@pytest.mark.parametrize(
+    ("op", "calls"),
+    # 5 holes in 3 runs, [1,3) [4,6) [7,8), filled by 2 given chunks and 3 new ones.
+    [("create", 3), ("map", 5), ("access", 3)],
+)
+def test_every_injected_fault_in_map_leaves_the_range_as_it_was(backend, op, calls):
+    for nth in range(1, calls + 1):
+        rng = holey_range(backend)
+        given = backend.create_chunks(2)
+        before = snapshot(rng)
+        backend.inject_fault(op, nth)
+        with pytest.raises(_vmm.VmmError, match=f"injected fault in {op}"):
+            rng.map(0, 8, chunks=given)
+        assert snapshot(rng) == before, f"{op} fault #{nth} changed the range"
+        assert all(not c.mapped and not c.released for c in given), "given chunks stay the caller's"
+        # The range and the given chunks still work afterwards.
+        assert rng.map(0, 8, chunks=given) == 5
+        assert [read_stamp(rng, i) for i in (0, 3, 6)] == [1000, 1003, 1006]
+        rng.close()
+    # One more than the calls a map makes: no fault fires, which pins the count of calls
+    # (access is set once per contiguous run, not once per chunk).
+    rng = holey_range(backend)
+    given = backend.create_chunks(2)
+    backend.inject_fault(op, calls + 1)
+    assert rng.map(0, 8, chunks=given) == 5
+    backend.clear_faults()
+    rng.close()
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_an_injected_fault_in_unmap_restores_the_runs_already_unmapped(backend, nth):
+    rng = backend.reserve(8 * backend.chunk_bytes)
+    rng.map(0, 8)
+    for i in range(8):
+        stamp(rng, i, 50 + i)
+    rng.unmap(2, 3)
+    rng.unmap(5, 6)
+    before = snapshot(rng)
+    backend.inject_fault("unmap", nth)
+    with pytest.raises(_vmm.VmmError, match="injected fault in unmap"):
+        rng.unmap(0, 8)  # three runs: [0,2) [3,5) [6,8)
+    assert snapshot(rng) == before
+    assert len(rng.unmap(0, 8)) == 6
+    rng.close()
+
+
+def test_a_fault_in_create_chunks_creates_none(backend):
+    backend.inject_fault("create", 3)
+    with pytest.raises(_vmm.VmmError):
+        backend.create_chunks(5)
+    assert backend.alive_chunks == 0
