@@ -12,6 +12,7 @@ injected into `create`, `map`, `access` and `unmap` to test that.
 Not thread-safe: one owner (the engine's thread) drives a backend and its ranges.
 """
 
+import heapq
 import mmap as _pymmap
 import operator
 import os
@@ -284,7 +285,10 @@ cdef class HostBackend(Backend):
     """
 
     cdef list _fds          # memfd descriptors, each HOST_FILE_BYTES of sparse file
-    cdef list _free         # (file_index, offset) of released chunks, reused first
+    # (file_index, offset) of released chunks, a heap: the lowest is reused first, so chunks
+    # created together lie at consecutive offsets and the kernel merges their mappings (a process
+    # may hold only 65,530 mappings).
+    cdef list _free
     cdef off_t _next_offset  # first never-used offset in the last file
 
     def __init__(self, chunk_bytes=None):
@@ -316,7 +320,7 @@ cdef class HostBackend(Backend):
 
     cdef _create_chunk(self, Chunk chunk):
         if self._free:
-            chunk.file_index, chunk.offset = self._free.pop()
+            chunk.file_index, chunk.offset = heapq.heappop(self._free)
             return
         if self._next_offset >= HOST_FILE_BYTES:
             fd = os.memfd_create("strata-chunks", os.MFD_CLOEXEC)
@@ -335,7 +339,7 @@ cdef class HostBackend(Backend):
         cdef int fd = self._fds[chunk.file_index]
         # Give the pages back to the system; the offset reads zeros when reused.
         fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, chunk.offset, self.chunk_bytes)
-        self._free.append((chunk.file_index, chunk.offset))
+        heapq.heappush(self._free, (chunk.file_index, chunk.offset))
 
     cdef _map_chunk(self, object address, Chunk chunk):
         cdef void* want = <void*><Py_ssize_t>address
