@@ -1,0 +1,150 @@
+"""The K/V cache: one `_vmm` range, one segment per layer's K and per layer's V.
+
+Dimension letters: N K/V cells (positions), G kv heads, Dh head dim, L layers.
+
+Layout (design.md, "the elastic K/V"): the range holds 2*L segments, K of layer 0, V of layer 0,
+K of layer 1, ... Each segment is reserved for the whole window (`max_cells` cells of G*Dh
+elements) and rounded up to whole chunks, so growing maps the next chunks of *every* segment, and
+each layer's K and V stay plain contiguous [N, G, Dh] tensors whose addresses never move.
+Mapping is by whole chunks; `mapped_cells` is how many leading cells every segment covers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata import _vmm
+
+__all__ = ["KVCache", "kv_backend"]
+
+
+def kv_backend(device: str | torch.device) -> _vmm.Backend:
+    """The memory backend for a K/V on `device`: HostBackend on the CPU, CudaBackend on CUDA."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _vmm.HostBackend()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _vmm.CudaBackend(index)
+    raise ValueError(f"no K/V backend for device {str(device)!r}; supported: cpu, cuda")
+
+
+class KVCache:
+    """Per-layer K and V tensors [N, G, Dh] living in one virtual-memory range.
+
+    `mapped_cells=None` maps the whole window at construction (the only mode the model needs
+    for now); a smaller value maps just enough chunks for that many cells, and `map_cells` maps
+    more later. Newly mapped cells are zeroed, so masked-out cells never hold NaN bit patterns.
+    """
+
+    def __init__(
+        self,
+        backend: _vmm.Backend,
+        n_layers: int,
+        max_cells: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        *,
+        mapped_cells: int | None = None,
+    ) -> None:
+        for name, value in (("n_layers", n_layers), ("max_cells", max_cells),
+                            ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.backend = backend
+        self.n_layers = n_layers
+        self.max_cells = max_cells
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.chunk_bytes = backend.chunk_bytes
+        self.cell_bytes = n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        # Each segment spans whole chunks so that it starts on a chunk boundary.
+        self.segment_chunks = -(-max_cells * self.cell_bytes // self.chunk_bytes)
+        self.segment_bytes = self.segment_chunks * self.chunk_bytes
+        self._range = backend.reserve(2 * n_layers * self.segment_bytes)
+        self._mapped_chunks = 0  # per segment: chunks [0, _mapped_chunks) are mapped
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        try:
+            self.map_cells(max_cells if mapped_cells is None else mapped_cells)
+        except BaseException:
+            self._range.close()
+            raise
+
+    @property
+    def mapped_cells(self) -> int:
+        """Leading cells of every segment that are backed by memory."""
+        return min(self.max_cells, self._mapped_chunks * self.chunk_bytes // self.cell_bytes)
+
+    @property
+    def bytes_mapped(self) -> int:
+        return self._range.bytes_mapped
+
+    def map_cells(self, n_cells: int) -> None:
+        """Map the chunks that cells [0, n_cells) need in every segment; zero the new cells.
+
+        All or nothing: if a mapping fails, the chunks this call mapped are unmapped again.
+        """
+        if not 0 <= n_cells <= self.max_cells:
+            raise ValueError(f"n_cells {n_cells} is out of range [0, {self.max_cells}]")
+        need = -(-n_cells * self.cell_bytes // self.chunk_bytes)
+        if need <= self._mapped_chunks:
+            return
+        old_chunks, old_cells = self._mapped_chunks, self.mapped_cells
+        done: list[int] = []
+        try:
+            for segment in range(2 * self.n_layers):
+                base = segment * self.segment_chunks
+                self._range.map(base + old_chunks, base + need)
+                done.append(base)
+        except BaseException:
+            for base in done:
+                self._range.unmap(base + old_chunks, base + need)
+            raise
+        self._mapped_chunks = need
+        if self.mapped_cells:
+            self._rebuild_views()
+        for layer in range(self.n_layers):
+            self._k[layer][old_cells:].zero_()
+            self._v[layer][old_cells:].zero_()
+
+    def _rebuild_views(self) -> None:
+        shape = (self.mapped_cells, self.n_kv_heads, self.head_dim)
+        self._k, self._v = [], []
+        for layer in range(self.n_layers):
+            k_offset = 2 * layer * self.segment_bytes
+            self._k.append(self._range.view(k_offset, shape, self.dtype))
+            self._v.append(self._range.view(k_offset + self.segment_bytes, shape, self.dtype))
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} is out of range [0, {self.n_layers})")
+        if not self._k:
+            raise ValueError("no K/V cells are mapped (closed, or call map_cells first)")
+
+    def k(self, layer: int) -> torch.Tensor:
+        """Keys of `layer`: a view [mapped_cells, G, Dh] whose address never moves."""
+        self._check_layer(layer)
+        return self._k[layer]
+
+    def v(self, layer: int) -> torch.Tensor:
+        """Values of `layer`: a view [mapped_cells, G, Dh] whose address never moves."""
+        self._check_layer(layer)
+        return self._v[layer]
+
+    @property
+    def closed(self) -> bool:
+        return self._range.closed
+
+    def close(self) -> None:
+        """Unmap and release everything; the views must not be used afterwards. Idempotent."""
+        self._k, self._v = [], []
+        self._range.close()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,198 @@
+"""The MoE language model: embedding, decoder layers, final norm, logits; and `load_model`.
+
+Dimension letters: T tokens in the batch, D hidden size, V vocabulary, N K/V cells.
+
+One model class serves every family: the families differ in which tensors they have (roles,
+see `strata.engine.families`) and the shared layers in `strata.engine.layers` act on the
+roles present. Experts are computed through the `Experts` interface only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from strata.engine import families
+from strata.engine.checkpoint import Checkpoint
+from strata.engine.config import ModelConfig
+from strata.engine.experts import Experts, ExpertStore, ResidentExperts
+from strata.engine.kv import KVCache, kv_backend
+from strata.engine.layers import DecoderLayer, attention_mask, rms_norm, rope_cos_sin, rope_inv_freq
+
+__all__ = ["RUNTIME_DTYPES", "MoEModel", "load_model"]
+
+# The dtypes the model computes in: bf16 (the GPU's), or fp32 (the CPU's reference numerics).
+RUNTIME_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class MoEModel:
+    """A loaded model: plain weight tensors on `device`, experts behind `experts`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        global_weights: dict[str, torch.Tensor],
+        layers: list[DecoderLayer],
+        experts: Experts,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.experts = experts
+        self.layers = layers
+        self.embed = global_weights["embed"]  # [V, D]
+        self.final_norm = global_weights["final_norm"]  # [D]
+        self.lm_head = global_weights.get("lm_head", self.embed)  # [V, D] (tied: the embedding)
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, device)  # [Dh/2]
+
+    def new_kv(self, max_cells: int) -> KVCache:
+        """A K/V cache for this model of `max_cells` cells, mapped whole, on the model's device."""
+        cfg = self.config
+        return KVCache(
+            kv_backend(self.device), cfg.n_layers, max_cells, cfg.n_kv_heads, cfg.head_dim,
+            self.dtype,
+        )
+
+    def forward(
+        self, token_ids: torch.Tensor, start_pos: int, kv: KVCache, *, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits float32 [T, V] for token_ids [T] at positions [start_pos, start_pos + T).
+
+        Writes K/V for those positions and attends causally over cells [0, start_pos + T).
+        `last_only` returns [1, V] for the last token only (a long prompt's [T, V] is large).
+        """
+        n_tokens = self._check_call(token_ids, kv)
+        if start_pos < 0 or start_pos + n_tokens > kv.mapped_cells:
+            raise ValueError(
+                f"positions [{start_pos}, {start_pos + n_tokens}) do not fit the K/V's "
+                f"{kv.mapped_cells} mapped cells"
+            )
+        n_ctx = start_pos + n_tokens
+        positions = torch.arange(start_pos, n_ctx, device=self.device)  # [T]
+        window = self.config.sliding_window
+        mask, causal = None, False
+        if window is not None and n_ctx > window:
+            mask = attention_mask(positions, n_ctx, window)  # [T, N]
+        elif n_tokens > 1 and start_pos == 0:
+            causal = True  # the fast causal kernel over [0, T)
+        elif n_tokens > 1:
+            mask = attention_mask(positions, n_ctx, None)  # [T, N]
+        return self._run(token_ids, positions, kv, n_ctx, mask, causal, last_only)
+
+    def forward_at(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVCache,
+        n_ctx: int,
+        *,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Like `forward`, with positions [T] int64 given as a tensor and a fixed window.
+
+        Attends over cells [0, n_ctx) through a mask built from `positions` on the device, so
+        the shapes depend only on T and n_ctx: a decode step (T = 1) can be captured in a CUDA
+        graph and replayed with new values written into `token_ids` and `positions`. The caller
+        guarantees positions < n_ctx <= kv.mapped_cells (not checked: that would sync).
+        """
+        n_tokens = self._check_call(token_ids, kv)
+        if positions.shape != (n_tokens,) or not 0 < n_ctx <= kv.mapped_cells:
+            raise ValueError(
+                f"positions must be [{n_tokens}] and n_ctx in [1, {kv.mapped_cells}], got "
+                f"{list(positions.shape)} and {n_ctx}"
+            )
+        mask = attention_mask(positions, n_ctx, self.config.sliding_window)  # [T, N]
+        return self._run(token_ids, positions, kv, n_ctx, mask, False, last_only)
+
+    def _check_call(self, token_ids: torch.Tensor, kv: KVCache) -> int:
+        cfg = self.config
+        if token_ids.dim() != 1 or token_ids.shape[0] < 1 or token_ids.dtype != torch.int64:
+            raise ValueError(
+                f"token_ids must be a non-empty 1-D int64 tensor, got {token_ids.dtype} "
+                f"{list(token_ids.shape)}"
+            )
+        geometry = (kv.n_layers, kv.n_kv_heads, kv.head_dim, kv.dtype)
+        if geometry != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, self.dtype):
+            raise ValueError(
+                f"K/V geometry (layers, kv heads, head dim, dtype) {geometry} does not match the "
+                f"model's {(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, self.dtype)}"
+            )
+        return token_ids.shape[0]
+
+    def _run(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVCache,
+        n_ctx: int,
+        mask: torch.Tensor | None,
+        causal: bool,
+        last_only: bool,
+    ) -> torch.Tensor:
+        x = F.embedding(token_ids, self.embed)  # [T, D]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [T, Dh]
+        for layer in self.layers:
+            x = layer.forward(
+                x, cos, sin, positions, kv.k(layer.layer), kv.v(layer.layer), n_ctx, mask,
+                causal, self.experts,
+            )  # [T, D]
+        if last_only:
+            x = x[-1:]  # [1, D]
+        x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()  # [T, V]
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> MoEModel:
+    """Load a checkpoint directory onto `device` in `dtype` (None: the checkpoint's own).
+
+    Every expert is resident on `device` (`ResidentExperts`). `progress` shows a tqdm bar over
+    the tensors read. Raises `CheckpointError` for a bad checkpoint, ValueError for a bad dtype.
+    """
+    device = torch.device(device)
+    ckpt = Checkpoint.open(path)
+    cfg = ckpt.config
+    if dtype is None:
+        dtype = cfg.dtype if cfg.dtype in RUNTIME_DTYPES else torch.bfloat16
+    if dtype not in RUNTIME_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; supported: bfloat16, float32")
+    fam = families.family(cfg.family)
+    total = len(families.expected_tensors(cfg))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"loading {Path(path).name}", unit="tensor")
+
+    def read(name: str) -> torch.Tensor:
+        tensor = ckpt.tensor(name).to(device=device, dtype=dtype)
+        if bar is not None:
+            bar.update()
+        return tensor
+
+    try:
+        names = fam.global_names(cfg)
+        global_weights = {role: read(names[role]) for role in families.global_shapes(cfg)}
+        layers = []
+        for layer in range(cfg.n_layers):
+            names = fam.layer_names(cfg, layer)
+            weights = {role: read(names[role]) for role in families.layer_shapes(cfg)}
+            layers.append(DecoderLayer(cfg, layer, weights))
+        store = ExpertStore.from_checkpoint(
+            ckpt, dtype, on_tensor=bar.update if bar is not None else None
+        )
+        experts = ResidentExperts(store, device, dtype)
+    finally:
+        if bar is not None:
+            bar.close()
+        ckpt.close()
+    return MoEModel(cfg, device, dtype, global_weights, layers, experts)
