@@ -14,7 +14,11 @@ from strata import __version__
 
 # Each module adds its subcommand with `register(subparsers)`, setting `run=` to a function
 # that takes the parsed namespace and returns an exit status. Listed in the order of `--help`.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = (
+    "strata.engine.cli_generate",
+    "strata.policies.cli",
+    "strata.engine.cli_init_model",
+)
 
 
 class UsageError(Exception):

@@ -1,0 +1,118 @@
+"""Plugin: `sieve`, the SIEVE eviction algorithm (Zhang et al., NSDI 2024), scan-resistant."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from strata.policies.builtin._adaptive import ScoredCache
+from strata.policies.hookspecs import hookimpl
+
+
+@dataclass(frozen=True)
+class SieveOptions:
+    max_admits: int = field(default=4, metadata={"help": "misses admitted per layer per step"})
+
+    def __post_init__(self) -> None:
+        if self.max_admits < 0:
+            raise ValueError(f"max_admits must be >= 0, got {self.max_admits}")
+
+
+class Sieve(ScoredCache):
+    """SIEVE: a FIFO queue and a hand; a hit marks an expert visited, the hand spares it once.
+
+    Misses enter at the head. To make room, the hand walks from the tail toward the head,
+    clearing visited marks, and evicts the first expert not visited since the hand last
+    passed; it stays where it stopped. Experts used once (a scan) leave quickly, those used
+    again stay. Experts the policy did not admit (the profile fill, refills) count as older
+    than any it did, the profile's coldest oldest. Gives up what the hand would evict next.
+    """
+
+    name = "sieve"
+    Options = SieveOptions
+
+    def __init__(self, options=None) -> None:
+        super().__init__(options)
+        self.visited: np.ndarray | None = None  # bool [L, E]
+        self.inserted: np.ndarray | None = None  # int64 [L, E]: admission number, -1 = never
+        self.next_insert = 0
+        self.hand = -1  # queue key of the next expert to examine; -1 = the tail (oldest)
+
+    def _state(self, view) -> None:
+        shape = (view.n_layers, view.n_experts)
+        if self.visited is None or self.visited.shape != shape:
+            self.visited = np.zeros(shape, bool)
+            self.inserted = np.full(shape, -1, np.int64)
+
+    def observe(self, view, layer, expert_ids, hit_mask):
+        self._state(view)
+        self.visited[layer, np.asarray(expert_ids)[np.asarray(hit_mask)]] = True
+
+    def _queue(self, view, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The residents of `slots` in queue order, tail first: (slots, keys), both int64."""
+        flat = view.owner[slots].astype(np.int64)
+        n_total = view.n_layers * view.n_experts
+        # Older admission first; among never admitted, the profile's coldest first.
+        keys = (self.inserted.ravel()[flat] + 1) * n_total + (n_total - 1 - view.rank.ravel()[flat])
+        order = np.argsort(keys)
+        return slots[order], keys[order]
+
+    def _hand_order(self, view, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Residents of `slots` in the order the hand meets them, and their flat expert ids."""
+        queue, keys = self._queue(view, slots)
+        start = int(np.searchsorted(keys, self.hand))
+        turn = np.roll(np.arange(queue.size), -start)
+        return queue[turn], keys[turn]
+
+    def _evict_one(self, view, taken: np.ndarray) -> int:
+        """Walk the hand over the residents below top not in `taken`; the slot it evicts."""
+        slots = np.flatnonzero((view.owner[: view.top] >= 0) & ~taken[: view.top])
+        if slots.size == 0:
+            return -1
+        met, keys = self._hand_order(view, slots)
+        visited = self.visited.ravel()
+        flat = view.owner[met]
+        marks = visited[flat]
+        stop = int(np.argmin(marks)) if not marks.all() else 0
+        passed = flat if marks.all() else flat[:stop]
+        visited[passed] = False  # the hand clears what it passes (all of it on a full turn)
+        self.hand = int(keys[stop + 1]) if stop + 1 < keys.size else -1
+        return int(met[stop])
+
+    def admit(self, view, layer, missed_experts):
+        self._state(view)
+        limit = self.options.max_admits
+        position = view.heat_position()[layer]
+        missed = np.asarray(missed_experts, dtype=np.int64)
+        missed = missed[np.argsort(position[missed], kind="stable")][:limit]  # hottest first
+        taken = np.zeros(view.n_slots, bool)
+        empty = list(view.empty_slots(0, view.top))
+        placements = []
+        for expert in missed:
+            slot = empty.pop(0) if empty else self._evict_one(view, taken)
+            if slot < 0:
+                break
+            taken[slot] = True
+            self.inserted[layer, expert] = self.next_insert
+            self.next_insert += 1
+            self.visited[layer, expert] = False
+            placements.append((int(slot), layer, int(expert)))
+        return placements
+
+    def expert_scores(self, view):
+        """Residents score by how late the hand would evict them; the rest score -inf."""
+        self._state(view)
+        scores = np.full(view.n_layers * view.n_experts, -np.inf)
+        met, _ = self._hand_order(view, np.flatnonzero(view.owner >= 0))
+        flat = view.owner[met]
+        # The hand takes the unvisited in its order first, then (after a full turn) the rest.
+        evict_order = np.concatenate([flat[~self.visited.ravel()[flat]],
+                                      flat[self.visited.ravel()[flat]]])
+        scores[evict_order] = np.arange(evict_order.size, dtype=np.float64)
+        return scores.reshape(view.n_layers, view.n_experts)
+
+
+@hookimpl
+def strata_register_policies(register):
+    register(Sieve)
