@@ -332,3 +332,28 @@ def test_a_fault_in_create_chunks_creates_none(backend):
     with pytest.raises(_vmm.VmmError):
         backend.create_chunks(5)
     assert backend.alive_chunks == 0
+
+
+@pytest.mark.cuda
+def test_cuda_ranges_work_from_a_thread_torch_never_used():
+    import threading
+
+    torch.zeros(1, device="cuda")
+    backend = _vmm.CudaBackend(0)
+    results = {}
+
+    def work():
+        try:
+            rng = backend.reserve(2 * backend.chunk_bytes)
+            rng.map(0, 2)
+            rng.view(0, (4,), torch.float32).fill_(2.0)
+            results["sum"] = float(rng.view(0, (4,), torch.float32).sum())
+            rng.close()
+        except Exception as err:  # reported to the main thread's assertion
+            results["error"] = err
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert results == {"sum": 8.0}
+    assert backend.alive_chunks == 0

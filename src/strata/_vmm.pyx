@@ -201,7 +201,6 @@ cdef class Backend:
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"reserve: nbytes must be a positive int, got {nbytes!r}")
         n_chunks = -(-nbytes // self.chunk_bytes)
-        self._enter()
         address = self._reserve(n_chunks * self.chunk_bytes)
         cdef Range rng = Range.__new__(Range)
         rng._init(self, address, n_chunks)
@@ -218,8 +217,6 @@ cdef class Backend:
         global _alive_chunks_total
         cdef list made = []
         cdef Chunk chunk
-        if n:
-            self._enter()
         try:
             for _ in range(n):
                 self._tick(OP_CREATE)
@@ -243,10 +240,6 @@ cdef class Backend:
             rng.close()
 
     # --- the primitives each backend implements; `address` is an absolute address ---
-    cdef _enter(self):
-        """Make the backend's context current on this thread (once per public operation)."""
-        pass
-
     cdef object _reserve(self, Py_ssize_t nbytes):
         raise NotImplementedError
 
@@ -441,7 +434,6 @@ cdef class Range:
         lo, hi = _check_index_range(lo, hi, self.n_chunks, "map")
         holes = [i for i in range(lo, hi) if self._chunks[i] is None]
         given = self._check_given(chunks, len(holes))
-        self.backend._enter()
         created = self.backend._create(len(holes) - len(given))
         use = given + created
         done = []  # indices mapped by this call, for the rollback
@@ -511,7 +503,6 @@ cdef class Range:
         self._check_open("unmap")
         lo, hi = _check_index_range(lo, hi, self.n_chunks, "unmap")
         mapped = [i for i in range(lo, hi) if self._chunks[i] is not None]
-        self.backend._enter()
         undone = []
         try:
             for run_lo, run_hi in _runs(mapped):

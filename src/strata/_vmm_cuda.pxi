@@ -82,53 +82,50 @@ cdef class CudaBackend(Backend):
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
 
-    cdef _enter(self):
-        _cuda_check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+    cdef object _call(self, str what, fn, tuple args):
+        """One driver call. If the thread has no current context (a thread torch never used),
+        make the primary context current and call again: no context call on the common path."""
+        result = fn(*args)
+        if result[0] == self._driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+            _cuda_check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+            result = fn(*args)
+        return _cuda_check(result, what)
 
     cdef object _reserve(self, Py_ssize_t nbytes):
-        ptr = _cuda_check(
-            self._driver.cuMemAddressReserve(nbytes, self.chunk_bytes, 0, 0), "cuMemAddressReserve"
-        )
-        return int(ptr)
+        d = self._driver
+        args = (nbytes, self.chunk_bytes, 0, 0)
+        return int(self._call("cuMemAddressReserve", d.cuMemAddressReserve, args))
 
     cdef _free_reservation(self, object address, Py_ssize_t nbytes):
-        _cuda_check(
-            self._driver.cuMemAddressFree(self._driver.CUdeviceptr(address), nbytes),
-            "cuMemAddressFree",
-        )
+        d = self._driver
+        self._call("cuMemAddressFree", d.cuMemAddressFree, (d.CUdeviceptr(address), nbytes))
 
     cdef _create_chunk(self, Chunk chunk):
-        handle = _cuda_check(self._driver.cuMemCreate(self.chunk_bytes, self._prop, 0), "cuMemCreate")
-        chunk.handle = int(handle)
+        d = self._driver
+        args = (self.chunk_bytes, self._prop, 0)
+        chunk.handle = int(self._call("cuMemCreate", d.cuMemCreate, args))
 
     cdef _release_chunk(self, Chunk chunk):
-        _cuda_check(self._driver.cuMemRelease(chunk.handle), "cuMemRelease")
+        self._call("cuMemRelease", self._driver.cuMemRelease, (chunk.handle,))
 
     cdef _map_chunk(self, object address, Chunk chunk):
-        _cuda_check(
-            self._driver.cuMemMap(
-                self._driver.CUdeviceptr(address), self.chunk_bytes, 0, chunk.handle, 0
-            ),
-            "cuMemMap",
-        )
+        d = self._driver
+        args = (d.CUdeviceptr(address), self.chunk_bytes, 0, chunk.handle, 0)
+        self._call("cuMemMap", d.cuMemMap, args)
 
     cdef _set_access(self, object address, Py_ssize_t nbytes):
-        _cuda_check(
-            self._driver.cuMemSetAccess(self._driver.CUdeviceptr(address), nbytes, self._access, 1),
-            "cuMemSetAccess",
-        )
+        d = self._driver
+        args = (d.CUdeviceptr(address), nbytes, self._access, 1)
+        self._call("cuMemSetAccess", d.cuMemSetAccess, args)
 
     cdef _unmap_chunks(self, object address, Py_ssize_t n_chunks):
         # cuMemUnmap must name whole mappings, and each chunk was mapped on its own. It behaves
         # synchronously for device memory: work still reading the chunk finishes first.
+        d = self._driver
         cdef Py_ssize_t i
         for i in range(n_chunks):
-            _cuda_check(
-                self._driver.cuMemUnmap(
-                    self._driver.CUdeviceptr(address + i * self.chunk_bytes), self.chunk_bytes
-                ),
-                "cuMemUnmap",
-            )
+            ptr = d.CUdeviceptr(address + i * self.chunk_bytes)
+            self._call("cuMemUnmap", d.cuMemUnmap, (ptr, self.chunk_bytes))
 
     cdef object _tensor(self, object span, Py_ssize_t address, Py_ssize_t nbytes):
         import torch
