@@ -54,7 +54,7 @@ def test_chunks_freed_by_every_contiguous_run(slot_bytes, chunk_bytes):
     for lo, hi in itertools.combinations(range(9), 2):
         slots = list(range(lo, hi))
         assert view.chunks_freed_by(slots).tolist() == _freed_by_brute_force(table, slots)
-        if hi == lo + 1 or (lo, hi) == (0, 8):
+        if hi < 8:
             # For a run the table's own chunks_within answers the same.
             c_lo, c_hi = table.chunks_within(lo, hi)
             assert view.chunks_freed_by(slots).tolist() == list(range(c_lo, c_hi))
