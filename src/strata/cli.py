@@ -54,4 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m strata.cli` runs this file as __main__, a second copy of the module whose
+    # UsageError is not the `strata.cli.UsageError` that subcommands raise: use the real one.
+    from strata.cli import main as _main
+
+    sys.exit(_main())

@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,6 +316,55 @@ def write_checkpoint(
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         _write_json(out / "model.safetensors.index.json", index)
     return out
+
+
+def write_checkpoint_atomic(out_dir: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Path:
+    """`write_checkpoint` into a temporary sibling of `out_dir`, then one rename: an interrupted
+    write leaves no `out_dir` at all, never a half-written one. Same arguments."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not an empty directory; choose a new one")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write_checkpoint(staging, *args, **kwargs)
+        os.replace(staging, out)  # onto an absent or empty directory: atomic on POSIX
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
+    return out
+
+
+# The first-run model: the tiny preset, written once into the cache directory.
+BUILTIN_FAMILY = "qwen3_moe"
+BUILTIN_PRESET = "tiny"
+BUILTIN_NAME = f"builtin-{BUILTIN_PRESET}-{BUILTIN_FAMILY}-seed0-v1"  # bump v on format changes
+
+
+def cache_dir() -> Path:
+    """`$STRATA_CACHE_DIR`, else `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`."""
+    if os.environ.get("STRATA_CACHE_DIR"):
+        return Path(os.environ["STRATA_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "strata"
+    return Path.home() / ".cache" / "strata"
+
+
+def builtin_checkpoint() -> tuple[Path, bool]:
+    """The built-in tiny checkpoint (random weights) and whether this call created it.
+
+    Created once, atomically, in `cache_dir()/models`; concurrent first runs are safe: the
+    loser of the rename uses the winner's copy, which holds the same bytes.
+    """
+    path = cache_dir() / "models" / BUILTIN_NAME
+    if (path / "config.json").is_file():
+        return path, False
+    try:
+        write_checkpoint_atomic(path, BUILTIN_FAMILY, BUILTIN_PRESET, seed=0)
+    except (ValueError, OSError):
+        if (path / "config.json").is_file():  # another process made it first
+            return path, False
+        raise
+    return path, True
 
 
 def iter_presets_and_families() -> Iterator[tuple[str, str]]:

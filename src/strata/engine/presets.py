@@ -38,6 +38,7 @@ class Preset:
     """
 
     name: str
+    default_family: str  # the family `strata init-model` uses when none is given
     n_layers: int
     hidden_size: int
     n_heads: int
@@ -111,6 +112,7 @@ PRESETS: dict[str, Preset] = {
     for preset in (
         Preset(
             name="tiny",
+            default_family="qwen3_moe",
             n_layers=2,
             hidden_size=64,
             n_heads=4,
@@ -128,6 +130,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             name="small",
+            default_family="qwen3_moe",
             n_layers=4,
             hidden_size=256,
             n_heads=8,
@@ -146,6 +149,7 @@ PRESETS: dict[str, Preset] = {
         # allenai/OLMoE-1B-7B-0924, config.json.
         Preset(
             name="olmoe-1b-7b",
+            default_family="olmoe",
             n_layers=16,
             hidden_size=2048,
             n_heads=16,
@@ -164,6 +168,7 @@ PRESETS: dict[str, Preset] = {
         # Qwen/Qwen3-30B-A3B, config.json (its dense intermediate_size is 6144).
         Preset(
             name="qwen3-30b-a3b",
+            default_family="qwen3_moe",
             n_layers=48,
             hidden_size=2048,
             n_heads=32,

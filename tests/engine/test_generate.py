@@ -1,0 +1,125 @@
+"""The generation loop on real tiny checkpoints: parity, determinism, stops, limits."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from strata.engine.generate import GenerateOptions, check_prompt, generate
+from strata.engine.model import load_model
+from strata.engine.tokenizer import Tokenizer
+from support.checkpoints import cached_checkpoint
+
+GREEDY = GenerateOptions(max_new=24, temperature=0.0, ignore_stop=True)
+
+
+def _load(family="qwen3_moe", dtype=torch.float32):
+    ckpt = cached_checkpoint(family, "tiny", dtype=dtype)
+    return load_model(ckpt), Tokenizer.from_dir(ckpt), ckpt
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_greedy_tokens_match_transformers_generate(family):
+    transformers = pytest.importorskip("transformers")
+    model, tok, ckpt = _load(family)
+    prompt = tok.encode("The quick brown fox")
+    # Chunks of 5 make the prefill cross chunk boundaries at unaligned positions.
+    result = generate(model, tok, prompt, dataclasses.replace(GREEDY, prefill_chunk=5))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    out = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+        eos_token_id=None, pad_token_id=259,
+    )
+    assert result.tokens == out[0, len(prompt):].tolist()
+    assert result.stop_reason == "max_new" and result.decode_rounds == 23
+
+
+def test_same_seed_same_tokens_and_first_logits_bytes():
+    runs = []
+    for _ in range(2):
+        model, tok, _ = _load("mixtral", dtype=torch.bfloat16)  # a fresh load each time
+        options = GenerateOptions(max_new=16, temperature=1.0, top_p=0.9, seed=5, ignore_stop=True)
+        runs.append(generate(model, tok, tok.encode("seeded"), options))
+    a, b = runs
+    assert a.tokens == b.tokens
+    assert a.first_logits.numpy().tobytes() == b.first_logits.numpy().tobytes()
+    other = generate(model, tok, tok.encode("seeded"), dataclasses.replace(options, seed=6))
+    assert other.tokens != a.tokens
+    assert torch.equal(other.first_logits, a.first_logits)  # the seed only moves the draws
+
+
+def test_first_logits_are_the_last_prompt_position():
+    model, tok, _ = _load()
+    prompt = tok.encode("abcdef")
+    result = generate(model, tok, prompt, dataclasses.replace(GREEDY, max_new=1))
+    with model.new_kv(16) as kv:
+        expected = model.forward(torch.tensor(prompt), 0, kv)[-1]
+    torch.testing.assert_close(result.first_logits, expected, rtol=1e-5, atol=1e-5)
+    assert result.first_logits.dtype == torch.float32
+    assert result.tokens == [int(expected.argmax())]
+    assert result.decode_rounds == 0 and result.decode_tok_s == 0.0
+
+
+def test_streamed_pieces_are_the_text():
+    model, tok, _ = _load()
+    pieces = []
+    options = GenerateOptions(max_new=40, temperature=1.0, seed=1, ignore_stop=True)
+    result = generate(model, tok, tok.encode("stream"), options, on_text=pieces.append)
+    assert "".join(pieces) == result.text == tok.decode(result.tokens)
+    assert all(pieces)
+
+
+def test_a_stop_id_ends_generation_and_stays_out_of_the_text():
+    model, tok, _ = _load()
+    prompt = tok.encode("stop here")
+    free = generate(model, tok, prompt, GREEDY).tokens
+    stop = free[5]
+    cut = free.index(stop)
+    result = generate(model, tok, prompt, dataclasses.replace(GREEDY, ignore_stop=False,
+                                                              stop_ids=(stop,)))
+    assert result.tokens == free[: cut + 1]
+    assert result.stop_reason == "eos"
+    assert result.text == tok.decode(free[:cut])
+
+
+def test_stats_are_consistent():
+    model, tok, _ = _load()
+    result = generate(model, tok, tok.encode("count"), dataclasses.replace(GREEDY, max_new=8))
+    stats = result.stats()
+    assert stats["prompt_tokens"] == 5 and stats["generated_tokens"] == 8
+    assert stats["decode_rounds"] == 7 and stats["decode_path"] == "eager"
+    assert stats["prefill_tok_s"] == pytest.approx(5 / stats["prefill_s"])
+    assert stats["decode_ms_per_round"] == pytest.approx(1000 * stats["decode_s"] / 7)
+    assert stats["decode_tok_s"] == pytest.approx(7 / stats["decode_s"])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "options", "message"),
+    [
+        ([], GREEDY, "the prompt is empty"),
+        ([1] * 10, GenerateOptions(max_new=7, max_context=16), r"10 tokens \+ --max-new 7 = 17 "
+                                                               "exceed --max-context 16"),
+        ([1, 260, 2], GREEDY, r"id 260 is outside the model's vocabulary \[0, 260\)"),
+    ],
+)
+def test_bad_prompts_are_refused_before_any_work(prompt, options, message):
+    with pytest.raises(ValueError, match=message):
+        check_prompt(prompt, options, vocab_size=260)
+    model, tok, _ = _load()
+    with pytest.raises(ValueError, match=message):
+        generate(model, tok, prompt, options)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"max_new": 0}, "max_new must be a positive int"),
+        ({"max_context": -1}, "max_context must be a positive int"),
+        ({"prefill_chunk": 0}, "prefill_chunk must be a positive int"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 2.0}, "top_p"),
+    ],
+)
+def test_bad_options_are_rejected(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(GREEDY, **change)
