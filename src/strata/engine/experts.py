@@ -165,6 +165,14 @@ class ResidentExperts:
             self._gate_up.append(typed[:, : 2 * f * d].view(e, 2 * f, d))
             self._down.append(typed[:, 2 * f * d :].view(e, d, f))
 
+    def gate_up(self, layer: int) -> torch.Tensor:
+        """[E, 2F, D]: every expert's gate rows then up rows, a view into the layer's blobs."""
+        return self._gate_up[layer]
+
+    def down(self, layer: int) -> torch.Tensor:
+        """[E, D, F]: every expert's down matrix, a view into the layer's blobs."""
+        return self._down[layer]
+
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:

@@ -131,9 +131,11 @@ class Attention:
         r = h // self.n_kv_heads
         keys = keys.repeat_interleave(r, dim=0)  # [H, N, Dh]: query head i reads kv head i // R
         values = values.repeat_interleave(r, dim=0)  # [H, N, Dh]
+        # 4-D [1, heads, length, Dh] operands: the layout the fused kernels take.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, is_causal=True, scale=self.scale
-        )  # [H, T, Dh]
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            is_causal=True, scale=self.scale,
+        )[0]  # [H, T, Dh]
         return out.transpose(0, 1).reshape(n_tokens, h * self.head_dim)
 
     def _folded(
@@ -152,8 +154,9 @@ class Attention:
             # [T, N] -> [R*T, N], rows ordered (r, t) like q's.
             mask = mask.unsqueeze(0).expand(r, -1, -1).reshape(r * n_tokens, -1)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=self.scale
-        )  # [G, R*T, Dh]
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+            scale=self.scale,
+        )[0]  # [G, R*T, Dh]
         return out.view(g, r, n_tokens, dh).permute(2, 0, 1, 3).reshape(n_tokens, h * dh)
 
 
