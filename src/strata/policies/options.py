@@ -58,6 +58,10 @@ def _listing(policy: str, specs: list[OptionSpec]) -> str:
     return f"the options of policy {policy!r} are: " + ", ".join(s.describe() for s in specs)
 
 
+def _a(kind: type) -> str:
+    return ("an " if kind.__name__[0] in "aeiou" else "a ") + kind.__name__
+
+
 def _parse(spec: OptionSpec, raw: Any) -> Any:
     """`raw` as the field's type; ValueError if it is not one."""
     if spec.type is bool:
@@ -118,7 +122,7 @@ def parse_options(
             parsed[key] = _parse(spec, raw)
         except ValueError:
             raise OptionError(
-                f"policy {policy!r}: option {key}={raw!r} is not a {spec.type.__name__}; "
+                f"policy {policy!r}: option {key}={raw!r} is not {_a(spec.type)}; "
                 f"{_listing(policy, specs)}"
             ) from None
     try:

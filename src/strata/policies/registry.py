@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from strata.policies import hookspecs
 from strata.policies.base import Policy
 from strata.policies.errors import PluginError
 from strata.policies.options import OptionSpec, option_specs, parse_options
+from strata.policies.trace import PREFIX as TRACE_PREFIX
 from strata.policies.trace import TracedPolicy, trace_hook_calls, tracing_enabled
 
 ENTRY_POINT_GROUP = "strata"
@@ -160,7 +162,7 @@ def _check_class(cls: Any, source: str) -> None:
         raise PluginError(f"{source} registered {cls!r}, which is not a Policy subclass")
     if not isinstance(cls.name, str) or not _NAME.match(cls.name):
         raise PluginError(
-            f"{source} registered {cls.__qualname__} with name {cls.name!r}; a policy name is "
+            f"{source} registered {cls.__name__} with name {cls.name!r}; a policy name is "
             "lower case letters, digits, '.', '_' or '-'"
         )
     option_specs(cls.Options, cls.name)
@@ -169,6 +171,7 @@ def _check_class(cls: Any, source: str) -> None:
 def collect_policies(pm: StrataPluginManager) -> PolicyRegistry:
     """Ask every plugin to register its policies; PluginError for a clash or a bad class."""
     entries: dict[str, PolicyEntry] = {}
+    tracing = tracing_enabled()
     for impl in reversed(pm.hook.strata_register_policies.get_hookimpls()):  # registration order
         source = pm.source_of(impl.plugin_name)
 
@@ -183,6 +186,9 @@ def collect_policies(pm: StrataPluginManager) -> PolicyRegistry:
                     f"with {ENV_LOAD}"
                 )
             entries[cls.name] = PolicyEntry(cls.name, cls, source)
+            if tracing:
+                print(f"{TRACE_PREFIX} {source} registered {cls.name} "
+                      f"({cls.__module__}.{cls.__qualname__})", file=sys.stderr)
 
         try:
             impl.function(**{arg: register for arg in impl.argnames})
