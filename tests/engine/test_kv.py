@@ -97,3 +97,19 @@ def test_kv_backend():
     backend.close()
     with pytest.raises(ValueError, match="no K/V backend for device 'meta'"):
         kv_backend("meta")
+
+
+@pytest.mark.cuda
+def test_cuda_kv_segments():
+    backend = kv_backend("cuda")
+    assert isinstance(backend, _vmm.CudaBackend)
+    kv = KVCache(backend, 2, 5000, 4, 128, torch.bfloat16)
+    k, v = kv.k(1), kv.v(1)
+    assert k.device.type == "cuda" and k.shape == (5000, 4, 128) and k.is_contiguous()
+    assert v.data_ptr() - k.data_ptr() == kv.segment_bytes
+    assert kv.segment_bytes % backend.chunk_bytes == 0
+    assert not k.any().item() and not v.any().item()  # zeroed on mapping
+    k[4999] = 1.0
+    assert k[4999].float().sum().item() == 4 * 128 and not kv.k(0).any().item()
+    kv.close()
+    backend.close()

@@ -15,14 +15,15 @@ PROMPT = torch.tensor([3, 141, 59, 26, 5, 35, 89, 79])
 
 
 def greedy(model, n_new: int, max_cells: int = 32) -> tuple[list[int], torch.Tensor]:
-    """The first logits and n_new greedy tokens."""
+    """The first logits (on the CPU) and n_new greedy tokens."""
     with model.new_kv(max_cells) as kv:
-        first = model.forward(PROMPT, 0, kv)
+        first = model.forward(PROMPT.to(model.device), 0, kv)
         tokens, logits = [], first
         for step in range(n_new):
             tokens.append(int(logits[-1].argmax()))
-            logits = model.forward(torch.tensor(tokens[-1:]), len(PROMPT) + step, kv)
-    return tokens, first
+            ids = torch.tensor(tokens[-1:], device=model.device)
+            logits = model.forward(ids, len(PROMPT) + step, kv)
+    return tokens, first.cpu()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -88,3 +89,47 @@ def test_progress_bar(capsys):
     load_model(cached_checkpoint("qwen2_moe"), progress=True)
     err = capsys.readouterr().err
     assert "loading" in err and "tensor" in err
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_runs_are_byte_identical():
+    path = cached_checkpoint("qwen3_moe")
+    model = load_model(path, device="cuda")
+    assert model.device == torch.device("cuda", torch.cuda.current_device())
+    assert model.dtype == torch.bfloat16
+    tokens_a, first_a = greedy(model, 8)
+    tokens_b, first_b = greedy(load_model(path, device="cuda"), 8)
+    assert tokens_a == tokens_b
+    assert first_a.numpy().tobytes() == first_b.numpy().tobytes()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_of_forward_at_equals_eager():
+    """A decode step captured once replays with new token/position values, bit for bit."""
+    model = load_model(cached_checkpoint("olmoe"), device="cuda")
+    device, start = model.device, len(PROMPT)
+    with model.new_kv(64) as kv_graph, model.new_kv(64) as kv_eager:
+        model.forward(PROMPT.to(device), 0, kv_graph)
+        model.forward(PROMPT.to(device), 0, kv_eager)
+        token = torch.tensor([7], device=device)
+        position = torch.tensor([start], device=device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up outside the capture
+                model.forward_at(token, position, kv_graph, 64)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = model.forward_at(token, position, kv_graph, 64)
+        for step, value in enumerate((7, 11, 13, 17)):
+            token.fill_(value)
+            position.fill_(start + step)
+            graph.replay()
+            eager = model.forward_at(
+                torch.tensor([value], device=device),
+                torch.tensor([start + step], device=device),
+                kv_eager,
+                64,
+            )
+            assert torch.equal(logits, eager), step

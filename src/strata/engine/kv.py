@@ -25,6 +25,8 @@ def kv_backend(device: str | torch.device) -> _vmm.Backend:
         return _vmm.HostBackend()
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
+        # torch must have created its context on the device before the backend retains it.
+        torch.zeros(1, device=torch.device("cuda", index))
         return _vmm.CudaBackend(index)
     raise ValueError(f"no K/V backend for device {str(device)!r}; supported: cpu, cuda")
 

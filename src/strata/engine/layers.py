@@ -129,8 +129,9 @@ class Attention:
         """A prompt from position 0: causal over [0, T), kv heads repeated to H."""
         n_tokens, h, _ = q.shape
         r = h // self.n_kv_heads
-        keys = keys.repeat_interleave(r, dim=0)  # [H, N, Dh]: query head i reads kv head i // R
-        values = values.repeat_interleave(r, dim=0)  # [H, N, Dh]
+        if r > 1:
+            keys = keys.repeat_interleave(r, dim=0)  # [H, N, Dh]: query head i reads kv head i // R
+            values = values.repeat_interleave(r, dim=0)  # [H, N, Dh]
         # 4-D [1, heads, length, Dh] operands: the layout the fused kernels take.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),

@@ -115,6 +115,10 @@ class MoEModel:
                 f"token_ids must be a non-empty 1-D int64 tensor, got {token_ids.dtype} "
                 f"{list(token_ids.shape)}"
             )
+        if token_ids.device != self.device:
+            raise ValueError(
+                f"token_ids are on {token_ids.device}, the model on {self.device}: move them first"
+            )
         geometry = (kv.n_layers, kv.n_kv_heads, kv.head_dim, kv.dtype)
         if geometry != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, self.dtype):
             raise ValueError(
@@ -159,6 +163,9 @@ def load_model(
     the tensors read. Raises `CheckpointError` for a bad checkpoint, ValueError for a bad dtype.
     """
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        # Tensors report "cuda:0", not "cuda": name the device fully so that they compare equal.
+        device = torch.device("cuda", torch.cuda.current_device())
     ckpt = Checkpoint.open(path)
     cfg = ckpt.config
     if dtype is None:
