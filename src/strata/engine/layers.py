@@ -23,10 +23,11 @@ Weights = dict[str, torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., C] normalized over C in float32, cast back, then scaled by weight [C]."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """x [..., C] normalized over C in float32, cast back, then scaled by weight [C].
+
+    The Hugging Face order (scale after the cast back), with the normalization in one fused op.
+    """
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
