@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from strata.engine.model import load_model
-from support.hf_models import FAMILIES, hf_checkpoint
+from support.hf_models import FAMILIES, hf_checkpoint, hf_logits, hf_new_cache
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,12 +29,8 @@ def pair(request, tmp_path_factory):
 
 def hf_logits_with_decode(hf_model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
     """Transformers' logits for the prompt, then for each of `tokens` fed one at a time."""
-    cache = transformers.DynamicCache(config=hf_model.config)
-    with torch.no_grad():
-        out = [hf_model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0]]
-        for token in tokens:
-            out.append(hf_model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0])
-    return out
+    cache = hf_new_cache(hf_model)
+    return [hf_logits(hf_model, prompt, cache)] + [hf_logits(hf_model, [t], cache) for t in tokens]
 
 
 def hf_greedy_tokens(hf_model) -> list[int]:

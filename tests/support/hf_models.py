@@ -14,6 +14,7 @@ not flip a top-k choice or a greedy token. Transformers 5 keeps experts fused in
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ def random_hf_model(family: str, *, seed: int = 0, std: float = 0.25, **override
 
     config = hf_config(family, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -113,3 +114,24 @@ def hf_checkpoint(out_dir: str | Path, family: str, *, seed: int = 0, **override
             f"save_pretrained did not write the published per-expert names for {family}"
         )
     return out, model
+
+
+def hf_new_cache(model):
+    """An empty Transformers K/V cache for `model` (4.x and 5.x constructors)."""
+    import transformers
+
+    try:
+        return transformers.DynamicCache(config=model.config)
+    except TypeError:
+        return transformers.DynamicCache()
+
+
+def hf_logits(model, token_ids: list[int], cache) -> torch.Tensor:
+    """Logits [T, V] of one forward over `token_ids`, extending `cache` in place.
+
+    Transformers 5 renamed forward's `past_key_values` to `cache`; use whichever it takes.
+    """
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]), use_cache=True, **{name: cache})
+    return out.logits[0]
