@@ -2,8 +2,12 @@
 
 import io
 import json
+import os
+import shlex
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,3 +200,17 @@ def test_the_process_exits_2_with_one_line(broken):
     assert proc.returncode == 2
     assert proc.stderr.startswith("strata generate: ") and proc.stderr.count("\n") == 1
     assert proc.stdout == ""
+
+
+def test_the_readme_run_line_works_on_a_fresh_cache(tmp_path):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("## Set up and run", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    (line,) = [cmd for cmd in block.splitlines() if cmd.startswith("strata ")]
+    argv = shlex.split(line, comments=True)
+    assert argv[:2] == ["strata", "generate"]
+    exe = shutil.which("strata")
+    assert exe, "the `strata` console script is not installed"
+    env = {**os.environ, "STRATA_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "random" in proc.stderr and "decode" in proc.stderr and proc.stdout

@@ -123,3 +123,20 @@ def test_bad_prompts_are_refused_before_any_work(prompt, options, message):
 def test_bad_options_are_rejected(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(GREEDY, **change)
+
+
+def test_a_vocabulary_beyond_the_tokenizer_streams_replacement_chars(tmp_path):
+    # Like the big presets: config and embeddings of 4096 ids, a tokenizer of 260.
+    from strata.engine.init_model import write_checkpoint
+    from strata.engine.presets import PRESETS
+
+    shape = dataclasses.replace(PRESETS["tiny"], vocab_size=4096)
+    ckpt = write_checkpoint(tmp_path / "wide", "mixtral", shape)
+    model, tok = load_model(ckpt), Tokenizer.from_dir(ckpt)
+    pieces = []
+    options = GenerateOptions(max_new=12, temperature=1.0, seed=2, ignore_stop=True)
+    result = generate(model, tok, tok.encode("wide"), options, on_text=pieces.append)
+    unknown = [t for t in result.tokens if t >= tok.vocab_size]
+    assert unknown  # 94% of the ids are beyond the tokenizer
+    assert result.text.count("\ufffd") >= len(unknown)
+    assert "".join(pieces) == result.text

@@ -1,0 +1,238 @@
+"""Benchmark decode speed at batch 1: strata against transformers' `generate`, same weights.
+
+Makes its own checkpoint (`write_checkpoint` into a temporary directory, removed at the end),
+then runs strata's `generate` and transformers' `generate` greedily on the same prompt ids, each
+after a warm-up run, and reports decode tok/s, their ratio, and the share of the memory-bandwidth
+bound that strata reaches. Writes nothing else.
+
+- strata: decode tok/s is its own figure: rounds / decode time (the clock starts after the
+  prefill and, on CUDA, after the decode graphs are captured).
+- transformers: decode tok/s = (new - 1) / (time of `generate` for `new` tokens - time for 1
+  token), so that its prefill is left out the same way. Medians over `--repeat` runs.
+- bound: the bytes one decode token must read (every dense weight, the K routed experts of each
+  layer, the lm_head, the K/V at the mean context; from the config), against `--bandwidth-gbs`
+  (4300 GB/s: the H200's measured device-to-device copy rate).
+
+    python bench/decode.py --preset tiny --device cpu          # here, in a minute
+    python bench/decode.py --preset olmoe-1b-7b --device cuda  # the GPU machine (~14 GB on disk)
+    python bench/decode.py ... --layers 8 --json               # shorter; one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from strata.engine.generate import GenerateOptions, generate
+from strata.engine.init_model import write_checkpoint
+from strata.engine.model import load_model
+from strata.engine.presets import BYTE_TOKENS, get_preset
+
+H200_BANDWIDTH_GBS = 4300.0
+
+
+def bytes_per_token(config, itemsize: int, mean_context: float) -> float:
+    """The bytes one decode token reads at least: dense weights, K experts a layer, lm_head,
+    one embedding row, and the K/V of `mean_context` cells."""
+    d, qw, kvw = config.hidden_size, config.q_width, config.kv_width
+    attention = d * qw * 2 + d * kvw * 2 + 2 * d  # q, o, k, v; the two layer norms
+    if config.qkv_bias:
+        attention += qw + 2 * kvw
+    if config.qk_norm == "full":
+        attention += qw + kvw
+    elif config.qk_norm == "head":
+        attention += 2 * config.head_dim
+    router = config.n_experts * d
+    experts = config.top_k * 3 * config.expert_width * d
+    shared = 3 * config.shared_expert_width * d + d if config.shared_expert_width else 0
+    per_layer = attention + router + experts + shared
+    weights = config.n_layers * per_layer + config.vocab_size * d + 2 * d  # + lm_head, norm, row
+    kv = config.n_layers * 2 * mean_context * kvw  # K and V
+    return (weights + kv) * itemsize
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Let the engine just measured give its device memory back before the next one loads."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _si(n_bytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.3g} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
+def run_strata(ckpt, device, dtype, prompt, n_new, repeat) -> dict:
+    model = load_model(ckpt, device=device, dtype=dtype)
+    options = GenerateOptions(
+        max_new=n_new, max_context=len(prompt) + n_new, temperature=0.0, ignore_stop=True
+    )
+    generate(model, None, prompt, options)  # warm-up
+    runs = [generate(model, None, prompt, options) for _ in range(repeat)]
+    config = model.config
+    return {
+        "config": config,
+        "tokens": runs[0].tokens,
+        "prefill_tok_s": statistics.median(r.prefill_tok_s for r in runs),
+        "decode_tok_s": statistics.median(r.decode_tok_s for r in runs),
+        "decode_ms_per_round": statistics.median(r.decode_ms_per_round for r in runs),
+        "decode_path": runs[0].decode_path,
+        "deterministic": all(r.tokens == runs[0].tokens for r in runs),
+    }
+
+
+def run_transformers(ckpt, device, dtype, prompt, n_new, repeat) -> dict:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device)
+    model.eval()
+    ids = torch.tensor([prompt], device=device)
+
+    def timed(n: int) -> tuple[float, list[int]]:
+        sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )
+        sync(device)
+        return time.perf_counter() - start, out[0, len(prompt):].tolist()
+
+    timed(n_new)  # warm-up
+    one = statistics.median(timed(1)[0] for _ in range(repeat))
+    full = [timed(n_new) for _ in range(repeat)]
+    full_s = statistics.median(seconds for seconds, _ in full)
+    return {
+        "tokens": full[0][1],
+        "prefill_tok_s": len(prompt) / one,
+        "decode_tok_s": (n_new - 1) / (full_s - one) if full_s > one else float("nan"),
+        "decode_ms_per_round": 1000 * (full_s - one) / (n_new - 1),
+        "generate_s": full_s,
+    }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="olmoe-1b-7b")
+    parser.add_argument("--family", help="default: the preset's own")
+    parser.add_argument("--layers", type=int, help="shorten the preset to N layers")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine (median)")
+    parser.add_argument("--bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS)
+    parser.add_argument("--no-transformers", action="store_true", help="strata alone")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2 or args.prompt_tokens < 1 or args.repeat < 1:
+        parser.error("--new-tokens must be >= 2, --prompt-tokens and --repeat >= 1")
+
+    preset = get_preset(args.preset)
+    family = args.family or preset.default_family
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    device = torch.device(args.device)
+    # Byte ids: tokens the checkpoint's tokenizer knows, fixed by a seed.
+    prompt = torch.randint(
+        0, BYTE_TOKENS, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+
+    with tempfile.TemporaryDirectory(prefix="strata-bench-decode-") as tmp:
+        start = time.perf_counter()
+        ckpt = write_checkpoint(
+            Path(tmp) / "ckpt", family, preset, n_layers=args.layers, dtype=dtype,
+            progress=sys.stderr.isatty() and not args.json,
+        )
+        write_s = time.perf_counter() - start
+        strata = run_strata(ckpt, device, dtype, prompt, args.new_tokens, args.repeat)
+        free_memory(device)
+        peer = None
+        if not args.no_transformers:
+            peer = run_transformers(ckpt, device, dtype, prompt, args.new_tokens, args.repeat)
+            free_memory(device)
+
+    config = strata.pop("config")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    token_bytes = bytes_per_token(config, itemsize, args.prompt_tokens + args.new_tokens / 2)
+    bound_tok_s = args.bandwidth_gbs * 1e9 / token_bytes
+    result = {
+        "preset": preset.name,
+        "family": family,
+        "layers": config.n_layers,
+        "dtype": args.dtype,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
+        platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "checkpoint_write_s": write_s,
+        "strata": strata,
+        "transformers": peer,
+        "ratio": strata["decode_tok_s"] / peer["decode_tok_s"] if peer else None,
+        "bytes_per_token": token_bytes,
+        "bandwidth_gbs": args.bandwidth_gbs,
+        "bound_tok_s": bound_tok_s,
+        "bound_share": strata["decode_tok_s"] / bound_tok_s,
+        "tokens_equal_prefix": _common_prefix(strata["tokens"], peer["tokens"]) if peer else None,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"decode at batch 1: {family} {preset.name} ({config.n_layers} layers), {args.dtype}, "
+        f"{result['device_name']} ({device}); {args.prompt_tokens}-token prompt, "
+        f"{args.new_tokens} new tokens, greedy; medians of {args.repeat}"
+    )
+    print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/round':>10}")
+    for name, figures in (("strata", strata), ("transformers", peer)):
+        if figures:
+            print(
+                f"{name:<14}{figures['prefill_tok_s']:>15.1f}{figures['decode_tok_s']:>14.1f}"
+                f"{figures['decode_ms_per_round']:>10.2f}"
+            )
+    print(f"strata decode path: {strata['decode_path']}; repeat runs identical: "
+          f"{strata['deterministic']}")
+    if peer:
+        print(f"ratio strata / transformers (decode tok/s): {result['ratio']:.2f}x")
+        print(
+            f"greedy tokens equal to transformers' up to token "
+            f"{result['tokens_equal_prefix']} of {args.new_tokens}"
+        )
+    print(
+        f"bytes read per token: {_si(token_bytes)}; bound at {args.bandwidth_gbs:.0f} GB/s:"
+        f" {bound_tok_s:.0f} tok/s; strata reaches {100 * result['bound_share']:.1f}%"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
