@@ -8,6 +8,7 @@ test environment itself is left as it was.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,3 +89,44 @@ def test_selected_its_decisions_are_used(site):
     capped = json.loads(strata(site, "--policy", "coldest-anywhere", "--policy-opt",
                                "max_moves=1", script=DECIDE))
     assert capped["moves"] == [[6, 5]]
+
+
+TUTORIAL = EXAMPLE.parents[1] / "docs" / "policies" / "tutorial.md"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
+
+
+def tutorial_blocks():
+    return [(lang, body) for lang, body in FENCE.findall(TUTORIAL.read_text())]
+
+
+def test_the_tutorial_shows_the_example_as_it_is():
+    blocks = tutorial_blocks()
+    plugin = (EXAMPLE / "strata_coldest_anywhere.py").read_text()
+    assert ("python", plugin) in blocks
+    toml = next(body for lang, body in blocks if lang == "toml")
+    example_toml = (EXAMPLE / "pyproject.toml").read_text()
+    for line in toml.splitlines():
+        assert line in example_toml.splitlines(), line
+
+
+def test_the_tutorial_runs_to_the_end_with_the_output_it_shows(site, monkeypatch, capsys):
+    """Its Python blocks, run in order as one script, print what the text blocks after them
+    show; `strata policies coldest-anywhere` prints what it shows."""
+    blocks = tutorial_blocks()
+    plugin = (EXAMPLE / "strata_coldest_anywhere.py").read_text()
+    script, expected = [], []
+    for (lang, body), (next_lang, next_body) in zip(blocks, [*blocks[1:], ("", "")],
+                                                    strict=True):
+        if lang == "python" and body != plugin:
+            script.append(body)
+            script.append("print('--- block ---')\n")
+            expected.append(next_body if next_lang == "text" else "")
+    printed = strata(site, script="\n".join(script)).split("--- block ---\n")
+    assert printed[:-1] == expected
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delenv("STRATA_LOAD_PLUGINS", raising=False)
+    shown = next(body for lang, body in blocks if body.startswith("coldest-anywhere\nsource:"))
+    from strata import cli
+
+    assert cli.main(["policies", "coldest-anywhere"]) == 0
+    assert capsys.readouterr().out == shown
