@@ -166,3 +166,14 @@ def test_validate_decision_is_the_same_checker(table):
     with pytest.raises(ValueError, match="no check for decision 'evict'"):
         validate_decision(table, "mine", "evict", [])
     assert_unchanged(table, before)
+
+
+def test_a_give_up_may_not_leave_fewer_usable_slots_than_the_floor():
+    table = make_table(top=8, floor=2)
+    table.evict_many(np.array([2, 3, 4]))
+    table.mark_chunks(np.array([3, 4, 5, 6]), False)  # slots 2, 3, 4 have lost their memory
+    table.set_regions(floor=5)  # raised since: only 0, 1 and 5.. are usable below top
+    before = snapshot(table)
+    with pytest.raises(PolicyError, match="would leave 4 usable slots, fewer than the floor 5"):
+        validate_decision(table, "mine", "give_up", [5, 6, 7], n_chunks=1)
+    assert_unchanged(table, before)

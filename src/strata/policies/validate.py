@@ -51,6 +51,9 @@ def _fail_first(policy: str, method: str, bad: np.ndarray, values, reason) -> No
 
 def _twice(values: np.ndarray) -> np.ndarray:
     """bool [n]: entries equal to an earlier one."""
+    ordered = np.sort(values)
+    if not (ordered[1:] == ordered[:-1]).any():  # the common case, cheaply
+        return np.zeros(values.size, bool)
     _, first = np.unique(values, return_index=True)
     seen = np.ones(values.size, bool)
     seen[first] = False
@@ -106,6 +109,12 @@ def check_give_up(view: ResidencyView, policy: str, n_chunks: int, decision: Any
         policy, method, ~view.backed[slots], slots,
         lambda s: f"slot {s} has no memory left to give (not backed: given up already)",
     )
+    usable_after = int(view.backed.sum()) - slots.size
+    if usable_after < floor:
+        raise PolicyError(
+            policy, method, slots.tolist(),
+            f"would leave {usable_after} usable slots, fewer than the floor {floor}",
+        )
     slots = np.sort(slots)
     chunks = view.chunks_freed_by(slots)
     if chunks.size < n_chunks:
@@ -188,7 +197,7 @@ def check_admit(
     _check_experts(policy, method, view, triples)
     missed = np.asarray(missed_experts, dtype=np.int64)
     _fail_first(
-        policy, method, ~np.isin(triples[:, 2], missed), triples,
+        policy, method, ~(triples[:, 2, None] == missed[None, :]).any(axis=1), triples,
         lambda t: f"admits expert {t[1:]}, which was not missed (missed: {missed.tolist()})",
     )
     return triples

@@ -47,14 +47,24 @@ class ScoredCache(Policy):
         if limit == 0 or len(missed_experts) == 0:
             return []
         scores = self.expert_scores(view)
-        position = view.heat_position()
+        heat, rank = view.heat[layer], view.rank[layer]
         missed = np.asarray(missed_experts, dtype=np.int64)
-        missed = missed[np.lexsort((position[layer, missed], -scores[layer, missed]))][:limit]
+        # Most worth keeping first: score, then the books' order (heat, then profile rank).
+        missed = missed[np.lexsort((rank[missed], -heat[missed], -scores[layer, missed]))][:limit]
         candidates = np.flatnonzero(view.backed[: view.top])
-        slot_score = self.slot_scores(view)[candidates]
         owner = view.owner[candidates]
-        slot_heat = np.where(owner >= 0, position.ravel()[np.maximum(owner, 0)], position.size)
-        coldest_first = np.lexsort((-slot_heat, slot_score))
+        flat = np.maximum(owner, 0)
+        slot_score = np.where(owner >= 0, scores.ravel()[flat], -np.inf)
+        if candidates.size > missed.size:
+            # Only the lowest scores can be victims: sort just those (and their ties).
+            kth = np.partition(slot_score, missed.size - 1)[missed.size - 1]
+            pool = np.flatnonzero(slot_score <= kth)
+            candidates, owner, flat, slot_score = (
+                candidates[pool], owner[pool], flat[pool], slot_score[pool])
+        slot_heat = np.where(owner >= 0, view.heat.ravel()[flat], -1.0)
+        slot_rank = np.where(owner >= 0, view.rank.ravel()[flat], np.iinfo(np.int32).max)
+        # Coldest first: score, then the books' order (heat, then profile rank), empty first.
+        coldest_first = np.lexsort((-slot_rank, slot_heat, slot_score))[: missed.size]
         victims, victim_score = candidates[coldest_first], slot_score[coldest_first]
         placements = []
         for expert, slot, score in zip(missed, victims, victim_score, strict=False):

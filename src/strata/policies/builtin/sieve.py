@@ -65,35 +65,43 @@ class Sieve(ScoredCache):
         turn = np.roll(np.arange(queue.size), -start)
         return queue[turn], keys[turn]
 
-    def _evict_one(self, view, taken: np.ndarray) -> int:
-        """Walk the hand over the residents below top not in `taken`; the slot it evicts."""
-        slots = np.flatnonzero((view.owner[: view.top] >= 0) & ~taken[: view.top])
-        if slots.size == 0:
-            return -1
+    def _victims(self, view, count: int) -> list[int]:
+        """Walk the hand over the residents below top; the (up to) `count` slots it evicts.
+
+        One sort per call; each victim is then a vectorised search onward from the last one.
+        """
+        slots = np.flatnonzero(view.owner[: view.top] >= 0)
+        if slots.size == 0 or count == 0:
+            return []
         met, keys = self._hand_order(view, slots)
-        visited = self.visited.ravel()
         flat = view.owner[met]
-        marks = visited[flat]
-        stop = int(np.argmin(marks)) if not marks.all() else 0
-        passed = flat if marks.all() else flat[:stop]
-        visited[passed] = False  # the hand clears what it passes (all of it on a full turn)
-        self.hand = int(keys[stop + 1]) if stop + 1 < keys.size else -1
-        return int(met[stop])
+        visited = self.visited.ravel()
+        taken = np.zeros(met.size, bool)
+        victims: list[int] = []
+        pos = 0
+        for _ in range(min(count, met.size)):
+            free = ~visited[flat[pos:]] & ~taken[pos:]
+            if not free.any():  # a full turn: the hand clears the rest and wraps to the tail
+                visited[flat[pos:]] = False
+                pos = 0
+                free = ~taken
+            stop = pos + int(np.argmax(free))
+            visited[flat[pos:stop]] = False  # the hand clears what it passes
+            taken[stop] = True
+            victims.append(int(met[stop]))
+            pos = stop + 1
+        self.hand = int(keys[pos]) if pos < keys.size else -1
+        return victims
 
     def admit(self, view, layer, missed_experts):
         self._state(view)
-        limit = self.options.max_admits
-        position = view.heat_position()[layer]
+        heat, rank = view.heat[layer], view.rank[layer]
         missed = np.asarray(missed_experts, dtype=np.int64)
-        missed = missed[np.argsort(position[missed], kind="stable")][:limit]  # hottest first
-        taken = np.zeros(view.n_slots, bool)
-        empty = list(view.empty_slots(0, view.top))
+        missed = missed[np.lexsort((rank[missed], -heat[missed]))][: self.options.max_admits]
+        empty = view.empty_slots(0, view.top)[: missed.size].tolist()
+        slots = empty + self._victims(view, missed.size - len(empty))
         placements = []
-        for expert in missed:
-            slot = empty.pop(0) if empty else self._evict_one(view, taken)
-            if slot < 0:
-                break
-            taken[slot] = True
+        for expert, slot in zip(missed, slots, strict=False):
             self.inserted[layer, expert] = self.next_insert
             self.next_insert += 1
             self.visited[layer, expert] = False
