@@ -11,7 +11,7 @@ bound that strata reaches. Writes nothing else.
   token), so that its prefill is left out the same way. Medians over `--repeat` runs.
 - bound: the bytes one decode token must read (every dense weight, the K routed experts of each
   layer, the lm_head, the K/V at the mean context; from the config), against `--bandwidth-gbs`
-  (4300 GB/s: the H200's measured device-to-device copy rate).
+  (on cuda by default 4300 GB/s: the H200's measured device-to-device copy rate).
 
     python bench/decode.py --preset tiny --device cpu          # here, in a minute
     python bench/decode.py --preset olmoe-1b-7b --device cuda  # the GPU machine (~14 GB on disk)
@@ -148,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine (median)")
-    parser.add_argument("--bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS)
+    parser.add_argument(
+        "--bandwidth-gbs", type=float,
+        help=f"memory bandwidth for the bound (default on cuda: {H200_BANDWIDTH_GBS:.0f}, the "
+        "H200's; on cpu: no bound unless given)",
+    )
     parser.add_argument("--no-transformers", action="store_true", help="strata alone")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
@@ -181,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     config = strata.pop("config")
     itemsize = torch.empty((), dtype=dtype).element_size()
     token_bytes = bytes_per_token(config, itemsize, args.prompt_tokens + args.new_tokens / 2)
-    bound_tok_s = args.bandwidth_gbs * 1e9 / token_bytes
+    bandwidth_gbs = args.bandwidth_gbs
+    if bandwidth_gbs is None and device.type == "cuda":
+        bandwidth_gbs = H200_BANDWIDTH_GBS
+    bound_tok_s = bandwidth_gbs * 1e9 / token_bytes if bandwidth_gbs else None
     result = {
         "preset": preset.name,
         "family": family,
@@ -199,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": peer,
         "ratio": strata["decode_tok_s"] / peer["decode_tok_s"] if peer else None,
         "bytes_per_token": token_bytes,
-        "bandwidth_gbs": args.bandwidth_gbs,
+        "bandwidth_gbs": bandwidth_gbs,
         "bound_tok_s": bound_tok_s,
-        "bound_share": strata["decode_tok_s"] / bound_tok_s,
+        "bound_share": strata["decode_tok_s"] / bound_tok_s if bound_tok_s else None,
         "tokens_equal_prefix": _common_prefix(strata["tokens"], peer["tokens"]) if peer else None,
     }
     if args.json:
@@ -227,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
             f"greedy tokens equal to transformers' up to token "
             f"{result['tokens_equal_prefix']} of {args.new_tokens}"
         )
-    print(
-        f"bytes read per token: {_si(token_bytes)}; bound at {args.bandwidth_gbs:.0f} GB/s:"
-        f" {bound_tok_s:.0f} tok/s; strata reaches {100 * result['bound_share']:.1f}%"
-    )
+    line = f"bytes read per token: {_si(token_bytes)}"
+    if bound_tok_s:
+        line += (
+            f"; bound at {bandwidth_gbs:.0f} GB/s: {bound_tok_s:.0f} tok/s; strata reaches "
+            f"{100 * result['bound_share']:.1f}%"
+        )
+    print(line)
     return 0
 
 

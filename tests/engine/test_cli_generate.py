@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from strata.cli import main
+from strata.engine.cli_generate import _terminal_safe
 from strata.engine.init_model import BUILTIN_NAME
 from support.checkpoints import (
     edit_config,
@@ -168,7 +169,9 @@ def test_prompt_longer_than_max_context(ckpt, capsys):
         (["--device", "tpu"], "unknown --device 'tpu'; use cuda or cpu"),
         (["--dtype", "int4"], "unknown --dtype 'int4'"),
         (["--max-new", "0"], "--max-new must be a positive int"),
-        (["--top-p", "0"], "top_p must be in"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-k", "-3"], "--top-k must be an int >= 0"),
+        (["--prefill-chunk", "0"], "--prefill-chunk must be a positive int"),
         (["--prompt-file", "/nonexistent/prompt"], "--prompt-file /nonexistent/prompt"),
     ],
 )
@@ -214,3 +217,7 @@ def test_the_readme_run_line_works_on_a_fresh_cache(tmp_path):
     proc = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "random" in proc.stderr and "decode" in proc.stderr and proc.stdout
+
+
+def test_control_characters_are_masked_for_a_terminal_only():
+    assert _terminal_safe("a\x1b[2Jb\n\tc\x07") == "a\ufffd[2Jb\n\tc\ufffd"

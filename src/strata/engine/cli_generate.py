@@ -73,6 +73,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+# GenerateOptions and Sampler name their fields; the CLI user knows the flags.
+FLAG_NAMES = {
+    "max_new": "--max-new",
+    "max_context": "--max-context",
+    "prefill_chunk": "--prefill-chunk",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+}
+
+
+def _as_flags(message: str) -> str:
+    head, sep, rest = message.partition(" ")
+    return FLAG_NAMES.get(head, head) + sep + rest
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give the prompt as an argument or with --prompt-file, not both")
@@ -165,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype not in DTYPES:
         raise UsageError(f"unknown --dtype {args.dtype!r}; choose one of: {', '.join(DTYPES)}")
     device = _device(args.device)
+    dump_path = os.environ.get(DUMP_ENV)
+    if dump_path and not Path(dump_path).absolute().parent.is_dir():
+        raise UsageError(f"{DUMP_ENV}={dump_path}: its directory does not exist")
     text = _read_prompt(args)
     try:
         options = GenerateOptions(
@@ -178,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             cuda_graphs=not args.no_cuda_graphs,
         )
     except ValueError as err:
-        raise UsageError(str(err).replace("max_new", "--max-new")) from None
+        raise UsageError(_as_flags(str(err))) from None
     model_dir = _model_dir(args)
     try:
         config = ModelConfig.from_dir(model_dir)  # the directory's first check
@@ -210,9 +230,11 @@ def run(args: argparse.Namespace) -> int:
 
     result = generate(model, tokenizer, prompt_ids, options, on_text=stream)
 
-    dump_path = os.environ.get(DUMP_ENV)
     if dump_path:
-        Path(dump_path).write_bytes(result.first_logits.numpy().tobytes())
+        try:
+            Path(dump_path).write_bytes(result.first_logits.numpy().tobytes())
+        except OSError as err:
+            raise UsageError(f"{DUMP_ENV}={dump_path}: {err.strerror or err}") from None
     if args.json:
         document = {
             "text": result.text,
