@@ -1,6 +1,7 @@
 """The generation loop on real tiny checkpoints: parity, determinism, stops, limits."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -140,3 +141,21 @@ def test_a_vocabulary_beyond_the_tokenizer_streams_replacement_chars(tmp_path):
     assert unknown  # 94% of the ids are beyond the tokenizer
     assert result.text.count("\ufffd") >= len(unknown)
     assert "".join(pieces) == result.text
+
+
+def test_the_decode_bench_runs_and_reports(capsys):
+    pytest.importorskip("transformers")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--repeat", "1", "--json"]
+    assert bench.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["strata"]["decode_tok_s"] > 0 and report["transformers"]["decode_tok_s"] > 0
+    assert report["ratio"] > 0 and report["tokens_equal_prefix"] >= 1  # the first token agrees
+    assert report["bound_share"] is None  # no bandwidth given on the CPU
+    assert report["bytes_per_token"] > 0
