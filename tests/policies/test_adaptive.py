@@ -141,3 +141,13 @@ def test_relocates_hot_experts_into_the_coldest_kept_slots(registry, name, moves
     policy.observe(policy.view, 0, np.array([[0, 1, 2, 3, 5]]), np.ones((1, 5), bool))
     policy.observe(policy.view, 0, np.array([[0, 1, 3, 5]]), np.ones((1, 4), bool))
     assert policy.policy.relocate(policy.view, np.array([2, 3])) == moves
+
+
+def test_the_engine_asks_admit_only_of_policies_that_answer_it(registry, monkeypatch):
+    answers = {name: CheckedPolicy(registry.create(name), small()).admits
+               for name in registry.names()}
+    assert answers == {"coldest-in-loan": False, "lfu": True, "lru": True, "sieve": True,
+                       "static": False}
+    monkeypatch.setenv("STRATA_TRACE_PLUGINS", "1")  # a traced policy answers as its own
+    assert CheckedPolicy(registry.create("lru"), small()).admits
+    assert not CheckedPolicy(registry.create("static"), small()).admits

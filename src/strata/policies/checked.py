@@ -40,6 +40,9 @@ class CheckedPolicy:
         self.view = ResidencyView(table)
         # The engine calls this per layer per step, directly.
         self.observe = policy.observe
+        # Whether `admit` can say anything but "nothing": if not, the engine need not ask.
+        answering = type(getattr(policy, "inner", policy))
+        self.admits = "admit" in answering.overrides()
 
     def _ask(self, method: str, call: Callable[[], Any]) -> Any:
         try:
