@@ -159,3 +159,29 @@ def test_the_decode_bench_runs_and_reports(capsys):
     assert report["ratio"] > 0 and report["tokens_equal_prefix"] >= 1  # the first token agrees
     assert report["bound_share"] is None  # no bandwidth given on the CPU
     assert report["bytes_per_token"] > 0
+
+
+@pytest.mark.cuda
+def test_cuda_graph_rounds_match_eager_rounds_across_windows():
+    ckpt = cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32)
+    model, tok = load_model(ckpt, device="cuda"), Tokenizer.from_dir(ckpt)
+    prompt = tok.encode("graphs")
+    # 300 rounds from position 6 cross the 256-cell window: two graphs, both captured up front.
+    options = GenerateOptions(max_new=300, max_context=512, temperature=0.0, ignore_stop=True)
+    graph = generate(model, tok, prompt, options)
+    eager = generate(model, tok, prompt, dataclasses.replace(options, cuda_graphs=False))
+    again = generate(model, tok, prompt, options)
+    assert (graph.decode_path, eager.decode_path) == ("cuda-graph", "eager")
+    assert graph.tokens == eager.tokens
+    assert again.tokens == graph.tokens and torch.equal(again.first_logits, graph.first_logits)
+
+
+@pytest.mark.cuda
+def test_cpu_and_cuda_draw_the_same_tokens():
+    from strata.engine.sampling import Sampler
+
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 3
+    cpu, gpu = Sampler(1.0, 0.9, 50, seed=11), Sampler(1.0, 0.9, 50, seed=11)
+    assert [cpu.sample(logits) for _ in range(50)] == [
+        gpu.sample(logits.cuda()) for _ in range(50)
+    ]
