@@ -79,3 +79,15 @@ def test_an_options_class_that_cannot_be_filled_is_the_plugin_s_error():
         option_specs(NoDefault, "p")
     with pytest.raises(PluginError, match="Options must be a dataclass"):
         option_specs(dict, "p")
+
+
+def test_a_policy_made_directly_takes_a_dict_too():
+    from strata.policies.builtin.lfu import Lfu
+
+    assert Lfu({"decay": 0.5}).options.decay == 0.5
+    assert Lfu(["max_admits=2"]).options.max_admits == 2
+    assert Lfu().options == Lfu.Options()
+    with pytest.raises(OptionError, match="policy 'lfu': unknown option 'x'"):
+        Lfu({"x": 1})
+    with pytest.raises(TypeError, match="Lfu takes a LfuOptions, a dict or key=value strings"):
+        Lfu(0.5)

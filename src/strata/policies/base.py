@@ -9,13 +9,14 @@ A policy overrides only what it changes. It reads the books through a read-only
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 from strata.policies import choose
 from strata.policies.kv import KvContext, KvParams, default_kv_params, default_kv_target
+from strata.policies.options import parse_options
 from strata.policies.view import ResidencyView
 
 # The decisions, in the order the docs and `strata policies` list them.
@@ -47,13 +48,15 @@ class Policy:
     Options: ClassVar[type] = NoOptions
 
     def __init__(self, options: Any = None) -> None:
-        if options is None:
-            options = self.Options()
+        """`options`: an `Options` instance, or a dict / `key=value` strings to parse into one
+        (OptionError naming the policy for a bad key or value); None for the defaults."""
         if not isinstance(options, self.Options):
-            raise TypeError(
-                f"{type(self).__name__} takes a {self.Options.__name__} instance, "
-                f"got {type(options).__name__}"
-            )
+            if options is not None and not isinstance(options, Mapping | list | tuple):
+                raise TypeError(
+                    f"{type(self).__name__} takes a {self.Options.__name__}, a dict or "
+                    f"key=value strings, got {type(options).__name__}"
+                )
+            options = parse_options(self.name or type(self).__name__, self.Options, options)
         self.options = options
 
     def kv_params(self, ctx: KvContext) -> KvParams:
