@@ -253,7 +253,8 @@ def generate(
         step = _GraphDecode(model, kv) if use_graphs else _EagerDecode(model, kv)
         position = len(prompt)  # the cell of the token being fed
         start = time.perf_counter()
-        step.prepare(token, position, len(prompt) + options.max_new - 2)
+        if token not in stop_ids:
+            step.prepare(token, position, len(prompt) + options.max_new - 2)
         _sync(device)
         decode_setup_s = time.perf_counter() - start
         start = time.perf_counter()

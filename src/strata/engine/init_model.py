@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from strata.engine.presets import BYTE_TOKENS, SPECIAL_TOKENS, Preset, get_preset
+from strata.engine.presets import BYTE_TOKENS, PRESETS, SPECIAL_TOKENS, Preset, get_preset
 from strata.engine.tokenizer import byte_level_tokenizer_config, byte_level_tokenizer_json
 
 FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -369,8 +369,6 @@ def builtin_checkpoint() -> tuple[Path, bool]:
 
 def iter_presets_and_families() -> Iterator[tuple[str, str]]:
     """Every (family, preset name) pair that `write_checkpoint` accepts."""
-    from strata.engine.presets import PRESETS
-
     for family in FAMILIES:
         for name, preset in PRESETS.items():
             try:
