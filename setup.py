@@ -30,6 +30,14 @@ extensions = [
         include_dirs=[numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
+    # -ffp-contract=off: the lfu replay must round as numpy does (no fused multiply-add).
+    Extension(
+        "strata.sim._kernels",
+        ["src/strata/sim/_kernels.pyx"],
+        include_dirs=[numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=["-ffp-contract=off"],
+    ),
 ]
 
 only = {name for name in os.environ.get("STRATA_BUILD_ONLY", "").split(",") if name}

@@ -17,6 +17,8 @@ from strata import __version__
 COMMAND_MODULES: tuple[str, ...] = (
     "strata.engine.cli_generate",
     "strata.policies.cli",
+    "strata.sim.cli_simulate",
+    "strata.sim.cli_trace",
     "strata.engine.cli_init_model",
 )
 
