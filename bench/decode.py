@@ -80,10 +80,11 @@ def _si(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
-def run_strata(ckpt, device, dtype, prompt, n_new, repeat) -> dict:
+def run_strata(ckpt, device, dtype, prompt, n_new, repeat, compile=False) -> dict:
     model = load_model(ckpt, device=device, dtype=dtype)
     options = GenerateOptions(
-        max_new=n_new, max_context=len(prompt) + n_new, temperature=0.0, ignore_stop=True
+        max_new=n_new, max_context=len(prompt) + n_new, temperature=0.0, ignore_stop=True,
+        compile=compile,
     )
     generate(model, None, prompt, options)  # warm-up
     runs = [generate(model, None, prompt, options) for _ in range(repeat)]
@@ -154,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         "H200's; on cpu: no bound unless given)",
     )
     parser.add_argument("--no-transformers", action="store_true", help="strata alone")
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="also run strata with `--compile` (torch.compile of the decode step, CUDA only)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.prompt_tokens < 1 or args.repeat < 1:
@@ -177,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         write_s = time.perf_counter() - start
         strata = run_strata(ckpt, device, dtype, prompt, args.new_tokens, args.repeat)
         free_memory(device)
+        compiled = None
+        if args.compile:
+            compiled = run_strata(
+                ckpt, device, dtype, prompt, args.new_tokens, args.repeat, compile=True
+            )
+            compiled.pop("config")
+            free_memory(device)
         peer = None
         if not args.no_transformers:
             peer = run_transformers(ckpt, device, dtype, prompt, args.new_tokens, args.repeat)
@@ -205,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         "strata": strata,
         "transformers": peer,
         "ratio": strata["decode_tok_s"] / peer["decode_tok_s"] if peer else None,
+        "strata_compiled": compiled,
+        "ratio_compiled": compiled["decode_tok_s"] / peer["decode_tok_s"]
+        if peer and compiled else None,
+        "bound_share_compiled": compiled["decode_tok_s"] / bound_tok_s
+        if bound_tok_s and compiled else None,
         "bytes_per_token": token_bytes,
         "bandwidth_gbs": bandwidth_gbs,
         "bound_tok_s": bound_tok_s,
@@ -220,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.new_tokens} new tokens, greedy; medians of {args.repeat}"
     )
     print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/round':>10}")
-    for name, figures in (("strata", strata), ("transformers", peer)):
+    for name, figures in (("strata", strata), ("strata+compile", compiled), ("transformers", peer)):
         if figures:
             print(
                 f"{name:<14}{figures['prefill_tok_s']:>15.1f}{figures['decode_tok_s']:>14.1f}"
@@ -230,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{strata['deterministic']}")
     if peer:
         print(f"ratio strata / transformers (decode tok/s): {result['ratio']:.2f}x")
+        if compiled:
+            print(f"ratio strata+compile / transformers: {result['ratio_compiled']:.2f}x; "
+                  f"repeat runs identical: {compiled['deterministic']}")
         print(
             f"greedy tokens equal to transformers' up to token "
             f"{result['tokens_equal_prefix']} of {args.new_tokens}"

@@ -68,6 +68,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-cuda-graphs", action="store_true", help="run decode rounds eagerly on CUDA"
     )
     parser.add_argument(
+        "--compile", action="store_true",
+        help="torch.compile the CUDA-graph decode step (a minute or two of compiling first)",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print one JSON object (text, tokens, stats)"
     )
     parser.set_defaults(run=run)
@@ -196,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             prefill_chunk=args.prefill_chunk,
             cuda_graphs=not args.no_cuda_graphs,
+            compile=args.compile,
         )
     except ValueError as err:
         raise UsageError(_as_flags(str(err))) from None

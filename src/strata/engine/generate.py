@@ -46,6 +46,7 @@ class GenerateOptions:
     stop_ids: tuple[int, ...] = ()
     ignore_stop: bool = False
     cuda_graphs: bool = True
+    compile: bool = False  # torch.compile the CUDA-graph decode step (strata.engine.compile)
 
     def __post_init__(self) -> None:
         for name in ("max_new", "max_context", "prefill_chunk"):
@@ -154,8 +155,14 @@ class _GraphDecode:
 
     path = "cuda-graph"
 
-    def __init__(self, model: Any, kv: Any) -> None:
+    def __init__(self, model: Any, kv: Any, compile: bool = False) -> None:
         self.model, self.kv = model, kv
+        self.forward_at = model.forward_at
+        if compile:
+            from strata.engine.compile import compile_decode_step
+
+            self.forward_at = compile_decode_step(model.forward_at)
+        self.path = "compiled-cuda-graph" if compile else "cuda-graph"
         self.token = torch.zeros(1, dtype=torch.int64, device=model.device)  # [1]
         self.position = torch.zeros(1, dtype=torch.int64, device=model.device)  # [1]
         self.pool = torch.cuda.graph_pool_handle()
@@ -167,7 +174,7 @@ class _GraphDecode:
 
     def _capture(self, n_ctx: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         def step() -> torch.Tensor:
-            return self.model.forward_at(self.token, self.position, self.kv, n_ctx)[-1]  # [V]
+            return self.forward_at(self.token, self.position, self.kv, n_ctx)[-1]  # [V]
 
         side = torch.cuda.Stream(device=self.model.device)
         side.wait_stream(torch.cuda.current_stream(self.model.device))
@@ -250,7 +257,7 @@ def generate(
         tokens = [token]
         emit(token)
         use_graphs = options.cuda_graphs and device.type == "cuda"
-        step = _GraphDecode(model, kv) if use_graphs else _EagerDecode(model, kv)
+        step = _GraphDecode(model, kv, options.compile) if use_graphs else _EagerDecode(model, kv)
         position = len(prompt)  # the cell of the token being fed
         start = time.perf_counter()
         if token not in stop_ids:
