@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sim.strategies import policy_options, profile_for, tiny_traces
 from strata.policies import load_registry
 from strata.sim import _kernels
 from strata.sim.belady import (
@@ -17,34 +18,10 @@ from strata.sim.belady import (
     oracle_static_set,
 )
 from strata.sim.replay import ReplayConfig, replay
-from strata.sim.trace import DECODE, PROMPT, Trace
+from strata.sim.trace import DECODE, Trace
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REGISTRY = load_registry()
-
-
-@st.composite
-def tiny_traces(draw, max_tokens_per_step=2, max_experts=4, max_layers=2, max_steps=6):
-    """Small traces: a few steps, one request per run of steps."""
-    n_layers = draw(st.integers(1, max_layers))
-    n_experts = draw(st.integers(1, max_experts))
-    top_k = draw(st.integers(1, min(2, n_experts)))
-    n_steps = draw(st.integers(1, max_steps))
-    tokens = draw(st.lists(st.integers(1, max_tokens_per_step), min_size=n_steps,
-                           max_size=n_steps))
-    rows = [[draw(st.permutations(range(n_experts)))[:top_k] for _ in range(n_layers)]
-            for _ in range(sum(tokens))]
-    phase = [PROMPT if t > 1 else DECODE for t in tokens]
-    # A request ends after a decode step followed by a prompt step, and elsewhere at random.
-    cuts = [s for s in range(1, n_steps)
-            if (phase[s] == PROMPT and phase[s - 1] == DECODE) or draw(st.booleans())]
-    return Trace(
-        n_experts=n_experts,
-        expert_ids=np.array(rows, np.int32),
-        step_offsets=np.concatenate([[0], np.cumsum(tokens)]),
-        step_phase=np.array(phase, np.uint8),
-        request_offsets=np.array([0, *cuts, n_steps]),
-    )
 
 
 def blocks_of(trace):
@@ -129,20 +106,10 @@ def test_oracle_static_is_the_best_fixed_set(trace, capacity):
 @st.composite
 def policy_runs(draw):
     trace = draw(tiny_traces(max_layers=3, max_experts=5, max_steps=8))
-    n_items = trace.n_layers * trace.n_experts
-    slots = draw(st.integers(0, n_items + 1))
+    slots = draw(st.integers(0, trace.n_layers * trace.n_experts + 1))
     loan = draw(st.integers(0, slots))
     name = draw(st.sampled_from(REGISTRY.names()))
-    options = {}
-    if name in ("lru", "lfu", "sieve"):
-        options["max_admits"] = draw(st.integers(0, 3))
-    if name == "lfu":
-        options["decay"] = draw(st.sampled_from([1.0, 0.8, 0.5]))
-    profile = draw(st.one_of(st.none(), st.lists(st.integers(0, 9), min_size=n_items,
-                                                 max_size=n_items)))
-    if profile is not None:
-        profile = np.array(profile).reshape(trace.n_layers, trace.n_experts)
-    return trace, name, options, slots, loan, profile
+    return trace, name, policy_options(draw, name), slots, loan, profile_for(draw, trace)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
