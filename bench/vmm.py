@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import mmap
 import os
@@ -27,8 +28,17 @@ SIZES = (1, 16, 256)
 
 
 def median_us(fn, repeat: int) -> float:
-    """Median wall time of fn() in µs; fn() returns the time of its timed part in ns."""
-    return statistics.median(fn() for _ in range(repeat)) / 1e3
+    """Median wall time of fn() in µs; fn() returns the time of its timed part in ns.
+
+    The cyclic garbage collector is off while timing (as in `timeit`), for both sides alike: a
+    collection landing inside one side's timed part would be charged to that side alone.
+    """
+    fn()  # warm-up
+    gc.disable()
+    try:
+        return statistics.median(fn() for _ in range(repeat)) / 1e3
+    finally:
+        gc.enable()
 
 
 # --- strata ----------------------------------------------------------------------------------
