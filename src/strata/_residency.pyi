@@ -10,6 +10,13 @@ the cache keeps. 0 <= floor <= top <= n_slots.
 
 Heat orders experts: higher decayed routing count first, then lower profile rank (0 = hottest).
 Profile ranks are a permutation of 0 .. L*E-1, so the order is total and deterministic.
+
+Errors: every call checks all its arguments before it changes anything, and a call that raises
+leaves the table exactly as it was (byte for byte). An index out of range (layer, expert, slot,
+chunk, an id in an array) is an `IndexError` naming it; an array of the wrong dtype or shape, or a
+request the state forbids (a double assign, an empty slot evicted, an unbacked slot filled), is a
+`ValueError` naming it; a scalar that is not an integer is a `TypeError`. Id arrays may have any
+integer dtype (int32 and int64 are used without a copy) and may be lists.
 """
 
 from os import PathLike
@@ -17,24 +24,48 @@ from os import PathLike
 import numpy as np
 
 class ResidencyTable:
+    """The books for `n_layers` × `n_experts` experts and `n_slots` slots of `slot_bytes`.
+
+    At start no expert is resident, every chunk is mapped (every slot backed), heat is zero, the
+    profile rank is the flat id order, `top = n_slots` (nothing lent) and `floor = 0`.
+
+    Args:
+        n_layers: MoE layers, L >= 1.
+        n_experts: routed experts per layer, E >= 1; L * E must fit in int32.
+        n_slots: slots in the arena, S >= 0.
+        slot_bytes: bytes per slot (a blob rounded up), >= 1.
+        chunk_bytes: bytes per physical chunk of the arena, >= 1.
+
+    Raises:
+        ValueError: a size below 1 (n_slots below 0), flat ids or chunk ids beyond int32, or an
+            arena beyond 2**60 bytes.
+    """
+
     def __init__(
         self, n_layers: int, n_experts: int, n_slots: int, slot_bytes: int, chunk_bytes: int
     ) -> None: ...
     # --- shape ---
     @property
-    def n_layers(self) -> int: ...
+    def n_layers(self) -> int:
+        """L, the MoE layers."""
     @property
-    def n_experts(self) -> int: ...
+    def n_experts(self) -> int:
+        """E, the routed experts per layer."""
     @property
-    def n_slots(self) -> int: ...
+    def n_slots(self) -> int:
+        """S, the slots of the arena."""
     @property
-    def slot_bytes(self) -> int: ...
+    def slot_bytes(self) -> int:
+        """Bytes per slot."""
     @property
-    def chunk_bytes(self) -> int: ...
+    def chunk_bytes(self) -> int:
+        """Bytes per arena chunk."""
     @property
     def n_chunks(self) -> int:
         """ceil(n_slots * slot_bytes / chunk_bytes)."""
     # --- read-only numpy views (write flag off) ---
+    # Live views of the table's own buffers: they show later changes, are never reallocated,
+    # and cannot be made writeable.
     @property
     def res(self) -> np.ndarray:
         """int32 [L, E]: slot of each expert, or -1."""
@@ -55,33 +86,71 @@ class ResidencyTable:
         """bool [S]: slots whose every chunk is mapped; only these can hold an expert."""
     # --- regions ---
     @property
-    def top(self) -> int: ...
+    def top(self) -> int:
+        """The first lent slot; slots [top, n_slots) are the loan (none at start: n_slots)."""
     @property
-    def floor(self) -> int: ...
-    def set_regions(self, *, top: int | None = None, floor: int | None = None) -> None: ...
+    def floor(self) -> int:
+        """The fewest slots the cache keeps (0 at start)."""
+    def set_regions(self, *, top: int | None = None, floor: int | None = None) -> None:
+        """Set `top`, `floor` or both; the result must keep 0 <= floor <= top <= n_slots.
+
+        Regions are bookkeeping only: they do not restrict `assign` or `move`.
+        """
     # --- residency; every call checks all its arguments before changing anything ---
-    def assign(self, slot: int, layer: int, expert: int) -> None: ...
-    def evict(self, slot: int) -> tuple[int, int]: ...
-    def move(self, src_slot: int, dst_slot: int) -> None: ...
-    def assign_many(self, slots: np.ndarray, layers: np.ndarray, experts: np.ndarray) -> None: ...
+    def assign(self, slot: int, layer: int, expert: int) -> None:
+        """Record that `slot` now holds (layer, expert).
+
+        Raises:
+            IndexError: slot, layer or expert out of range.
+            ValueError: the slot already holds an expert, is not backed, or the expert is already
+                resident (in any slot).
+        """
+    def evict(self, slot: int) -> tuple[int, int]:
+        """Empty `slot`; returns the (layer, expert) it held. ValueError if it held none."""
+    def move(self, src_slot: int, dst_slot: int) -> None:
+        """Move the expert in `src_slot` to `dst_slot`, which must be backed and empty."""
+    def assign_many(self, slots: np.ndarray, layers: np.ndarray, experts: np.ndarray) -> None:
+        """`assign` for each element of three 1-D arrays of one length, in order, or none at all.
+
+        A duplicate slot or expert within the batch fails like the second of two `assign` calls.
+        """
     def evict_many(self, slots: np.ndarray) -> np.ndarray:
-        """Returns int32 [n, 2] (layer, expert) of the evicted, in the order given."""
-    def move_many(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None: ...
-    def slot_of(self, layer: int, expert: int) -> int: ...
-    def expert_in(self, slot: int) -> tuple[int, int] | None: ...
+        """`evict` each slot of a 1-D array, in order, or none at all (a duplicate slot fails).
+
+        Returns:
+            int32 [n, 2]: (layer, expert) of the evicted, in the order given.
+        """
+    def move_many(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+        """`move` each pair, in order, or none at all.
+
+        The moves are sequential: a slot vacated by an earlier move may be the destination of a
+        later one (a chain `a -> b, c -> a` is fine), which is also a safe order to copy blobs in.
+        """
+    def slot_of(self, layer: int, expert: int) -> int:
+        """The slot holding (layer, expert), or -1."""
+    def expert_in(self, slot: int) -> tuple[int, int] | None:
+        """The (layer, expert) in `slot`, or None."""
     @property
-    def n_resident(self) -> int: ...
+    def n_resident(self) -> int:
+        """Experts resident now (occupied slots)."""
     # --- heat ---
     def set_rank(self, rank: np.ndarray) -> None:
         """int [L, E], a permutation of 0 .. L*E-1."""
     def set_rank_from_counts(self, counts: np.ndarray) -> None:
-        """Rank by counts [L, E], highest first, ties by flat id."""
+        """Rank by counts [L, E] (int or float, finite): highest first, ties by flat id."""
     def record(self, layer: int, expert_ids: np.ndarray) -> None:
-        """heat[layer, e] += 1 for each id in an int array of any shape."""
+        """heat[layer, e] += 1 for each id in an int array of any shape (repeats count again).
+
+        Cheap enough to call once per layer per step (a fraction of a microsecond for [1, 8]).
+        """
     def decay(self, factor: float) -> None:
         """heat *= factor, 0 < factor <= 1."""
     def coldest(self, lo: int, hi: int) -> int:
-        """The slot in [lo, hi) holding the coldest resident, or -1 if none holds one."""
+        """The slot in [lo, hi) holding the coldest resident, or -1 if none holds one.
+
+        Coldest = last in heat order: lowest heat, ties broken by the highest (coldest) rank.
+        0 <= lo <= hi <= n_slots.
+        """
     def residents_by_heat(self, lo: int, hi: int) -> np.ndarray:
         """int32 slots in [lo, hi) that hold an expert, coldest first."""
     def hottest_missing(self, k: int) -> np.ndarray:
@@ -97,26 +166,74 @@ class ResidencyTable:
         """Slots int32 [T, K] (-1 for a miss) and hit mask bool [T, K] for ids int [T, K].
 
         Counts every routed id in `lookups` and every resident one in `hits`.
+
+        Pass preallocated `out_slots` (int32) and `out_hit` (bool), C-contiguous, writeable and
+        of shape [T, K], to avoid allocating per call; they are filled and returned. Native int64
+        or int32 C-contiguous ids are read in place. Batches of 4096 ids or more are looked up
+        with the GIL released. If an id is out of range, the IndexError names its position, the
+        counters are unchanged and the contents of the output arrays are unspecified.
         """
     @property
-    def hits(self) -> int: ...
+    def hits(self) -> int:
+        """Routed ids found resident by `lookup` since the last `reset_counters`."""
     @property
-    def lookups(self) -> int: ...
-    def reset_counters(self) -> None: ...
+    def lookups(self) -> int:
+        """Routed ids passed to `lookup` since the last `reset_counters`."""
+    def reset_counters(self) -> None:
+        """Set `hits` and `lookups` to 0."""
     # --- geometry ---
     def slot_chunks(self, slot: int) -> tuple[int, int]:
         """Chunks [lo, hi) that slot touches."""
     def chunk_slots(self, chunk: int) -> tuple[int, int]:
         """Slots [lo, hi) that touch chunk."""
     def chunks_within(self, lo: int, hi: int) -> tuple[int, int]:
-        """Chunks [c_lo, c_hi) lying wholly inside slots [lo, hi) (empty: c_lo == c_hi)."""
+        """Chunks [c_lo, c_hi) lying wholly inside slots [lo, hi) (empty: c_lo == c_hi).
+
+        A chunk lies inside when every slot it touches is in [lo, hi): these are the chunks that
+        giving up slots [lo, hi) frees. The bytes of the last chunk past the arena's end belong
+        to no slot, so with hi == n_slots the last chunk is inside as soon as its slots are.
+        """
     def slots_completed_by(self, chunks: np.ndarray) -> np.ndarray:
         """int32 slots, ascending, not backed now that would be if `chunks` were mapped too."""
     def mark_chunks(self, chunks: np.ndarray, mapped: bool) -> None:
-        """Record arena chunks as mapped or unmapped; unmapping one under a resident is an error."""
+        """Record arena chunks as mapped or unmapped; unmapping one under a resident is an error.
+
+        Marking a chunk with the state it already has is allowed. `backed` follows: a slot is
+        backed iff every chunk it touches is mapped.
+
+        Raises:
+            IndexError: a chunk out of range.
+            ValueError: `mapped` is False and a slot touching one of the chunks holds an expert.
+        """
     # --- checks and persistence ---
     def validate(self) -> None:
-        """Check every invariant; AssertionError naming the first broken one."""
-    def save(self, path: str | PathLike[str]) -> None: ...
+        """Check every invariant; AssertionError naming the first broken one.
+
+        res and owner are inverse; every resident slot is backed; backed agrees with
+        chunk_mapped; rank is a permutation; heat is finite and >= 0; n_resident counts the
+        occupied slots; 0 <= floor <= top <= n_slots; 0 <= hits <= lookups.
+        """
+    def save(self, path: str | PathLike[str]) -> None:
+        """Write the books to an `.npz` at `path` (exactly that name, replaced atomically).
+
+        The same books always give the same bytes.
+        """
     @classmethod
-    def load(cls, path: str | PathLike[str]) -> ResidencyTable: ...
+    def load(
+        cls,
+        path: str | PathLike[str],
+        *,
+        n_layers: int | None = None,
+        n_experts: int | None = None,
+        n_slots: int | None = None,
+        slot_bytes: int | None = None,
+        chunk_bytes: int | None = None,
+    ) -> ResidencyTable:
+        """Read books written by `save`; the geometry given must match the stored one.
+
+        Raises:
+            FileNotFoundError: no file at `path`.
+            ValueError: the file is not a readable table, is of another format version, holds
+                arrays of the wrong dtype or shape or inconsistent books, or its geometry differs
+                from one given here; the message names the path and the problem.
+        """
