@@ -52,9 +52,9 @@ def test_simulate_json_is_complete_and_byte_identical(capsys, trace_path):
     assert data["format"] == "strata-simulate" and data["version"] == 1
     rows = [(r["policy"], r["slots"], r["path"]) for r in data["results"]]
     assert rows == [
-        ("static", 4, "batched"), ("lru", 4, "kernel"), ("sieve", 4, "generic"),
+        ("static", 4, "batched"), ("lru", 4, "kernel"), ("sieve", 4, "kernel"),
         ("belady", 4, "bound"), ("oracle-static", 4, "bound"),
-        ("static", 10, "batched"), ("lru", 10, "kernel"), ("sieve", 10, "generic"),
+        ("static", 10, "batched"), ("lru", 10, "kernel"), ("sieve", 10, "kernel"),
         ("belady", 10, "bound"), ("oracle-static", 10, "bound"),
     ]
     for row in data["results"]:

@@ -61,7 +61,7 @@ def test_paths_chosen():
     assert choose_path(REGISTRY.create("coldest-in-loan")) == "batched"
     assert choose_path(REGISTRY.create("lru")) == "kernel"
     assert choose_path(REGISTRY.create("lfu")) == "kernel"
-    assert choose_path(REGISTRY.create("sieve")) == "generic"
+    assert choose_path(REGISTRY.create("sieve")) == "kernel"
     assert choose_path(RefillColdestFirst()) == "batched"
     assert choose_path(CountingStatic()) == "generic"
     assert choose_path(LruSubclass()) == "generic"
@@ -162,11 +162,11 @@ def assert_same(fast, slow):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(run=replay_runs(names=["lru", "lfu", "static", "coldest-in-loan"]))
+@given(run=replay_runs())
 def test_fast_paths_equal_the_generic_path(run):
     trace, name, options, config, profile, env = run
     fast, slow = run_both(trace, lambda: REGISTRY.create(name, options), config, profile, env)
-    assert fast.result.path == ("kernel" if name in ("lru", "lfu") else "batched")
+    assert fast.result.path == ("kernel" if name in ("lru", "lfu", "sieve") else "batched")
     assert_same(fast, slow)
     policy_a, policy_b = fast.checked.policy, slow.checked.policy
     if name == "lru":
@@ -174,6 +174,10 @@ def test_fast_paths_equal_the_generic_path(run):
         assert np.array_equal(policy_a.last_use, policy_b.last_use)
     if name == "lfu":  # bit for bit: the kernel rounds as numpy does
         assert policy_a.counts.tobytes() == policy_b.counts.tobytes()
+    if name == "sieve" and policy_b.visited is not None:
+        assert (policy_a.next_insert, policy_a.hand) == (policy_b.next_insert, policy_b.hand)
+        assert np.array_equal(policy_a.visited, policy_b.visited)
+        assert np.array_equal(policy_a.inserted, policy_b.inserted)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -236,7 +240,7 @@ def workload(seed):
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("name", "options"), [
     ("lru", {}), ("lru", {"max_admits": 1}), ("lfu", {}), ("lfu", {"decay": 0.7}),
-    ("static", {}), ("coldest-in-loan", {}),
+    ("sieve", {}), ("sieve", {"max_admits": 1}), ("static", {}), ("coldest-in-loan", {}),
 ])
 def test_fast_paths_equal_the_generic_path_on_workloads(seed, name, options):
     trace, profile, kv = workload(seed)
@@ -247,4 +251,4 @@ def test_fast_paths_equal_the_generic_path_on_workloads(seed, name, options):
     events = fast.result.events
     assert min(events["grows"], events["gave_up_slots"], events["trims"], events["refills"]) > 0
     assert (events["relocations"] > 0) == (name != "static")
-    assert (fast.result.admissions > 0) == (name in ("lru", "lfu"))
+    assert (fast.result.admissions > 0) == (name in ("lru", "lfu", "sieve"))

@@ -17,10 +17,10 @@ That is the `generic` path, for any policy. Two faster paths give the same count
 - `batched`, for a policy that overrides neither `observe` nor `admit` (`static`,
   `coldest-in-loan`): nothing it decides changes residency between two K/V events, so a span of
   steps is one `lookup`, one `record` and one `observe` per layer;
-- `kernel`, for the built-ins `lru` and `lfu` exactly (not subclasses): their rule in a Cython
-  loop (`strata.sim._kernels.replay_scored`) that updates the policy's own state, so that the
-  K/V events between spans still ask the policy object itself. tests/sim prove both equal to
-  the generic path, step for step.
+- `kernel`, for the built-ins `lru`, `lfu` and `sieve` exactly (not subclasses): their rule in
+  a Cython loop (`strata.sim._kernels.replay_scored`, `replay_sieve`) that updates the
+  policy's own state, so that the K/V events between spans still ask the policy object itself.
+tests/sim prove both fast paths equal to the generic path, step for step.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from strata._residency import ResidencyTable
 from strata.policies import CheckedPolicy, Policy, apply_admit
 from strata.policies.builtin.lfu import Lfu
 from strata.policies.builtin.lru import Lru
+from strata.policies.builtin.sieve import Sieve
 from strata.sim import _kernels
 from strata.sim.kv import KvConfig, KvSim
 from strata.sim.result import ReplayResult
@@ -44,6 +45,7 @@ from strata.sim.trace import Trace
 
 PATH_CHOICES = ("auto", "generic")
 KERNEL_MODES: dict[type, int] = {Lru: _kernels.MODE_LRU, Lfu: _kernels.MODE_LFU}
+KERNEL_POLICIES = (Lru, Lfu, Sieve)
 # Steps per kernel or batched span when no K/V event splits the trace: bounds the progress
 # bar's jumps, not the result.
 SPAN_STEPS = 4096
@@ -99,7 +101,7 @@ def choose_path(policy: Policy, requested: str = "auto") -> str:
     if requested == "generic":
         return "generic"
     cls = type(policy)
-    if cls in KERNEL_MODES:
+    if cls in KERNEL_POLICIES:
         return "kernel"
     if cls.observe is Policy.observe and cls.admit is Policy.admit:
         return "batched"
@@ -207,35 +209,23 @@ class Replay:
                                  steps.distinct_hits[s0:s1, layer],
                                  steps.distinct_misses[s0:s1, layer], scratch)
 
-    # --- kernel: lru and lfu in Cython, on the policy's own state ---
+    # --- kernel: lru, lfu and sieve in Cython, on the policy's own state ---
     def _kernel_span(self, s0: int, s1: int) -> None:
         policy, table, trace = self.checked.policy, self.table, self.trace
-        shape = (trace.n_layers, trace.n_experts)
-        mode = KERNEL_MODES[type(policy)]
-        if mode == _kernels.MODE_LRU:
-            if policy.last_use is None or policy.last_use.shape != shape:
-                policy.last_use = np.full(shape, -1, np.int64)
-            last_use = policy.last_use
-            score = last_use.astype(np.float64)
-            decay = 1.0
-        else:
-            if policy.counts is None or policy.counts.shape != shape:
-                policy.counts = np.zeros(shape, np.float64)
-            score = policy.counts
-            last_use = np.empty((0, 0), np.int64)
-            decay = policy.options.decay
         res, owner, heat = table.res.copy(), table.owner.copy(), table.heat.copy()
         steps = self.result.steps
         admits = np.zeros((s1 - s0, trace.n_layers), np.int32)
-        clock = _kernels.replay_scored(
-            mode, trace.expert_ids, trace.step_offsets, s0, s1, res, owner, heat, table.rank,
-            table.backed.view(np.uint8), table.top, score, last_use,
-            getattr(policy, "clock", 0), decay, policy.options.max_admits,
-            steps.hits[s0:s1], steps.distinct_hits[s0:s1], steps.distinct_misses[s0:s1],
-            admits, self.result.layer_admissions, self.result.layer_evictions,
-        )
-        if mode == _kernels.MODE_LRU:
-            policy.clock = clock
+        books = (res, owner, heat, table.rank, table.backed.view(np.uint8), table.top)
+        outs = (steps.hits[s0:s1], steps.distinct_hits[s0:s1], steps.distinct_misses[s0:s1],
+                admits, self.result.layer_admissions, self.result.layer_evictions)
+        span = (trace.expert_ids, trace.step_offsets, s0, s1)
+        if isinstance(policy, Sieve):
+            self._sieve_state(policy)
+            policy.next_insert, policy.hand = _kernels.replay_sieve(
+                *span, *books, policy.visited.view(np.uint8), policy.inserted,
+                policy.next_insert, policy.hand, policy.options.max_admits, *outs)
+        else:
+            self._scored_span(policy, span, books, outs)
         steps.uploads[s0:s1] += admits.sum(axis=1, dtype=np.int32)
         # The books catch up: residency by difference, heat by recording the span's routing.
         changed = np.flatnonzero(owner != table.owner).astype(np.int32)
@@ -249,6 +239,30 @@ class Replay:
         t0, t1 = trace.step_offsets[s0], trace.step_offsets[s1]
         for layer in range(trace.n_layers):
             table.record(layer, self.ids_by_layer[layer, t0:t1])
+
+    def _scored_span(self, policy: Policy, span: tuple, books: tuple, outs: tuple) -> None:
+        shape = (self.trace.n_layers, self.trace.n_experts)
+        mode = KERNEL_MODES[type(policy)]
+        if mode == _kernels.MODE_LRU:
+            if policy.last_use is None or policy.last_use.shape != shape:
+                policy.last_use = np.full(shape, -1, np.int64)
+            last_use, score, decay = policy.last_use, policy.last_use.astype(np.float64), 1.0
+        else:
+            if policy.counts is None or policy.counts.shape != shape:
+                policy.counts = np.zeros(shape, np.float64)
+            last_use, score, decay = np.empty((0, 0), np.int64), policy.counts, policy.options.decay
+        clock = _kernels.replay_scored(mode, *span, *books, score, last_use,
+                                       getattr(policy, "clock", 0), decay,
+                                       policy.options.max_admits, *outs)
+        if mode == _kernels.MODE_LRU:
+            policy.clock = clock
+
+    def _sieve_state(self, policy: Sieve) -> None:
+        """The policy's arrays, made as its own `_state` makes them when it has none."""
+        shape = (self.trace.n_layers, self.trace.n_experts)
+        if policy.visited is None or policy.visited.shape != shape:
+            policy.visited = np.zeros(shape, bool)
+            policy.inserted = np.full(shape, -1, np.int64)
 
 
 def replay(
