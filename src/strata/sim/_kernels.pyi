@@ -13,7 +13,10 @@ CODE_MISS: int
 CODE_HIT: int
 """`min_bypass`: a hit."""
 CODE_LOADED: int
-"""`min_bypass`: a miss, loaded into the cache."""
+"""`min_bypass`: a miss, loaded into the cache (at the end of its block)."""
+CODE_REPEAT: int
+"""`min_bypass`: a later access, in the same block, of an item that block missed: the bound
+counts it as a hit (see `strata.sim.belady`)."""
 MODE_LRU: int
 """`replay_scored`: the `lru` rule."""
 MODE_LFU: int
@@ -30,15 +33,19 @@ def next_use(seq: np.ndarray, n_items: int) -> np.ndarray:
     item, or A if there is none."""
 
 def min_bypass(
-    seq: np.ndarray, nxt: np.ndarray, capacity: int, n_items: int
+    seq: np.ndarray, nxt: np.ndarray, starts: np.ndarray, capacity: int, n_items: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Belady's MIN with bypass over `seq` int32 [A] with `capacity` slots.
+    """Belady's MIN with bypass over `seq` int32 [A] with `capacity` slots, block by block.
 
-    The cache starts holding the first `capacity` distinct items of `seq` (a free start). On a
-    miss, the item is loaded only if some resident is next used later than it (`nxt`, from
-    `next_use`), evicting the resident next used last; an item never used again is never
-    loaded. Returns uint8 [A] codes (CODE_MISS, CODE_HIT, CODE_LOADED) and int64 [n_items]
-    evictions per item. O(A log A).
+    Blocks are the accesses [starts[b], starts[b+1]) (int64 [B + 1], from 0 to A). The cache
+    starts holding the first `capacity` distinct items of `seq` (a free start). In a block,
+    every lookup comes first: a resident item hits; the first access of another misses, its
+    later ones are REPEATs. Then each missed item, in order, is loaded only if some resident
+    is next used (`nxt`, from `next_use`) after it, evicting the resident next used last; an
+    item never used again is never loaded. This minimises the (block, item) misses of any
+    cache that loads an item only after a block missed it. Returns uint8 [A] codes
+    (CODE_MISS, CODE_HIT, CODE_LOADED, CODE_REPEAT) and int64 [n_items] evictions per item.
+    O(A log A).
     """
 
 def block_stats(
@@ -52,9 +59,9 @@ def block_stats(
     loads: np.ndarray,
 ) -> None:
     """Per block b (accesses [starts[b], starts[b+1]) of `items` int32 [A] and their `codes`
-    uint8 [A], 1 = hit, 2 = loaded, 0 = miss; bool hit masks viewed as uint8 work): hits, the
-    distinct items hit, the distinct items missed and the loads, written into four int32 [B]
-    outputs (any stride)."""
+    uint8 [A], the CODE_* values; bool hit masks viewed as uint8 work): hits (HIT and REPEAT),
+    the distinct items hit (HIT), the distinct items missed (MISS or LOADED) and the loads,
+    written into four int32 [B] outputs (any stride)."""
 
 def replay_scored(
     mode: int,
@@ -95,4 +102,35 @@ def replay_scored(
     added to and `out_distinct_misses` written, all int32 [step_hi - step_lo, L] and zero on
     entry; `layer_admits` and `layer_evictions` int64 [L] are added to, by the layer of the
     admitted and of the evicted expert.
+    """
+
+def replay_sieve(
+    ids: np.ndarray,
+    step_offsets: np.ndarray,
+    step_lo: int,
+    step_hi: int,
+    res: np.ndarray,
+    owner: np.ndarray,
+    heat: np.ndarray,
+    rank: np.ndarray,
+    backed: np.ndarray,
+    top: int,
+    visited: np.ndarray,
+    inserted: np.ndarray,
+    next_insert: int,
+    hand: int,
+    max_admits: int,
+    out_hits: np.ndarray,
+    out_distinct_hits: np.ndarray,
+    out_distinct_misses: np.ndarray,
+    out_admits: np.ndarray,
+    layer_admits: np.ndarray,
+    layer_evictions: np.ndarray,
+) -> tuple[int, int]:
+    """Steps [step_lo, step_hi) of the `sieve` rule, exactly as
+    `strata.policies.builtin.sieve.Sieve` stepped through the engine's sequence would run them.
+
+    The books' copies and the outputs are as for `replay_scored`. The policy's state is updated
+    in place: `visited` (its bool [L, E] viewed as uint8) and `inserted` int64 [L, E]; its
+    `next_insert` and `hand` are passed in and the new ones returned.
     """

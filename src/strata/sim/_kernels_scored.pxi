@@ -8,7 +8,8 @@
 # slots below `top`, empty ones first (ascending), then residents of the lowest score (then
 # colder in heat order); lfu admits a pair only while the miss scores above the victim.
 # Scores and heat change only in the layer stepped, so the coldest resident of each layer is
-# kept (`layer_min`) and the coldest overall is the coldest of those L.
+# kept (`layer_min`, found among the layer's residents below top, `members`) and the coldest
+# overall is the coldest of those L.
 
 cdef struct Books:
     int32_t *res          # [L * E] slot or -1
@@ -19,7 +20,28 @@ cdef struct Books:
     int64_t *last_use     # [L * E] (lru) or NULL
     uint8_t *taken        # [n_slots]: a victim of this admit call
     int32_t *layer_min    # [L]: slot of the coldest eligible resident of each layer, or -1
+    int32_t *members      # [L * E]: layer l's residents below top, flat ids, at [l * E, ...)
+    int32_t *n_members    # [L]
+    int32_t *member_at    # [L * E]: each expert's index in its layer's members, or -1
     Py_ssize_t n_layers, n_experts, top
+
+
+cdef inline void _join(Books *b, Py_ssize_t x) noexcept nogil:
+    cdef Py_ssize_t layer = x // b.n_experts
+    b.member_at[x] = b.n_members[layer]
+    b.members[layer * b.n_experts + b.n_members[layer]] = <int32_t>x
+    b.n_members[layer] += 1
+
+
+cdef inline void _leave(Books *b, Py_ssize_t x) noexcept nogil:
+    """Swap the last member into x's place."""
+    cdef Py_ssize_t layer = x // b.n_experts, i = b.member_at[x]
+    cdef int32_t last
+    b.n_members[layer] -= 1
+    last = b.members[layer * b.n_experts + b.n_members[layer]]
+    b.members[layer * b.n_experts + i] = last
+    b.member_at[last] = <int32_t>i
+    b.member_at[x] = -1
 
 
 cdef inline bint _colder(Books *b, Py_ssize_t x, Py_ssize_t y) noexcept nogil:
@@ -41,12 +63,11 @@ cdef inline bint _better_miss(Books *b, Py_ssize_t x, Py_ssize_t y) noexcept nog
 
 
 cdef void _layer_min(Books *b, Py_ssize_t layer) noexcept nogil:
-    cdef Py_ssize_t e, x, best = -1
-    cdef int32_t slot
-    for e in range(b.n_experts):
-        x = layer * b.n_experts + e
-        slot = b.res[x]
-        if slot < 0 or slot >= b.top or b.taken[slot]:
+    cdef Py_ssize_t i, x, best = -1
+    cdef const int32_t *members = b.members + layer * b.n_experts
+    for i in range(b.n_members[layer]):
+        x = members[i]
+        if b.taken[b.res[x]]:
             continue
         if best < 0 or _colder(b, x, best):
             best = x
@@ -140,10 +161,12 @@ cdef void _replay_scored(
                 b.taken[slot] = 1  # what this call admits is no victim of it
                 b.res[x] = slot
                 b.owner[slot] = <int32_t>x
+                _join(b, x)
                 layer_admits[layer] += 1
                 out_admits[row, layer] += 1
                 if victim >= 0:
                     b.res[victim] = -1
+                    _leave(b, victim)
                     layer_evictions[victim // E] += 1
             for i in range(n_take):
                 slot = b.res[layer * E + missed[i]]
@@ -213,8 +236,19 @@ def replay_scored(
     counts = np.empty(E, np.int32)
     layer_min = np.empty(L, np.int32)
     taken = np.zeros(n_slots, np.uint8)
+    # Each layer's residents below top, as `_join` would list them.
+    below_top = (res_a >= 0) & (res_a < top)
+    layer_of = np.arange(L * E) // E
+    member_at = np.full(L * E, -1, np.int32)
+    members = np.zeros(L * E, np.int32)
+    n_members = np.bincount(layer_of[below_top], minlength=L).astype(np.int32)
+    flat_ids = np.flatnonzero(below_top)
+    index = np.arange(flat_ids.size) - np.searchsorted(flat_ids, layer_of[flat_ids] * E)
+    member_at[flat_ids] = index
+    members[layer_of[flat_ids] * E + index] = flat_ids
     cdef int32_t[::1] empties_v = empties, missed_v = missed, counts_v = counts
-    cdef int32_t[::1] layer_min_v = layer_min
+    cdef int32_t[::1] layer_min_v = layer_min, members_v = members, n_members_v = n_members
+    cdef int32_t[::1] member_at_v = member_at
     cdef uint8_t[::1] taken_v = taken
     cdef int64_t[::1] seen_v = seen
     cdef Books b
@@ -226,6 +260,7 @@ def replay_scored(
     b.last_use = &last_use[0, 0] if mode == MODE_LRU else NULL
     b.taken = &taken_v[0] if n_slots else NULL
     b.layer_min = &layer_min_v[0]
+    b.members, b.n_members, b.member_at = &members_v[0], &n_members_v[0], &member_at_v[0]
     b.n_layers, b.n_experts, b.top = L, E, top
     cdef int64_t clock_v = clock
     with nogil:
