@@ -240,14 +240,14 @@ def simulate(args: argparse.Namespace, trace: Trace) -> tuple[list[ReplayResult]
 
 
 def _table(rows: Sequence[dict[str, Any]], with_cost: bool) -> str:
-    head = ["policy", "path", "slots", "hit rate", "hits", "misses", "admitted", "evicted",
-            "moved", "refilled"]
+    head = ["policy", "path", "slots", "hit rate", "decode", "hits", "misses", "admitted",
+            "evicted", "moved", "refilled"]
     if with_cost:
         head += ["ms/round", "decode tok/s"]
     body = []
     for row in rows:
         line = [row["policy"], row["path"], str(row["slots"]), f"{row['hit_rate']:.4f}",
-                str(row["hits"]), str(row["misses"]), str(row["admissions"]),
+                f"{row['decode']['hit_rate']:.4f}", str(row["hits"]), str(row["misses"]), str(row["admissions"]),
                 str(row["evictions"]), str(row["relocations"]), str(row["refills"])]
         if with_cost:
             cost = row["cost"]
