@@ -247,8 +247,9 @@ def _table(rows: Sequence[dict[str, Any]], with_cost: bool) -> str:
     body = []
     for row in rows:
         line = [row["policy"], row["path"], str(row["slots"]), f"{row['hit_rate']:.4f}",
-                f"{row['decode']['hit_rate']:.4f}", str(row["hits"]), str(row["misses"]), str(row["admissions"]),
-                str(row["evictions"]), str(row["relocations"]), str(row["refills"])]
+                f"{row['decode']['hit_rate']:.4f}", str(row["hits"]), str(row["misses"]),
+                str(row["admissions"]), str(row["evictions"]), str(row["relocations"]),
+                str(row["refills"])]
         if with_cost:
             cost = row["cost"]
             line += ["-" if cost["decode_round_ms"] is None else f"{cost['decode_round_ms']:.2f}",
