@@ -3,7 +3,8 @@
 Legend: N tokens, L layers, E experts per layer, K experts per token, S steps, A accesses
 (N * L * K), B blocks. A flat expert id is `layer * E + expert`. Integer arrays must have the
 dtype named, C-contiguous (int32 ids, int64 offsets); wrong shapes are a ValueError, an id out
-of range an IndexError, both raised before anything is written.
+of range an IndexError, both raised before anything is written. `access_sequence` and the
+`replay_*` kernels trust the expert ids of `ids` to be in [0, E): pass a checked `Trace`'s.
 """
 
 import numpy as np

@@ -202,6 +202,8 @@ def simulate(args: argparse.Namespace, trace: Trace) -> tuple[list[ReplayResult]
     specs = _policies(args, registry)
     kv = _kv_config(args, trace)
     profile, profile_text = _profile(args, trace)
+    if args.loan_slots < 0:
+        raise UsageError(f"--loan-slots must be >= 0, got {args.loan_slots}")
     for slots in args.slots:
         if args.loan_slots > slots:
             raise UsageError(f"--loan-slots {args.loan_slots} exceeds --slots {slots}")
