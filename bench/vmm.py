@@ -2,8 +2,8 @@
 
 Each operation is timed on strata's ranges and on the same system or driver calls made directly
 in a Python loop (the baseline: ctypes mmap/mprotect on the host, cuda-python's driver calls on
-cuda), in the same run, and reported as µs per chunk and the ratio strata / direct. Medians of
-`--repeat` rounds.
+cuda, without strata's error checks and bookkeeping), alternating round by round in the same
+run, and reported as µs per chunk and the ratio strata / direct. Medians of `--repeat` rounds.
 
     python bench/vmm.py                       # host backend
     python bench/vmm.py --backend cuda --json # on the GPU machine
@@ -27,24 +27,27 @@ from strata import _vmm
 SIZES = (1, 16, 256)
 
 
-def median_us(fn, repeat: int) -> float:
-    """Median wall time of fn() in µs; fn() returns the time of its timed part in ns.
+def interleaved_us(mine, theirs, repeat: int) -> tuple[float, float]:
+    """Median µs of mine() and of theirs(), run alternately; each returns its timed part in ns.
 
-    The cyclic garbage collector is off while timing (as in `timeit`), for both sides alike: a
-    collection landing inside one side's timed part would be charged to that side alone.
+    Alternating puts both sides under the same machine and driver state, round by round. The
+    cyclic garbage collector is off while timing (as in `timeit`), for both sides alike.
     """
-    fn()  # warm-up
+    mine(), theirs()  # warm-up
     gc.disable()
     try:
-        return statistics.median(fn() for _ in range(repeat)) / 1e3
+        pairs = [(mine(), theirs()) for _ in range(repeat)]
     finally:
         gc.enable()
+    return (statistics.median(a for a, _ in pairs) / 1e3,
+            statistics.median(b for _, b in pairs) / 1e3)
 
 
 # --- strata ----------------------------------------------------------------------------------
 
 
-def strata_ops(backend: _vmm.Backend, n: int, repeat: int) -> dict[str, float]:
+def strata_ops(backend: _vmm.Backend, n: int):
+    """The timed operations on strata's ranges, and a function that frees what they use."""
     rng = backend.reserve(n * backend.chunk_bytes)
     other = backend.reserve(backend.chunk_bytes)
 
@@ -73,14 +76,11 @@ def strata_ops(backend: _vmm.Backend, n: int, repeat: int) -> dict[str, float]:
             chunk.release()
         return t1 - t0
 
-    out = {
-        "map": median_us(map_new, repeat),
-        "unmap": median_us(unmap_release, repeat),
-        "move": median_us(move_one, repeat),
-    }
-    rng.close()
-    other.close()
-    return out
+    def close():
+        rng.close()
+        other.close()
+
+    return {"map": map_new, "unmap": unmap_release, "move": move_one}, close
 
 
 # --- direct host calls (ctypes) ------------------------------------------------------------
@@ -105,7 +105,7 @@ class HostDirect:
         self.fd = os.memfd_create("bench", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, 1 << 33)
 
-    def ops(self, n: int, repeat: int) -> dict[str, float]:
+    def ops(self, n: int):
         libc, c = self.libc, self.chunk
         base = libc.mmap(None, n * c, self.PROT_NONE, self.ANON_RESERVE, -1, 0)
         spare = libc.mmap(None, c, self.PROT_NONE, self.ANON_RESERVE, -1, 0)
@@ -145,14 +145,11 @@ class HostDirect:
             unmap_all()
             return t1 - t0
 
-        out = {
-            "map": median_us(map_new, repeat),
-            "unmap": median_us(unmap_release, repeat),
-            "move": median_us(move_one, repeat),
-        }
-        libc.munmap(ctypes.c_void_p(base), n * c)
-        libc.munmap(ctypes.c_void_p(spare), c)
-        return out
+        def close():
+            libc.munmap(ctypes.c_void_p(base), n * c)
+            libc.munmap(ctypes.c_void_p(spare), c)
+
+        return {"map": map_new, "unmap": unmap_release, "move": move_one}, close
 
 
 # --- direct driver calls (cuda-python) ------------------------------------------------------
@@ -175,7 +172,7 @@ class CudaDirect:
         access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.prop, self.access = prop, [access]
 
-    def ops(self, n: int, repeat: int) -> dict[str, float]:
+    def ops(self, n: int):
         drv, c = self.drv, self.c
         _, base = drv.cuMemAddressReserve(n * c, c, 0, 0)
         _, spare = drv.cuMemAddressReserve(c, c, 0, 0)
@@ -220,14 +217,11 @@ class CudaDirect:
             unmap_all(lo=1)
             return t1 - t0
 
-        out = {
-            "map": median_us(map_new, repeat),
-            "unmap": median_us(unmap_release, repeat),
-            "move": median_us(move_one, repeat),
-        }
-        drv.cuMemAddressFree(drv.CUdeviceptr(base), n * c)
-        drv.cuMemAddressFree(drv.CUdeviceptr(spare), c)
-        return out
+        def close():
+            drv.cuMemAddressFree(drv.CUdeviceptr(base), n * c)
+            drv.cuMemAddressFree(drv.CUdeviceptr(spare), c)
+
+        return {"map": map_new, "unmap": unmap_release, "move": move_one}, close
 
 
 def run(kind: str, repeat: int) -> list[dict]:
@@ -242,16 +236,19 @@ def run(kind: str, repeat: int) -> list[dict]:
         direct = HostDirect(backend.chunk_bytes)
     rows = []
     for n in SIZES:
-        mine = strata_ops(backend, n, repeat)
-        theirs = direct.ops(n, repeat)
+        mine, close_mine = strata_ops(backend, n)
+        theirs, close_theirs = direct.ops(n)
         for op in ("map", "unmap", "move"):
+            mine_us, theirs_us = interleaved_us(mine[op], theirs[op], repeat)
             per = 1 if op == "move" else n
             rows.append({
                 "backend": kind, "chunks": n, "op": op,
-                "strata_us_per_chunk": mine[op] / per,
-                "direct_us_per_chunk": theirs[op] / per,
-                "ratio": mine[op] / theirs[op],
+                "strata_us_per_chunk": mine_us / per,
+                "direct_us_per_chunk": theirs_us / per,
+                "ratio": mine_us / theirs_us,
             })
+        close_mine()
+        close_theirs()
     backend.close()
     return rows
 
