@@ -1,4 +1,4 @@
-"""Shared test setup. Test helpers that are not tests live in tests/support/ (importable as `support`)."""
+"""Shared test setup. Helpers that are not tests live in tests/support/ (imported as `support`)."""
 
 import sys
 from pathlib import Path
