@@ -13,7 +13,7 @@ from strata.sim.trace import DECODE, PROMPT, Trace
 
 REGISTRY = load_registry()
 # Steps of 2 cells; a K/V chunk holds 2 cells; an arena chunk holds one slot.
-ENV = {"STRATA_KV_GROW_INIT": "2", "STRATA_KV_GROW_STEP": "2"}
+ENV = {"STRATA_KV_GROW_INIT": "2", "STRATA_KV_GROW_STEP": "2", "STRATA_KV_GROW_FLOOR": ""}
 PROFILE = np.array([[8, 7, 6, 5, 4, 3, 2, 1]])  # expert e has rank e
 
 

@@ -136,7 +136,7 @@ def replay_runs(draw, names=None):
             floor_slots=draw(st.integers(0, 2)),
         )
         env = {"STRATA_KV_GROW_INIT": str(draw(st.integers(1, 4))),
-               "STRATA_KV_GROW_STEP": str(draw(st.integers(1, 3)))}
+               "STRATA_KV_GROW_STEP": str(draw(st.integers(1, 3))), "STRATA_KV_GROW_FLOOR": ""}
     config = ReplayConfig(slots=slots, loan_slots=loan, kv=kv)
     return trace, name, policy_options(draw, name), config, profile_for(draw, trace), env
 
@@ -245,7 +245,7 @@ def workload(seed):
 def test_fast_paths_equal_the_generic_path_on_workloads(seed, name, options):
     trace, profile, kv = workload(seed)
     config = ReplayConfig(slots=20, loan_slots=3, kv=kv)
-    env = {"STRATA_KV_GROW_INIT": "4", "STRATA_KV_GROW_STEP": "4"}
+    env = {"STRATA_KV_GROW_INIT": "4", "STRATA_KV_GROW_STEP": "4", "STRATA_KV_GROW_FLOOR": ""}
     fast, slow = run_both(trace, lambda: REGISTRY.create(name, options), config, profile, env)
     assert_same(fast, slow)
     events = fast.result.events

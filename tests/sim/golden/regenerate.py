@@ -28,7 +28,7 @@ TRACE_SPEC = dict(kind="markov", n_layers=3, n_experts=8, top_k=2, n_requests=10
                   prompt_tokens=(1, 40), decode_tokens=(1, 12), prompt_chunk=8, seed=0)
 PROFILE_SPEC = {**TRACE_SPEC, "n_requests": 4, "seed": 100}
 
-KV_ENV = {"STRATA_KV_GROW_INIT": "4", "STRATA_KV_GROW_STEP": "4"}
+KV_ENV = {"STRATA_KV_GROW_INIT": "4", "STRATA_KV_GROW_STEP": "4", "STRATA_KV_GROW_FLOOR": ""}
 SETUPS = {
     "fixed": {"slots": 12, "loan_slots": 2, "kv": None},
     # 20 slots of 3 bytes over chunks of 4 (15 chunks), 1 K/V chunk of 4 cells at start,
