@@ -16,6 +16,7 @@ from strata import __version__
 # that takes the parsed namespace and returns an exit status. Listed in the order of `--help`.
 COMMAND_MODULES: tuple[str, ...] = (
     "strata.engine.cli_generate",
+    "strata.engine.cli_profile",
     "strata.policies.cli",
     "strata.sim.cli_simulate",
     "strata.sim.cli_trace",

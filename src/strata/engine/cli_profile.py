@@ -1,0 +1,226 @@
+"""`strata profile --model DIR --prompts FILE -o profile.npz`: count which experts a model's
+router picks while it reads some prompts, and write the counts as an expert profile.
+
+The model runs through the real loader, every expert resident (on the CPU or the GPU), with a
+`RoutingCounter` around its experts: the model code does not change. Each prompt is read in
+chunks of `--prefill-chunk` tokens, then `--decode N` tokens are generated greedily and counted
+too. The profile (`strata.engine.cache.profile`) is what `--expert-profile` fills the cache by
+and what `strata simulate --profile` starts from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from strata.cli import UsageError
+
+DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+SOURCE = "strata profile"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "profile",
+        help="count a model's expert routing over some prompts: an expert profile (.npz)",
+        description=(
+            "Run a model over prompts (one per line, or JSON Lines: a string or an object with "
+            "'prompt' or 'text' per line) and write how often each expert was routed to, with "
+            "the ranking and the model's identity, to an .npz that --expert-profile fills the "
+            "expert cache by and `strata simulate --profile` reads."
+        ),
+    )
+    parser.add_argument("--model", metavar="DIR", required=True,
+                        help="a checkpoint directory (HF layout)")
+    parser.add_argument("--prompts", metavar="FILE", required=True,
+                        help="prompts, one per line (blank lines skipped); .jsonl: JSON Lines")
+    parser.add_argument("-o", "--output", metavar="PATH", required=True,
+                        help="where to write the profile (.npz)")
+    parser.add_argument("--decode", type=int, default=0, metavar="N",
+                        help="tokens to generate greedily after each prompt, counted too (0)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                        help="prompt tokens per forward (512)")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap each prompt as a user turn (chat template)")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                        help="auto (the checkpoint's own, bf16 if it is fp16), bf16 or fp32")
+    parser.add_argument("--json", action="store_true",
+                        help="print the profile's summary as one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts in a file: one per non-blank line, or for `.jsonl` one JSON value per
+    non-blank line (a string, or an object with a string 'prompt' or 'text').
+
+    Raises:
+        UsageError: the file cannot be read, a JSON line is bad (its number is named), or the
+            file holds no prompt.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"--prompts {path}: {getattr(err, 'strerror', None) or err}") from None
+    prompts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            prompts.append(line)
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"--prompts {path}:{number}: not JSON ({err.msg})") from None
+        if isinstance(value, dict):
+            value = value.get("prompt", value.get("text"))
+        if not isinstance(value, str) or not value:
+            raise UsageError(
+                f"--prompts {path}:{number}: want a non-empty string or an object with a "
+                "string 'prompt' or 'text'"
+            )
+        prompts.append(value)
+    if not prompts:
+        raise UsageError(f"--prompts {path} holds no prompt (every line is blank)")
+    return prompts
+
+
+def collect_counts(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    decode_tokens: int = 0,
+    prefill_chunk: int = 512,
+    on_prompt: Callable[[], None] | None = None,
+) -> tuple[Any, dict[str, int]]:
+    """Run each prompt (token ids) through `model`, then `decode_tokens` greedy tokens, and
+    count the routing. Returns (counts int64 [L, E], figures: prompts, prompt_tokens,
+    decode_tokens). The model's experts are put back as they were."""
+    from strata.engine.cache.routing import RoutingCounter, installed
+    from strata.engine.generate import GenerateOptions, generate
+
+    cfg = model.config
+    counter = RoutingCounter(model.experts, cfg.n_layers, cfg.n_experts, model.device)
+    prompt_tokens = 0
+    with installed(model, counter):
+        for ids in prompts:
+            options = GenerateOptions(
+                # max_new counts the token sampled from the prompt, which is not fed back.
+                max_new=decode_tokens + 1,
+                max_context=len(ids) + decode_tokens + 1,
+                temperature=0.0,
+                prefill_chunk=prefill_chunk,
+                ignore_stop=True,
+                cuda_graphs=False,  # a graph replay would bypass the counter
+            )
+            generate(model, None, ids, options)
+            prompt_tokens += len(ids)
+            if on_prompt is not None:
+                on_prompt()
+    figures = {
+        "prompts": len(prompts),
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens * len(prompts),
+    }
+    return counter.counts(), figures
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"unknown --device {name!r}; use cuda or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
+    return device
+
+
+def _progress(args: argparse.Namespace, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="prompt", desc="profiling", file=sys.stderr, leave=False,
+                disable=True if args.quiet else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from strata.engine.cache.profile import Profile, save_profile
+    from strata.engine.checkpoint import CheckpointError
+    from strata.engine.config import ModelConfig
+    from strata.engine.generate import GenerateOptions, check_prompt
+    from strata.engine.model import load_model
+    from strata.engine.tokenizer import Tokenizer, TokenizerError
+
+    for flag, value, low in (("--decode", args.decode, 0), ("--prefill-chunk",
+                                                            args.prefill_chunk, 1)):
+        if value < low:
+            raise UsageError(f"{flag} must be >= {low}, got {value}")
+    device = _device(args.device)
+    output = Path(args.output)
+    if not output.absolute().parent.is_dir():
+        raise UsageError(f"-o {output}: its directory does not exist")
+    if output.is_dir():
+        raise UsageError(f"-o {output} is a directory; give a file path (profile.npz)")
+    texts = read_prompts(args.prompts)
+    model_dir = Path(args.model)
+    try:
+        config = ModelConfig.from_dir(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        prompts = [
+            tokenizer.encode_chat([{"role": "user", "content": text}]) if args.chat
+            else tokenizer.encode(text)
+            for text in texts
+        ]
+        for number, ids in enumerate(prompts, start=1):
+            need = len(ids) + args.decode + 1
+            try:
+                check_prompt(ids, GenerateOptions(max_new=args.decode + 1, max_context=need),
+                             config.vocab_size)
+            except ValueError as err:
+                raise UsageError(f"--prompts {args.prompts}: prompt {number}: {err}") from None
+        model = load_model(model_dir, device=device, dtype=DTYPES[args.dtype])
+    except (CheckpointError, TokenizerError, ValueError) as err:
+        raise UsageError(" ".join(str(err).split())) from None
+    with _progress(args, len(prompts)) as bar:
+        counts, figures = collect_counts(model, prompts, decode_tokens=args.decode,
+                                         prefill_chunk=args.prefill_chunk, on_prompt=bar.update)
+    meta = {
+        "source": SOURCE,
+        "model": str(model_dir),
+        "prompts_file": str(args.prompts),
+        "device": device.type,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "chat": bool(args.chat),
+        **figures,
+    }
+    profile = Profile.for_model(counts, model.config, meta)
+    try:
+        save_profile(profile, output)
+    except OSError as err:
+        raise UsageError(f"-o {output}: {err.strerror or err}") from None
+    summary = profile.summary()
+    if args.json:
+        print(json.dumps({"path": str(output), **summary}, sort_keys=True))
+        return 0
+    hottest = profile.order()[:3]
+    names = ", ".join(f"{f // profile.n_experts}/{f % profile.n_experts}" for f in hottest)
+    print(
+        f"profiled {figures['prompts']} prompts: {figures['prompt_tokens']} prompt + "
+        f"{figures['decode_tokens']} decoded tokens, {profile.n_layers} layers x "
+        f"{profile.n_experts} experts ({summary['unused_experts']} never routed to); "
+        f"hottest (layer/expert): {names}; wrote {output}",
+        file=sys.stderr,
+    )
+    return 0
