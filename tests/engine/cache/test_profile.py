@@ -98,6 +98,8 @@ def test_save_load_round_trip_and_same_bytes(tmp_path):
     save_profile(profile, a)
     save_profile(load_profile(a), b)
     assert a.read_bytes() == b.read_bytes()
+    Profile.load(a).save(b)  # the same through the methods
+    assert a.read_bytes() == b.read_bytes()
     loaded = load_profile(a)
     assert np.array_equal(loaded.counts, COUNTS) and loaded.counts.dtype == np.int64
     assert np.array_equal(loaded.rank, profile.rank)

@@ -152,6 +152,15 @@ class Profile:
         profile.check(config)
         return profile
 
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        """`load_profile(path)`."""
+        return load_profile(path)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """`save_profile(self, path)`."""
+        save_profile(self, path)
+
     @property
     def n_layers(self) -> int:
         return int(self.counts.shape[0])
