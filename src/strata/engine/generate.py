@@ -2,11 +2,13 @@
 
 The prompt is read in chunks of `prefill_chunk` tokens into a K/V of `max_context` cells; the
 last chunk's last logits give the first generated token. Each decode round then runs one token
-through the model and samples the next. On CUDA a decode round replays a CUDA graph captured for
-the round's attention window (`GRAPH_WINDOW_CELLS`-cell buckets, so a round reads only the
-cells it needs; the graphs a run needs are captured before the decode clock starts); elsewhere,
-or with `cuda_graphs=False`, it runs eagerly. The graph path attends through a mask over its
-window, the eager one over exactly the cells written, so the two may differ in the last bits;
+through the model and samples the next. On CUDA, with every expert resident (`ResidentExperts`),
+a decode round replays a CUDA graph captured for the round's attention window
+(`GRAPH_WINDOW_CELLS`-cell buckets, so a round reads only the cells it needs; the graphs a run
+needs are captured before the decode clock starts); elsewhere, with `cuda_graphs=False`, or with
+the expert cache (it reads the routing on the host every layer) or a wrapper around the experts,
+it runs eagerly. The graph path attends through a mask over its window, the eager one over
+exactly the cells written, so the two may differ in the last bits;
 each is deterministic.
 
 Timing: prefill is measured from the first chunk to the first token sampled; decode from the
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from strata.engine.experts import ResidentExperts
 from strata.engine.sampling import Sampler
 from strata.engine.tokenizer import Tokenizer
 
@@ -71,6 +74,7 @@ class GenerateResult:
     stop_reason: str  # "eos" (a stop id was generated) or "max_new"
     decode_path: str  # "cuda-graph" or "eager"
     first_logits: torch.Tensor = field(repr=False)  # float32 [V] on the CPU: the first position
+    cache: Any = None  # the expert cache's CacheStats of this request, or None without a cache
 
     @property
     def prefill_tok_s(self) -> float:
@@ -98,6 +102,7 @@ class GenerateResult:
             "decode_setup_s": self.decode_setup_s,
             "stop_reason": self.stop_reason,
             "decode_path": self.decode_path,
+            **({"cache": self.cache.as_dict()} if self.cache is not None else {}),
         }
 
 
@@ -117,6 +122,16 @@ def check_prompt(prompt_ids: Sequence[int], options: GenerateOptions, vocab_size
         raise ValueError(
             f"prompt token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
         )
+
+
+def expert_cache(experts: Any) -> Any:
+    """The expert cache (`CachedExperts`) under `experts` and any wrappers around it (each
+    wrapper's `inner`), or None when the experts are not cached."""
+    from strata.engine.cache.cached_experts import CachedExperts
+
+    while not isinstance(experts, CachedExperts) and hasattr(experts, "inner"):
+        experts = experts.inner
+    return experts if isinstance(experts, CachedExperts) else None
 
 
 def _sync(device: torch.device) -> None:
@@ -240,8 +255,12 @@ def generate(
             if on_text is not None:
                 on_text(piece)
 
+    cached = expert_cache(model.experts)
+    cache_stats = None
     kv = model.new_kv(options.max_context)
     try:
+        if cached is not None:
+            cached.begin_request()
         ids = torch.tensor(prompt, dtype=torch.int64, device=device)  # [P]
         _sync(device)
         start = time.perf_counter()
@@ -250,13 +269,18 @@ def generate(
             logits = model.forward(chunk, chunk_start, kv, last_only=True)  # [1, V]
         first_logits = logits[-1]  # [V]
         token = sampler.sample(first_logits)
+        if cached is not None:
+            cached.set_phase("decode")  # the prompt loan gives its slots back here
         _sync(device)
         prefill_s = time.perf_counter() - start
         first_logits = first_logits.float().cpu()
 
         tokens = [token]
         emit(token)
-        use_graphs = options.cuda_graphs and device.type == "cuda"
+        # Graphs replay only plain resident experts: a cache or a wrapper works on the host.
+        use_graphs = options.cuda_graphs and device.type == "cuda" and isinstance(
+            model.experts, ResidentExperts
+        )
         step = _GraphDecode(model, kv, options.compile) if use_graphs else _EagerDecode(model, kv)
         position = len(prompt)  # the cell of the token being fed
         start = time.perf_counter()
@@ -274,6 +298,8 @@ def generate(
         decode_s = time.perf_counter() - start
     finally:
         kv.close()
+        if cached is not None:
+            cache_stats = cached.end_request()
     if detok is not None:
         tail = detok.flush()
         if tail:
@@ -291,4 +317,5 @@ def generate(
         stop_reason="eos" if tokens[-1] in stop_ids else "max_new",
         decode_path=step.path,
         first_logits=first_logits,
+        cache=cache_stats,
     )

@@ -10,6 +10,7 @@ roles present. Experts are computed through the `Experts` interface only.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,10 @@ from strata.engine.experts import Experts, ExpertStore, ResidentExperts
 from strata.engine.kv import KVCache, kv_backend
 from strata.engine.layers import DecoderLayer, attention_mask, rms_norm, rope_cos_sin, rope_inv_freq
 
-__all__ = ["RUNTIME_DTYPES", "MoEModel", "load_model"]
+if TYPE_CHECKING:
+    from strata.engine.cache.build import CacheConfig
+
+__all__ = ["RUNTIME_DTYPES", "MoEModel", "load_model", "runtime_dtype"]
 
 # The dtypes the model computes in: bf16 (the GPU's), or fp32 (the CPU's reference numerics).
 RUNTIME_DTYPES = (torch.bfloat16, torch.float32)
@@ -150,17 +154,30 @@ class MoEModel:
         return F.linear(x, self.lm_head).float()  # [T, V]
 
 
+def runtime_dtype(cfg: ModelConfig, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a model computes in: `dtype`, or (None) the checkpoint's own if it is one of
+    RUNTIME_DTYPES, else bfloat16. ValueError for a dtype outside RUNTIME_DTYPES."""
+    if dtype is None:
+        dtype = cfg.dtype if cfg.dtype in RUNTIME_DTYPES else torch.bfloat16
+    if dtype not in RUNTIME_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; supported: bfloat16, float32")
+    return dtype
+
+
 def load_model(
     path: str | Path,
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     progress: bool = False,
+    cache: CacheConfig | None = None,
 ) -> MoEModel:
     """Load a checkpoint directory onto `device` in `dtype` (None: the checkpoint's own).
 
-    Every expert is resident on `device` (`ResidentExperts`). `progress` shows a tqdm bar over
-    the tensors read. Raises `CheckpointError` for a bad checkpoint, ValueError for a bad dtype.
+    Without `cache`, every expert is resident on `device` (`ResidentExperts`); with one, the
+    experts run through the expert cache it configures (`strata.engine.cache`), from a host
+    store (pinned on CUDA). `progress` shows a tqdm bar over the tensors read. Raises
+    `CheckpointError` for a bad checkpoint, ValueError for a bad dtype.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -168,10 +185,7 @@ def load_model(
         device = torch.device("cuda", torch.cuda.current_device())
     ckpt = Checkpoint.open(path)
     cfg = ckpt.config
-    if dtype is None:
-        dtype = cfg.dtype if cfg.dtype in RUNTIME_DTYPES else torch.bfloat16
-    if dtype not in RUNTIME_DTYPES:
-        raise ValueError(f"dtype {dtype} is not supported; supported: bfloat16, float32")
+    dtype = runtime_dtype(cfg, dtype)
     fam = families.family(cfg.family)
     total = len(families.expected_tensors(cfg))
     bar = None
@@ -195,9 +209,15 @@ def load_model(
             weights = {role: read(names[role]) for role in families.layer_shapes(cfg)}
             layers.append(DecoderLayer(cfg, layer, weights))
         store = ExpertStore.from_checkpoint(
-            ckpt, dtype, on_tensor=bar.update if bar is not None else None
+            ckpt, dtype, pin_memory=cache is not None and device.type == "cuda",
+            on_tensor=bar.update if bar is not None else None,
         )
-        experts = ResidentExperts(store, device, dtype)
+        if cache is None:
+            experts: Experts = ResidentExperts(store, device, dtype)
+        else:
+            from strata.engine.cache.build import build_cached_experts
+
+            experts = build_cached_experts(cache, store, device)
     finally:
         if bar is not None:
             bar.close()

@@ -1,0 +1,195 @@
+"""The arena: the slots of the expert cache, back to back in one `_vmm` range.
+
+Dimension letters: S slots, D hidden size, F expert width.
+
+Slot `s` occupies bytes [s * slot_bytes, (s + 1) * slot_bytes) of the range; its first
+`blob_bytes` hold one expert's blob (gate [F, D] | up [F, D] | down [D, F], see
+`strata.engine.experts`), the rest is padding up to a multiple of `SLOT_ALIGN_BYTES`. Tensors
+over the slots are zero-copy views of the range, so a kernel reads an expert straight from its
+slot. The arena knows nothing of which expert is where: that is the books'
+(`strata._residency.ResidencyTable`).
+
+Uploads on CUDA run on a copy stream that first waits for the compute stream (a slot being
+overwritten may still be read by a kernel already queued), asynchronously from a pinned store,
+and are complete when `upload` returns (one sync per batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from strata import _vmm
+from strata.engine.experts import ExpertStore
+
+__all__ = ["SLOT_ALIGN_BYTES", "Arena", "slot_bytes_for"]
+
+SLOT_ALIGN_BYTES = 256  # slots start on this boundary: aligned loads for every dtype
+
+
+def slot_bytes_for(blob_bytes: int) -> int:
+    """The slot size for blobs of `blob_bytes`: rounded up to `SLOT_ALIGN_BYTES`."""
+    if blob_bytes < 1:
+        raise ValueError(f"blob_bytes must be >= 1, got {blob_bytes}")
+    return -(-blob_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+
+
+class Arena:
+    """`n_slots` slots of `slot_bytes` in one range of `backend`, mapped whole at construction.
+
+    The blobs it holds are experts of `hidden_size` D and `expert_width` F in `dtype`. With
+    `n_slots` 0 the arena holds nothing and reserves nothing. `close()` releases the memory.
+    """
+
+    def __init__(
+        self,
+        backend: _vmm.Backend,
+        n_slots: int,
+        slot_bytes: int,
+        *,
+        hidden_size: int,
+        expert_width: int,
+        dtype: torch.dtype,
+    ) -> None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        blob_bytes = 3 * expert_width * hidden_size * itemsize
+        if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 0:
+            raise ValueError(f"n_slots must be an int >= 0, got {n_slots!r}")
+        if slot_bytes < blob_bytes or slot_bytes % SLOT_ALIGN_BYTES:
+            raise ValueError(
+                f"slot_bytes {slot_bytes} must hold a blob of {blob_bytes} bytes and be a "
+                f"multiple of {SLOT_ALIGN_BYTES}; use slot_bytes_for(blob_bytes) = "
+                f"{slot_bytes_for(blob_bytes)}"
+            )
+        self.backend = backend
+        self.n_slots = n_slots
+        self.slot_bytes = slot_bytes
+        self.blob_bytes = blob_bytes
+        self.hidden_size, self.expert_width, self.dtype = hidden_size, expert_width, dtype
+        self.device = torch.device(
+            "cpu" if backend.kind == "host" else f"cuda:{backend.device}"  # type: ignore[attr-defined]
+        )
+        self._range: _vmm.Range | None = None
+        if n_slots:
+            self._range = backend.reserve(n_slots * slot_bytes)
+            try:
+                self._range.map(0, self._range.n_chunks)
+            except BaseException:
+                self._range.close()
+                raise
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.refresh_views()
+
+    # --- geometry ---
+    @property
+    def chunk_bytes(self) -> int:
+        return self.backend.chunk_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of device memory mapped for the slots (whole chunks)."""
+        return 0 if self._range is None else self._range.bytes_mapped
+
+    @property
+    def closed(self) -> bool:
+        return self._range is not None and self._range.closed
+
+    # --- views ---
+    def refresh_views(self) -> None:
+        """Re-make the views over the slots; call after the range's mapping changes."""
+        s, f, d = self.n_slots, self.expert_width, self.hidden_size
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        if self._range is None:
+            self._slots = torch.empty((0, self.slot_bytes), dtype=torch.uint8, device=self.device)
+        else:
+            self._slots = self._range.view(0, (s, self.slot_bytes), torch.uint8)  # [S, slot]
+        typed = self._slots.view(self.dtype)  # [S, slot_bytes / itemsize]
+        assert typed.shape[1] * itemsize == self.slot_bytes
+        # Strided views: slot s's gate_up [2F, D] and down [D, F] at their offsets in the slot.
+        self._gate_up = typed[:, : 2 * f * d].view(s, 2 * f, d)  # [S, 2F, D]
+        self._down = typed[:, 2 * f * d : 3 * f * d].view(s, d, f)  # [S, D, F]
+
+    def slots_view(self) -> torch.Tensor:
+        """uint8 [S, slot_bytes]: every slot's bytes."""
+        return self._slots
+
+    def gate_up_all(self) -> torch.Tensor:
+        """[S, 2F, D]: every slot's gate rows then up rows (strided by slot_bytes)."""
+        return self._gate_up
+
+    def down_all(self) -> torch.Tensor:
+        """[S, D, F]: every slot's down matrix (strided by slot_bytes)."""
+        return self._down
+
+    def _check_slot(self, slot: int) -> int:
+        slot = int(slot)
+        if not 0 <= slot < self.n_slots:
+            raise IndexError(f"slot {slot} is out of range [0, {self.n_slots})")
+        return slot
+
+    def gate_up(self, slot: int) -> torch.Tensor:
+        """[2F, D]: the gate and up rows of the blob in `slot`, a contiguous view."""
+        return self._gate_up[self._check_slot(slot)]
+
+    def down(self, slot: int) -> torch.Tensor:
+        """[D, F]: the down matrix of the blob in `slot`, a contiguous view."""
+        return self._down[self._check_slot(slot)]
+
+    # --- copies ---
+    def upload(self, slots: Sequence[int] | np.ndarray, experts: np.ndarray, store: ExpertStore
+               ) -> int:
+        """Copy the blobs of `experts` int [n, 2] (layer, expert) from `store` into `slots` [n].
+
+        Complete when it returns. Returns the bytes copied. Every argument is checked before
+        anything is copied (IndexError for a slot, layer or expert out of range; ValueError for
+        mismatched lengths, a slot named twice, or a store of another blob size).
+        """
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        experts = np.asarray(experts, dtype=np.int64).reshape(-1, 2)
+        if slots.size != experts.shape[0]:
+            raise ValueError(
+                f"{slots.size} slots for {experts.shape[0]} experts; give one slot per expert"
+            )
+        if store.blob_bytes != self.blob_bytes:
+            raise ValueError(
+                f"the store's blobs are {store.blob_bytes} bytes, the arena's {self.blob_bytes}"
+            )
+        for slot in slots:
+            self._check_slot(slot)
+        if np.unique(slots).size != slots.size:
+            raise ValueError(f"slots {slots.tolist()} name a slot twice")
+        for layer, expert in experts:
+            store.blob(int(layer), int(expert))  # IndexError for one out of range
+        if not slots.size:
+            return 0
+        if self._copy_stream is None:
+            for slot, (layer, expert) in zip(slots, experts, strict=True):
+                self._slots[slot, : self.blob_bytes].copy_(store.blob(int(layer), int(expert)))
+        else:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                for slot, (layer, expert) in zip(slots, experts, strict=True):
+                    blob = store.blob(int(layer), int(expert))
+                    self._slots[slot, : self.blob_bytes].copy_(blob, non_blocking=True)
+            self._copy_stream.synchronize()  # the batch's one sync: complete before any read
+        return int(slots.size) * self.blob_bytes
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy slot `src`'s bytes to slot `dst` on the device, complete when it returns."""
+        src, dst = self._check_slot(src), self._check_slot(dst)
+        if src == dst:
+            raise ValueError(f"copy_slot: src and dst are both slot {src}")
+        self._slots[dst].copy_(self._slots[src])
+        if self.device.type == "cuda":
+            # Complete before the caller may unmap the source's chunks or reuse it.
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        """Unmap and release the slots; the views must not be used afterwards. Idempotent."""
+        if self._range is not None:
+            empty = torch.empty(0, dtype=self.dtype, device=self.device)
+            self._slots = torch.empty((0, self.slot_bytes), dtype=torch.uint8, device=self.device)
+            self._gate_up = self._down = empty
+            self._range.close()

@@ -1,0 +1,265 @@
+"""Sizing the expert cache: what of the device memory budget is left for slots.
+
+    budget = dense weights + mapped K/V + workspace + reserve + arena (+ spare < one slot)
+
+`--vram-budget-mib` is the device memory strata may use (on a large GPU it emulates a smaller
+card); by default, the device's free memory at start on CUDA, and on the CPU (the host backend)
+exactly what holds every expert. `--vram-reserve-mib` is what stays free of it (default 256 MiB
+on CUDA, 0 on the CPU). `--expert-cache auto` gives the arena whatever is left, in whole slots
+(and whole chunks of the memory backend), at most one slot per expert; `--expert-cache N` asks
+for N MiB, capped by what is left. Every figure is computed from the model's config, before
+anything is loaded, so a budget that is too small is refused at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from strata.engine import families
+from strata.engine.config import ModelConfig
+
+__all__ = [
+    "DEFAULT_RESERVE_MIB",
+    "MIB",
+    "CacheBudget",
+    "dense_bytes",
+    "device_free_bytes",
+    "kv_bytes",
+    "plan_budget",
+    "workspace_bytes",
+]
+
+MIB = 1 << 20
+DEFAULT_RESERVE_MIB = {"cuda": 256.0, "cpu": 0.0}  # by device type
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def dense_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of every non-expert weight on the device in `dtype` (embedding, attention, norms,
+    routers, shared experts, lm_head unless tied)."""
+    numel = sum(math.prod(s) for s in families.global_shapes(cfg).values())
+    numel += cfg.n_layers * sum(math.prod(s) for s in families.layer_shapes(cfg).values())
+    return numel * _itemsize(dtype)
+
+
+def kv_bytes(cfg: ModelConfig, max_cells: int, dtype: torch.dtype, chunk_bytes: int) -> int:
+    """Bytes the K/V maps for `max_cells` cells: as `KVCache` lays it out, 2 * L segments of
+    whole chunks."""
+    cell_bytes = cfg.n_kv_heads * cfg.head_dim * _itemsize(dtype)
+    segment_chunks = -(-max_cells * cell_bytes // chunk_bytes)
+    return 2 * cfg.n_layers * segment_chunks * chunk_bytes
+
+
+def workspace_bytes(
+    cfg: ModelConfig, prefill_chunk: int, max_cells: int, dtype: torch.dtype
+) -> int:
+    """An upper estimate of the transient tensors of one forward, rounded up to whole MiB.
+
+    C = min(prefill_chunk, max_cells) tokens attending over N = max_cells cells:
+    - attention: fp32 scores and a bool mask [H, C, N] (the unfused worst case);
+    - the decode path's gathered weights: one blob per routed (token, k) row, for the most rows
+      it takes (T*K <= E, T <= C);
+    - the routed rows [C*K, 2F + D] in fp32, twice; the activations, 16 x [C, width];
+    - the logits [V] in fp32, twice.
+    """
+    c, n = min(prefill_chunk, max_cells), max_cells
+    k, e, f, d = cfg.top_k, cfg.n_experts, cfg.expert_width, cfg.hidden_size
+    itemsize = _itemsize(dtype)
+    attention = cfg.n_heads * c * n * (4 + 1)
+    gathered_rows = k * min(c, e // k)
+    gathered = gathered_rows * 3 * f * d * itemsize
+    rows = 2 * c * k * (2 * f + d) * 4
+    width = max(d, cfg.q_width + 2 * cfg.kv_width, cfg.shared_expert_width or 0)
+    activations = 16 * c * width * itemsize
+    logits = 2 * cfg.vocab_size * 4
+    total = attention + gathered + rows + activations + logits
+    return -(-total // MIB) * MIB
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """The device's free memory now (CUDA), or None (the CPU: no device memory to measure)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def _mib(n_bytes: int) -> str:
+    return f"{n_bytes / MIB:.1f}"
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    """The parts of the device budget, in bytes, and the slots they leave.
+
+    `expert_cache_mib` None is `--expert-cache auto`. `total_experts` is L * E, the most slots
+    a cache needs. `budget_source` says where `budget_bytes` came from (for the startup line).
+    Raises ValueError for a negative or non-integer part, and for a budget too small for the
+    fixed parts and the minimum cache (one slot; none with `--expert-cache 0`), naming how much
+    is missing.
+    """
+
+    budget_bytes: int
+    reserve_bytes: int
+    dense_bytes: int
+    kv_bytes: int
+    workspace_bytes: int
+    slot_bytes: int
+    chunk_bytes: int
+    total_experts: int
+    expert_cache_mib: float | None = None
+    budget_source: str = "--vram-budget-mib"
+
+    def __post_init__(self) -> None:
+        for name in ("budget_bytes", "reserve_bytes", "dense_bytes", "kv_bytes",
+                     "workspace_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("slot_bytes", "chunk_bytes", "total_experts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        mib = self.expert_cache_mib
+        if mib is not None and not (isinstance(mib, int | float) and math.isfinite(mib)
+                                    and mib >= 0):
+            raise ValueError(f"expert_cache_mib must be None (auto) or >= 0 MiB, got {mib!r}")
+        min_slots = 0 if mib == 0 else 1
+        need = self.fixed_bytes + self._arena_bytes(min_slots)
+        if need > self.budget_bytes:
+            raise ValueError(
+                f"the device budget of {_mib(self.budget_bytes)} MiB ({self.budget_source}) "
+                f"is {_mib(need - self.budget_bytes)} MiB short: dense weights "
+                f"{_mib(self.dense_bytes)} + K/V {_mib(self.kv_bytes)} + workspace "
+                f"{_mib(self.workspace_bytes)} + reserve {_mib(self.reserve_bytes)} + the "
+                f"minimum cache ({min_slots} slot of {_mib(self.slot_bytes)}) need "
+                f"{_mib(need)} MiB; raise --vram-budget-mib, lower --vram-reserve-mib or "
+                "--max-context"
+            )
+
+    # --- derived ---
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything but the arena: dense weights, K/V, workspace and reserve."""
+        return self.dense_bytes + self.kv_bytes + self.workspace_bytes + self.reserve_bytes
+
+    @property
+    def available_bytes(self) -> int:
+        """What the budget leaves for the arena."""
+        return self.budget_bytes - self.fixed_bytes
+
+    def _arena_bytes(self, n_slots: int) -> int:
+        """The memory an arena of `n_slots` maps: whole chunks."""
+        return -(-n_slots * self.slot_bytes // self.chunk_bytes) * self.chunk_bytes
+
+    @property
+    def auto_slots(self) -> int:
+        """The most slots whose chunks fit in `available_bytes`, at most `total_experts`."""
+        whole_chunks = self.available_bytes // self.chunk_bytes * self.chunk_bytes
+        return min(whole_chunks // self.slot_bytes, self.total_experts)
+
+    @property
+    def n_slots(self) -> int:
+        """The slots of the arena: `auto_slots`, or the asked-for MiB capped by it."""
+        if self.expert_cache_mib is None:
+            return self.auto_slots
+        asked = int(self.expert_cache_mib * MIB) // self.slot_bytes
+        return min(asked, self.auto_slots)
+
+    @property
+    def capped(self) -> bool:
+        """True when `--expert-cache N` asked for more slots than the budget leaves."""
+        if self.expert_cache_mib is None:
+            return False
+        asked = min(int(self.expert_cache_mib * MIB) // self.slot_bytes, self.total_experts)
+        return asked > self.auto_slots
+
+    @property
+    def arena_bytes(self) -> int:
+        return self._arena_bytes(self.n_slots)
+
+    @property
+    def holds_every_expert(self) -> bool:
+        return self.n_slots == self.total_experts
+
+    def startup_line(self) -> str:
+        """One line: the budget, each part, and the slots."""
+        n = self.n_slots
+        share = 100.0 * n / self.total_experts
+        mode = "auto" if self.expert_cache_mib is None else f"{self.expert_cache_mib:g} MiB"
+        if self.capped:
+            mode += ", capped by the budget"
+        return (
+            f"expert cache: budget {_mib(self.budget_bytes)} MiB ({self.budget_source}) = dense "
+            f"{_mib(self.dense_bytes)} + K/V {_mib(self.kv_bytes)} + workspace "
+            f"{_mib(self.workspace_bytes)} + reserve {_mib(self.reserve_bytes)} + cache "
+            f"{_mib(self.arena_bytes)} MiB ({mode}): {n} slots of {_mib(self.slot_bytes)} MiB, "
+            f"{share:.1f}% of {self.total_experts} experts"
+        )
+
+    def as_dict(self) -> dict[str, int | float | str | None]:
+        """The figures as JSON values."""
+        return {
+            "budget_bytes": self.budget_bytes,
+            "budget_source": self.budget_source,
+            "reserve_bytes": self.reserve_bytes,
+            "dense_bytes": self.dense_bytes,
+            "kv_bytes": self.kv_bytes,
+            "workspace_bytes": self.workspace_bytes,
+            "arena_bytes": self.arena_bytes,
+            "slot_bytes": self.slot_bytes,
+            "n_slots": self.n_slots,
+            "total_experts": self.total_experts,
+            "expert_cache_mib": self.expert_cache_mib,
+        }
+
+
+def plan_budget(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    slot_bytes: int,
+    chunk_bytes: int,
+    max_context: int,
+    prefill_chunk: int,
+    budget_mib: float | None = None,
+    reserve_mib: float | None = None,
+    expert_cache_mib: float | None = None,
+) -> CacheBudget:
+    """The budget for `cfg` in `dtype` on `device`, from the flags' values (None: default).
+
+    Raises ValueError for a negative or non-finite MiB value (naming its flag) and for a
+    budget too small (see `CacheBudget`).
+    """
+    for flag, value in (("--vram-budget-mib", budget_mib), ("--vram-reserve-mib", reserve_mib),
+                        ("--expert-cache", expert_cache_mib)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag} must be a number of MiB >= 0, got {value!r}")
+    if reserve_mib is None:
+        reserve_mib = DEFAULT_RESERVE_MIB.get(device.type, 0.0)
+    parts = {
+        "reserve_bytes": int(reserve_mib * MIB),
+        "dense_bytes": dense_bytes(cfg, dtype),
+        "kv_bytes": kv_bytes(cfg, max_context, dtype, chunk_bytes),
+        "workspace_bytes": workspace_bytes(cfg, prefill_chunk, max_context, dtype),
+    }
+    total_experts = cfg.n_layers * cfg.n_experts
+    if budget_mib is not None:
+        budget, source = int(budget_mib * MIB), "--vram-budget-mib"
+    elif (free := device_free_bytes(device)) is not None:
+        budget, source = free, "free device memory"
+    else:
+        every = -(-total_experts * slot_bytes // chunk_bytes) * chunk_bytes
+        budget, source = sum(parts.values()) + every, "host default: every expert"
+    return CacheBudget(
+        budget_bytes=budget, slot_bytes=slot_bytes, chunk_bytes=chunk_bytes,
+        total_experts=total_experts, expert_cache_mib=expert_cache_mib, budget_source=source,
+        **parts,
+    )

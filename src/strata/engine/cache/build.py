@@ -1,0 +1,106 @@
+"""`CacheConfig` and `build_cached_experts`: from the sized budget to a filled cache.
+
+The order at start: the books (`ResidencyTable`, ranked by the profile when there is one), the
+arena (mapped whole), the policy bound to the books, then the slots filled hottest first, as the
+simulator starts. The prompt loan is attached last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pluggy
+import torch
+
+from strata import _vmm
+from strata._residency import ResidencyTable
+from strata.engine.cache.arena import Arena
+from strata.engine.cache.budget import CacheBudget
+from strata.engine.cache.cached_experts import CachedExperts
+from strata.engine.experts import ExpertStore
+from strata.policies import CheckedPolicy, Policy
+from strata.policies.builtin.coldest_in_loan import ColdestInLoan
+
+__all__ = ["DEFAULT_SHORT_READ", "CacheConfig", "build_cached_experts"]
+
+DEFAULT_SHORT_READ = 64  # prompt parts longer than this many tokens take the loan
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How to build the expert cache of a model.
+
+    `budget` sizes it (see `strata.engine.cache.budget.plan_budget`); `backend` is the memory
+    backend of the arena (its chunk size must be the budget's). `rank` int [L, E], a
+    permutation of the flat ids (0 = hottest), orders the experts for the fill and the refills
+    (`strata.engine.cache.profile.fill_rank`; None: flat id order); `policy` decides
+    admissions and refills (None: `coldest-in-loan`); `events` is told admissions and
+    evictions. `prefill_loan` lends the top slots to prompt parts longer than `short_read`
+    tokens. `cpu_threads` sets the CPU worker's intra-op threads (None: torch's default).
+    """
+
+    budget: CacheBudget
+    backend: _vmm.Backend = field(compare=False)
+    policy: Policy | None = None
+    rank: np.ndarray | None = field(default=None, compare=False)
+    cpu_threads: int | None = None
+    prefill_loan: bool = True
+    short_read: int = DEFAULT_SHORT_READ
+    events: pluggy.PluginManager | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.backend.chunk_bytes != self.budget.chunk_bytes:
+            raise ValueError(
+                f"the backend's chunks are {self.backend.chunk_bytes} bytes, the budget was "
+                f"sized for {self.budget.chunk_bytes}"
+            )
+        if isinstance(self.short_read, bool) or not isinstance(self.short_read, int) \
+                or self.short_read < 1:
+            raise ValueError(f"short_read must be an int >= 1, got {self.short_read!r}")
+        if self.cpu_threads is not None and (
+                isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
+                or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be None or an int >= 1, got {self.cpu_threads!r}")
+
+
+def build_cached_experts(
+    config: CacheConfig, store: ExpertStore, device: str | torch.device
+) -> CachedExperts:
+    """The cache for `store` on `device`, filled hottest first, with the loan if asked for.
+
+    Raises ValueError when the budget's slot size does not hold the store's blobs, or the
+    rank is not a permutation [L, E] of the store's experts.
+    """
+    budget = config.budget
+    shape = (store.n_layers, store.n_experts)
+    if budget.total_experts != shape[0] * shape[1]:
+        raise ValueError(f"the budget was sized for {budget.total_experts} experts, the store "
+                         f"holds {shape[0] * shape[1]}")
+    table = ResidencyTable(*shape, budget.n_slots, budget.slot_bytes, budget.chunk_bytes)
+    if config.rank is not None:
+        rank = np.asarray(config.rank)
+        if rank.shape != shape:
+            raise ValueError(f"the rank is {list(rank.shape)}, the model's experts [L, E] = "
+                             f"{list(shape)}")
+        table.set_rank(rank)
+    arena = Arena(config.backend, budget.n_slots, budget.slot_bytes,
+                  hidden_size=store.hidden_size, expert_width=store.expert_width,
+                  dtype=store.dtype)
+    try:
+        checked = CheckedPolicy(config.policy or ColdestInLoan(), table)
+        cached = CachedExperts(store, arena, table, checked, device, config.cpu_threads,
+                               events=config.events, budget=budget)
+        try:
+            cached.fill_hottest()
+            if config.prefill_loan:
+                from strata.engine.cache.loan import PromptLoan
+
+                cached.loan = PromptLoan(cached, short_read=config.short_read)
+        except BaseException:
+            cached.close()
+            raise
+    except BaseException:
+        arena.close()
+        raise
+    return cached

@@ -1,0 +1,346 @@
+"""`CachedExperts`: the MoE layer's experts through the expert cache.
+
+Dimension letters: T tokens, K experts per token, D hidden size, F expert width, E experts per
+layer, L layers, S slots, R routed (token, k) rows.
+
+Per layer call, on the engine's thread:
+1. the routed ids go to the host (the one device-to-host sync of the layer) and the books'
+   `lookup` splits the T*K rows into hits (resident) and misses;
+2. the routing is recorded in the books' heat, then the policy's `observe` is told;
+3. the misses are handed to the CPU worker (`CpuExperts`: each distinct expert once, from the
+   host store) or, in a pass the prompt loan took, to the loan;
+4. meanwhile the hits run on the device straight from their slots: when T*K <= E (decode) one
+   batched gather + two bmm over the hit rows, reading slot indices from the device mirror of
+   the books; otherwise each distinct hit expert over its tokens, from its slot's views;
+5. the CPU's rows are copied into the [T*K, D] buffer, each row in its own place;
+6. the policy may admit this call's misses (checked, applied to the books and uploaded into
+   their slots before the next use, all or nothing);
+7. the K rows of each token are weighted and summed in order in float32.
+Steps 4 and 7 are `ResidentExperts`' own math and choice of path, so a cache that holds every
+expert gives byte-identical output. The device mirror (`mirror`, int32 [L, E]) is re-uploaded
+after every change of the books, with a blocking copy, so no kernel reads it stale.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import pluggy
+import torch
+import torch.nn.functional as F
+
+from strata._residency import ResidencyTable
+from strata.engine.cache.arena import Arena
+from strata.engine.cache.budget import CacheBudget
+from strata.engine.cache.cpu_experts import CpuExperts
+from strata.engine.cache.routed import Routed
+from strata.engine.cache.stats import PHASES, CacheStats
+from strata.engine.experts import ExpertStore
+from strata.policies import CheckedPolicy, apply_admit, emit
+from strata.policies.builtin.coldest_in_loan import ColdestInLoan
+from strata.policies.events import Admitted, Evicted
+
+__all__ = ["CachedExperts", "Loan"]
+
+
+class Loan(Protocol):
+    """The prompt loan (`strata.engine.cache.loan`), as the cache calls it."""
+
+    def begin_pass(self, cached: CachedExperts, n_tokens: int, phase: str) -> bool: ...
+    def compute_misses(
+        self, cached: CachedExperts, layer: int, x: torch.Tensor, misses: Routed
+    ) -> torch.Tensor: ...
+    def end_pass(self, cached: CachedExperts) -> None: ...
+    def end_prompt(self, cached: CachedExperts) -> None: ...
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class CachedExperts:
+    """Experts through a cache of `arena.n_slots` slots whose books are `table`.
+
+    `policy` decides admissions (None: the default, `coldest-in-loan`, which admits nothing);
+    `events` is the plugin manager whose observers are told `admitted` and `evicted`.
+    Requests: `begin_request`, `set_phase`, `end_request` (which returns the request's stats).
+    Slots start empty: `fill_hottest` fills them. `close` releases the arena and the worker.
+    """
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        arena: Arena,
+        table: ResidencyTable,
+        policy: CheckedPolicy | None,
+        device: str | torch.device,
+        cpu_threads: int | None = None,
+        *,
+        events: pluggy.PluginManager | None = None,
+        budget: CacheBudget | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if arena.device != self.device:
+            raise ValueError(f"the arena is on {arena.device}, the experts run on {self.device}")
+        geometry = (table.n_layers, table.n_experts, table.n_slots, table.slot_bytes,
+                    table.chunk_bytes)
+        expected = (store.n_layers, store.n_experts, arena.n_slots, arena.slot_bytes,
+                    arena.chunk_bytes)
+        if geometry != expected:
+            raise ValueError(
+                f"the books' (layers, experts, slots, slot_bytes, chunk_bytes) {geometry} do "
+                f"not match the store's and the arena's {expected}"
+            )
+        if arena.blob_bytes != store.blob_bytes:
+            raise ValueError(f"the arena holds blobs of {arena.blob_bytes} bytes, the store "
+                             f"{store.blob_bytes}")
+        if policy is not None and policy.table is not table:
+            raise ValueError("the policy is bound to other books than `table`")
+        self.store, self.arena, self.table = store, arena, table
+        self.checked = policy or CheckedPolicy(ColdestInLoan(), table)
+        self.events = events
+        self.budget = budget
+        self.n_layers, self.n_experts = store.n_layers, store.n_experts
+        self.expert_width, self.hidden_size = store.expert_width, store.hidden_size
+        self.cpu = CpuExperts(store, cpu_threads)
+        self.mirror = torch.full((self.n_layers, self.n_experts), -1, dtype=torch.int32,
+                                 device=self.device)  # [L, E]: the books' res, on the device
+        self.sync_mirror()
+        self.loan: Loan | None = None
+        self.phase = "prompt"
+        self.stats = CacheStats(slots=arena.n_slots, policy=self.checked.name)
+        self._last_layer = -1  # the layer of the open pass's latest call; -1: no pass is open
+        self._loaned = False
+
+    # --- the books and the slots ---
+    def sync_mirror(self) -> None:
+        """Upload the books' `res` to the device mirror; complete when it returns."""
+        self.mirror.copy_(torch.from_numpy(np.array(self.table.res, dtype=np.int32)))
+        _sync(self.device)
+
+    def upload(self, slots: Sequence[int] | np.ndarray, experts: np.ndarray) -> int:
+        """Copy (layer, expert) blobs int [n, 2] from the store into `slots`, complete when it
+        returns; counted in the open request's stats. The books are the caller's."""
+        n_bytes = self.arena.upload(slots, experts, self.store)
+        self.stats.phase(self.phase).uploaded_bytes += n_bytes
+        return n_bytes
+
+    def fill_hottest(self) -> int:
+        """Fill slots [0, n) with the n = min(S, L*E) hottest experts by the books' rank, as
+        the simulator starts (`strata.sim.replay.start_books`). Returns n."""
+        if self.table.n_resident:
+            raise ValueError(f"fill_hottest: {self.table.n_resident} slots are filled already")
+        n_fill = min(self.table.n_slots, self.n_layers * self.n_experts)
+        hottest = np.argsort(self.table.rank.reshape(-1), kind="stable")[:n_fill]
+        slots = np.arange(n_fill, dtype=np.int32)
+        layers = (hottest // self.n_experts).astype(np.int32)
+        experts = (hottest % self.n_experts).astype(np.int32)
+        self.table.assign_many(slots, layers, experts)
+        try:
+            self.upload(slots, np.stack([layers, experts], axis=1))
+        except BaseException:
+            self.table.evict_many(slots)
+            raise
+        finally:
+            self.sync_mirror()
+        return n_fill
+
+    # --- requests and passes ---
+    def begin_request(self) -> None:
+        """Start a request: fresh stats, phase `prompt`."""
+        self._close_pass()
+        self.stats = CacheStats(slots=self.arena.n_slots, policy=self.checked.name)
+        self.phase = "prompt"
+
+    def set_phase(self, phase: str) -> None:
+        """`prompt` or `decode`; turning to decode ends the prompt (the loan gives back)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+        self._close_pass()
+        if self.phase == "prompt" and phase == "decode" and self.loan is not None:
+            self.loan.end_prompt(self)
+        self.phase = phase
+
+    def end_request(self) -> CacheStats:
+        """End the request; returns its stats."""
+        self._close_pass()
+        if self.phase == "prompt" and self.loan is not None:
+            self.loan.end_prompt(self)
+        return self.stats
+
+    def _open_pass(self, n_tokens: int) -> None:
+        self.stats.phase(self.phase).passes += 1
+        self._loaned = bool(self.loan is not None
+                            and self.loan.begin_pass(self, n_tokens, self.phase))
+
+    def _close_pass(self) -> None:
+        if self._last_layer < 0:
+            return
+        self._last_layer = -1
+        if self._loaned:
+            self._loaned = False
+            assert self.loan is not None
+            self.loan.end_pass(self)
+
+    # --- the MoE layer's call ---
+    def forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x[t]): see `Experts.forward`."""
+        entered = time.perf_counter()
+        n_tokens, top_k = topk_ids.shape
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} is out of range [0, {self.n_layers})")
+        if layer <= self._last_layer:  # a new pass began before the last one reached layer L-1
+            self._close_pass()
+        if self._last_layer < 0:
+            self._open_pass(n_tokens)
+        self._last_layer = layer
+        stats = self.stats.phase(self.phase)
+
+        ids = np.ascontiguousarray(topk_ids.cpu().numpy(), dtype=np.int64)  # [T, K], the sync
+        slots, hit = self.table.lookup(layer, ids)  # [T, K] each
+        self.table.record(layer, ids)
+        self.checked.observe(self.checked.view, layer, ids, hit)
+        n_hits = int(np.count_nonzero(hit))
+        misses = Routed.of(ids, ~hit) if n_hits < ids.size else None
+        stats.layer_calls += 1
+        stats.lookups += ids.size
+        stats.hits += n_hits
+
+        # Misses first: the CPU works on them while the device computes the hits.
+        future = None
+        if misses is not None and not self._loaned:
+            tokens = torch.tensor(misses.tokens(), device=x.device)  # [R]
+            future = self.cpu.submit(layer, x.index_select(0, tokens).cpu(), misses)
+            stats.cpu_experts += misses.n_experts
+            stats.cpu_tokens += misses.n_rows
+
+        started = time.perf_counter()
+        out = x.new_empty((n_tokens * top_k, x.shape[1]))  # [T*K, D]: row t*K + k
+        try:
+            if n_hits and n_tokens * top_k <= self.n_experts:
+                self._gathered_hits(layer, x, topk_ids, hit, out)
+            elif n_hits:
+                hits = Routed.of(ids, hit)
+                # Each hit expert's slot: that of its first row (one slot per expert).
+                hit_slots = slots.reshape(-1)[hits.rows[hits.starts[:-1]]]
+                rows = torch.tensor(hits.rows, device=self.device)  # [R]
+                out.index_copy_(0, rows, self.compute_from_slots(x, hits, hit_slots))
+            if misses is not None and self._loaned:
+                assert self.loan is not None
+                rows = torch.tensor(misses.rows, device=self.device)  # [R]
+                out.index_copy_(0, rows, self.loan.compute_misses(self, layer, x, misses))
+                stats.loan_experts += misses.n_experts
+            _sync(self.device)
+        finally:
+            stats.device_s += time.perf_counter() - started
+            if future is not None:
+                waited = time.perf_counter()
+                miss_rows, cpu_s = future.result()
+                stats.wait_s += time.perf_counter() - waited
+                stats.cpu_s += cpu_s
+        if future is not None:
+            rows = torch.tensor(misses.rows, device=self.device)  # [R]
+            out.index_copy_(0, rows, miss_rows.to(self.device))
+
+        if misses is not None and self.checked.admits:
+            self._admit(layer, misses.experts)
+
+        # [T, K, D] -> [T, D]: weight and sum over K in float32, in order (as ResidentExperts).
+        weighted = out.view(n_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
+        result = weighted.sum(dim=1).to(x.dtype)
+        stats.forward_s += time.perf_counter() - entered
+        if layer == self.n_layers - 1:
+            self._close_pass()
+        return result
+
+    def _gathered_hits(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, hit: np.ndarray,
+        out: torch.Tensor,
+    ) -> None:
+        """The decode path: every hit row at once, weights gathered from the slots."""
+        n_tokens, top_k = topk_ids.shape
+        f = self.expert_width
+        flat_ids = topk_ids.reshape(-1)  # [T*K]
+        if hit.all():
+            rows = None
+            slot_ids = self.mirror[layer].index_select(0, flat_ids)  # [T*K]
+            x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1, 1)
+        else:
+            rows = torch.tensor(np.flatnonzero(hit.reshape(-1)), device=self.device)  # [R]
+            slot_ids = self.mirror[layer].index_select(0, flat_ids.index_select(0, rows))  # [R]
+            x_rows = x.index_select(0, rows // top_k).unsqueeze(-1)  # [R, D, 1]
+        gate_up = self.arena.gate_up_all().index_select(0, slot_ids)  # [R, 2F, D]
+        h = torch.bmm(gate_up, x_rows).squeeze(-1)  # [R, 2F]
+        act = F.silu(h[:, :f]) * h[:, f:]  # [R, F]
+        down = self.arena.down_all().index_select(0, slot_ids)  # [R, D, F]
+        y = torch.bmm(down, act.unsqueeze(-1)).squeeze(-1)  # [R, D]
+        if rows is None:
+            out.copy_(y)
+        else:
+            out.index_copy_(0, rows, y)
+
+    def compute_from_slots(
+        self, x: torch.Tensor, routed: Routed, slots: Sequence[int] | np.ndarray
+    ) -> torch.Tensor:
+        """[R, D] on the device, rows in `routed.rows` order: expert `routed.experts[i]` from
+        the blob in `slots[i]`, through its slot's views (no weight copy)."""
+        slots = np.asarray(slots).reshape(-1)
+        if slots.size != routed.n_experts:
+            raise ValueError(f"{slots.size} slots for {routed.n_experts} experts")
+        f, top_k = self.expert_width, routed.top_k
+        rows = torch.tensor(routed.rows, device=self.device)  # [R]
+        y = x.new_empty((routed.n_rows, x.shape[1]))  # [R, D]
+        for i, slot in enumerate(slots.tolist()):
+            lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
+            h = F.linear(x.index_select(0, rows[lo:hi] // top_k), self.arena.gate_up(slot))
+            act = F.silu(h[:, :f]) * h[:, f:]  # [n, F]
+            y[lo:hi] = F.linear(act, self.arena.down(slot))  # [n, D]
+        return y
+
+    def _admit(self, layer: int, missed: np.ndarray) -> None:
+        """Ask the policy which misses enter; apply to the books and upload, all or nothing."""
+        placements = self.checked.admit(layer, missed)  # int64 [n, 3] (slot, layer, expert)
+        if not placements.size:
+            return
+        evicted = apply_admit(self.table, placements)
+        slots = placements[:, 0]
+        try:
+            self.upload(slots, placements[:, 1:])
+        except BaseException:
+            # The evicted blobs may be overwritten already: the slots are left empty.
+            self.table.evict_many(slots.astype(np.int32))
+            raise
+        finally:
+            self.sync_mirror()
+        stats = self.stats.phase(self.phase)
+        stats.admitted += int(placements.shape[0])
+        stats.evicted += int(evicted.shape[0])
+        if self.events is not None:
+            emit(self.events, Admitted(layer=layer, placements=tuple(
+                (int(s), int(lay), int(e)) for s, lay, e in placements)))
+            if evicted.size:
+                emit(self.events, Evicted(experts=tuple(
+                    (int(lay), int(e)) for lay, e in evicted)))
+
+    def close(self) -> None:
+        """Stop the CPU worker and release the arena. Idempotent."""
+        self.cpu.close()
+        self.arena.close()
+
+    def describe(self) -> dict[str, Any]:
+        """The cache's shape, for `--json`."""
+        return {
+            "slots": self.arena.n_slots,
+            "slot_bytes": self.arena.slot_bytes,
+            "resident": self.table.n_resident,
+            "policy": self.checked.name,
+            **({"budget": self.budget.as_dict()} if self.budget is not None else {}),
+        }

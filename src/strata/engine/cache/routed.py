@@ -1,0 +1,82 @@
+"""`Routed`: the (token, k) rows of one layer's routing that go to some experts, grouped by expert.
+
+Dimension letters: T tokens, K experts per token, M distinct experts, R rows.
+
+A *row* is one (token, k) pair, numbered flat as `t * K + k`: the row of the [T*K, D] buffer its
+expert's output lands in. Grouping rows by expert lets each expert run once over all of its
+tokens, on the device (hits, the loan) or on the CPU (misses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Routed:
+    """Rows of one layer grouped by expert: expert `experts[i]` owns `rows[starts[i]:starts[i+1]]`.
+
+    experts int64 [M] ascending and distinct; starts int64 [M+1] from 0 to R; rows int64 [R],
+    flat `t * top_k + k`, ascending within each expert (the order a stable sort by expert gives,
+    which is the order `ResidentExperts` runs them in). Arrays are read-only.
+    """
+
+    experts: np.ndarray
+    starts: np.ndarray
+    rows: np.ndarray
+    top_k: int
+
+    def __post_init__(self) -> None:
+        for name in ("experts", "starts", "rows"):
+            array = getattr(self, name)
+            if array.dtype != np.int64 or array.ndim != 1:
+                raise ValueError(f"{name} must be int64 [n], got {array.dtype} {array.shape}")
+            array.flags.writeable = False
+        if self.starts.size != self.experts.size + 1 or self.starts[-1] != self.rows.size:
+            raise ValueError(
+                f"starts must be [M+1] = [{self.experts.size + 1}] ending at R = "
+                f"{self.rows.size}, got {self.starts.tolist()}"
+            )
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+
+    @classmethod
+    def of(cls, expert_ids: np.ndarray, mask: np.ndarray | None = None) -> Routed:
+        """The rows of ids int [T, K] where `mask` bool [T, K] is True (None: every row)."""
+        ids = np.asarray(expert_ids)
+        if ids.ndim != 2:
+            raise ValueError(f"expert_ids must be [T, K], got shape {ids.shape}")
+        flat = ids.reshape(-1).astype(np.int64)  # [T*K]
+        if mask is None:
+            rows = np.arange(flat.size, dtype=np.int64)
+        else:
+            mask = np.asarray(mask, dtype=bool)
+            if mask.shape != ids.shape:
+                raise ValueError(f"mask must be {ids.shape}, got {mask.shape}")
+            rows = np.flatnonzero(mask.reshape(-1)).astype(np.int64)  # [R] ascending
+        chosen = flat[rows]
+        order = np.argsort(chosen, kind="stable")  # by expert, rows ascending within
+        rows, chosen = rows[order], chosen[order]
+        experts, first = np.unique(chosen, return_index=True)
+        starts = np.append(first, chosen.size).astype(np.int64)
+        return cls(experts.astype(np.int64), starts, rows, int(ids.shape[1]))
+
+    @property
+    def n_experts(self) -> int:
+        """M, the distinct experts."""
+        return int(self.experts.size)
+
+    @property
+    def n_rows(self) -> int:
+        """R, the (token, k) rows."""
+        return int(self.rows.size)
+
+    def tokens(self) -> np.ndarray:
+        """int64 [R]: the token of each row."""
+        return self.rows // self.top_k
+
+    def expert_rows(self, i: int) -> np.ndarray:
+        """int64 [n]: the rows of the i-th expert (`experts[i]`)."""
+        return self.rows[self.starts[i] : self.starts[i + 1]]

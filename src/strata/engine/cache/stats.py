@@ -1,0 +1,162 @@
+"""`CacheStats`: what the expert cache did during one request, by phase (prompt, decode).
+
+A *layer call* is one MoE layer of one forward pass. Lookups count routed (token, k) rows;
+`cpu_experts` counts distinct experts computed on the CPU per layer call, `cpu_tokens` the rows
+they computed. Times are wall seconds on the engine's thread (`device_s`: computing hits,
+`wait_s`: waiting for the CPU after that, `forward_s`: everything inside the expert cache)
+and on the CPU worker (`cpu_s`), summed over the layer calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+PHASES = ("prompt", "decode")
+
+
+@dataclass
+class PhaseStats:
+    """Counters of one phase of one request."""
+
+    passes: int = 0
+    layer_calls: int = 0
+    hits: int = 0
+    lookups: int = 0
+    cpu_experts: int = 0
+    cpu_tokens: int = 0
+    loan_experts: int = 0
+    uploaded_bytes: int = 0
+    admitted: int = 0
+    evicted: int = 0
+    device_s: float = 0.0
+    cpu_s: float = 0.0
+    wait_s: float = 0.0
+    forward_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def cpu_experts_per_layer(self) -> float:
+        return self.cpu_experts / self.layer_calls if self.layer_calls else 0.0
+
+    @property
+    def cpu_tokens_per_layer(self) -> float:
+        return self.cpu_tokens / self.layer_calls if self.layer_calls else 0.0
+
+    def add(self, other: PhaseStats) -> PhaseStats:
+        """The sum of two phases' counters."""
+        return PhaseStats(**{
+            f.name: getattr(self, f.name) + getattr(other, f.name)
+            for f in dataclasses.fields(self)
+        })
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dataclasses.asdict(self)
+        out["hit_rate"] = self.hit_rate
+        out["cpu_experts_per_layer"] = self.cpu_experts_per_layer
+        out["cpu_tokens_per_layer"] = self.cpu_tokens_per_layer
+        return out
+
+
+@dataclass
+class CacheStats:
+    """One request's figures: the slots, the most slots lent at once, and each phase's counters.
+
+    The totals (`hits`, `hit_rate`, ...) sum both phases.
+    """
+
+    slots: int
+    policy: str = ""
+    lent_slots: int = 0
+    prompt: PhaseStats = field(default_factory=PhaseStats)
+    decode: PhaseStats = field(default_factory=PhaseStats)
+
+    def phase(self, name: str) -> PhaseStats:
+        if name not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {name!r}")
+        return self.prompt if name == "prompt" else self.decode
+
+    def note_lent(self, n_slots: int) -> None:
+        """Record that `n_slots` slots are lent now; `lent_slots` keeps the most."""
+        if n_slots < 0:
+            raise ValueError(f"n_slots must be >= 0, got {n_slots}")
+        self.lent_slots = max(self.lent_slots, int(n_slots))
+
+    @property
+    def total(self) -> PhaseStats:
+        return self.prompt.add(self.decode)
+
+    # The totals of both phases, by the issue's names.
+    @property
+    def hits(self) -> int:
+        return self.prompt.hits + self.decode.hits
+
+    @property
+    def lookups(self) -> int:
+        return self.prompt.lookups + self.decode.lookups
+
+    @property
+    def hit_rate(self) -> float:
+        return self.total.hit_rate
+
+    @property
+    def cpu_experts_per_layer(self) -> float:
+        return self.total.cpu_experts_per_layer
+
+    @property
+    def cpu_tokens_per_layer(self) -> float:
+        return self.total.cpu_tokens_per_layer
+
+    @property
+    def uploaded_bytes(self) -> int:
+        return self.prompt.uploaded_bytes + self.decode.uploaded_bytes
+
+    @property
+    def device_s(self) -> float:
+        return self.prompt.device_s + self.decode.device_s
+
+    @property
+    def cpu_s(self) -> float:
+        return self.prompt.cpu_s + self.decode.cpu_s
+
+    @property
+    def wait_s(self) -> float:
+        return self.prompt.wait_s + self.decode.wait_s
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON values: the totals flat, then `prompt` and `decode` with the same keys."""
+        return {
+            "slots": self.slots,
+            "policy": self.policy,
+            "lent_slots": self.lent_slots,
+            **self.total.as_dict(),
+            "prompt": self.prompt.as_dict(),
+            "decode": self.decode.as_dict(),
+        }
+
+    def summary_lines(self) -> list[str]:
+        """Lines for the stats block: the cache, then each phase that ran."""
+        total = self.total
+        lines = [
+            f"cache          {self.slots} slots ({self.policy}), hit rate "
+            f"{100 * total.hit_rate:.1f}% ({total.hits} of {total.lookups}), uploaded "
+            f"{total.uploaded_bytes / (1 << 20):.1f} MiB, lent {self.lent_slots} slots"
+        ]
+        for name in PHASES:
+            p = self.phase(name)
+            if not p.layer_calls:
+                continue
+            unit, units = ("pass", "passes") if name == "prompt" else ("round", "rounds")
+            n = max(p.passes, 1)
+            lines.append(
+                f"cache {name:<8} hit rate {100 * p.hit_rate:.1f}%; CPU "
+                f"{p.cpu_experts_per_layer:.2f} experts, {p.cpu_tokens_per_layer:.2f} tokens a "
+                f"layer; a {unit}: device {1000 * p.device_s / n:.2f} ms, CPU "
+                f"{1000 * p.cpu_s / n:.2f} ms, waiting {1000 * p.wait_s / n:.2f} ms, in the "
+                f"cache {1000 * p.forward_s / n:.2f} ms ({p.passes} {units})"
+            )
+        return lines
