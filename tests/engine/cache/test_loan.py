@@ -15,6 +15,7 @@ from strata.engine.cache.loan import (
     loan_slots,
 )
 from strata.engine.checkpoint import Checkpoint
+from strata.engine.config import ModelConfig
 from strata.engine.experts import ExpertStore
 from strata.engine.model import load_model
 from strata.policies import CheckedPolicy, Policy, PolicyError
@@ -228,3 +229,39 @@ def test_bad_options_are_refused(setup, kwargs, message):
     with pytest.raises(ValueError, match="no loan is open"):
         PromptLoan(cached).compute_misses(cached, 0, torch.zeros(1, 4), None)
     cached.close()
+
+
+def test_generate_with_the_loan_agrees_with_generate_without(monkeypatch):
+    """Through `load_model(cache=...)` and `generate`: the loan is built by the cache's config
+    (keeping STRATA_LOAN_KEEP_SLOTS slots), lends for the long prompt and gives back."""
+    from strata.engine.cache.budget import MIB, CacheBudget
+    from strata.engine.cache.build import CacheConfig
+    from strata.engine.generate import GenerateOptions, generate
+
+    monkeypatch.setenv(KEEP_SLOTS_ENV, "6")
+    ckpt = cached_checkpoint("qwen3_moe", "small", dtype=torch.float32)
+    cfg = ModelConfig.from_dir(ckpt)
+    slot_bytes = slot_bytes_for(3 * cfg.expert_width * cfg.hidden_size * 4)
+    results = {}
+    for loan in (True, False):
+        budget = CacheBudget(budget_bytes=1 << 40, reserve_bytes=0, dense_bytes=0, kv_bytes=0,
+                             workspace_bytes=0, slot_bytes=slot_bytes, chunk_bytes=CHUNK_BYTES,
+                             total_experts=64, expert_cache_mib=20 * slot_bytes / MIB)
+        config = CacheConfig(budget=budget, backend=_vmm.HostBackend(CHUNK_BYTES),
+                             prefill_loan=loan, short_read=16)
+        model = load_model(ckpt, cache=config)
+        assert isinstance(model.experts.loan, PromptLoan) == loan
+        options = GenerateOptions(max_new=8, temperature=0, prefill_chunk=32, ignore_stop=True)
+        results[loan] = generate(model, None, list(range(40, 110)), options)
+        model.experts.table.validate()
+        assert model.experts.table.top == 20
+        _blobs_match_books(model.experts)
+        model.experts.close()
+    lent, cpu = results[True], results[False]
+    assert lent.cache.lent_slots == 14  # min(floor(0.85 * 20), 20 - 6, 16)
+    # Passes of 32, 32 and 6 tokens: the two long ones stream, the short one goes to the CPU.
+    assert lent.cache.prompt.loan_experts > 0 and lent.cache.prompt.passes == 3
+    assert lent.cache.prompt.cpu_experts > 0
+    assert cpu.cache.lent_slots == 0 and cpu.cache.prompt.loan_experts == 0
+    assert lent.tokens == cpu.tokens
+    torch.testing.assert_close(lent.first_logits, cpu.first_logits, rtol=1e-5, atol=1e-5)
