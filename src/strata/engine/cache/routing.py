@@ -24,15 +24,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from strata.engine.cache.arena import slot_bytes_for
 from strata.sim.trace import DECODE, PROMPT, TraceWriter
 
 if TYPE_CHECKING:
     from strata.engine.experts import Experts
 
 __all__ = ["RoutingCounter", "RoutingRecorder", "installed", "new_trace_writer", "trace_meta"]
-
-SLOT_ALIGN_BYTES = 256  # a slot is a blob rounded up to this (docs: the expert cache)
-
 
 class RoutingCounter:
     """Counts routed (token, expert) pairs per expert, then runs `inner`.
@@ -161,8 +159,7 @@ def trace_meta(model: Any, source: str, **extra: Any) -> dict[str, Any]:
     reads (`slot_bytes`, `kv_segment_cell_bytes`, `kv_segments`) and the config hash."""
     cfg = model.config
     itemsize = torch.empty((), dtype=model.dtype).element_size()
-    blob_bytes = 3 * cfg.expert_width * cfg.hidden_size * itemsize
-    slot_bytes = -(-blob_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+    slot_bytes = slot_bytes_for(3 * cfg.expert_width * cfg.hidden_size * itemsize)
     return {
         "source": source,
         "model": {
