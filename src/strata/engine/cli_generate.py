@@ -19,9 +19,20 @@ from pathlib import Path
 import torch
 
 from strata.cli import UsageError
+from strata.engine.cache.cli_options import (
+    add_cache_arguments,
+    cache_config_from_args,
+    check_trace_path,
+)
 from strata.engine.checkpoint import CheckpointError
 from strata.engine.config import ModelConfig
-from strata.engine.generate import GenerateOptions, GenerateResult, check_prompt, generate
+from strata.engine.generate import (
+    GenerateOptions,
+    GenerateResult,
+    check_prompt,
+    expert_cache,
+    generate,
+)
 from strata.engine.init_model import builtin_checkpoint
 from strata.engine.tokenizer import Tokenizer, TokenizerError
 
@@ -74,6 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object (text, tokens, stats)"
     )
+    add_cache_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -176,12 +188,30 @@ def _stats_block(result: GenerateResult) -> str:
             f"decode         {result.decode_ms_per_round:.2f} ms/round, "
             f"{result.decode_tok_s:.1f} tok/s ({result.decode_rounds} rounds, "
             f"{result.decode_path}; ended by {ended})",
+            *(result.cache.summary_lines() if result.cache is not None else []),
         ]
     )
 
 
+def _generate(model, tokenizer, prompt_ids, options, stream, trace_path) -> GenerateResult:
+    """`generate`, with the routing recorded to `trace_path` (`--trace`) when given."""
+    if trace_path is None:
+        return generate(model, tokenizer, prompt_ids, options, on_text=stream)
+    from strata.engine.cache.routing import RoutingRecorder, installed, new_trace_writer
+
+    writer = new_trace_writer(model, "strata generate")
+    recorder = RoutingRecorder(model.experts, writer)
+    with installed(model, recorder), recorder.request(len(prompt_ids)):
+        result = generate(model, tokenizer, prompt_ids, options, on_text=stream)
+    try:
+        writer.save(trace_path)
+    except OSError as err:
+        raise UsageError(f"--trace {trace_path}: {err.strerror or err}") from None
+    return result
+
+
 def run(args: argparse.Namespace) -> int:
-    from strata.engine.model import load_model  # the heavy import, after argument checks
+    from strata.engine.model import load_model, runtime_dtype  # the heavy import, after checks
 
     if args.dtype not in DTYPES:
         raise UsageError(f"unknown --dtype {args.dtype!r}; choose one of: {', '.join(DTYPES)}")
@@ -189,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
     dump_path = os.environ.get(DUMP_ENV)
     if dump_path and not Path(dump_path).absolute().parent.is_dir():
         raise UsageError(f"{DUMP_ENV}={dump_path}: its directory does not exist")
+    check_trace_path(args.trace)
     text = _read_prompt(args)
     try:
         options = GenerateOptions(
@@ -214,15 +245,28 @@ def run(args: argparse.Namespace) -> int:
             prompt_ids = tokenizer.encode(text)
         # Checked against config.json before the (long) load.
         check_prompt(prompt_ids, options, config.vocab_size)
+        cache = cache_config_from_args(
+            args, config, runtime_dtype(config, DTYPES[args.dtype]), device,
+            max_context=options.max_context, prefill_chunk=options.prefill_chunk,
+        )
+        for note in cache.notes:
+            print(f"strata: {note}", file=sys.stderr)
         weights_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
         model = load_model(
             model_dir,
             device=device,
             dtype=DTYPES[args.dtype],
             progress=sys.stderr.isatty() and weights_bytes >= PROGRESS_BAR_BYTES,
+            cache=cache.config,
         )
     except (CheckpointError, TokenizerError, ValueError) as err:
         raise UsageError(" ".join(str(err).split())) from None
+    cached = expert_cache(model.experts)
+    if cached is not None:
+        print(f"strata: {cached.budget.startup_line()}", file=sys.stderr)
+        if args.compile:
+            print("strata: --compile applies to CUDA-graph decode, which the expert cache does "
+                  "not use: ignored", file=sys.stderr)
     stop_ids = _stop_ids(model_dir, model.config.eos_token_ids, tokenizer)
     options = dataclasses.replace(options, stop_ids=stop_ids)
     stream = None
@@ -233,7 +277,11 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(_terminal_safe(piece) if tty else piece)
             sys.stdout.flush()
 
-    result = generate(model, tokenizer, prompt_ids, options, on_text=stream)
+    try:
+        result = _generate(model, tokenizer, prompt_ids, options, stream, args.trace)
+    finally:
+        if cached is not None:
+            cached.close()
 
     if dump_path:
         try:
@@ -249,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
             "device": str(device),
             "dtype": str(model.dtype).removeprefix("torch."),
         }
+        if cached is not None:
+            document["cache"]["budget"] = cached.budget.as_dict()
         print(json.dumps(document, ensure_ascii=False))
     else:
         if not result.text.endswith("\n"):

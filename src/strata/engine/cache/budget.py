@@ -90,8 +90,11 @@ def device_free_bytes(device: torch.device) -> int | None:
     return int(free)
 
 
-def _mib(n_bytes: int) -> str:
-    return f"{n_bytes / MIB:.1f}"
+def _size(n_bytes: int) -> str:
+    """MiB, or KiB below one MiB (tiny test models)."""
+    if 0 < n_bytes < MIB:
+        return f"{n_bytes / 1024:.1f} KiB"
+    return f"{n_bytes / MIB:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -134,12 +137,12 @@ class CacheBudget:
         need = self.fixed_bytes + self._arena_bytes(min_slots)
         if need > self.budget_bytes:
             raise ValueError(
-                f"the device budget of {_mib(self.budget_bytes)} MiB ({self.budget_source}) "
-                f"is {_mib(need - self.budget_bytes)} MiB short: dense weights "
-                f"{_mib(self.dense_bytes)} + K/V {_mib(self.kv_bytes)} + workspace "
-                f"{_mib(self.workspace_bytes)} + reserve {_mib(self.reserve_bytes)} + the "
-                f"minimum cache ({min_slots} slot of {_mib(self.slot_bytes)}) need "
-                f"{_mib(need)} MiB; raise --vram-budget-mib, lower --vram-reserve-mib or "
+                f"the device budget of {_size(self.budget_bytes)} ({self.budget_source}) is "
+                f"{_size(need - self.budget_bytes)} short: dense weights "
+                f"{_size(self.dense_bytes)} + K/V {_size(self.kv_bytes)} + workspace "
+                f"{_size(self.workspace_bytes)} + reserve {_size(self.reserve_bytes)} + the "
+                f"minimum cache ({min_slots} slot of {_size(self.slot_bytes)}) need "
+                f"{_size(need)}; raise --vram-budget-mib, or lower --vram-reserve-mib or "
                 "--max-context"
             )
 
@@ -196,10 +199,10 @@ class CacheBudget:
         if self.capped:
             mode += ", capped by the budget"
         return (
-            f"expert cache: budget {_mib(self.budget_bytes)} MiB ({self.budget_source}) = dense "
-            f"{_mib(self.dense_bytes)} + K/V {_mib(self.kv_bytes)} + workspace "
-            f"{_mib(self.workspace_bytes)} + reserve {_mib(self.reserve_bytes)} + cache "
-            f"{_mib(self.arena_bytes)} MiB ({mode}): {n} slots of {_mib(self.slot_bytes)} MiB, "
+            f"expert cache: budget {_size(self.budget_bytes)} ({self.budget_source}) = dense "
+            f"{_size(self.dense_bytes)} + K/V {_size(self.kv_bytes)} + workspace "
+            f"{_size(self.workspace_bytes)} + reserve {_size(self.reserve_bytes)} + cache "
+            f"{_size(self.arena_bytes)} ({mode}): {n} slots of {_size(self.slot_bytes)}, "
             f"{share:.1f}% of {self.total_experts} experts"
         )
 

@@ -150,7 +150,8 @@ class CacheStats:
             p = self.phase(name)
             if not p.layer_calls:
                 continue
-            unit, units = ("pass", "passes") if name == "prompt" else ("round", "rounds")
+            unit = "pass" if name == "prompt" else "round"
+            units = unit + ("es" if unit == "pass" else "s") if p.passes != 1 else unit
             n = max(p.passes, 1)
             lines.append(
                 f"cache {name:<8} hit rate {100 * p.hit_rate:.1f}%; CPU "

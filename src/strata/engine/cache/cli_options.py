@@ -1,0 +1,183 @@
+"""The expert cache's options of `strata generate`, and what they build.
+
+The cache is used when any of its options is given, or when the budget cannot hold every
+expert; otherwise every expert is resident, as without the feature (CUDA graphs included).
+`cache_config_from_args` checks every value and sizes the cache before the model is loaded, so
+a bad value or a budget too small is one line (`UsageError`) at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from strata.cli import UsageError
+from strata.engine.cache.arena import slot_bytes_for
+from strata.engine.cache.budget import plan_budget
+from strata.engine.cache.build import DEFAULT_SHORT_READ, CacheConfig
+from strata.engine.config import ModelConfig
+from strata.engine.kv import kv_backend
+from strata.policies import DEFAULT_POLICY, PluginError, load_registry
+from strata.policies.cli import add_policy_arguments, policy_from_args
+
+__all__ = ["CachePlan", "add_cache_arguments", "cache_config_from_args"]
+
+# dest -> flag, for the options whose presence turns the cache on.
+CACHE_FLAGS = {
+    "vram_budget_mib": "--vram-budget-mib",
+    "vram_reserve_mib": "--vram-reserve-mib",
+    "expert_cache": "--expert-cache",
+    "expert_profile": "--expert-profile",
+    "short_read": "--short-read",
+    "cpu_threads": "--cpu-threads",
+}
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `expert cache` option group, `--trace`, and `--policy` / `--policy-opt`."""
+    group = parser.add_argument_group(
+        "expert cache",
+        "Experts that fit the device budget sit in the cache's slots; the CPU computes the "
+        "rest. Used when any of these is given or the experts do not all fit.",
+    )
+    group.add_argument(
+        "--vram-budget-mib", type=float, metavar="MIB",
+        help="device memory strata may use (default: free memory on CUDA; on the CPU: what "
+        "holds every expert)",
+    )
+    group.add_argument(
+        "--vram-reserve-mib", type=float, metavar="MIB",
+        help="of the budget, what stays free (default: 256 on CUDA, 0 on the CPU)",
+    )
+    group.add_argument(
+        "--expert-cache", metavar="auto|MIB",
+        help="the cache's size: auto (what the budget leaves) or MiB, capped by the budget",
+    )
+    group.add_argument(
+        "--expert-profile", metavar="PATH",
+        help="fill the cache hottest first by this profile (`strata profile` makes one)",
+    )
+    group.add_argument(
+        "--no-prefill-loan", action="store_true",
+        help="long prompt parts send their misses to the CPU instead of borrowing slots",
+    )
+    group.add_argument(
+        "--short-read", type=int, metavar="N",
+        help=f"prompt parts longer than N tokens take the loan ({DEFAULT_SHORT_READ})",
+    )
+    group.add_argument(
+        "--cpu-threads", type=int, metavar="N",
+        help="threads computing the CPU's experts (default: torch's, the physical cores)",
+    )
+    parser.add_argument(
+        "--trace", metavar="FILE",
+        help="record the routing (per token, per layer, the top-k ids) to FILE (.npz) for "
+        "`strata simulate`",
+    )
+    add_policy_arguments(parser)
+
+
+@dataclass
+class CachePlan:
+    """What `cache_config_from_args` decided: the config (None: every expert resident) and the
+    notes to print before loading (the profile warning)."""
+
+    config: CacheConfig | None
+    notes: list[str] = field(default_factory=list)
+
+
+def _expert_cache_mib(text: str | None) -> float | None:
+    if text is None or text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise UsageError(f"--expert-cache must be auto or a number of MiB >= 0, got {text!r}")
+    return value
+
+
+def _wanted(args: argparse.Namespace) -> bool:
+    """Whether an option of the cache (or a policy other than the default) was given."""
+    given = any(getattr(args, dest) is not None for dest in CACHE_FLAGS)
+    return given or args.no_prefill_loan or args.policy != DEFAULT_POLICY or bool(
+        args.policy_opts)
+
+
+def cache_config_from_args(
+    args: argparse.Namespace,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    max_context: int,
+    prefill_chunk: int,
+) -> CachePlan:
+    """The cache the options ask for, sized for `config` in `dtype` on `device`.
+
+    Raises UsageError for a bad value, an unreadable profile or one for another model, an
+    unknown policy or option, and a budget too small (saying how much is missing).
+    """
+    expert_cache_mib = _expert_cache_mib(args.expert_cache)
+    for dest in ("short_read", "cpu_threads"):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            raise UsageError(f"{CACHE_FLAGS[dest]} must be >= 1, got {value}")
+    wanted = _wanted(args)
+    backend = kv_backend(device)  # the arena's memory: host or cuda, as the K/V's
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    slot_bytes = slot_bytes_for(3 * config.expert_width * config.hidden_size * itemsize)
+    try:
+        budget = plan_budget(
+            config, dtype, device, slot_bytes=slot_bytes, chunk_bytes=backend.chunk_bytes,
+            max_context=max_context, prefill_chunk=prefill_chunk,
+            budget_mib=args.vram_budget_mib, reserve_mib=args.vram_reserve_mib,
+            expert_cache_mib=expert_cache_mib,
+        )
+    except ValueError as err:
+        backend.close()
+        raise UsageError(str(err)) from None
+    if not wanted and budget.holds_every_expert:
+        backend.close()
+        return CachePlan(None)
+    try:
+        return _plan(args, config, budget, backend)
+    except BaseException:
+        backend.close()
+        raise
+
+
+def _plan(args, config, budget, backend) -> CachePlan:
+    from strata.engine.cache.profile import ProfileError, fill_rank, load_profile
+
+    profile = None
+    if args.expert_profile is not None:
+        try:
+            profile = load_profile(args.expert_profile)
+            profile.check(config)
+        except (OSError, ProfileError) as err:
+            reason = getattr(err, "strerror", None) or err
+            raise UsageError(f"--expert-profile {args.expert_profile}: {reason}") from None
+    rank, warning = fill_rank(profile, config.n_layers, config.n_experts)
+    try:
+        registry = load_registry()
+    except PluginError as err:
+        raise UsageError(str(err)) from None
+    policy = policy_from_args(args, registry)
+    cache = CacheConfig(
+        budget=budget, backend=backend, policy=policy, rank=rank,
+        cpu_threads=args.cpu_threads, prefill_loan=not args.no_prefill_loan,
+        short_read=args.short_read or DEFAULT_SHORT_READ, events=registry.pm,
+    )
+    return CachePlan(cache, [warning] if warning else [])
+
+
+def check_trace_path(path: str | None) -> None:
+    """UsageError unless `--trace`'s directory exists."""
+    if path is not None and not Path(path).absolute().parent.is_dir():
+        raise UsageError(f"--trace {path}: its directory does not exist")

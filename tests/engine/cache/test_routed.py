@@ -1,0 +1,49 @@
+"""Routed rows grouped by expert, against a per-row reference."""
+
+import numpy as np
+import pytest
+
+from strata.engine.cache.routed import Routed
+
+
+def test_groups_rows_by_expert_ascending():
+    ids = np.array([[3, 1], [1, 0], [3, 2]])  # [T=3, K=2]
+    routed = Routed.of(ids)
+    assert routed.experts.tolist() == [0, 1, 2, 3]
+    assert routed.starts.tolist() == [0, 1, 3, 4, 6]
+    # rows t*K + k: expert 1 at (0, 1) = 1 and (1, 0) = 2; expert 3 at 0 and 4
+    assert routed.rows.tolist() == [3, 1, 2, 5, 0, 4]
+    assert routed.tokens().tolist() == [1, 0, 1, 2, 0, 2]
+    assert routed.expert_rows(3).tolist() == [0, 4]
+    assert (routed.n_experts, routed.n_rows, routed.top_k) == (4, 6, 2)
+
+
+def test_mask_keeps_only_its_rows():
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.permutation(8)[:3] for _ in range(20)])  # [20, 3]
+    mask = rng.random(ids.shape) < 0.4
+    routed = Routed.of(ids, mask)
+    flat = ids.reshape(-1)
+    expected = {}
+    for row in np.flatnonzero(mask.reshape(-1)):
+        expected.setdefault(int(flat[row]), []).append(int(row))
+    assert routed.experts.tolist() == sorted(expected)
+    for i, expert in enumerate(routed.experts.tolist()):
+        assert routed.expert_rows(i).tolist() == expected[expert]
+    assert not routed.rows.flags.writeable
+
+
+def test_empty_mask():
+    routed = Routed.of(np.array([[1, 2]]), np.zeros((1, 2), bool))
+    assert routed.n_experts == 0 and routed.n_rows == 0 and routed.starts.tolist() == [0]
+
+
+def test_bad_shapes():
+    with pytest.raises(ValueError, match=r"expert_ids must be \[T, K\]"):
+        Routed.of(np.arange(4))
+    with pytest.raises(ValueError, match=r"mask must be \(2, 2\)"):
+        Routed.of(np.zeros((2, 2), int), np.zeros((2, 3), bool))
+    with pytest.raises(ValueError, match="starts must be"):
+        Routed(np.array([1]), np.array([0, 2]), np.array([0], np.int64), 1)
+    with pytest.raises(ValueError, match="rows must be int64"):
+        Routed(np.array([1]), np.array([0, 1]), np.array([0], np.int32), 1)
