@@ -1,6 +1,8 @@
 """Engine and simulator agree: a trace recorded from CPU `generate` runs through the expert cache
 replays in `strata.sim` (same policy, slots and profile) to the counts the runs reported."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -102,3 +104,28 @@ def test_a_full_cache_hits_everything_in_both(ckpt, profile):
     result = replay(trace, load_registry().create("lru"), ReplayConfig(slots=64), profile.counts)
     assert result.misses == 0 and sum(s.lookups - s.hits for s in stats) == 0
     model.experts.close()
+
+
+def test_strata_generate_trace_replays_in_strata_simulate(ckpt, profile, tmp_path, capsys):
+    """The command lines: `strata generate --trace` with a profile and a policy, then
+    `strata simulate` of its trace with the same ones, report the same hits and misses."""
+    from strata.cli import main
+
+    profile_path, trace_path = tmp_path / "profile.npz", tmp_path / "trace.npz"
+    profile.save(profile_path)
+    status = main(["generate", "--model", str(ckpt), "--device", "cpu", "--temperature", "0",
+                   "--max-new", "12", "--prefill-chunk", "8", "--expert-cache", "20",
+                   "--expert-profile", str(profile_path), "--policy", "lru",
+                   "--no-prefill-loan", "--trace", str(trace_path), "--json",
+                   "The quick brown fox jumps over the lazy dog"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    run = json.loads(out)["cache"]
+    assert 0 < run["hits"] < run["lookups"] and run["admitted"] > 0
+    status = main(["simulate", str(trace_path), "--policy", "lru", "--slots", str(run["slots"]),
+                   "--profile", str(profile_path), "--bounds", "none", "--json", "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    (row,) = json.loads(out)["results"]
+    assert (row["hits"], row["misses"]) == (run["hits"], run["lookups"] - run["hits"])
+    assert row["admissions"] == run["admitted"]
