@@ -1,25 +1,36 @@
 """`strata profile --model DIR --prompts FILE -o profile.npz`: count which experts a model's
 router picks while it reads some prompts, and write the counts as an expert profile.
 
-The model runs through the real loader, every expert resident (on the CPU or the GPU), with a
-`RoutingCounter` around its experts: the model code does not change. Each prompt is read in
-chunks of `--prefill-chunk` tokens, then `--decode N` tokens are generated greedily and counted
-too. The profile (`strata.engine.cache.profile`) is what `--expert-profile` fills the cache by
-and what `strata simulate --profile` starts from.
+The model runs through the real loader (every expert resident, or through the expert cache
+when the cache options ask for it or the experts do not fit the device, as `strata generate`
+decides), with a `RoutingCounter` around its experts: the model code does not change. Each
+prompt is read in chunks of `--prefill-chunk` tokens, then `--decode N` tokens are generated
+greedily and counted too. `--trace FILE` also records the run as a routing trace, one request
+per prompt. The profile (`strata.engine.cache.profile`) is what `--expert-profile` fills the
+cache by and what `strata simulate --profile` starts from.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from strata.cli import UsageError
+from strata.engine.cache.cli_options import (
+    add_cache_arguments,
+    cache_config_from_args,
+    check_trace_path,
+)
+
+if TYPE_CHECKING:
+    from strata.sim.trace import TraceWriter
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 SOURCE = "strata profile"
@@ -54,6 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print the profile's summary as one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_cache_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -101,17 +113,23 @@ def collect_counts(
     decode_tokens: int = 0,
     prefill_chunk: int = 512,
     on_prompt: Callable[[], None] | None = None,
+    writer: TraceWriter | None = None,
 ) -> tuple[Any, dict[str, int]]:
     """Run each prompt (token ids) through `model`, then `decode_tokens` greedy tokens, and
     count the routing. Returns (counts int64 [L, E], figures: prompts, prompt_tokens,
-    decode_tokens). The model's experts are put back as they were."""
-    from strata.engine.cache.routing import RoutingCounter, installed
+    decode_tokens). With a `writer`, each prompt is also recorded as a request of a trace.
+    The model's experts are put back as they were."""
+    from strata.engine.cache.routing import RoutingCounter, RoutingRecorder, installed
     from strata.engine.generate import GenerateOptions, generate
 
     cfg = model.config
     counter = RoutingCounter(model.experts, cfg.n_layers, cfg.n_experts, model.device)
+    recorder = None if writer is None else RoutingRecorder(counter, writer)
     prompt_tokens = 0
-    with installed(model, counter):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(installed(model, counter))
+        if recorder is not None:
+            stack.enter_context(installed(model, recorder))
         for ids in prompts:
             options = GenerateOptions(
                 # max_new counts the token sampled from the prompt, which is not fed back.
@@ -122,7 +140,8 @@ def collect_counts(
                 ignore_stop=True,
                 cuda_graphs=False,  # a graph replay would bypass the counter
             )
-            generate(model, None, ids, options)
+            with recorder.request(len(ids)) if recorder else contextlib.nullcontext():
+                generate(model, None, ids, options)
             prompt_tokens += len(ids)
             if on_prompt is not None:
                 on_prompt()
@@ -155,13 +174,52 @@ def _progress(args: argparse.Namespace, total: int):
                 disable=True if args.quiet else None)
 
 
-def run(args: argparse.Namespace) -> int:
-    from strata.engine.cache.profile import Profile, save_profile
+def _encode_prompts(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    from strata.engine.generate import GenerateOptions, check_prompt
+
+    prompts = []
+    for number, text in enumerate(read_prompts(args.prompts), start=1):
+        chat = [{"role": "user", "content": text}]
+        ids = tokenizer.encode_chat(chat) if args.chat else tokenizer.encode(text)
+        need = len(ids) + args.decode + 1
+        try:
+            check_prompt(ids, GenerateOptions(max_new=args.decode + 1, max_context=need),
+                         vocab_size)
+        except ValueError as err:
+            raise UsageError(f"--prompts {args.prompts}: prompt {number}: {err}") from None
+        prompts.append(ids)
+    return prompts
+
+
+def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, list[list[int]]]:
+    """(the model, with the expert cache if the options ask for it; the prompts' ids)."""
     from strata.engine.checkpoint import CheckpointError
     from strata.engine.config import ModelConfig
-    from strata.engine.generate import GenerateOptions, check_prompt
-    from strata.engine.model import load_model
+    from strata.engine.model import load_model, runtime_dtype
     from strata.engine.tokenizer import Tokenizer, TokenizerError
+
+    model_dir = Path(args.model)
+    try:
+        config = ModelConfig.from_dir(model_dir)
+        prompts = _encode_prompts(args, Tokenizer.from_dir(model_dir), config.vocab_size)
+        plan = cache_config_from_args(
+            args, config, runtime_dtype(config, DTYPES[args.dtype]), device,
+            max_context=max(len(ids) for ids in prompts) + args.decode + 1,
+            prefill_chunk=args.prefill_chunk,
+        )
+        for note in plan.notes:
+            print(f"strata: {note}", file=sys.stderr)
+        model = load_model(model_dir, device=device, dtype=DTYPES[args.dtype],
+                           cache=plan.config)
+    except (CheckpointError, TokenizerError, ValueError) as err:
+        raise UsageError(" ".join(str(err).split())) from None
+    return model, prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    from strata.engine.cache.profile import Profile, save_profile
+    from strata.engine.cache.routing import new_trace_writer
+    from strata.engine.generate import expert_cache
 
     for flag, value, low in (("--decode", args.decode, 0), ("--prefill-chunk",
                                                             args.prefill_chunk, 1)):
@@ -173,32 +231,24 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"-o {output}: its directory does not exist")
     if output.is_dir():
         raise UsageError(f"-o {output} is a directory; give a file path (profile.npz)")
-    texts = read_prompts(args.prompts)
-    model_dir = Path(args.model)
+    check_trace_path(args.trace)
+    model, prompts = _load(args, device)
+    cached = expert_cache(model.experts)
+    if cached is not None:
+        print(f"strata: {cached.budget.startup_line()}", file=sys.stderr)
+    writer = None if args.trace is None else new_trace_writer(model, SOURCE)
     try:
-        config = ModelConfig.from_dir(model_dir)
-        tokenizer = Tokenizer.from_dir(model_dir)
-        prompts = [
-            tokenizer.encode_chat([{"role": "user", "content": text}]) if args.chat
-            else tokenizer.encode(text)
-            for text in texts
-        ]
-        for number, ids in enumerate(prompts, start=1):
-            need = len(ids) + args.decode + 1
-            try:
-                check_prompt(ids, GenerateOptions(max_new=args.decode + 1, max_context=need),
-                             config.vocab_size)
-            except ValueError as err:
-                raise UsageError(f"--prompts {args.prompts}: prompt {number}: {err}") from None
-        model = load_model(model_dir, device=device, dtype=DTYPES[args.dtype])
-    except (CheckpointError, TokenizerError, ValueError) as err:
-        raise UsageError(" ".join(str(err).split())) from None
-    with _progress(args, len(prompts)) as bar:
-        counts, figures = collect_counts(model, prompts, decode_tokens=args.decode,
-                                         prefill_chunk=args.prefill_chunk, on_prompt=bar.update)
+        with _progress(args, len(prompts)) as bar:
+            counts, figures = collect_counts(
+                model, prompts, decode_tokens=args.decode, prefill_chunk=args.prefill_chunk,
+                on_prompt=bar.update, writer=writer,
+            )
+    finally:
+        if cached is not None:
+            cached.close()
     meta = {
         "source": SOURCE,
-        "model": str(model_dir),
+        "model": str(args.model),
         "prompts_file": str(args.prompts),
         "device": device.type,
         "dtype": str(model.dtype).removeprefix("torch."),
@@ -206,10 +256,14 @@ def run(args: argparse.Namespace) -> int:
         **figures,
     }
     profile = Profile.for_model(counts, model.config, meta)
-    try:
-        save_profile(profile, output)
-    except OSError as err:
-        raise UsageError(f"-o {output}: {err.strerror or err}") from None
+    for flag, path, save in (("-o", output, lambda p: save_profile(profile, p)),
+                             ("--trace", args.trace, lambda p: writer.save(p))):
+        if path is None:
+            continue
+        try:
+            save(path)
+        except OSError as err:
+            raise UsageError(f"{flag} {path}: {err.strerror or err}") from None
     summary = profile.summary()
     if args.json:
         print(json.dumps({"path": str(output), **summary}, sort_keys=True))

@@ -21,7 +21,7 @@ from strata.engine.generate import GenerateOptions, generate
 from strata.engine.model import load_model
 from strata.engine.tokenizer import Tokenizer
 from strata.policies.registry import load_registry
-from strata.sim import ReplayConfig, replay
+from strata.sim import ReplayConfig, load_trace, replay
 from support.checkpoints import cached_checkpoint
 
 PROMPTS = ["Hello world", "", "The quick brown fox jumps", "  ", "a"]
@@ -100,6 +100,20 @@ def test_the_counter_leaves_output_unchanged_and_is_removed(ckpt):
     assert np.array_equal(counter.counts(), counts) and counter.tokens == 8
 
 
+def test_through_the_expert_cache_with_a_trace(ckpt, prompts, tmp_path, capsys):
+    """A model that does not fit (here: a 0.5 MiB cache) is profiled through the expert cache;
+    --trace records the same run, one request per prompt."""
+    out_path, trace_path = tmp_path / "p.npz", tmp_path / "t.npz"
+    status, _, err = _profile(capsys, "--model", str(ckpt), "--prompts", str(prompts),
+                              "-o", str(out_path), "--decode", "2", "--expert-cache", "0.5",
+                              "--policy", "lru", "--trace", str(trace_path))
+    assert status == 0, err
+    assert "expert cache: budget" in err and "slots" in err
+    trace = load_trace(trace_path)
+    assert trace.n_requests == 3 and trace.meta["source"] == "strata profile"
+    assert np.array_equal(load_profile(out_path).counts, trace.routing_counts())
+
+
 def test_jsonl_prompts(ckpt, tmp_path, capsys):
     path = tmp_path / "p.jsonl"
     path.write_text('"plain string"\n\n{"prompt": "an object"}\n{"text": "text key"}\n')
@@ -148,6 +162,9 @@ def test_simulate_reads_the_profile(ckpt, prompts, tmp_path, capsys):
         ("x\n", ["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
         ("x\n", ["--model", "{tmp}/nothing"], "does not exist"),
         ("x\n", ["--device", "tpu"], "unknown --device 'tpu'"),
+        ("x\n", ["--trace", "{tmp}/no/t.npz"], "--trace .*its directory does not exist"),
+        ("x\n", ["--expert-cache", "lots"], "--expert-cache must be auto or a number"),
+        ("x\n", ["--expert-profile", "{missing}"], "--expert-profile .*absent.txt"),
     ],
 )
 def test_errors_are_one_line_usage_errors(ckpt, tmp_path, capsys, setup, argv, message):
