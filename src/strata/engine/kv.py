@@ -7,9 +7,17 @@ K of layer 1, ... Each segment is reserved for the whole window (`max_cells` cel
 elements) and rounded up to whole chunks, so growing maps the next chunks of *every* segment, and
 each layer's K and V stay plain contiguous [N, G, Dh] tensors whose addresses never move.
 Mapping is by whole chunks; `mapped_cells` is how many leading cells every segment covers.
+
+The elastic K/V (`strata.engine.cache.elastic`) moves physical chunks between this range and the
+expert cache's arena: `map_cells(n, chunks=...)` maps given chunks first (their bytes are then
+overwritten by zeros), and `unmap_cells(n)` hands back the chunks above what `n` cells need,
+bytes intact. Both are all or nothing. Chunks keep their addresses in the range, so a view made
+before a growth stays valid (over the cells it covered) after it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -34,9 +42,10 @@ def kv_backend(device: str | torch.device) -> _vmm.Backend:
 class KVCache:
     """Per-layer K and V tensors [N, G, Dh] living in one virtual-memory range.
 
-    `mapped_cells=None` maps the whole window at construction (the only mode the model needs
-    for now); a smaller value maps just enough chunks for that many cells, and `map_cells` maps
-    more later. Newly mapped cells are zeroed, so masked-out cells never hold NaN bit patterns.
+    `mapped_cells=None` maps the whole window at construction; a smaller value maps just enough
+    chunks for that many cells, `map_cells` maps more later and `unmap_cells` gives chunks back
+    (the elastic K/V). Newly mapped cells are zeroed, so masked-out cells never hold NaN bit
+    patterns.
     """
 
     def __init__(
@@ -81,40 +90,96 @@ class KVCache:
         return min(self.max_cells, self._mapped_chunks * self.chunk_bytes // self.cell_bytes)
 
     @property
+    def mapped_chunks(self) -> int:
+        """Chunks mapped in each segment: [0, mapped_chunks) of every one."""
+        return self._mapped_chunks
+
+    @property
+    def n_segments(self) -> int:
+        """2 * L: the K and the V of every layer."""
+        return 2 * self.n_layers
+
+    @property
     def bytes_mapped(self) -> int:
         return self._range.bytes_mapped
 
-    def map_cells(self, n_cells: int) -> None:
-        """Map the chunks that cells [0, n_cells) need in every segment; zero the new cells.
-
-        All or nothing: if a mapping fails, the chunks this call mapped are unmapped again.
-        """
+    def chunks_for(self, n_cells: int) -> int:
+        """Chunks of one segment that cells [0, n_cells) need (n_cells in [0, max_cells])."""
         if not 0 <= n_cells <= self.max_cells:
             raise ValueError(f"n_cells {n_cells} is out of range [0, {self.max_cells}]")
-        need = -(-n_cells * self.cell_bytes // self.chunk_bytes)
-        if need <= self._mapped_chunks:
-            return
+        return -(-n_cells * self.cell_bytes // self.chunk_bytes)
+
+    def map_cells(self, n_cells: int, chunks: Sequence[_vmm.Chunk] | None = None) -> int:
+        """Map the chunks that cells [0, n_cells) need in every segment; zero the new cells.
+
+        `chunks` (unmapped chunks of this K/V's backend) are used first, segment by segment in
+        order (K of layer 0, V of layer 0, ...), then new ones are created. Returns how many
+        chunks were mapped over all segments. All or nothing: if a mapping fails, the chunks this
+        call mapped are unmapped again, those it created are released, and the given ones are
+        unmapped and the caller's again (bytes intact). Cells already mapped are left as they are.
+        """
+        need = self.chunks_for(n_cells)
+        given = list(chunks) if chunks is not None else []
+        grow = max(0, need - self._mapped_chunks)
+        if len(given) > grow * self.n_segments:
+            raise ValueError(
+                f"{len(given)} chunks given, but cells [0, {n_cells}) need only "
+                f"{grow * self.n_segments} more ({grow} in each of {self.n_segments} segments)"
+            )
+        if not grow:
+            return 0
         old_chunks, old_cells = self._mapped_chunks, self.mapped_cells
         done: list[int] = []
         try:
-            for segment in range(2 * self.n_layers):
+            for segment in range(self.n_segments):
                 base = segment * self.segment_chunks
-                self._range.map(base + old_chunks, base + need)
+                mine = given[segment * grow : (segment + 1) * grow]
+                self._range.map(base + old_chunks, base + need, chunks=mine)
                 done.append(base)
         except BaseException:
+            # Range.map rolled back the failing segment itself; undo the segments done. The
+            # chunks they created drop here (released); the given ones are the caller's.
             for base in done:
                 self._range.unmap(base + old_chunks, base + need)
             raise
         self._mapped_chunks = need
-        if self.mapped_cells:
-            self._rebuild_views()
+        self._rebuild_views()
         for layer in range(self.n_layers):
             self._k[layer][old_cells:].zero_()
             self._v[layer][old_cells:].zero_()
+        return grow * self.n_segments
+
+    def unmap_cells(self, n_cells: int) -> list[_vmm.Chunk]:
+        """Unmap the chunks of every segment above what cells [0, n_cells) need; return them.
+
+        The chunks come in segment order, each segment's in index order, bytes intact; the
+        caller owns them (dropping one frees it). Views are re-made over the cells left: views
+        taken before this call must not be used for the cells given up. All or nothing: if a
+        segment fails to unmap, the segments already unmapped are mapped back with their chunks.
+        """
+        keep = self.chunks_for(n_cells)
+        if keep >= self._mapped_chunks:
+            return []
+        old_chunks = self._mapped_chunks
+        taken: list[list[_vmm.Chunk]] = []
+        try:
+            for segment in range(self.n_segments):
+                base = segment * self.segment_chunks
+                taken.append(self._range.unmap(base + keep, base + old_chunks))
+        except BaseException:
+            for segment, chunks in enumerate(taken):
+                base = segment * self.segment_chunks
+                self._range.map(base + keep, base + old_chunks, chunks=chunks)
+            raise
+        self._mapped_chunks = keep
+        self._rebuild_views()
+        return [chunk for segment in taken for chunk in segment]
 
     def _rebuild_views(self) -> None:
         shape = (self.mapped_cells, self.n_kv_heads, self.head_dim)
         self._k, self._v = [], []
+        if not self.mapped_cells:
+            return
         for layer in range(self.n_layers):
             k_offset = 2 * layer * self.segment_bytes
             self._k.append(self._range.view(k_offset, shape, self.dtype))
