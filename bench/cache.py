@@ -1,0 +1,318 @@
+"""Benchmark the expert cache: decode with every expert resident and at a small budget, prefill
+of a long prompt with and without the loan, and transformers + accelerate offloading as the peer.
+
+Makes its own checkpoint (`write_checkpoint` into a temporary directory, removed at the end) and
+its own profile (the routing of a few seeded random prompts through the model with every expert
+resident, as `strata profile` counts it), then measures, each engine on a fresh load:
+
+- `resident`: no cache, every expert on the device (CUDA graphs on CUDA, as `strata generate`);
+  `resident-eager`: the same, eager (the cache decodes eagerly: its host reads per layer);
+- `cache-full`: the cache holding every expert (the target: within 1.1x of `resident`);
+- `cache-budget`: the cache at `--budget-mib` (default: an `--expert-cache` of `--expert-share`
+  of the experts), filled by the profile; decode, and where a round's time goes;
+- `prefill-loan` / `prefill-cpu`: a `--prefill-tokens` prompt at that budget, with the prompt
+  loan and without it (its misses on the CPU).
+
+Each model's K/V (and so its budget's share for the cache) is sized for its own runs: the prompt
+and the new tokens for decode, the long prompt for prefill.
+- `accelerate` (CUDA only, when `accelerate` is installed): transformers with `device_map`
+  `max_memory={0: budget, "cpu": ...}` (the budget, or the small cache's MiB), offloading
+  what does not fit to the CPU.
+
+Decode tok/s for strata is its own figure (rounds / decode time); for transformers (new - 1) /
+(time of `new` tokens - time of 1 token). Medians over `--repeat` runs after a warm-up.
+
+    python bench/cache.py --preset tiny --device cpu --loan-keep-slots 0    # here, a minute
+    python bench/cache.py --preset olmoe-1b-7b --device cuda --budget-mib 4096
+    python bench/cache.py ... --layers 8 --json                             # one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from strata.engine.cache.arena import slot_bytes_for
+from strata.engine.cache.budget import MIB
+from strata.engine.cache.build import plan_cache
+from strata.engine.cache.loan import KEEP_SLOTS_ENV
+from strata.engine.cache.profile import Profile, fill_rank
+from strata.engine.cli_profile import collect_counts
+from strata.engine.config import ModelConfig
+from strata.engine.generate import GenerateOptions, generate
+from strata.engine.init_model import write_checkpoint
+from strata.engine.model import load_model
+from strata.engine.presets import BYTE_TOKENS, get_preset
+
+PROFILE_PROMPTS = 4  # seeded random prompts of 256 tokens the profile counts, + 32 decoded
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """`n` byte ids the checkpoint's tokenizer knows, fixed by `seed`."""
+    return torch.randint(0, BYTE_TOKENS, (n,), generator=torch.Generator().manual_seed(seed)
+                         ).tolist()
+
+
+def make_profile(ckpt: Path, device, dtype) -> Profile:
+    model = load_model(ckpt, device=device, dtype=dtype)
+    prompts = [tokens(256, 100 + i) for i in range(PROFILE_PROMPTS)]
+    counts, figures = collect_counts(model, prompts, decode_tokens=32)
+    del model
+    free_memory(device)
+    return Profile.for_model(counts, ModelConfig.from_dir(ckpt), {"source": "bench/cache.py",
+                                                                  **figures})
+
+
+def cached(ckpt, device, dtype, profile, max_context, small, *, loan=True):
+    """A model through the cache; `small`: None (every expert), or the flags' values
+    {"budget_mib": ...} or {"expert_cache_mib": ...}."""
+    config = ModelConfig.from_dir(ckpt)
+    rank, _ = fill_rank(profile, config.n_layers, config.n_experts)
+    cache = plan_cache(config, dtype, device, max_context=max_context, prefill_chunk=512,
+                       rank=rank, prefill_loan=loan, **(small or {}))
+    return load_model(ckpt, device=device, dtype=dtype, cache=cache)
+
+
+def close(model) -> None:
+    experts = model.experts
+    if hasattr(experts, "close"):
+        experts.close()
+
+
+def run_decode(model, prompt, n_new, repeat, max_context, cuda_graphs=True) -> dict:
+    options = GenerateOptions(max_new=n_new, max_context=max_context, temperature=0.0,
+                              ignore_stop=True, cuda_graphs=cuda_graphs)
+    generate(model, None, prompt, options)  # warm-up
+    runs = [generate(model, None, prompt, options) for _ in range(repeat)]
+    best = sorted(runs, key=lambda r: r.decode_tok_s)[len(runs) // 2]  # the median run
+    out = {
+        "tokens": runs[0].tokens,
+        "prefill_tok_s": statistics.median(r.prefill_tok_s for r in runs),
+        "decode_tok_s": best.decode_tok_s,
+        "decode_ms_per_round": best.decode_ms_per_round,
+        "decode_path": best.decode_path,
+        "deterministic": all(r.tokens == runs[0].tokens for r in runs),
+    }
+    if best.cache is not None:
+        out["cache"] = best.cache.as_dict()
+    return out
+
+
+def run_prefill(model, prompt, repeat, max_context) -> dict:
+    options = GenerateOptions(max_new=1, max_context=max_context, temperature=0.0,
+                              ignore_stop=True)
+    generate(model, None, prompt, options)  # warm-up (and the loan's first refill)
+    runs = [generate(model, None, prompt, options) for _ in range(repeat)]
+    best = sorted(runs, key=lambda r: r.prefill_s)[len(runs) // 2]
+    return {"prefill_s": best.prefill_s, "prefill_tok_s": best.prefill_tok_s,
+            "cache": best.cache.as_dict()}
+
+
+def run_accelerate(ckpt, device, dtype, prompt, n_new, budget_mib) -> dict | None:
+    """transformers + accelerate offloading, or None (with a note on stderr) when it cannot run."""
+    if device.type != "cuda":
+        print("bench/cache.py: the accelerate peer runs on CUDA only: skipped", file=sys.stderr)
+        return None
+    try:
+        import accelerate  # noqa: F401  (device_map needs it)
+        import transformers
+    except ImportError as err:
+        print(f"bench/cache.py: the accelerate peer is skipped: {err}", file=sys.stderr)
+        return None
+    transformers.utils.logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="strata-bench-offload-") as offload:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            ckpt, dtype=dtype, device_map="auto", offload_folder=offload,
+            max_memory={device.index or 0: f"{int(budget_mib)}MiB", "cpu": "200GiB"},
+        )
+        model.eval()
+        ids = torch.tensor([prompt], device=device)
+
+        def timed(n: int) -> float:
+            sync(device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+            sync(device)
+            return time.perf_counter() - start
+
+        one, full = timed(1), timed(n_new)
+    return {"decode_tok_s": (n_new - 1) / (full - one) if full > one else float("nan"),
+            "decode_ms_per_round": 1000 * (full - one) / (n_new - 1), "generate_s": full}
+
+
+def cache_mib_for_share(ckpt, dtype, share: float) -> float:
+    """The `--expert-cache` MiB that holds `share` of the experts (at least one slot)."""
+    config = ModelConfig.from_dir(ckpt)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    slot_bytes = slot_bytes_for(3 * config.expert_width * config.hidden_size * itemsize)
+    slots = max(1, round(share * config.n_layers * config.n_experts))
+    return slots * slot_bytes / MIB
+
+
+def _split(cache: dict) -> dict:
+    """Per decode round: ms in the cache's device part, the CPU, waiting, and outside."""
+    d = cache["decode"]
+    n = max(d["passes"], 1)
+    return {k: 1000 * d[f"{k}_s"] / n for k in ("device", "cpu", "wait", "forward")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="olmoe-1b-7b")
+    parser.add_argument("--family", help="default: the preset's own")
+    parser.add_argument("--layers", type=int, help="shorten the preset to N layers")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--budget-mib", type=float,
+                        help="the small cache's --vram-budget-mib (default: --expert-share)")
+    parser.add_argument("--expert-share", type=float, default=0.25,
+                        help="without --budget-mib: --expert-cache MiB for this share of the "
+                        "experts (the budget: the host's default)")
+    parser.add_argument("--loan-keep-slots", type=int,
+                        help=f"slots a loan leaves (sets {KEEP_SLOTS_ENV}; engine default 128)")
+    parser.add_argument("--peer-new-tokens", type=int, default=16,
+                        help="tokens the (slow) accelerate peer generates")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine (median)")
+    parser.add_argument("--no-peer", action="store_true", help="skip transformers + accelerate")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2 or args.peer_new_tokens < 2 or args.repeat < 1:
+        parser.error("--new-tokens and --peer-new-tokens must be >= 2, --repeat >= 1")
+    if args.loan_keep_slots is not None:
+        os.environ[KEEP_SLOTS_ENV] = str(args.loan_keep_slots)
+
+    preset = get_preset(args.preset)
+    family = args.family or preset.default_family
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    device = torch.device(args.device)
+    prompt = tokens(args.prompt_tokens, 0)
+    long_prompt = tokens(args.prefill_tokens, 1)
+    decode_context = args.prompt_tokens + args.new_tokens  # each model is sized for its runs
+    prefill_context = args.prefill_tokens + 1
+    runs: dict[str, dict | None] = {}
+    with tempfile.TemporaryDirectory(prefix="strata-bench-cache-") as tmp:
+        start = time.perf_counter()
+        ckpt = write_checkpoint(Path(tmp) / "ckpt", family, preset, n_layers=args.layers,
+                                dtype=dtype, progress=sys.stderr.isatty() and not args.json)
+        write_s = time.perf_counter() - start
+        profile = make_profile(ckpt, device, dtype)
+        small = ({"budget_mib": args.budget_mib} if args.budget_mib else
+                 {"expert_cache_mib": cache_mib_for_share(ckpt, dtype, args.expert_share)})
+
+        model = load_model(ckpt, device=device, dtype=dtype)
+        runs["resident"] = run_decode(model, prompt, args.new_tokens, args.repeat,
+                                      decode_context)
+        runs["resident-eager"] = run_decode(model, prompt, args.new_tokens, args.repeat,
+                                            decode_context, cuda_graphs=False)
+        del model
+        free_memory(device)
+        for name, size in (("cache-full", None), ("cache-budget", small)):
+            model = cached(ckpt, device, dtype, profile, decode_context, size, loan=False)
+            if size is None and not model.experts.budget.holds_every_expert:
+                print("bench/cache.py: the device cannot hold every expert: cache-full is "
+                      "partial", file=sys.stderr)
+            runs[name] = run_decode(model, prompt, args.new_tokens, args.repeat,
+                                    decode_context)
+            runs[name]["startup"] = model.experts.budget.startup_line()
+            close(model)
+            del model
+            free_memory(device)
+        for name, loan in (("prefill-loan", True), ("prefill-cpu", False)):
+            model = cached(ckpt, device, dtype, profile, prefill_context, small, loan=loan)
+            runs[name] = run_prefill(model, long_prompt, args.repeat, prefill_context)
+            runs[name]["startup"] = model.experts.budget.startup_line()
+            close(model)
+            del model
+            free_memory(device)
+        peer_mib = args.budget_mib or small["expert_cache_mib"]
+        runs["accelerate"] = None if args.no_peer else run_accelerate(
+            ckpt, device, dtype, prompt, args.peer_new_tokens, peer_mib)
+        free_memory(device)
+
+    full, small, peer = runs["cache-full"], runs["cache-budget"], runs["accelerate"]
+    result = {
+        "preset": preset.name, "family": family, "layers": args.layers or preset.n_layers,
+        "dtype": args.dtype, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
+        platform.processor() or platform.machine(),
+        "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        "prefill_tokens": args.prefill_tokens, "small_cache": small,
+        "checkpoint_write_s": write_s, "runs": runs,
+        "full_over_resident": runs["resident"]["decode_tok_s"] / full["decode_tok_s"],
+        "full_over_resident_eager": runs["resident-eager"]["decode_tok_s"]
+        / full["decode_tok_s"],
+        "full_tokens_equal": full["tokens"] == runs["resident-eager"]["tokens"],
+        "budget_over_peer": small["decode_tok_s"] / peer["decode_tok_s"] if peer else None,
+        "loan_speedup": runs["prefill-cpu"]["prefill_s"] / runs["prefill-loan"]["prefill_s"],
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"expert cache: {family} {preset.name} ({result['layers']} layers), {args.dtype}, "
+          f"{result['device_name']} ({device}); {args.prompt_tokens}-token prompt, "
+          f"{args.new_tokens} new tokens, greedy; medians of {args.repeat}")
+    print(f"decode at the small budget: {small['startup']}")
+    print(f"a long prompt at the small budget: {runs['prefill-loan']['startup']}")
+    print(f"{'run':<16}{'slots':>7}{'hit rate':>10}{'CPU exp/layer':>15}{'decode tok/s':>14}"
+          f"{'ms/round':>10}  path")
+    for name in ("resident", "resident-eager", "cache-full", "cache-budget", "accelerate"):
+        r = runs[name]
+        if r is None:
+            continue
+        c = r.get("cache", {}).get("decode")
+        slots = str(r["cache"]["slots"]) if "cache" in r else "-"
+        hit = f"{100 * c['hit_rate']:.1f}%" if c else "-"
+        cpu = f"{c['cpu_experts_per_layer']:.2f}" if c else "-"
+        print(f"{name:<16}{slots:>7}{hit:>10}{cpu:>15}{r['decode_tok_s']:>14.1f}"
+              f"{r['decode_ms_per_round']:>10.2f}  {r.get('decode_path', 'transformers')}")
+    split = _split(small["cache"])
+    print(f"cache-budget, a decode round of {small['decode_ms_per_round']:.2f} ms: device "
+          f"{split['device']:.2f} ms, CPU {split['cpu']:.2f} ms (waiting {split['wait']:.2f}), "
+          f"in the cache {split['forward']:.2f} ms, outside it "
+          f"{small['decode_ms_per_round'] - split['forward']:.2f} ms")
+    print(f"resident / cache-full decode: {result['full_over_resident']:.2f}x (CUDA graphs "
+          f"where there are), {result['full_over_resident_eager']:.2f}x eager; tokens equal: "
+          f"{result['full_tokens_equal']}")
+    if peer:
+        print(f"cache-budget / accelerate decode: {result['budget_over_peer']:.1f}x")
+    for name in ("prefill-loan", "prefill-cpu"):
+        r = runs[name]
+        c = r["cache"]["prompt"]
+        print(f"{name:<13} {args.prefill_tokens} tokens: {r['prefill_s']:.3f} s, "
+              f"{r['prefill_tok_s']:.0f} tok/s; hit rate {100 * c['hit_rate']:.1f}%, CPU "
+              f"{c['cpu_experts_per_layer']:.2f} experts a layer, lent "
+              f"{r['cache']['lent_slots']} slots")
+    print(f"loan speed-up on the prompt: {result['loan_speedup']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
