@@ -15,14 +15,15 @@ import torch
 
 from strata import _vmm
 from strata._residency import ResidencyTable
-from strata.engine.cache.arena import Arena
-from strata.engine.cache.budget import CacheBudget
+from strata.engine.cache.arena import Arena, slot_bytes_for
+from strata.engine.cache.budget import CacheBudget, plan_budget
 from strata.engine.cache.cached_experts import CachedExperts
+from strata.engine.config import ModelConfig
 from strata.engine.experts import ExpertStore
 from strata.policies import CheckedPolicy, Policy
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
 
-__all__ = ["DEFAULT_SHORT_READ", "CacheConfig", "build_cached_experts"]
+__all__ = ["DEFAULT_SHORT_READ", "CacheConfig", "build_cached_experts", "plan_cache"]
 
 DEFAULT_SHORT_READ = 64  # prompt parts longer than this many tokens take the loan
 
@@ -62,6 +63,43 @@ class CacheConfig:
                 isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
                 or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be None or an int >= 1, got {self.cpu_threads!r}")
+
+
+def plan_cache(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    max_context: int,
+    prefill_chunk: int,
+    budget_mib: float | None = None,
+    reserve_mib: float | None = None,
+    expert_cache_mib: float | None = None,
+    backend: _vmm.Backend | None = None,
+    **options,
+) -> CacheConfig:
+    """The CacheConfig for a model of `config` computing in `dtype` on `device`, sized from the
+    flags' values (see `plan_budget`); `options` are CacheConfig's other fields. `backend`
+    defaults to the K/V's kind on `device` (`strata.engine.kv.kv_backend`). Raises ValueError
+    for a bad value or a budget too small; the backend made here is closed again then."""
+    from strata.engine.kv import kv_backend
+
+    own = backend is None
+    backend = backend or kv_backend(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    try:
+        budget = plan_budget(
+            config, dtype, device,
+            slot_bytes=slot_bytes_for(3 * config.expert_width * config.hidden_size * itemsize),
+            chunk_bytes=backend.chunk_bytes, max_context=max_context,
+            prefill_chunk=prefill_chunk, budget_mib=budget_mib, reserve_mib=reserve_mib,
+            expert_cache_mib=expert_cache_mib,
+        )
+        return CacheConfig(budget=budget, backend=backend, **options)
+    except BaseException:
+        if own:
+            backend.close()
+        raise
 
 
 def build_cached_experts(

@@ -16,11 +16,8 @@ from pathlib import Path
 import torch
 
 from strata.cli import UsageError
-from strata.engine.cache.arena import slot_bytes_for
-from strata.engine.cache.budget import plan_budget
-from strata.engine.cache.build import DEFAULT_SHORT_READ, CacheConfig
+from strata.engine.cache.build import DEFAULT_SHORT_READ, CacheConfig, plan_cache
 from strata.engine.config import ModelConfig
-from strata.engine.kv import kv_backend
 from strata.policies import DEFAULT_POLICY, PluginError, load_registry
 from strata.policies.cli import add_policy_arguments, policy_from_args
 
@@ -128,31 +125,31 @@ def cache_config_from_args(
         value = getattr(args, dest)
         if value is not None and value < 1:
             raise UsageError(f"{CACHE_FLAGS[dest]} must be >= 1, got {value}")
-    wanted = _wanted(args)
-    backend = kv_backend(device)  # the arena's memory: host or cuda, as the K/V's
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    slot_bytes = slot_bytes_for(3 * config.expert_width * config.hidden_size * itemsize)
+    profile_rank, notes = _profile_rank(args, config)
     try:
-        budget = plan_budget(
-            config, dtype, device, slot_bytes=slot_bytes, chunk_bytes=backend.chunk_bytes,
-            max_context=max_context, prefill_chunk=prefill_chunk,
+        registry = load_registry()
+    except PluginError as err:
+        raise UsageError(str(err)) from None
+    policy = policy_from_args(args, registry)
+    try:
+        cache = plan_cache(
+            config, dtype, device, max_context=max_context, prefill_chunk=prefill_chunk,
             budget_mib=args.vram_budget_mib, reserve_mib=args.vram_reserve_mib,
-            expert_cache_mib=expert_cache_mib,
+            expert_cache_mib=expert_cache_mib, policy=policy, rank=profile_rank,
+            cpu_threads=args.cpu_threads, prefill_loan=not args.no_prefill_loan,
+            short_read=args.short_read or DEFAULT_SHORT_READ, events=registry.pm,
         )
     except ValueError as err:
-        backend.close()
         raise UsageError(str(err)) from None
-    if not wanted and budget.holds_every_expert:
-        backend.close()
+    if not _wanted(args) and cache.budget.holds_every_expert:
+        cache.backend.close()
         return CachePlan(None)
-    try:
-        return _plan(args, config, budget, backend)
-    except BaseException:
-        backend.close()
-        raise
+    return CachePlan(cache, notes)
 
 
-def _plan(args, config, budget, backend) -> CachePlan:
+def _profile_rank(args: argparse.Namespace, config: ModelConfig):
+    """(rank [L, E], notes): the fill order `--expert-profile` gives, or the uniform one with
+    the warning to print."""
     from strata.engine.cache.profile import ProfileError, fill_rank, load_profile
 
     profile = None
@@ -164,17 +161,7 @@ def _plan(args, config, budget, backend) -> CachePlan:
             reason = getattr(err, "strerror", None) or err
             raise UsageError(f"--expert-profile {args.expert_profile}: {reason}") from None
     rank, warning = fill_rank(profile, config.n_layers, config.n_experts)
-    try:
-        registry = load_registry()
-    except PluginError as err:
-        raise UsageError(str(err)) from None
-    policy = policy_from_args(args, registry)
-    cache = CacheConfig(
-        budget=budget, backend=backend, policy=policy, rank=rank,
-        cpu_threads=args.cpu_threads, prefill_loan=not args.no_prefill_loan,
-        short_read=args.short_read or DEFAULT_SHORT_READ, events=registry.pm,
-    )
-    return CachePlan(cache, [warning] if warning else [])
+    return rank, [warning] if warning else []
 
 
 def check_trace_path(path: str | None) -> None:
