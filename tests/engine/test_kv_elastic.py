@@ -180,3 +180,20 @@ def test_a_fault_at_every_segment_of_an_unmap_leaves_everything_as_it_was(backen
     assert nth - 1 == 4  # one unmap call (one run) per segment
     assert len(chunks) == 12 and kv.mapped_cells == 1024
     kv.close()
+
+
+def test_remap_cells_undoes_an_unmap_with_the_bytes(backend):
+    kv = _kv(backend, mapped_cells=4096)
+    for layer in range(2):
+        kv.k(layer).copy_(torch.randn(4096, 1, 32, generator=torch.Generator().manual_seed(layer))
+                          .to(torch.bfloat16))
+        kv.v(layer).fill_(9.0)
+    before = _contents(kv)
+    chunks = kv.unmap_cells(1000)
+    with pytest.raises(ValueError, match="remap_cells: 11 chunks given; cells \\[0, 4096\\) "
+                                         "need 12 more"):
+        kv.remap_cells(4096, chunks[:11])
+    kv.remap_cells(4096, chunks)
+    assert all(torch.equal(a, b) for pair, old in zip(_contents(kv), before, strict=True)
+               for a, b in zip(pair, old, strict=True))
+    kv.close()

@@ -118,8 +118,23 @@ class KVCache:
         call mapped are unmapped again, those it created are released, and the given ones are
         unmapped and the caller's again (bytes intact). Cells already mapped are left as they are.
         """
+        return self._map(n_cells, list(chunks) if chunks is not None else [], zero=True)
+
+    def remap_cells(self, n_cells: int, chunks: Sequence[_vmm.Chunk]) -> None:
+        """Undo `unmap_cells`: map `chunks` (exactly those it returned) back where they were,
+        bytes kept (nothing is zeroed), so that cells [0, n_cells) are mapped as before.
+
+        All or nothing, as `map_cells`; ValueError unless `chunks` fill the gap exactly.
+        """
+        chunks = list(chunks)
+        need = (self.chunks_for(n_cells) - self._mapped_chunks) * self.n_segments
+        if len(chunks) != max(0, need):
+            raise ValueError(f"remap_cells: {len(chunks)} chunks given; cells [0, {n_cells}) "
+                             f"need {max(0, need)} more")
+        self._map(n_cells, chunks, zero=False)
+
+    def _map(self, n_cells: int, given: list[_vmm.Chunk], *, zero: bool) -> int:
         need = self.chunks_for(n_cells)
-        given = list(chunks) if chunks is not None else []
         grow = max(0, need - self._mapped_chunks)
         if len(given) > grow * self.n_segments:
             raise ValueError(
@@ -144,9 +159,10 @@ class KVCache:
             raise
         self._mapped_chunks = need
         self._rebuild_views()
-        for layer in range(self.n_layers):
-            self._k[layer][old_cells:].zero_()
-            self._v[layer][old_cells:].zero_()
+        if zero:
+            for layer in range(self.n_layers):
+                self._k[layer][old_cells:].zero_()
+                self._v[layer][old_cells:].zero_()
         return grow * self.n_segments
 
     def unmap_cells(self, n_cells: int) -> list[_vmm.Chunk]:

@@ -186,6 +186,86 @@ class Arena:
             # Complete before the caller may unmap the source's chunks or reuse it.
             torch.cuda.synchronize(self.device)
 
+    def copy_blobs(self, moves: np.ndarray) -> None:
+        """Copy the blob of slot `src` into slot `dst` for each row of `moves` int [M, 2], on
+        the device, complete when it returns (one sync). The slots' padding is not copied, so
+        a destination's bytes past the blob stay as they were. Sources and destinations must
+        be disjoint (every copy reads bytes no other copy writes)."""
+        moves = np.asarray(moves, dtype=np.int64).reshape(-1, 2)
+        for slot in moves.reshape(-1):
+            self._check_slot(slot)
+        if np.intersect1d(moves[:, 0], moves[:, 1]).size or \
+                np.unique(moves[:, 1]).size != moves.shape[0]:
+            raise ValueError(f"copy_blobs: moves {moves.tolist()} must have distinct "
+                             "destinations that are not sources")
+        for src, dst in moves.tolist():
+            self._slots[dst, : self.blob_bytes].copy_(self._slots[src, : self.blob_bytes])
+        if self.device.type == "cuda":
+            # Complete before the caller unmaps the sources' chunks.
+            torch.cuda.synchronize(self.device)
+
+    # --- chunks lent to the elastic K/V (strata.engine.cache.elastic) ---
+    # The views are not re-made when chunks leave: they keep their addresses and stay valid
+    # over the slots still mapped; nothing may read a slot that touches an unmapped chunk
+    # (the books' `backed` says which may be read).
+    def mapped_chunks(self) -> np.ndarray:
+        """bool [n_chunks]: the arena's chunks that are mapped now."""
+        if self._range is None:
+            return np.zeros(0, bool)
+        return self._range.mapped_mask()
+
+    def _runs(self, chunks: np.ndarray, mapped: bool, what: str) -> list[tuple[int, int]]:
+        """[lo, hi) runs of `chunks` (ascending, distinct, in range, each `mapped` now)."""
+        n = 0 if self._range is None else self._range.n_chunks
+        if chunks.size and (chunks[0] < 0 or chunks[-1] >= n or (np.diff(chunks) <= 0).any()):
+            raise ValueError(f"{what}: chunks {chunks.tolist()} must be ascending, distinct "
+                             f"and in [0, {n})")
+        if chunks.size and (self.mapped_chunks()[chunks] != mapped).any():
+            state = "mapped" if mapped else "unmapped"
+            raise ValueError(f"{what}: chunks {chunks.tolist()} must all be {state}")
+        cuts = np.flatnonzero(np.diff(chunks) != 1) + 1
+        return [(int(run[0]), int(run[-1]) + 1) for run in np.split(chunks, cuts) if run.size]
+
+    def unmap_chunks(self, chunks: Sequence[int] | np.ndarray) -> list[_vmm.Chunk]:
+        """Unmap the arena's chunks at indices `chunks` (ascending) and hand over their physical
+        chunks, in that order, bytes intact. All or nothing: if a run fails to unmap, the runs
+        already unmapped are mapped back with their chunks before the error propagates."""
+        chunks = np.asarray(chunks, dtype=np.int64).reshape(-1)
+        runs = self._runs(chunks, True, "unmap_chunks")
+        taken: list[tuple[int, int, list[_vmm.Chunk]]] = []
+        assert self._range is not None or not runs
+        try:
+            for lo, hi in runs:
+                taken.append((lo, hi, self._range.unmap(lo, hi)))
+        except BaseException:
+            for lo, hi, physical in taken:
+                self._range.map(lo, hi, chunks=physical)
+            raise
+        return [chunk for _, _, physical in taken for chunk in physical]
+
+    def map_chunks(self, chunks: Sequence[int] | np.ndarray, physical: Sequence[_vmm.Chunk]
+                   ) -> None:
+        """Map `physical` (unmapped chunks of the arena's backend, one per index) at the arena's
+        unmapped chunk indices `chunks` (ascending), keeping their bytes. All or nothing: on a
+        failure the runs already mapped are unmapped again and every chunk is the caller's."""
+        chunks = np.asarray(chunks, dtype=np.int64).reshape(-1)
+        physical = list(physical)
+        if len(physical) != chunks.size:
+            raise ValueError(f"map_chunks: {len(physical)} chunks for {chunks.size} indices")
+        runs = self._runs(chunks, False, "map_chunks")
+        done: list[tuple[int, int]] = []
+        assert self._range is not None or not runs
+        try:
+            used = 0
+            for lo, hi in runs:
+                self._range.map(lo, hi, chunks=physical[used : used + hi - lo])
+                used += hi - lo
+                done.append((lo, hi))
+        except BaseException:
+            for lo, hi in done:
+                self._range.unmap(lo, hi)
+            raise
+
     def close(self) -> None:
         """Unmap and release the slots; the views must not be used afterwards. Idempotent."""
         if self._range is not None:
