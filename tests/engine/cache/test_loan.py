@@ -14,6 +14,7 @@ from strata.engine.cache.loan import (
     PromptLoan,
     loan_slots,
 )
+from strata.engine.cache.routed import Routed
 from strata.engine.checkpoint import Checkpoint
 from strata.engine.config import ModelConfig
 from strata.engine.experts import ExpertStore
@@ -174,6 +175,20 @@ def test_a_request_that_ends_in_the_prompt_gives_the_loan_back(setup):
     assert stats.lent_slots == 8 and not cached.loan.active and cached.table.top == 12
     cached.table.validate()
     _blobs_match_books(cached)
+    cached.close()
+
+
+def test_a_lent_slot_filled_behind_the_loans_back_is_refused(setup):
+    model, store = setup
+    cached = _cache(store, 12)
+    loan = cached.loan = PromptLoan(cached, short_read=8, keep_slots=4)
+    _prefill(model, cached)
+    missing = np.flatnonzero(cached.table.res.reshape(-1) < 0)[0]
+    cached.table.assign(int(loan.lent[3]), *divmod(int(missing), store.n_experts))
+    x = torch.zeros(1, store.hidden_size, dtype=store.dtype)
+    misses = Routed.of(np.array([[0, 1, 2, 3]]))
+    with pytest.raises(RuntimeError, match=rf"lent slots \[{loan.lent[3]}\] hold experts"):
+        loan.compute_misses(cached, 0, x, misses)
     cached.close()
 
 

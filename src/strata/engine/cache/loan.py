@@ -23,7 +23,8 @@ The cycle, driven by `CachedExperts` through its `loan` hooks:
    lent slots (checked; default: the hottest missing experts), their blobs are uploaded, the books
    take them, `top` is restored and the mirror re-uploaded.
 
-The books never name a lent slot while the loan is open, and the loan computes exactly the
+The books never name a lent slot while the loan is open (checked at every layer: nothing else
+may fill one, e.g. the elastic K/V must not grow mid-prompt), and the loan computes exactly the
 `Experts` math (the same SwiGLU per expert), so its rows differ from the CPU's only by rounding.
 """
 
@@ -124,6 +125,14 @@ class PromptLoan:
         through the lent slots, N at a time."""
         if not self.active:
             raise ValueError("compute_misses: no loan is open (begin_pass opens one)")
+        taken = self.lent[cached.table.owner[self.lent] >= 0]
+        if taken.size:
+            # Someone put an expert into a lent slot (a move into the loan region while the
+            # K/V grew mid-prompt, say): streaming would overwrite it behind the books' back.
+            raise RuntimeError(
+                f"lent slots {taken.tolist()} hold experts in the books; nothing may fill a "
+                "lent slot while the loan is open"
+            )
         out = x.new_empty((misses.n_rows, x.shape[1]))  # [R, D]
         starts = misses.starts
         for b0 in range(0, misses.n_experts, self.lent.size):
