@@ -280,3 +280,29 @@ def test_generate_with_the_loan_agrees_with_generate_without(monkeypatch):
     assert cpu.cache.lent_slots == 0 and cpu.cache.prompt.loan_experts == 0
     assert lent.tokens == cpu.tokens
     torch.testing.assert_close(lent.first_logits, cpu.first_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_command_line_lends_and_no_prefill_loan_does_not(monkeypatch, capsys):
+    """`strata generate` with a small cache: the long prompt borrows (STRATA_LOAN_KEEP_SLOTS
+    lets a tiny cache lend), `--no-prefill-loan` sends its misses to the CPU, the tokens agree."""
+    import json
+
+    from strata.cli import main
+
+    monkeypatch.setenv(KEEP_SLOTS_ENV, "2")
+    ckpt = cached_checkpoint("qwen3_moe", "small", dtype=torch.float32)
+    runs = {}
+    for flags in ([], ["--no-prefill-loan"]):
+        status = main(["generate", "--model", str(ckpt), "--device", "cpu", "--temperature",
+                       "0", "--max-new", "6", "--expert-cache", "8", "--short-read", "16",
+                       "--json", *flags, "A prompt long enough to take the loan, surely."])
+        out, err = capsys.readouterr()
+        assert status == 0, err
+        runs[bool(flags)] = json.loads(out)
+    lent, cpu = runs[False], runs[True]
+    slots = lent["cache"]["slots"]
+    assert lent["cache"]["lent_slots"] == min(int(0.85 * slots), slots - 2, 16) > 0
+    assert lent["cache"]["prompt"]["loan_experts"] > 0
+    assert lent["cache"]["prompt"]["cpu_experts"] == 0
+    assert cpu["cache"]["lent_slots"] == 0 and cpu["cache"]["prompt"]["loan_experts"] == 0
+    assert lent["tokens"] == cpu["tokens"]
