@@ -31,6 +31,7 @@ from strata.engine.sampling import Sampler
 from strata.engine.tokenizer import Tokenizer
 
 GRAPH_WINDOW_CELLS = 256  # decode graphs attend over windows of a multiple of this many cells
+GROW_MARGIN_CELLS = 16  # the elastic K/V grows for the prompt + max_new + this, at once
 DETOKENIZER_CONTEXT_IDS = 4  # prompt ids the streaming detokenizer sees before the first token
 
 
@@ -75,6 +76,7 @@ class GenerateResult:
     decode_path: str  # "cuda-graph" or "eager"
     first_logits: torch.Tensor = field(repr=False)  # float32 [V] on the CPU: the first position
     cache: Any = None  # the expert cache's CacheStats of this request, or None without a cache
+    kv: Any = None  # the elastic K/V's KvStats after this request, or None without --kv-grow
 
     @property
     def prefill_tok_s(self) -> float:
@@ -103,6 +105,7 @@ class GenerateResult:
             "stop_reason": self.stop_reason,
             "decode_path": self.decode_path,
             **({"cache": self.cache.as_dict()} if self.cache is not None else {}),
+            **({"kv": self.kv.as_dict()} if self.kv is not None else {}),
         }
 
 
@@ -257,15 +260,26 @@ def generate(
 
     cached = expert_cache(model.experts)
     cache_stats = None
-    kv = model.new_kv(options.max_context)
+    # The elastic K/V (--kv-grow) is the model's, kept across requests; else one per request.
+    elastic = cached.elastic if cached is not None else None
+    if elastic is not None and options.max_context > elastic.kv.max_cells:
+        raise ValueError(f"max_context {options.max_context} is past the elastic K/V's window "
+                         f"of {elastic.kv.max_cells} cells")
+    kv = model.new_kv(options.max_context) if elastic is None else elastic.kv
     try:
         if cached is not None:
             cached.begin_request()
         ids = torch.tensor(prompt, dtype=torch.int64, device=device)  # [P]
         _sync(device)
         start = time.perf_counter()
+        if elastic is not None:
+            # Once, for the whole request; if it fails, the run goes on while the cells last.
+            elastic.ensure(min(len(prompt) + options.max_new + GROW_MARGIN_CELLS,
+                               elastic.kv.max_cells))
         for chunk_start in range(0, len(prompt), options.prefill_chunk):
             chunk = ids[chunk_start : chunk_start + options.prefill_chunk]  # [C]
+            if elastic is not None:
+                elastic.require(chunk_start + chunk.shape[0])  # KvFullError past the mapped
             logits = model.forward(chunk, chunk_start, kv, last_only=True)  # [1, V]
         first_logits = logits[-1]  # [V]
         token = sampler.sample(first_logits)
@@ -290,6 +304,8 @@ def generate(
         decode_setup_s = time.perf_counter() - start
         start = time.perf_counter()
         while len(tokens) < options.max_new and token not in stop_ids:
+            if elastic is not None:
+                elastic.require(position + 1)
             token = sampler.sample(step(token, position))
             position += 1
             tokens.append(token)
@@ -297,7 +313,8 @@ def generate(
         _sync(device)
         decode_s = time.perf_counter() - start
     finally:
-        kv.close()
+        if elastic is None:
+            kv.close()
         if cached is not None:
             cache_stats = cached.end_request()
     if detok is not None:
@@ -318,4 +335,5 @@ def generate(
         decode_path=step.path,
         first_logits=first_logits,
         cache=cache_stats,
+        kv=elastic.stats.copy() if elastic is not None else None,
     )

@@ -235,11 +235,13 @@ def plan_budget(
     budget_mib: float | None = None,
     reserve_mib: float | None = None,
     expert_cache_mib: float | None = None,
+    kv_cells: int | None = None,
 ) -> CacheBudget:
     """The budget for `cfg` in `dtype` on `device`, from the flags' values (None: default).
 
-    Raises ValueError for a negative or non-finite MiB value (naming its flag) and for a
-    budget too small (see `CacheBudget`).
+    `kv_cells` is the K/V cells mapped at start (None: the whole window, `max_context`; the
+    elastic K/V maps fewer and the cache gets the rest). Raises ValueError for a negative or
+    non-finite MiB value (naming its flag) and for a budget too small (see `CacheBudget`).
     """
     for flag, value in (("--vram-budget-mib", budget_mib), ("--vram-reserve-mib", reserve_mib),
                         ("--expert-cache", expert_cache_mib)):
@@ -250,7 +252,8 @@ def plan_budget(
     parts = {
         "reserve_bytes": int(reserve_mib * MIB),
         "dense_bytes": dense_bytes(cfg, dtype),
-        "kv_bytes": kv_bytes(cfg, max_context, dtype, chunk_bytes),
+        "kv_bytes": kv_bytes(cfg, max_context if kv_cells is None else kv_cells, dtype,
+                             chunk_bytes),
         "workspace_bytes": workspace_bytes(cfg, prefill_chunk, max_context, dtype),
     }
     total_experts = cfg.n_layers * cfg.n_experts

@@ -2,12 +2,13 @@
 
 The order at start: the books (`ResidencyTable`, ranked by the profile when there is one), the
 arena (mapped whole), the policy bound to the books, then the slots filled hottest first, as the
-simulator starts. The prompt loan is attached last.
+simulator starts. The prompt loan is attached, then the elastic K/V (`--kv-grow`) started.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pluggy
@@ -22,6 +23,9 @@ from strata.engine.config import ModelConfig
 from strata.engine.experts import ExpertStore
 from strata.policies import CheckedPolicy, Policy
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
+
+if TYPE_CHECKING:
+    from strata.engine.cache.kv_grow import KvGrowConfig
 
 __all__ = ["DEFAULT_SHORT_READ", "CacheConfig", "build_cached_experts", "plan_cache"]
 
@@ -39,6 +43,8 @@ class CacheConfig:
     admissions and refills (None: `coldest-in-loan`); `events` is told admissions and
     evictions. `prefill_loan` lends the top slots to prompt parts longer than `short_read`
     tokens. `cpu_threads` sets the CPU worker's intra-op threads (None: torch's default).
+    `kv_grow` starts the elastic K/V beside the cache (`strata.engine.cache.kv_grow`; None:
+    the K/V is made per request, its whole window mapped).
     """
 
     budget: CacheBudget
@@ -49,6 +55,7 @@ class CacheConfig:
     prefill_loan: bool = True
     short_read: int = DEFAULT_SHORT_READ
     events: pluggy.PluginManager | None = field(default=None, compare=False)
+    kv_grow: KvGrowConfig | None = None
 
     def __post_init__(self) -> None:
         if self.backend.chunk_bytes != self.budget.chunk_bytes:
@@ -76,6 +83,7 @@ def plan_cache(
     reserve_mib: float | None = None,
     expert_cache_mib: float | None = None,
     backend: _vmm.Backend | None = None,
+    kv_cells: int | None = None,
     **options,
 ) -> CacheConfig:
     """The CacheConfig for a model of `config` computing in `dtype` on `device`, sized from the
@@ -93,7 +101,7 @@ def plan_cache(
             slot_bytes=slot_bytes_for(3 * config.expert_width * config.hidden_size * itemsize),
             chunk_bytes=backend.chunk_bytes, max_context=max_context,
             prefill_chunk=prefill_chunk, budget_mib=budget_mib, reserve_mib=reserve_mib,
-            expert_cache_mib=expert_cache_mib,
+            expert_cache_mib=expert_cache_mib, kv_cells=kv_cells,
         )
         return CacheConfig(budget=budget, backend=backend, **options)
     except BaseException:
@@ -135,6 +143,10 @@ def build_cached_experts(
                 from strata.engine.cache.loan import PromptLoan
 
                 cached.loan = PromptLoan(cached, short_read=config.short_read)
+            if config.kv_grow is not None:
+                from strata.engine.cache.kv_grow import start_elastic
+
+                cached.elastic = start_elastic(cached, config.kv_grow)
         except BaseException:
             cached.close()
             raise

@@ -113,6 +113,7 @@ class CachedExperts:
                                  device=self.device)  # [L, E]: the books' res, on the device
         self.sync_mirror()
         self.loan: Loan | None = None
+        self.elastic: Any = None  # the elastic K/V (--kv-grow), ElasticKV, or None
         self.phase = "prompt"
         self.stats = CacheStats(slots=arena.n_slots, policy=self.checked.name)
         self._last_layer = -1  # the layer of the open pass's latest call; -1: no pass is open
@@ -333,6 +334,8 @@ class CachedExperts:
     def close(self) -> None:
         """Stop the CPU worker and release the arena. Idempotent."""
         self.cpu.close()
+        if self.elastic is not None:
+            self.elastic.close()  # its K/V range, before the arena's backend goes
         self.arena.close()
 
     def describe(self) -> dict[str, Any]:
