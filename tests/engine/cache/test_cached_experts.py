@@ -286,3 +286,32 @@ def test_mismatched_parts_are_refused():
         cached.close()
     finally:
         arena.close()
+
+
+class _Watching(Policy):
+    """The default decisions, with an `observe` of its own: the routing must reach the host."""
+
+    name = "watching"
+
+    def observe(self, view, layer, expert_ids, hit_mask):
+        pass
+
+
+def test_a_full_cache_decodes_on_the_device_with_the_same_books(small):
+    ckpt, _, expected = small
+    results, tables = [], []
+    for policy in (None, _Watching()):
+        model = cached_model(ckpt, policy=policy)
+        try:
+            assert model.experts.device_only == (policy is None)
+            results.append(generate(model, None, PROMPT, OPTIONS))
+            tables.append((model.experts.table.heat.copy(), model.experts.table.owner.copy()))
+        finally:
+            _close(model)
+    on_device, on_host = results
+    assert torch.equal(on_device.first_logits, expected.first_logits)
+    assert on_device.tokens == on_host.tokens == expected.tokens
+    assert np.array_equal(tables[0][0], tables[1][0])  # the heat counted on the device
+    assert tables[0][0].sum() == on_device.cache.lookups
+    for name in ("hits", "lookups", "layer_calls", "passes"):
+        assert getattr(on_device.cache.decode, name) == getattr(on_host.cache.decode, name)

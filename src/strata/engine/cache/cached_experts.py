@@ -17,8 +17,17 @@ Per layer call, on the engine's thread:
    their slots before the next use, all or nothing);
 7. the K rows of each token are weighted and summed in order in float32.
 Steps 4 and 7 are `ResidentExperts`' own math and choice of path, so a cache that holds every
-expert gives byte-identical output. The device mirror (`mirror`, int32 [L, E]) is re-uploaded
-after every change of the books, with a blocking copy, so no kernel reads it stale.
+expert gives byte-identical output.
+
+When every expert is resident and the policy does not watch the routing (no `observe` of its
+own), a decode call (T*K <= E) cannot miss and needs nothing on the host: it skips steps 1-3
+and 5-6, reads the slots through the mirror, and counts the routing into a device tensor that
+is folded into the books' heat (`flush_heat`) before anything reads it: at the next call that
+goes through the host, at a phase change, at the end of a request, and when the loan opens.
+The device then runs ahead of the host as without a cache.
+
+The device mirror (`mirror`, int32 [L, E]) is re-uploaded after every change of the books, with
+a blocking copy, so no kernel reads it stale.
 """
 
 from __future__ import annotations
@@ -109,6 +118,12 @@ class CachedExperts:
         self.n_layers, self.n_experts = store.n_layers, store.n_experts
         self.expert_width, self.hidden_size = store.expert_width, store.hidden_size
         self.cpu = CpuExperts(store, cpu_threads)
+        answering = type(getattr(self.checked.policy, "inner", self.checked.policy))
+        self._observes = "observe" in answering.overrides()
+        # Routed ids not yet in the books' heat, flat [L*E] (the device-only decode path).
+        self._pending_heat = torch.zeros(self.n_layers * self.n_experts, dtype=torch.int64,
+                                         device=self.device)
+        self._pending = False
         self.mirror = torch.full((self.n_layers, self.n_experts), -1, dtype=torch.int32,
                                  device=self.device)  # [L, E]: the books' res, on the device
         self.sync_mirror()
@@ -124,6 +139,26 @@ class CachedExperts:
         """Upload the books' `res` to the device mirror; complete when it returns."""
         self.mirror.copy_(torch.from_numpy(np.array(self.table.res, dtype=np.int32)))
         _sync(self.device)
+
+    def flush_heat(self) -> None:
+        """Fold the routing counted on the device into the books' heat (one host read)."""
+        if not self._pending:
+            return
+        # A copy: on the CPU `.cpu()` is the counter itself, which is zeroed next.
+        counts = self._pending_heat.to("cpu", copy=True).numpy().reshape(
+            self.n_layers, self.n_experts)
+        self._pending_heat.zero_()
+        self._pending = False
+        experts = np.arange(self.n_experts, dtype=np.int64)
+        for layer in np.flatnonzero(counts.sum(axis=1)).tolist():
+            self.table.record(layer, np.repeat(experts, counts[layer]))
+
+    @property
+    def device_only(self) -> bool:
+        """Whether a decode call stays on the device: every expert resident, no loan open and a
+        policy without an `observe` of its own."""
+        return (not self._observes and not self._loaned
+                and self.table.n_resident == self.n_layers * self.n_experts)
 
     def upload(self, slots: Sequence[int] | np.ndarray, experts: np.ndarray) -> int:
         """Copy (layer, expert) blobs int [n, 2] from the store into `slots`, complete when it
@@ -156,6 +191,7 @@ class CachedExperts:
     def begin_request(self) -> None:
         """Start a request: fresh stats, phase `prompt`."""
         self._close_pass()
+        self.flush_heat()
         self.stats = CacheStats(slots=self.arena.n_slots, policy=self.checked.name)
         self.phase = "prompt"
 
@@ -164,6 +200,7 @@ class CachedExperts:
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
         self._close_pass()
+        self.flush_heat()
         if self.phase == "prompt" and phase == "decode" and self.loan is not None:
             self.loan.end_prompt(self)
         self.phase = phase
@@ -171,14 +208,17 @@ class CachedExperts:
     def end_request(self) -> CacheStats:
         """End the request; returns its stats."""
         self._close_pass()
+        self.flush_heat()
         if self.phase == "prompt" and self.loan is not None:
             self.loan.end_prompt(self)
         return self.stats
 
     def _open_pass(self, n_tokens: int) -> None:
         self.stats.phase(self.phase).passes += 1
-        self._loaned = bool(self.loan is not None
-                            and self.loan.begin_pass(self, n_tokens, self.phase))
+        self._loaned = False
+        if self.loan is not None:
+            self.flush_heat()  # the loan's choices read the heat
+            self._loaned = bool(self.loan.begin_pass(self, n_tokens, self.phase))
 
     def _close_pass(self) -> None:
         if self._last_layer < 0:
@@ -204,6 +244,16 @@ class CachedExperts:
             self._open_pass(n_tokens)
         self._last_layer = layer
         stats = self.stats.phase(self.phase)
+        if n_tokens * top_k <= self.n_experts and self.device_only:
+            result = self._device_only_forward(layer, x, topk_ids, topk_weights)
+            stats.layer_calls += 1
+            stats.lookups += n_tokens * top_k
+            stats.hits += n_tokens * top_k
+            stats.forward_s += time.perf_counter() - entered
+            if layer == self.n_layers - 1:
+                self._close_pass()
+            return result
+        self.flush_heat()
 
         ids = np.ascontiguousarray(topk_ids.cpu().numpy(), dtype=np.int64)  # [T, K], the sync
         slots, hit = self.table.lookup(layer, ids)  # [T, K] each
@@ -227,7 +277,9 @@ class CachedExperts:
         out = x.new_empty((n_tokens * top_k, x.shape[1]))  # [T*K, D]: row t*K + k
         try:
             if n_hits and n_tokens * top_k <= self.n_experts:
-                self._gathered_hits(layer, x, topk_ids, hit, out)
+                rows = None if n_hits == ids.size else torch.tensor(
+                    np.flatnonzero(hit.reshape(-1)), device=self.device)  # [R] hit rows
+                self._gathered_hits(layer, x, topk_ids, rows, out)
             elif n_hits:
                 hits = Routed.of(ids, hit)
                 # Each hit expert's slot: that of its first row (one slot per expert).
@@ -263,19 +315,18 @@ class CachedExperts:
         return result
 
     def _gathered_hits(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, hit: np.ndarray,
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, rows: torch.Tensor | None,
         out: torch.Tensor,
     ) -> None:
-        """The decode path: every hit row at once, weights gathered from the slots."""
+        """The decode path: the hit `rows` [R] (None: every row) at once, weights gathered from
+        their slots by the slot indices the device mirror gives."""
         n_tokens, top_k = topk_ids.shape
         f = self.expert_width
         flat_ids = topk_ids.reshape(-1)  # [T*K]
-        if hit.all():
-            rows = None
+        if rows is None:
             slot_ids = self.mirror[layer].index_select(0, flat_ids)  # [T*K]
             x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1, 1)
         else:
-            rows = torch.tensor(np.flatnonzero(hit.reshape(-1)), device=self.device)  # [R]
             slot_ids = self.mirror[layer].index_select(0, flat_ids.index_select(0, rows))  # [R]
             x_rows = x.index_select(0, rows // top_k).unsqueeze(-1)  # [R, D, 1]
         gate_up = self.arena.gate_up_all().index_select(0, slot_ids)  # [R, 2F, D]
@@ -287,6 +338,19 @@ class CachedExperts:
             out.copy_(y)
         else:
             out.index_copy_(0, rows, y)
+
+    def _device_only_forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Every row a hit, nothing on the host: the routing counted on the device."""
+        n_tokens, top_k = topk_ids.shape
+        flat = topk_ids.reshape(-1) + layer * self.n_experts  # [T*K] flat expert ids
+        self._pending_heat.index_add_(0, flat, torch.ones_like(flat))
+        self._pending = True
+        out = x.new_empty((n_tokens * top_k, x.shape[1]))  # [T*K, D]
+        self._gathered_hits(layer, x, topk_ids, None, out)
+        weighted = out.view(n_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
+        return weighted.sum(dim=1).to(x.dtype)
 
     def compute_from_slots(
         self, x: torch.Tensor, routed: Routed, slots: Sequence[int] | np.ndarray
