@@ -1,0 +1,72 @@
+"""The expert cache on a CUDA device (run with `pytest -m cuda` on the GPU machine): the arena on
+the driver's virtual memory, pinned uploads, and the same correctness as on the host."""
+
+import pytest
+import torch
+
+from strata.engine.cache.build import plan_cache
+from strata.engine.config import ModelConfig
+from strata.engine.generate import GenerateOptions, generate
+from strata.engine.model import load_model
+from strata.policies.builtin.lru import Lru
+from support.checkpoints import cached_checkpoint
+
+pytestmark = pytest.mark.cuda
+
+PROMPT = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+OPTIONS = GenerateOptions(max_new=8, max_context=128, temperature=0.0, ignore_stop=True,
+                          prefill_chunk=48, cuda_graphs=False)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def small(request):
+    ckpt = cached_checkpoint("qwen3_moe", "small", dtype=request.param)
+    model = load_model(ckpt, device="cuda")
+    return ckpt, generate(model, None, PROMPT, OPTIONS)
+
+
+def _cached(ckpt, **options):
+    config = ModelConfig.from_dir(ckpt)
+    cache = plan_cache(config, config.dtype, torch.device("cuda"), max_context=128,
+                       prefill_chunk=48, prefill_loan=False, **options)
+    return load_model(ckpt, device="cuda", cache=cache)
+
+
+def test_default_budget_is_the_free_memory(small):
+    model = _cached(small[0])
+    try:
+        budget = model.experts.budget
+        assert budget.budget_source == "free device memory" and budget.holds_every_expert
+        assert budget.budget_bytes <= torch.cuda.mem_get_info()[1]
+        assert model.experts.store.layer_blobs(0).is_pinned()
+    finally:
+        model.experts.close()
+
+
+def test_full_cache_is_byte_identical_on_cuda(small):
+    ckpt, expected = small
+    model = _cached(ckpt)
+    try:
+        assert model.experts.device_only
+        result = generate(model, None, PROMPT, OPTIONS)
+    finally:
+        model.experts.close()
+    assert torch.equal(result.first_logits, expected.first_logits)
+    assert result.tokens == expected.tokens
+
+
+def test_mixed_cache_on_cuda_agrees_and_repeats(small):
+    ckpt, expected = small
+    runs = []
+    for _ in range(2):
+        model = _cached(ckpt, expert_cache_mib=8, policy=Lru())
+        try:
+            runs.append(generate(model, None, PROMPT, OPTIONS))
+        finally:
+            model.experts.close()
+    a, b = runs
+    assert 0 < a.cache.hits < a.cache.lookups and a.cache.total.admitted > 0
+    assert a.tokens == b.tokens and torch.equal(a.first_logits, b.first_logits)
+    tolerance = 1e-5 if ModelConfig.from_dir(ckpt).dtype == torch.float32 else 2.0**-6
+    scale = expected.first_logits.abs().max().item()
+    assert (a.first_logits - expected.first_logits).abs().max().item() <= tolerance * scale
