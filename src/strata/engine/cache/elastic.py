@@ -158,6 +158,7 @@ class ElasticKV:
         if not 0 <= need_cells <= self.kv.max_cells:
             raise ValueError(f"need_cells {need_cells} is outside [0, {self.kv.max_cells}] "
                              "(the window, --max-context)")
+        self.cached.flush_heat()  # the policy decides on all the routing seen so far
         return self.cached.checked.kv_target(need_cells, self.mapped_cells, self.params,
                                              self.max_mapped_cells)
 
