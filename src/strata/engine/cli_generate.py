@@ -189,6 +189,7 @@ def _stats_block(result: GenerateResult) -> str:
             f"{result.decode_tok_s:.1f} tok/s ({result.decode_rounds} rounds, "
             f"{result.decode_path}; ended by {ended})",
             *(result.cache.summary_lines() if result.cache is not None else []),
+            *([result.kv.summary_line()] if result.kv is not None else []),
         ]
     )
 

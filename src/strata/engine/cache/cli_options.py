@@ -17,8 +17,9 @@ import torch
 
 from strata.cli import UsageError
 from strata.engine.cache.build import DEFAULT_SHORT_READ, CacheConfig, plan_cache
+from strata.engine.cache.kv_grow import kv_grow_requested, plan_elastic_cache
 from strata.engine.config import ModelConfig
-from strata.policies import DEFAULT_POLICY, PluginError, load_registry
+from strata.policies import DEFAULT_POLICY, PluginError, PolicyError, load_registry
 from strata.policies.cli import add_policy_arguments, policy_from_args
 
 __all__ = ["CachePlan", "add_cache_arguments", "cache_config_from_args"]
@@ -70,6 +71,11 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-threads", type=int, metavar="N",
         help="threads computing the CPU's experts (default: torch's, the physical cores)",
     )
+    group.add_argument(
+        "--kv-grow", action="store_true",
+        help="the elastic K/V: map K/V cells as requests reach them and give the cache the rest "
+        "(also STRATA_KV_GROW=1; needs --expert-profile; STRATA_KV_GROW_INIT/_STEP/_FLOOR)",
+    )
     parser.add_argument(
         "--trace", metavar="FILE",
         help="record the routing (per token, per layer, the top-k ids) to FILE (.npz) for "
@@ -99,10 +105,11 @@ def _expert_cache_mib(text: str | None) -> float | None:
     return value
 
 
-def _wanted(args: argparse.Namespace) -> bool:
-    """Whether an option of the cache (or a policy other than the default) was given."""
+def _wanted(args: argparse.Namespace, kv_grow: bool) -> bool:
+    """Whether an option of the cache (or a policy other than the default, or the elastic K/V)
+    was given."""
     given = any(getattr(args, dest) is not None for dest in CACHE_FLAGS)
-    return given or args.no_prefill_loan or args.policy != DEFAULT_POLICY or bool(
+    return given or kv_grow or args.no_prefill_loan or args.policy != DEFAULT_POLICY or bool(
         args.policy_opts)
 
 
@@ -125,23 +132,33 @@ def cache_config_from_args(
         value = getattr(args, dest)
         if value is not None and value < 1:
             raise UsageError(f"{CACHE_FLAGS[dest]} must be >= 1, got {value}")
+    try:
+        kv_grow = kv_grow_requested(args.kv_grow)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     profile_rank, notes = _profile_rank(args, config)
     try:
         registry = load_registry()
     except PluginError as err:
         raise UsageError(str(err)) from None
     policy = policy_from_args(args, registry)
+    sizing = dict(
+        max_context=max_context, prefill_chunk=prefill_chunk,
+        budget_mib=args.vram_budget_mib, reserve_mib=args.vram_reserve_mib,
+        expert_cache_mib=expert_cache_mib, policy=policy, rank=profile_rank,
+        cpu_threads=args.cpu_threads, prefill_loan=not args.no_prefill_loan,
+        short_read=args.short_read or DEFAULT_SHORT_READ, events=registry.pm,
+    )
     try:
-        cache = plan_cache(
-            config, dtype, device, max_context=max_context, prefill_chunk=prefill_chunk,
-            budget_mib=args.vram_budget_mib, reserve_mib=args.vram_reserve_mib,
-            expert_cache_mib=expert_cache_mib, policy=policy, rank=profile_rank,
-            cpu_threads=args.cpu_threads, prefill_loan=not args.no_prefill_loan,
-            short_read=args.short_read or DEFAULT_SHORT_READ, events=registry.pm,
-        )
-    except ValueError as err:
+        if kv_grow:
+            cache, kv_notes = plan_elastic_cache(
+                config, dtype, device, profile=args.expert_profile is not None, **sizing)
+            notes += kv_notes
+        else:
+            cache = plan_cache(config, dtype, device, **sizing)
+    except (ValueError, PolicyError) as err:
         raise UsageError(str(err)) from None
-    if not _wanted(args) and cache.budget.holds_every_expert:
+    if not _wanted(args, kv_grow) and cache.budget.holds_every_expert:
         cache.backend.close()
         return CachePlan(None)
     return CachePlan(cache, notes)
