@@ -334,3 +334,25 @@ def test_bad_needs_are_refused(store):
         ElasticKV(KVCache(_vmm.HostBackend(CHUNK), 2, 64, 2, 16, torch.float32), cached, PARAMS,
                   free_chunks=0)
     _close(elastic, cached)
+
+
+def test_the_arena_checks_chunk_hand_overs_before_changing_anything(store):
+    elastic, cached, _ = _setup(store)
+    arena = cached.arena
+    mapped = arena.mapped_chunks()
+    with pytest.raises(ValueError, match=r"chunks \[4, 3\] must be ascending, distinct"):
+        arena.unmap_chunks([4, 3])
+    with pytest.raises(ValueError, match=r"must be ascending, distinct and in \[0, 18\)"):
+        arena.unmap_chunks([17, 18])
+    with pytest.raises(ValueError, match=r"map_chunks: chunks \[2\] must all be unmapped"):
+        arena.map_chunks([2], arena.backend.create_chunks(1))
+    with pytest.raises(ValueError, match="map_chunks: 2 chunks for 1 indices"):
+        arena.map_chunks([2], arena.backend.create_chunks(2))
+    with pytest.raises(ValueError, match="distinct destinations that are not sources"):
+        arena.copy_blobs([(1, 2), (2, 3)])
+    assert np.array_equal(arena.mapped_chunks(), mapped)
+    taken = arena.unmap_chunks([3, 4, 7])  # two runs
+    assert len(taken) == 3 and not arena.mapped_chunks()[[3, 4, 7]].any()
+    arena.map_chunks([3, 4, 7], taken)
+    assert arena.mapped_chunks().all()
+    _close(elastic, cached)
