@@ -121,7 +121,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return sys.stdin.read()
 
 
-def _device(name: str | None) -> torch.device:
+def parse_device(name: str | None) -> torch.device:
+    """--device: cuda or cpu (default: cuda when present); a UsageError names a bad one."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -216,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.dtype not in DTYPES:
         raise UsageError(f"unknown --dtype {args.dtype!r}; choose one of: {', '.join(DTYPES)}")
-    device = _device(args.device)
+    device = parse_device(args.device)
     dump_path = os.environ.get(DUMP_ENV)
     if dump_path and not Path(dump_path).absolute().parent.is_dir():
         raise UsageError(f"{DUMP_ENV}={dump_path}: its directory does not exist")

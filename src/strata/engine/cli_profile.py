@@ -28,6 +28,7 @@ from strata.engine.cache.cli_options import (
     cache_config_from_args,
     check_trace_path,
 )
+from strata.engine.cli_generate import parse_device
 
 if TYPE_CHECKING:
     from strata.sim.trace import TraceWriter
@@ -153,20 +154,6 @@ def collect_counts(
     return counter.counts(), figures
 
 
-def _device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise UsageError(f"unknown --device {name!r}; use cuda or cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
-    return device
-
-
 def _progress(args: argparse.Namespace, total: int):
     from tqdm import tqdm
 
@@ -225,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
                                                             args.prefill_chunk, 1)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
-    device = _device(args.device)
+    device = parse_device(args.device)
     output = Path(args.output)
     if not output.absolute().parent.is_dir():
         raise UsageError(f"-o {output}: its directory does not exist")

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from strata.npzfile import write_npz
 
 FORMAT = "strata-routing-trace"
 VERSION = 1
@@ -277,21 +277,7 @@ def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
     }
     if trace.router_weights is not None:
         arrays["router_weights"] = trace.router_weights
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.fchmod(fd, 0o666 & ~umask)  # as open() would make it, not mkstemp's 0600
-        with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
-            for name, array in arrays.items():
-                info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
-                with z.open(info, "w") as member:
-                    np.lib.format.write_array(member, np.asarray(array), allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_npz(path, arrays)
 
 
 def _scalar(path: str, data: Mapping[str, np.ndarray], name: str, kind: str) -> Any:

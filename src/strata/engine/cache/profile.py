@@ -22,13 +22,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from strata.npzfile import write_npz
 
 if TYPE_CHECKING:
     from strata.engine.config import ModelConfig
@@ -269,21 +269,7 @@ def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
         "config": np.array(json.dumps(profile.config, sort_keys=True)),
         "meta": np.array(json.dumps(profile.meta, sort_keys=True)),
     }
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.fchmod(fd, 0o666 & ~umask)  # as open() would make it, not mkstemp's 0600
-        with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
-            for name, array in arrays.items():
-                info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
-                with z.open(info, "w") as member:
-                    np.lib.format.write_array(member, np.asarray(array), allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_npz(path, arrays)
 
 
 def _scalar(path: str, data: Mapping[str, np.ndarray], name: str, kind: str) -> Any:
