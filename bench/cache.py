@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import platform
@@ -43,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from _common import byte_tokens, free_memory, sync
 from strata.engine.cache.arena import slot_bytes_for
 from strata.engine.cache.budget import MIB
 from strata.engine.cache.build import plan_cache
@@ -53,31 +53,14 @@ from strata.engine.config import ModelConfig
 from strata.engine.generate import GenerateOptions, generate
 from strata.engine.init_model import write_checkpoint
 from strata.engine.model import load_model
-from strata.engine.presets import BYTE_TOKENS, get_preset
+from strata.engine.presets import get_preset
 
 PROFILE_PROMPTS = 4  # seeded random prompts of 256 tokens the profile counts, + 32 decoded
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    """`n` byte ids the checkpoint's tokenizer knows, fixed by `seed`."""
-    return torch.randint(0, BYTE_TOKENS, (n,), generator=torch.Generator().manual_seed(seed)
-                         ).tolist()
-
-
 def make_profile(ckpt: Path, device, dtype) -> Profile:
     model = load_model(ckpt, device=device, dtype=dtype)
-    prompts = [tokens(256, 100 + i) for i in range(PROFILE_PROMPTS)]
+    prompts = [byte_tokens(256, 100 + i) for i in range(PROFILE_PROMPTS)]
     counts, figures = collect_counts(model, prompts, decode_tokens=32)
     del model
     free_memory(device)
@@ -212,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     family = args.family or preset.default_family
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     device = torch.device(args.device)
-    prompt = tokens(args.prompt_tokens, 0)
-    long_prompt = tokens(args.prefill_tokens, 1)
+    prompt = byte_tokens(args.prompt_tokens, 0)
+    long_prompt = byte_tokens(args.prefill_tokens, 1)
     decode_context = args.prompt_tokens + args.new_tokens  # each model is sized for its runs
     prefill_context = args.prefill_tokens + 1
     runs: dict[str, dict | None] = {}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import platform
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from _common import free_memory, sync
 from strata.engine.generate import GenerateOptions, generate
 from strata.engine.init_model import write_checkpoint
 from strata.engine.model import load_model
@@ -59,18 +59,6 @@ def bytes_per_token(config, itemsize: int, mean_context: float) -> float:
     weights = config.n_layers * per_layer + config.vocab_size * d + 2 * d  # + lm_head, norm, row
     kv = config.n_layers * 2 * mean_context * kvw  # K and V
     return (weights + kv) * itemsize
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_memory(device: torch.device) -> None:
-    """Let the engine just measured give its device memory back before the next one loads."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _si(n_bytes: float) -> str:

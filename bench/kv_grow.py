@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import platform
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from _common import byte_tokens, free_memory
 from strata.engine.cache.arena import slot_bytes_for
 from strata.engine.cache.budget import MIB
 from strata.engine.cache.build import build_cached_experts, plan_cache
@@ -48,21 +48,9 @@ from strata.engine.config import ModelConfig
 from strata.engine.generate import GenerateOptions, generate
 from strata.engine.init_model import write_checkpoint
 from strata.engine.model import load_model
-from strata.engine.presets import BYTE_TOKENS, get_preset
+from strata.engine.presets import get_preset
 
 VARIANTS = ("without", "kv-grow")
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    """`n` byte ids the checkpoint's tokenizer knows, fixed by `seed`."""
-    return torch.randint(0, BYTE_TOKENS, (n,), generator=torch.Generator().manual_seed(seed)
-                         ).tolist()
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def proportions(cfg: ModelConfig, dtype: torch.dtype, args) -> tuple[float, int, dict]:
@@ -90,9 +78,9 @@ def run_variant(name, model, store, cfg, dtype, device, rank, sizing, args) -> d
     common = {"max_context": sizing["max_context"], "temperature": 0.0, "ignore_stop": True,
               "prefill_chunk": sizing["prefill_chunk"]}
     try:
-        chat = generate(model, None, tokens(args.chat_tokens, 1),
+        chat = generate(model, None, byte_tokens(args.chat_tokens, 1),
                         GenerateOptions(max_new=args.chat_new, **common))
-        long = generate(model, None, tokens(args.long_tokens, 2),
+        long = generate(model, None, byte_tokens(args.long_tokens, 2),
                         GenerateOptions(max_new=args.long_new, **common))
     finally:
         slots = model.experts.arena.n_slots
@@ -174,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(ckpt, device=device, dtype=dtype, cache=first)
         load_s = time.perf_counter() - start
         store = model.experts.store
-        prompts = [tokens(256, 100 + i) for i in range(args.profile_prompts)]
+        prompts = [byte_tokens(256, 100 + i) for i in range(args.profile_prompts)]
         counts, _ = collect_counts(model, prompts, decode_tokens=16,
                                    prefill_chunk=args.prefill_chunk)
         rank = rank_from_counts(counts)

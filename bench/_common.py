@@ -1,0 +1,28 @@
+"""Helpers the benchmarks share (each script puts bench/ on sys.path by being run from it)."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from strata.engine.presets import BYTE_TOKENS
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device, so that a host clock read after it covers the device's work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Let the engine just measured give its device memory back before the next one loads."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def byte_tokens(n: int, seed: int) -> list[int]:
+    """`n` byte ids every checkpoint's tokenizer knows, fixed by `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, BYTE_TOKENS, (n,), generator=generator).tolist()
