@@ -76,7 +76,7 @@ def reference(store, layer, x, ids, weights):
     return out
 
 
-@pytest.mark.parametrize("n_tokens", [1, 4, 37])  # T*K <= E: gathered; larger: per expert
+@pytest.mark.parametrize("n_tokens", [1, 4, 37])  # T == 1: gathered; larger: per expert
 def test_resident_matches_reference(store, n_tokens):
     experts = ResidentExperts(store, "cpu")
     generator = torch.Generator().manual_seed(n_tokens)

@@ -139,10 +139,13 @@ class ResidentExperts:
     buffer (on the CPU with the store's dtype, the store's own memory: no copy).
 
     Two paths, chosen by T alone (never by routed data, so capture-safe for decode):
-    - T*K <= E (decode): gather the routed experts' weights with `index_select` and run them
-      with two batched matmuls; no host sync, static shapes.
-    - otherwise (prefill): loop over the experts actually routed, each over its tokens (sorted
-      by expert); one host sync for the per-expert counts.
+    - T == 1 (decode, what a CUDA graph captures): gather the K routed experts' weights with
+      `index_select` and run them with two batched matmuls; no host sync, static shapes. The
+      gather copies K blobs, the most workspace this path takes
+      (`strata.engine.cache.budget.workspace_bytes`): a larger T would copy up to E of them.
+    - otherwise (a prompt chunk, however short): loop over the experts actually routed, each
+      over its tokens (sorted by expert), reading the weights in place; one host sync for the
+      per-expert counts.
     Each (token, k) output lands in its own row of a [T, K, D] buffer, then the K rows are summed
     in order: no atomics, a fixed summation order.
     """
@@ -176,8 +179,7 @@ class ResidentExperts:
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        n_tokens, top_k = topk_ids.shape
-        if n_tokens * top_k <= self.n_experts:
+        if topk_ids.shape[0] == 1:
             out = self._gathered(layer, x, topk_ids)
         else:
             out = self._per_expert(layer, x, topk_ids)

@@ -4,20 +4,27 @@ import math
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from strata import _vmm
+from strata._residency import ResidencyTable
 from strata.engine import families
+from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.budget import (
     MIB,
     CacheBudget,
     dense_bytes,
+    gathered_bytes,
     kv_bytes,
     plan_budget,
     workspace_bytes,
 )
+from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.checkpoint import Checkpoint
 from strata.engine.config import ModelConfig
+from strata.engine.experts import ExpertStore, ResidentExperts
 from strata.engine.kv import KVCache
+from strata.engine.layers import route
 from support.checkpoints import cached_checkpoint
 
 
@@ -52,6 +59,46 @@ def test_workspace_grows_with_the_window_and_the_chunk():
     assert small % MIB == 0 and small >= MIB
     assert workspace_bytes(cfg, 512, 4096, torch.float32) > workspace_bytes(
         cfg, 512, 1024, torch.float32) > workspace_bytes(cfg, 16, 1024, torch.float32)
+
+
+def _index_select_bytes(experts, layer, x, ids, weights):
+    """Bytes the layer call's index_select ops allocate (the weight gathers among them)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        experts.forward(layer, x, ids, weights)
+    return sum(max(event.cpu_memory_usage, 0) for event in prof.events()
+               if event.name == "aten::index_select")
+
+
+def test_gathered_bytes_are_what_the_decode_path_gathers():
+    ckpt = Checkpoint.open(cached_checkpoint("olmoe", "tiny"))
+    try:
+        cfg, store = ckpt.config, ExpertStore.from_checkpoint(ckpt)
+    finally:
+        ckpt.close()
+    n_slots = store.n_layers * store.n_experts
+    table = ResidencyTable(store.n_layers, store.n_experts, n_slots,
+                           slot_bytes_for(store.blob_bytes), 65536)
+    arena = Arena(_vmm.HostBackend(65536), n_slots, slot_bytes_for(store.blob_bytes),
+                  hidden_size=store.hidden_size, expert_width=store.expert_width,
+                  dtype=store.dtype)
+    cached = CachedExperts(store, arena, table, None, "cpu")
+    try:
+        cached.fill_hottest()
+        gen = torch.Generator().manual_seed(0)
+        for experts in (ResidentExperts(store, "cpu"), cached):
+            # T == 1 gathers the K routed blobs; a short prompt chunk (T*K <= E still) none.
+            for n_tokens in (1, max(2, cfg.n_experts // cfg.top_k)):
+                x = torch.randn(n_tokens, cfg.hidden_size, generator=gen).to(store.dtype)
+                ids, weights = route(torch.randn(n_tokens, cfg.n_experts, generator=gen),
+                                     cfg.top_k, False)
+                allocated = _index_select_bytes(experts, 0, x, ids, weights)
+                gathered = gathered_bytes(cfg, store.dtype)
+                if n_tokens == 1:
+                    assert gathered <= allocated < gathered + store.blob_bytes
+                else:
+                    assert allocated < store.blob_bytes
+    finally:
+        cached.close()
 
 
 def _budget(**overrides):

@@ -25,8 +25,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # fp32 rounding, or a few bf16 ulps of the largest logit.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6}
 PROMPT = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
-# Two prompt passes of 48 and one of 4 tokens (T*K > E: per expert), then 7 decode rounds
-# (T*K <= E: gathered).
+# Two prompt passes of 48 and one of 4 tokens (T > 1: per expert), then 7 decode rounds
+# (T == 1: gathered).
 OPTIONS = GenerateOptions(max_new=8, max_context=128, temperature=0.0, ignore_stop=True,
                           prefill_chunk=48)
 
@@ -64,7 +64,7 @@ def _close(model):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-@pytest.mark.parametrize("n_tokens", [1, 4, 37])  # T*K <= E: gathered; larger: per expert
+@pytest.mark.parametrize("n_tokens", [1, 4, 37])  # T == 1: gathered; larger: per expert
 def test_full_cache_forward_is_byte_identical(dtype, n_tokens):
     store = _store(cached_checkpoint("qwen3_moe", "tiny", dtype=dtype))  # E=8, K=2
     resident = ResidentExperts(store, "cpu")

@@ -27,6 +27,7 @@ __all__ = [
     "CacheBudget",
     "dense_bytes",
     "device_free_bytes",
+    "gathered_bytes",
     "kv_bytes",
     "plan_budget",
     "workspace_bytes",
@@ -56,6 +57,11 @@ def kv_bytes(cfg: ModelConfig, max_cells: int, dtype: torch.dtype, chunk_bytes: 
     return 2 * cfg.n_layers * segment_chunks * chunk_bytes
 
 
+def gathered_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The weights the decode path (T == 1) gathers in one layer call: K blobs."""
+    return cfg.top_k * 3 * cfg.expert_width * cfg.hidden_size * _itemsize(dtype)
+
+
 def workspace_bytes(
     cfg: ModelConfig, prefill_chunk: int, max_cells: int, dtype: torch.dtype
 ) -> int:
@@ -63,17 +69,24 @@ def workspace_bytes(
 
     C = min(prefill_chunk, max_cells) tokens attending over N = max_cells cells:
     - attention: fp32 scores and a bool mask [H, C, N] (the unfused worst case);
-    - the decode path's gathered weights: one blob per routed (token, k) row, for the most rows
-      it takes (T*K <= E, T <= C);
+    - the decode path's gathered weights (T == 1 only, see `ResidentExperts`): the K routed
+      experts' blobs; a prompt chunk of any length reads its experts in place;
     - the routed rows [C*K, 2F + D] in fp32, twice; the activations, 16 x [C, width];
     - the logits [V] in fp32, twice.
+
+    Only the attention term grows with the window (H*C*5 bytes a cell: 40 KiB for olmoe-1b-7b
+    at C = 512, so 2.5 GiB at 64K cells). It is the worst case of a prompt chunk after the
+    first (a mask [C, N] against the window) if attention fell back to torch's unfused math
+    kernel, which materializes the scores. The fused kernels that `scaled_dot_product_attention`
+    picks for these shapes (flash on the CPU; memory-efficient on CUDA) allocate only the mask
+    and its conversion to the query's dtype, about C*N*(1 + 2R) bytes with R = H/G; the term
+    stays the unfused bound until a GPU run measures which kernel runs there.
     """
     c, n = min(prefill_chunk, max_cells), max_cells
-    k, e, f, d = cfg.top_k, cfg.n_experts, cfg.expert_width, cfg.hidden_size
+    k, f, d = cfg.top_k, cfg.expert_width, cfg.hidden_size
     itemsize = _itemsize(dtype)
     attention = cfg.n_heads * c * n * (4 + 1)
-    gathered_rows = k * min(c, e // k)
-    gathered = gathered_rows * 3 * f * d * itemsize
+    gathered = gathered_bytes(cfg, dtype)
     rows = 2 * c * k * (2 * f + d) * 4
     width = max(d, cfg.q_width + 2 * cfg.kv_width, cfg.shared_expert_width or 0)
     activations = 16 * c * width * itemsize

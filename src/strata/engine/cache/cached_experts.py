@@ -9,9 +9,10 @@ Per layer call, on the engine's thread:
 2. the routing is recorded in the books' heat, then the policy's `observe` is told;
 3. the misses are handed to the CPU worker (`CpuExperts`: each distinct expert once, from the
    host store) or, in a pass the prompt loan took, to the loan;
-4. meanwhile the hits run on the device straight from their slots: when T*K <= E (decode) one
-   batched gather + two bmm over the hit rows, reading slot indices from the device mirror of
-   the books; otherwise each distinct hit expert over its tokens, from its slot's views;
+4. meanwhile the hits run on the device straight from their slots: when T == 1 (decode) one
+   batched gather of the hit rows' K blobs + two bmm, reading slot indices from the device
+   mirror of the books; otherwise each distinct hit expert over its tokens, from its slot's
+   views (no weight copy);
 5. the CPU's rows are copied into the [T*K, D] buffer, each row in its own place;
 6. the policy may admit this call's misses (checked, applied to the books and uploaded into
    their slots before the next use, all or nothing);
@@ -20,7 +21,7 @@ Steps 4 and 7 are `ResidentExperts`' own math and choice of path, so a cache tha
 expert gives byte-identical output.
 
 When every expert is resident and the policy does not watch the routing (no `observe` of its
-own), a decode call (T*K <= E) cannot miss and needs nothing on the host: it skips steps 1-3
+own), a decode call (T == 1) cannot miss and needs nothing on the host: it skips steps 1-3
 and 5-6, reads the slots through the mirror, and counts the routing into a device tensor that
 is folded into the books' heat (`flush_heat`) before anything reads it: at the next call that
 goes through the host, at a phase change, at the end of a request, and when the loan opens.
@@ -244,7 +245,7 @@ class CachedExperts:
             self._open_pass(n_tokens)
         self._last_layer = layer
         stats = self.stats.phase(self.phase)
-        if n_tokens * top_k <= self.n_experts and self.device_only:
+        if n_tokens == 1 and self.device_only:
             result = self._device_only_forward(layer, x, topk_ids, topk_weights)
             stats.layer_calls += 1
             stats.lookups += n_tokens * top_k
@@ -276,7 +277,7 @@ class CachedExperts:
         started = time.perf_counter()
         out = x.new_empty((n_tokens * top_k, x.shape[1]))  # [T*K, D]: row t*K + k
         try:
-            if n_hits and n_tokens * top_k <= self.n_experts:
+            if n_hits and n_tokens == 1:
                 rows = None if n_hits == ids.size else torch.tensor(
                     np.flatnonzero(hit.reshape(-1)), device=self.device)  # [R] hit rows
                 self._gathered_hits(layer, x, topk_ids, rows, out)
@@ -318,8 +319,8 @@ class CachedExperts:
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, rows: torch.Tensor | None,
         out: torch.Tensor,
     ) -> None:
-        """The decode path: the hit `rows` [R] (None: every row) at once, weights gathered from
-        their slots by the slot indices the device mirror gives."""
+        """The decode path (T == 1, so R <= K): the hit `rows` [R] (None: every row) at once,
+        weights gathered from their slots by the slot indices the device mirror gives."""
         n_tokens, top_k = topk_ids.shape
         f = self.expert_width
         flat_ids = topk_ids.reshape(-1)  # [T*K]
