@@ -1,0 +1,156 @@
+"""Benchmark the CPU miss path (`CpuExperts`): microseconds per expert, and where they go.
+
+Builds a random `ExpertStore` of one layer with the expert shape of `--preset` (default
+olmoe-1b-7b: D 2048, F 1024), then times, in the same run, each at T = 1 (K rows, one per
+distinct expert: a decode round's misses) and at T = 64 (T*K rows over the experts they route):
+
+- `bare`: the same two matmuls per expert as plain torch calls on the main thread, nothing else
+  (the floor for this CPU, threads and dtype);
+- `compute-main`: `CpuExperts.compute` on the main thread (adds its per-call overheads);
+- `compute-worker`: `CpuExperts.submit` on its worker thread, as the cache calls it (adds the
+  hand-over and the worker's intra-op thread count, printed beside it);
+- `worker-main-busy`: the same while the main thread keeps issuing small torch ops until the
+  result is ready, as the engine's thread launches the hits meanwhile: the worker then waits
+  for the GIL between its ops (up to `sys.getswitchinterval()` each), and shares the cores.
+
+Ratios to `bare` are in the same run, so they compare across machines. Medians of `--repeat`.
+
+    python bench/cpu_experts.py                    # bf16 and fp32, torch's threads
+    python bench/cpu_experts.py --threads 16 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from strata.engine.cache.cpu_experts import CpuExperts
+from strata.engine.cache.routed import Routed
+from strata.engine.experts import ExpertStore
+from strata.engine.presets import get_preset
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def random_store(hidden_size: int, expert_width: int, n_experts: int,
+                 dtype: torch.dtype) -> ExpertStore:
+    gen = torch.Generator().manual_seed(0)
+    numel = 3 * expert_width * hidden_size
+    typed = (torch.randn(n_experts, numel, generator=gen) * hidden_size**-0.5).to(dtype)
+    return ExpertStore([typed.view(torch.uint8)], hidden_size, expert_width, dtype)
+
+
+def routing(n_tokens: int, top_k: int, n_experts: int) -> Routed:
+    rng = np.random.default_rng(n_tokens)
+    ids = np.stack([rng.choice(n_experts, top_k, replace=False) for _ in range(n_tokens)])
+    return Routed.of(ids)
+
+
+def bare(store: ExpertStore, x_rows: torch.Tensor, routed: Routed) -> None:
+    f, d = store.expert_width, store.hidden_size
+    for i, expert in enumerate(routed.experts.tolist()):
+        lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
+        typed = store.blob(0, expert).view(store.dtype)
+        h = F.linear(x_rows[lo:hi], typed[: 2 * f * d].view(2 * f, d))
+        F.linear(F.silu(h[:, :f]) * h[:, f:], typed[2 * f * d :].view(d, f))
+
+
+def busy_until_done(future, scratch: torch.Tensor):
+    """Small torch ops on this thread, each taking and giving back the GIL, until `future`."""
+    while not future.done():
+        scratch.mul_(1.0)
+    return future.result()
+
+
+def median_us(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
+            repeat: int) -> dict:
+    routed = routing(n_tokens, top_k, store.n_experts)
+    gen = torch.Generator().manual_seed(1)
+    x_rows = torch.randn(routed.n_rows, store.hidden_size, generator=gen).to(store.dtype)
+    scratch = torch.zeros(64)
+    cpu = CpuExperts(store, threads)
+    try:
+        worker_threads = cpu._pool.submit(torch.get_num_threads).result()
+        per_expert = {
+            "bare": median_us(lambda: bare(store, x_rows, routed), repeat),
+            "compute-main": median_us(lambda: cpu.compute(0, x_rows, routed), repeat),
+            "compute-worker": median_us(
+                lambda: cpu.submit(0, x_rows, routed).result(), repeat),
+            "worker-main-busy": median_us(
+                lambda: busy_until_done(cpu.submit(0, x_rows, routed), scratch), repeat),
+        }
+    finally:
+        cpu.close()
+    per_expert = {k: v / routed.n_experts for k, v in per_expert.items()}
+    return {
+        "tokens": n_tokens, "experts": routed.n_experts, "rows": routed.n_rows,
+        "main_threads": torch.get_num_threads(), "worker_threads": worker_threads,
+        "us_per_expert": per_expert,
+        "ratio_to_bare": {k: v / per_expert["bare"] for k, v in per_expert.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="olmoe-1b-7b")
+    parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the worker's cpu_threads and the main thread's (default: torch's)")
+    parser.add_argument("--tokens", default="1,64", help="comma-separated T values")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    preset = get_preset(args.preset)
+    runs = []
+    for name in args.dtypes.split(","):
+        store = random_store(preset.hidden_size, preset.expert_width, preset.n_experts,
+                             DTYPES[name])
+        for n_tokens in (int(t) for t in args.tokens.split(",")):
+            runs.append({"dtype": name, **measure(store, n_tokens, preset.top_k, args.threads,
+                                                  args.repeat)})
+    result = {
+        "command": " ".join(["python", "bench/cpu_experts.py", *(argv or sys.argv[1:])]),
+        "date": datetime.date.today().isoformat(), "machine": platform.processor()
+        or platform.machine(), "torch": torch.__version__, "preset": args.preset,
+        "runs": runs,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['command']}  ({result['machine']}, torch {result['torch']})")
+    print("| dtype | T | experts | threads main/worker | bare us | compute-main | "
+          "compute-worker | worker-main-busy |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for run in runs:
+        us, ratio = run["us_per_expert"], run["ratio_to_bare"]
+        print(f"| {run['dtype']} | {run['tokens']} | {run['experts']} | "
+              f"{run['main_threads']}/{run['worker_threads']} | {us['bare']:.0f} | "
+              f"{us['compute-main']:.0f} ({ratio['compute-main']:.2f}x) | "
+              f"{us['compute-worker']:.0f} ({ratio['compute-worker']:.2f}x) | "
+              f"{us['worker-main-busy']:.0f} ({ratio['worker-main-busy']:.2f}x) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
