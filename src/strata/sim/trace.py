@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.npzfile import write_npz
+from strata.npzfile import npz_scalar, read_npz, write_npz
 
 FORMAT = "strata-routing-trace"
 VERSION = 1
@@ -281,11 +281,7 @@ def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
 
 
 def _scalar(path: str, data: Mapping[str, np.ndarray], name: str, kind: str) -> Any:
-    value = data[name]
-    if value.shape != () or value.dtype.kind not in kind:
-        raise TraceError(f"{path}: {name} must be a scalar of kind {kind!r}, got "
-                         f"{value.dtype} {value.shape}")
-    return value.item()
+    return npz_scalar(path, data, name, kind, TraceError)
 
 
 def load_trace(path: str | os.PathLike[str]) -> Trace:
@@ -298,18 +294,7 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
             problem.
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no trace file at {path}")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            data = {name.removesuffix(".npy"): z[name] for name in z.files}
-    except Exception as exc:
-        raise TraceError(f"{path} is not a readable .npz trace: {exc}") from None
-    if "format" not in data:
-        raise TraceError(f"{path} is not a routing trace: it has no 'format' field")
-    fmt = _scalar(path, data, "format", "U")
-    if fmt != FORMAT:
-        raise TraceError(f"{path} is a {fmt!r} file, not a {FORMAT!r}")
+    data = read_npz(path, fmt=FORMAT, short="trace", long="routing trace", error=TraceError)
     missing = [name for name in _FIELDS if name not in data]
     if missing:
         raise TraceError(f"{path}: the fields {missing} are missing")

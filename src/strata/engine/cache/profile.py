@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from strata.npzfile import write_npz
+from strata.npzfile import npz_scalar, read_npz, write_npz
 
 if TYPE_CHECKING:
     from strata.engine.config import ModelConfig
@@ -273,12 +273,7 @@ def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
 
 
 def _scalar(path: str, data: Mapping[str, np.ndarray], name: str, kind: str) -> Any:
-    value = data[name]
-    if value.shape != () or value.dtype.kind not in kind:
-        raise ProfileError(
-            f"{path}: {name} must be a scalar of kind {kind!r}, got {value.dtype} {value.shape}"
-        )
-    return value.item()
+    return npz_scalar(path, data, name, kind, ProfileError)
 
 
 def _json_field(path: str, data: Mapping[str, np.ndarray], name: str) -> dict[str, Any]:
@@ -301,18 +296,7 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
             the path and the problem.
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no profile file at {path}")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            data = {name.removesuffix(".npy"): z[name] for name in z.files}
-    except Exception as exc:
-        raise ProfileError(f"{path} is not a readable .npz profile: {exc}") from None
-    if "format" not in data:
-        raise ProfileError(f"{path} is not an expert profile: it has no 'format' field")
-    fmt = _scalar(path, data, "format", "U")
-    if fmt != FORMAT:
-        raise ProfileError(f"{path} is a {fmt!r} file, not a {FORMAT!r}")
+    data = read_npz(path, fmt=FORMAT, short="profile", long="expert profile", error=ProfileError)
     version = _scalar(path, data, "version", "iu") if "version" in data else None
     if version != VERSION:
         raise ProfileError(
