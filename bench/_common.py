@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 
 import torch
@@ -26,3 +27,13 @@ def byte_tokens(n: int, seed: int) -> list[int]:
     """`n` byte ids every checkpoint's tokenizer knows, fixed by `seed`."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, BYTE_TOKENS, (n,), generator=generator).tolist()
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, preset: str) -> None:
+    """Which checkpoint a benchmark writes, and where it runs: preset, family, layers, device,
+    dtype."""
+    parser.add_argument("--preset", default=preset)
+    parser.add_argument("--family", help="default: the preset's own")
+    parser.add_argument("--layers", type=int, help="shorten the preset to N layers")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from _common import byte_tokens, free_memory, sync
+from _common import add_model_arguments, byte_tokens, free_memory, sync
 from strata.engine.cache.arena import slot_bytes_for
 from strata.engine.cache.budget import MIB
 from strata.engine.cache.build import plan_cache
@@ -165,11 +165,7 @@ def _split(cache: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="olmoe-1b-7b")
-    parser.add_argument("--family", help="default: the preset's own")
-    parser.add_argument("--layers", type=int, help="shorten the preset to N layers")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    add_model_arguments(parser, preset="olmoe-1b-7b")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=4096)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from _common import byte_tokens, free_memory
+from _common import add_model_arguments, byte_tokens, free_memory
 from strata.engine.cache.arena import slot_bytes_for
 from strata.engine.cache.budget import MIB
 from strata.engine.cache.build import build_cached_experts, plan_cache
@@ -101,12 +101,8 @@ def run_variant(name, model, store, cfg, dtype, device, rank, sizing, args) -> d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="qwen3-30b-a3b")
-    parser.add_argument("--family", help="default: the preset's own")
-    parser.add_argument("--layers", type=int, help="shorten the preset to N layers")
+    add_model_arguments(parser, preset="qwen3-30b-a3b")
     parser.add_argument("--model", help="a checkpoint directory to use instead of writing one")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--budget-mib", type=float, help="--vram-budget-mib (default: the "
                         "experts' bytes / --expert-multiple)")
     parser.add_argument("--expert-multiple", type=float, default=3.0)

@@ -43,6 +43,29 @@ def interleaved_us(mine, theirs, repeat: int) -> tuple[float, float]:
             statistics.median(b for _, b in pairs) / 1e3)
 
 
+def timed_ops(map_all, unmap_all, move_one) -> dict:
+    """The three timed operations of a baseline, from its untimed map-all and unmap-all steps.
+
+    Each returns the ns of its timed part: map (creating chunks), unmap (releasing them), and
+    `move_one` as given.
+    """
+
+    def map_new():
+        t0 = time.perf_counter_ns()
+        map_all()
+        t1 = time.perf_counter_ns()
+        unmap_all()
+        return t1 - t0
+
+    def unmap_release():
+        map_all()
+        t0 = time.perf_counter_ns()
+        unmap_all()
+        return time.perf_counter_ns() - t0
+
+    return {"map": map_new, "unmap": unmap_release, "move": move_one}
+
+
 # --- strata ----------------------------------------------------------------------------------
 
 
@@ -121,19 +144,6 @@ class HostDirect:
             for i in range(n):
                 libc.fallocate(self.fd, self.FALLOC, i * c, c)
 
-        def map_new():
-            t0 = time.perf_counter_ns()
-            map_all()
-            t1 = time.perf_counter_ns()
-            unmap_all()
-            return t1 - t0
-
-        def unmap_release():
-            map_all()
-            t0 = time.perf_counter_ns()
-            unmap_all()
-            return time.perf_counter_ns() - t0
-
         def move_one():
             map_all()
             t0 = time.perf_counter_ns()
@@ -149,7 +159,7 @@ class HostDirect:
             libc.munmap(ctypes.c_void_p(base), n * c)
             libc.munmap(ctypes.c_void_p(spare), c)
 
-        return {"map": map_new, "unmap": unmap_release, "move": move_one}, close
+        return timed_ops(map_all, unmap_all, move_one), close
 
 
 # --- direct driver calls (cuda-python) ------------------------------------------------------
@@ -193,19 +203,6 @@ class CudaDirect:
                 drv.cuMemRelease(h)
             handles.clear()
 
-        def map_new():
-            t0 = time.perf_counter_ns()
-            map_all()
-            t1 = time.perf_counter_ns()
-            unmap_all()
-            return t1 - t0
-
-        def unmap_release():
-            map_all()
-            t0 = time.perf_counter_ns()
-            unmap_all()
-            return time.perf_counter_ns() - t0
-
         def move_one():
             map_all()
             t0 = time.perf_counter_ns()
@@ -221,7 +218,7 @@ class CudaDirect:
             drv.cuMemAddressFree(drv.CUdeviceptr(base), n * c)
             drv.cuMemAddressFree(drv.CUdeviceptr(spare), c)
 
-        return {"map": map_new, "unmap": unmap_release, "move": move_one}, close
+        return timed_ops(map_all, unmap_all, move_one), close
 
 
 def run(kind: str, repeat: int) -> list[dict]:
