@@ -6,14 +6,22 @@ distinct expert: a decode round's misses) and at T = 64 (T*K rows over the exper
 
 - `bare`: the same two matmuls per expert as plain torch calls on the main thread, nothing else
   (the floor for this CPU, threads and dtype);
-- `compute-main`: `CpuExperts.compute` on the main thread (adds its per-call overheads);
-- `compute-worker`: `CpuExperts.submit` on its worker thread, as the cache calls it (adds the
-  hand-over and the worker's intra-op thread count, printed beside it);
+- `compute-main`: `CpuExperts.compute` on the main thread, as the cache calls it (adds its
+  per-call overheads);
+- `compute-worker`: the same on a worker thread (one `ThreadPoolExecutor` thread), the design
+  the cache had before: adds the hand-over and a second intra-op team (the worker's count is
+  printed beside the main thread's);
 - `worker-main-busy`: the same while the main thread keeps issuing small torch ops until the
-  result is ready, as the engine's thread launches the hits meanwhile: the worker then waits
-  for the GIL between its ops (up to `sys.getswitchinterval()` each), and shares the cores.
+  result is ready, as an engine thread launching device work meanwhile would: the worker then
+  waits for the GIL between its ops (up to `sys.getswitchinterval()` each), and shares the
+  cores.
 
 Ratios to `bare` are in the same run, so they compare across machines. Medians of `--repeat`.
+
+`--memory` picks where the store's blobs live: `pageable` (plain torch memory), `pinned`
+(`pin_memory=True`: CUDA's page-locked allocation, as the cache's store on CUDA), `registered`
+(an anonymous mapping advised to use huge pages, then page-locked with `cudaHostRegister`):
+the CPU reads the same bytes; only the pages differ. The last two need CUDA.
 
     python bench/cpu_experts.py                    # bf16 and fp32, torch's threads
     python bench/cpu_experts.py --threads 16 --json
@@ -24,10 +32,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import mmap
 import platform
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -41,12 +51,29 @@ from strata.engine.presets import get_preset
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def host_buffer(n_bytes: int, memory: str) -> torch.Tensor:
+    """uint8 [n_bytes] on the host, in `memory`'s kind of pages."""
+    if memory == "pageable":
+        return torch.empty(n_bytes, dtype=torch.uint8)
+    if memory == "pinned":
+        return torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
+    mapping = mmap.mmap(-1, n_bytes)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), n_bytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {err}")
+    return buffer
+
+
 def random_store(hidden_size: int, expert_width: int, n_experts: int,
-                 dtype: torch.dtype) -> ExpertStore:
+                 dtype: torch.dtype, memory: str = "pageable") -> ExpertStore:
     gen = torch.Generator().manual_seed(0)
     numel = 3 * expert_width * hidden_size
     typed = (torch.randn(n_experts, numel, generator=gen) * hidden_size**-0.5).to(dtype)
-    return ExpertStore([typed.view(torch.uint8)], hidden_size, expert_width, dtype)
+    blobs = host_buffer(typed.numel() * typed.element_size(), memory).view(n_experts, -1)
+    blobs.copy_(typed.view(torch.uint8))
+    return ExpertStore([blobs], hidden_size, expert_width, dtype)
 
 
 def routing(n_tokens: int, top_k: int, n_experts: int) -> Routed:
@@ -88,18 +115,22 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
     x_rows = torch.randn(routed.n_rows, store.hidden_size, generator=gen).to(store.dtype)
     scratch = torch.zeros(64)
     cpu = CpuExperts(store, threads)
+    pool = ThreadPoolExecutor(max_workers=1)
     try:
-        worker_threads = cpu._pool.submit(torch.get_num_threads).result()
+        worker_threads = pool.submit(torch.get_num_threads).result()
+
+        def on_worker():
+            return pool.submit(cpu.compute, 0, x_rows, routed)
+
         per_expert = {
             "bare": median_us(lambda: bare(store, x_rows, routed), repeat),
             "compute-main": median_us(lambda: cpu.compute(0, x_rows, routed), repeat),
-            "compute-worker": median_us(
-                lambda: cpu.submit(0, x_rows, routed).result(), repeat),
-            "worker-main-busy": median_us(
-                lambda: busy_until_done(cpu.submit(0, x_rows, routed), scratch), repeat),
+            "compute-worker": median_us(lambda: on_worker().result(), repeat),
+            "worker-main-busy": median_us(lambda: busy_until_done(on_worker(), scratch),
+                                          repeat),
         }
     finally:
-        cpu.close()
+        pool.shutdown()
     per_expert = {k: v / routed.n_experts for k, v in per_expert.items()}
     return {
         "tokens": n_tokens, "experts": routed.n_experts, "rows": routed.n_rows,
@@ -117,18 +148,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="the worker's cpu_threads and the main thread's (default: torch's)")
     parser.add_argument("--tokens", default="1,64", help="comma-separated T values")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--memory", default="pageable",
+                        help="comma-separated: pageable, pinned, registered")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
+    memories = args.memory.split(",")
+    if set(memories) - {"pageable", "pinned", "registered"}:
+        parser.error(f"--memory takes pageable, pinned, registered; got {args.memory!r}")
+    if set(memories) - {"pageable"} and not torch.cuda.is_available():
+        parser.error("--memory pinned and registered need CUDA")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     preset = get_preset(args.preset)
     runs = []
-    for name in args.dtypes.split(","):
-        store = random_store(preset.hidden_size, preset.expert_width, preset.n_experts,
-                             DTYPES[name])
-        for n_tokens in (int(t) for t in args.tokens.split(",")):
-            runs.append({"dtype": name, **measure(store, n_tokens, preset.top_k, args.threads,
-                                                  args.repeat)})
+    for memory in memories:
+        for name in args.dtypes.split(","):
+            store = random_store(preset.hidden_size, preset.expert_width, preset.n_experts,
+                                 DTYPES[name], memory)
+            for n_tokens in (int(t) for t in args.tokens.split(",")):
+                runs.append({"memory": memory, "dtype": name, **measure(
+                    store, n_tokens, preset.top_k, args.threads, args.repeat)})
     result = {
         "command": " ".join(["python", "bench/cpu_experts.py", *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(), "machine": platform.processor()
@@ -139,12 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     print(f"{result['command']}  ({result['machine']}, torch {result['torch']})")
-    print("| dtype | T | experts | threads main/worker | bare us | compute-main | "
+    print("| memory | dtype | T | experts | threads main/worker | bare us | compute-main | "
           "compute-worker | worker-main-busy |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for run in runs:
         us, ratio = run["us_per_expert"], run["ratio_to_bare"]
-        print(f"| {run['dtype']} | {run['tokens']} | {run['experts']} | "
+        print(f"| {run['memory']} | {run['dtype']} | {run['tokens']} | {run['experts']} | "
               f"{run['main_threads']}/{run['worker_threads']} | {us['bare']:.0f} | "
               f"{us['compute-main']:.0f} ({ratio['compute-main']:.2f}x) | "
               f"{us['compute-worker']:.0f} ({ratio['compute-worker']:.2f}x) | "

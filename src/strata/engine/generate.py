@@ -2,14 +2,15 @@
 
 The prompt is read in chunks of `prefill_chunk` tokens into a K/V of `max_context` cells; the
 last chunk's last logits give the first generated token. Each decode round then runs one token
-through the model and samples the next. On CUDA, with every expert resident (`ResidentExperts`),
-a decode round replays a CUDA graph captured for the round's attention window
-(`GRAPH_WINDOW_CELLS`-cell buckets, so a round reads only the cells it needs; the graphs a run
-needs are captured before the decode clock starts); elsewhere, with `cuda_graphs=False`, or with
-the expert cache (it reads the routing on the host every layer) or a wrapper around the experts,
-it runs eagerly. The graph path attends through a mask over its window, the eager one over
-exactly the cells written, so the two may differ in the last bits;
-each is deterministic.
+through the model and samples the next. On CUDA, with every expert resident (`ResidentExperts`,
+or an expert cache holding every expert that needs nothing on the host: `device_only`), a decode
+round replays a CUDA graph captured for the round's attention window (`GRAPH_WINDOW_CELLS`-cell
+buckets, so a round reads only the cells it needs; the graphs a run needs are captured before the
+decode clock starts); elsewhere, with `cuda_graphs=False`, or with a cache that misses (it reads
+the routing on the host every layer) or a wrapper around the experts, it runs eagerly.
+`--compile` applies to `ResidentExperts` only. The graph path attends through a mask over its
+window, the eager one over exactly the cells written, so the two may differ in the last bits; each
+is deterministic.
 
 Timing: prefill is measured from the first chunk to the first token sampled; decode from the
 first round to the last token sampled. Both end on a host read of the token, which waits for the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,8 +175,9 @@ class _GraphDecode:
 
     path = "cuda-graph"
 
-    def __init__(self, model: Any, kv: Any, compile: bool = False) -> None:
+    def __init__(self, model: Any, kv: Any, compile: bool = False, cache: Any = None) -> None:
         self.model, self.kv = model, kv
+        self.cache = cache  # a device-only CachedExperts: told of captures and replays
         self.forward_at = model.forward_at
         if compile:
             from strata.engine.compile import compile_decode_step
@@ -195,14 +198,15 @@ class _GraphDecode:
             return self.forward_at(self.token, self.position, self.kv, n_ctx)[-1]  # [V]
 
         side = torch.cuda.Stream(device=self.model.device)
-        side.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(self.model.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = step()
+        with self.cache.graph_capture() if self.cache is not None else nullcontext():
+            side.wait_stream(torch.cuda.current_stream(self.model.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream(self.model.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = step()
         return graph, logits
 
     def prepare(self, token: int, first: int, last: int) -> None:
@@ -224,6 +228,8 @@ class _GraphDecode:
             self.graphs[n_ctx] = self._capture(n_ctx)
         graph, logits = self.graphs[n_ctx]
         graph.replay()
+        if self.cache is not None:
+            self.cache.count_replay()
         return logits
 
 
@@ -291,11 +297,14 @@ def generate(
 
         tokens = [token]
         emit(token)
-        # Graphs replay only plain resident experts: a cache or a wrapper works on the host.
-        use_graphs = options.cuda_graphs and device.type == "cuda" and isinstance(
-            model.experts, ResidentExperts
-        )
-        step = _GraphDecode(model, kv, options.compile) if use_graphs else _EagerDecode(model, kv)
+        # Graphs replay resident experts, and a cache that needs nothing on the host; a cache
+        # that misses or a wrapper works on the host.
+        resident = isinstance(model.experts, ResidentExperts)
+        graph_cache = cached if cached is model.experts and cached.device_only else None
+        if options.cuda_graphs and device.type == "cuda" and (resident or graph_cache):
+            step = _GraphDecode(model, kv, options.compile and resident, graph_cache)
+        else:
+            step = _EagerDecode(model, kv)
         position = len(prompt)  # the cell of the token being fed
         start = time.perf_counter()
         if token not in stop_ids:

@@ -315,3 +315,39 @@ def test_a_full_cache_decodes_on_the_device_with_the_same_books(small):
     assert tables[0][0].sum() == on_device.cache.lookups
     for name in ("hits", "lookups", "layer_calls", "passes"):
         assert getattr(on_device.cache.decode, name) == getattr(on_host.cache.decode, name)
+
+
+def test_a_captured_step_counts_only_its_replays(small):
+    ckpt, _, _ = small
+    model = cached_model(ckpt)
+    try:
+        cached = model.experts
+        cfg = model.config
+        cached.begin_request()
+        cached.set_phase("decode")
+        kv = model.new_kv(16)
+        token = torch.tensor([3], dtype=torch.int64)
+        position = torch.tensor([0], dtype=torch.int64)
+        with pytest.raises(RuntimeError, match="no step was captured"):
+            cached.count_replay()
+        heat = cached.table.heat.copy()
+        with cached.graph_capture():  # what generate's capture runs: warm-ups, then the capture
+            for _ in range(3):
+                model.forward_at(token, position, kv, 1)
+        cached.flush_heat()
+        assert np.array_equal(cached.table.heat, heat) and cached.stats.decode.layer_calls == 0
+        cached.count_replay()
+        cached.count_replay()
+        decode = cached.stats.decode
+        assert (decode.passes, decode.layer_calls) == (2, 2 * cfg.n_layers)
+        assert decode.lookups == decode.hits == 2 * cfg.n_layers * cfg.top_k
+        kv.close()
+    finally:
+        _close(model)
+    model = cached_model(ckpt, policy=_Watching())
+    try:
+        with pytest.raises(RuntimeError, match="every expert is resident"), \
+                model.experts.graph_capture():
+            pass
+    finally:
+        _close(model)

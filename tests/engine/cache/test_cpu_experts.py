@@ -1,5 +1,5 @@
-"""The CPU miss path: the same bytes on the worker as on the calling thread at the same thread
-count, call after call; bench/cpu_experts.py runs and reports its ratios.
+"""The CPU miss path: each expert once over its rows, the same bytes call after call at the
+set thread count; bench/cpu_experts.py runs and reports its ratios.
 
 The thread count itself may change the bytes (fp32 at 64 tokens, 1 against 2 threads, here):
 `--cpu-threads` is part of what a run's output depends on."""
@@ -27,36 +27,39 @@ def _store(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("n_tokens", [1, 64])
-def test_worker_and_thread_counts_give_the_same_bytes(dtype, n_tokens):
+def test_each_expert_runs_once_over_its_rows_at_the_set_thread_count(dtype, n_tokens):
     store = _store(dtype)
     rng = np.random.default_rng(n_tokens)
     ids = np.stack([rng.choice(store.n_experts, 2, replace=False) for _ in range(n_tokens)])
     routed = Routed.of(ids)
     x_rows = torch.randn(routed.n_rows, store.hidden_size,
                          generator=torch.Generator().manual_seed(1)).to(dtype)
-    main_threads = torch.get_num_threads()
-    outputs = []
+    caller_threads = torch.get_num_threads()
+    f = store.expert_width
     for threads in (None, 1):
         cpu = CpuExperts(store, threads)
+        first = cpu.compute(0, x_rows, routed)
+        assert torch.get_num_threads() == caller_threads  # the caller's count is given back
+        assert torch.equal(cpu.compute(0, x_rows, routed).view(torch.uint8),
+                           first.view(torch.uint8))
+        # Each expert's rows are its output for their inputs, computed over all of them at
+        # once, at the thread count of the call (the count may change the bytes).
+        torch.set_num_threads(threads or caller_threads)
         try:
-            torch.set_num_threads(threads or main_threads)
-            on_main = cpu.compute(0, x_rows, routed)
-            for _ in range(2):
-                out, cpu_s = cpu.submit(0, x_rows, routed).result()
-                assert cpu_s > 0
-                assert torch.equal(out.view(torch.uint8), on_main.view(torch.uint8))
-            outputs.append(on_main)
+            for i, expert in enumerate(routed.experts.tolist()):
+                lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
+                gate, up, down = store.weights(0, expert)
+                h = F.linear(x_rows[lo:hi], torch.cat((gate, up)))
+                expected = F.linear(F.silu(h[:, :f]) * h[:, f:], down)
+                assert torch.equal(first[lo:hi], expected)
         finally:
-            torch.set_num_threads(main_threads)
-            cpu.close()
-    # Each expert's rows are its output for their inputs, computed over all of them at once.
-    f = store.expert_width
-    for i, expert in enumerate(routed.experts.tolist()):
-        lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
-        gate, up, down = store.weights(0, expert)
-        h = F.linear(x_rows[lo:hi], torch.cat((gate, up)))
-        expected = F.linear(F.silu(h[:, :f]) * h[:, f:], down)
-        assert torch.equal(outputs[0][lo:hi], expected)
+            torch.set_num_threads(caller_threads)
+
+
+def test_a_bad_thread_count_is_refused():
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="cpu_threads must be None or an int >= 1"):
+            CpuExperts(_store(torch.float32), bad)
 
 
 def test_the_cpu_experts_bench_runs_and_reports(capsys):
@@ -75,4 +78,4 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
                                              "worker-main-busy"}
     assert bench.main(["--preset", "tiny", "--repeat", "1", "--dtypes", "fp32",
                        "--tokens", "1"]) == 0
-    assert "| fp32 | 1 |" in capsys.readouterr().out
+    assert "| pageable | fp32 | 1 |" in capsys.readouterr().out

@@ -70,3 +70,24 @@ def test_mixed_cache_on_cuda_agrees_and_repeats(small):
     tolerance = 1e-5 if ModelConfig.from_dir(ckpt).dtype == torch.float32 else 2.0**-6
     scale = expected.first_logits.abs().max().item()
     assert (a.first_logits - expected.first_logits).abs().max().item() <= tolerance * scale
+
+
+def test_full_cache_replays_cuda_graphs_like_the_runtime(small):
+    ckpt, _ = small
+    graphs = GenerateOptions(max_new=8, max_context=128, temperature=0.0, ignore_stop=True,
+                             prefill_chunk=48)
+    resident = load_model(ckpt, device="cuda")
+    expected = generate(resident, None, PROMPT, graphs)
+    del resident
+    model = _cached(ckpt)
+    try:
+        result = generate(model, None, PROMPT, graphs)
+        heat = model.experts.table.heat.sum()
+    finally:
+        model.experts.close()
+    assert expected.decode_path == result.decode_path == "cuda-graph"
+    assert result.tokens == expected.tokens
+    decode = result.cache.decode
+    assert decode.passes == len(result.tokens) - 1
+    assert decode.hits == decode.lookups == decode.layer_calls * ModelConfig.from_dir(ckpt).top_k
+    assert heat == result.cache.lookups  # prompt and decode routing, all in the books

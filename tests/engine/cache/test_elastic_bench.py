@@ -18,7 +18,7 @@ def test_the_kv_grow_bench_runs_and_reports(capsys, monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_kv_grow", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    argv = ["--preset", "tiny", "--device", "cpu", "--budget-mib", "2.875", "--max-context",
+    argv = ["--preset", "tiny", "--device", "cpu", "--budget-mib", "1.875", "--max-context",
             "2048", "--chunk-bytes", "4096", "--kv-init", "64", "--kv-step", "64", "--kv-floor",
             "2", "--long-tokens", "300", "--chat-new", "4", "--long-new", "4",
             "--prefill-chunk", "32", "--no-prefill-loan", "--rounds", "1",

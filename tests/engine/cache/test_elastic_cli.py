@@ -77,7 +77,7 @@ def test_json_kv_object_and_the_environment_switch(capsys, ckpt, profile, monkey
 
 
 def test_the_cache_gets_the_slots_the_window_would_take(capsys, ckpt, profile):
-    budget = ["--vram-budget-mib", "3.25", "--max-context", "1024", "--prefill-chunk", "32"]
+    budget = ["--vram-budget-mib", "2.25", "--max-context", "1024", "--prefill-chunk", "32"]
     _, _, plain = _run(capsys, "--model", str(ckpt), *FAST, *budget, "--expert-profile",
                        profile)
     _, _, grown = _run(capsys, "--model", str(ckpt), *FAST, *budget, "--expert-profile",

@@ -57,11 +57,11 @@ def test_an_environment_value_that_is_not_a_positive_integer_is_named(cfg, name,
 
 
 def test_the_cache_is_sized_around_the_start_cells(cfg):
-    # A 3 MiB budget: dense 226 KiB, workspace 2 MiB, and the K/V of the whole window (1024
+    # A 2 MiB budget: dense 226 KiB, workspace 1 MiB, and the K/V of the whole window (1024
     # cells: 512 KiB) leave 2 slots of 96 KiB; 256 cells (128 KiB) leave 6.
-    whole = _plain(cfg, budget_mib=3.0).budget
+    whole = _plain(cfg, budget_mib=2.0).budget
     cache, notes = _plan(cfg, {"STRATA_KV_GROW_INIT": "256", "STRATA_KV_GROW_FLOOR": "2"},
-                         budget_mib=3.0)
+                         budget_mib=2.0)
     grown = cache.budget
     assert grown.kv_bytes == 4 * 8 * CHUNK  # 256 cells: 8 chunks in each of 4 segments
     assert whole.kv_bytes == 4 * 32 * CHUNK
@@ -73,10 +73,10 @@ def test_the_cache_is_sized_around_the_start_cells(cfg):
 
 
 def test_ignored_without_a_profile_or_when_cells_do_not_tile_chunks(cfg):
-    cache, notes = _plan(cfg, {}, profile=False, budget_mib=4.0)
+    cache, notes = _plan(cfg, {}, profile=False, budget_mib=3.0)
     assert cache.kv_grow is None and notes[0].startswith("--kv-grow ignored: it needs "
                                                          "--expert-profile")
-    assert cache.budget == _plain(cfg, budget_mib=4.0).budget  # sized as without the flag
+    assert cache.budget == _plain(cfg, budget_mib=3.0).budget  # sized as without the flag
     assert cells_per_chunk(cfg, torch.float32, 4096) == 32
     assert cells_per_chunk(cfg, torch.float32, 4096 + 64) == 0
 
@@ -84,17 +84,17 @@ def test_ignored_without_a_profile_or_when_cells_do_not_tile_chunks(cfg):
 def test_when_the_cache_cannot_give_the_window_is_mapped_up_front(cfg):
     # The default floor (128 slots) is above this cache's 16 slots: top is at the floor.
     env = {"STRATA_KV_GROW_INIT": "256"}
-    cache, notes = _plan(cfg, env, budget_mib=4.0)
+    cache, notes = _plan(cfg, env, budget_mib=3.0)
     assert cache.kv_grow is None
     assert "(its 16 slots below the loan are at the floor of 16): elastic K/V off for this " \
            "run, the whole window (1024 cells) is mapped up front" in notes[0]
-    assert cache.budget == _plain(cfg, budget_mib=4.0).budget
+    assert cache.budget == _plain(cfg, budget_mib=3.0).budget
     # With a fixed cache leaving free budget for the whole window, the K/V grows into it.
-    cache, notes = _plan(cfg, env, budget_mib=4.0, expert_cache_mib=0.5)
+    cache, notes = _plan(cfg, env, budget_mib=3.0, expert_cache_mib=0.5)
     assert cache.kv_grow is not None and "grows into free budget only" in notes[-1]
     # And a budget too small for the whole window stops with how much is missing.
-    with pytest.raises(ValueError, match=r"2.5 MiB \(--vram-budget-mib\) is [\d.]+ KiB short"):
-        _plan(cfg, env, budget_mib=2.5)
+    with pytest.raises(ValueError, match=r"1.5 MiB \(--vram-budget-mib\) is [\d.]+ KiB short"):
+        _plan(cfg, env, budget_mib=1.5)
 
 
 class SizeDependentInit(Policy):
@@ -114,6 +114,6 @@ class NotParams(Policy):
 
 def test_a_policy_decides_the_figures_and_is_checked(cfg):
     with pytest.raises(PolicyError, match=r"not-params.*want a KvParams"):
-        _plan(cfg, {}, budget_mib=3.0, policy=NotParams())
+        _plan(cfg, {}, budget_mib=2.0, policy=NotParams())
     with pytest.raises(PolicyError, match="must not depend on the cache's size"):
-        _plan(cfg, {}, budget_mib=3.0, policy=SizeDependentInit())
+        _plan(cfg, {}, budget_mib=2.0, policy=SizeDependentInit())

@@ -68,24 +68,27 @@ def workspace_bytes(
     """An upper estimate of the transient tensors of one forward, rounded up to whole MiB.
 
     C = min(prefill_chunk, max_cells) tokens attending over N = max_cells cells:
-    - attention: fp32 scores and a bool mask [H, C, N] (the unfused worst case);
+    - attention: a prompt chunk after the first attends the window through a bool mask [C, N],
+      copied once per query head of a kv head ([R*C, N], R = H/G, when R > 1) and converted by
+      the fused kernel to the query's dtype: C*N*(1 + R*(1 + itemsize)) bytes. The scores are
+      not materialized: `scaled_dot_product_attention` runs its memory-efficient kernel there;
     - the decode path's gathered weights (T == 1 only, see `ResidentExperts`): the K routed
       experts' blobs; a prompt chunk of any length reads its experts in place;
     - the routed rows [C*K, 2F + D] in fp32, twice; the activations, 16 x [C, width];
     - the logits [V] in fp32, twice.
 
-    Only the attention term grows with the window (H*C*5 bytes a cell: 40 KiB for olmoe-1b-7b
-    at C = 512, so 2.5 GiB at 64K cells). It is the worst case of a prompt chunk after the
-    first (a mask [C, N] against the window) if attention fell back to torch's unfused math
-    kernel, which materializes the scores. The fused kernels that `scaled_dot_product_attention`
-    picks for these shapes (flash on the CPU; memory-efficient on CUDA) allocate only the mask
-    and its conversion to the query's dtype, about C*N*(1 + 2R) bytes with R = H/G; the term
-    stays the unfused bound until a GPU run measures which kernel runs there.
+    Only the attention term grows with the window: 2 KiB a cell for olmoe-1b-7b (R = 1) and
+    12.5 KiB for qwen3-30b-a3b (R = 8) in bf16 at C = 512. Measured on the H200 with
+    bench/workspace.py (bench/results/workspace-h200-2026-11-29.md): a chunk at the end of a
+    65,536-cell window peaked at 118 MiB (olmoe) and 822 MiB (qwen3, 12.5 KiB a cell of
+    slope) above what was allocated, under this estimate's 449 and 1,066 MiB; the
+    `cuda`-marked test in tests/engine/cache/test_budget_cuda.py keeps it an upper bound.
     """
     c, n = min(prefill_chunk, max_cells), max_cells
     k, f, d = cfg.top_k, cfg.expert_width, cfg.hidden_size
     itemsize = _itemsize(dtype)
-    attention = cfg.n_heads * c * n * (4 + 1)
+    heads_per_kv = cfg.n_heads // cfg.n_kv_heads
+    attention = c * n * (1 + heads_per_kv * (1 + itemsize))
     gathered = gathered_bytes(cfg, dtype)
     rows = 2 * c * k * (2 * f + d) * 4
     width = max(d, cfg.q_width + 2 * cfg.kv_width, cfg.shared_expert_width or 0)

@@ -42,7 +42,7 @@ class CacheConfig:
     (`strata.engine.cache.profile.fill_rank`; None: flat id order); `policy` decides
     admissions and refills (None: `coldest-in-loan`); `events` is told admissions and
     evictions. `prefill_loan` lends the top slots to prompt parts longer than `short_read`
-    tokens. `cpu_threads` sets the CPU worker's intra-op threads (None: torch's default).
+    tokens. `cpu_threads` sets the intra-op threads of the CPU's experts (None: torch's).
     `kv_grow` starts the elastic K/V beside the cache (`strata.engine.cache.kv_grow`; None:
     the K/V is made per request, its whole window mapped).
     """

@@ -7,25 +7,27 @@ Per layer call, on the engine's thread:
 1. the routed ids go to the host (the one device-to-host sync of the layer) and the books'
    `lookup` splits the T*K rows into hits (resident) and misses;
 2. the routing is recorded in the books' heat, then the policy's `observe` is told;
-3. the misses are handed to the CPU worker (`CpuExperts`: each distinct expert once, from the
-   host store) or, in a pass the prompt loan took, to the loan;
-4. meanwhile the hits run on the device straight from their slots: when T == 1 (decode) one
+3. the hits are issued to the device straight from their slots: when T == 1 (decode) one
    batched gather of the hit rows' K blobs + two bmm, reading slot indices from the device
    mirror of the books; otherwise each distinct hit expert over its tokens, from its slot's
-   views (no weight copy);
-5. the CPU's rows are copied into the [T*K, D] buffer, each row in its own place;
-6. the policy may admit this call's misses (checked, applied to the books and uploaded into
+   views (no weight copy); in a pass the prompt loan took, the misses go to the loan too;
+4. while the device runs them, the misses are computed on the CPU on this thread
+   (`CpuExperts`: each distinct expert once, from the host store), and their rows copied into
+   the [T*K, D] buffer, each row in its own place;
+5. the policy may admit this call's misses (checked, applied to the books and uploaded into
    their slots before the next use, all or nothing);
-7. the K rows of each token are weighted and summed in order in float32.
-Steps 4 and 7 are `ResidentExperts`' own math and choice of path, so a cache that holds every
+6. the K rows of each token are weighted and summed in order in float32.
+Steps 3 and 6 are `ResidentExperts`' own math and choice of path, so a cache that holds every
 expert gives byte-identical output.
 
 When every expert is resident and the policy does not watch the routing (no `observe` of its
-own), a decode call (T == 1) cannot miss and needs nothing on the host: it skips steps 1-3
-and 5-6, reads the slots through the mirror, and counts the routing into a device tensor that
+own), a decode call (T == 1) cannot miss and needs nothing on the host: it skips steps 1-2,
+4 and 5, reads the slots through the mirror, and counts the routing into a device tensor that
 is folded into the books' heat (`flush_heat`) before anything reads it: at the next call that
 goes through the host, at a phase change, at the end of a request, and when the loan opens.
-The device then runs ahead of the host as without a cache.
+The device then runs ahead of the host as without a cache, and `generate` replays such decode
+steps from CUDA graphs as it does without a cache: `graph_capture` around the capture (its
+warm-up runs are not counted), `count_replay` after each replay.
 
 The device mirror (`mirror`, int32 [L, E]) is re-uploaded after every change of the books, with
 a blocking copy, so no kernel reads it stale.
@@ -34,7 +36,8 @@ a blocking copy, so no kernel reads it stale.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import numpy as np
@@ -78,7 +81,7 @@ class CachedExperts:
     `policy` decides admissions (None: the default, `coldest-in-loan`, which admits nothing);
     `events` is the plugin manager whose observers are told `admitted` and `evicted`.
     Requests: `begin_request`, `set_phase`, `end_request` (which returns the request's stats).
-    Slots start empty: `fill_hottest` fills them. `close` releases the arena and the worker.
+    Slots start empty: `fill_hottest` fills them. `close` releases the arena.
     """
 
     def __init__(
@@ -134,6 +137,8 @@ class CachedExperts:
         self.stats = CacheStats(slots=arena.n_slots, policy=self.checked.name)
         self._last_layer = -1  # the layer of the open pass's latest call; -1: no pass is open
         self._loaned = False
+        self._capturing = False  # inside graph_capture: calls run device-only, uncounted
+        self._captured_top_k = 0  # K of the captured step, for count_replay
 
     # --- the books and the slots ---
     def sync_mirror(self) -> None:
@@ -239,6 +244,11 @@ class CachedExperts:
         n_tokens, top_k = topk_ids.shape
         if not 0 <= layer < self.n_layers:
             raise IndexError(f"layer {layer} is out of range [0, {self.n_layers})")
+        if self._capturing:
+            if n_tokens != 1:
+                raise RuntimeError(f"only a one-token decode step can be captured, got {n_tokens}")
+            self._captured_top_k = top_k
+            return self._device_only_forward(layer, x, topk_ids, topk_weights)
         if layer <= self._last_layer:  # a new pass began before the last one reached layer L-1
             self._close_pass()
         if self._last_layer < 0:
@@ -256,7 +266,9 @@ class CachedExperts:
             return result
         self.flush_heat()
 
+        started = time.perf_counter()
         ids = np.ascontiguousarray(topk_ids.cpu().numpy(), dtype=np.int64)  # [T, K], the sync
+        stats.wait_s += time.perf_counter() - started
         slots, hit = self.table.lookup(layer, ids)  # [T, K] each
         self.table.record(layer, ids)
         self.checked.observe(self.checked.view, layer, ids, hit)
@@ -266,14 +278,15 @@ class CachedExperts:
         stats.lookups += ids.size
         stats.hits += n_hits
 
-        # Misses first: the CPU works on them while the device computes the hits.
-        future = None
-        if misses is not None and not self._loaned:
+        on_cpu = misses is not None and not self._loaned
+        if on_cpu:
+            started = time.perf_counter()
             tokens = torch.tensor(misses.tokens(), device=x.device)  # [R]
-            future = self.cpu.submit(layer, x.index_select(0, tokens).cpu(), misses)
-            stats.cpu_experts += misses.n_experts
-            stats.cpu_tokens += misses.n_rows
+            x_rows = x.index_select(0, tokens).cpu()  # [R, D]: the misses' inputs
+            stats.wait_s += time.perf_counter() - started
 
+        # The device's share is issued first and runs while this thread computes the misses
+        # on the CPU; the next host read (the next layer's routing) waits for it.
         started = time.perf_counter()
         out = x.new_empty((n_tokens * top_k, x.shape[1]))  # [T*K, D]: row t*K + k
         try:
@@ -292,15 +305,14 @@ class CachedExperts:
                 rows = torch.tensor(misses.rows, device=self.device)  # [R]
                 out.index_copy_(0, rows, self.loan.compute_misses(self, layer, x, misses))
                 stats.loan_experts += misses.n_experts
-            _sync(self.device)
         finally:
             stats.device_s += time.perf_counter() - started
-            if future is not None:
-                waited = time.perf_counter()
-                miss_rows, cpu_s = future.result()
-                stats.wait_s += time.perf_counter() - waited
-                stats.cpu_s += cpu_s
-        if future is not None:
+        if on_cpu:
+            started = time.perf_counter()
+            miss_rows = self.cpu.compute(layer, x_rows, misses)  # [R, D]
+            stats.cpu_s += time.perf_counter() - started
+            stats.cpu_experts += misses.n_experts
+            stats.cpu_tokens += misses.n_rows
             rows = torch.tensor(misses.rows, device=self.device)  # [R]
             out.index_copy_(0, rows, miss_rows.to(self.device))
 
@@ -353,6 +365,43 @@ class CachedExperts:
         weighted = out.view(n_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
         return weighted.sum(dim=1).to(x.dtype)
 
+    # --- decode steps replayed from CUDA graphs ---
+    @contextmanager
+    def graph_capture(self) -> Iterator[None]:
+        """Around capturing a decode step (T == 1) into a CUDA graph, its warm-up runs included:
+        every call runs the device-only path uncounted, and the routing the warm-ups count on
+        the device is taken back, so that only replays count (`count_replay`). RuntimeError
+        unless `device_only` (a graph cannot read the routing on the host)."""
+        if not self.device_only:
+            raise RuntimeError(
+                "a decode step through the expert cache can be captured only while every "
+                "expert is resident, no loan is open and the policy does not observe"
+            )
+        self._close_pass()
+        self.flush_heat()  # the device counter is zero from here
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+            # The warm-ups ran on a stream the current one has waited for: zeroing here
+            # follows them.
+            self._pending_heat.zero_()
+            self._pending = False
+
+    def count_replay(self) -> None:
+        """Count one replayed decode step: a pass of L layer calls, every routed row a hit; its
+        routing was counted on the device by the replay itself."""
+        if not self._captured_top_k or not self.device_only:
+            raise RuntimeError("count_replay: no step was captured, or not every expert is "
+                               "resident any more")
+        stats = self.stats.phase(self.phase)
+        stats.passes += 1
+        stats.layer_calls += self.n_layers
+        stats.lookups += self.n_layers * self._captured_top_k
+        stats.hits += self.n_layers * self._captured_top_k
+        self._pending = True
+
     def compute_from_slots(
         self, x: torch.Tensor, routed: Routed, slots: Sequence[int] | np.ndarray
     ) -> torch.Tensor:
@@ -397,8 +446,7 @@ class CachedExperts:
                     (int(lay), int(e)) for lay, e in evicted)))
 
     def close(self) -> None:
-        """Stop the CPU worker and release the arena. Idempotent."""
-        self.cpu.close()
+        """Release the arena (and the elastic K/V's range). Idempotent."""
         if self.elastic is not None:
             self.elastic.close()  # its K/V range, before the arena's backend goes
         self.arena.close()

@@ -1,18 +1,21 @@
-"""The miss path: experts computed on the CPU from the host store, on one worker thread.
+"""The miss path: experts computed on the CPU from the host store, on the engine's thread.
 
 Dimension letters: U distinct tokens of the misses, D hidden size, F expert width, R rows.
 
 Each distinct missed expert runs once, over all the tokens routed to it, as two matmuls in the
-store's dtype (torch releases the GIL and spreads each over its intra-op threads: few large
-calls, not many small ones). The work runs on one worker thread so that the engine's thread can
-launch the device's share meanwhile. Experts run in ascending order and each output row has
-its own place, so the result does not depend on timing.
+store's dtype (torch spreads each over its intra-op threads: few large calls, not many small
+ones). Experts run in ascending order and each output row has its own place, so the result does
+not depend on timing.
+
+The calls run on the thread that makes them: the cache issues the device's share first (kernels
+run asynchronously), then computes the misses here, so the two overlap without a second thread.
+A worker thread was measured to cost 1.7-2.8x per expert on the 16-core GPU machine
+(bench/cpu_experts.py, `worker`): its intra-op team and the calling thread's contend for the
+same cores. The thread count is part of what the output bytes depend on (a matmul's split of its
+sums), so it is fixed for a run.
 """
 
 from __future__ import annotations
-
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +27,10 @@ __all__ = ["CpuExperts"]
 
 
 class CpuExperts:
-    """Computes routed rows of experts from `store` on the CPU, on one worker thread.
+    """Computes routed rows of experts from `store` on the CPU, on the calling thread.
 
-    `cpu_threads`: intra-op threads for the worker (`torch.set_num_threads` in that thread);
-    None keeps torch's setting (its default: the physical cores).
+    `cpu_threads`: the intra-op threads of these calls (set around each, the caller's count
+    restored after); None: torch's count (by default the physical cores).
     """
 
     def __init__(self, store: ExpertStore, cpu_threads: int | None = None) -> None:
@@ -35,11 +38,6 @@ class CpuExperts:
             raise ValueError(f"cpu_threads must be None or an int >= 1, got {cpu_threads!r}")
         self.store = store
         self.cpu_threads = cpu_threads
-        self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="strata-cpu-experts",
-            initializer=torch.set_num_threads if cpu_threads else None,
-            initargs=(cpu_threads,) if cpu_threads else (),
-        )
 
     def compute(self, layer: int, x_rows: torch.Tensor, routed: Routed) -> torch.Tensor:
         """Outputs [R, D] in the store's dtype, rows in `routed.rows` order.
@@ -47,6 +45,16 @@ class CpuExperts:
         x_rows [R, D] on the CPU: the input of each row (its token's hidden state), in the
         same order.
         """
+        caller_threads = torch.get_num_threads()
+        if self.cpu_threads is not None and self.cpu_threads != caller_threads:
+            torch.set_num_threads(self.cpu_threads)
+        try:
+            return self._compute(layer, x_rows, routed)
+        finally:
+            if torch.get_num_threads() != caller_threads:
+                torch.set_num_threads(caller_threads)
+
+    def _compute(self, layer: int, x_rows: torch.Tensor, routed: Routed) -> torch.Tensor:
         f = self.store.expert_width
         out = torch.empty((routed.n_rows, self.store.hidden_size), dtype=self.store.dtype)
         x_rows = x_rows.to(self.store.dtype)
@@ -62,19 +70,3 @@ class CpuExperts:
         """[2F, D]: gate then up, adjacent in the blob, as one matrix (no copy)."""
         f, d = self.store.expert_width, self.store.hidden_size
         return self.store.blob(layer, expert).view(self.store.dtype)[: 2 * f * d].view(2 * f, d)
-
-    def submit(
-        self, layer: int, x_rows: torch.Tensor, routed: Routed
-    ) -> Future[tuple[torch.Tensor, float]]:
-        """`compute` on the worker thread; the future gives (outputs [R, D], CPU seconds)."""
-
-        def work() -> tuple[torch.Tensor, float]:
-            start = time.perf_counter()
-            out = self.compute(layer, x_rows, routed)
-            return out, time.perf_counter() - start
-
-        return self._pool.submit(work)
-
-    def close(self) -> None:
-        """Stop the worker thread (after its current work). Idempotent."""
-        self._pool.shutdown(wait=True)

@@ -2,9 +2,12 @@
 
 A *layer call* is one MoE layer of one forward pass. Lookups count routed (token, k) rows;
 `cpu_experts` counts distinct experts computed on the CPU per layer call, `cpu_tokens` the rows
-they computed. Times are wall seconds on the engine's thread (`device_s`: computing hits,
-`wait_s`: waiting for the CPU after that, `forward_s`: everything inside the expert cache)
-and on the CPU worker (`cpu_s`), summed over the layer calls.
+they computed. Times are wall seconds on the engine's thread, summed over the layer calls:
+`wait_s` waiting for the device (reading each layer's routing and the misses' inputs to the
+host), `device_s` issuing the device's share (hits, the loan), `cpu_s` computing misses on the
+CPU (while the device runs its share), `forward_s` everything inside the expert cache. Rounds
+replayed from a CUDA graph (every expert resident) count their calls, lookups and hits, but no
+times.
 """
 
 from __future__ import annotations
