@@ -8,7 +8,8 @@ by every run, each run building a fresh cache (and K/V) around it, alternating w
 the flag (the order swaps each round), with fixed seeds:
 
 - `slots`: the expert cache's slots at start;
-- `chat`: a `--chat-tokens` prompt and `--chat-new` greedy tokens: decode tok/s;
+- `chat`: a `--chat-tokens` prompt and `--chat-new` greedy tokens: decode tok/s (after an
+  untimed chat of a few tokens: the first run after a load or a new cache is slow);
 - `long`: a `--long-tokens` prompt (32K) and `--long-new` tokens after it: prefill seconds
   (growth included) and decode ms per round after it; the K/V's growth.
 
@@ -51,6 +52,7 @@ from strata.engine.model import load_model
 from strata.engine.presets import get_preset
 
 VARIANTS = ("without", "kv-grow")
+WARMUP_TOKENS = 8  # the untimed chat each run starts with
 
 
 def proportions(cfg: ModelConfig, dtype: torch.dtype, args) -> tuple[float, int, dict]:
@@ -78,6 +80,10 @@ def run_variant(name, model, store, cfg, dtype, device, rank, sizing, args) -> d
     common = {"max_context": sizing["max_context"], "temperature": 0.0, "ignore_stop": True,
               "prefill_chunk": sizing["prefill_chunk"]}
     try:
+        # Untimed first: on the GPU machine the first run after a load or a new cache took up
+        # to 1.5x as long a round as the later ones.
+        generate(model, None, byte_tokens(args.chat_tokens, 1),
+                 GenerateOptions(max_new=min(args.chat_new, WARMUP_TOKENS), **common))
         chat = generate(model, None, byte_tokens(args.chat_tokens, 1),
                         GenerateOptions(max_new=args.chat_new, **common))
         long = generate(model, None, byte_tokens(args.long_tokens, 2),

@@ -200,3 +200,35 @@ def test_a_round_that_cannot_fit_is_a_clear_error(ckpt, rank):
                                           r"failed: the growth needs 4 chunks from the expert "
                                           r"cache, which can give 0"):
         _run(model)
+
+
+def test_the_whole_window_stays_reachable(ckpt, rank, monkeypatch):
+    # A loan region of the top 8 of 16 slots and a floor of 7: slot 7 (24 chunks) is all the
+    # cache can give, and the rest of the window past 32 cells needs 28. Mapping 64 cells at
+    # start leaves 24 to grow into: the window (256 cells) always fits, as without the flag.
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "8")
+    env = {**GROW, "STRATA_KV_GROW_FLOOR": "7"}
+    model, notes = _model(ckpt, rank, kv_grow=True, environ=env, prefill_loan=True)
+    assert notes[1] == ("--kv-grow: 64 cells mapped at start, not 32: with fewer, the free "
+                        "budget and the slots between the floor and the loan region could not "
+                        f"hold the rest of the {WINDOW}-cell window")
+    cached = expert_cache(model.experts)
+    assert cached.elastic.kv.mapped_cells == 64 and cached.elastic.params.init_cells == 64
+    prompt = list(range(3, 3 + WINDOW - 8))
+    options = GenerateOptions(max_new=8, max_context=WINDOW, temperature=0.0, prefill_chunk=32,
+                              ignore_stop=True)
+    try:
+        result = generate(model, None, prompt, options)
+    finally:
+        cached.close()
+    assert result.kv.cells_mapped == WINDOW and result.kv.slots_given_up == 1
+    assert len(result.tokens) == 8 and result.prompt_tokens == len(prompt)
+    # With a step that jumps past the window there is no start short of it: mapped up front.
+    env = {**env, "STRATA_KV_GROW_STEP": "8192"}
+    model, notes = _model(ckpt, rank, kv_grow=True, environ=env, prefill_loan=True)
+    assert expert_cache(model.experts).elastic is None
+    assert notes == [
+        "--kv-grow: the cache cannot give memory to the K/V (free budget and slots [7, 8) can "
+        "give 96.0 KiB of the 112.0 KiB the rest of the window needs): elastic K/V off for "
+        f"this run, the whole window ({WINDOW} cells) is mapped up front"]
+    expert_cache(model.experts).close()

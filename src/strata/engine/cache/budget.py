@@ -30,6 +30,7 @@ __all__ = [
     "gathered_bytes",
     "kv_bytes",
     "plan_budget",
+    "size_text",
     "workspace_bytes",
 ]
 
@@ -106,7 +107,7 @@ def device_free_bytes(device: torch.device) -> int | None:
     return int(free)
 
 
-def _size(n_bytes: int) -> str:
+def size_text(n_bytes: int) -> str:
     """MiB, or KiB below one MiB (tiny test models)."""
     if 0 < n_bytes < MIB:
         return f"{n_bytes / 1024:.1f} KiB"
@@ -153,12 +154,12 @@ class CacheBudget:
         need = self.fixed_bytes + self._arena_bytes(min_slots)
         if need > self.budget_bytes:
             raise ValueError(
-                f"the device budget of {_size(self.budget_bytes)} ({self.budget_source}) is "
-                f"{_size(need - self.budget_bytes)} short: dense weights "
-                f"{_size(self.dense_bytes)} + K/V {_size(self.kv_bytes)} + workspace "
-                f"{_size(self.workspace_bytes)} + reserve {_size(self.reserve_bytes)} + the "
-                f"minimum cache ({min_slots} slot of {_size(self.slot_bytes)}) need "
-                f"{_size(need)}; raise --vram-budget-mib, or lower --vram-reserve-mib or "
+                f"the device budget of {size_text(self.budget_bytes)} ({self.budget_source}) is "
+                f"{size_text(need - self.budget_bytes)} short: dense weights "
+                f"{size_text(self.dense_bytes)} + K/V {size_text(self.kv_bytes)} + workspace "
+                f"{size_text(self.workspace_bytes)} + reserve {size_text(self.reserve_bytes)} "
+                f"+ the minimum cache ({min_slots} slot of {size_text(self.slot_bytes)}) need "
+                f"{size_text(need)}; raise --vram-budget-mib, or lower --vram-reserve-mib or "
                 "--max-context"
             )
 
@@ -215,10 +216,10 @@ class CacheBudget:
         if self.capped:
             mode += ", capped by the budget"
         return (
-            f"expert cache: budget {_size(self.budget_bytes)} ({self.budget_source}) = dense "
-            f"{_size(self.dense_bytes)} + K/V {_size(self.kv_bytes)} + workspace "
-            f"{_size(self.workspace_bytes)} + reserve {_size(self.reserve_bytes)} + cache "
-            f"{_size(self.arena_bytes)} ({mode}): {n} slots of {_size(self.slot_bytes)}, "
+            f"expert cache: budget {size_text(self.budget_bytes)} ({self.budget_source}) = dense "
+            f"{size_text(self.dense_bytes)} + K/V {size_text(self.kv_bytes)} + workspace "
+            f"{size_text(self.workspace_bytes)} + reserve {size_text(self.reserve_bytes)} + cache "
+            f"{size_text(self.arena_bytes)} ({mode}): {n} slots of {size_text(self.slot_bytes)}, "
             f"{share:.1f}% of {self.total_experts} experts"
         )
 

@@ -12,10 +12,13 @@ Planning (before the model loads, `plan_kv_grow`):
   a positive integer is an error naming the variable);
 - the cache is sized around the mapped cells, so it gets the slots the rest of the window would
   have taken;
-- if the cache cannot give memory to the K/V (a cache of 0 slots, or `top` at the floor), the
-  K/V can only grow into free budget: when that covers the whole window the K/V stays elastic,
-  else the cache is sized around the whole window, mapped up front, and a budget too small for
-  that stops the run with how much memory is missing.
+- the whole window must stay reachable (`--max-context` cells always fit, as without the
+  flag): free budget plus the chunks of the slots between the floor and the loan region must
+  hold the K/V past the start cells; if they do not, more cells are mapped at start (whole
+  steps: the cache gets fewer slots) until they do. If no start short of the whole window does
+  (a cache of 0 slots, `top` at the floor, or too little between them), the cache is sized
+  around the whole window, mapped up front, and a budget too small for that stops the run with
+  how much memory is missing.
 
 Starting (after the cache is filled, `start_elastic`): the K/V range is reserved on the arena's
 backend for the whole window with the start cells mapped, the floor is set in the books, and the
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from strata import _vmm
-from strata.engine.cache.budget import CacheBudget
+from strata.engine.cache.budget import CacheBudget, size_text
 from strata.engine.cache.elastic import ElasticKV
 from strata.engine.config import ModelConfig
 from strata.engine.kv import KVCache
@@ -166,26 +169,70 @@ def plan_kv_grow(
         raise PolicyError(name, "kv_params", params,
                           f"init_cells {params.init_cells} differs from the {init} it gave "
                           "before the cache was sized: it must not depend on the cache's size")
-    shape = KvGrowConfig(config.n_layers, max_context, config.n_kv_heads, config.head_dim,
-                         dtype, params)
-    top = budget.n_slots - loan_region(budget.n_slots)
-    notes = [f"elastic K/V: {init} of {max_context} cells mapped at start, steps of "
-             f"{params.step_cells}, the cache keeps at least {params.floor_slots} slots"]
-    if init == max_context or (budget.n_slots > 0 and top > params.floor_slots):
-        return KvGrowPlan(budget, shape, notes)
-    why = "a cache of 0 slots" if budget.n_slots == 0 else (
-        f"its {top} slots below the loan are at the floor of {params.floor_slots}")
     cell_bytes = chunk_bytes // per_chunk
-    segment_chunks = [-(-cells * cell_bytes // chunk_bytes) for cells in (init, max_context)]
-    rest = 2 * config.n_layers * (segment_chunks[1] - segment_chunks[0]) * chunk_bytes
-    if budget.available_bytes - budget.arena_bytes >= rest:
-        notes.append(f"--kv-grow: the cache cannot give memory to the K/V ({why}); the K/V "
-                     "grows into free budget only")
+    floor = params.floor_slots
+
+    def rest_bytes(cells: int) -> int:
+        """The window's K/V beyond `cells` mapped: whole chunks of every segment."""
+        segment_chunks = [-(-n * cell_bytes // chunk_bytes) for n in (cells, max_context)]
+        return 2 * config.n_layers * (segment_chunks[1] - segment_chunks[0]) * chunk_bytes
+
+    def reachable_bytes(budget: CacheBudget) -> int:
+        """What growth can map past the start: free budget, then the chunks that slots
+        [floor, top) hold whole (a chunk shared with a kept slot stays)."""
+        top = budget.n_slots - loan_region(budget.n_slots)
+        spare = (budget.available_bytes - budget.arena_bytes) // chunk_bytes
+        lo = -(-floor * budget.slot_bytes // chunk_bytes)
+        hi = top * budget.slot_bytes // chunk_bytes
+        return (spare + max(0, hi - lo)) * chunk_bytes
+
+    # The window must stay reachable: --max-context cells always fit, as without the flag.
+    # When free budget and the givable slots cannot hold the rest of it, more cells are
+    # mapped at start (whole steps), which leaves the cache fewer slots.
+    asked = init
+    while init < max_context and reachable_bytes(budget) < rest_bytes(init):
+        init = min(init + params.step_cells, max_context)
+        if init < max_context:
+            try:
+                budget = make_budget(init)
+            except ValueError:  # too small: the whole window below says how much is missing
+                init = max_context
+    if init < max_context or asked == max_context:
+        if init != asked:
+            params = KvParams(init, params.step_cells, floor)
+        shape = KvGrowConfig(config.n_layers, max_context, config.n_kv_heads,
+                             config.head_dim, dtype, params)
+        notes = [f"elastic K/V: {init} of {max_context} cells mapped at start, steps of "
+                 f"{params.step_cells}, the cache keeps at least {floor} slots"]
+        if init != asked:
+            notes.append(f"--kv-grow: {init} cells mapped at start, not {asked}: with fewer, "
+                         "the free budget and the slots between the floor and the loan region "
+                         f"could not hold the rest of the {max_context}-cell window")
+        top = budget.n_slots - loan_region(budget.n_slots)
+        if init < max_context and not (budget.n_slots > 0 and top > floor):
+            notes.append("--kv-grow: the cache cannot give memory to the K/V ("
+                         + _why_not(budget.n_slots, top, floor) + "); the K/V grows into free "
+                         "budget only")
         return KvGrowPlan(budget, shape, notes)
+    first = make_budget(asked)
+    top = first.n_slots - loan_region(first.n_slots)
+    if first.n_slots > 0 and top > floor:
+        why = (f"free budget and slots [{floor}, {top}) can give "
+               f"{size_text(reachable_bytes(first))} of the {size_text(rest_bytes(asked))} "
+               "the rest of the window needs")
+    else:
+        why = _why_not(first.n_slots, top, floor)
     whole = make_budget(max_context)  # ValueError: how much memory is missing
     return KvGrowPlan(whole, None, [
         f"--kv-grow: the cache cannot give memory to the K/V ({why}): elastic K/V off for this "
         f"run, the whole window ({max_context} cells) is mapped up front"])
+
+
+def _why_not(n_slots: int, top: int, floor: int) -> str:
+    """Why a cache of `n_slots` slots, `top` below its loan region, can give nothing."""
+    if n_slots == 0:
+        return "a cache of 0 slots"
+    return f"its {top} slots below the loan are at the floor of {floor}"
 
 
 def plan_elastic_cache(
