@@ -10,6 +10,8 @@ resident, as `strata profile` counts it), then measures, each engine on a fresh 
 - `cache-full`: the cache holding every expert (the target: within 1.1x of `resident`);
 - `cache-budget`: the cache at `--budget-mib` (default: an `--expert-cache` of `--expert-share`
   of the experts), filled by the profile; decode, and where a round's time goes;
+- `cache-budget-streamN`, for each N of `--stream-misses`: the same with N of each decode
+  layer's misses uploaded and computed on the device while the CPU computes the rest;
 - `prefill-loan` / `prefill-cpu`: a `--prefill-tokens` prompt at that budget, with the prompt
   loan and without it (its misses on the CPU).
 
@@ -68,13 +70,13 @@ def make_profile(ckpt: Path, device, dtype) -> Profile:
                                                                   **figures})
 
 
-def cached(ckpt, device, dtype, profile, max_context, small, *, loan=True):
+def cached(ckpt, device, dtype, profile, max_context, small, *, loan=True, **options):
     """A model through the cache; `small`: None (every expert), or the flags' values
-    {"budget_mib": ...} or {"expert_cache_mib": ...}."""
+    {"budget_mib": ...} or {"expert_cache_mib": ...}; `options`: CacheConfig's others."""
     config = ModelConfig.from_dir(ckpt)
     rank, _ = fill_rank(profile, config.n_layers, config.n_experts)
     cache = plan_cache(config, dtype, device, max_context=max_context, prefill_chunk=512,
-                       rank=rank, prefill_loan=loan, **(small or {}))
+                       rank=rank, prefill_loan=loan, **(small or {}), **options)
     return load_model(ckpt, device=device, dtype=dtype, cache=cache)
 
 
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens the (slow) accelerate peer generates")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine (median)")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers + accelerate")
+    parser.add_argument("--stream-misses", default="",
+                        help="comma-separated N: a cache-budget run with --stream-misses N each")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.peer_new_tokens < 2 or args.repeat < 1:
@@ -191,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     family = args.family or preset.default_family
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     device = torch.device(args.device)
+    streams = [int(n) for n in args.stream_misses.split(",") if n]
+    if any(n < 1 for n in streams):
+        parser.error("--stream-misses takes N >= 1 (cache-budget is the run with 0)")
     prompt = byte_tokens(args.prompt_tokens, 0)
     long_prompt = byte_tokens(args.prefill_tokens, 1)
     decode_context = args.prompt_tokens + args.new_tokens  # each model is sized for its runs
@@ -212,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                                             decode_context, cuda_graphs=False)
         del model
         free_memory(device)
-        for name, size in (("cache-full", None), ("cache-budget", small)):
-            model = cached(ckpt, device, dtype, profile, decode_context, size, loan=False)
+        decode_runs = [("cache-full", None, 0), ("cache-budget", small, 0)]
+        decode_runs += [(f"cache-budget-stream{n}", small, n) for n in streams]
+        for name, size, stream in decode_runs:
+            model = cached(ckpt, device, dtype, profile, decode_context, size, loan=False,
+                           stream_misses=stream)
             if size is None and not model.experts.budget.holds_every_expert:
                 print("bench/cache.py: the device cannot hold every expert: cache-full is "
                       "partial", file=sys.stderr)
@@ -250,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         / full["decode_tok_s"],
         "full_tokens_equal": full["tokens"] == runs["resident-eager"]["tokens"],
         "budget_over_peer": small["decode_tok_s"] / peer["decode_tok_s"] if peer else None,
+        "stream_over_peer": {n: runs[f"cache-budget-stream{n}"]["decode_tok_s"]
+                             / peer["decode_tok_s"] for n in streams} if peer else None,
         "loan_speedup": runs["prefill-cpu"]["prefill_s"] / runs["prefill-loan"]["prefill_s"],
     }
     if args.json:
@@ -260,9 +272,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.new_tokens} new tokens, greedy; medians of {args.repeat}")
     print(f"decode at the small budget: {small['startup']}")
     print(f"a long prompt at the small budget: {runs['prefill-loan']['startup']}")
-    print(f"{'run':<16}{'slots':>7}{'hit rate':>10}{'CPU exp/layer':>15}{'decode tok/s':>14}"
+    print(f"{'run':<22}{'slots':>7}{'hit rate':>10}{'CPU exp/layer':>15}{'decode tok/s':>14}"
           f"{'ms/round':>10}  path")
-    for name in ("resident", "resident-eager", "cache-full", "cache-budget", "accelerate"):
+    names = ["resident", "resident-eager", "cache-full", "cache-budget",
+             *(f"cache-budget-stream{n}" for n in streams), "accelerate"]
+    for name in names:
         r = runs[name]
         if r is None:
             continue
@@ -270,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         slots = str(r["cache"]["slots"]) if "cache" in r else "-"
         hit = f"{100 * c['hit_rate']:.1f}%" if c else "-"
         cpu = f"{c['cpu_experts_per_layer']:.2f}" if c else "-"
-        print(f"{name:<16}{slots:>7}{hit:>10}{cpu:>15}{r['decode_tok_s']:>14.1f}"
+        print(f"{name:<22}{slots:>7}{hit:>10}{cpu:>15}{r['decode_tok_s']:>14.1f}"
               f"{r['decode_ms_per_round']:>10.2f}  {r.get('decode_path', 'transformers')}")
     split = _split(small["cache"])
     print(f"cache-budget, a decode round of {small['decode_ms_per_round']:.2f} ms: device "
@@ -282,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['full_tokens_equal']}")
     if peer:
         print(f"cache-budget / accelerate decode: {result['budget_over_peer']:.1f}x")
+        for n, ratio in result["stream_over_peer"].items():
+            print(f"cache-budget-stream{n} / accelerate decode: {ratio:.1f}x")
     for name in ("prefill-loan", "prefill-cpu"):
         r = runs[name]
         c = r["cache"]["prompt"]

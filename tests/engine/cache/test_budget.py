@@ -57,6 +57,9 @@ def test_workspace_grows_with_the_window_and_the_chunk():
     cfg = ModelConfig.from_dir(cached_checkpoint("olmoe", "tiny"))
     small = workspace_bytes(cfg, 16, 128, torch.float32)
     assert small % MIB == 0 and small >= MIB
+    blob = 3 * cfg.expert_width * cfg.hidden_size * 4
+    staged = workspace_bytes(cfg, 16, 128, torch.float32, stream_blobs=MIB // blob + 1)
+    assert staged == small + MIB  # --stream-misses' staging buffer, rounded to whole MiB
     assert workspace_bytes(cfg, 512, 4096, torch.float32) > workspace_bytes(
         cfg, 512, 1024, torch.float32) > workspace_bytes(cfg, 16, 1024, torch.float32)
 

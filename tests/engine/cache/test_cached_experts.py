@@ -10,6 +10,7 @@ from strata._residency import ResidencyTable
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.checkpoint import Checkpoint
+from strata.engine.config import ModelConfig
 from strata.engine.experts import ExpertStore, ResidentExperts
 from strata.engine.generate import GenerateOptions, generate
 from strata.engine.layers import route
@@ -39,14 +40,15 @@ def _store(ckpt_dir):
         ckpt.close()
 
 
-def _cache(store, n_slots, policy=None, events=None):
+def _cache(store, n_slots, policy=None, events=None, stream_misses=0):
     slot_bytes = slot_bytes_for(store.blob_bytes)
     table = ResidencyTable(store.n_layers, store.n_experts, n_slots, slot_bytes, CHUNK_BYTES)
     arena = Arena(_vmm.HostBackend(CHUNK_BYTES), n_slots, slot_bytes,
                   hidden_size=store.hidden_size, expert_width=store.expert_width,
                   dtype=store.dtype)
     checked = CheckedPolicy(policy, table) if policy is not None else None
-    cached = CachedExperts(store, arena, table, checked, "cpu", events=events)
+    cached = CachedExperts(store, arena, table, checked, "cpu", events=events,
+                           stream_misses=stream_misses)
     cached.fill_hottest()
     return cached
 
@@ -351,3 +353,61 @@ def test_a_captured_step_counts_only_its_replays(small):
             pass
     finally:
         _close(model)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_streamed_misses_agree_with_the_cpu_and_take_the_first_misses(dtype):
+    ckpt = cached_checkpoint("qwen3_moe", "small", dtype=dtype)
+    store = _store(ckpt)
+    top_k = ModelConfig.from_dir(ckpt).top_k
+    on_cpu, streaming = _cache(store, 8), _cache(store, 8, stream_misses=2)
+    gen = torch.Generator().manual_seed(3)
+    expected_streamed = 0
+    try:
+        for cached in (on_cpu, streaming):
+            cached.begin_request()
+            cached.set_phase("decode")
+        for layer in range(store.n_layers):
+            x = torch.randn(1, store.hidden_size, generator=gen).to(dtype)  # [1, D]
+            ids = torch.randperm(store.n_experts, generator=gen)[:top_k].unsqueeze(0)  # [1, K]
+            weights = torch.softmax(torch.randn(1, top_k, generator=gen), dim=-1)
+            a = on_cpu.forward(layer, x, ids, weights)
+            b = streaming.forward(layer, x, ids, weights)
+            scale = a.abs().max().item()
+            assert (a - b).abs().max().item() <= TOLERANCE[dtype] * scale
+            _, hit = on_cpu.table.lookup(layer, ids.numpy())
+            expected_streamed += min(2, int((~hit).sum()))
+        cpu, streamed = on_cpu.stats.decode, streaming.stats.decode
+        assert streamed.streamed_experts == expected_streamed > 0
+        assert streamed.cpu_experts == cpu.cpu_experts - expected_streamed
+        assert streamed.uploaded_bytes == expected_streamed * store.blob_bytes
+        assert streamed.hits == cpu.hits and streamed.lookups == cpu.lookups
+        # A prompt pass (T > 1) streams nothing: the CPU computes its misses.
+        ids = torch.stack([torch.randperm(store.n_experts, generator=gen)[:top_k]
+                           for _ in range(4)])  # [4, K]
+        x = torch.randn(4, store.hidden_size, generator=gen).to(dtype)
+        for cached in (on_cpu, streaming):
+            cached.set_phase("prompt")
+            cached.forward(0, x, ids, torch.full((4, top_k), 1.0 / top_k))
+        assert streaming.stats.prompt.streamed_experts == 0
+        assert streaming.stats.prompt.cpu_experts == on_cpu.stats.prompt.cpu_experts > 0
+    finally:
+        on_cpu.close()
+        streaming.close()
+
+
+def test_streamed_misses_are_admitted_and_deterministic(small):
+    ckpt = small[0]
+    runs = []
+    for _ in range(2):
+        model = cached_model(ckpt, expert_cache_mib=8, policy=Lru(), stream_misses=3)
+        try:
+            runs.append(generate(model, None, PROMPT, OPTIONS))
+            model.experts.table.validate()
+        finally:
+            _close(model)
+    a, b = runs
+    assert a.tokens == b.tokens and torch.equal(a.first_logits, b.first_logits)
+    assert a.cache.decode.streamed_experts > 0 and a.cache.decode.admitted > 0
+    with pytest.raises(ValueError, match="stream_misses must be an int >= 0, got -1"):
+        cached_model(ckpt, stream_misses=-1)

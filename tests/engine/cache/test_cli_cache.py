@@ -73,6 +73,18 @@ def test_json_cache_object(capsys, ckpt):
     assert document["decode_path"] == "eager"
 
 
+def test_stream_misses_shows_in_the_stats(capsys, ckpt):
+    document, _ = _json(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "0.5",
+                        "--stream-misses", "1")
+    decode = document["cache"]["decode"]
+    assert decode["streamed_experts"] > 0 and decode["uploaded_bytes"] > 0
+    status, _, err = _run(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "0.5",
+                          "--stream-misses", "1")
+    assert status == 0
+    assert any(line.startswith("cache decode") and re.search(r"streamed [\d.]+ experts", line)
+               for line in err.splitlines()), err
+
+
 def test_a_full_cache_gives_the_same_tokens(capsys, ckpt):
     plain, _ = _json(capsys, "--model", str(ckpt), *FAST)
     cached, _ = _json(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "auto")
@@ -108,6 +120,7 @@ def test_a_profile_fills_hottest_first(capsys, ckpt, tmp_path):
     (["--vram-reserve-mib", "-3"], "--vram-reserve-mib must be a number of MiB >= 0"),
     (["--short-read", "0"], "--short-read must be >= 1, got 0"),
     (["--cpu-threads", "0"], "--cpu-threads must be >= 1, got 0"),
+    (["--stream-misses", "-1"], "--stream-misses must be >= 0, got -1"),
     (["--policy", "nope"], "unknown policy 'nope'"),
     (["--policy", "lru", "--policy-opt", "max_admits=-1"], "max_admits"),
     (["--expert-profile", "/nonexistent/p.npz"], "--expert-profile /nonexistent/p.npz: "),

@@ -91,3 +91,22 @@ def test_full_cache_replays_cuda_graphs_like_the_runtime(small):
     assert decode.passes == len(result.tokens) - 1
     assert decode.hits == decode.lookups == decode.layer_calls * ModelConfig.from_dir(ckpt).top_k
     assert heat == result.cache.lookups  # prompt and decode routing, all in the books
+
+
+def test_streamed_misses_on_cuda_agree_and_repeat(small):
+    # The uploads are asynchronous copies from the pinned store into one staging buffer,
+    # reused layer after layer: stream order alone keeps a copy from overwriting blobs a
+    # previous layer's kernels still read. Repeated runs give the same bytes.
+    ckpt, expected = small
+    runs = []
+    for _ in range(2):
+        model = _cached(ckpt, expert_cache_mib=8, stream_misses=2)
+        try:
+            runs.append(generate(model, None, PROMPT, OPTIONS))
+        finally:
+            model.experts.close()
+    a, b = runs
+    assert a.cache.decode.streamed_experts > 0
+    assert a.tokens == b.tokens and torch.equal(a.first_logits, b.first_logits)
+    if ModelConfig.from_dir(ckpt).dtype == torch.float32:
+        assert a.tokens == expected.tokens

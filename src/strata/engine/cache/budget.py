@@ -64,7 +64,8 @@ def gathered_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def workspace_bytes(
-    cfg: ModelConfig, prefill_chunk: int, max_cells: int, dtype: torch.dtype
+    cfg: ModelConfig, prefill_chunk: int, max_cells: int, dtype: torch.dtype,
+    stream_blobs: int = 0,
 ) -> int:
     """An upper estimate of the transient tensors of one forward, rounded up to whole MiB.
 
@@ -76,7 +77,8 @@ def workspace_bytes(
     - the decode path's gathered weights (T == 1 only, see `ResidentExperts`): the K routed
       experts' blobs; a prompt chunk of any length reads its experts in place;
     - the routed rows [C*K, 2F + D] in fp32, twice; the activations, 16 x [C, width];
-    - the logits [V] in fp32, twice.
+    - the logits [V] in fp32, twice;
+    - the staging buffer of `--stream-misses` (`stream_blobs` blobs), when there is one.
 
     Only the attention term grows with the window: 2 KiB a cell for olmoe-1b-7b (R = 1) and
     12.5 KiB for qwen3-30b-a3b (R = 8) in bf16 at C = 512. Measured on the H200 with
@@ -95,7 +97,8 @@ def workspace_bytes(
     width = max(d, cfg.q_width + 2 * cfg.kv_width, cfg.shared_expert_width or 0)
     activations = 16 * c * width * itemsize
     logits = 2 * cfg.vocab_size * 4
-    total = attention + gathered + rows + activations + logits
+    staging = stream_blobs * 3 * f * d * itemsize
+    total = attention + gathered + rows + activations + logits + staging
     return -(-total // MIB) * MIB
 
 
@@ -253,12 +256,14 @@ def plan_budget(
     reserve_mib: float | None = None,
     expert_cache_mib: float | None = None,
     kv_cells: int | None = None,
+    stream_blobs: int = 0,
 ) -> CacheBudget:
     """The budget for `cfg` in `dtype` on `device`, from the flags' values (None: default).
 
     `kv_cells` is the K/V cells mapped at start (None: the whole window, `max_context`; the
     elastic K/V maps fewer and the cache gets the rest). Raises ValueError for a negative or
     non-finite MiB value (naming its flag) and for a budget too small (see `CacheBudget`).
+    `stream_blobs` is the staging buffer of `--stream-misses`, counted in the workspace.
     """
     for flag, value in (("--vram-budget-mib", budget_mib), ("--vram-reserve-mib", reserve_mib),
                         ("--expert-cache", expert_cache_mib)):
@@ -271,7 +276,8 @@ def plan_budget(
         "dense_bytes": dense_bytes(cfg, dtype),
         "kv_bytes": kv_bytes(cfg, max_context if kv_cells is None else kv_cells, dtype,
                              chunk_bytes),
-        "workspace_bytes": workspace_bytes(cfg, prefill_chunk, max_context, dtype),
+        "workspace_bytes": workspace_bytes(cfg, prefill_chunk, max_context, dtype,
+                                           stream_blobs),
     }
     total_experts = cfg.n_layers * cfg.n_experts
     if budget_mib is not None:

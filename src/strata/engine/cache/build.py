@@ -43,6 +43,8 @@ class CacheConfig:
     admissions and refills (None: `coldest-in-loan`); `events` is told admissions and
     evictions. `prefill_loan` lends the top slots to prompt parts longer than `short_read`
     tokens. `cpu_threads` sets the intra-op threads of the CPU's experts (None: torch's).
+    `stream_misses`: of a decode layer call's misses, how many are uploaded to a staging
+    buffer and computed on the device while the CPU computes the others (0: none).
     `kv_grow` starts the elastic K/V beside the cache (`strata.engine.cache.kv_grow`; None:
     the K/V is made per request, its whole window mapped).
     """
@@ -52,6 +54,7 @@ class CacheConfig:
     policy: Policy | None = None
     rank: np.ndarray | None = field(default=None, compare=False)
     cpu_threads: int | None = None
+    stream_misses: int = 0
     prefill_loan: bool = True
     short_read: int = DEFAULT_SHORT_READ
     events: pluggy.PluginManager | None = field(default=None, compare=False)
@@ -70,6 +73,9 @@ class CacheConfig:
                 isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
                 or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be None or an int >= 1, got {self.cpu_threads!r}")
+        if isinstance(self.stream_misses, bool) or not isinstance(self.stream_misses, int) \
+                or self.stream_misses < 0:
+            raise ValueError(f"stream_misses must be an int >= 0, got {self.stream_misses!r}")
 
 
 def plan_cache(
@@ -102,6 +108,7 @@ def plan_cache(
             chunk_bytes=backend.chunk_bytes, max_context=max_context,
             prefill_chunk=prefill_chunk, budget_mib=budget_mib, reserve_mib=reserve_mib,
             expert_cache_mib=expert_cache_mib, kv_cells=kv_cells,
+            stream_blobs=options.get("stream_misses", 0),
         )
         return CacheConfig(budget=budget, backend=backend, **options)
     except BaseException:
@@ -136,7 +143,8 @@ def build_cached_experts(
     try:
         checked = CheckedPolicy(config.policy or ColdestInLoan(), table)
         cached = CachedExperts(store, arena, table, checked, device, config.cpu_threads,
-                               events=config.events, budget=budget)
+                               events=config.events, budget=budget,
+                               stream_misses=config.stream_misses)
         try:
             cached.fill_hottest()
             if config.prefill_loan:

@@ -13,7 +13,11 @@ Per layer call, on the engine's thread:
    views (no weight copy); in a pass the prompt loan took, the misses go to the loan too;
 4. while the device runs them, the misses are computed on the CPU on this thread
    (`CpuExperts`: each distinct expert once, from the host store), and their rows copied into
-   the [T*K, D] buffer, each row in its own place;
+   the [T*K, D] buffer, each row in its own place. With `stream_misses` = N > 0, a decode
+   call's first N missed experts (by id) are instead uploaded from the host store into a
+   staging buffer of N blobs and computed on the device (asynchronous copies from the pinned
+   store, in stream order before the compute), while the CPU computes the others: PCIe and
+   the CPU then share the misses;
 5. the policy may admit this call's misses (checked, applied to the books and uploaded into
    their slots before the next use, all or nothing);
 6. the K rows of each token are weighted and summed in order in float32.
@@ -95,6 +99,7 @@ class CachedExperts:
         *,
         events: pluggy.PluginManager | None = None,
         budget: CacheBudget | None = None,
+        stream_misses: int = 0,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -122,6 +127,13 @@ class CachedExperts:
         self.n_layers, self.n_experts = store.n_layers, store.n_experts
         self.expert_width, self.hidden_size = store.expert_width, store.hidden_size
         self.cpu = CpuExperts(store, cpu_threads)
+        if isinstance(stream_misses, bool) or not isinstance(stream_misses, int) \
+                or stream_misses < 0:
+            raise ValueError(f"stream_misses must be an int >= 0, got {stream_misses!r}")
+        self.stream_misses = stream_misses
+        # [N, blob] on the device: the blobs of a decode call's streamed misses.
+        self._staging = torch.empty((stream_misses, store.blob_bytes), dtype=torch.uint8,
+                                    device=self.device)
         answering = type(getattr(self.checked.policy, "inner", self.checked.policy))
         self._observes = "observe" in answering.overrides()
         # Routed ids not yet in the books' heat, flat [L*E] (the device-only decode path).
@@ -278,6 +290,9 @@ class CachedExperts:
         stats.lookups += ids.size
         stats.hits += n_hits
 
+        streamed = None
+        if misses is not None and not self._loaned and n_tokens == 1 and self.stream_misses:
+            streamed, misses = self._split_streamed(ids, hit, misses)
         on_cpu = misses is not None and not self._loaned
         if on_cpu:
             started = time.perf_counter()
@@ -300,6 +315,11 @@ class CachedExperts:
                 hit_slots = slots.reshape(-1)[hits.rows[hits.starts[:-1]]]
                 rows = torch.tensor(hits.rows, device=self.device)  # [R]
                 out.index_copy_(0, rows, self.compute_from_slots(x, hits, hit_slots))
+            if streamed is not None:
+                rows = torch.tensor(streamed.rows, device=self.device)  # [R]
+                out.index_copy_(0, rows, self._compute_streamed(layer, x, streamed))
+                stats.streamed_experts += streamed.n_experts
+                stats.uploaded_bytes += streamed.n_experts * self.store.blob_bytes
             if misses is not None and self._loaned:
                 assert self.loan is not None
                 rows = torch.tensor(misses.rows, device=self.device)  # [R]
@@ -316,8 +336,9 @@ class CachedExperts:
             rows = torch.tensor(misses.rows, device=self.device)  # [R]
             out.index_copy_(0, rows, miss_rows.to(self.device))
 
-        if misses is not None and self.checked.admits:
-            self._admit(layer, misses.experts)
+        if self.checked.admits and (misses is not None or streamed is not None):
+            missed = [r.experts for r in (streamed, misses) if r is not None]
+            self._admit(layer, np.sort(np.concatenate(missed)))
 
         # [T, K, D] -> [T, D]: weight and sum over K in float32, in order (as ResidentExperts).
         weighted = out.view(n_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
@@ -364,6 +385,34 @@ class CachedExperts:
         self._gathered_hits(layer, x, topk_ids, None, out)
         weighted = out.view(n_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
         return weighted.sum(dim=1).to(x.dtype)
+
+    # --- misses streamed to the device (decode, `stream_misses`) ---
+    def _split_streamed(
+        self, ids: np.ndarray, hit: np.ndarray, misses: Routed
+    ) -> tuple[Routed, Routed | None]:
+        """(the first `stream_misses` missed experts' rows, the other misses' or None)."""
+        chosen = np.isin(ids, misses.experts[: self.stream_misses]) & ~hit  # [T, K]
+        rest = ~hit & ~chosen
+        return Routed.of(ids, chosen), (Routed.of(ids, rest) if rest.any() else None)
+
+    def _compute_streamed(self, layer: int, x: torch.Tensor, streamed: Routed) -> torch.Tensor:
+        """[R, D] on the device, rows in `streamed.rows` order (T == 1: one row an expert):
+        the experts' blobs copied from the host store into the staging buffer, then the
+        decode path's math (`_gathered_hits`) over them. The copies and the compute are in
+        stream order, so the next call's copies wait for this call's reads."""
+        n, f, d = streamed.n_experts, self.expert_width, self.hidden_size
+        if streamed.n_rows != n:
+            raise ValueError(f"streamed misses are for one token: {n} experts, "
+                             f"{streamed.n_rows} rows")
+        for i, expert in enumerate(streamed.experts.tolist()):
+            self._staging[i].copy_(self.store.blob(layer, expert), non_blocking=True)
+        typed = self._staging[:n].view(self.store.dtype)  # [N, 3*F*D]
+        gate_up = typed[:, : 2 * f * d].view(n, 2 * f, d)  # [N, 2F, D]
+        down = typed[:, 2 * f * d : 3 * f * d].view(n, d, f)  # [N, D, F]
+        x_rows = x.expand(n, -1).unsqueeze(-1)  # [N, D, 1]: the one token, once an expert
+        h = torch.bmm(gate_up, x_rows).squeeze(-1)  # [N, 2F]
+        act = F.silu(h[:, :f]) * h[:, f:]  # [N, F]
+        return torch.bmm(down, act.unsqueeze(-1)).squeeze(-1)  # [N, D]
 
     # --- decode steps replayed from CUDA graphs ---
     @contextmanager

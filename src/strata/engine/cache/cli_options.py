@@ -32,6 +32,7 @@ CACHE_FLAGS = {
     "expert_profile": "--expert-profile",
     "short_read": "--short-read",
     "cpu_threads": "--cpu-threads",
+    "stream_misses": "--stream-misses",
 }
 
 
@@ -70,6 +71,11 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--cpu-threads", type=int, metavar="N",
         help="threads computing the CPU's experts (default: torch's, the physical cores)",
+    )
+    group.add_argument(
+        "--stream-misses", type=int, metavar="N",
+        help="of a decode layer's missed experts, upload the first N over PCIe and compute them "
+        "on the device while the CPU computes the rest (default: 0, all on the CPU)",
     )
     group.add_argument(
         "--kv-grow", action="store_true",
@@ -132,6 +138,8 @@ def cache_config_from_args(
         value = getattr(args, dest)
         if value is not None and value < 1:
             raise UsageError(f"{CACHE_FLAGS[dest]} must be >= 1, got {value}")
+    if args.stream_misses is not None and args.stream_misses < 0:
+        raise UsageError(f"--stream-misses must be >= 0, got {args.stream_misses}")
     try:
         kv_grow = kv_grow_requested(args.kv_grow)
     except ValueError as err:
@@ -146,7 +154,8 @@ def cache_config_from_args(
         max_context=max_context, prefill_chunk=prefill_chunk,
         budget_mib=args.vram_budget_mib, reserve_mib=args.vram_reserve_mib,
         expert_cache_mib=expert_cache_mib, policy=policy, rank=profile_rank,
-        cpu_threads=args.cpu_threads, prefill_loan=not args.no_prefill_loan,
+        cpu_threads=args.cpu_threads, stream_misses=args.stream_misses or 0,
+        prefill_loan=not args.no_prefill_loan,
         short_read=args.short_read or DEFAULT_SHORT_READ, events=registry.pm,
     )
     try:

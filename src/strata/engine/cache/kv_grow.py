@@ -269,7 +269,8 @@ def plan_elastic_cache(
             return plan_cache(config, dtype, device, max_context=max_context,
                               prefill_chunk=prefill_chunk, budget_mib=budget_mib,
                               reserve_mib=reserve_mib, expert_cache_mib=expert_cache_mib,
-                              backend=backend, kv_cells=kv_cells).budget
+                              backend=backend, kv_cells=kv_cells,
+                              stream_misses=options.get("stream_misses", 0)).budget
 
         def loan_region(n_slots: int) -> int:
             if not lends:

@@ -30,6 +30,7 @@ class PhaseStats:
     cpu_experts: int = 0
     cpu_tokens: int = 0
     loan_experts: int = 0
+    streamed_experts: int = 0
     uploaded_bytes: int = 0
     admitted: int = 0
     evicted: int = 0
@@ -156,10 +157,12 @@ class CacheStats:
             unit = "pass" if name == "prompt" else "round"
             units = unit + ("es" if unit == "pass" else "s") if p.passes != 1 else unit
             n = max(p.passes, 1)
+            streamed = (f", streamed {p.streamed_experts / p.layer_calls:.2f} experts a layer"
+                        if p.streamed_experts else "")
             lines.append(
                 f"cache {name:<8} hit rate {100 * p.hit_rate:.1f}%; CPU "
                 f"{p.cpu_experts_per_layer:.2f} experts, {p.cpu_tokens_per_layer:.2f} tokens a "
-                f"layer; a {unit}: device {1000 * p.device_s / n:.2f} ms, CPU "
+                f"layer{streamed}; a {unit}: device {1000 * p.device_s / n:.2f} ms, CPU "
                 f"{1000 * p.cpu_s / n:.2f} ms, waiting {1000 * p.wait_s / n:.2f} ms, in the "
                 f"cache {1000 * p.forward_s / n:.2f} ms ({p.passes} {units})"
             )
