@@ -1,8 +1,11 @@
 """Benchmark the CPU miss path (`CpuExperts`): microseconds per expert, and where they go.
 
-Builds a random `ExpertStore` of one layer with the expert shape of `--preset` (default
-olmoe-1b-7b: D 2048, F 1024), then times, in the same run, each at T = 1 (K rows, one per
-distinct expert: a decode round's misses) and at T = 64 (T*K rows over the experts they route):
+Builds a random `ExpertStore` of `--layers` layers with the expert shape of `--preset`
+(default olmoe-1b-7b: D 2048, F 1024; 4 layers, 3 GiB in bf16), then times, in the same run,
+each at T = 1 (K rows, one per distinct expert: a decode round's misses) and at T = 64 (T*K rows
+over the experts they route). Successive calls take the next layer, so a call reads weights no
+recent call read, as the engine's misses do (with one layer the same few experts stay in the
+CPU's last-level cache and the figures are too good):
 
 - `bare`: the same two matmuls per expert as plain torch calls on the main thread, nothing else
   (the floor for this CPU, threads and dtype);
@@ -67,13 +70,16 @@ def host_buffer(n_bytes: int, memory: str) -> torch.Tensor:
 
 
 def random_store(hidden_size: int, expert_width: int, n_experts: int,
-                 dtype: torch.dtype, memory: str = "pageable") -> ExpertStore:
+                 dtype: torch.dtype, memory: str = "pageable", n_layers: int = 1) -> ExpertStore:
     gen = torch.Generator().manual_seed(0)
     numel = 3 * expert_width * hidden_size
-    typed = (torch.randn(n_experts, numel, generator=gen) * hidden_size**-0.5).to(dtype)
-    blobs = host_buffer(typed.numel() * typed.element_size(), memory).view(n_experts, -1)
-    blobs.copy_(typed.view(torch.uint8))
-    return ExpertStore([blobs], hidden_size, expert_width, dtype)
+    layers = []
+    for _ in range(n_layers):
+        typed = (torch.randn(n_experts, numel, generator=gen) * hidden_size**-0.5).to(dtype)
+        blobs = host_buffer(typed.numel() * typed.element_size(), memory).view(n_experts, -1)
+        blobs.copy_(typed.view(torch.uint8))
+        layers.append(blobs)
+    return ExpertStore(layers, hidden_size, expert_width, dtype)
 
 
 def routing(n_tokens: int, top_k: int, n_experts: int) -> Routed:
@@ -82,11 +88,11 @@ def routing(n_tokens: int, top_k: int, n_experts: int) -> Routed:
     return Routed.of(ids)
 
 
-def bare(store: ExpertStore, x_rows: torch.Tensor, routed: Routed) -> None:
+def bare(store: ExpertStore, layer: int, x_rows: torch.Tensor, routed: Routed) -> None:
     f, d = store.expert_width, store.hidden_size
     for i, expert in enumerate(routed.experts.tolist()):
         lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
-        typed = store.blob(0, expert).view(store.dtype)
+        typed = store.blob(layer, expert).view(store.dtype)
         h = F.linear(x_rows[lo:hi], typed[: 2 * f * d].view(2 * f, d))
         F.linear(F.silu(h[:, :f]) * h[:, f:], typed[2 * f * d :].view(d, f))
 
@@ -116,15 +122,21 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
     scratch = torch.zeros(64)
     cpu = CpuExperts(store, threads)
     pool = ThreadPoolExecutor(max_workers=1)
+    calls = iter(range(1 << 62))
+
+    def layer() -> int:
+        """The next layer, round robin: each call reads other weights than the last."""
+        return next(calls) % store.n_layers
+
     try:
         worker_threads = pool.submit(torch.get_num_threads).result()
 
         def on_worker():
-            return pool.submit(cpu.compute, 0, x_rows, routed)
+            return pool.submit(cpu.compute, layer(), x_rows, routed)
 
         per_expert = {
-            "bare": median_us(lambda: bare(store, x_rows, routed), repeat),
-            "compute-main": median_us(lambda: cpu.compute(0, x_rows, routed), repeat),
+            "bare": median_us(lambda: bare(store, layer(), x_rows, routed), repeat),
+            "compute-main": median_us(lambda: cpu.compute(layer(), x_rows, routed), repeat),
             "compute-worker": median_us(lambda: on_worker().result(), repeat),
             "worker-main-busy": median_us(lambda: busy_until_done(on_worker(), scratch),
                                           repeat),
@@ -148,10 +160,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the worker's cpu_threads and the main thread's (default: torch's)")
     parser.add_argument("--tokens", default="1,64", help="comma-separated T values")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=4,
+                        help="layers in the store, read round robin (default 4)")
     parser.add_argument("--memory", default="pageable",
                         help="comma-separated: pageable, pinned, registered")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
+    if args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
     memories = args.memory.split(",")
     if set(memories) - {"pageable", "pinned", "registered"}:
         parser.error(f"--memory takes pageable, pinned, registered; got {args.memory!r}")
@@ -164,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     for memory in memories:
         for name in args.dtypes.split(","):
             store = random_store(preset.hidden_size, preset.expert_width, preset.n_experts,
-                                 DTYPES[name], memory)
+                                 DTYPES[name], memory, args.layers)
             for n_tokens in (int(t) for t in args.tokens.split(",")):
                 runs.append({"memory": memory, "dtype": name, **measure(
                     store, n_tokens, preset.top_k, args.threads, args.repeat)})
