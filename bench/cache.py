@@ -12,6 +12,8 @@ resident, as `strata profile` counts it), then measures, each engine on a fresh 
   of the experts), filled by the profile; decode, and where a round's time goes;
 - `cache-budget-streamN`, for each N of `--stream-misses`: the same with N of each decode
   layer's misses uploaded and computed on the device while the CPU computes the rest;
+- with `--piecewise`, a `-piecewise` twin of each of those: decode replayed as CUDA graphs cut
+  at the experts calls (`strata.engine.piecewise`; CUDA only, eager elsewhere);
 - `prefill-loan` / `prefill-cpu`: a `--prefill-tokens` prompt at that budget, with the prompt
   loan and without it (its misses on the CPU).
 
@@ -86,9 +88,11 @@ def close(model) -> None:
         experts.close()
 
 
-def run_decode(model, prompt, n_new, repeat, max_context, cuda_graphs=True) -> dict:
+def run_decode(model, prompt, n_new, repeat, max_context, cuda_graphs=True,
+               piecewise=False) -> dict:
     options = GenerateOptions(max_new=n_new, max_context=max_context, temperature=0.0,
-                              ignore_stop=True, cuda_graphs=cuda_graphs)
+                              ignore_stop=True, cuda_graphs=cuda_graphs,
+                              piecewise_graphs=piecewise)
     generate(model, None, prompt, options)  # warm-up
     runs = [generate(model, None, prompt, options) for _ in range(repeat)]
     best = sorted(runs, key=lambda r: r.decode_tok_s)[len(runs) // 2]  # the median run
@@ -184,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="skip transformers + accelerate")
     parser.add_argument("--stream-misses", default="",
                         help="comma-separated N: a cache-budget run with --stream-misses N each")
+    parser.add_argument("--piecewise", action="store_true",
+                        help="a piecewise-graph twin of each cache-budget run")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.peer_new_tokens < 2 or args.repeat < 1:
@@ -219,16 +225,20 @@ def main(argv: list[str] | None = None) -> int:
                                             decode_context, cuda_graphs=False)
         del model
         free_memory(device)
-        decode_runs = [("cache-full", None, 0), ("cache-budget", small, 0)]
-        decode_runs += [(f"cache-budget-stream{n}", small, n) for n in streams]
-        for name, size, stream in decode_runs:
+        budget_runs = [("cache-budget", 0), *((f"cache-budget-stream{n}", n) for n in streams)]
+        decode_runs = [("cache-full", None, 0, False)]
+        for name, stream in budget_runs:
+            decode_runs.append((name, small, stream, False))
+            if args.piecewise:
+                decode_runs.append((f"{name}-piecewise", small, stream, True))
+        for name, size, stream, piecewise in decode_runs:
             model = cached(ckpt, device, dtype, profile, decode_context, size, loan=False,
                            stream_misses=stream)
             if size is None and not model.experts.budget.holds_every_expert:
                 print("bench/cache.py: the device cannot hold every expert: cache-full is "
                       "partial", file=sys.stderr)
             runs[name] = run_decode(model, prompt, args.new_tokens, args.repeat,
-                                    decode_context)
+                                    decode_context, piecewise=piecewise)
             runs[name]["startup"] = model.experts.budget.startup_line()
             close(model)
             del model
@@ -260,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         / full["decode_tok_s"],
         "full_tokens_equal": full["tokens"] == runs["resident-eager"]["tokens"],
         "budget_over_peer": small["decode_tok_s"] / peer["decode_tok_s"] if peer else None,
-        "stream_over_peer": {n: runs[f"cache-budget-stream{n}"]["decode_tok_s"]
-                             / peer["decode_tok_s"] for n in streams} if peer else None,
+        "budget_runs_over_peer": {name: runs[name]["decode_tok_s"] / peer["decode_tok_s"]
+                                  for name, *_ in decode_runs[1:]} if peer else None,
         "loan_speedup": runs["prefill-cpu"]["prefill_s"] / runs["prefill-loan"]["prefill_s"],
     }
     if args.json:
@@ -272,10 +282,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.new_tokens} new tokens, greedy; medians of {args.repeat}")
     print(f"decode at the small budget: {small['startup']}")
     print(f"a long prompt at the small budget: {runs['prefill-loan']['startup']}")
-    print(f"{'run':<22}{'slots':>7}{'hit rate':>10}{'CPU exp/layer':>15}{'decode tok/s':>14}"
+    print(f"{'run':<32}{'slots':>7}{'hit rate':>10}{'CPU exp/layer':>15}{'decode tok/s':>14}"
           f"{'ms/round':>10}  path")
-    names = ["resident", "resident-eager", "cache-full", "cache-budget",
-             *(f"cache-budget-stream{n}" for n in streams), "accelerate"]
+    names = ["resident", "resident-eager", *(name for name, *_ in decode_runs), "accelerate"]
     for name in names:
         r = runs[name]
         if r is None:
@@ -284,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         slots = str(r["cache"]["slots"]) if "cache" in r else "-"
         hit = f"{100 * c['hit_rate']:.1f}%" if c else "-"
         cpu = f"{c['cpu_experts_per_layer']:.2f}" if c else "-"
-        print(f"{name:<22}{slots:>7}{hit:>10}{cpu:>15}{r['decode_tok_s']:>14.1f}"
+        print(f"{name:<32}{slots:>7}{hit:>10}{cpu:>15}{r['decode_tok_s']:>14.1f}"
               f"{r['decode_ms_per_round']:>10.2f}  {r.get('decode_path', 'transformers')}")
     split = _split(small["cache"])
     print(f"cache-budget, a decode round of {small['decode_ms_per_round']:.2f} ms: device "
@@ -295,9 +304,8 @@ def main(argv: list[str] | None = None) -> int:
           f"where there are), {result['full_over_resident_eager']:.2f}x eager; tokens equal: "
           f"{result['full_tokens_equal']}")
     if peer:
-        print(f"cache-budget / accelerate decode: {result['budget_over_peer']:.1f}x")
-        for n, ratio in result["stream_over_peer"].items():
-            print(f"cache-budget-stream{n} / accelerate decode: {ratio:.1f}x")
+        for name, ratio in result["budget_runs_over_peer"].items():
+            print(f"{name} / accelerate decode: {ratio:.1f}x")
     for name in ("prefill-loan", "prefill-cpu"):
         r = runs[name]
         c = r["cache"]["prompt"]

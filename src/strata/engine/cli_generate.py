@@ -79,6 +79,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-cuda-graphs", action="store_true", help="run decode rounds eagerly on CUDA"
     )
     parser.add_argument(
+        "--piecewise-graphs", action="store_true",
+        help="with an expert cache that misses, on CUDA: replay each decode round as CUDA "
+        "graphs cut at the experts' host calls (new; not yet measured on a GPU)",
+    )
+    parser.add_argument(
         "--compile", action="store_true",
         help="torch.compile the CUDA-graph decode step (a minute or two of compiling first)",
     )
@@ -234,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk,
             cuda_graphs=not args.no_cuda_graphs,
             compile=args.compile,
+            piecewise_graphs=args.piecewise_graphs,
         )
     except ValueError as err:
         raise UsageError(_as_flags(str(err))) from None
@@ -267,8 +273,8 @@ def run(args: argparse.Namespace) -> int:
     if cached is not None:
         print(f"strata: {cached.budget.startup_line()}", file=sys.stderr)
         if args.compile:
-            print("strata: --compile applies to CUDA-graph decode, which the expert cache does "
-                  "not use: ignored", file=sys.stderr)
+            print("strata: --compile applies to the runtime without an expert cache: ignored",
+                  file=sys.stderr)
     stop_ids = _stop_ids(model_dir, model.config.eos_token_ids, tokenizer)
     options = dataclasses.replace(options, stop_ids=stop_ids)
     stream = None

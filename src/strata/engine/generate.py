@@ -7,7 +7,8 @@ or an expert cache holding every expert that needs nothing on the host: `device_
 round replays a CUDA graph captured for the round's attention window (`GRAPH_WINDOW_CELLS`-cell
 buckets, so a round reads only the cells it needs; the graphs a run needs are captured before the
 decode clock starts); elsewhere, with `cuda_graphs=False`, or with a cache that misses (it reads
-the routing on the host every layer) or a wrapper around the experts, it runs eagerly.
+the routing on the host every layer) or a wrapper around the experts, it runs eagerly, or with
+`piecewise_graphs` as graphs cut at the experts calls (`strata.engine.piecewise`).
 `--compile` applies to `ResidentExperts` only. The graph path attends through a mask over its
 window, the eager one over exactly the cells written, so the two may differ in the last bits; each
 is deterministic.
@@ -53,6 +54,9 @@ class GenerateOptions:
     ignore_stop: bool = False
     cuda_graphs: bool = True
     compile: bool = False  # torch.compile the CUDA-graph decode step (strata.engine.compile)
+    # Experts that work on the host (a cache that misses, a recorder): replay the rest of the
+    # step as graphs cut at their calls (strata.engine.piecewise). Not yet measured on a GPU.
+    piecewise_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_new", "max_context", "prefill_chunk"):
@@ -187,7 +191,8 @@ class _GraphDecode:
         self.token = torch.zeros(1, dtype=torch.int64, device=model.device)  # [1]
         self.position = torch.zeros(1, dtype=torch.int64, device=model.device)  # [1]
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # n_ctx -> (a CUDAGraph, or the pieces of one: anything with replay(), logits [V])
+        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def _window(self, position: int) -> int:
         cells = -(-(position + 1) // GRAPH_WINDOW_CELLS) * GRAPH_WINDOW_CELLS
@@ -231,6 +236,27 @@ class _GraphDecode:
         if self.cache is not None:
             self.cache.count_replay()
         return logits
+
+
+class _PiecewiseDecode(_GraphDecode):
+    """`_GraphDecode` for experts that work on the host: each window's step is captured as
+    graphs cut at the experts calls, which run eagerly between them (`strata.engine.piecewise`).
+    """
+
+    def __init__(self, model: Any, kv: Any) -> None:
+        super().__init__(model, kv)
+        self.path = "piecewise-cuda-graph"
+
+    def _capture(self, n_ctx: int) -> tuple[Any, torch.Tensor]:
+        from strata.engine.piecewise import capture_pieces
+
+        pieces = capture_pieces(
+            self.model,
+            lambda: self.forward_at(self.token, self.position, self.kv, n_ctx)[-1],  # [V]
+            self.pool,
+        )
+        assert pieces.logits is not None
+        return pieces, pieces.logits
 
 
 def generate(
@@ -303,6 +329,8 @@ def generate(
         graph_cache = cached if cached is model.experts and cached.device_only else None
         if options.cuda_graphs and device.type == "cuda" and (resident or graph_cache):
             step = _GraphDecode(model, kv, options.compile and resident, graph_cache)
+        elif options.cuda_graphs and options.piecewise_graphs and device.type == "cuda":
+            step = _PiecewiseDecode(model, kv)
         else:
             step = _EagerDecode(model, kv)
         position = len(prompt)  # the cell of the token being fed

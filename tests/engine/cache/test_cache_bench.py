@@ -17,13 +17,16 @@ def test_the_cache_bench_runs_and_reports(capsys, monkeypatch):
     spec.loader.exec_module(bench)
     argv = ["--preset", "tiny", "--device", "cpu", "--repeat", "1", "--new-tokens", "4",
             "--prefill-tokens", "96", "--loan-keep-slots", "0", "--stream-misses", "1",
-            "--json"]
+            "--piecewise", "--json"]
     assert bench.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     runs = report["runs"]
     assert set(runs) == {"resident", "resident-eager", "cache-full", "cache-budget",
-                         "cache-budget-stream1", "prefill-loan", "prefill-cpu", "accelerate"}
-    assert runs["accelerate"] is None and report["budget_over_peer"] is None
+                         "cache-budget-piecewise", "cache-budget-stream1",
+                         "cache-budget-stream1-piecewise", "prefill-loan", "prefill-cpu",
+                         "accelerate"}
+    assert runs["accelerate"] is None and report["budget_runs_over_peer"] is None
+    assert runs["cache-budget-piecewise"]["decode_path"] == "eager"  # no CUDA here
     assert report["full_tokens_equal"]
     budget, streamed = runs["cache-budget"]["cache"], runs["cache-budget-stream1"]["cache"]
     assert budget["slots"] == streamed["slots"] < runs["cache-full"]["cache"]["slots"]

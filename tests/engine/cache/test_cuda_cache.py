@@ -1,6 +1,8 @@
 """The expert cache on a CUDA device (run with `pytest -m cuda` on the GPU machine): the arena on
 the driver's virtual memory, pinned uploads, and the same correctness as on the host."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -110,3 +112,29 @@ def test_streamed_misses_on_cuda_agree_and_repeat(small):
     assert a.tokens == b.tokens and torch.equal(a.first_logits, b.first_logits)
     if ModelConfig.from_dir(ckpt).dtype == torch.float32:
         assert a.tokens == expected.tokens
+
+
+def test_piecewise_graphs_call_the_cache_between_the_pieces(small):
+    # A cache that misses and admits (lru): the experts run eagerly between the graphs, so
+    # their books, stats and admissions are those of the eager path, round for round.
+    ckpt, _ = small
+    piecewise = dataclasses.replace(OPTIONS, cuda_graphs=True, piecewise_graphs=True)
+    runs = []
+    for options in (OPTIONS, piecewise, piecewise):
+        model = _cached(ckpt, expert_cache_mib=8, policy=Lru())
+        try:
+            runs.append(generate(model, None, PROMPT, options))
+            model.experts.table.validate()
+        finally:
+            model.experts.close()
+    eager, first, second = runs
+    assert eager.decode_path == "eager" and first.decode_path == "piecewise-cuda-graph"
+    assert first.tokens == second.tokens  # deterministic
+    for name in ("passes", "layer_calls", "lookups"):
+        assert getattr(first.cache.decode, name) == getattr(eager.cache.decode, name)
+    assert first.cache.decode.cpu_experts > 0
+    # The graphs attend through a mask over their window, the eager path over the cells
+    # written: the same tokens in fp32.
+    if ModelConfig.from_dir(ckpt).dtype == torch.float32:
+        assert first.tokens == eager.tokens
+        assert first.cache.decode.hits == eager.cache.decode.hits
