@@ -246,6 +246,7 @@ class _PiecewiseDecode(_GraphDecode):
     def __init__(self, model: Any, kv: Any) -> None:
         super().__init__(model, kv)
         self.path = "piecewise-cuda-graph"
+        self.side = torch.cuda.Stream(device=model.device)  # every capture into self.pool
 
     def _capture(self, n_ctx: int) -> tuple[Any, torch.Tensor]:
         from strata.engine.piecewise import capture_pieces
@@ -253,7 +254,7 @@ class _PiecewiseDecode(_GraphDecode):
         pieces = capture_pieces(
             self.model,
             lambda: self.forward_at(self.token, self.position, self.kv, n_ctx)[-1],  # [V]
-            self.pool,
+            self.pool, self.side,
         )
         assert pieces.logits is not None
         return pieces, pieces.logits

@@ -78,14 +78,17 @@ class Cut:
         return out
 
 
-def capture_pieces(model: Any, step: Callable[[], torch.Tensor], pool: Any) -> Pieces:
+def capture_pieces(
+    model: Any, step: Callable[[], torch.Tensor], pool: Any, side: torch.cuda.Stream
+) -> Pieces:
     """Capture `step()` (a decode step of `model` returning its logits [V], reading static
-    inputs) as pieces cut at the experts calls, after two warm-ups that call no experts."""
+    inputs) as pieces cut at the experts calls, after two warm-ups that call no experts.
+    `side` is the stream captures run on: the same for every capture into `pool`, so that
+    they can share its memory."""
     from strata.engine.cache.routing import installed
 
     device = model.device
     cut = Cut(model.experts, pool)
-    side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with installed(model, cut), torch.cuda.stream(side):
         for _ in range(2):
