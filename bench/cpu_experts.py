@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import mmap
 import platform
@@ -122,7 +123,7 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
     scratch = torch.zeros(64)
     cpu = CpuExperts(store, threads)
     pool = ThreadPoolExecutor(max_workers=1)
-    calls = iter(range(1 << 62))
+    calls = itertools.count()
 
     def layer() -> int:
         """The next layer, round robin: each call reads other weights than the last."""

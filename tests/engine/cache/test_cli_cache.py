@@ -120,7 +120,9 @@ def test_a_profile_fills_hottest_first(capsys, ckpt, tmp_path):
     (["--vram-reserve-mib", "-3"], "--vram-reserve-mib must be a number of MiB >= 0"),
     (["--short-read", "0"], "--short-read must be >= 1, got 0"),
     (["--cpu-threads", "0"], "--cpu-threads must be >= 1, got 0"),
-    (["--stream-misses", "-1"], "--stream-misses must be >= 0, got -1"),
+    (["--stream-misses", "-1"], r"--stream-misses must be in \[0, 2\] .* got -1"),
+    (["--stream-misses", "3"], r"--stream-misses must be in \[0, 2\] \(a decode layer misses "
+     r"at most the model's 2 experts a token\), got 3"),
     (["--policy", "nope"], "unknown policy 'nope'"),
     (["--policy", "lru", "--policy-opt", "max_admits=-1"], "max_admits"),
     (["--expert-profile", "/nonexistent/p.npz"], "--expert-profile /nonexistent/p.npz: "),

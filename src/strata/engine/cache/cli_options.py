@@ -74,8 +74,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--stream-misses", type=int, metavar="N",
-        help="of a decode layer's missed experts, upload the first N over PCIe and compute them "
-        "on the device while the CPU computes the rest (default: 0, all on the CPU)",
+        help="of a decode layer's missed experts, upload the first N (at most the model's "
+        "top-k) over PCIe and compute them on the device while the CPU computes the rest "
+        "(default: 0, all on the CPU)",
     )
     group.add_argument(
         "--kv-grow", action="store_true",
@@ -138,8 +139,10 @@ def cache_config_from_args(
         value = getattr(args, dest)
         if value is not None and value < 1:
             raise UsageError(f"{CACHE_FLAGS[dest]} must be >= 1, got {value}")
-    if args.stream_misses is not None and args.stream_misses < 0:
-        raise UsageError(f"--stream-misses must be >= 0, got {args.stream_misses}")
+    if args.stream_misses is not None and not 0 <= args.stream_misses <= config.top_k:
+        raise UsageError(f"--stream-misses must be in [0, {config.top_k}] (a decode layer misses "
+                         f"at most the model's {config.top_k} experts a token), got "
+                         f"{args.stream_misses}")
     try:
         kv_grow = kv_grow_requested(args.kv_grow)
     except ValueError as err:

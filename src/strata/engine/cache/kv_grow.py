@@ -177,10 +177,14 @@ def plan_kv_grow(
         segment_chunks = [-(-n * cell_bytes // chunk_bytes) for n in (cells, max_context)]
         return 2 * config.n_layers * (segment_chunks[1] - segment_chunks[0]) * chunk_bytes
 
+    def top_of(budget: CacheBudget) -> int:
+        """The first slot of the loan region of a cache sized by `budget`."""
+        return budget.n_slots - loan_region(budget.n_slots)
+
     def reachable_bytes(budget: CacheBudget) -> int:
         """What growth can map past the start: free budget, then the chunks that slots
         [floor, top) hold whole (a chunk shared with a kept slot stays)."""
-        top = budget.n_slots - loan_region(budget.n_slots)
+        top = top_of(budget)
         spare = (budget.available_bytes - budget.arena_bytes) // chunk_bytes
         lo = -(-floor * budget.slot_bytes // chunk_bytes)
         hi = top * budget.slot_bytes // chunk_bytes
@@ -189,7 +193,7 @@ def plan_kv_grow(
     # The window must stay reachable: --max-context cells always fit, as without the flag.
     # When free budget and the givable slots cannot hold the rest of it, more cells are
     # mapped at start (whole steps), which leaves the cache fewer slots.
-    asked = init
+    asked, asked_budget = init, budget
     while init < max_context and reachable_bytes(budget) < rest_bytes(init):
         init = min(init + params.step_cells, max_context)
         if init < max_context:
@@ -208,20 +212,19 @@ def plan_kv_grow(
             notes.append(f"--kv-grow: {init} cells mapped at start, not {asked}: with fewer, "
                          "the free budget and the slots between the floor and the loan region "
                          f"could not hold the rest of the {max_context}-cell window")
-        top = budget.n_slots - loan_region(budget.n_slots)
+        top = top_of(budget)
         if init < max_context and not (budget.n_slots > 0 and top > floor):
             notes.append("--kv-grow: the cache cannot give memory to the K/V ("
                          + _why_not(budget.n_slots, top, floor) + "); the K/V grows into free "
                          "budget only")
         return KvGrowPlan(budget, shape, notes)
-    first = make_budget(asked)
-    top = first.n_slots - loan_region(first.n_slots)
-    if first.n_slots > 0 and top > floor:
+    top = top_of(asked_budget)
+    if asked_budget.n_slots > 0 and top > floor:
         why = (f"free budget and slots [{floor}, {top}) can give "
-               f"{size_text(reachable_bytes(first))} of the {size_text(rest_bytes(asked))} "
-               "the rest of the window needs")
+               f"{size_text(reachable_bytes(asked_budget))} of the "
+               f"{size_text(rest_bytes(asked))} the rest of the window needs")
     else:
-        why = _why_not(first.n_slots, top, floor)
+        why = _why_not(asked_budget.n_slots, top, floor)
     whole = make_budget(max_context)  # ValueError: how much memory is missing
     return KvGrowPlan(whole, None, [
         f"--kv-grow: the cache cannot give memory to the K/V ({why}): elastic K/V off for this "
