@@ -101,6 +101,7 @@ def run_decode(model, prompt, n_new, repeat, max_context, cuda_graphs=True,
         "prefill_tok_s": statistics.median(r.prefill_tok_s for r in runs),
         "decode_tok_s": best.decode_tok_s,
         "decode_ms_per_round": best.decode_ms_per_round,
+        "decode_ms_per_round_each": [r.decode_ms_per_round for r in runs],
         "decode_path": best.decode_path,
         "deterministic": all(r.tokens == runs[0].tokens for r in runs),
     }
@@ -169,12 +170,23 @@ def _split(cache: dict) -> dict:
     return {k: 1000 * d[f"{k}_s"] / n for k in ("device", "cpu", "wait", "forward")}
 
 
+def _progress(name: str, run: dict) -> None:
+    """One line on stderr as each decode run ends: a cut-short run still says what it measured."""
+    each = ", ".join(f"{ms:.1f}" for ms in run["decode_ms_per_round_each"])
+    split = "".join(f", {k} {ms:.1f}" for k, ms in _split(run["cache"]).items()) \
+        if "cache" in run else ""
+    print(f"bench/cache.py: {name}: {run['decode_tok_s']:.2f} tok/s, "
+          f"{run['decode_ms_per_round']:.2f} ms/round (each run: {each}{split})",
+          file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, preset="olmoe-1b-7b")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--prefill-tokens", type=int, default=4096,
+                        help="the long prompt's tokens (0: no prefill runs)")
     parser.add_argument("--budget-mib", type=float,
                         help="the small cache's --vram-budget-mib (default: --expert-share)")
     parser.add_argument("--expert-share", type=float, default=0.25,
@@ -223,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                                       decode_context)
         runs["resident-eager"] = run_decode(model, prompt, args.new_tokens, args.repeat,
                                             decode_context, cuda_graphs=False)
+        _progress("resident", runs["resident"])
+        _progress("resident-eager", runs["resident-eager"])
         del model
         free_memory(device)
         budget_runs = [("cache-budget", 0), *((f"cache-budget-stream{n}", n) for n in streams)]
@@ -240,10 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             runs[name] = run_decode(model, prompt, args.new_tokens, args.repeat,
                                     decode_context, piecewise=piecewise)
             runs[name]["startup"] = model.experts.budget.startup_line()
+            _progress(name, runs[name])
             close(model)
             del model
             free_memory(device)
-        for name, loan in (("prefill-loan", True), ("prefill-cpu", False)):
+        prefill_runs = (("prefill-loan", True), ("prefill-cpu", False))
+        for name, loan in prefill_runs if args.prefill_tokens else ():
             model = cached(ckpt, device, dtype, profile, prefill_context, small, loan=loan)
             runs[name] = run_prefill(model, long_prompt, args.repeat, prefill_context)
             runs[name]["startup"] = model.experts.budget.startup_line()
@@ -272,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         "budget_over_peer": small["decode_tok_s"] / peer["decode_tok_s"] if peer else None,
         "budget_runs_over_peer": {name: runs[name]["decode_tok_s"] / peer["decode_tok_s"]
                                   for name, *_ in decode_runs[1:]} if peer else None,
-        "loan_speedup": runs["prefill-cpu"]["prefill_s"] / runs["prefill-loan"]["prefill_s"],
+        "loan_speedup": runs["prefill-cpu"]["prefill_s"] / runs["prefill-loan"]["prefill_s"]
+        if args.prefill_tokens else None,
     }
     if args.json:
         print(json.dumps(result))
@@ -281,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['device_name']} ({device}); {args.prompt_tokens}-token prompt, "
           f"{args.new_tokens} new tokens, greedy; medians of {args.repeat}")
     print(f"decode at the small budget: {small['startup']}")
-    print(f"a long prompt at the small budget: {runs['prefill-loan']['startup']}")
+    if args.prefill_tokens:
+        print(f"a long prompt at the small budget: {runs['prefill-loan']['startup']}")
     print(f"{'run':<32}{'slots':>7}{'hit rate':>10}{'CPU exp/layer':>15}{'decode tok/s':>14}"
           f"{'ms/round':>10}  path")
     names = ["resident", "resident-eager", *(name for name, *_ in decode_runs), "accelerate"]
@@ -306,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     if peer:
         for name, ratio in result["budget_runs_over_peer"].items():
             print(f"{name} / accelerate decode: {ratio:.1f}x")
+    if not args.prefill_tokens:
+        return 0
     for name in ("prefill-loan", "prefill-cpu"):
         r = runs[name]
         c = r["cache"]["prompt"]

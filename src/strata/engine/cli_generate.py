@@ -79,9 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-cuda-graphs", action="store_true", help="run decode rounds eagerly on CUDA"
     )
     parser.add_argument(
-        "--piecewise-graphs", action="store_true",
-        help="with an expert cache that misses, on CUDA: replay each decode round as CUDA "
-        "graphs cut at the experts' host calls (new; not yet measured on a GPU)",
+        "--no-piecewise-graphs", action="store_true",
+        help="with an expert cache that misses, on CUDA: run decode rounds eagerly instead of "
+        "as CUDA graphs cut at the experts' host calls",
     )
     parser.add_argument(
         "--compile", action="store_true",
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk,
             cuda_graphs=not args.no_cuda_graphs,
             compile=args.compile,
-            piecewise_graphs=args.piecewise_graphs,
+            piecewise_graphs=not args.no_piecewise_graphs,
         )
     except ValueError as err:
         raise UsageError(_as_flags(str(err))) from None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from strata.cli import main
+from strata.engine.cache.cli_options import default_stream_misses
 from strata.engine.cache.profile import Profile
 from strata.engine.config import ModelConfig
 from strata.sim.trace import load_trace
@@ -83,6 +84,16 @@ def test_stream_misses_shows_in_the_stats(capsys, ckpt):
     assert status == 0
     assert any(line.startswith("cache decode") and re.search(r"streamed [\d.]+ experts", line)
                for line in err.splitlines()), err
+
+
+def test_stream_misses_defaults_to_half_the_top_k_on_cuda_only(capsys, ckpt):
+    config = ModelConfig.from_dir(ckpt)
+    assert default_stream_misses(config, torch.device("cuda")) == config.top_k // 2 > 0
+    assert default_stream_misses(config, torch.device("cpu")) == 0
+    document, _ = _json(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "0.5",
+                        "--no-piecewise-graphs")  # on the CPU: no streaming, rounds eager
+    assert document["cache"]["decode"]["streamed_experts"] == 0
+    assert document["decode_path"] == "eager"
 
 
 def test_a_full_cache_gives_the_same_tokens(capsys, ckpt):

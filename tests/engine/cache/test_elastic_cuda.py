@@ -4,6 +4,8 @@ through generate on the driver's virtual memory (2 MiB chunks)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,9 +81,9 @@ def _model(ckpt, *, kv_grow, environ=None, **sizing):
     return load_model(ckpt, device=CUDA, cache=cache)
 
 
-def _run(model):
+def _run(model, options=OPTIONS):
     try:
-        return generate(model, None, PROMPT, OPTIONS)
+        return generate(model, None, PROMPT, options)
     finally:
         expert_cache(model.experts).close()
 
@@ -111,8 +113,11 @@ class Recorder(ColdestInLoan):
 
 
 def test_grown_by_giving_up_slots_on_cuda(ckpt):
-    # A budget with no room left beside every expert and the start cells: slots must go.
-    probe = _model(ckpt, kv_grow=True, environ=GROW, budget_mib=4096.0)
+    # A budget with no room left beside every expert and the start cells: slots must go. The
+    # window is 16,384 cells so that the slots above the floor can hold all of it past the
+    # start (the plan maps a window they cannot reach up front).
+    options = dataclasses.replace(OPTIONS, max_context=16384)
+    probe = _model(ckpt, kv_grow=True, environ=GROW, budget_mib=4096.0, max_context=16384)
     budget = expert_cache(probe.experts).budget
     expert_cache(probe.experts).close()
     every = -(-budget.total_experts * budget.slot_bytes // budget.chunk_bytes)
@@ -120,10 +125,11 @@ def test_grown_by_giving_up_slots_on_cuda(ckpt):
     runs = []
     for _ in range(2):
         policy = Recorder()
-        model = _model(ckpt, kv_grow=True, environ=GROW, budget_mib=exact / MIB, policy=policy)
+        model = _model(ckpt, kv_grow=True, environ=GROW, budget_mib=exact / MIB, policy=policy,
+                       max_context=16384)
         cached = expert_cache(model.experts)
         assert cached.arena.n_slots == 64 and cached.elastic.free_chunks == 0
-        result = _run(model)
+        result = _run(model, options)
         kv = result.kv
         assert kv.grows == 1 and kv.fresh_chunks == 0 and kv.cells_mapped == 16384
         assert kv.slots_given_up == len(policy.given_up) > 0 and kv.relocated == 0
