@@ -31,6 +31,7 @@ import torch
 
 from _common import add_model_arguments, free_memory
 from strata.engine.cache.budget import MIB, workspace_bytes
+from strata.engine.grouped_experts import copies_weights
 from strata.engine.init_model import write_checkpoint
 from strata.engine.model import load_model
 from strata.engine.presets import get_preset
@@ -62,7 +63,8 @@ def measure(model, n_cells: int, chunk: int, device: torch.device) -> dict:
             "last": peak_bytes(device, lambda: model.forward(ids, n_cells - c, kv,
                                                             last_only=True)),
             "decode": peak_bytes(device, lambda: model.forward(one, n_cells - 1, kv)),
-            "estimate": workspace_bytes(model.config, chunk, n_cells, model.dtype),
+            "estimate": workspace_bytes(model.config, chunk, n_cells, model.dtype,
+                                        gathers=copies_weights(device)),
         }
     finally:
         kv.close()

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.engine import families
+from strata.engine.grouped_experts import expert_rows
 
 if TYPE_CHECKING:
     from strata.engine.checkpoint import Checkpoint
@@ -139,10 +140,11 @@ class ResidentExperts:
     buffer (on the CPU with the store's dtype, the store's own memory: no copy).
 
     Two paths, chosen by T alone (never by routed data, so capture-safe for decode):
-    - T == 1 (decode, what a CUDA graph captures): gather the K routed experts' weights with
-      `index_select` and run them with two batched matmuls; no host sync, static shapes. The
-      gather copies K blobs, the most workspace this path takes
-      (`strata.engine.cache.budget.workspace_bytes`): a larger T would copy up to E of them.
+    - T == 1 (decode, what a CUDA graph captures): the K routed experts by
+      `strata.engine.grouped_experts.expert_rows`, from the stacked weights by the routed ids;
+      no host sync, static shapes. On CUDA with Triton its kernels read the weights in place;
+      elsewhere it gathers the K blobs (`index_select`) for two batched matmuls, the most
+      workspace this path takes (`strata.engine.cache.budget.workspace_bytes`).
     - otherwise (a prompt chunk, however short): loop over the experts actually routed, each
       over its tokens (sorted by expert), reading the weights in place; one host sync for the
       per-expert counts.
@@ -189,14 +191,9 @@ class ResidentExperts:
 
     def _gathered(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         n_tokens, top_k = topk_ids.shape
-        f = self.expert_width
         ids = topk_ids.reshape(-1)  # [T*K]
-        x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1, 1)
-        gate_up = self._gate_up[layer].index_select(0, ids)  # [T*K, 2F, D]
-        h = torch.bmm(gate_up, x_rows).squeeze(-1)  # [T*K, 2F]
-        act = F.silu(h[:, :f]) * h[:, f:]  # [T*K, F]
-        down = self._down[layer].index_select(0, ids)  # [T*K, D, F]
-        y = torch.bmm(down, act.unsqueeze(-1)).squeeze(-1)  # [T*K, D]
+        x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1)
+        y = expert_rows(self._gate_up[layer], self._down[layer], ids, x_rows)  # [T*K, D]
         return y.view(n_tokens, top_k, -1)
 
     def _per_expert(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from strata.engine import families
 from strata.engine.config import ModelConfig
+from strata.engine.grouped_experts import copies_weights
 
 __all__ = [
     "DEFAULT_RESERVE_MIB",
@@ -65,7 +66,7 @@ def gathered_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def workspace_bytes(
     cfg: ModelConfig, prefill_chunk: int, max_cells: int, dtype: torch.dtype,
-    stream_blobs: int = 0,
+    stream_blobs: int = 0, gathers: bool = True,
 ) -> int:
     """An upper estimate of the transient tensors of one forward, rounded up to whole MiB.
 
@@ -74,8 +75,9 @@ def workspace_bytes(
       copied once per query head of a kv head ([R*C, N], R = H/G, when R > 1) and converted by
       the fused kernel to the query's dtype: C*N*(1 + R*(1 + itemsize)) bytes. The scores are
       not materialized: `scaled_dot_product_attention` runs its memory-efficient kernel there;
-    - the decode path's gathered weights (T == 1 only, see `ResidentExperts`): the K routed
-      experts' blobs; a prompt chunk of any length reads its experts in place;
+    - the decode path's gathered weights (T == 1 only, when `gathers`: where
+      `strata.engine.grouped_experts.copies_weights`, i.e. off CUDA or without Triton): the K
+      routed experts' blobs; a prompt chunk of any length reads its experts in place;
     - the routed rows [C*K, 2F + D] in fp32, twice; the activations, 16 x [C, width];
     - the logits [V] in fp32, twice;
     - the staging buffer of `--stream-misses` (`stream_blobs` blobs), when there is one.
@@ -92,7 +94,7 @@ def workspace_bytes(
     itemsize = _itemsize(dtype)
     heads_per_kv = cfg.n_heads // cfg.n_kv_heads
     attention = c * n * (1 + heads_per_kv * (1 + itemsize))
-    gathered = gathered_bytes(cfg, dtype)
+    gathered = gathered_bytes(cfg, dtype) if gathers else 0
     rows = 2 * c * k * (2 * f + d) * 4
     width = max(d, cfg.q_width + 2 * cfg.kv_width, cfg.shared_expert_width or 0)
     activations = 16 * c * width * itemsize
@@ -277,7 +279,7 @@ def plan_budget(
         "kv_bytes": kv_bytes(cfg, max_context if kv_cells is None else kv_cells, dtype,
                              chunk_bytes),
         "workspace_bytes": workspace_bytes(cfg, prefill_chunk, max_context, dtype,
-                                           stream_blobs),
+                                           stream_blobs, gathers=copies_weights(device)),
     }
     total_experts = cfg.n_layers * cfg.n_experts
     if budget_mib is not None:

@@ -7,10 +7,12 @@ Per layer call, on the engine's thread:
 1. the routed ids go to the host (the one device-to-host sync of the layer) and the books'
    `lookup` splits the T*K rows into hits (resident) and misses;
 2. the routing is recorded in the books' heat, then the policy's `observe` is told;
-3. the hits are issued to the device straight from their slots: when T == 1 (decode) one
-   batched gather of the hit rows' K blobs + two bmm, reading slot indices from the device
-   mirror of the books; otherwise each distinct hit expert over its tokens, from its slot's
-   views (no weight copy); in a pass the prompt loan took, the misses go to the loan too;
+3. the hits are issued to the device straight from their slots: when T == 1 (decode) at once
+   by `strata.engine.grouped_experts.expert_rows`, reading slot indices from the device
+   mirror of the books (on CUDA with Triton, kernels that read the slots in place; elsewhere
+   a gather of the hit rows' blobs and two bmm); otherwise each distinct hit expert over its
+   tokens, from its slot's views (no weight copy); in a pass the prompt loan took, the misses
+   go to the loan too;
 4. while the device runs them, the misses are computed on the CPU on this thread
    (`CpuExperts`: each distinct expert once, from the host store), and their rows copied into
    the [T*K, D] buffer, each row in its own place. With `stream_misses` = N > 0, a decode
@@ -56,6 +58,7 @@ from strata.engine.cache.cpu_experts import CpuExperts
 from strata.engine.cache.routed import Routed
 from strata.engine.cache.stats import PHASES, CacheStats
 from strata.engine.experts import ExpertStore
+from strata.engine.grouped_experts import expert_rows
 from strata.policies import CheckedPolicy, apply_admit, emit
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
 from strata.policies.events import Admitted, Evicted
@@ -134,6 +137,7 @@ class CachedExperts:
         # [N, blob] on the device: the blobs of a decode call's streamed misses.
         self._staging = torch.empty((stream_misses, store.blob_bytes), dtype=torch.uint8,
                                     device=self.device)
+        self._staging_index = torch.arange(stream_misses, device=self.device)  # [N]
         answering = type(getattr(self.checked.policy, "inner", self.checked.policy))
         self._observes = "observe" in answering.overrides()
         # Routed ids not yet in the books' heat, flat [L*E] (the device-only decode path).
@@ -355,19 +359,14 @@ class CachedExperts:
         """The decode path (T == 1, so R <= K): the hit `rows` [R] (None: every row) at once,
         weights gathered from their slots by the slot indices the device mirror gives."""
         n_tokens, top_k = topk_ids.shape
-        f = self.expert_width
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         if rows is None:
             slot_ids = self.mirror[layer].index_select(0, flat_ids)  # [T*K]
-            x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1, 1)
+            x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1)
         else:
             slot_ids = self.mirror[layer].index_select(0, flat_ids.index_select(0, rows))  # [R]
-            x_rows = x.index_select(0, rows // top_k).unsqueeze(-1)  # [R, D, 1]
-        gate_up = self.arena.gate_up_all().index_select(0, slot_ids)  # [R, 2F, D]
-        h = torch.bmm(gate_up, x_rows).squeeze(-1)  # [R, 2F]
-        act = F.silu(h[:, :f]) * h[:, f:]  # [R, F]
-        down = self.arena.down_all().index_select(0, slot_ids)  # [R, D, F]
-        y = torch.bmm(down, act.unsqueeze(-1)).squeeze(-1)  # [R, D]
+            x_rows = x.index_select(0, rows // top_k)  # [R, D]
+        y = expert_rows(self.arena.gate_up_all(), self.arena.down_all(), slot_ids, x_rows)
         if rows is None:
             out.copy_(y)
         else:
@@ -406,13 +405,11 @@ class CachedExperts:
                              f"{streamed.n_rows} rows")
         for i, expert in enumerate(streamed.experts.tolist()):
             self._staging[i].copy_(self.store.blob(layer, expert), non_blocking=True)
-        typed = self._staging[:n].view(self.store.dtype)  # [N, 3*F*D]
-        gate_up = typed[:, : 2 * f * d].view(n, 2 * f, d)  # [N, 2F, D]
-        down = typed[:, 2 * f * d : 3 * f * d].view(n, d, f)  # [N, D, F]
-        x_rows = x.expand(n, -1).unsqueeze(-1)  # [N, D, 1]: the one token, once an expert
-        h = torch.bmm(gate_up, x_rows).squeeze(-1)  # [N, 2F]
-        act = F.silu(h[:, :f]) * h[:, f:]  # [N, F]
-        return torch.bmm(down, act.unsqueeze(-1)).squeeze(-1)  # [N, D]
+        typed = self._staging.view(self.store.dtype)  # [N, 3*F*D]
+        gate_up = typed[:, : 2 * f * d].unflatten(1, (2 * f, d))  # [N, 2F, D]
+        down = typed[:, 2 * f * d : 3 * f * d].unflatten(1, (d, f))  # [N, D, F]
+        # The one token, once an expert: [n, D].
+        return expert_rows(gate_up, down, self._staging_index[:n], x.expand(n, -1))
 
     # --- decode steps replayed from CUDA graphs ---
     @contextmanager

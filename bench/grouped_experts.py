@@ -1,0 +1,136 @@
+"""Time the decode experts of one layer call: the Triton kernels against the gathered path.
+
+`strata.engine.grouped_experts.expert_rows` runs the K routed experts of one token from stacked
+weights. Its gathered path copies the K experts' weights out (`index_select`) and runs two
+batched matmuls; its Triton kernels read them in place. The floor is reading the K experts'
+weights once (K * 3 * F * D * itemsize bytes) at the device's memory bandwidth.
+
+For each shape (a preset's F, D, E, K), each variant runs over `--stacks` stacks of E experts
+(rotated, so that the K experts of a call are not in the last-level cache from the call before)
+with fresh random routing per stack; each call is captured in a CUDA graph and its replays timed
+with CUDA events (median of `--repeat`), so launch gaps stay out of the numbers. Variants: the
+gathered path, and the Triton kernels at several block sizes (the first is the default). A
+check against the gathered path runs before timing.
+
+    python bench/grouped_experts.py                     # CUDA only
+    python bench/grouped_experts.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+
+import torch
+
+from strata.engine.grouped_experts import (
+    DOWN_BLOCK_D,
+    DOWN_BLOCK_F,
+    GATE_UP_BLOCK_D,
+    GATE_UP_BLOCK_F,
+    expert_rows_gathered,
+    expert_rows_triton,
+)
+from strata.engine.presets import get_preset
+
+BLOCKS = [((GATE_UP_BLOCK_F, GATE_UP_BLOCK_D), (DOWN_BLOCK_D, DOWN_BLOCK_F)),
+          ((8, 256), (8, 256)), ((32, 128), (32, 128)), ((16, 512), (16, 512)),
+          ((8, 512), (8, 512)), ((32, 256), (32, 256))]
+
+
+def time_graph(call, repeat: int) -> float:
+    """Median ms of one replay of `call` captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(preset_name: str, n_stacks: int, repeat: int, dtype: torch.dtype) -> dict:
+    preset = get_preset(preset_name)
+    f, d, e, k = preset.expert_width, preset.hidden_size, preset.n_experts, preset.top_k
+    cuda = torch.device("cuda")
+    gen = torch.Generator(device=cuda).manual_seed(0)
+    stacks = []
+    for _ in range(n_stacks):
+        blobs = torch.randn(e, 3 * f * d, device=cuda, generator=gen).div_(d**0.5).to(dtype)
+        index = torch.randperm(e, device=cuda, generator=gen)[:k]
+        x_rows = torch.randn(1, d, device=cuda, generator=gen).to(dtype).expand(k, d)
+        stacks.append((blobs[:, : 2 * f * d].unflatten(1, (2 * f, d)),
+                       blobs[:, 2 * f * d :].unflatten(1, (d, f)), index, x_rows))
+    floor_bytes = k * 3 * f * d * dtype.itemsize
+
+    def rotated(run):
+        def call():
+            for stack in stacks:
+                run(*stack)
+        return call
+
+    variants = {"gathered": expert_rows_gathered}
+    for gate_up_blocks, down_blocks in BLOCKS:
+        name = f"triton {gate_up_blocks[0]}x{gate_up_blocks[1]} / {down_blocks[0]}x{down_blocks[1]}"
+        variants[name] = (lambda g, dn, i, x, gb=gate_up_blocks, db=down_blocks:
+                          expert_rows_triton(g, dn, i, x, gate_up_blocks=gb, down_blocks=db))
+    reference = [expert_rows_gathered(*stack).float() for stack in stacks]
+    rows = []
+    for name, run in variants.items():
+        error = max(((run(*stack).float() - ref).norm() / ref.norm()).item()
+                    for stack, ref in zip(stacks, reference, strict=True))
+        ms = time_graph(rotated(run), repeat) / n_stacks
+        rows.append({"variant": name, "ms_per_call": ms, "relative_error": error,
+                     "gb_per_s": floor_bytes / ms / 1e6})
+    gathered = rows[0]["ms_per_call"]
+    for row in rows:
+        row["speedup_over_gathered"] = gathered / row["ms_per_call"]
+    return {"preset": preset.name, "F": f, "D": d, "E": e, "K": k, "dtype": str(dtype),
+            "floor_bytes": floor_bytes, "variants": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="olmoe-1b-7b,qwen3-30b-a3b")
+    parser.add_argument("--stacks", type=int, default=8, help="stacks rotated between calls")
+    parser.add_argument("--repeat", type=int, default=50, help="timed replays (median)")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/grouped_experts.py: needs CUDA (the kernels are Triton's)", file=sys.stderr)
+        return 2
+    results = [measure(name, args.stacks, args.repeat, torch.bfloat16)
+               for name in args.presets.split(",")]
+    document = {"device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "date": datetime.date.today().isoformat(), "results": results}
+    if args.json:
+        print(json.dumps(document))
+        return 0
+    print(f"decode experts of one layer call, {document['device_name']}, bf16, CUDA-graph "
+          f"replays, medians of {args.repeat}")
+    for result in results:
+        print(f"{result['preset']}: K={result['K']} of E={result['E']}, F={result['F']}, "
+              f"D={result['D']}: floor {result['floor_bytes'] / 2**20:.0f} MiB read")
+        print(f"  {'variant':<28}{'ms/call':>9}{'GB/s':>8}{'x gathered':>12}{'rel err':>10}")
+        for row in result["variants"]:
+            print(f"  {row['variant']:<28}{row['ms_per_call']:>9.4f}{row['gb_per_s']:>8.0f}"
+                  f"{row['speedup_over_gathered']:>12.2f}{row['relative_error']:>10.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

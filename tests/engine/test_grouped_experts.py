@@ -1,0 +1,147 @@
+"""`strata.engine.grouped_experts`: the decode experts from stacked weights, against a float64
+reference one expert at a time; the Triton kernels run under Triton's interpreter on the CPU
+(in a fresh interpreter, as TRITON_INTERPRET must be set before Triton is imported), and on the
+GPU with `pytest -m cuda`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.engine.grouped_experts import (
+    copies_weights,
+    expert_rows,
+    expert_rows_gathered,
+    expert_rows_triton,
+)
+
+
+def _stack(n_experts, f, d, dtype, seed, pad=24):
+    """gate_up [S, 2F, D] and down [S, D, F] as views into [S, blob + pad]: experts are further
+    apart than a blob, as the arena's slots are."""
+    gen = torch.Generator().manual_seed(seed)
+    blobs = (torch.randn(n_experts, 3 * f * d + pad, generator=gen) / d**0.5).to(dtype)
+    gate_up = blobs[:, : 2 * f * d].unflatten(1, (2 * f, d))
+    down = blobs[:, 2 * f * d : 3 * f * d].unflatten(1, (d, f))
+    return gate_up, down
+
+
+def _reference(gate_up, down, index, x_rows):
+    """[R, D] in float64, one expert at a time."""
+    f = down.shape[2]
+    rows = []
+    for e, x in zip(index.tolist(), x_rows.double(), strict=True):
+        h = gate_up[e].double() @ x
+        rows.append(down[e].double() @ (F.silu(h[:f]) * h[f:]))
+    return torch.stack(rows) if rows else x_rows.new_zeros((0, x_rows.shape[1])).double()
+
+
+def _relative(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_the_gathered_path_matches_the_reference(dtype, tolerance):
+    gate_up, down = _stack(6, 40, 72, dtype, seed=1)
+    index = torch.tensor([5, 0, 5, 2, 3])  # a repeat, and out of order
+    x_rows = torch.randn(5, 72, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = expert_rows_gathered(gate_up, down, index, x_rows)
+    assert out.shape == (5, 72) and out.dtype == dtype
+    assert _relative(out, _reference(gate_up, down, index, x_rows)) < tolerance
+
+
+def test_off_cuda_expert_rows_is_the_gathered_path_and_copies():
+    gate_up, down = _stack(4, 16, 32, torch.float32, seed=3)
+    index = torch.tensor([1, 3])
+    x_rows = torch.randn(2, 32, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(expert_rows(gate_up, down, index, x_rows),
+                       expert_rows_gathered(gate_up, down, index, x_rows))
+    assert copies_weights(torch.device("cpu"))
+
+
+# Run in a fresh interpreter with TRITON_INTERPRET=1: the kernels on CPU tensors, several
+# shapes (block edges included), dtypes numpy has (the interpreter has no bfloat16).
+_INTERPRETED = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_grouped_experts import _reference, _relative, _stack
+from strata.engine.grouped_experts import expert_rows_triton
+results = []
+for seed, (s, f, d, index, dtype) in enumerate([
+        (5, 48, 80, [3, 0, 3, 4], torch.float32),      # F, D not multiples of the blocks
+        (3, 16, 256, [2], torch.float32),             # exactly one block each way
+        (4, 40, 300, [1, 2, 0, 3, 1, 1], torch.float16),
+        (2, 8, 16, [], torch.float32)]):              # no rows
+    gate_up, down = _stack(s, f, d, dtype, seed)
+    index = torch.tensor(index, dtype=torch.int64)
+    x_rows = torch.randn(len(index), d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    out = expert_rows_triton(gate_up, down, index, x_rows)
+    ref = _reference(gate_up, down, index, x_rows)
+    again = expert_rows_triton(gate_up, down, index, x_rows)
+    results.append({"shape": list(out.shape), "dtype": str(out.dtype),
+                    "error": _relative(out, ref) if len(index) else 0.0,
+                    "finite": bool(torch.isfinite(out).all()),
+                    "same_bytes": bool(torch.equal(out, again))})
+print(json.dumps(results))
+"""
+
+
+def test_the_triton_kernels_under_the_interpreter_match_the_reference():
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED, here], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = [([4, 80], "torch.float32", 1e-5), ([1, 256], "torch.float32", 1e-5),
+                ([6, 300], "torch.float16", 2e-3), ([0, 16], "torch.float32", 0.0)]
+    for result, (shape, dtype, tolerance) in zip(results, expected, strict=True):
+        assert result["shape"] == shape and result["dtype"] == dtype
+        assert result["error"] <= tolerance and result["finite"] and result["same_bytes"]
+
+
+def test_the_triton_path_refuses_weights_it_cannot_read_in_place():
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    gate_up, down = _stack(2, 8, 16, torch.float32, seed=5)
+    index, x_rows = torch.tensor([0]), torch.randn(1, 16)
+    with pytest.raises(ValueError, match="rows contiguous"):
+        expert_rows_triton(gate_up.transpose(1, 2), down, index, x_rows)
+    with pytest.raises(ValueError, match=r"are not \[S, 2F, D\] and \[S, D, F\]"):
+        expert_rows_triton(gate_up[:, :8], down, index, x_rows)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("f, d", [(1024, 2048), (768, 2048), (40, 300)])
+def test_the_triton_kernels_on_cuda_match_and_repeat(f, d):
+    pytest.importorskip("triton")
+    cuda = torch.device("cuda")
+    assert not copies_weights(cuda)
+    for dtype, tolerance in ((torch.bfloat16, 1e-2), (torch.float32, 3e-4)):
+        gate_up, down = (t.to(cuda) for t in _stack(12, f, d, dtype, seed=f + d))
+        index = torch.tensor([7, 2, 11, 0, 2, 5, 9, 3], device=cuda)
+        x_rows = torch.randn(8, d, device=cuda).to(dtype)
+        out = expert_rows(gate_up, down, index, x_rows)
+        ref = _reference(gate_up.cpu(), down.cpu(), index.cpu(), x_rows.cpu())
+        assert _relative(out.cpu(), ref) < tolerance
+        assert torch.equal(out, expert_rows(gate_up, down, index, x_rows))
+        # Captured in a CUDA graph, it reads the index and inputs at replay.
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            expert_rows(gate_up, down, index, x_rows)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            captured = expert_rows(gate_up, down, index, x_rows)
+        index.copy_(torch.tensor([1, 1, 4, 6, 8, 10, 0, 11], device=cuda))
+        x_rows.copy_(torch.randn(8, d, device=cuda).to(dtype))
+        graph.replay()
+        assert torch.equal(captured, expert_rows(gate_up, down, index, x_rows))
