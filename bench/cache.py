@@ -263,12 +263,17 @@ def main(argv: list[str] | None = None) -> int:
             model = cached(ckpt, device, dtype, profile, prefill_context, small, loan=loan)
             runs[name] = run_prefill(model, long_prompt, args.repeat, prefill_context)
             runs[name]["startup"] = model.experts.budget.startup_line()
+            print(f"bench/cache.py: {name}: {runs[name]['prefill_s']:.3f} s", file=sys.stderr,
+                  flush=True)
             close(model)
             del model
             free_memory(device)
         peer_mib = args.budget_mib or small["expert_cache_mib"]
         runs["accelerate"] = None if args.no_peer else run_accelerate(
             ckpt, device, dtype, prompt, args.peer_new_tokens, peer_mib)
+        if runs["accelerate"]:
+            print(f"bench/cache.py: accelerate: {runs['accelerate']['decode_tok_s']:.3f} tok/s",
+                  file=sys.stderr, flush=True)
         free_memory(device)
 
     full, small, peer = runs["cache-full"], runs["cache-budget"], runs["accelerate"]
