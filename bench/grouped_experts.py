@@ -8,7 +8,8 @@ weights once (K * 3 * F * D * itemsize bytes) at the device's memory bandwidth.
 For each shape (a preset's F, D, E, K), each variant runs over `--stacks` stacks of E experts
 (rotated, so that the K experts of a call are not in the last-level cache from the call before)
 with fresh random routing per stack; each call is captured in a CUDA graph and its replays timed
-with CUDA events (median of `--repeat`), so launch gaps stay out of the numbers. Variants: the
+with CUDA events (median of `--repeat`), so launch gaps stay out of the numbers; `eager ms`
+times the same calls launched one by one, launches included. Variants: the
 gathered path, and the Triton kernels at several block sizes (the first is the default). A
 check against the gathered path runs before timing.
 
@@ -23,6 +24,7 @@ import datetime
 import json
 import statistics
 import sys
+import time
 
 import torch
 
@@ -63,6 +65,20 @@ def time_graph(call, repeat: int) -> float:
     return statistics.median(times)
 
 
+def time_eager(call, repeat: int) -> float:
+    """Median ms of `call` launched eagerly, host clock from launch to the device done: what a
+    round without graphs pays, launches included."""
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
 def measure(preset_name: str, n_stacks: int, repeat: int, dtype: torch.dtype) -> dict:
     preset = get_preset(preset_name)
     f, d, e, k = preset.expert_width, preset.hidden_size, preset.n_experts, preset.top_k
@@ -95,7 +111,8 @@ def measure(preset_name: str, n_stacks: int, repeat: int, dtype: torch.dtype) ->
                     for stack, ref in zip(stacks, reference, strict=True))
         ms = time_graph(rotated(run), repeat) / n_stacks
         rows.append({"variant": name, "ms_per_call": ms, "relative_error": error,
-                     "gb_per_s": floor_bytes / ms / 1e6})
+                     "gb_per_s": floor_bytes / ms / 1e6,
+                     "eager_ms_per_call": time_eager(rotated(run), repeat) / n_stacks})
     gathered = rows[0]["ms_per_call"]
     for row in rows:
         row["speedup_over_gathered"] = gathered / row["ms_per_call"]
@@ -125,10 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     for result in results:
         print(f"{result['preset']}: K={result['K']} of E={result['E']}, F={result['F']}, "
               f"D={result['D']}: floor {result['floor_bytes'] / 2**20:.0f} MiB read")
-        print(f"  {'variant':<28}{'ms/call':>9}{'GB/s':>8}{'x gathered':>12}{'rel err':>10}")
+        print(f"  {'variant':<28}{'ms/call':>9}{'GB/s':>8}{'x gathered':>12}{'rel err':>10}"
+              f"{'eager ms':>10}")
         for row in result["variants"]:
             print(f"  {row['variant']:<28}{row['ms_per_call']:>9.4f}{row['gb_per_s']:>8.0f}"
-                  f"{row['speedup_over_gathered']:>12.2f}{row['relative_error']:>10.1e}")
+                  f"{row['speedup_over_gathered']:>12.2f}{row['relative_error']:>10.1e}"
+                  f"{row['eager_ms_per_call']:>10.4f}")
     return 0
 
 

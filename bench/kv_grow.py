@@ -17,7 +17,7 @@ The profile is the routing of `--profile-prompts` seeded prompts, counted as `st
 counts it. Medians over `--rounds`; the ratios (with / without) are what the reference reported
 (+68% slots, +15% short-chat tok/s on a 16 GB card).
 
-    python bench/kv_grow.py --preset small --device cpu --budget-mib 8 --chunk-bytes 65536 \\
+    python bench/kv_grow.py --preset small --device cpu --budget-mib 12 --chunk-bytes 65536 \\
         --kv-init 128 --kv-step 128 --kv-floor 4 --long-tokens 768 --chat-new 16 --long-new 8 \\
         --prefill-chunk 64 --no-prefill-loan                     # here, on the CPU
     python bench/kv_grow.py --preset qwen3-30b-a3b --layers 16 --budget-mib 16384   # the GPU
@@ -42,6 +42,7 @@ from _common import add_model_arguments, byte_tokens, free_memory
 from strata.engine.cache.arena import slot_bytes_for
 from strata.engine.cache.budget import MIB
 from strata.engine.cache.build import build_cached_experts, plan_cache
+from strata.engine.cache.cli_options import default_stream_misses
 from strata.engine.cache.kv_grow import plan_elastic_cache
 from strata.engine.cache.profile import rank_from_counts, uniform_rank
 from strata.engine.cli_profile import collect_counts
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, help="default: the window whose K/V is "
                         "--kv-share of the budget")
     parser.add_argument("--kv-share", type=float, default=0.25)
+    parser.add_argument("--stream-misses", type=int,
+                        help="the cache's --stream-misses (default: strata generate's)")
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--chat-tokens", type=int, default=32)
     parser.add_argument("--chat-new", type=int, default=128)
@@ -155,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"the window of {max_context} cells does not hold the long run's "
                          f"{args.long_tokens} + {args.long_new} tokens: raise --budget-mib, "
                          "--kv-share or --max-context")
+        stream = default_stream_misses(cfg, device) if args.stream_misses is None \
+            else args.stream_misses
         sizing = {"max_context": max_context, "prefill_chunk": args.prefill_chunk,
                   "budget_mib": budget_mib, "reserve_mib": args.reserve_mib,
-                  "prefill_loan": not args.no_prefill_loan}
+                  "prefill_loan": not args.no_prefill_loan, "stream_misses": stream}
         start = time.perf_counter()
         first = plan_cache(cfg, dtype, device, rank=uniform_rank(cfg.n_layers, cfg.n_experts),
                            **sizing)
@@ -174,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
             for name in VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]:
                 runs[name].append(run_variant(name, model, store, cfg, dtype, device, rank,
                                               sizing, args))
+                run = runs[name][-1]
+                print(f"bench/kv_grow.py: {name}: {run['slots']} slots, chat "
+                      f"{run['chat_decode_tok_s']:.2f} tok/s, long prefill "
+                      f"{run['long_prefill_s']:.2f} s, {run['long_ms_per_round']:.1f} ms/round "
+                      "after", file=sys.stderr, flush=True)
 
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[name])
@@ -187,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
         platform.processor() or platform.machine(),
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-        "max_context": max_context, "proportions": figures, "load_s": load_s,
+        "max_context": max_context, "stream_misses": stream, "proportions": figures,
+        "load_s": load_s,
         "table": table, "runs": runs,
         "ratios": {
             "slots": after["slots"] / before["slots"],
