@@ -30,10 +30,13 @@ def byte_tokens(n: int, seed: int) -> list[int]:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, preset: str) -> None:
-    """Which checkpoint a benchmark writes, and where it runs: preset, family, layers, device,
-    dtype."""
+    """Which checkpoint a benchmark writes, and where it runs: preset, family, layers, router
+    skew, device, dtype."""
     parser.add_argument("--preset", default=preset)
     parser.add_argument("--family", help="default: the preset's own")
     parser.add_argument("--layers", type=int, help="shorten the preset to N layers")
+    parser.add_argument("--router-skew", type=float, default=0.0, metavar="A",
+                        help="strata init-model's --router-skew: routing that favours some "
+                        "experts in each layer (default 0: about uniform)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])

@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="strata-bench-cache-") as tmp:
         start = time.perf_counter()
         ckpt = write_checkpoint(Path(tmp) / "ckpt", family, preset, n_layers=args.layers,
-                                dtype=dtype, progress=sys.stderr.isatty() and not args.json)
+                                dtype=dtype, progress=sys.stderr.isatty() and not args.json,
+                                router_skew=args.router_skew)
         write_s = time.perf_counter() - start
         profile = make_profile(ckpt, device, dtype)
         small = ({"budget_mib": args.budget_mib} if args.budget_mib else
@@ -279,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     full, small, peer = runs["cache-full"], runs["cache-budget"], runs["accelerate"]
     result = {
         "preset": preset.name, "family": family, "layers": args.layers or preset.n_layers,
+        "router_skew": args.router_skew,
         "dtype": args.dtype, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
         platform.processor() or platform.machine(),

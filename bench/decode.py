@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         ckpt = write_checkpoint(
             Path(tmp) / "ckpt", family, preset, n_layers=args.layers, dtype=dtype,
-            progress=sys.stderr.isatty() and not args.json,
+            progress=sys.stderr.isatty() and not args.json, router_skew=args.router_skew,
         )
         write_s = time.perf_counter() - start
         strata = run_strata(ckpt, device, dtype, prompt, args.new_tokens, args.repeat)

@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             preset = get_preset(args.preset)
             ckpt = write_checkpoint(Path(tmp) / "ckpt", args.family or preset.default_family,
                                     preset, n_layers=args.layers, dtype=dtype,
-                                    progress=sys.stderr.isatty() and not args.json)
+                                    progress=sys.stderr.isatty() and not args.json,
+                                    router_skew=args.router_skew)
         cfg = ModelConfig.from_dir(ckpt)
         budget_mib, max_context, figures = proportions(cfg, dtype, args)
         if max_context < args.long_tokens + args.long_new + 16:
@@ -197,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
         platform.processor() or platform.machine(),
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-        "max_context": max_context, "stream_misses": stream, "proportions": figures,
+        "max_context": max_context, "stream_misses": stream,
+        "router_skew": None if args.model else args.router_skew, "proportions": figures,
         "load_s": load_s,
         "table": table, "runs": runs,
         "ratios": {

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="strata-bench-workspace-") as tmp:
         preset = get_preset(args.preset)
         ckpt = write_checkpoint(Path(tmp) / "ckpt", args.family or preset.default_family,
-                                preset, n_layers=args.layers, dtype=dtype)
+                                preset, n_layers=args.layers, dtype=dtype,
+                                router_skew=args.router_skew)
         model = load_model(ckpt, device=device, dtype=dtype)
         rows = [measure(model, n, args.prefill_chunk, device) for n in cells]
     result = {"preset": args.preset, "layers": args.layers, "dtype": args.dtype,

@@ -48,6 +48,8 @@ def test_the_preset_picks_its_family_and_layers_shorten_it(tmp_path, capsys):
         (["--layers", "5"], "--layers only shortens"),
         (["--dtype", "int8"], "unknown --dtype 'int8'"),
         (["--seed", "-2"], "seed must be a non-negative int"),
+        (["--router-skew", "-1"], "--router-skew must be a finite number >= 0, got -1"),
+        (["--router-skew", "nan"], "--router-skew must be a finite number >= 0, got nan"),
         (["--family", "olmoe", "--preset", "qwen3-30b-a3b", "--layers", "1"],
          "olmoe needs n_heads * head_dim == hidden_size"),
     ],

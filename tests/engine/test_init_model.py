@@ -160,6 +160,8 @@ def test_refuses_a_directory_with_files(tmp_path):
         ({"n_layers": 3}, "exceeds preset 'tiny'"),
         ({"seed": -1}, "seed must be a non-negative int"),
         ({"dtype": torch.int8}, "dtype must be one of"),
+        ({"router_skew": -0.5}, "router_skew must be a finite number >= 0, got -0.5"),
+        ({"router_skew": float("nan")}, "router_skew must be a finite number >= 0"),
     ],
 )
 def test_bad_arguments_write_nothing(tmp_path, kwargs, message):
@@ -167,3 +169,43 @@ def test_bad_arguments_write_nothing(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         write_checkpoint(tmp_path / "ckpt", args.pop("family"), args.pop("preset"), **args)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_router_skew_scales_router_rows_and_nothing_else(tmp_path):
+    plain = write_checkpoint(tmp_path / "plain", "olmoe", "tiny")
+    skewed = write_checkpoint(tmp_path / "skewed", "olmoe", "tiny", router_skew=1.0)
+    assert "strata_router_skew" not in json.loads((plain / "config.json").read_text())
+    assert json.loads((skewed / "config.json").read_text())["strata_router_skew"] == 1.0
+    assert ModelConfig.from_dir(skewed) == ModelConfig.from_dir(plain)
+    scales = []
+    for spec in tensor_specs("olmoe", PRESETS["tiny"]):
+        a, b = _read(plain, spec.name), _read(skewed, spec.name)
+        if spec.init != "router":
+            assert torch.equal(a, b), spec.name
+            continue
+        ratio = b.float().norm(dim=1) / a.float().norm(dim=1)  # [E]: the row scales
+        expected = (torch.arange(ratio.numel()) + 1.0) ** -1.0
+        expected /= expected.square().mean().sqrt()
+        assert torch.allclose(ratio.sort(descending=True).values, expected, rtol=2e-2)
+        scales.append(ratio.argmax().item())
+    # Each layer favours its own experts: the permutation is drawn per router (seeded).
+    assert len(scales) == PRESETS["tiny"].n_layers == 2 and scales[0] != scales[1]
+
+
+def test_router_skew_concentrates_the_routing(tmp_path):
+    from strata.engine.cli_profile import collect_counts
+    from strata.engine.model import load_model
+
+    prompts = [torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(3)]
+    shares = {}
+    for skew in (0.0, 1.0):
+        ckpt = write_checkpoint(tmp_path / f"skew{skew}", "qwen3_moe", "small",
+                                dtype=torch.float32, router_skew=skew)
+        counts, _ = collect_counts(load_model(ckpt, device="cpu"), prompts, decode_tokens=8,
+                                   prefill_chunk=48)  # [L, E]
+        ranked = -torch.sort(-torch.as_tensor(counts, dtype=torch.float64), dim=1).values
+        quarter = ranked.shape[1] // 4
+        shares[skew] = (ranked[:, :quarter].sum() / ranked.sum()).item()
+    # The hottest quarter of each layer's experts takes a larger share of the routing.
+    assert shares[1.0] > shares[0.0] + 0.05, shares

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -44,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument(
+        "--router-skew", type=float, default=0.0, metavar="A",
+        help="make routing favour some experts in each layer, as a trained model's does: "
+        "router rows scaled by (rank + 1)^-A (default: 0, every expert about equally likely; "
+        "0.5 sends about 70%% of a 128-expert layer's routing to a quarter of its experts)",
+    )
+    parser.add_argument(
         "--dtype", default="bf16", help="bf16, fp16 or fp32 (default: bf16)"
     )
     parser.add_argument(
@@ -63,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"unknown --dtype {args.dtype!r}; choose one of: {', '.join(DTYPE_CHOICES)}"
             )
+        if not (math.isfinite(args.router_skew) and args.router_skew >= 0):
+            raise ValueError(
+                f"--router-skew must be a finite number >= 0, got {args.router_skew:g}"
+            )
         if args.max_shard_mib < 1:
             raise ValueError(f"--max-shard-mib must be at least 1, got {args.max_shard_mib}")
         if args.layers is not None:
@@ -78,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=dtype,
             max_shard_bytes=args.max_shard_mib * 2**20,
             progress=sys.stderr.isatty(),
+            router_skew=args.router_skew,
         )
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -85,6 +97,6 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {out}: {family} {preset.name}, {preset.n_layers} layers, "
         f"{total_bytes / 1e9:.3g} GB {args.dtype} in {n_shards} shard(s), seed {args.seed} "
-        f"(random weights)"
+        f"(random weights{f', router skew {args.router_skew:g}' if args.router_skew else ''})"
     )
     return 0

@@ -20,10 +20,12 @@ def test_the_kv_grow_bench_runs_and_reports(capsys, monkeypatch):
     argv = ["--preset", "small", "--device", "cpu", "--budget-mib", "12", "--chunk-bytes",
             "65536", "--kv-init", "128", "--kv-step", "128", "--kv-floor", "4",
             "--long-tokens", "600", "--chat-new", "4", "--long-new", "4", "--prefill-chunk",
-            "64", "--no-prefill-loan", "--rounds", "1", "--profile-prompts", "1", "--json"]
+            "64", "--no-prefill-loan", "--rounds", "1", "--profile-prompts", "1", "--router-skew",
+            "0.5", "--json"]
     assert bench.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["stream_misses"] == 0  # strata generate's default off CUDA
+    assert report["router_skew"] == 0.5
     without, grown = report["table"]["without"], report["table"]["kv-grow"]
     assert grown["slots"] > without["slots"]
     kv = report["runs"]["kv-grow"][0]["kv"]
