@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: build, then the named stages, each under its own time limit,
+# logs and JSON under $OUT (default ./gpu-out). A stage cut short still leaves its progress lines.
+#
+#   bash bench/gpu_session.sh tests kernels cache          # about 8 minutes
+#   bash bench/gpu_session.sh kv-grow kv-grow-skewed       # about 6 minutes
+#
+# Stages (minutes, roughly): tests (2: pytest -m cuda), kernels (0.5: bench/grouped_experts.py),
+# cache (5: bench/cache.py at 4 GiB against accelerate), kv-grow (2.5: the short chat at the
+# reference's proportions, start cells 1/12 of the window), kv-grow-skewed (3: the same on a
+# model whose routing favours some experts), kv-grow-32k (8: the 32K prompt).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+    || { tail -30 "$OUT/build.log"; exit 1; }
+KV="--preset qwen3-30b-a3b --layers 16 --rounds 2 --chat-new 48 --long-tokens 1024 --long-new 8
+    --kv-floor 32 --profile-prompts 2 --json"
+for stage in "$@"; do
+    case $stage in
+    tests) timeout 200 python3 -m pytest -m cuda tests -q -p no:cacheprovider \
+               > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
+    kernels) (cd bench && timeout 100 python3 grouped_experts.py) > "$OUT/kernels.txt" 2>&1
+             cat "$OUT/kernels.txt" ;;
+    cache) (cd bench && timeout 420 python3 cache.py --preset olmoe-1b-7b --device cuda \
+               --budget-mib 4096 --repeat 3 --peer-new-tokens 8 --stream-misses 4 --piecewise \
+               --json) > "$OUT/cache.json" 2> "$OUT/cache.err"; grep "bench/" "$OUT/cache.err" ;;
+    kv-grow) (cd bench && timeout 240 python3 kv_grow.py $KV --kv-init 4096) \
+               > "$OUT/kv-grow.json" 2> "$OUT/kv-grow.err"; grep "bench/" "$OUT/kv-grow.err" ;;
+    kv-grow-skewed) (cd bench && timeout 240 python3 kv_grow.py $KV --kv-init 4096 \
+               --router-skew 0.5) > "$OUT/kv-grow-skewed.json" 2> "$OUT/kv-grow-skewed.err"
+               grep "bench/" "$OUT/kv-grow-skewed.err" ;;
+    kv-grow-32k) (cd bench && timeout 560 python3 kv_grow.py --preset qwen3-30b-a3b --layers 16 \
+               --rounds 1 --chat-new 32 --long-new 16 --kv-floor 32 --json) \
+               > "$OUT/kv-grow-32k.json" 2> "$OUT/kv-grow-32k.err"
+               grep "bench/" "$OUT/kv-grow-32k.err" ;;
+    *) echo "gpu_session.sh: unknown stage $stage" >&2; exit 2 ;;
+    esac
+done
