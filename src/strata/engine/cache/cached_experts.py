@@ -16,10 +16,8 @@ Per layer call, on the engine's thread:
 4. while the device runs them, the misses are computed on the CPU on this thread
    (`CpuExperts`: each distinct expert once, from the host store), and their rows copied into
    the [T*K, D] buffer, each row in its own place. With `stream_misses` = N > 0, a decode
-   call's first N missed experts (by id) are instead uploaded from the host store into a
-   staging buffer of N blobs and computed on the device (asynchronous copies from the pinned
-   store, in stream order before the compute), while the CPU computes the others: PCIe and
-   the CPU then share the misses;
+   call's first N missed experts (by id) are instead uploaded into a staging buffer and
+   computed on the device while the CPU computes the others (`StreamedMisses`);
 5. the policy may admit this call's misses (checked, applied to the books and uploaded into
    their slots before the next use, all or nothing);
 6. the K rows of each token are weighted and summed in order in float32.
@@ -57,6 +55,7 @@ from strata.engine.cache.budget import CacheBudget
 from strata.engine.cache.cpu_experts import CpuExperts
 from strata.engine.cache.routed import Routed
 from strata.engine.cache.stats import PHASES, CacheStats
+from strata.engine.cache.streamed_misses import StreamedMisses
 from strata.engine.experts import ExpertStore
 from strata.engine.grouped_experts import expert_rows
 from strata.policies import CheckedPolicy, apply_admit, emit
@@ -134,10 +133,8 @@ class CachedExperts:
                 or stream_misses < 0:
             raise ValueError(f"stream_misses must be an int >= 0, got {stream_misses!r}")
         self.stream_misses = stream_misses
-        # [N, blob] on the device: the blobs of a decode call's streamed misses.
-        self._staging = torch.empty((stream_misses, store.blob_bytes), dtype=torch.uint8,
-                                    device=self.device)
-        self._staging_index = torch.arange(stream_misses, device=self.device)  # [N]
+        self.streamer = StreamedMisses(store, self.device, stream_misses) \
+            if stream_misses else None
         answering = type(getattr(self.checked.policy, "inner", self.checked.policy))
         self._observes = "observe" in answering.overrides()
         # Routed ids not yet in the books' heat, flat [L*E] (the device-only decode path).
@@ -295,13 +292,13 @@ class CachedExperts:
         stats.hits += n_hits
 
         streamed = None
-        if misses is not None and not self._loaned and n_tokens == 1 and self.stream_misses:
-            streamed, misses = self._split_streamed(ids, hit, misses)
+        if misses is not None and not self._loaned and n_tokens == 1 and self.streamer is not None:
+            streamed, misses = self.streamer.split(ids, hit, misses)
         on_cpu = misses is not None and not self._loaned
         if on_cpu:
             started = time.perf_counter()
-            tokens = torch.tensor(misses.tokens(), device=x.device)  # [R]
-            x_rows = x.index_select(0, tokens).cpu()  # [R, D]: the misses' inputs
+            # [R, D]: the misses' inputs, picked on the host (one read of x, no index upload).
+            x_rows = x.cpu().index_select(0, torch.from_numpy(misses.tokens()))
             stats.wait_s += time.perf_counter() - started
 
         # The device's share is issued first and runs while this thread computes the misses
@@ -320,8 +317,9 @@ class CachedExperts:
                 rows = torch.tensor(hits.rows, device=self.device)  # [R]
                 out.index_copy_(0, rows, self.compute_from_slots(x, hits, hit_slots))
             if streamed is not None:
+                assert self.streamer is not None  # only it splits streamed rows off
                 rows = torch.tensor(streamed.rows, device=self.device)  # [R]
-                out.index_copy_(0, rows, self._compute_streamed(layer, x, streamed))
+                out.index_copy_(0, rows, self.streamer.compute(layer, x, streamed))
                 stats.streamed_experts += streamed.n_experts
                 stats.uploaded_bytes += streamed.n_experts * self.store.blob_bytes
             if misses is not None and self._loaned:
@@ -384,32 +382,6 @@ class CachedExperts:
         self._gathered_hits(layer, x, topk_ids, None, out)
         weighted = out.view(n_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
         return weighted.sum(dim=1).to(x.dtype)
-
-    # --- misses streamed to the device (decode, `stream_misses`) ---
-    def _split_streamed(
-        self, ids: np.ndarray, hit: np.ndarray, misses: Routed
-    ) -> tuple[Routed, Routed | None]:
-        """(the first `stream_misses` missed experts' rows, the other misses' or None)."""
-        chosen = np.isin(ids, misses.experts[: self.stream_misses]) & ~hit  # [T, K]
-        rest = ~hit & ~chosen
-        return Routed.of(ids, chosen), (Routed.of(ids, rest) if rest.any() else None)
-
-    def _compute_streamed(self, layer: int, x: torch.Tensor, streamed: Routed) -> torch.Tensor:
-        """[R, D] on the device, rows in `streamed.rows` order (T == 1: one row an expert):
-        the experts' blobs copied from the host store into the staging buffer, then the
-        decode path's math (`_gathered_hits`) over them. The copies and the compute are in
-        stream order, so the next call's copies wait for this call's reads."""
-        n, f, d = streamed.n_experts, self.expert_width, self.hidden_size
-        if streamed.n_rows != n:
-            raise ValueError(f"streamed misses are for one token: {n} experts, "
-                             f"{streamed.n_rows} rows")
-        for i, expert in enumerate(streamed.experts.tolist()):
-            self._staging[i].copy_(self.store.blob(layer, expert), non_blocking=True)
-        typed = self._staging.view(self.store.dtype)  # [N, 3*F*D]
-        gate_up = typed[:, : 2 * f * d].unflatten(1, (2 * f, d))  # [N, 2F, D]
-        down = typed[:, 2 * f * d : 3 * f * d].unflatten(1, (d, f))  # [N, D, F]
-        # The one token, once an expert: [n, D].
-        return expert_rows(gate_up, down, self._staging_index[:n], x.expand(n, -1))
 
     # --- decode steps replayed from CUDA graphs ---
     @contextmanager

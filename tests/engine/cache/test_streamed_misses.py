@@ -1,0 +1,65 @@
+"""StreamedMisses on the CPU: which misses it takes, and its math against a float64 reference
+one expert at a time from the host store."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.engine.cache.routed import Routed
+from strata.engine.cache.streamed_misses import StreamedMisses
+from strata.engine.checkpoint import Checkpoint
+from strata.engine.experts import ExpertStore
+from support.checkpoints import cached_checkpoint
+
+
+@pytest.fixture(scope="module")
+def store():
+    ckpt = Checkpoint.open(cached_checkpoint("qwen3_moe", "small", dtype=torch.float32))
+    try:
+        return ExpertStore.from_checkpoint(ckpt)  # L=4, E=16, K=4
+    finally:
+        ckpt.close()
+
+
+def test_it_takes_the_first_missed_experts_by_id(store):
+    streamer = StreamedMisses(store, torch.device("cpu"), 2)
+    ids = np.array([[9, 3, 12, 5]])  # [T, K]
+    hit = np.array([[False, True, False, False]])
+    streamed, rest = streamer.split(ids, hit, Routed.of(ids, ~hit))
+    assert streamed.experts.tolist() == [5, 9] and sorted(streamed.rows.tolist()) == [0, 3]
+    assert rest.experts.tolist() == [12] and rest.rows.tolist() == [2]
+    streamed, rest = StreamedMisses(store, torch.device("cpu"), 4).split(
+        ids, hit, Routed.of(ids, ~hit))
+    assert streamed.experts.tolist() == [5, 9, 12] and rest is None
+
+
+def test_it_computes_the_streamed_experts_over_the_token(store):
+    streamer = StreamedMisses(store, torch.device("cpu"), 3)
+    ids = np.array([[7, 0, 15, 2]])
+    hit = np.array([[True, False, False, False]])
+    x = torch.randn(1, store.hidden_size, generator=torch.Generator().manual_seed(3))
+    for layer in (0, 3):
+        streamed, _ = streamer.split(ids, hit, Routed.of(ids, ~hit))
+        out = streamer.compute(layer, x, streamed)  # [R, D], rows in streamed.rows order
+        f = store.expert_width
+        for row, expert in zip(streamed.rows.tolist(), streamed.experts.tolist(), strict=True):
+            gate, up, down = (w.double() for w in store.weights(layer, expert))
+            h = torch.cat([gate, up]) @ x[0].double()
+            expected = down @ (F.silu(h[:f]) * h[f:])
+            got = out[streamed.rows.tolist().index(row)].double()
+            assert ((got - expected).norm() / expected.norm()).item() < 1e-5
+
+
+def test_it_refuses_what_it_cannot_hold(store):
+    with pytest.raises(ValueError, match="n_blobs must be an int >= 1, got 0"):
+        StreamedMisses(store, torch.device("cpu"), 0)
+    streamer = StreamedMisses(store, torch.device("cpu"), 1)
+    ids = np.array([[1, 2, 3, 4]])
+    misses = Routed.of(ids, np.ones_like(ids, dtype=bool))
+    with pytest.raises(ValueError, match="do not fit 1 staging blobs"):
+        streamer.compute(0, torch.zeros(1, store.hidden_size), misses)
+    two = np.array([[1, 2, 3, 4], [1, 5, 6, 7]])
+    with pytest.raises(ValueError, match="for one token"):
+        streamer.compute(0, torch.zeros(2, store.hidden_size),
+                         Routed.of(two, np.ones_like(two, dtype=bool)))
