@@ -2,8 +2,45 @@
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
 from strata.engine.cache.routed import Routed
+
+
+def _reference(ids, mask):
+    """{expert: [rows ascending]} of the masked rows, one row at a time."""
+    grouped = {}
+    for row, (expert, kept) in enumerate(zip(ids.reshape(-1).tolist(), mask.reshape(-1).tolist(),
+                                             strict=True)):
+        if kept:
+            grouped.setdefault(expert, []).append(row)
+    return dict(sorted(grouped.items()))
+
+
+def _as_dict(routed):
+    return {e: routed.expert_rows(i).tolist() for i, e in enumerate(routed.experts.tolist())}
+
+
+routings = st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 9)).flatmap(
+    lambda tke: st.tuples(
+        arrays(np.int64, (tke[0], tke[1]), elements=st.integers(0, tke[2] - 1)),
+        arrays(np.bool_, (tke[0], tke[1]))))
+
+
+@given(routings, st.data())
+def test_of_and_group_match_the_reference(routing, data):
+    ids, mask = routing
+    routed = Routed.of(ids, mask)
+    assert _as_dict(routed) == _reference(ids, mask)
+    lo = data.draw(st.integers(0, routed.n_experts))
+    hi = data.draw(st.integers(lo, routed.n_experts))
+    group = routed.group(lo, hi)
+    kept = set(routed.experts[lo:hi].tolist())
+    in_group = mask & np.isin(ids, list(kept))
+    assert _as_dict(group) == _reference(ids, in_group) and group.top_k == routed.top_k
+    assert group.starts[0] == 0 and group.starts[-1] == group.n_rows
 
 
 def test_groups_rows_by_expert_ascending():
@@ -45,5 +82,7 @@ def test_bad_shapes():
         Routed.of(np.zeros((2, 2), int), np.zeros((2, 3), bool))
     with pytest.raises(ValueError, match="starts must be"):
         Routed(np.array([1]), np.array([0, 2]), np.array([0], np.int64), 1)
+    with pytest.raises(ValueError, match=r"experts \[2, 1\) are not within \[0, 1\]"):
+        Routed.of(np.array([[1, 1]])).group(2, 1)
     with pytest.raises(ValueError, match="rows must be int64"):
         Routed(np.array([1]), np.array([0, 1]), np.array([0], np.int32), 1)

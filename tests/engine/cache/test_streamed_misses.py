@@ -26,11 +26,10 @@ def test_it_takes_the_first_missed_experts_by_id(store):
     streamer = StreamedMisses(store, torch.device("cpu"), 2)
     ids = np.array([[9, 3, 12, 5]])  # [T, K]
     hit = np.array([[False, True, False, False]])
-    streamed, rest = streamer.split(ids, hit, Routed.of(ids, ~hit))
+    streamed, rest = streamer.split(Routed.of(ids, ~hit))
     assert streamed.experts.tolist() == [5, 9] and sorted(streamed.rows.tolist()) == [0, 3]
     assert rest.experts.tolist() == [12] and rest.rows.tolist() == [2]
-    streamed, rest = StreamedMisses(store, torch.device("cpu"), 4).split(
-        ids, hit, Routed.of(ids, ~hit))
+    streamed, rest = StreamedMisses(store, torch.device("cpu"), 4).split(Routed.of(ids, ~hit))
     assert streamed.experts.tolist() == [5, 9, 12] and rest is None
 
 
@@ -40,7 +39,7 @@ def test_it_computes_the_streamed_experts_over_the_token(store):
     hit = np.array([[True, False, False, False]])
     x = torch.randn(1, store.hidden_size, generator=torch.Generator().manual_seed(3))
     for layer in (0, 3):
-        streamed, _ = streamer.split(ids, hit, Routed.of(ids, ~hit))
+        streamed, _ = streamer.split(Routed.of(ids, ~hit))
         out = streamer.compute(layer, x, streamed)  # [R, D], rows in streamed.rows order
         f = store.expert_width
         for row, expert in zip(streamed.rows.tolist(), streamed.experts.tolist(), strict=True):

@@ -293,7 +293,7 @@ class CachedExperts:
 
         streamed = None
         if misses is not None and not self._loaned and n_tokens == 1 and self.streamer is not None:
-            streamed, misses = self.streamer.split(ids, hit, misses)
+            streamed, misses = self.streamer.split(misses)
         on_cpu = misses is not None and not self._loaned
         if on_cpu:
             started = time.perf_counter()
@@ -306,26 +306,32 @@ class CachedExperts:
         started = time.perf_counter()
         out = x.new_empty((n_tokens * top_k, x.shape[1]))  # [T*K, D]: row t*K + k
         try:
-            if n_hits and n_tokens == 1:
-                rows = None if n_hits == ids.size else torch.tensor(
-                    np.flatnonzero(hit.reshape(-1)), device=self.device)  # [R] hit rows
-                self._gathered_hits(layer, x, topk_ids, rows, out)
-            elif n_hits:
-                hits = Routed.of(ids, hit)
+            hits = Routed.of(ids, hit) if n_hits and n_tokens > 1 else None
+            hit_rows = hits.rows if hits is not None else np.flatnonzero(hit.reshape(-1))
+            # Decode reads the hits' slots by the books' answer (the host has it already).
+            hit_slots = slots.reshape(-1)[hit_rows] if n_hits and n_tokens == 1 else None
+            # [R] each: the slots, and the rows each share's outputs land in; one upload.
+            slot_index, hit_index, streamed_index, miss_index = self._rows_to_device(
+                hit_slots, hit_rows if n_hits else None,
+                streamed.rows if streamed is not None else None,
+                misses.rows if misses is not None else None)
+            if hit_slots is not None:
+                # T == 1: every hit row reads the one token; all of them in one call.
+                y = expert_rows(self.arena.gate_up_all(), self.arena.down_all(), slot_index,
+                                x.expand(hit_slots.size, -1))  # [R, D]
+                out.index_copy_(0, hit_index, y)
+            elif hits is not None:
                 # Each hit expert's slot: that of its first row (one slot per expert).
                 hit_slots = slots.reshape(-1)[hits.rows[hits.starts[:-1]]]
-                rows = torch.tensor(hits.rows, device=self.device)  # [R]
-                out.index_copy_(0, rows, self.compute_from_slots(x, hits, hit_slots))
+                out.index_copy_(0, hit_index, self.compute_from_slots(x, hits, hit_slots))
             if streamed is not None:
                 assert self.streamer is not None  # only it splits streamed rows off
-                rows = torch.tensor(streamed.rows, device=self.device)  # [R]
-                out.index_copy_(0, rows, self.streamer.compute(layer, x, streamed))
+                out.index_copy_(0, streamed_index, self.streamer.compute(layer, x, streamed))
                 stats.streamed_experts += streamed.n_experts
                 stats.uploaded_bytes += streamed.n_experts * self.store.blob_bytes
             if misses is not None and self._loaned:
                 assert self.loan is not None
-                rows = torch.tensor(misses.rows, device=self.device)  # [R]
-                out.index_copy_(0, rows, self.loan.compute_misses(self, layer, x, misses))
+                out.index_copy_(0, miss_index, self.loan.compute_misses(self, layer, x, misses))
                 stats.loan_experts += misses.n_experts
         finally:
             stats.device_s += time.perf_counter() - started
@@ -335,8 +341,7 @@ class CachedExperts:
             stats.cpu_s += time.perf_counter() - started
             stats.cpu_experts += misses.n_experts
             stats.cpu_tokens += misses.n_rows
-            rows = torch.tensor(misses.rows, device=self.device)  # [R]
-            out.index_copy_(0, rows, miss_rows.to(self.device))
+            out.index_copy_(0, miss_index, miss_rows.to(self.device))
 
         if self.checked.admits and (misses is not None or streamed is not None):
             missed = [r.experts for r in (streamed, misses) if r is not None]
@@ -350,25 +355,21 @@ class CachedExperts:
             self._close_pass()
         return result
 
-    def _gathered_hits(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, rows: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
-        """The decode path (T == 1, so R <= K): the hit `rows` [R] (None: every row) at once,
-        weights gathered from their slots by the slot indices the device mirror gives."""
-        n_tokens, top_k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1)  # [T*K]
-        if rows is None:
-            slot_ids = self.mirror[layer].index_select(0, flat_ids)  # [T*K]
-            x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1)
-        else:
-            slot_ids = self.mirror[layer].index_select(0, flat_ids.index_select(0, rows))  # [R]
-            x_rows = x.index_select(0, rows // top_k)  # [R, D]
-        y = expert_rows(self.arena.gate_up_all(), self.arena.down_all(), slot_ids, x_rows)
-        if rows is None:
-            out.copy_(y)
-        else:
-            out.index_copy_(0, rows, y)
+    def _rows_to_device(self, *groups: np.ndarray | None) -> list[torch.Tensor | None]:
+        """Each int [R_i] array (rows, slots) as an int64 tensor on the device (None stays
+        None), in one host-to-device copy: on CUDA each copy from pageable memory waits for
+        the stream."""
+        present = [g for g in groups if g is not None]
+        if not present:
+            return [None] * len(groups)
+        flat = torch.from_numpy(np.concatenate(present).astype(np.int64, copy=False)).to(
+            self.device)  # [sum R_i]
+        views: list[torch.Tensor | None] = []
+        at = 0
+        for group in groups:
+            views.append(None if group is None else flat[at : at + group.size])
+            at += 0 if group is None else group.size
+        return views
 
     def _device_only_forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -378,8 +379,10 @@ class CachedExperts:
         flat = topk_ids.reshape(-1) + layer * self.n_experts  # [T*K] flat expert ids
         self._pending_heat.index_add_(0, flat, torch.ones_like(flat))
         self._pending = True
-        out = x.new_empty((n_tokens * top_k, x.shape[1]))  # [T*K, D]
-        self._gathered_hits(layer, x, topk_ids, None, out)
+        # Every row a hit: the slots by the mirror, on the device (no host read).
+        slot_ids = self.mirror[layer].index_select(0, topk_ids.reshape(-1))  # [T*K]
+        x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1)
+        out = expert_rows(self.arena.gate_up_all(), self.arena.down_all(), slot_ids, x_rows)
         weighted = out.view(n_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
         return weighted.sum(dim=1).to(x.dtype)
 

@@ -38,6 +38,15 @@ class CpuExperts:
             raise ValueError(f"cpu_threads must be None or an int >= 1, got {cpu_threads!r}")
         self.store = store
         self.cpu_threads = cpu_threads
+        # Per layer, views into the store's blobs (no copy), made once: gate and up as one
+        # matrix [E, 2F, D] (adjacent in a blob), down [E, D, F].
+        f, d = store.expert_width, store.hidden_size
+        self._gate_up: list[torch.Tensor] = []
+        self._down: list[torch.Tensor] = []
+        for layer in range(store.n_layers):
+            typed = store.layer_blobs(layer).view(store.dtype)  # [E, 3*F*D]
+            self._gate_up.append(typed[:, : 2 * f * d].unflatten(1, (2 * f, d)))
+            self._down.append(typed[:, 2 * f * d : 3 * f * d].unflatten(1, (d, f)))
 
     def compute(self, layer: int, x_rows: torch.Tensor, routed: Routed) -> torch.Tensor:
         """Outputs [R, D] in the store's dtype, rows in `routed.rows` order.
@@ -58,15 +67,11 @@ class CpuExperts:
         f = self.store.expert_width
         out = torch.empty((routed.n_rows, self.store.hidden_size), dtype=self.store.dtype)
         x_rows = x_rows.to(self.store.dtype)
+        gate_up, down = self._gate_up[layer], self._down[layer]  # [E, 2F, D], [E, D, F]
+        starts = routed.starts.tolist()
         for i, expert in enumerate(routed.experts.tolist()):
-            lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
-            _, _, down = self.store.weights(layer, expert)  # [D, F]
-            h = F.linear(x_rows[lo:hi], self._gate_up(layer, expert))  # [n, 2F]
+            lo, hi = starts[i], starts[i + 1]
+            h = F.linear(x_rows[lo:hi], gate_up[expert])  # [n, 2F]
             act = F.silu(h[:, :f]) * h[:, f:]  # [n, F]
-            out[lo:hi] = F.linear(act, down)  # [n, D]
+            out[lo:hi] = F.linear(act, down[expert])  # [n, D]
         return out
-
-    def _gate_up(self, layer: int, expert: int) -> torch.Tensor:
-        """[2F, D]: gate then up, adjacent in the blob, as one matrix (no copy)."""
-        f, d = self.store.expert_width, self.store.hidden_size
-        return self.store.blob(layer, expert).view(self.store.dtype)[: 2 * f * d].view(2 * f, d)

@@ -134,12 +134,10 @@ class PromptLoan:
                 "lent slot while the loan is open"
             )
         out = x.new_empty((misses.n_rows, x.shape[1]))  # [R, D]
-        starts = misses.starts
         for b0 in range(0, misses.n_experts, self.lent.size):
             b1 = min(misses.n_experts, b0 + self.lent.size)
-            r0, r1 = int(starts[b0]), int(starts[b1])
-            batch = Routed(misses.experts[b0:b1].copy(), starts[b0:b1 + 1] - r0,
-                           misses.rows[r0:r1].copy(), misses.top_k)
+            r0, r1 = int(misses.starts[b0]), int(misses.starts[b1])
+            batch = misses.group(b0, b1)
             slots = self.lent[: b1 - b0]
             pairs = np.stack([np.full(b1 - b0, layer, np.int64), batch.experts], axis=1)
             cached.upload(slots, pairs)  # complete before the compute below reads the slots

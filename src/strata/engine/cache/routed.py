@@ -59,9 +59,17 @@ class Routed:
         chosen = flat[rows]
         order = np.argsort(chosen, kind="stable")  # by expert, rows ascending within
         rows, chosen = rows[order], chosen[order]
-        experts, first = np.unique(chosen, return_index=True)
+        first = np.flatnonzero(np.diff(chosen, prepend=-1))  # [M]: where each expert begins
         starts = np.append(first, chosen.size).astype(np.int64)
-        return cls(experts.astype(np.int64), starts, rows, int(ids.shape[1]))
+        return cls(chosen[first], starts, rows, int(ids.shape[1]))
+
+    def group(self, lo: int, hi: int) -> Routed:
+        """The rows of experts[lo:hi] (0 <= lo <= hi <= M) as a Routed of their own."""
+        if not 0 <= lo <= hi <= self.n_experts:
+            raise ValueError(f"experts [{lo}, {hi}) are not within [0, {self.n_experts}]")
+        r0, r1 = int(self.starts[lo]), int(self.starts[hi])
+        return Routed(self.experts[lo:hi].copy(), self.starts[lo : hi + 1] - r0,
+                      self.rows[r0:r1].copy(), self.top_k)
 
     @property
     def n_experts(self) -> int:

@@ -19,7 +19,6 @@ buffer is reused safely without a sync.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from strata.engine.cache.routed import Routed
@@ -48,13 +47,11 @@ class StreamedMisses:
     def nbytes(self) -> int:
         return self._staging.numel()
 
-    def split(self, ids: np.ndarray, hit: np.ndarray, misses: Routed) -> tuple[Routed,
-                                                                               Routed | None]:
-        """(the rows of the first `n_blobs` missed experts, the other misses' or None).
-        ids, hit [T, K]; `misses` the routed rows that are not hits."""
-        chosen = np.isin(ids, misses.experts[: self.n_blobs]) & ~hit  # [T, K]
-        rest = ~hit & ~chosen
-        return Routed.of(ids, chosen), (Routed.of(ids, rest) if rest.any() else None)
+    def split(self, misses: Routed) -> tuple[Routed, Routed | None]:
+        """(the rows of the first `n_blobs` missed experts by id, the other misses' or None)."""
+        n = min(self.n_blobs, misses.n_experts)
+        rest = misses.group(n, misses.n_experts) if n < misses.n_experts else None
+        return misses.group(0, n), rest
 
     def compute(self, layer: int, x: torch.Tensor, streamed: Routed) -> torch.Tensor:
         """[R, D] on the device, rows in `streamed.rows` order: the experts' blobs copied from
