@@ -8,11 +8,11 @@ Per layer call, on the engine's thread:
    `lookup` splits the T*K rows into hits (resident) and misses;
 2. the routing is recorded in the books' heat, then the policy's `observe` is told;
 3. the hits are issued to the device straight from their slots: when T == 1 (decode) at once
-   by `strata.engine.grouped_experts.expert_rows`, reading slot indices from the device
-   mirror of the books (on CUDA with Triton, kernels that read the slots in place; elsewhere
-   a gather of the hit rows' blobs and two bmm); otherwise each distinct hit expert over its
-   tokens, from its slot's views (no weight copy); in a pass the prompt loan took, the misses
-   go to the loan too;
+   by `strata.engine.grouped_experts.expert_rows` over the slots `lookup` gave (on CUDA with
+   Triton, kernels that read the slots in place; elsewhere a gather of the hit rows' blobs
+   and two bmm), every index the call needs uploaded in one copy; otherwise each distinct hit
+   expert over its tokens, from its slot's views (no weight copy); in a pass the prompt loan
+   took, the misses go to the loan too;
 4. while the device runs them, the misses are computed on the CPU on this thread
    (`CpuExperts`: each distinct expert once, from the host store), and their rows copied into
    the [T*K, D] buffer, each row in its own place. With `stream_misses` = N > 0, a decode
