@@ -6,6 +6,7 @@
 #   bash bench/gpu_session.sh kv-grow kv-grow-skewed       # about 6 minutes
 #
 # Stages (minutes, roughly): tests (2: pytest -m cuda), kernels (0.5: bench/grouped_experts.py),
+# host (1: bench/cache_host.py, the host's share of a cache layer call, on that machine's CPU),
 # cache (5: bench/cache.py at 4 GiB against accelerate), kv-grow (2.5: the short chat at the
 # reference's proportions, start cells 1/12 of the window), kv-grow-skewed (3: the same on a
 # model whose routing favours some experts), kv-grow-32k (8: the 32K prompt).
@@ -23,6 +24,8 @@ for stage in "$@"; do
                > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
     kernels) (cd bench && timeout 100 python3 grouped_experts.py) > "$OUT/kernels.txt" 2>&1
              cat "$OUT/kernels.txt" ;;
+    host) (cd bench && timeout 120 python3 cache_host.py) > "$OUT/host.txt" 2>&1
+          cat "$OUT/host.txt" ;;
     cache) (cd bench && timeout 420 python3 cache.py --preset olmoe-1b-7b --device cuda \
                --budget-mib 4096 --repeat 3 --peer-new-tokens 8 --stream-misses 4 --piecewise \
                --json) > "$OUT/cache.json" 2> "$OUT/cache.err"; grep "bench/" "$OUT/cache.err" ;;
