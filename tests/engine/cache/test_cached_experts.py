@@ -15,11 +15,12 @@ from strata.engine.experts import ExpertStore, ResidentExperts
 from strata.engine.generate import GenerateOptions, generate
 from strata.engine.layers import route
 from strata.engine.model import load_model
-from strata.policies import CheckedPolicy, Policy, PolicyError, hookimpl, plugin_manager
+from strata.policies import CheckedPolicy, Policy, PolicyError, plugin_manager
 from strata.policies.builtin.lru import Lru
 from strata.policies.events import Admitted, Evicted
 from support.cache_models import CHUNK_BYTES, cached_model
 from support.checkpoints import cached_checkpoint
+from support.events import EventLog
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # max |logit difference| / max |logit| allowed when experts run on the CPU instead of the slots:
@@ -183,15 +184,6 @@ def test_stats_count_what_happened(small):
         assert key in d and key in d["prompt"] and key in d["decode"], key
 
 
-class _Observer:
-    def __init__(self):
-        self.events = []
-
-    @hookimpl
-    def strata_event(self, event):
-        self.events.append(event)
-
-
 def _blobs_match_books(cached):
     view = cached.arena.slots_view()
     for slot in np.flatnonzero(cached.table.owner >= 0):
@@ -202,7 +194,7 @@ def _blobs_match_books(cached):
 def test_admissions_keep_books_slots_mirror_and_events_in_step(small):
     ckpt = small[0]
     pm = plugin_manager(entry_points=False)
-    observer = _Observer()
+    observer = EventLog()
     pm.register(observer)
     model = cached_model(ckpt, expert_cache_mib=8, policy=Lru(), events=pm)
     try:
@@ -214,8 +206,8 @@ def test_admissions_keep_books_slots_mirror_and_events_in_step(small):
         cached.table.validate()
         _blobs_match_books(cached)
         assert np.array_equal(cached.mirror.numpy(), cached.table.res)
-        admitted = [e for e in observer.events if isinstance(e, Admitted)]
-        evicted = [e for e in observer.events if isinstance(e, Evicted)]
+        admitted = [e for e in observer.seen if isinstance(e, Admitted)]
+        evicted = [e for e in observer.seen if isinstance(e, Evicted)]
         assert sum(len(e.placements) for e in admitted) == stats.admitted
         assert sum(len(e.experts) for e in evicted) == stats.evicted
         for event in admitted:

@@ -20,9 +20,10 @@ from strata.engine.cache.loan import PromptLoan
 from strata.engine.checkpoint import Checkpoint
 from strata.engine.experts import ExpertStore
 from strata.engine.kv import KVCache
-from strata.policies import CheckedPolicy, KvParams, PolicyError, hookimpl, plugin_manager
+from strata.policies import CheckedPolicy, KvParams, PolicyError, plugin_manager
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
 from support.checkpoints import cached_checkpoint
+from support.events import EventLog
 
 CHUNK = 65536
 CELLS_PER_CHUNK = 512  # 2 kv heads * 16 dims * 4 bytes = 128-byte cells
@@ -60,15 +61,6 @@ class Recorder(ColdestInLoan):
         return moves
 
 
-class Events:
-    def __init__(self):
-        self.seen = []
-
-    @hookimpl
-    def strata_event(self, event):
-        self.seen.append(event)
-
-
 def _setup(store, n_slots=12, free_chunks=0, policy=None, keep_slots=6, params=PARAMS):
     """(elastic, cached, events): a filled cache of `n_slots`, a loan region of the top
     `n_slots - keep_slots` slots (at most E), and a K/V of WINDOW cells with 512 mapped."""
@@ -79,7 +71,7 @@ def _setup(store, n_slots=12, free_chunks=0, policy=None, keep_slots=6, params=P
     arena = Arena(backend, n_slots, slot_bytes, hidden_size=store.hidden_size,
                   expert_width=store.expert_width, dtype=store.dtype)
     pm = plugin_manager(entry_points=False)
-    events = Events()
+    events = EventLog()
     pm.register(events)
     policy = policy or Recorder()
     cached = CachedExperts(store, arena, table, CheckedPolicy(policy, table), "cpu", events=pm)

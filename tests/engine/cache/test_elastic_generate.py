@@ -19,9 +19,10 @@ from strata.engine.cache.profile import rank_from_counts
 from strata.engine.config import ModelConfig
 from strata.engine.generate import GenerateOptions, expert_cache, generate
 from strata.engine.model import load_model
-from strata.policies import hookimpl, plugin_manager
+from strata.policies import plugin_manager
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
 from support.checkpoints import cached_checkpoint
+from support.events import EventLog
 
 CHUNK = 4096
 WINDOW = 256
@@ -62,15 +63,6 @@ class Recorder(ColdestInLoan):
         moves = super().relocate(view, slots)
         self.moves += [(int(s), int(d)) for s, d in moves]
         return moves
-
-
-class Events:
-    def __init__(self):
-        self.seen = []
-
-    @hookimpl
-    def strata_event(self, event):
-        self.seen.append(event)
 
 
 def _model(ckpt, rank, *, kv_grow, environ=None, **sizing):
@@ -149,7 +141,7 @@ def test_grown_by_giving_up_slots_follows_the_policys_decisions(ckpt, rank, monk
     monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "8")  # a loan region of the top 8 slots
     policy = Recorder()
     pm = plugin_manager(entry_points=False)
-    events = Events()
+    events = EventLog()
     pm.register(events)
     # The host default budget holds every expert and the start cells: no free budget.
     model, _ = _model(ckpt, rank, kv_grow=True, environ=GROW, policy=policy, events=pm,
