@@ -9,7 +9,9 @@ resident, as `strata profile` counts it), then measures, each engine on a fresh 
   `resident-eager`: the same, eager (the cache decodes eagerly: its host reads per layer);
 - `cache-full`: the cache holding every expert (the target: within 1.1x of `resident`);
 - `cache-budget`: the cache at `--budget-mib` (default: an `--expert-cache` of `--expert-share`
-  of the experts), filled by the profile; decode, and where a round's time goes;
+  of the experts), filled by the profile, every miss on the CPU and rounds eager (the baseline,
+  not `strata generate`'s defaults on CUDA, which are `-stream4-piecewise` for a top-8 model);
+  decode, and where a round's time goes;
 - `cache-budget-streamN`, for each N of `--stream-misses`: the same with N of each decode
   layer's misses uploaded and computed on the device while the CPU computes the rest;
 - with `--piecewise`, a `-piecewise` twin of each of those: decode replayed as CUDA graphs cut
@@ -27,7 +29,8 @@ Decode tok/s for strata is its own figure (rounds / decode time); for transforme
 (time of `new` tokens - time of 1 token). Medians over `--repeat` runs after a warm-up.
 
     python bench/cache.py --preset tiny --device cpu --loan-keep-slots 0    # here, a minute
-    python bench/cache.py --preset olmoe-1b-7b --device cuda --budget-mib 4096
+    python bench/cache.py --preset olmoe-1b-7b --device cuda --budget-mib 4096 \
+        --stream-misses 4 --piecewise                                    # the defaults too
     python bench/cache.py ... --layers 8 --json                             # one JSON object
 """
 

@@ -82,7 +82,7 @@ class GenerateResult:
     decode_s: float
     decode_setup_s: float  # capturing CUDA graphs before the decode clock (0 when eager)
     stop_reason: str  # "eos" (a stop id was generated) or "max_new"
-    decode_path: str  # "cuda-graph" or "eager"
+    decode_path: str  # "cuda-graph", "piecewise-cuda-graph" or "eager"
     first_logits: torch.Tensor = field(repr=False)  # float32 [V] on the CPU: the first position
     cache: Any = None  # the expert cache's CacheStats of this request, or None without a cache
     kv: Any = None  # the elastic K/V's KvStats after this request, or None without --kv-grow

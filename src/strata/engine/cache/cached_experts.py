@@ -307,12 +307,15 @@ class CachedExperts:
         out = x.new_empty((n_tokens * top_k, x.shape[1]))  # [T*K, D]: row t*K + k
         try:
             hits = Routed.of(ids, hit) if n_hits and n_tokens > 1 else None
-            hit_rows = hits.rows if hits is not None else np.flatnonzero(hit.reshape(-1))
-            # Decode reads the hits' slots by the books' answer (the host has it already).
-            hit_slots = slots.reshape(-1)[hit_rows] if n_hits and n_tokens == 1 else None
+            if hits is not None:
+                hit_rows = hits.rows
+            else:  # decode: the hit rows, each reading its slot by the books' answer
+                hit_rows = np.flatnonzero(hit.reshape(-1)) if n_hits else None
+            hit_slots = slots.reshape(-1)[hit_rows] if hit_rows is not None and hits is None \
+                else None
             # [R] each: the slots, and the rows each share's outputs land in; one upload.
             slot_index, hit_index, streamed_index, miss_index = self._rows_to_device(
-                hit_slots, hit_rows if n_hits else None,
+                hit_slots, hit_rows,
                 streamed.rows if streamed is not None else None,
                 misses.rows if misses is not None else None)
             if hit_slots is not None:
