@@ -9,16 +9,26 @@
 # host (1: bench/cache_host.py, the host's share of a cache layer call, on that machine's CPU),
 # cache (5: bench/cache.py at 4 GiB against accelerate), kv-grow (2.5: the short chat at the
 # reference's proportions, start cells 1/12 of the window), kv-grow-skewed (3: the same on a
-# model whose routing favours some experts), kv-grow-32k (8: the 32K prompt).
+# model whose routing favours some experts), kv-grow-32k (8: the 32K prompt, start cells 1/12 too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
-KV="--preset qwen3-30b-a3b --layers 16 --rounds 2 --chat-new 48 --long-tokens 1024 --long-new 8
-    --kv-floor 32 --profile-prompts 2 --json"
+# The kv-grow stages share their checkpoints (18 GiB each) across stages and calls while the
+# machine stays warm: written once under /tmp by `strata init-model`.
+checkpoint() {  # checkpoint SKEW -> prints the directory, writing it when absent
+    local dir=/tmp/strata-qwen3-16l-skew$1
+    [ -f "$dir/config.json" ] || python3 -c "import sys; from strata.cli import main; \
+        sys.exit(main())" init-model --preset qwen3-30b-a3b --layers 16 --router-skew "$1" \
+        "$dir" > /dev/null 2>> "$OUT/init-model.log"
+    echo "$dir"
+}
+KV="--rounds 2 --chat-new 48 --long-tokens 1024 --long-new 8 --kv-floor 32 --kv-init 4096
+    --profile-prompts 2 --json"
 for stage in "$@"; do
+    echo "gpu_session.sh: $stage at $(date +%T)"
     case $stage in
     tests) timeout 200 python3 -m pytest -m cuda tests -q -p no:cacheprovider \
                > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
@@ -29,13 +39,16 @@ for stage in "$@"; do
     cache) (cd bench && timeout 420 python3 cache.py --preset olmoe-1b-7b --device cuda \
                --budget-mib 4096 --repeat 3 --peer-new-tokens 8 --stream-misses 4 --piecewise \
                --json) > "$OUT/cache.json" 2> "$OUT/cache.err"; grep "bench/" "$OUT/cache.err" ;;
-    kv-grow) (cd bench && timeout 240 python3 kv_grow.py $KV --kv-init 4096) \
+    kv-grow) model=$(checkpoint 0)
+             (cd bench && timeout 300 python3 kv_grow.py --model "$model" $KV) \
                > "$OUT/kv-grow.json" 2> "$OUT/kv-grow.err"; grep "bench/" "$OUT/kv-grow.err" ;;
-    kv-grow-skewed) (cd bench && timeout 240 python3 kv_grow.py $KV --kv-init 4096 \
-               --router-skew 0.5) > "$OUT/kv-grow-skewed.json" 2> "$OUT/kv-grow-skewed.err"
+    kv-grow-skewed) model=$(checkpoint 0.5)
+               (cd bench && timeout 300 python3 kv_grow.py --model "$model" $KV) \
+               > "$OUT/kv-grow-skewed.json" 2> "$OUT/kv-grow-skewed.err"
                grep "bench/" "$OUT/kv-grow-skewed.err" ;;
-    kv-grow-32k) (cd bench && timeout 560 python3 kv_grow.py --preset qwen3-30b-a3b --layers 16 \
-               --rounds 1 --chat-new 32 --long-new 16 --kv-floor 32 --json) \
+    kv-grow-32k) model=$(checkpoint 0)
+               (cd bench && timeout 540 python3 kv_grow.py --model "$model" --rounds 1 \
+               --chat-new 32 --long-new 16 --kv-floor 32 --kv-init 4096 --json) \
                > "$OUT/kv-grow-32k.json" 2> "$OUT/kv-grow-32k.err"
                grep "bench/" "$OUT/kv-grow-32k.err" ;;
     *) echo "gpu_session.sh: unknown stage $stage" >&2; exit 2 ;;

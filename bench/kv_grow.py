@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                                     progress=sys.stderr.isatty() and not args.json,
                                     router_skew=args.router_skew)
         cfg = ModelConfig.from_dir(ckpt)
+        router_skew = json.loads((ckpt / "config.json").read_text()).get("strata_router_skew", 0.0)
         budget_mib, max_context, figures = proportions(cfg, dtype, args)
         if max_context < args.long_tokens + args.long_new + 16:
             parser.error(f"the window of {max_context} cells does not hold the long run's "
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         platform.processor() or platform.machine(),
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
         "max_context": max_context, "stream_misses": stream,
-        "router_skew": None if args.model else args.router_skew, "proportions": figures,
+        "router_skew": router_skew, "proportions": figures,
         "load_s": load_s,
         "table": table, "runs": runs,
         "ratios": {
