@@ -25,7 +25,7 @@ checkpoint() {  # checkpoint SKEW -> prints the directory, writing it when absen
         "$dir" > /dev/null 2>> "$OUT/init-model.log"
     echo "$dir"
 }
-KV="--rounds 2 --chat-new 48 --long-tokens 1024 --long-new 8 --kv-floor 32 --kv-init 4096
+KV="--rounds 3 --chat-new 48 --long-tokens 1024 --long-new 8 --kv-floor 32 --kv-init 4096
     --profile-prompts 2 --json"
 for stage in "$@"; do
     echo "gpu_session.sh: $stage at $(date +%T)"
@@ -40,10 +40,10 @@ for stage in "$@"; do
                --budget-mib 4096 --repeat 3 --peer-new-tokens 8 --stream-misses 4 --piecewise \
                --json) > "$OUT/cache.json" 2> "$OUT/cache.err"; grep "bench/" "$OUT/cache.err" ;;
     kv-grow) model=$(checkpoint 0)
-             (cd bench && timeout 300 python3 kv_grow.py --model "$model" $KV) \
+             (cd bench && timeout 290 python3 kv_grow.py --model "$model" $KV) \
                > "$OUT/kv-grow.json" 2> "$OUT/kv-grow.err"; grep "bench/" "$OUT/kv-grow.err" ;;
     kv-grow-skewed) model=$(checkpoint 0.5)
-               (cd bench && timeout 300 python3 kv_grow.py --model "$model" $KV) \
+               (cd bench && timeout 290 python3 kv_grow.py --model "$model" $KV) \
                > "$OUT/kv-grow-skewed.json" 2> "$OUT/kv-grow-skewed.err"
                grep "bench/" "$OUT/kv-grow-skewed.err" ;;
     kv-grow-32k) model=$(checkpoint 0)
