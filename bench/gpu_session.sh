@@ -9,7 +9,8 @@
 # host (1: bench/cache_host.py, the host's share of a cache layer call, on that machine's CPU),
 # cache (5: bench/cache.py at 4 GiB against accelerate), kv-grow (2.5: the short chat at the
 # reference's proportions, start cells 1/12 of the window), kv-grow-skewed (3: the same on a
-# model whose routing favours some experts), kv-grow-32k (8: the 32K prompt, start cells 1/12 too).
+# model whose routing favours some experts), kv-grow-32k (4: the 32K prompt, start cells 1/12 too), kv-grow-32k-skewed (5: the same
+# on the skewed model).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -46,11 +47,12 @@ for stage in "$@"; do
                (cd bench && timeout 290 python3 kv_grow.py --model "$model" $KV) \
                > "$OUT/kv-grow-skewed.json" 2> "$OUT/kv-grow-skewed.err"
                grep "bench/" "$OUT/kv-grow-skewed.err" ;;
-    kv-grow-32k) model=$(checkpoint 0)
+    kv-grow-32k|kv-grow-32k-skewed)
+               [ "$stage" = kv-grow-32k ] && model=$(checkpoint 0) || model=$(checkpoint 0.5)
                (cd bench && timeout 540 python3 kv_grow.py --model "$model" --rounds 1 \
                --chat-new 32 --long-new 16 --kv-floor 32 --kv-init 4096 --json) \
-               > "$OUT/kv-grow-32k.json" 2> "$OUT/kv-grow-32k.err"
-               grep "bench/" "$OUT/kv-grow-32k.err" ;;
+               > "$OUT/$stage.json" 2> "$OUT/$stage.err"
+               grep "bench/" "$OUT/$stage.err" ;;
     *) echo "gpu_session.sh: unknown stage $stage" >&2; exit 2 ;;
     esac
 done
