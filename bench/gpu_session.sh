@@ -2,15 +2,16 @@
 # One call on the lent GPU machine: build, then the named stages, each under its own time limit,
 # logs and JSON under $OUT (default ./gpu-out). A stage cut short still leaves its progress lines.
 #
-#   bash bench/gpu_session.sh tests kernels cache          # about 8 minutes
-#   bash bench/gpu_session.sh kv-grow kv-grow-skewed       # about 6 minutes
+#   bash bench/gpu_session.sh tests kernels cache                        # about 8 minutes
+#   bash bench/gpu_session.sh kv-grow kv-grow-skewed                      # about 6 minutes
 #
-# Stages (minutes, roughly): tests (2: pytest -m cuda), kernels (0.5: bench/grouped_experts.py),
-# host (1: bench/cache_host.py, the host's share of a cache layer call, on that machine's CPU),
-# cache (5: bench/cache.py at 4 GiB against accelerate), kv-grow (2.5: the short chat at the
-# reference's proportions, start cells 1/12 of the window), kv-grow-skewed (3: the same on a
-# model whose routing favours some experts), kv-grow-32k (4: the 32K prompt, start cells 1/12 too), kv-grow-32k-skewed (5: the same
-# on the skewed model).
+# Stages (minutes, roughly): tests (1: pytest -m cuda), kernels (0.5: bench/grouped_experts.py),
+# host (0.2: bench/cache_host.py, the host's share of a cache layer call, on that machine's
+# CPU), cache (3: bench/cache.py at 4 GiB against accelerate), kv-grow (2: the short chat at
+# the reference's proportions, start cells 1/12 of the window), kv-grow-skewed (2.5: the same
+# on a model whose routing favours some experts), kv-grow-32k (3: the 32K prompt, start cells
+# 1/12 too), kv-grow-32k-skewed (4: the same on the skewed model). A new checkpoint adds about
+# a minute to the first stage that uses it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
