@@ -22,7 +22,8 @@ counts it. Medians over `--rounds`; the ratios (with / without) are what the ref
     python bench/kv_grow.py --preset small --device cpu --budget-mib 12 --chunk-bytes 65536 \\
         --kv-init 128 --kv-step 128 --kv-floor 4 --long-tokens 768 --chat-new 16 --long-new 8 \\
         --prefill-chunk 64 --no-prefill-loan                     # here, on the CPU
-    python bench/kv_grow.py --preset qwen3-30b-a3b --layers 16 --budget-mib 16384   # the GPU
+    python bench/kv_grow.py --preset qwen3-30b-a3b --layers 16 --kv-floor 32 --kv-init 4096 \\
+        [--router-skew 0.5]                  # the GPU (bench/gpu_session.sh's kv-grow stages)
 """
 
 from __future__ import annotations
