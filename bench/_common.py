@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+from pathlib import Path
 
 import torch
 
-from strata.engine.presets import BYTE_TOKENS
+from strata.engine.cache.arena import slot_bytes_for
+from strata.engine.cache.budget import MIB
+from strata.engine.config import ModelConfig
+from strata.engine.init_model import write_checkpoint
+from strata.engine.presets import BYTE_TOKENS, get_preset
 
 
 def sync(device: torch.device) -> None:
@@ -40,3 +45,41 @@ def add_model_arguments(parser: argparse.ArgumentParser, preset: str) -> None:
                         "experts in each layer (default 0: about uniform)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+
+
+def add_proportion_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint (`--model` or a written one) and the budget and window around it, by
+    default in the reference engine's proportions (`proportions`)."""
+    parser.add_argument("--model", help="a checkpoint directory to use instead of writing one")
+    parser.add_argument("--budget-mib", type=float, help="--vram-budget-mib (default: the "
+                        "experts' bytes / --expert-multiple)")
+    parser.add_argument("--expert-multiple", type=float, default=3.0)
+    parser.add_argument("--reserve-mib", type=float, help="--vram-reserve-mib")
+    parser.add_argument("--max-context", type=int, help="default: the window whose K/V is "
+                        "--kv-share of the budget")
+    parser.add_argument("--kv-share", type=float, default=0.25)
+
+
+def checkpoint_for(args, tmp: Path, dtype: torch.dtype, progress: bool = False) -> Path:
+    """`--model`, or a random checkpoint of `--preset` written under `tmp`."""
+    if args.model:
+        return Path(args.model)
+    preset = get_preset(args.preset)
+    return write_checkpoint(tmp / "ckpt", args.family or preset.default_family, preset,
+                            n_layers=args.layers, dtype=dtype, progress=progress,
+                            router_skew=args.router_skew)
+
+
+def proportions(cfg: ModelConfig, dtype: torch.dtype, args) -> tuple[float, int, dict]:
+    """(budget MiB, max_context, figures): the reference engine's proportions by default."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    experts = cfg.n_layers * cfg.n_experts * slot_bytes_for(
+        3 * cfg.expert_width * cfg.hidden_size * itemsize)
+    budget_mib = args.budget_mib or experts / args.expert_multiple / MIB
+    cell = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize  # every segment
+    max_context = args.max_context or int(args.kv_share * budget_mib * MIB // cell) // 256 * 256
+    figures = {"experts_mib": experts / MIB, "budget_mib": budget_mib,
+               "experts_over_budget": experts / (budget_mib * MIB),
+               "window_kv_mib": max_context * cell / MIB,
+               "window_kv_share": max_context * cell / (budget_mib * MIB)}
+    return budget_mib, max_context, figures

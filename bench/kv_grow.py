@@ -41,9 +41,14 @@ from pathlib import Path
 
 import torch
 
-from _common import add_model_arguments, byte_tokens, free_memory
-from strata.engine.cache.arena import slot_bytes_for
-from strata.engine.cache.budget import MIB
+from _common import (
+    add_model_arguments,
+    add_proportion_arguments,
+    byte_tokens,
+    checkpoint_for,
+    free_memory,
+    proportions,
+)
 from strata.engine.cache.build import build_cached_experts, plan_cache
 from strata.engine.cache.cli_options import default_stream_misses
 from strata.engine.cache.kv_grow import plan_elastic_cache
@@ -51,27 +56,10 @@ from strata.engine.cache.profile import rank_from_counts, uniform_rank
 from strata.engine.cli_profile import collect_counts
 from strata.engine.config import ModelConfig
 from strata.engine.generate import GenerateOptions, generate
-from strata.engine.init_model import write_checkpoint
 from strata.engine.model import load_model
-from strata.engine.presets import get_preset
 
 VARIANTS = ("without", "kv-grow")
 WARMUP_TOKENS = 8  # the untimed chat each run starts with
-
-
-def proportions(cfg: ModelConfig, dtype: torch.dtype, args) -> tuple[float, int, dict]:
-    """(budget MiB, max_context, figures): the reference engine's proportions by default."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    experts = cfg.n_layers * cfg.n_experts * slot_bytes_for(
-        3 * cfg.expert_width * cfg.hidden_size * itemsize)
-    budget_mib = args.budget_mib or experts / args.expert_multiple / MIB
-    cell = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize  # every segment
-    max_context = args.max_context or int(args.kv_share * budget_mib * MIB // cell) // 256 * 256
-    figures = {"experts_mib": experts / MIB, "budget_mib": budget_mib,
-               "experts_over_budget": experts / (budget_mib * MIB),
-               "window_kv_mib": max_context * cell / MIB,
-               "window_kv_share": max_context * cell / (budget_mib * MIB)}
-    return budget_mib, max_context, figures
 
 
 def run_variant(name, model, store, cfg, dtype, device, rank, sizing, args) -> dict:
@@ -112,14 +100,7 @@ def run_variant(name, model, store, cfg, dtype, device, rank, sizing, args) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, preset="qwen3-30b-a3b")
-    parser.add_argument("--model", help="a checkpoint directory to use instead of writing one")
-    parser.add_argument("--budget-mib", type=float, help="--vram-budget-mib (default: the "
-                        "experts' bytes / --expert-multiple)")
-    parser.add_argument("--expert-multiple", type=float, default=3.0)
-    parser.add_argument("--reserve-mib", type=float, help="--vram-reserve-mib")
-    parser.add_argument("--max-context", type=int, help="default: the window whose K/V is "
-                        "--kv-share of the budget")
-    parser.add_argument("--kv-share", type=float, default=0.25)
+    add_proportion_arguments(parser)
     parser.add_argument("--stream-misses", type=int,
                         help="the cache's --stream-misses (default: strata generate's)")
     parser.add_argument("--prefill-chunk", type=int, default=512)
@@ -150,14 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with tempfile.TemporaryDirectory(prefix="strata-bench-kv-grow-") as tmp:
-        if args.model:
-            ckpt = Path(args.model)
-        else:
-            preset = get_preset(args.preset)
-            ckpt = write_checkpoint(Path(tmp) / "ckpt", args.family or preset.default_family,
-                                    preset, n_layers=args.layers, dtype=dtype,
-                                    progress=sys.stderr.isatty() and not args.json,
-                                    router_skew=args.router_skew)
+        ckpt = checkpoint_for(args, Path(tmp), dtype,
+                              progress=sys.stderr.isatty() and not args.json)
         cfg = ModelConfig.from_dir(ckpt)
         router_skew = json.loads((ckpt / "config.json").read_text()).get("strata_router_skew", 0.0)
         budget_mib, max_context, figures = proportions(cfg, dtype, args)

@@ -133,3 +133,59 @@ def test_cuda_graph_replay_of_forward_at_equals_eager():
                 64,
             )
             assert torch.equal(logits, eager), step
+
+
+class _Recorder:
+    """Wraps the model's experts and Attention.forward: the rows each call saw."""
+
+    def __init__(self, model, monkeypatch):
+        self.attention_rows: list[int] = []
+        self.expert_rows: list[int] = []
+        inner, recorder = model.experts, self
+        from strata.engine import layers
+
+        original = layers.Attention.forward
+
+        def attention(self_, x, *args):
+            recorder.attention_rows.append(x.shape[0])
+            return original(self_, x, *args)
+
+        monkeypatch.setattr(layers.Attention, "forward", attention)
+
+        class Experts:
+            def forward(self_, layer, x, ids, weights):
+                recorder.expert_rows.append(x.shape[0])
+                return inner.forward(layer, x, ids, weights)
+
+        model.experts = Experts()
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+def test_a_chunk_attends_in_pieces_and_reads_its_experts_once(family, monkeypatch):
+    model = load_model(cached_checkpoint(family), dtype=torch.float32)
+    monkeypatch.setattr("strata.engine.model.ATTENTION_PIECE_TOKENS", 3)
+    prompt = torch.arange(1, 20) % model.config.vocab_size  # [19]
+    with model.new_kv(32) as kv_pieces, model.new_kv(32) as kv_one:
+        model.forward(prompt[:4], 0, kv_pieces)  # a first chunk: causal, in one piece
+        model.forward(prompt[:4], 0, kv_one)
+        recorder = _Recorder(model, monkeypatch)
+        pieces = model.forward(prompt[4:], 4, kv_pieces)  # 15 tokens: pieces of 3
+        seen = (list(recorder.attention_rows), list(recorder.expert_rows))
+        monkeypatch.setattr("strata.engine.model.ATTENTION_PIECE_TOKENS", 512)
+        one = model.forward(prompt[4:], 4, kv_one)
+        n_layers = model.config.n_layers
+        assert seen == ([3] * 5 * n_layers, [15] * n_layers)
+        # The same math: a piece attends what the pieces before it wrote in its layer.
+        torch.testing.assert_close(pieces, one, rtol=1e-5, atol=1e-5)
+        for layer in range(n_layers):
+            torch.testing.assert_close(kv_pieces.k(layer)[:19], kv_one.k(layer)[:19])
+            torch.testing.assert_close(kv_pieces.v(layer)[:19], kv_one.v(layer)[:19])
+
+
+def test_a_first_chunk_attends_causally_in_one_piece(monkeypatch):
+    model = load_model(cached_checkpoint("olmoe"), dtype=torch.float32)
+    monkeypatch.setattr("strata.engine.model.ATTENTION_PIECE_TOKENS", 2)
+    with model.new_kv(16) as kv:
+        recorder = _Recorder(model, monkeypatch)
+        model.forward(PROMPT, 0, kv)
+    assert recorder.attention_rows == [len(PROMPT)] * model.config.n_layers

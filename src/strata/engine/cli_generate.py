@@ -73,7 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--chat", action="store_true", help="wrap the prompt as a user turn (chat template)"
     )
     parser.add_argument(
-        "--prefill-chunk", type=int, default=512, help="prompt tokens per forward (512)"
+        "--prefill-chunk", type=int, default=512,
+        help="prompt tokens per forward (512): each reads its experts once; attention runs in "
+        "pieces of 512 whatever the chunk"
     )
     parser.add_argument(
         "--no-cuda-graphs", action="store_true", help="run decode rounds eagerly on CUDA"

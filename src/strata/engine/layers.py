@@ -13,6 +13,8 @@ float32 cast to the model dtype.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,13 @@ from strata.engine.config import ModelConfig
 from strata.engine.experts import Experts
 
 Weights = dict[str, torch.Tensor]
+
+# A forward's tokens attend in pieces of at most this many (`MoEModel.forward`), except a
+# prompt's first chunk, whose causal kernel holds no mask: a piece's mask is [piece, N] bools,
+# converted per query head, and would otherwise grow with the chunk. The experts still see the
+# whole chunk at once, so a long prompt read in larger chunks reads (or uploads) each expert
+# fewer times for the same attention memory.
+ATTENTION_PIECE_TOKENS = 512
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,6 +74,23 @@ def attention_mask(
     if sliding_window is not None:
         allowed &= cells.unsqueeze(0) > pos - sliding_window
     return allowed
+
+
+class AttentionSpan(NamedTuple):
+    """The tokens of one attention call: rows [a, b) of a forward's T tokens.
+
+    `cos`, `sin` [b - a, Dh] and `positions` [b - a] are those rows'; the call attends over
+    cells [0, n_ctx) through `mask` bool [b - a, n_ctx], or (None) causally over [0, b - a)
+    when `causal` (a prompt from position 0), or (None, not causal) every cell (decode).
+    """
+
+    rows: slice
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    n_ctx: int
+    mask: torch.Tensor | None
+    causal: bool
 
 
 class Attention:
@@ -221,19 +247,18 @@ class DecoderLayer:
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
+        spans: list[AttentionSpan],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        n_ctx: int,
-        mask: torch.Tensor | None,
-        causal: bool,
         experts: Experts,
     ) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
-        h = x + self.attn.forward(
-            rms_norm(x, self.attn_norm, self.eps), cos, sin, positions, k_cache, v_cache,
-            n_ctx, mask, causal,
-        )
+        """x [T, D] -> [T, D]. Attention span by span, in order (a span attends the K/V the
+        spans before it wrote), then the MoE over all T tokens at once."""
+        normed = rms_norm(x, self.attn_norm, self.eps)  # [T, D]
+        attended = [
+            self.attn.forward(normed[span.rows], span.cos, span.sin, span.positions, k_cache,
+                              v_cache, span.n_ctx, span.mask, span.causal)
+            for span in spans
+        ]  # [b - a, D] each
+        h = x + (attended[0] if len(attended) == 1 else torch.cat(attended))  # [T, D]
         return h + self.moe.forward(rms_norm(h, self.mlp_norm, self.eps), experts)

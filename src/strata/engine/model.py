@@ -20,7 +20,15 @@ from strata.engine.checkpoint import Checkpoint
 from strata.engine.config import ModelConfig
 from strata.engine.experts import Experts, ExpertStore, ResidentExperts
 from strata.engine.kv import KVCache, kv_backend
-from strata.engine.layers import DecoderLayer, attention_mask, rms_norm, rope_cos_sin, rope_inv_freq
+from strata.engine.layers import (
+    ATTENTION_PIECE_TOKENS,
+    AttentionSpan,
+    DecoderLayer,
+    attention_mask,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 if TYPE_CHECKING:
     from strata.engine.cache.build import CacheConfig
@@ -75,17 +83,23 @@ class MoEModel:
                 f"positions [{start_pos}, {start_pos + n_tokens}) do not fit the K/V's "
                 f"{kv.mapped_cells} mapped cells"
             )
-        n_ctx = start_pos + n_tokens
-        positions = torch.arange(start_pos, n_ctx, device=self.device)  # [T]
+        positions = torch.arange(start_pos, start_pos + n_tokens, device=self.device)  # [T]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [T, Dh]
         window = self.config.sliding_window
-        mask, causal = None, False
-        if window is not None and n_ctx > window:
-            mask = attention_mask(positions, n_ctx, window)  # [T, N]
-        elif n_tokens > 1 and start_pos == 0:
-            causal = True  # the fast causal kernel over [0, T)
-        elif n_tokens > 1:
-            mask = attention_mask(positions, n_ctx, None)  # [T, N]
-        return self._run(token_ids, positions, kv, n_ctx, mask, causal, last_only)
+        if start_pos == 0 and n_tokens > 1 and (window is None or n_tokens <= window):
+            # The fast causal kernel over [0, T): no mask, so no pieces.
+            spans = [AttentionSpan(slice(0, n_tokens), cos, sin, positions, n_tokens, None, True)]
+        else:
+            spans = []
+            for a in range(0, n_tokens, ATTENTION_PIECE_TOKENS):
+                rows = slice(a, min(a + ATTENTION_PIECE_TOKENS, n_tokens))
+                n_ctx = start_pos + rows.stop
+                mask = None  # one token attends every cell before it
+                if (window is not None and n_ctx > window) or rows.stop - a > 1:
+                    mask = attention_mask(positions[rows], n_ctx, window)  # [b - a, N]
+                spans.append(AttentionSpan(rows, cos[rows], sin[rows], positions[rows], n_ctx,
+                                           mask, False))
+        return self._run(token_ids, spans, kv, last_only)
 
     def forward_at(
         self,
@@ -110,7 +124,9 @@ class MoEModel:
                 f"{list(positions.shape)} and {n_ctx}"
             )
         mask = attention_mask(positions, n_ctx, self.config.sliding_window)  # [T, N]
-        return self._run(token_ids, positions, kv, n_ctx, mask, False, last_only)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [T, Dh]
+        span = AttentionSpan(slice(0, n_tokens), cos, sin, positions, n_ctx, mask, False)
+        return self._run(token_ids, [span], kv, last_only)
 
     def _check_call(self, token_ids: torch.Tensor, kv: KVCache) -> int:
         cfg = self.config
@@ -132,22 +148,12 @@ class MoEModel:
         return token_ids.shape[0]
 
     def _run(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv: KVCache,
-        n_ctx: int,
-        mask: torch.Tensor | None,
-        causal: bool,
-        last_only: bool,
+        self, token_ids: torch.Tensor, spans: list[AttentionSpan], kv: KVCache, last_only: bool
     ) -> torch.Tensor:
         x = F.embedding(token_ids, self.embed)  # [T, D]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [T, Dh]
         for layer in self.layers:
-            x = layer.forward(
-                x, cos, sin, positions, kv.k(layer.layer), kv.v(layer.layer), n_ctx, mask,
-                causal, self.experts,
-            )  # [T, D]
+            x = layer.forward(x, spans, kv.k(layer.layer), kv.v(layer.layer), self.experts)
+            # [T, D]
         if last_only:
             x = x[-1:]  # [1, D]
         x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)

@@ -24,7 +24,7 @@ from strata.engine.checkpoint import Checkpoint
 from strata.engine.config import ModelConfig
 from strata.engine.experts import ExpertStore, ResidentExperts
 from strata.engine.kv import KVCache
-from strata.engine.layers import route
+from strata.engine.layers import ATTENTION_PIECE_TOKENS, route
 from support.checkpoints import cached_checkpoint
 
 
@@ -62,6 +62,22 @@ def test_workspace_grows_with_the_window_and_the_chunk():
     assert staged == small + MIB  # --stream-misses' staging buffer, rounded to whole MiB
     assert workspace_bytes(cfg, 512, 4096, torch.float32) > workspace_bytes(
         cfg, 512, 1024, torch.float32) > workspace_bytes(cfg, 16, 1024, torch.float32)
+
+
+def test_a_chunk_past_the_attention_piece_costs_its_masks_not_their_copies():
+    cfg = ModelConfig.from_dir(cached_checkpoint("qwen3_moe", "tiny"))
+    r = cfg.n_heads // cfg.n_kv_heads
+    assert r > 1  # the copies per query head are what the pieces bound
+    extra_cells = MIB  # a multiple of MiB a cell apart: the whole-MiB rounding cancels
+
+    def per_cell(chunk: int) -> int:
+        return (workspace_bytes(cfg, chunk, chunk + extra_cells, torch.float32)
+                - workspace_bytes(cfg, chunk, chunk, torch.float32)) // extra_cells
+
+    # A cell costs each token's mask bit (bool) and one piece's copies in fp32 (1 + 4 bytes).
+    assert per_cell(ATTENTION_PIECE_TOKENS) == ATTENTION_PIECE_TOKENS * (1 + r * 5)
+    assert per_cell(4 * ATTENTION_PIECE_TOKENS) == 4 * ATTENTION_PIECE_TOKENS + (
+        ATTENTION_PIECE_TOKENS * r * 5)
 
 
 def _index_select_bytes(experts, layer, x, ids, weights):

@@ -21,6 +21,7 @@ import torch
 from strata.engine import families
 from strata.engine.config import ModelConfig
 from strata.engine.grouped_experts import copies_weights
+from strata.engine.layers import ATTENTION_PIECE_TOKENS
 
 __all__ = [
     "DEFAULT_RESERVE_MIB",
@@ -70,11 +71,13 @@ def workspace_bytes(
 ) -> int:
     """An upper estimate of the transient tensors of one forward, rounded up to whole MiB.
 
-    C = min(prefill_chunk, max_cells) tokens attending over N = max_cells cells:
-    - attention: a prompt chunk after the first attends the window through a bool mask [C, N],
-      copied once per query head of a kv head ([R*C, N], R = H/G, when R > 1) and converted by
-      the fused kernel to the query's dtype: C*N*(1 + R*(1 + itemsize)) bytes. The scores are
-      not materialized: `scaled_dot_product_attention` runs its memory-efficient kernel there;
+    C = min(prefill_chunk, max_cells) tokens attending over N = max_cells cells, in pieces of
+    P = min(C, ATTENTION_PIECE_TOKENS):
+    - attention: a prompt chunk after the first attends the window through bool masks [C, N]
+      (one a piece, made together), each piece's copied once per query head of a kv head
+      ([R*P, N], R = H/G, when R > 1) and converted by the fused kernel to the query's dtype:
+      C*N + P*N*R*(1 + itemsize) bytes. The scores are not materialized:
+      `scaled_dot_product_attention` runs its memory-efficient kernel there;
     - the decode path's gathered weights (T == 1 only, when `gathers`: where
       `strata.engine.grouped_experts.copies_weights`, i.e. off CUDA or without Triton): the K
       routed experts' blobs; a prompt chunk of any length reads its experts in place;
@@ -90,10 +93,11 @@ def workspace_bytes(
     `cuda`-marked test in tests/engine/cache/test_budget_cuda.py keeps it an upper bound.
     """
     c, n = min(prefill_chunk, max_cells), max_cells
+    piece = min(c, ATTENTION_PIECE_TOKENS)
     k, f, d = cfg.top_k, cfg.expert_width, cfg.hidden_size
     itemsize = _itemsize(dtype)
     heads_per_kv = cfg.n_heads // cfg.n_kv_heads
-    attention = c * n * (1 + heads_per_kv * (1 + itemsize))
+    attention = c * n + piece * n * heads_per_kv * (1 + itemsize)
     gathered = gathered_bytes(cfg, dtype) if gathers else 0
     rows = 2 * c * k * (2 * f + d) * 4
     width = max(d, cfg.q_width + 2 * cfg.kv_width, cfg.shared_expert_width or 0)
