@@ -74,8 +74,10 @@ class MoEModel:
     ) -> torch.Tensor:
         """Logits float32 [T, V] for token_ids [T] at positions [start_pos, start_pos + T).
 
-        Writes K/V for those positions and attends causally over cells [0, start_pos + T).
-        `last_only` returns [1, V] for the last token only (a long prompt's [T, V] is large).
+        Writes K/V for those positions and attends causally over cells [0, start_pos + T), in
+        pieces of `ATTENTION_PIECE_TOKENS` (one causal piece from position 0); each layer's MoE
+        sees all T tokens at once. `last_only` returns [1, V] for the last token only (a long
+        prompt's [T, V] is large).
         """
         n_tokens = self._check_call(token_ids, kv)
         if start_pos < 0 or start_pos + n_tokens > kv.mapped_cells:
