@@ -77,9 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
-    chunks = [int(c) for c in args.chunks.split(",")]
-    if not chunks or min(chunks) < 1:
-        parser.error(f"--chunks must be positive sizes, got {args.chunks!r}")
+    try:
+        chunks = [int(c) for c in args.chunks.split(",")]
+    except ValueError:
+        chunks = []
+    if not chunks or min(chunks) < 1 or len(set(chunks)) != len(chunks):
+        parser.error(f"--chunks must be distinct positive sizes such as 512,2048, got "
+                     f"{args.chunks!r}")
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with tempfile.TemporaryDirectory(prefix="strata-bench-prefill-") as tmp:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from strata.engine import layers
 from strata.engine.checkpoint import CheckpointError
 from strata.engine.experts import ResidentExperts
 from strata.engine.model import load_model
@@ -142,8 +143,6 @@ class _Recorder:
         self.attention_rows: list[int] = []
         self.expert_rows: list[int] = []
         inner, recorder = model.experts, self
-        from strata.engine import layers
-
         original = layers.Attention.forward
 
         def attention(self_, x, *args):

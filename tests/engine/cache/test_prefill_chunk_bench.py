@@ -11,7 +11,7 @@ from pathlib import Path
 def test_the_prefill_chunk_bench_runs_and_reports(capsys, monkeypatch):
     monkeypatch.setenv("STRATA_VMM_CHUNK_BYTES", "65536")
     bench_dir = Path(__file__).resolve().parents[3] / "bench"
-    monkeypatch.syspath_prepend(str(bench_dir))  # it imports _common and kv_grow as a script does
+    monkeypatch.syspath_prepend(str(bench_dir))  # it imports _common as a script does
     spec = importlib.util.spec_from_file_location("bench_prefill_chunk",
                                                   bench_dir / "prefill_chunk.py")
     bench = importlib.util.module_from_spec(spec)
