@@ -10,9 +10,9 @@ import torch
 
 from strata.engine.cache.arena import slot_bytes_for
 from strata.engine.cache.budget import MIB
-from strata.engine.config import ModelConfig
-from strata.engine.init_model import write_checkpoint
-from strata.engine.presets import BYTE_TOKENS, get_preset
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.init_model import write_checkpoint
+from strata.engine.model.presets import BYTE_TOKENS, get_preset
 
 
 def sync(device: torch.device) -> None:

@@ -15,7 +15,7 @@ resident, as `strata profile` counts it), then measures, each engine on a fresh 
 - `cache-budget-streamN`, for each N of `--stream-misses`: the same with N of each decode
   layer's misses uploaded and computed on the device while the CPU computes the rest;
 - with `--piecewise`, a `-piecewise` twin of each of those: decode replayed as CUDA graphs cut
-  at the experts calls (`strata.engine.piecewise`; CUDA only, eager elsewhere);
+  at the experts calls (`strata.engine.runtime.piecewise`; CUDA only, eager elsewhere);
 - `prefill-loan` / `prefill-cpu`: a `--prefill-tokens` prompt at that budget, with the prompt
   loan and without it (its misses on the CPU).
 
@@ -54,13 +54,14 @@ from strata.engine.cache.arena import slot_bytes_for
 from strata.engine.cache.budget import MIB
 from strata.engine.cache.build import plan_cache
 from strata.engine.cache.loan import KEEP_SLOTS_ENV
-from strata.engine.cache.profile import Profile, fill_rank
-from strata.engine.cli_profile import collect_counts
-from strata.engine.config import ModelConfig
-from strata.engine.generate import GenerateOptions, generate
-from strata.engine.init_model import write_checkpoint
-from strata.engine.model import load_model
-from strata.engine.presets import get_preset
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.init_model import write_checkpoint
+from strata.engine.model.moe import load_model
+from strata.engine.model.presets import get_preset
+from strata.engine.runtime.calibrate import collect_counts
+from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.load import load
+from strata.formats.profile import Profile, fill_rank
 
 PROFILE_PROMPTS = 4  # seeded random prompts of 256 tokens the profile counts, + 32 decoded
 
@@ -82,7 +83,7 @@ def cached(ckpt, device, dtype, profile, max_context, small, *, loan=True, **opt
     rank, _ = fill_rank(profile, config.n_layers, config.n_experts)
     cache = plan_cache(config, dtype, device, max_context=max_context, prefill_chunk=512,
                        rank=rank, prefill_loan=loan, **(small or {}), **options)
-    return load_model(ckpt, device=device, dtype=dtype, cache=cache)
+    return load(ckpt, device=device, dtype=dtype, cache=cache).model
 
 
 def close(model) -> None:

@@ -36,13 +36,14 @@ from pathlib import Path
 import torch
 
 from strata.engine.cache.build import plan_cache
-from strata.engine.cache.profile import uniform_rank
-from strata.engine.config import ModelConfig
 from strata.engine.experts import ResidentExperts
-from strata.engine.init_model import write_checkpoint
-from strata.engine.layers import route
-from strata.engine.model import load_model
-from strata.engine.presets import get_preset
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.init_model import write_checkpoint
+from strata.engine.model.layers import route
+from strata.engine.model.moe import load_model
+from strata.engine.model.presets import get_preset
+from strata.engine.runtime.load import load
+from strata.formats.profile import uniform_rank
 
 CHUNK_BYTES = 65536  # the host backend's chunks: slots of a few KiB fit whole
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             cache = plan_cache(cfg, torch.float32, cpu, max_context=64, prefill_chunk=16,
                                expert_cache_mib=quarter_mib, prefill_loan=False,
                                rank=uniform_rank(cfg.n_layers, cfg.n_experts), stream_misses=n)
-            model = load_model(ckpt, device=cpu, cache=cache)
+            model = load(ckpt, device=cpu, cache=cache).model
             experts = model.experts
             experts.begin_request()
             experts.set_phase("decode")

@@ -47,10 +47,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.engine.cache.cpu_experts import CpuExperts
-from strata.engine.cache.routed import Routed
 from strata.engine.experts import ExpertStore
-from strata.engine.presets import get_preset
+from strata.engine.experts.cpu import CpuExperts
+from strata.engine.experts.routed import Routed
+from strata.engine.model.presets import get_preset
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

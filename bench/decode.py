@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from _common import add_model_arguments, free_memory, sync
-from strata.engine.generate import GenerateOptions, generate
-from strata.engine.init_model import write_checkpoint
-from strata.engine.model import load_model
-from strata.engine.presets import BYTE_TOKENS, get_preset
+from strata.engine.model.init_model import write_checkpoint
+from strata.engine.model.moe import load_model
+from strata.engine.model.presets import BYTE_TOKENS, get_preset
+from strata.engine.runtime.generate import GenerateOptions, generate
 
 H200_BANDWIDTH_GBS = 4300.0
 

@@ -22,7 +22,7 @@ python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>
 # machine stays warm: written once under /tmp by `strata init-model`.
 checkpoint() {  # checkpoint SKEW -> prints the directory, writing it when absent
     local dir=/tmp/strata-qwen3-16l-skew$1
-    [ -f "$dir/config.json" ] || python3 -c "import sys; from strata.cli import main; \
+    [ -f "$dir/config.json" ] || python3 -c "import sys; from strata.cli.main import main; \
         sys.exit(main())" init-model --preset qwen3-30b-a3b --layers 16 --router-skew "$1" \
         "$dir" > /dev/null 2>> "$OUT/init-model.log"
     echo "$dir"

@@ -1,6 +1,6 @@
 """Time the decode experts of one layer call: the Triton kernels against the gathered path.
 
-`strata.engine.grouped_experts.expert_rows` runs the K routed experts of one token from stacked
+`strata.engine.experts.grouped.expert_rows` runs the K routed experts of one token from stacked
 weights. Its gathered path copies the K experts' weights out (`index_select`) and runs two
 batched matmuls; its Triton kernels read them in place. The floor is reading the K experts'
 weights once (K * 3 * F * D * itemsize bytes) at the device's memory bandwidth.
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from strata.engine.grouped_experts import (
+from strata.engine.experts.grouped import (
     DOWN_BLOCK_D,
     DOWN_BLOCK_F,
     GATE_UP_BLOCK_D,
@@ -36,7 +36,7 @@ from strata.engine.grouped_experts import (
     expert_rows_gathered,
     expert_rows_triton,
 )
-from strata.engine.presets import get_preset
+from strata.engine.model.presets import get_preset
 
 BLOCKS = [((GATE_UP_BLOCK_F, GATE_UP_BLOCK_D), (DOWN_BLOCK_D, DOWN_BLOCK_F)),
           ((8, 256), (8, 256)), ((32, 128), (32, 128)), ((16, 512), (16, 512)),

@@ -49,14 +49,13 @@ from _common import (
     free_memory,
     proportions,
 )
-from strata.engine.cache.build import build_cached_experts, plan_cache
-from strata.engine.cache.cli_options import default_stream_misses
-from strata.engine.cache.kv_grow import plan_elastic_cache
-from strata.engine.cache.profile import rank_from_counts, uniform_rank
-from strata.engine.cli_profile import collect_counts
-from strata.engine.config import ModelConfig
-from strata.engine.generate import GenerateOptions, generate
-from strata.engine.model import load_model
+from strata.engine.cache.build import build_cached_experts, default_stream_misses, plan_cache
+from strata.engine.kv.plan import plan_elastic_cache, start_elastic
+from strata.engine.model.config import ModelConfig
+from strata.engine.runtime.calibrate import collect_counts
+from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.load import load
+from strata.formats.profile import rank_from_counts, uniform_rank
 
 VARIANTS = ("without", "kv-grow")
 WARMUP_TOKENS = 8  # the untimed chat each run starts with
@@ -69,19 +68,22 @@ def run_variant(name, model, store, cfg, dtype, device, rank, sizing, args) -> d
     else:
         config, notes = plan_cache(cfg, dtype, device, rank=rank, **sizing), []
     model.experts = build_cached_experts(config, store, device)
+    kv = start_elastic(model.experts, config.kv_grow) if config.kv_grow is not None else None
     common = {"max_context": sizing["max_context"], "temperature": 0.0, "ignore_stop": True,
               "prefill_chunk": sizing["prefill_chunk"]}
     try:
         # Untimed first: on the GPU machine the first run after a load or a new cache took up
         # to 1.5x as long a round as the later ones.
         generate(model, None, byte_tokens(args.chat_tokens, 1),
-                 GenerateOptions(max_new=min(args.chat_new, WARMUP_TOKENS), **common))
+                 GenerateOptions(max_new=min(args.chat_new, WARMUP_TOKENS), **common), kv=kv)
         chat = generate(model, None, byte_tokens(args.chat_tokens, 1),
-                        GenerateOptions(max_new=args.chat_new, **common))
+                        GenerateOptions(max_new=args.chat_new, **common), kv=kv)
         long = generate(model, None, byte_tokens(args.long_tokens, 2),
-                        GenerateOptions(max_new=args.long_new, **common))
+                        GenerateOptions(max_new=args.long_new, **common), kv=kv)
     finally:
         slots = model.experts.arena.n_slots
+        if kv is not None:
+            kv.close()
         model.experts.close()
         model.experts = None
         free_memory(device)
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         first = plan_cache(cfg, dtype, device, rank=uniform_rank(cfg.n_layers, cfg.n_experts),
                            **sizing)
-        model = load_model(ckpt, device=device, dtype=dtype, cache=first)
+        model = load(ckpt, device=device, dtype=dtype, cache=first).model
         load_s = time.perf_counter() - start
         store = model.experts.store
         prompts = [byte_tokens(256, 100 + i) for i in range(args.profile_prompts)]

@@ -21,7 +21,8 @@ import time
 import numpy as np
 
 from strata._residency import ResidencyTable
-from strata.policies import CheckedPolicy, apply_admit, load_registry
+from strata.books import CheckedPolicy, apply_admit
+from strata.policies import load_registry
 
 # Qwen3-30B-A3B's MoE shape: 48 layers of 128 experts, 8 routed per token; bf16 experts of
 # hidden 2048 and width 768 are 9 MiB blobs, in 2 MiB chunks.

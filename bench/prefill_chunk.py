@@ -36,13 +36,12 @@ from _common import (
     proportions,
     sync,
 )
-from strata.engine.cache.build import build_cached_experts, plan_cache
-from strata.engine.cache.cli_options import default_stream_misses
-from strata.engine.cache.profile import rank_from_counts, uniform_rank
-from strata.engine.cli_profile import collect_counts
-from strata.engine.config import ModelConfig
-from strata.engine.generate import GenerateOptions, generate
-from strata.engine.model import load_model
+from strata.engine.cache.build import build_cached_experts, default_stream_misses, plan_cache
+from strata.engine.model.config import ModelConfig
+from strata.engine.runtime.calibrate import collect_counts
+from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.load import load
+from strata.formats.profile import rank_from_counts, uniform_rank
 
 WARMUP_TOKENS = 1024  # the untimed prompt each run starts with
 
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                   "stream_misses": default_stream_misses(cfg, device)}
         first = plan_cache(cfg, dtype, device, rank=uniform_rank(cfg.n_layers, cfg.n_experts),
                            **{**sizing, "prefill_chunk": min(chunks)})
-        model = load_model(ckpt, device=device, dtype=dtype, cache=first)
+        model = load(ckpt, device=device, dtype=dtype, cache=first).model
         store = model.experts.store
         counts, _ = collect_counts(model, [byte_tokens(256, 100)], decode_tokens=16,
                                    prefill_chunk=min(chunks))

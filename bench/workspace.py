@@ -31,10 +31,11 @@ import torch
 
 from _common import add_model_arguments, free_memory
 from strata.engine.cache.budget import MIB, workspace_bytes
-from strata.engine.grouped_experts import copies_weights
-from strata.engine.init_model import write_checkpoint
-from strata.engine.model import load_model
-from strata.engine.presets import get_preset
+from strata.engine.experts.grouped import copies_weights
+from strata.engine.kv.kv_cache import new_kv
+from strata.engine.model.init_model import write_checkpoint
+from strata.engine.model.moe import load_model
+from strata.engine.model.presets import get_preset
 
 
 def peak_bytes(device: torch.device, call) -> int:
@@ -50,7 +51,7 @@ def peak_bytes(device: torch.device, call) -> int:
 
 
 def measure(model, n_cells: int, chunk: int, device: torch.device) -> dict:
-    kv = model.new_kv(n_cells)
+    kv = new_kv(model, n_cells)
     try:
         c = min(chunk, n_cells)
         ids = torch.randint(0, 256, (c,), device=device)  # [C]

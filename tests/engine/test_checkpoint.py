@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from strata.engine import families
-from strata.engine.checkpoint import Checkpoint, CheckpointError
-from strata.engine.model import load_model
+from strata.engine.model import families
+from strata.engine.model.checkpoint import Checkpoint, CheckpointError
+from strata.engine.model.moe import load_model
 from support.checkpoints import (
     edit_config,
     make_checkpoint,

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from strata.cli import main
-from strata.engine.cli_generate import _terminal_safe
-from strata.engine.init_model import BUILTIN_NAME
+from strata.cli.generate import _terminal_safe
+from strata.cli.main import main
+from strata.engine.model.init_model import BUILTIN_NAME
 from support.checkpoints import (
     edit_config,
     make_checkpoint,
@@ -56,7 +56,7 @@ def test_first_run_creates_the_builtin_model_once(cache, capsys):
 
 
 def test_an_interrupted_first_run_leaves_no_model(cache, capsys, monkeypatch):
-    import strata.engine.init_model as init_model
+    import strata.engine.model.init_model as init_model
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")

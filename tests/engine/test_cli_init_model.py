@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from strata.cli import main
-from strata.engine.generate import GenerateOptions, generate
-from strata.engine.model import load_model
-from strata.engine.tokenizer import Tokenizer
+from strata.cli.main import main
+from strata.engine.model.moe import load_model
+from strata.engine.model.tokenizer import Tokenizer
+from strata.engine.runtime.generate import GenerateOptions, generate
 
 
 def _run(capsys, *argv):

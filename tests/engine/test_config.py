@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from strata.engine.config import SUPPORTED_FAMILIES, CheckpointError, ModelConfig
+from strata.engine.model.config import SUPPORTED_FAMILIES, CheckpointError, ModelConfig
 from support.hf_models import hf_config
 
 transformers = pytest.importorskip("transformers")

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.engine import families
-from strata.engine.checkpoint import Checkpoint
 from strata.engine.experts import ExpertStore, ResidentExperts
-from strata.engine.layers import route, swiglu
+from strata.engine.model import families
+from strata.engine.model.checkpoint import Checkpoint, expert_store
+from strata.engine.model.layers import route, swiglu
 from support.checkpoints import cached_checkpoint
 
 
@@ -20,7 +20,7 @@ def ckpt():
 
 @pytest.fixture(scope="module")
 def store(ckpt):
-    return ExpertStore.from_checkpoint(ckpt)
+    return expert_store(ckpt)
 
 
 def checkpoint_weights(ckpt, layer, expert):
@@ -49,7 +49,7 @@ def test_blob_layout(ckpt, store):
 
 
 def test_store_converts_dtype(ckpt):
-    store = ExpertStore.from_checkpoint(ckpt, torch.bfloat16)
+    store = expert_store(ckpt, torch.bfloat16)
     gate, up, down = checkpoint_weights(ckpt, 1, 2)
     assert store.blob_bytes == 3 * gate.numel() * 2
     for view, tensor in zip(store.weights(1, 2), (gate, up, down), strict=True):

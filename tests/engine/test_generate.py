@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from strata.engine.generate import GenerateOptions, check_prompt, generate
-from strata.engine.model import load_model
-from strata.engine.tokenizer import Tokenizer
+from strata.engine.kv.kv_cache import new_kv
+from strata.engine.model.moe import load_model
+from strata.engine.model.tokenizer import Tokenizer
+from strata.engine.runtime.generate import GenerateOptions, check_prompt, generate
 from support.checkpoints import cached_checkpoint
 
 GREEDY = GenerateOptions(max_new=24, temperature=0.0, ignore_stop=True)
@@ -53,7 +54,7 @@ def test_first_logits_are_the_last_prompt_position():
     model, tok, _ = _load()
     prompt = tok.encode("abcdef")
     result = generate(model, tok, prompt, dataclasses.replace(GREEDY, max_new=1))
-    with model.new_kv(16) as kv:
+    with new_kv(model, 16) as kv:
         expected = model.forward(torch.tensor(prompt), 0, kv)[-1]
     torch.testing.assert_close(result.first_logits, expected, rtol=1e-5, atol=1e-5)
     assert result.first_logits.dtype == torch.float32
@@ -128,8 +129,8 @@ def test_bad_options_are_rejected(change, message):
 
 def test_a_vocabulary_beyond_the_tokenizer_streams_replacement_chars(tmp_path):
     # Like the big presets: config and embeddings of 4096 ids, a tokenizer of 260.
-    from strata.engine.init_model import write_checkpoint
-    from strata.engine.presets import PRESETS
+    from strata.engine.model.init_model import write_checkpoint
+    from strata.engine.model.presets import PRESETS
 
     shape = dataclasses.replace(PRESETS["tiny"], vocab_size=4096)
     ckpt = write_checkpoint(tmp_path / "wide", "mixtral", shape)
@@ -178,7 +179,7 @@ def test_cuda_graph_rounds_match_eager_rounds_across_windows():
 
 @pytest.mark.cuda
 def test_cpu_and_cuda_draw_the_same_tokens():
-    from strata.engine.sampling import Sampler
+    from strata.engine.runtime.sampling import Sampler
 
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 3
     cpu, gpu = Sampler(1.0, 0.9, 50, seed=11), Sampler(1.0, 0.9, 50, seed=11)

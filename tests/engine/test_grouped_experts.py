@@ -1,4 +1,4 @@
-"""`strata.engine.grouped_experts`: the decode experts from stacked weights, against a float64
+"""`strata.engine.experts.grouped`: the decode experts from stacked weights, against a float64
 reference one expert at a time; the Triton kernels run under Triton's interpreter on the CPU
 (in a fresh interpreter, as TRITON_INTERPRET must be set before Triton is imported), and on the
 GPU with `pytest -m cuda`."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.engine.grouped_experts import (
+from strata.engine.experts.grouped import (
     copies_weights,
     expert_rows,
     expert_rows_gathered,
@@ -72,7 +72,7 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from test_grouped_experts import _reference, _relative, _stack
-from strata.engine.grouped_experts import expert_rows_triton
+from strata.engine.experts.grouped import expert_rows_triton
 results = []
 for seed, (s, f, d, index, dtype) in enumerate([
         (5, 48, 80, [3, 0, 3, 4], torch.float32),      # F, D not multiples of the blocks

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from strata.engine.config import ModelConfig
-from strata.engine.init_model import (
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.init_model import (
     FAMILIES,
     checkpoint_bytes,
     hf_config,
@@ -17,7 +17,7 @@ from strata.engine.init_model import (
     tensor_specs,
     write_checkpoint,
 )
-from strata.engine.presets import PRESETS
+from strata.engine.model.presets import PRESETS
 
 
 def _digests(ckpt):
@@ -193,8 +193,8 @@ def test_router_skew_scales_router_rows_and_nothing_else(tmp_path):
 
 
 def test_router_skew_concentrates_the_routing(tmp_path):
-    from strata.engine.cli_profile import collect_counts
-    from strata.engine.model import load_model
+    from strata.engine.model.moe import load_model
+    from strata.engine.runtime.calibrate import collect_counts
 
     prompts = [torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(3)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from strata import _vmm
-from strata.engine.kv import KVCache, kv_backend
+from strata.engine.kv.kv_cache import KVCache, device_backend
 
 CHUNK = 65536
 
@@ -92,16 +92,16 @@ def test_layer_errors_and_close(backend):
 
 
 def test_kv_backend():
-    backend = kv_backend("cpu")
+    backend = device_backend("cpu")
     assert isinstance(backend, _vmm.HostBackend)
     backend.close()
     with pytest.raises(ValueError, match="no K/V backend for device 'meta'"):
-        kv_backend("meta")
+        device_backend("meta")
 
 
 @pytest.mark.cuda
 def test_cuda_kv_segments():
-    backend = kv_backend("cuda")
+    backend = device_backend("cuda")
     assert isinstance(backend, _vmm.CudaBackend)
     kv = KVCache(backend, 2, 5000, 4, 128, torch.bfloat16)
     k, v = kv.k(1), kv.v(1)

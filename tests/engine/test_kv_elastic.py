@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from strata import _vmm
-from strata.engine.kv import KVCache
+from strata.engine.kv.kv_cache import KVCache
 
 CHUNK = 65536
 CELLS_PER_CHUNK = 1024  # 1 kv head * 32 dims * 2 bytes (bf16) = 64-byte cells

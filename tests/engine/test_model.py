@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.engine import layers
-from strata.engine.checkpoint import CheckpointError
 from strata.engine.experts import ResidentExperts
-from strata.engine.model import load_model
+from strata.engine.kv.kv_cache import new_kv
+from strata.engine.model import layers
+from strata.engine.model.checkpoint import CheckpointError
+from strata.engine.model.moe import load_model
 from support.checkpoints import cached_checkpoint, edit_config, make_checkpoint
 
 FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
@@ -17,7 +18,7 @@ PROMPT = torch.tensor([3, 141, 59, 26, 5, 35, 89, 79])
 
 def greedy(model, n_new: int, max_cells: int = 32) -> tuple[list[int], torch.Tensor]:
     """The first logits (on the CPU) and n_new greedy tokens."""
-    with model.new_kv(max_cells) as kv:
+    with new_kv(model, max_cells) as kv:
         first = model.forward(PROMPT.to(model.device), 0, kv)
         tokens, logits = [], first
         for step in range(n_new):
@@ -53,7 +54,7 @@ def test_checkpoint_dtype_and_bf16(family):
 
 def test_last_only_is_the_last_row():
     model = load_model(cached_checkpoint("olmoe"), dtype=torch.float32)
-    with model.new_kv(16) as kv_a, model.new_kv(16) as kv_b:
+    with new_kv(model, 16) as kv_a, new_kv(model, 16) as kv_b:
         full = model.forward(PROMPT, 0, kv_a)
         last = model.forward(PROMPT, 0, kv_b, last_only=True)
     assert last.shape == (1, model.config.vocab_size)
@@ -63,7 +64,7 @@ def test_last_only_is_the_last_row():
 
 def test_forward_argument_errors():
     model = load_model(cached_checkpoint("mixtral"), dtype=torch.float32)
-    with model.new_kv(8) as kv:
+    with new_kv(model, 8) as kv:
         with pytest.raises(ValueError, match=r"positions \[4, 12\) do not fit the K/V's 8"):
             model.forward(PROMPT, 4, kv)
         with pytest.raises(ValueError, match="token_ids must be a non-empty 1-D int64 tensor"):
@@ -73,7 +74,7 @@ def test_forward_argument_errors():
         with pytest.raises(ValueError, match=r"positions must be \[8\] and n_ctx in \[1, 8\]"):
             model.forward_at(PROMPT, torch.arange(8), kv, 9)
     bf16 = load_model(cached_checkpoint("mixtral"))
-    with bf16.new_kv(8) as kv, pytest.raises(ValueError, match="K/V geometry"):
+    with new_kv(bf16, 8) as kv, pytest.raises(ValueError, match="K/V geometry"):
         model.forward(PROMPT, 0, kv)
 
 
@@ -109,7 +110,7 @@ def test_cuda_graph_replay_of_forward_at_equals_eager():
     """A decode step captured once replays with new token/position values, bit for bit."""
     model = load_model(cached_checkpoint("olmoe"), device="cuda")
     device, start = model.device, len(PROMPT)
-    with model.new_kv(64) as kv_graph, model.new_kv(64) as kv_eager:
+    with new_kv(model, 64) as kv_graph, new_kv(model, 64) as kv_eager:
         model.forward(PROMPT.to(device), 0, kv_graph)
         model.forward(PROMPT.to(device), 0, kv_eager)
         token = torch.tensor([7], device=device)
@@ -162,15 +163,15 @@ class _Recorder:
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
 def test_a_chunk_attends_in_pieces_and_reads_its_experts_once(family, monkeypatch):
     model = load_model(cached_checkpoint(family), dtype=torch.float32)
-    monkeypatch.setattr("strata.engine.model.ATTENTION_PIECE_TOKENS", 3)
+    monkeypatch.setattr("strata.engine.model.moe.ATTENTION_PIECE_TOKENS", 3)
     prompt = torch.arange(1, 20) % model.config.vocab_size  # [19]
-    with model.new_kv(32) as kv_pieces, model.new_kv(32) as kv_one:
+    with new_kv(model, 32) as kv_pieces, new_kv(model, 32) as kv_one:
         model.forward(prompt[:4], 0, kv_pieces)  # a first chunk: causal, in one piece
         model.forward(prompt[:4], 0, kv_one)
         recorder = _Recorder(model, monkeypatch)
         pieces = model.forward(prompt[4:], 4, kv_pieces)  # 15 tokens: pieces of 3
         seen = (list(recorder.attention_rows), list(recorder.expert_rows))
-        monkeypatch.setattr("strata.engine.model.ATTENTION_PIECE_TOKENS", 512)
+        monkeypatch.setattr("strata.engine.model.moe.ATTENTION_PIECE_TOKENS", 512)
         one = model.forward(prompt[4:], 4, kv_one)
         n_layers = model.config.n_layers
         assert seen == ([3] * 5 * n_layers, [15] * n_layers)
@@ -183,8 +184,8 @@ def test_a_chunk_attends_in_pieces_and_reads_its_experts_once(family, monkeypatc
 
 def test_a_first_chunk_attends_causally_in_one_piece(monkeypatch):
     model = load_model(cached_checkpoint("olmoe"), dtype=torch.float32)
-    monkeypatch.setattr("strata.engine.model.ATTENTION_PIECE_TOKENS", 2)
-    with model.new_kv(16) as kv:
+    monkeypatch.setattr("strata.engine.model.moe.ATTENTION_PIECE_TOKENS", 2)
+    with new_kv(model, 16) as kv:
         recorder = _Recorder(model, monkeypatch)
         model.forward(PROMPT, 0, kv)
     assert recorder.attention_rows == [len(PROMPT)] * model.config.n_layers

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.engine.model import load_model
+from strata.engine.kv.kv_cache import new_kv
+from strata.engine.model.moe import load_model
 from support.hf_models import FAMILIES, hf_checkpoint, hf_logits, hf_new_cache
 
 transformers = pytest.importorskip("transformers")
@@ -48,7 +49,7 @@ def test_prompt_and_decode_logits_match(pair):
     family, model, hf_model = pair
     hf_greedy = hf_greedy_tokens(hf_model)
     reference = hf_logits_with_decode(hf_model, PROMPT, hf_greedy[:-1])
-    with model.new_kv(64) as kv:
+    with new_kv(model, 64) as kv:
         ours = [model.forward(torch.tensor(PROMPT), 0, kv)]
         for i, token in enumerate(hf_greedy[:-1]):
             ours.append(model.forward(torch.tensor([token]), len(PROMPT) + i, kv))
@@ -63,7 +64,7 @@ def test_greedy_tokens_identical(pair):
     family, model, hf_model = pair
     hf_greedy = hf_greedy_tokens(hf_model)
     ours = []
-    with model.new_kv(64) as kv:
+    with new_kv(model, 64) as kv:
         logits = model.forward(torch.tensor(PROMPT), 0, kv, last_only=True)
         for step in range(N_DECODE):
             token = int(logits[-1].argmax())
@@ -76,7 +77,7 @@ def test_prompt_in_pieces_matches_prompt_at_once(pair):
     """A prompt read in two parts (the second at start_pos > 0) gives the same logits."""
     _, model, hf_model = pair
     (reference,) = hf_logits_with_decode(hf_model, PROMPT, [])
-    with model.new_kv(32) as kv:
+    with new_kv(model, 32) as kv:
         first = model.forward(torch.tensor(PROMPT[:5]), 0, kv)
         rest = model.forward(torch.tensor(PROMPT[5:]), 5, kv)
     assert (torch.cat((first, rest)) - reference).abs().max() <= ATOL
@@ -85,7 +86,7 @@ def test_prompt_in_pieces_matches_prompt_at_once(pair):
 def test_forward_at_matches_forward(pair):
     """The capture-friendly entry (positions as a tensor, fixed n_ctx) gives the same logits."""
     _, model, _ = pair
-    with model.new_kv(32) as kv_a, model.new_kv(32) as kv_b:
+    with new_kv(model, 32) as kv_a, new_kv(model, 32) as kv_b:
         a = [model.forward(torch.tensor(PROMPT), 0, kv_a)]
         b = [model.forward_at(torch.tensor(PROMPT), torch.arange(len(PROMPT)), kv_b, 32)]
         for i, token in enumerate((4, 8, 15)):
@@ -103,7 +104,7 @@ def test_mixtral_sliding_window(tmp_path):
     assert model.config.sliding_window == 5
     tokens = [11, 22, 33]
     reference = hf_logits_with_decode(hf_model, PROMPT, tokens)
-    with model.new_kv(32) as kv:
+    with new_kv(model, 32) as kv:
         ours = [model.forward(torch.tensor(PROMPT), 0, kv)]
         for i, token in enumerate(tokens):
             ours.append(model.forward(torch.tensor([token]), len(PROMPT) + i, kv))
@@ -116,7 +117,7 @@ def test_tied_embeddings(tmp_path):
     model = load_model(path, dtype=torch.float32)
     assert model.config.tie_word_embeddings and model.lm_head is model.embed
     (reference,) = hf_logits_with_decode(hf_model, PROMPT, [])
-    with model.new_kv(16) as kv:
+    with new_kv(model, 16) as kv:
         assert (model.forward(torch.tensor(PROMPT), 0, kv) - reference).abs().max() <= ATOL
 
 
@@ -129,7 +130,7 @@ def test_cuda_float32_parity(family, tmp_path):
     reference = hf_logits_with_decode(hf_model, PROMPT, hf_greedy[:-1])
     model = load_model(path, device="cuda", dtype=torch.float32)
     device = model.device
-    with model.new_kv(64) as kv:
+    with new_kv(model, 64) as kv:
         ours = [model.forward(torch.tensor(PROMPT, device=device), 0, kv)]
         for i, token in enumerate(hf_greedy[:-1]):
             ours.append(model.forward(torch.tensor([token], device=device), len(PROMPT) + i, kv))

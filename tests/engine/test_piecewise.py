@@ -1,9 +1,9 @@
-"""`strata.engine.piecewise` without a GPU: what the stand-in for the experts does during the
-warm-ups (the captures themselves are tested by the `cuda` tests of the expert cache)."""
+"""`strata.engine.runtime.piecewise` without a GPU: what the stand-in for the experts does during
+the warm-ups (the captures themselves are tested by the `cuda` tests of the expert cache)."""
 
 import torch
 
-from strata.engine.piecewise import Cut
+from strata.engine.runtime.piecewise import Cut
 
 
 class Counting:

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from strata.engine.presets import BYTE_LEVEL_VOCAB, PRESETS, get_preset
+from strata.engine.model.presets import BYTE_LEVEL_VOCAB, PRESETS, get_preset
 
 
 def test_olmoe_preset_is_the_published_shape():

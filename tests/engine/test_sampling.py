@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata.engine.sampling import Sampler
+from strata.engine.runtime.sampling import Sampler
 
 
 def _draws(sampler, logits, n):

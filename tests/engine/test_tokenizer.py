@@ -7,7 +7,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata.engine.tokenizer import REPLACEMENT_CHAR, Tokenizer, TokenizerError
+from strata.engine.model.tokenizer import REPLACEMENT_CHAR, Tokenizer, TokenizerError
 from support.checkpoints import cached_checkpoint
 
 

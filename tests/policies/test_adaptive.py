@@ -8,7 +8,8 @@ Tables: slot s holds flat expert s; with no heat recorded, ties fall to the prof
 import numpy as np
 import pytest
 
-from strata.policies import CheckedPolicy, apply_admit, load_registry
+from strata.books import CheckedPolicy, apply_admit
+from strata.policies import load_registry
 from support.policy_tables import make_table
 
 

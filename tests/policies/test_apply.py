@@ -4,7 +4,8 @@ undone and the books are as they were."""
 import numpy as np
 import pytest
 
-from strata.policies import CheckedPolicy, Policy, apply_admit, apply_give_up, apply_refill
+from strata.books import CheckedPolicy, apply_admit, apply_give_up, apply_refill
+from strata.policies import Policy
 from support.policy_tables import assert_unchanged, make_table, snapshot
 
 

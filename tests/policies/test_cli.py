@@ -7,7 +7,7 @@ import json
 import pytest
 
 from strata import cli
-from strata.policies.cli import add_policy_arguments, policy_from_args
+from strata.cli.policies import add_policy_arguments, policy_from_args
 
 VERSION = importlib.metadata.version("strata")
 

@@ -9,7 +9,8 @@ so neighbouring slots share a chunk (design.md: chunks come from the slots just 
 import numpy as np
 import pytest
 
-from strata.policies import CheckedPolicy, apply_give_up, apply_refill, load_registry
+from strata.books import CheckedPolicy, apply_give_up, apply_refill
+from strata.policies import load_registry
 from support.policy_tables import heat_up, make_table
 
 

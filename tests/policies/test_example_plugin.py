@@ -23,8 +23,8 @@ DECIDE = textwrap.dedent("""
     import argparse, json, sys
     import numpy as np
     from strata._residency import ResidencyTable
-    from strata.policies import CheckedPolicy
-    from strata.policies.cli import add_policy_arguments, policy_from_args
+    from strata.books import CheckedPolicy
+    from strata.cli.policies import add_policy_arguments, policy_from_args
 
     parser = argparse.ArgumentParser()
     add_policy_arguments(parser)

@@ -3,8 +3,9 @@ kv_target (grow by whole steps, trim with two steps of hysteresis), and the cap 
 
 import pytest
 
-from strata.policies import CheckedPolicy, KvContext, KvParams, Policy
-from strata.policies.kv import default_kv_params, default_kv_target
+from strata.books import CheckedPolicy
+from strata.policies import KvContext, KvParams, Policy
+from strata.policies.kv_params import default_kv_params, default_kv_target
 from support.policy_tables import make_table
 
 

@@ -5,8 +5,8 @@ import importlib.metadata
 
 import pytest
 
+from strata.books import CheckedPolicy
 from strata.policies import (
-    CheckedPolicy,
     EngineInfo,
     PluginError,
     UnknownPolicyError,
@@ -18,7 +18,7 @@ from strata.policies import (
 )
 from strata.policies.events import EVENTS, Grown, Parked
 from strata.policies.registry import StrataPluginManager, collect_policies
-from strata.policies.trace import TracedPolicy
+from strata.policies.tracing import TracedPolicy
 from support.policy_packages import policy_module, write_package
 from support.policy_tables import make_table
 

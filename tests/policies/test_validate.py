@@ -5,13 +5,11 @@ import numpy as np
 import pytest
 
 import support.policy_plugins as misbehaving_plugin
+from strata.books import CheckedPolicy, apply_give_up, validate_decision
 from strata.policies import (
-    CheckedPolicy,
     KvContext,
     KvParams,
     PolicyError,
-    apply_give_up,
-    validate_decision,
 )
 from strata.policies.builtin.static import Static
 from strata.policies.registry import StrataPluginManager, collect_policies

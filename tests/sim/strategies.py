@@ -3,7 +3,7 @@
 import numpy as np
 from hypothesis import strategies as st
 
-from strata.sim.trace import DECODE, PROMPT, Trace
+from strata.formats.trace import DECODE, PROMPT, Trace
 
 
 @st.composite

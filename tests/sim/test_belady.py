@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sim.strategies import policy_options, profile_for, tiny_traces
+from strata.formats.trace import DECODE, Trace
 from strata.policies import load_registry
 from strata.sim import _kernels
 from strata.sim.belady import (
@@ -18,7 +19,6 @@ from strata.sim.belady import (
     oracle_static_set,
 )
 from strata.sim.replay import ReplayConfig, replay
-from strata.sim.trace import DECODE, Trace
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REGISTRY = load_registry()

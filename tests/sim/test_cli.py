@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from strata import cli
-from strata.sim.trace import DECODE, Trace, save_trace
+from strata.formats.trace import DECODE, Trace, save_trace
 
 SYNTH = ["--layers", "3", "--experts", "8", "--top-k", "2", "--requests", "3",
          "--prompt-tokens", "4:20", "--decode-tokens", "5:15", "--prompt-chunk", "8"]

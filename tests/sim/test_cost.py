@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
+from strata.formats.trace import DECODE, PROMPT, Trace
 from strata.sim.cost import Bandwidths, CostModel
 from strata.sim.result import ReplayResult
-from strata.sim.trace import DECODE, PROMPT, Trace
 
 
 def two_step_result():

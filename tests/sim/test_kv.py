@@ -6,10 +6,10 @@ from unittest import mock
 import numpy as np
 import pytest
 
+from strata.formats.trace import DECODE, PROMPT, Trace
 from strata.policies import load_registry
-from strata.sim.kv import KvConfig
+from strata.sim.kv_sim import KvConfig
 from strata.sim.replay import Replay, ReplayConfig
-from strata.sim.trace import DECODE, PROMPT, Trace
 
 REGISTRY = load_registry()
 # Steps of 2 cells; a K/V chunk holds 2 cells; an arena chunk holds one slot.

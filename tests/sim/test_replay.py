@@ -10,12 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sim.strategies import policy_options, profile_for, tiny_traces
+from strata.formats.trace import DECODE, PROMPT, Trace
 from strata.policies import Policy, PolicyError, load_registry
 from strata.policies.builtin.lru import Lru
-from strata.sim.kv import KvConfig
+from strata.sim.kv_sim import KvConfig
 from strata.sim.replay import Replay, ReplayConfig, choose_path, replay, start_books
 from strata.sim.synth import SynthSpec, synth_trace
-from strata.sim.trace import DECODE, PROMPT, Trace
 from support.policy_plugins import Misbehaving
 
 REGISTRY = load_registry()

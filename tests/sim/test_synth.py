@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from strata.formats.trace import DECODE, PROMPT
 from strata.sim.synth import SynthSpec, synth_trace
-from strata.sim.trace import DECODE, PROMPT
 
 
 def small(**kwargs):

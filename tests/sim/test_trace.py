@@ -8,7 +8,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from strata.sim.trace import (
+from strata.formats.trace import (
     DECODE,
     FORMAT,
     PROMPT,

@@ -13,8 +13,9 @@ import torch
 
 from strata import _vmm
 from strata.engine.cache.build import CacheConfig, plan_cache
-from strata.engine.config import ModelConfig
-from strata.engine.model import load_model, runtime_dtype
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.moe import runtime_dtype
+from strata.engine.runtime.load import load
 
 CHUNK_BYTES = 65536
 
@@ -30,5 +31,5 @@ def cache_config(ckpt, *, dtype: torch.dtype | None = None, max_context: int = 1
 
 
 def cached_model(ckpt, *, dtype: torch.dtype | None = None, **kwargs):
-    """`load_model(ckpt, cache=cache_config(ckpt, ...))` on the CPU."""
-    return load_model(ckpt, dtype=dtype, cache=cache_config(ckpt, dtype=dtype, **kwargs))
+    """`load(ckpt, cache=cache_config(ckpt, ...)).model` on the CPU."""
+    return load(ckpt, dtype=dtype, cache=cache_config(ckpt, dtype=dtype, **kwargs)).model

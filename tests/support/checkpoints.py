@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from strata.engine.init_model import write_checkpoint
+from strata.engine.model.init_model import write_checkpoint
 
 _SESSION_DIR: Path | None = None
 _CACHE: dict[tuple[Any, ...], Path] = {}

@@ -2,7 +2,7 @@
 
 A policy overrides only what it changes. It reads the books through a read-only
 `ResidencyView` and returns decisions; the engine (or the simulator) checks each answer with
-`strata.policies.validate` and only then acts on it. Slots are ints in [0, n_slots); experts are
+`strata.books.validate` and only then acts on it. Slots are ints in [0, n_slots); experts are
 (layer, expert) pairs.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from strata.policies import choose
-from strata.policies.kv import KvContext, KvParams, default_kv_params, default_kv_target
+from strata.policies.kv_params import KvContext, KvParams, default_kv_params, default_kv_target
 from strata.policies.options import parse_options
 from strata.policies.view import ResidencyView
 

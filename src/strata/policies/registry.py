@@ -22,8 +22,8 @@ from strata.policies import hookspecs
 from strata.policies.base import Policy
 from strata.policies.errors import PluginError
 from strata.policies.options import OptionSpec, option_specs, parse_options
-from strata.policies.trace import PREFIX as TRACE_PREFIX
-from strata.policies.trace import TracedPolicy, trace_hook_calls, tracing_enabled
+from strata.policies.tracing import PREFIX as TRACE_PREFIX
+from strata.policies.tracing import TracedPolicy, trace_hook_calls, tracing_enabled
 
 ENTRY_POINT_GROUP = "strata"
 ENV_LOAD = "STRATA_LOAD_PLUGINS"

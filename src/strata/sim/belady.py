@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from strata.formats.trace import Trace
 from strata.sim import _kernels
 from strata.sim.result import ReplayResult
-from strata.sim.trace import Trace
 
 SCOPES = ("global", "per-layer")
 

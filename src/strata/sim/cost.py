@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from strata.formats.trace import DECODE, PROMPT
 from strata.sim.result import ReplayResult
-from strata.sim.trace import DECODE, PROMPT
 
 GB = 1e9
 BANDWIDTH_KEYS = ("device_gbps", "host_gbps", "pcie_gbps")

@@ -4,7 +4,7 @@ Legend: N tokens, L layers, K experts per token, E experts per layer, S steps.
 
 The cache starts as the engine's does: `slots` slots, the top `loan_slots` of them the loan
 region, filled hottest first from a profile. Then, request by request: the simulated K/V grows
-or trims (`strata.sim.kv`, with `--kv-grow`), and every step runs layer by layer as the engine
+or trims (`strata.sim.kv_sim`, with `--kv-grow`), and every step runs layer by layer as the engine
 runs it, through the same `CheckedPolicy` and apply functions:
 
     slots, hit = table.lookup(layer, ids)       # ids [T, K]: hits and misses
@@ -34,14 +34,15 @@ from typing import Any
 import numpy as np
 
 from strata._residency import ResidencyTable
-from strata.policies import CheckedPolicy, Policy, apply_admit
+from strata.books import CheckedPolicy, apply_admit
+from strata.formats.trace import Trace
+from strata.policies import Policy
 from strata.policies.builtin.lfu import Lfu
 from strata.policies.builtin.lru import Lru
 from strata.policies.builtin.sieve import Sieve
 from strata.sim import _kernels
-from strata.sim.kv import KvConfig, KvSim
+from strata.sim.kv_sim import KvConfig, KvSim
 from strata.sim.result import ReplayResult
-from strata.sim.trace import Trace
 
 PATH_CHOICES = ("auto", "generic")
 KERNEL_MODES: dict[type, int] = {Lru: _kernels.MODE_LRU, Lfu: _kernels.MODE_LFU}

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.sim.trace import DECODE, PROMPT, Trace
+from strata.formats.trace import DECODE, PROMPT, Trace
 
 PATHS = ("generic", "batched", "kernel", "bound")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.sim.trace import DECODE, PROMPT, Trace
+from strata.formats.trace import DECODE, PROMPT, Trace
 
 KINDS = ("uniform", "zipf", "markov")
 

@@ -6,8 +6,8 @@ import torch
 
 from strata import _vmm
 from strata.engine.cache.arena import SLOT_ALIGN_BYTES, Arena, slot_bytes_for
-from strata.engine.checkpoint import Checkpoint
 from strata.engine.experts import ExpertStore
+from strata.engine.model.checkpoint import Checkpoint, expert_store
 from support.checkpoints import cached_checkpoint
 
 CHUNK_BYTES = 65536
@@ -17,7 +17,7 @@ CHUNK_BYTES = 65536
 def store():
     ckpt = Checkpoint.open(cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32))
     try:
-        return ExpertStore.from_checkpoint(ckpt)  # L=2, E=8, D=64, F=128: 96 KiB blobs
+        return expert_store(ckpt)  # L=2, E=8, D=64, F=128: 96 KiB blobs
     finally:
         ckpt.close()
 

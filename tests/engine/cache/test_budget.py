@@ -8,7 +8,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from strata import _vmm
 from strata._residency import ResidencyTable
-from strata.engine import families
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.budget import (
     MIB,
@@ -20,11 +19,12 @@ from strata.engine.cache.budget import (
     workspace_bytes,
 )
 from strata.engine.cache.cached_experts import CachedExperts
-from strata.engine.checkpoint import Checkpoint
-from strata.engine.config import ModelConfig
-from strata.engine.experts import ExpertStore, ResidentExperts
-from strata.engine.kv import KVCache
-from strata.engine.layers import ATTENTION_PIECE_TOKENS, route
+from strata.engine.experts import ResidentExperts
+from strata.engine.kv.kv_cache import KVCache
+from strata.engine.model import families
+from strata.engine.model.checkpoint import Checkpoint, expert_store
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.layers import ATTENTION_PIECE_TOKENS, route
 from support.checkpoints import cached_checkpoint
 
 
@@ -91,7 +91,7 @@ def _index_select_bytes(experts, layer, x, ids, weights):
 def test_gathered_bytes_are_what_the_decode_path_gathers():
     ckpt = Checkpoint.open(cached_checkpoint("olmoe", "tiny"))
     try:
-        cfg, store = ckpt.config, ExpertStore.from_checkpoint(ckpt)
+        cfg, store = ckpt.config, expert_store(ckpt)
     finally:
         ckpt.close()
     n_slots = store.n_layers * store.n_experts

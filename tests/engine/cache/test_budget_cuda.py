@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from strata.engine.model import load_model
+from strata.engine.model.moe import load_model
 from support.checkpoints import cached_checkpoint
 from workspace import measure
 

@@ -7,15 +7,17 @@ import torch
 
 from strata import _vmm
 from strata._residency import ResidencyTable
+from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.cached_experts import CachedExperts
-from strata.engine.checkpoint import Checkpoint
-from strata.engine.config import ModelConfig
-from strata.engine.experts import ExpertStore, ResidentExperts
-from strata.engine.generate import GenerateOptions, generate
-from strata.engine.layers import route
-from strata.engine.model import load_model
-from strata.policies import CheckedPolicy, Policy, PolicyError, plugin_manager
+from strata.engine.experts import ResidentExperts
+from strata.engine.kv.kv_cache import new_kv
+from strata.engine.model.checkpoint import Checkpoint, expert_store
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.layers import route
+from strata.engine.model.moe import load_model
+from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.policies import Policy, PolicyError, plugin_manager
 from strata.policies.builtin.lru import Lru
 from strata.policies.events import Admitted, Evicted
 from support.cache_models import CHUNK_BYTES, cached_model
@@ -36,7 +38,7 @@ OPTIONS = GenerateOptions(max_new=8, max_context=128, temperature=0.0, ignore_st
 def _store(ckpt_dir):
     ckpt = Checkpoint.open(ckpt_dir)
     try:
-        return ExpertStore.from_checkpoint(ckpt)
+        return expert_store(ckpt)
     finally:
         ckpt.close()
 
@@ -319,7 +321,7 @@ def test_a_captured_step_counts_only_its_replays(small):
         cfg = model.config
         cached.begin_request()
         cached.set_phase("decode")
-        kv = model.new_kv(16)
+        kv = new_kv(model, 16)
         token = torch.tensor([3], dtype=torch.int64)
         position = torch.tensor([0], dtype=torch.int64)
         with pytest.raises(RuntimeError, match="no step was captured"):

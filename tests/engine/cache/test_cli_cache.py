@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from strata.cli import main
-from strata.engine.cache.cli_options import default_stream_misses
-from strata.engine.cache.profile import Profile
-from strata.engine.config import ModelConfig
-from strata.sim.trace import load_trace
+from strata.cli.main import main
+from strata.engine.cache.build import default_stream_misses
+from strata.engine.model.config import ModelConfig
+from strata.formats.profile import Profile
+from strata.formats.trace import load_trace
 from support.checkpoints import cached_checkpoint
 
 FAST = ["Hello there, cache", "--max-new", "6", "--device", "cpu", "--temperature", "0",

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.engine.cache.cpu_experts import CpuExperts
-from strata.engine.cache.routed import Routed
 from strata.engine.experts import ExpertStore
+from strata.engine.experts.cpu import CpuExperts
+from strata.engine.experts.routed import Routed
 
 
 def _store(dtype):

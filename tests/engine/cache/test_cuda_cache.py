@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from strata.engine.cache.build import plan_cache
-from strata.engine.config import ModelConfig
-from strata.engine.generate import GenerateOptions, generate
-from strata.engine.model import load_model
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.moe import load_model
+from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.load import load
 from strata.policies.builtin.lru import Lru
 from support.checkpoints import cached_checkpoint
 
@@ -31,7 +32,7 @@ def _cached(ckpt, **options):
     config = ModelConfig.from_dir(ckpt)
     cache = plan_cache(config, config.dtype, torch.device("cuda"), max_context=128,
                        prefill_chunk=48, prefill_loan=False, **options)
-    return load_model(ckpt, device="cuda", cache=cache)
+    return load(ckpt, device="cuda", cache=cache).model
 
 
 def test_default_budget_is_the_free_memory(small):

@@ -13,14 +13,14 @@ import torch
 
 from strata import _vmm
 from strata._residency import ResidencyTable
+from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.cached_experts import CachedExperts
-from strata.engine.cache.elastic import ElasticKV, KvFullError, loan_top
 from strata.engine.cache.loan import PromptLoan
-from strata.engine.checkpoint import Checkpoint
-from strata.engine.experts import ExpertStore
-from strata.engine.kv import KVCache
-from strata.policies import CheckedPolicy, KvParams, PolicyError, plugin_manager
+from strata.engine.kv.elastic import ElasticKV, KvFullError, loan_top
+from strata.engine.kv.kv_cache import KVCache
+from strata.engine.model.checkpoint import Checkpoint, expert_store
+from strata.policies import KvParams, PolicyError, plugin_manager
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
 from support.checkpoints import cached_checkpoint
 from support.events import EventLog
@@ -35,7 +35,7 @@ PARAMS = KvParams(init_cells=512, step_cells=512, floor_slots=2)
 def store():
     ckpt = Checkpoint.open(cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32))
     try:
-        return ExpertStore.from_checkpoint(ckpt)
+        return expert_store(ckpt)
     finally:
         ckpt.close()
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.cli import main
-from strata.engine.cache.profile import Profile
-from strata.engine.config import ModelConfig
+from strata.cli.main import main
+from strata.engine.model.config import ModelConfig
+from strata.formats.profile import Profile
 from support.checkpoints import cached_checkpoint
 
 FAST = ["Hello there, elastic cache", "--max-new", "6", "--device", "cpu", "--temperature",

@@ -11,12 +11,12 @@ import torch
 
 from strata.engine.cache.budget import MIB
 from strata.engine.cache.build import plan_cache
-from strata.engine.cache.kv_grow import plan_elastic_cache
-from strata.engine.cache.profile import uniform_rank
-from strata.engine.config import ModelConfig
-from strata.engine.generate import GenerateOptions, expert_cache, generate
-from strata.engine.kv import KVCache, kv_backend
-from strata.engine.model import load_model
+from strata.engine.kv.kv_cache import KVCache, device_backend
+from strata.engine.kv.plan import plan_elastic_cache
+from strata.engine.model.config import ModelConfig
+from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.load import load
+from strata.formats.profile import uniform_rank
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
 from support.checkpoints import cached_checkpoint
 
@@ -32,7 +32,7 @@ GROW = {"STRATA_KV_GROW_INIT": "8192", "STRATA_KV_GROW_STEP": "8192",
 
 
 def test_a_graph_captured_before_a_growth_replays_after_it():
-    backend = kv_backend("cuda")
+    backend = device_backend("cuda")
     chunk = backend.chunk_bytes
     # fp32, 2 heads of 128: 1 KiB cells, 2048 a chunk; one layer: a K and a V segment.
     kv = KVCache(backend, 1, 8192, 2, 128, torch.float32, mapped_cells=2048)
@@ -78,14 +78,14 @@ def _model(ckpt, *, kv_grow, environ=None, **sizing):
                                       environ=environ, **sizing)
     else:
         cache = plan_cache(config, config.dtype, CUDA, **sizing)
-    return load_model(ckpt, device=CUDA, cache=cache)
+    return load(ckpt, device=CUDA, cache=cache)
 
 
-def _run(model, options=OPTIONS):
+def _run(loaded, options=OPTIONS):
     try:
-        return generate(model, None, PROMPT, options)
+        return generate(loaded.model, None, PROMPT, options, kv=loaded.kv)
     finally:
-        expert_cache(model.experts).close()
+        loaded.close()
 
 
 def test_grown_into_free_budget_is_byte_identical_on_cuda(ckpt):
@@ -118,18 +118,17 @@ def test_grown_by_giving_up_slots_on_cuda(ckpt):
     # start (the plan maps a window they cannot reach up front).
     options = dataclasses.replace(OPTIONS, max_context=16384)
     probe = _model(ckpt, kv_grow=True, environ=GROW, budget_mib=4096.0, max_context=16384)
-    budget = expert_cache(probe.experts).budget
-    expert_cache(probe.experts).close()
+    budget = probe.cache.budget
+    probe.close()
     every = -(-budget.total_experts * budget.slot_bytes // budget.chunk_bytes)
     exact = budget.fixed_bytes + every * budget.chunk_bytes
     runs = []
     for _ in range(2):
         policy = Recorder()
-        model = _model(ckpt, kv_grow=True, environ=GROW, budget_mib=exact / MIB, policy=policy,
-                       max_context=16384)
-        cached = expert_cache(model.experts)
-        assert cached.arena.n_slots == 64 and cached.elastic.free_chunks == 0
-        result = _run(model, options)
+        loaded = _model(ckpt, kv_grow=True, environ=GROW, budget_mib=exact / MIB,
+                        policy=policy, max_context=16384)
+        assert loaded.cache.arena.n_slots == 64 and loaded.kv.free_chunks == 0
+        result = _run(loaded, options)
         kv = result.kv
         assert kv.grows == 1 and kv.fresh_chunks == 0 and kv.cells_mapped == 16384
         assert kv.slots_given_up == len(policy.given_up) > 0 and kv.relocated == 0

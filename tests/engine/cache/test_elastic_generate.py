@@ -13,12 +13,12 @@ import torch
 
 from strata import _vmm
 from strata.engine.cache.build import plan_cache
-from strata.engine.cache.elastic import KvFullError
-from strata.engine.cache.kv_grow import plan_elastic_cache
-from strata.engine.cache.profile import rank_from_counts
-from strata.engine.config import ModelConfig
-from strata.engine.generate import GenerateOptions, expert_cache, generate
-from strata.engine.model import load_model
+from strata.engine.kv.elastic import KvFullError
+from strata.engine.kv.plan import plan_elastic_cache
+from strata.engine.model.config import ModelConfig
+from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.load import load
+from strata.formats.profile import rank_from_counts
 from strata.policies import plugin_manager
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
 from support.checkpoints import cached_checkpoint
@@ -67,7 +67,7 @@ class Recorder(ColdestInLoan):
 
 def _model(ckpt, rank, *, kv_grow, environ=None, **sizing):
     """The tiny model through a cache planned as `strata generate` plans it, with or without
-    `--kv-grow`; (model, notes)."""
+    `--kv-grow`; (the `Loaded`, notes)."""
     cfg = ModelConfig.from_dir(ckpt)
     sizing = {"max_context": WINDOW, "prefill_chunk": 32, "prefill_loan": False,
               "backend": _vmm.HostBackend(CHUNK), "rank": rank, **sizing}
@@ -77,14 +77,14 @@ def _model(ckpt, rank, *, kv_grow, environ=None, **sizing):
                                           **sizing)
     else:
         cache, notes = plan_cache(cfg, torch.float32, torch.device("cpu"), **sizing), []
-    return load_model(ckpt, cache=cache), notes
+    return load(ckpt, cache=cache), notes
 
 
-def _run(model, options=OPTIONS):
+def _run(loaded, options=OPTIONS):
     try:
-        return generate(model, None, PROMPT, options)
+        return generate(loaded.model, None, PROMPT, options, kv=loaded.kv)
     finally:
-        expert_cache(model.experts).close()
+        loaded.close()
 
 
 def _same(a, b):
@@ -93,30 +93,30 @@ def _same(a, b):
 
 
 def test_without_the_flag_nothing_changes(ckpt, rank):
-    model, _ = _model(ckpt, rank, kv_grow=False, expert_cache_mib=0.75)
-    plain = _run(model)
+    loaded, _ = _model(ckpt, rank, kv_grow=False, expert_cache_mib=0.75)
+    plain = _run(loaded)
     assert plain.kv is None and "kv" not in plain.stats()
     # --kv-grow without a profile is ignored: the same cache, the same K/V, the same bytes.
-    model, notes = _model(ckpt, None, kv_grow=True, expert_cache_mib=0.75)
+    loaded, notes = _model(ckpt, None, kv_grow=True, expert_cache_mib=0.75)
     assert notes == ["--kv-grow ignored: it needs --expert-profile (the refill after a trim "
                      "comes from the profile)"]
-    assert expert_cache(model.experts).elastic is None
-    ignored = _run(model)
+    assert loaded.kv is None
+    ignored = _run(loaded)
     assert ignored.kv is None
     # (rank None = the uniform fill, rank = the profile's: compare like with like.)
-    model, _ = _model(ckpt, None, kv_grow=False, expert_cache_mib=0.75)
-    _same(ignored, _run(model))
+    loaded, _ = _model(ckpt, None, kv_grow=False, expert_cache_mib=0.75)
+    _same(ignored, _run(loaded))
 
 
 def test_mapped_whole_is_identical(ckpt, rank):
-    model, _ = _model(ckpt, rank, kv_grow=False)
-    plain_slots = expert_cache(model.experts).arena.n_slots
-    plain = _run(model)
+    loaded, _ = _model(ckpt, rank, kv_grow=False)
+    plain_slots = loaded.cache.arena.n_slots
+    plain = _run(loaded)
     env = {**GROW, "STRATA_KV_GROW_INIT": "100000"}  # >= the window: mapped whole
-    model, _ = _model(ckpt, rank, kv_grow=True, environ=env)
-    cached = expert_cache(model.experts)
-    assert cached.arena.n_slots == plain_slots and cached.elastic.kv.mapped_cells == WINDOW
-    grown = _run(model)
+    loaded, _ = _model(ckpt, rank, kv_grow=True, environ=env)
+    cached = loaded.cache
+    assert cached.arena.n_slots == plain_slots and loaded.kv.kv.mapped_cells == WINDOW
+    grown = _run(loaded)
     _same(grown, plain)
     assert grown.kv.grows == 0 and grown.stats()["kv"]["cells_mapped"] == WINDOW
 
@@ -124,13 +124,13 @@ def test_mapped_whole_is_identical(ckpt, rank):
 def test_grown_into_free_budget_only_is_identical(ckpt, rank):
     # A fixed cache of 8 slots in a 16 MiB budget; the floor above the cache: nothing given up.
     sizing = {"budget_mib": 16.0, "expert_cache_mib": 0.75}
-    model, _ = _model(ckpt, rank, kv_grow=False, **sizing)
-    plain = _run(model)
+    loaded, _ = _model(ckpt, rank, kv_grow=False, **sizing)
+    plain = _run(loaded)
     env = {**GROW, "STRATA_KV_GROW_FLOOR": "100"}
-    model, notes = _model(ckpt, rank, kv_grow=True, environ=env, **sizing)
+    loaded, notes = _model(ckpt, rank, kv_grow=True, environ=env, **sizing)
     assert "grows into free budget only" in notes[-1]
-    assert expert_cache(model.experts).elastic.kv.mapped_cells == 32
-    grown = _run(model)
+    assert loaded.kv.kv.mapped_cells == 32
+    grown = _run(loaded)
     _same(grown, plain)
     kv = grown.kv
     # 60 + 8 + 16 cells: 96 on the step grid, 3 chunks in each of 4 segments, 8 of them new.
@@ -144,12 +144,12 @@ def test_grown_by_giving_up_slots_follows_the_policys_decisions(ckpt, rank, monk
     events = EventLog()
     pm.register(events)
     # The host default budget holds every expert and the start cells: no free budget.
-    model, _ = _model(ckpt, rank, kv_grow=True, environ=GROW, policy=policy, events=pm,
+    loaded, _ = _model(ckpt, rank, kv_grow=True, environ=GROW, policy=policy, events=pm,
                       prefill_loan=True)
-    cached = expert_cache(model.experts)
-    assert cached.arena.n_slots == 16 and cached.elastic.free_chunks == 0
+    cached = loaded.cache
+    assert cached.arena.n_slots == 16 and loaded.kv.free_chunks == 0
     before = cached.table.owner.copy()
-    result = generate(model, None, PROMPT, OPTIONS)
+    result = generate(loaded.model, None, PROMPT, OPTIONS, kv=loaded.kv)
     kv = result.kv
     assert kv.grows == 1 and kv.fresh_chunks == 0 and kv.cells_mapped == 96
     # 8 chunks: slot 7 (24 chunks) is the one just below the loan region [8, 16).
@@ -165,18 +165,18 @@ def test_grown_by_giving_up_slots_follows_the_policys_decisions(ckpt, rank, monk
     assert len(result.tokens) == 8
     cached.table.validate()
     # Deterministic: the same start, the same bytes out.
-    cached.close()
-    model, _ = _model(ckpt, rank, kv_grow=True, environ=GROW, policy=Recorder(),
+    loaded.close()
+    loaded, _ = _model(ckpt, rank, kv_grow=True, environ=GROW, policy=Recorder(),
                       prefill_loan=True)
-    _same(_run(model), result)
+    _same(_run(loaded), result)
 
 
 def test_a_failed_growth_is_told_and_the_run_goes_on(ckpt, rank, capsys):
-    model, _ = _model(ckpt, rank, kv_grow=True, environ=GROW, budget_mib=16.0,
+    loaded, _ = _model(ckpt, rank, kv_grow=True, environ=GROW, budget_mib=16.0,
                       expert_cache_mib=0.75)
-    cached = expert_cache(model.experts)
+    cached = loaded.cache
     cached.arena.backend.inject_fault("map", 5)  # the growth before the prompt fails
-    result = _run(model)
+    result = _run(loaded)
     assert result.kv.failures == 1 and "injected fault in map" in result.kv.last_failure
     assert "K/V growth for 84 cells failed and was rolled back; going on with 32 cells" in \
         capsys.readouterr().err
@@ -185,13 +185,13 @@ def test_a_failed_growth_is_told_and_the_run_goes_on(ckpt, rank, capsys):
 
 
 def test_a_round_that_cannot_fit_is_a_clear_error(ckpt, rank):
-    model, _ = _model(ckpt, rank, kv_grow=True, environ=GROW)
-    cached = expert_cache(model.experts)
+    loaded, _ = _model(ckpt, rank, kv_grow=True, environ=GROW)
+    cached = loaded.cache
     cached.table.set_regions(floor=cached.table.n_slots)  # nothing left to give, no budget
     with pytest.raises(KvFullError, match=r"needs 60 K/V cells, 32 are mapped and growing "
                                           r"failed: the growth needs 4 chunks from the expert "
                                           r"cache, which can give 0"):
-        _run(model)
+        _run(loaded)
 
 
 def test_the_whole_window_stays_reachable(ckpt, rank, monkeypatch):
@@ -200,27 +200,26 @@ def test_the_whole_window_stays_reachable(ckpt, rank, monkeypatch):
     # start leaves 24 to grow into: the window (256 cells) always fits, as without the flag.
     monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "8")
     env = {**GROW, "STRATA_KV_GROW_FLOOR": "7"}
-    model, notes = _model(ckpt, rank, kv_grow=True, environ=env, prefill_loan=True)
+    loaded, notes = _model(ckpt, rank, kv_grow=True, environ=env, prefill_loan=True)
     assert notes[1] == ("--kv-grow: 64 cells mapped at start, not 32: with fewer, the free "
                         "budget and the slots between the floor and the loan region could not "
                         f"hold the rest of the {WINDOW}-cell window")
-    cached = expert_cache(model.experts)
-    assert cached.elastic.kv.mapped_cells == 64 and cached.elastic.params.init_cells == 64
+    assert loaded.kv.kv.mapped_cells == 64 and loaded.kv.params.init_cells == 64
     prompt = list(range(3, 3 + WINDOW - 8))
     options = GenerateOptions(max_new=8, max_context=WINDOW, temperature=0.0, prefill_chunk=32,
                               ignore_stop=True)
     try:
-        result = generate(model, None, prompt, options)
+        result = generate(loaded.model, None, prompt, options, kv=loaded.kv)
     finally:
-        cached.close()
+        loaded.close()
     assert result.kv.cells_mapped == WINDOW and result.kv.slots_given_up == 1
     assert len(result.tokens) == 8 and result.prompt_tokens == len(prompt)
     # With a step that jumps past the window there is no start short of it: mapped up front.
     env = {**env, "STRATA_KV_GROW_STEP": "8192"}
-    model, notes = _model(ckpt, rank, kv_grow=True, environ=env, prefill_loan=True)
-    assert expert_cache(model.experts).elastic is None
+    loaded, notes = _model(ckpt, rank, kv_grow=True, environ=env, prefill_loan=True)
+    assert loaded.kv is None
     assert notes == [
         "--kv-grow: the cache cannot give memory to the K/V (free budget and slots [7, 8) can "
         "give 96.0 KiB of the 112.0 KiB the rest of the window needs): elastic K/V off for "
         f"this run, the whole window ({WINDOW} cells) is mapped up front"]
-    expert_cache(model.experts).close()
+    loaded.close()

@@ -8,13 +8,13 @@ import torch
 
 from strata import _vmm
 from strata.engine.cache.build import plan_cache
-from strata.engine.cache.kv_grow import (
+from strata.engine.kv.plan import (
     ENV_KV_GROW,
     cells_per_chunk,
     kv_grow_requested,
     plan_elastic_cache,
 )
-from strata.engine.config import ModelConfig
+from strata.engine.model.config import ModelConfig
 from strata.policies import KvParams, Policy, PolicyError
 from support.checkpoints import cached_checkpoint
 

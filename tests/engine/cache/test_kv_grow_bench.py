@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from strata.cli import main
+from strata.cli.main import main
 
 # The bench sets these from its flags; monkeypatch restores them after each test.
 ENV = ("STRATA_KV_GROW_INIT", "STRATA_KV_GROW_STEP", "STRATA_KV_GROW_FLOOR",

@@ -6,6 +6,7 @@ import torch
 
 from strata import _vmm
 from strata._residency import ResidencyTable
+from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.cache.loan import (
@@ -14,12 +15,13 @@ from strata.engine.cache.loan import (
     PromptLoan,
     loan_slots,
 )
-from strata.engine.cache.routed import Routed
-from strata.engine.checkpoint import Checkpoint
-from strata.engine.config import ModelConfig
-from strata.engine.experts import ExpertStore
-from strata.engine.model import load_model
-from strata.policies import CheckedPolicy, Policy, PolicyError
+from strata.engine.experts.routed import Routed
+from strata.engine.kv.kv_cache import new_kv
+from strata.engine.model.checkpoint import Checkpoint, expert_store
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.moe import load_model
+from strata.engine.runtime.load import load
+from strata.policies import Policy, PolicyError
 from strata.policies.registry import load_registry
 from support.checkpoints import cached_checkpoint
 
@@ -34,7 +36,7 @@ def setup(request):
     model = load_model(ckpt)
     ckpt_file = Checkpoint.open(ckpt)
     try:
-        store = ExpertStore.from_checkpoint(ckpt_file)
+        store = expert_store(ckpt_file)
     finally:
         ckpt_file.close()
     return model, store
@@ -58,7 +60,7 @@ def _prefill(model, cached, prompt=PROMPT, chunk=None):
     resident, model.experts = model.experts, cached
     try:
         cached.begin_request()
-        with model.new_kv(len(prompt)) as kv:
+        with new_kv(model, len(prompt)) as kv:
             chunk = chunk or len(prompt)
             return torch.cat([model.forward(prompt[i:i + chunk], i, kv)
                               for i in range(0, len(prompt), chunk)])
@@ -76,7 +78,7 @@ def _blobs_match_books(cached):
 
 
 def _reference(model, prompt=PROMPT):
-    with model.new_kv(len(prompt)) as kv:
+    with new_kv(model, len(prompt)) as kv:
         return model.forward(prompt, 0, kv)
 
 
@@ -247,11 +249,11 @@ def test_bad_options_are_refused(setup, kwargs, message):
 
 
 def test_generate_with_the_loan_agrees_with_generate_without(monkeypatch):
-    """Through `load_model(cache=...)` and `generate`: the loan is built by the cache's config
+    """Through `load(cache=...).model` and `generate`: the loan is built by the cache's config
     (keeping STRATA_LOAN_KEEP_SLOTS slots), lends for the long prompt and gives back."""
     from strata.engine.cache.budget import MIB, CacheBudget
     from strata.engine.cache.build import CacheConfig
-    from strata.engine.generate import GenerateOptions, generate
+    from strata.engine.runtime.generate import GenerateOptions, generate
 
     monkeypatch.setenv(KEEP_SLOTS_ENV, "6")
     ckpt = cached_checkpoint("qwen3_moe", "small", dtype=torch.float32)
@@ -264,7 +266,7 @@ def test_generate_with_the_loan_agrees_with_generate_without(monkeypatch):
                              total_experts=64, expert_cache_mib=20 * slot_bytes / MIB)
         config = CacheConfig(budget=budget, backend=_vmm.HostBackend(CHUNK_BYTES),
                              prefill_loan=loan, short_read=16)
-        model = load_model(ckpt, cache=config)
+        model = load(ckpt, cache=config).model
         assert isinstance(model.experts.loan, PromptLoan) == loan
         options = GenerateOptions(max_new=8, temperature=0, prefill_chunk=32, ignore_stop=True)
         results[loan] = generate(model, None, list(range(40, 110)), options)
@@ -287,7 +289,7 @@ def test_the_command_line_lends_and_no_prefill_loan_does_not(monkeypatch, capsys
     lets a tiny cache lend), `--no-prefill-loan` sends its misses to the CPU, the tokens agree."""
     import json
 
-    from strata.cli import main
+    from strata.cli.main import main
 
     monkeypatch.setenv(KEEP_SLOTS_ENV, "2")
     ckpt = cached_checkpoint("qwen3_moe", "small", dtype=torch.float32)

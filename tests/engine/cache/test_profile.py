@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata._residency import ResidencyTable
-from strata.engine.cache.profile import (
+from strata.engine.model.config import ModelConfig
+from strata.formats.profile import (
     FORMAT,
     NO_PROFILE_WARNING,
     Profile,
@@ -23,10 +24,9 @@ from strata.engine.cache.profile import (
     save_profile,
     uniform_rank,
 )
-from strata.engine.config import ModelConfig
+from strata.formats.trace import save_trace
 from strata.sim import synth_trace
 from strata.sim.synth import SynthSpec
-from strata.sim.trace import save_trace
 
 CONFIG = ModelConfig(
     family="qwen3_moe", vocab_size=260, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,

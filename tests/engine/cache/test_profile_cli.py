@@ -7,19 +7,19 @@ import numpy as np
 import pytest
 import torch
 
-from strata.cli import main
-from strata.engine.cache.profile import load_profile
-from strata.engine.cache.routing import (
+from strata.cli.main import main
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.moe import load_model
+from strata.engine.model.tokenizer import Tokenizer
+from strata.engine.runtime.calibrate import collect_counts
+from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.recording import (
     RoutingCounter,
     RoutingRecorder,
     installed,
     new_trace_writer,
 )
-from strata.engine.cli_profile import collect_counts
-from strata.engine.config import ModelConfig
-from strata.engine.generate import GenerateOptions, generate
-from strata.engine.model import load_model
-from strata.engine.tokenizer import Tokenizer
+from strata.formats.profile import load_profile
 from strata.policies.registry import load_registry
 from strata.sim import ReplayConfig, load_trace, replay
 from support.checkpoints import cached_checkpoint

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from strata.engine.cache.routed import Routed
+from strata.engine.experts.routed import Routed
 
 
 def _reference(ids, mask):

@@ -6,10 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.engine.cache.routed import Routed
-from strata.engine.cache.streamed_misses import StreamedMisses
-from strata.engine.checkpoint import Checkpoint
-from strata.engine.experts import ExpertStore
+from strata.engine.experts.routed import Routed
+from strata.engine.experts.streamed import StreamedMisses
+from strata.engine.model.checkpoint import Checkpoint, expert_store
 from support.checkpoints import cached_checkpoint
 
 
@@ -17,7 +16,7 @@ from support.checkpoints import cached_checkpoint
 def store():
     ckpt = Checkpoint.open(cached_checkpoint("qwen3_moe", "small", dtype=torch.float32))
     try:
-        return ExpertStore.from_checkpoint(ckpt)  # L=4, E=16, K=4
+        return expert_store(ckpt)  # L=4, E=16, K=4
     finally:
         ckpt.close()
 

@@ -6,18 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from strata.cli import main
+from strata.cli.main import main
 from strata.engine.cache.arena import slot_bytes_for
-from strata.engine.cache.routing import (
+from strata.engine.model.moe import load_model
+from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.recording import (
     RoutingRecorder,
     installed,
     new_trace_writer,
     trace_meta,
 )
-from strata.engine.generate import GenerateOptions, generate
-from strata.engine.model import load_model
+from strata.formats.trace import DECODE, PROMPT, TraceWriter, save_trace
 from strata.sim import load_trace
-from strata.sim.trace import DECODE, PROMPT, TraceWriter, save_trace
 from support.checkpoints import cached_checkpoint
 
 

@@ -11,15 +11,16 @@ from strata import _vmm
 from strata.engine.cache.arena import slot_bytes_for
 from strata.engine.cache.budget import MIB, CacheBudget
 from strata.engine.cache.build import CacheConfig
-from strata.engine.cache.profile import Profile, fill_rank
-from strata.engine.cache.routing import RoutingRecorder, installed, new_trace_writer
-from strata.engine.cli_profile import collect_counts
-from strata.engine.config import ModelConfig
-from strata.engine.generate import GenerateOptions, generate
-from strata.engine.model import load_model
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.moe import load_model
+from strata.engine.runtime.calibrate import collect_counts
+from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.load import load
+from strata.engine.runtime.recording import RoutingRecorder, installed, new_trace_writer
+from strata.formats.profile import Profile, fill_rank
+from strata.formats.trace import DECODE, PROMPT
 from strata.policies.registry import load_registry
 from strata.sim import ReplayConfig, replay
-from strata.sim.trace import DECODE, PROMPT
 from support.checkpoints import cached_checkpoint
 
 CHUNK_BYTES = 65536
@@ -53,7 +54,7 @@ def _cached_model(ckpt, profile, policy, n_slots):
     assert warning is None
     config = CacheConfig(budget=budget, backend=_vmm.HostBackend(CHUNK_BYTES),
                          policy=load_registry().create(policy), rank=rank, prefill_loan=False)
-    return load_model(ckpt, dtype=torch.float32, cache=config)
+    return load(ckpt, dtype=torch.float32, cache=config).model
 
 
 def _run(model, options):
@@ -109,7 +110,7 @@ def test_a_full_cache_hits_everything_in_both(ckpt, profile):
 def test_strata_generate_trace_replays_in_strata_simulate(ckpt, profile, tmp_path, capsys):
     """The command lines: `strata generate --trace` with a profile and a policy, then
     `strata simulate` of its trace with the same ones, report the same hits and misses."""
-    from strata.cli import main
+    from strata.cli.main import main
 
     profile_path, trace_path = tmp_path / "profile.npz", tmp_path / "trace.npz"
     profile.save(profile_path)

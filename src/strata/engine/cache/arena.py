@@ -4,9 +4,9 @@ Dimension letters: S slots, D hidden size, F expert width.
 
 Slot `s` occupies bytes [s * slot_bytes, (s + 1) * slot_bytes) of the range; its first
 `blob_bytes` hold one expert's blob (gate [F, D] | up [F, D] | down [D, F], see
-`strata.engine.experts`), the rest is padding up to a multiple of `SLOT_ALIGN_BYTES`. Tensors
-over the slots are zero-copy views of the range, so a kernel reads an expert straight from its
-slot. The arena knows nothing of which expert is where: that is the books'
+`strata.engine.experts.resident`), the rest is padding up to a multiple of `SLOT_ALIGN_BYTES`.
+Tensors over the slots are zero-copy views of the range, so a kernel reads an expert straight from
+its slot. The arena knows nothing of which expert is where: that is the books'
 (`strata._residency.ResidencyTable`).
 
 Uploads on CUDA run on a copy stream that first waits for the compute stream (a slot being
@@ -204,7 +204,7 @@ class Arena:
             # Complete before the caller unmaps the sources' chunks.
             torch.cuda.synchronize(self.device)
 
-    # --- chunks lent to the elastic K/V (strata.engine.cache.elastic) ---
+    # --- chunks lent to the elastic K/V (strata.engine.kv.elastic) ---
     # The views are not re-made when chunks leave: they keep their addresses and stay valid
     # over the slots still mapped; nothing may read a slot that touches an unmapped chunk
     # (the books' `backed` says which may be read).

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.engine import families
-from strata.engine.config import ModelConfig
-from strata.engine.grouped_experts import copies_weights
-from strata.engine.layers import ATTENTION_PIECE_TOKENS
+from strata.engine.experts.grouped import copies_weights
+from strata.engine.model import families
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.layers import ATTENTION_PIECE_TOKENS
 
 __all__ = [
     "DEFAULT_RESERVE_MIB",
@@ -79,7 +79,7 @@ def workspace_bytes(
       C*N + P*N*R*(1 + itemsize) bytes. The scores are not materialized:
       `scaled_dot_product_attention` runs its memory-efficient kernel there;
     - the decode path's gathered weights (T == 1 only, when `gathers`: where
-      `strata.engine.grouped_experts.copies_weights`, i.e. off CUDA or without Triton): the K
+      `strata.engine.experts.grouped.copies_weights`, i.e. off CUDA or without Triton): the K
       routed experts' blobs; a prompt chunk of any length reads its experts in place;
     - the routed rows [C*K, 2F + D] in fp32, twice; the activations, 16 x [C, width];
     - the logits [V] in fp32, twice;

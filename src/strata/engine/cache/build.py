@@ -16,18 +16,26 @@ import torch
 
 from strata import _vmm
 from strata._residency import ResidencyTable
+from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.budget import CacheBudget, plan_budget
 from strata.engine.cache.cached_experts import CachedExperts
-from strata.engine.config import ModelConfig
+from strata.engine.cache.loan import PromptLoan
 from strata.engine.experts import ExpertStore
-from strata.policies import CheckedPolicy, Policy
+from strata.engine.model.config import ModelConfig
+from strata.policies import Policy
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
 
 if TYPE_CHECKING:
-    from strata.engine.cache.kv_grow import KvGrowConfig
+    from strata.engine.kv.plan import KvGrowConfig
 
-__all__ = ["DEFAULT_SHORT_READ", "CacheConfig", "build_cached_experts", "plan_cache"]
+__all__ = [
+    "DEFAULT_SHORT_READ",
+    "CacheConfig",
+    "build_cached_experts",
+    "default_stream_misses",
+    "plan_cache",
+]
 
 DEFAULT_SHORT_READ = 64  # prompt parts longer than this many tokens take the loan
 
@@ -39,13 +47,13 @@ class CacheConfig:
     `budget` sizes it (see `strata.engine.cache.budget.plan_budget`); `backend` is the memory
     backend of the arena (its chunk size must be the budget's). `rank` int [L, E], a
     permutation of the flat ids (0 = hottest), orders the experts for the fill and the refills
-    (`strata.engine.cache.profile.fill_rank`; None: flat id order); `policy` decides
+    (`strata.formats.profile.fill_rank`; None: flat id order); `policy` decides
     admissions and refills (None: `coldest-in-loan`); `events` is told admissions and
     evictions. `prefill_loan` lends the top slots to prompt parts longer than `short_read`
     tokens. `cpu_threads` sets the intra-op threads of the CPU's experts (None: torch's).
     `stream_misses`: of a decode layer call's misses, how many are uploaded to a staging
     buffer and computed on the device while the CPU computes the others (0: none).
-    `kv_grow` starts the elastic K/V beside the cache (`strata.engine.cache.kv_grow`; None:
+    `kv_grow` starts the elastic K/V beside the cache (`strata.engine.kv.plan`; None:
     the K/V is made per request, its whole window mapped).
     """
 
@@ -78,6 +86,17 @@ class CacheConfig:
             raise ValueError(f"stream_misses must be an int >= 0, got {self.stream_misses!r}")
 
 
+def default_stream_misses(config: ModelConfig, device: torch.device) -> int:
+    """`--stream-misses` when it is not given: half the model's top-k on CUDA, 0 elsewhere.
+
+    Measured on the H200 (olmoe-1b-7b at a 4 GiB budget, 5.75 misses a layer; bench/results/
+    cache-h200-2026-11-29.md): an expert uploads in 0.23 ms from pinned memory and computes in
+    0.42-0.46 ms on 16 cores, so the two sides take about the same time per layer at N = 3-4
+    of 8, and N = 6 was only a few percent faster again. Half the top-k leaves room for a
+    slower bus (PCIe 4 moves about half of that). Off the GPU there is no bus to use."""
+    return config.top_k // 2 if device.type == "cuda" else 0
+
+
 def plan_cache(
     config: ModelConfig,
     dtype: torch.dtype,
@@ -94,12 +113,12 @@ def plan_cache(
 ) -> CacheConfig:
     """The CacheConfig for a model of `config` computing in `dtype` on `device`, sized from the
     flags' values (see `plan_budget`); `options` are CacheConfig's other fields. `backend`
-    defaults to the K/V's kind on `device` (`strata.engine.kv.kv_backend`). Raises ValueError
-    for a bad value or a budget too small; the backend made here is closed again then."""
-    from strata.engine.kv import kv_backend
+    defaults to the K/V's kind on `device` (`strata.engine.kv.kv_cache.device_backend`). Raises
+    ValueError for a bad value or a budget too small; the backend made here is closed again then."""
+    from strata.engine.memory import device_backend
 
     own = backend is None
-    backend = backend or kv_backend(device)
+    backend = backend or device_backend(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     try:
         budget = plan_budget(
@@ -148,13 +167,7 @@ def build_cached_experts(
         try:
             cached.fill_hottest()
             if config.prefill_loan:
-                from strata.engine.cache.loan import PromptLoan
-
                 cached.loan = PromptLoan(cached, short_read=config.short_read)
-            if config.kv_grow is not None:
-                from strata.engine.cache.kv_grow import start_elastic
-
-                cached.elastic = start_elastic(cached, config.kv_grow)
         except BaseException:
             cached.close()
             raise

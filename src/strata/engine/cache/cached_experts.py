@@ -8,7 +8,7 @@ Per layer call, on the engine's thread:
    `lookup` splits the T*K rows into hits (resident) and misses;
 2. the routing is recorded in the books' heat, then the policy's `observe` is told;
 3. the hits are issued to the device straight from their slots: when T == 1 (decode) at once
-   by `strata.engine.grouped_experts.expert_rows` over the slots `lookup` gave (on CUDA with
+   by `strata.engine.experts.grouped.expert_rows` over the slots `lookup` gave (on CUDA with
    Triton, kernels that read the slots in place; elsewhere a gather of the hit rows' blobs
    and two bmm), every index the call needs uploaded in one copy; otherwise each distinct hit
    expert over its tokens, from its slot's views (no weight copy); in a pass the prompt loan
@@ -50,15 +50,16 @@ import torch
 import torch.nn.functional as F
 
 from strata._residency import ResidencyTable
+from strata.books import CheckedPolicy, apply_admit
 from strata.engine.cache.arena import Arena
 from strata.engine.cache.budget import CacheBudget
-from strata.engine.cache.cpu_experts import CpuExperts
-from strata.engine.cache.routed import Routed
 from strata.engine.cache.stats import PHASES, CacheStats
-from strata.engine.cache.streamed_misses import StreamedMisses
 from strata.engine.experts import ExpertStore
-from strata.engine.grouped_experts import expert_rows
-from strata.policies import CheckedPolicy, apply_admit, emit
+from strata.engine.experts.cpu import CpuExperts
+from strata.engine.experts.grouped import expert_rows
+from strata.engine.experts.routed import Routed
+from strata.engine.experts.streamed import StreamedMisses
+from strata.policies import emit
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
 from strata.policies.events import Admitted, Evicted
 
@@ -145,7 +146,6 @@ class CachedExperts:
                                  device=self.device)  # [L, E]: the books' res, on the device
         self.sync_mirror()
         self.loan: Loan | None = None
-        self.elastic: Any = None  # the elastic K/V (--kv-grow), ElasticKV, or None
         self.phase = "prompt"
         self.stats = CacheStats(slots=arena.n_slots, policy=self.checked.name)
         self._last_layer = -1  # the layer of the open pass's latest call; -1: no pass is open
@@ -470,9 +470,7 @@ class CachedExperts:
                     (int(lay), int(e)) for lay, e in evicted)))
 
     def close(self) -> None:
-        """Release the arena (and the elastic K/V's range). Idempotent."""
-        if self.elastic is not None:
-            self.elastic.close()  # its K/V range, before the arena's backend goes
+        """Release the arena. Idempotent."""
         self.arena.close()
 
     def describe(self) -> dict[str, Any]:

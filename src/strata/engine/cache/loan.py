@@ -36,8 +36,9 @@ import os
 import numpy as np
 import torch
 
-from strata.engine.cache.routed import Routed
-from strata.policies import apply_refill, emit
+from strata.books import apply_refill
+from strata.engine.experts.routed import Routed
+from strata.policies import emit
 from strata.policies.events import Evicted, Refilled
 
 __all__ = [

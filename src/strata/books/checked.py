@@ -1,0 +1,114 @@
+"""`CheckedPolicy`: how the engine and the simulator ask a policy, so that no answer goes unchecked.
+
+Each method asks the policy, turns an exception it raises into `PolicyError`, and runs the
+answer through `strata.books.validate`. The caller's own arguments are checked first: a bad
+one is the caller's bug (ValueError), not the policy's. `observe` is the hot path and is the
+policy's own bound method, uncalled through anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from strata.books import validate
+from strata.books.apply import GiveUpPlan
+from strata.policies.base import Policy
+from strata.policies.errors import PolicyError
+from strata.policies.kv_params import KvContext, KvParams
+from strata.policies.view import ResidencyView
+
+if TYPE_CHECKING:
+    from strata._residency import ResidencyTable
+
+
+def _readonly_int32(values: Any) -> np.ndarray:
+    array = np.array(values, dtype=np.int32).reshape(-1)
+    array.flags.writeable = False
+    return array
+
+
+class CheckedPolicy:
+    """A policy bound to the books it decides about, every answer checked."""
+
+    def __init__(self, policy: Policy, table: ResidencyTable, name: str | None = None) -> None:
+        self.policy = policy
+        self.name = name or policy.name or type(policy).__name__
+        self.table = table
+        self.view = ResidencyView(table)
+        # The engine calls this per layer per step, directly.
+        self.observe = policy.observe
+        # Whether `admit` can say anything but "nothing": if not, the engine need not ask.
+        answering = type(getattr(policy, "inner", policy))
+        self.admits = "admit" in answering.overrides()
+
+    def _ask(self, method: str, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except PolicyError:
+            raise
+        except Exception as exc:
+            raise PolicyError(
+                self.name, method, exc, f"raised {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def kv_params(self, ctx: KvContext) -> KvParams:
+        answer = self._ask("kv_params", lambda: self.policy.kv_params(ctx))
+        return validate.check_kv_params(ctx, self.name, answer)
+
+    def kv_target(
+        self, need_cells: int, mapped_cells: int, params: KvParams, max_cells: int
+    ) -> int:
+        """The cells to have mapped, capped at `max_cells` (the window in whole chunks)."""
+        if not 0 <= need_cells <= max_cells:
+            raise ValueError(f"need_cells {need_cells} is outside [0, {max_cells}] (the window)")
+        answer = self._ask(
+            "kv_target", lambda: self.policy.kv_target(need_cells, mapped_cells, params)
+        )
+        return min(validate.check_kv_target(self.name, need_cells, answer), max_cells)
+
+    def give_up(self, n_chunks: int) -> GiveUpPlan:
+        """Ask `give_up` for `n_chunks`, then `relocate` for the slots chosen; check both."""
+        givable = self.view.givable_chunks()
+        if not 1 <= n_chunks <= givable:
+            raise ValueError(
+                f"n_chunks {n_chunks} is outside [1, {givable}]: the cache can give {givable} "
+                f"chunks above the floor {self.view.floor} and below top {self.view.top}"
+            )
+        answer = self._ask("give_up", lambda: self.policy.give_up(self.view, n_chunks))
+        slots, chunks = validate.check_give_up(self.view, self.name, n_chunks, answer)
+        slots = _readonly_int32(slots)
+        answer = self._ask("relocate", lambda: self.policy.relocate(self.view, slots))
+        moves = validate.check_relocate(self.view, self.name, slots, answer)
+        return GiveUpPlan(n_chunks=n_chunks, slots=slots, moves=moves, chunks=chunks)
+
+    def refill(self, free_slots: Any) -> np.ndarray:
+        """Checked (slot, layer, expert) rows int64 [n, 3] for the empty backed `free_slots`."""
+        free = _readonly_int32(free_slots)
+        if free.size:
+            bad = (free < 0) | (free >= self.view.n_slots)
+            if not bad.any():
+                bad = ~self.view.backed[free] | (self.view.owner[free] >= 0)
+            if bad.any() or np.unique(free).size != free.size:
+                raise ValueError(
+                    f"free_slots {free.tolist()} must be distinct, backed, empty slots"
+                )
+        answer = self._ask("refill", lambda: self.policy.refill(self.view, free))
+        return validate.check_refill(self.view, self.name, free, answer)
+
+    def admit(self, layer: int, missed_experts: Any) -> np.ndarray:
+        """Checked (slot, layer, expert) rows int64 [n, 3] admitting some of `missed_experts`."""
+        if not 0 <= layer < self.view.n_layers:
+            raise ValueError(f"layer {layer} is outside [0, {self.view.n_layers})")
+        missed = _readonly_int32(missed_experts)
+        if missed.size:
+            if ((missed < 0) | (missed >= self.view.n_experts)).any():
+                raise ValueError(f"missed_experts {missed.tolist()} names an expert out of range")
+            if (np.diff(missed) <= 0).any() or (self.view.res[layer, missed] >= 0).any():
+                raise ValueError(
+                    f"missed_experts {missed.tolist()} must be ascending, distinct, non-resident"
+                )
+        answer = self._ask("admit", lambda: self.policy.admit(self.view, layer, missed))
+        return validate.check_admit(self.view, self.name, layer, missed, answer)

@@ -1,0 +1,317 @@
+"""`strata generate`: stream a model's continuation of a prompt, then its speed.
+
+The text goes to stdout as it is generated; the stats block and notes go to stderr, so
+`> file` captures only the text. `--json` prints one JSON object on stdout instead.
+Without `--model`, a tiny built-in checkpoint with random weights is created once in the cache
+directory and used (its text is gibberish: it shows the machinery works, not a model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import unicodedata
+from pathlib import Path
+
+import torch
+
+from strata.cli.cache_options import (
+    add_cache_arguments,
+    cache_config_from_args,
+    check_trace_path,
+)
+from strata.cli.errors import UsageError
+from strata.engine.model.checkpoint import CheckpointError
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.init_model import builtin_checkpoint
+from strata.engine.model.tokenizer import Tokenizer, TokenizerError
+from strata.engine.runtime.generate import (
+    GenerateOptions,
+    GenerateResult,
+    check_prompt,
+    generate,
+)
+
+DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PROGRESS_BAR_BYTES = 1 << 30  # show a loading bar for checkpoints at least this large
+DUMP_ENV = "STRATA_DUMP_FIRST_LOGITS"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text from a prompt (no --model: a tiny built-in random model)",
+        description=(
+            "Generate a continuation of a prompt, streaming the text to stdout and a stats block "
+            "(prompt tokens, prefill tok/s, decode ms per round and tok/s) to stderr. Without "
+            "--model, a tiny built-in checkpoint with random weights is created once in the "
+            "cache directory ($STRATA_CACHE_DIR, else $XDG_CACHE_HOME/strata, else "
+            f"~/.cache/strata). {DUMP_ENV}=PATH writes the logits of the first generated "
+            "position there (float32, raw bytes)."
+        ),
+    )
+    parser.add_argument("prompt", nargs="?", help="the prompt (else --prompt-file, else stdin)")
+    parser.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a file")
+    parser.add_argument("--model", metavar="DIR", help="a checkpoint directory (HF layout)")
+    parser.add_argument("--max-new", type=int, default=128, help="tokens to generate (128)")
+    parser.add_argument(
+        "--max-context", type=int, default=4096, help="K/V cells: prompt + max-new must fit (4096)"
+    )
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (the checkpoint's own), bf16, fp16 or fp32"
+    )
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (0.8)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus mass, 1: off (0.95)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest, 0: off (0)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    parser.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user turn (chat template)"
+    )
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=512,
+        help="prompt tokens per forward (512): each reads its experts once; attention runs in "
+        "pieces of 512 whatever the chunk"
+    )
+    parser.add_argument(
+        "--no-cuda-graphs", action="store_true", help="run decode rounds eagerly on CUDA"
+    )
+    parser.add_argument(
+        "--no-piecewise-graphs", action="store_true",
+        help="with an expert cache that misses, on CUDA: run decode rounds eagerly instead of "
+        "as CUDA graphs cut at the experts' host calls",
+    )
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="torch.compile the CUDA-graph decode step (a minute or two of compiling first)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (text, tokens, stats)"
+    )
+    add_cache_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+# GenerateOptions and Sampler name their fields; the CLI user knows the flags.
+FLAG_NAMES = {
+    "max_new": "--max-new",
+    "max_context": "--max-context",
+    "prefill_chunk": "--prefill-chunk",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+}
+
+
+def _as_flags(message: str) -> str:
+    head, sep, rest = message.partition(" ")
+    return FLAG_NAMES.get(head, head) + sep + rest
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UsageError("give the prompt as an argument or with --prompt-file, not both")
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            return Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"--prompt-file {args.prompt_file}: {err}") from None
+    if sys.stdin.isatty():
+        raise UsageError('no prompt: give one as an argument, --prompt-file PATH, or on stdin')
+    return sys.stdin.read()
+
+
+def parse_device(name: str | None) -> torch.device:
+    """--device: cuda or cpu (default: cuda when present); a UsageError names a bad one."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"unknown --device {name!r}; use cuda or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
+    return device
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return Path(args.model)
+    try:
+        path, created = builtin_checkpoint()
+    except (ValueError, OSError) as err:
+        raise UsageError(f"the built-in model could not be created: {err}") from None
+    made = "created" if created else "using"
+    print(
+        f"strata: no --model: {made} the built-in tiny model in {path}; its weights are "
+        "random, so its text is gibberish (pass --model DIR for a real checkpoint)",
+        file=sys.stderr,
+    )
+    return path
+
+
+def _stop_ids(
+    model_dir: Path, config_eos: tuple[int, ...], tokenizer: Tokenizer
+) -> tuple[int, ...]:
+    """config.json's eos ids, generation_config.json's, and the tokenizer's eos token."""
+    ids = set(config_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        try:
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError):
+            eos = None  # optional file: a broken one only loses its stop ids
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(i for i in eos if isinstance(i, int))
+    return tuple(sorted(ids))
+
+
+def _terminal_safe(text: str) -> str:
+    """Control characters other than newline and tab as U+FFFD: a random model's bytes must
+    not drive the terminal (escape sequences). Only for a terminal; files get the raw text."""
+    return "".join(
+        "\ufffd" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text
+    )
+
+
+def _stats_block(result: GenerateResult) -> str:
+    ended = "an end-of-sequence token" if result.stop_reason == "eos" else "--max-new"
+    return "\n".join(
+        [
+            f"prompt tokens  {result.prompt_tokens}",
+            f"prefill        {result.prefill_tok_s:.1f} tok/s ({result.prefill_s * 1000:.1f} ms)",
+            f"decode         {result.decode_ms_per_round:.2f} ms/round, "
+            f"{result.decode_tok_s:.1f} tok/s ({result.decode_rounds} rounds, "
+            f"{result.decode_path}; ended by {ended})",
+            *(result.cache.summary_lines() if result.cache is not None else []),
+            *([result.kv.summary_line()] if result.kv is not None else []),
+        ]
+    )
+
+
+def _generate(loaded, tokenizer, prompt_ids, options, stream, trace_path) -> GenerateResult:
+    """`generate`, with the routing recorded to `trace_path` (`--trace`) when given."""
+    model = loaded.model
+    if trace_path is None:
+        return generate(model, tokenizer, prompt_ids, options, on_text=stream, kv=loaded.kv)
+    from strata.engine.runtime.recording import RoutingRecorder, installed, new_trace_writer
+
+    writer = new_trace_writer(model, "strata generate")
+    recorder = RoutingRecorder(model.experts, writer)
+    with installed(model, recorder), recorder.request(len(prompt_ids)):
+        result = generate(model, tokenizer, prompt_ids, options, on_text=stream, kv=loaded.kv)
+    try:
+        writer.save(trace_path)
+    except OSError as err:
+        raise UsageError(f"--trace {trace_path}: {err.strerror or err}") from None
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    from strata.engine.model.moe import runtime_dtype  # the heavy imports, after checks
+    from strata.engine.runtime.load import load
+
+    if args.dtype not in DTYPES:
+        raise UsageError(f"unknown --dtype {args.dtype!r}; choose one of: {', '.join(DTYPES)}")
+    device = parse_device(args.device)
+    dump_path = os.environ.get(DUMP_ENV)
+    if dump_path and not Path(dump_path).absolute().parent.is_dir():
+        raise UsageError(f"{DUMP_ENV}={dump_path}: its directory does not exist")
+    check_trace_path(args.trace)
+    text = _read_prompt(args)
+    try:
+        options = GenerateOptions(
+            max_new=args.max_new,
+            max_context=args.max_context,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            prefill_chunk=args.prefill_chunk,
+            cuda_graphs=not args.no_cuda_graphs,
+            compile=args.compile,
+            piecewise_graphs=not args.no_piecewise_graphs,
+        )
+    except ValueError as err:
+        raise UsageError(_as_flags(str(err))) from None
+    model_dir = _model_dir(args)
+    try:
+        config = ModelConfig.from_dir(model_dir)  # the directory's first check
+        tokenizer = Tokenizer.from_dir(model_dir)
+        if args.chat:
+            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+        else:
+            prompt_ids = tokenizer.encode(text)
+        # Checked against config.json before the (long) load.
+        check_prompt(prompt_ids, options, config.vocab_size)
+        cache = cache_config_from_args(
+            args, config, runtime_dtype(config, DTYPES[args.dtype]), device,
+            max_context=options.max_context, prefill_chunk=options.prefill_chunk,
+        )
+        for note in cache.notes:
+            print(f"strata: {note}", file=sys.stderr)
+        weights_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+        loaded = load(
+            model_dir,
+            device=device,
+            dtype=DTYPES[args.dtype],
+            progress=sys.stderr.isatty() and weights_bytes >= PROGRESS_BAR_BYTES,
+            cache=cache.config,
+        )
+    except (CheckpointError, TokenizerError, ValueError) as err:
+        raise UsageError(" ".join(str(err).split())) from None
+    model, cached = loaded.model, loaded.cache
+    if cached is not None:
+        print(f"strata: {cached.budget.startup_line()}", file=sys.stderr)
+        if args.compile:
+            print("strata: --compile applies to the runtime without an expert cache: ignored",
+                  file=sys.stderr)
+    stop_ids = _stop_ids(model_dir, model.config.eos_token_ids, tokenizer)
+    options = dataclasses.replace(options, stop_ids=stop_ids)
+    stream = None
+    if not args.json:
+        tty = sys.stdout.isatty()
+
+        def stream(piece: str) -> None:
+            sys.stdout.write(_terminal_safe(piece) if tty else piece)
+            sys.stdout.flush()
+
+    try:
+        result = _generate(loaded, tokenizer, prompt_ids, options, stream, args.trace)
+    finally:
+        loaded.close()
+
+    if dump_path:
+        try:
+            Path(dump_path).write_bytes(result.first_logits.numpy().tobytes())
+        except OSError as err:
+            raise UsageError(f"{DUMP_ENV}={dump_path}: {err.strerror or err}") from None
+    if args.json:
+        document = {
+            "text": result.text,
+            "tokens": result.tokens,
+            **result.stats(),
+            "model": str(model_dir),
+            "device": str(device),
+            "dtype": str(model.dtype).removeprefix("torch."),
+        }
+        if cached is not None:
+            document["cache"]["budget"] = cached.budget.as_dict()
+        print(json.dumps(document, ensure_ascii=False))
+    else:
+        if not result.text.endswith("\n"):
+            print()
+        print(_stats_block(result), file=sys.stderr)
+    return 0

@@ -1,0 +1,56 @@
+"""The Triton kernels of `strata.engine.experts.grouped` (imported only when Triton is there).
+
+Legend: R routed rows, D hidden size, F expert width; BF, BD the block sizes.
+Each kernel reads one expert's weights in place, at `w_ptr + index[r] * slot_stride` elements,
+rows `row_stride` apart: `gate_up_act` its [2F, D] gate and up rows, `down` its [D, F] rows.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gate_up_act(w_ptr, index_ptr, x_ptr, act_ptr, slot_stride, row_stride, D, F,
+                x_stride, act_stride, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (r, b): act[r, b*BLOCK_F : (b+1)*BLOCK_F] of the expert index[r].
+    r = tl.program_id(0)
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
+    f_in = f < F
+    expert = w_ptr + tl.load(index_ptr + r).to(tl.int64) * slot_stride
+    gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
+    up_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)  # [BD]
+        d_in = d < D
+        x = tl.load(x_ptr + r * x_stride + d, mask=d_in, other=0.0).to(tl.float32)
+        both = f_in[:, None] & d_in[None, :]
+        gate = tl.load(expert + f[:, None] * row_stride + d[None, :], mask=both, other=0.0)
+        up = tl.load(expert + (f[:, None] + F) * row_stride + d[None, :], mask=both,
+                     other=0.0)
+        gate_sum += tl.sum(gate.to(tl.float32) * x[None, :], axis=1)
+        up_sum += tl.sum(up.to(tl.float32) * x[None, :], axis=1)
+    # Round as the batched matmul and silu of the gathered path do, then multiply.
+    dtype = act_ptr.dtype.element_ty
+    gate = gate_sum.to(dtype).to(tl.float32)
+    up = up_sum.to(dtype).to(tl.float32)
+    silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    tl.store(act_ptr + r * act_stride + f, (silu * up).to(dtype), mask=f_in)
+
+
+@triton.jit
+def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_stride,
+         y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    # Program (r, b): y[r, b*BLOCK_D : (b+1)*BLOCK_D] of the expert index[r].
+    r = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
+    d_in = d < D
+    expert = w_ptr + tl.load(index_ptr + r).to(tl.int64) * slot_stride
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        f = f0 + tl.arange(0, BLOCK_F)  # [BF]
+        f_in = f < F
+        act = tl.load(act_ptr + r * act_stride + f, mask=f_in, other=0.0).to(tl.float32)
+        w = tl.load(expert + d[:, None] * row_stride + f[None, :],
+                    mask=d_in[:, None] & f_in[None, :], other=0.0)
+        total += tl.sum(w.to(tl.float32) * act[None, :], axis=1)
+    tl.store(y_ptr + r * y_stride + d, total.to(y_ptr.dtype.element_ty), mask=d_in)

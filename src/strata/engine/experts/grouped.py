@@ -1,0 +1,115 @@
+"""The decode path's experts: a few routed experts computed straight from stacked weights.
+
+Legend: S experts in the stack (a layer's experts, or the cache's slots), R routed rows,
+D hidden size, F expert width.
+
+A decode step (one token) runs its K routed experts over one input row each. `expert_rows`
+computes them from `gate_up` [S, 2F, D] and `down` [S, D, F], per-expert views into one buffer
+(the layer's blobs of `ResidentExperts`, the arena's slots of the expert cache), picked by an
+index tensor on the device, so no host read and static shapes: capture-safe.
+
+Two implementations, one chosen by where the tensors are, never by routed data:
+- CUDA with Triton: two kernels that read each routed expert's weights in place (no copy):
+  `_gate_up_act` computes act = silu(x·gate) * (x·up) for a block of F rows of one expert,
+  `_down` y = down·act for a block of D rows. Each output element is one program's fp32 sum
+  in a fixed order, so results are deterministic. Every expert's weights are read once, the
+  least any version can move: K blobs a layer (96 MiB for `olmoe-1b-7b`).
+- elsewhere (the CPU, or no Triton): `index_select` the R experts' weights (a copy, counted in
+  the workspace: `copies_weights`) and two batched matmuls. Under `torch.compile` too:
+  inductor fuses that gather into its matmuls, reading the weights in place itself.
+
+The two round differently (the kernels round the gate and up sums to the model's dtype like a
+matmul's output, but sum in another order), so a device's choice is part of what its output
+bytes depend on; every user of one device takes the same path, which keeps the cache holding
+every expert byte-identical to `ResidentExperts`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["copies_weights", "expert_rows", "expert_rows_gathered", "expert_rows_triton"]
+
+# Rows of one expert each program reduces, and the width of a step along the reduced axis.
+# Measured on the H200 at the olmoe-1b-7b shape (bench/grouped_experts.py).
+GATE_UP_BLOCK_F, GATE_UP_BLOCK_D = 16, 256
+DOWN_BLOCK_D, DOWN_BLOCK_F = 16, 256
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernels module (`strata.engine.experts._grouped_triton`), or None without
+    Triton."""
+    try:
+        from strata.engine.experts import _grouped_triton
+    except ImportError:
+        return None
+    return _grouped_triton
+
+
+def copies_weights(device: torch.device) -> bool:
+    """Whether `expert_rows` on `device` copies the routed experts' weights (the gathered
+    path), which the workspace must hold: everywhere but CUDA with Triton."""
+    return torch.device(device).type != "cuda" or _kernels() is None
+
+
+def expert_rows(
+    gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor, x_rows: torch.Tensor
+) -> torch.Tensor:
+    """[R, D] in x_rows' dtype: row r is expert index[r] applied to x_rows[r], i.e.
+    down[e] @ (silu(g) * u) with [g; u] = gate_up[e] @ x_rows[r], e = index[r].
+
+    gate_up [S, 2F, D] and down [S, D, F]: per-expert views, rows contiguous, any stride from
+    one expert to the next; index [R] int64 on their device; x_rows [R, D]. The Triton kernels
+    on CUDA when Triton is there, the gathered path elsewhere (see the module)."""
+    if x_rows.is_cuda and _kernels() is not None and not torch.compiler.is_compiling():
+        return expert_rows_triton(gate_up, down, index, x_rows)
+    return expert_rows_gathered(gate_up, down, index, x_rows)
+
+
+def expert_rows_gathered(
+    gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor, x_rows: torch.Tensor
+) -> torch.Tensor:
+    """`expert_rows` by copying the R experts' weights out (`index_select`) and two batched
+    matmuls."""
+    f = down.shape[2]
+    h = torch.bmm(gate_up.index_select(0, index), x_rows.unsqueeze(-1)).squeeze(-1)  # [R, 2F]
+    act = F.silu(h[:, :f]) * h[:, f:]  # [R, F]
+    return torch.bmm(down.index_select(0, index), act.unsqueeze(-1)).squeeze(-1)  # [R, D]
+
+
+def expert_rows_triton(
+    gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor, x_rows: torch.Tensor,
+    *, gate_up_blocks: tuple[int, int] = (GATE_UP_BLOCK_F, GATE_UP_BLOCK_D),
+    down_blocks: tuple[int, int] = (DOWN_BLOCK_D, DOWN_BLOCK_F),
+) -> torch.Tensor:
+    """`expert_rows` with the Triton kernels, reading the weights in place. Runs wherever
+    Triton does (its interpreter on the CPU, with TRITON_INTERPRET=1 set before import, is
+    how the tests check it without a GPU). `gate_up_blocks` (F rows, D step) and
+    `down_blocks` (D rows, F step) are the kernels' block sizes, powers of two (the benchmark
+    tries others). RuntimeError without Triton."""
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("expert_rows_triton needs Triton (pip install triton)")
+    n_rows, d = x_rows.shape
+    f = down.shape[2]
+    if gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError("expert_rows_triton needs each expert's rows contiguous")
+    if gate_up.shape[1:] != (2 * f, d) or down.shape[1:] != (d, f):
+        raise ValueError(f"gate_up {list(gate_up.shape)} and down {list(down.shape)} are not "
+                         f"[S, 2F, D] and [S, D, F] for D = {d}, F = {f}")
+    x_rows = x_rows.contiguous()
+    act = x_rows.new_empty((n_rows, f))  # [R, F]
+    y = x_rows.new_empty((n_rows, d))  # [R, D]
+    if n_rows == 0:
+        return y
+    kernels.gate_up_act[(n_rows, -(-f // GATE_UP_BLOCK_F))](
+        gate_up, index, x_rows, act, gate_up.stride(0), gate_up.stride(1), d, f,
+        x_rows.stride(0), act.stride(0), BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=GATE_UP_BLOCK_D)
+    kernels.down[(n_rows, -(-d // DOWN_BLOCK_D))](
+        down, index, act, y, down.stride(0), down.stride(1), d, f, act.stride(0), y.stride(0),
+        BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F)
+    return y

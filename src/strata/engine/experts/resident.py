@@ -1,0 +1,117 @@
+"""The one interface through which the MoE layer runs its experts, and `ResidentExperts`.
+
+Dimension letters: T tokens, D hidden size, E experts per layer, K experts per token, F expert
+width.
+
+The MoE layer only ever calls `Experts.forward`; `ResidentExperts` (every expert on one device)
+implements it here, and the expert cache (`strata.engine.cache.cached_experts`) implements the
+same protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from strata.engine.experts.grouped import expert_rows
+from strata.engine.experts.store import ExpertStore
+
+__all__ = ["Experts", "ResidentExperts"]
+
+
+class Experts(Protocol):
+    """How the MoE layer gets its experts computed. Implementations must be deterministic."""
+
+    def forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x[t]) for each token t.
+
+        x [T, D] in the model dtype; topk_ids [T, K] int64; topk_weights [T, K] float32.
+        Returns [T, D] in the model dtype; the sum over k runs in order k = 0..K-1 in float32.
+        """
+        ...
+
+
+class ResidentExperts:
+    """Every expert of every layer resident on one device, stacked per layer.
+
+    Per layer, gate_up [E, 2F, D] and down [E, D, F] are strided views into one [E, blob]
+    buffer (on the CPU with the store's dtype, the store's own memory: no copy).
+
+    Two paths, chosen by T alone (never by routed data, so capture-safe for decode):
+    - T == 1 (decode, what a CUDA graph captures): the K routed experts by
+      `strata.engine.experts.grouped.expert_rows`, from the stacked weights by the routed ids;
+      no host sync, static shapes. On CUDA with Triton its kernels read the weights in place;
+      elsewhere it gathers the K blobs (`index_select`) for two batched matmuls, the most
+      workspace this path takes (`strata.engine.cache.budget.workspace_bytes`).
+    - otherwise (a prompt chunk, however short): loop over the experts actually routed, each
+      over its tokens (sorted by expert), reading the weights in place; one host sync for the
+      per-expert counts.
+    Each (token, k) output lands in its own row of a [T, K, D] buffer, then the K rows are summed
+    in order: no atomics, a fixed summation order.
+    """
+
+    def __init__(
+        self, store: ExpertStore, device: str | torch.device, dtype: torch.dtype | None = None
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype or store.dtype
+        self.n_layers = store.n_layers
+        self.n_experts = store.n_experts
+        f, d = store.expert_width, store.hidden_size
+        self.expert_width, self.hidden_size = f, d
+        self._gate_up: list[torch.Tensor] = []  # per layer [E, 2F, D]
+        self._down: list[torch.Tensor] = []  # per layer [E, D, F]
+        for layer in range(store.n_layers):
+            typed = store.layer_blobs(layer).view(store.dtype)  # [E, 3*F*D]
+            typed = typed.to(device=self.device, dtype=self.dtype)
+            e = typed.shape[0]
+            self._gate_up.append(typed[:, : 2 * f * d].view(e, 2 * f, d))
+            self._down.append(typed[:, 2 * f * d :].view(e, d, f))
+
+    def gate_up(self, layer: int) -> torch.Tensor:
+        """[E, 2F, D]: every expert's gate rows then up rows, a view into the layer's blobs."""
+        return self._gate_up[layer]
+
+    def down(self, layer: int) -> torch.Tensor:
+        """[E, D, F]: every expert's down matrix, a view into the layer's blobs."""
+        return self._down[layer]
+
+    def forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if topk_ids.shape[0] == 1:
+            out = self._gathered(layer, x, topk_ids)
+        else:
+            out = self._per_expert(layer, x, topk_ids)
+        # [T, K, D] -> [T, D]: weight and sum over K in float32, in order.
+        weighted = out.float() * topk_weights.float().unsqueeze(-1)
+        return weighted.sum(dim=1).to(x.dtype)
+
+    def _gathered(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        n_tokens, top_k = topk_ids.shape
+        ids = topk_ids.reshape(-1)  # [T*K]
+        x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1)
+        y = expert_rows(self._gate_up[layer], self._down[layer], ids, x_rows)  # [T*K, D]
+        return y.view(n_tokens, top_k, -1)
+
+    def _per_expert(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        n_tokens, top_k = topk_ids.shape
+        f = self.expert_width
+        ids = topk_ids.reshape(-1)  # [T*K]
+        order = torch.argsort(ids, stable=True)  # [T*K] rows grouped by expert, tokens ascending
+        counts = torch.bincount(ids, minlength=self.n_experts).tolist()  # the one host sync
+        out = x.new_empty(n_tokens * top_k, x.shape[1])  # [T*K, D]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = order[start : start + count]  # [n] flat (token, k) rows routed to `expert`
+            start += count
+            h = F.linear(x.index_select(0, rows // top_k), self._gate_up[layer][expert])  # [n, 2F]
+            act = F.silu(h[:, :f]) * h[:, f:]  # [n, F]
+            out.index_copy_(0, rows, F.linear(act, self._down[layer][expert]))  # [n, D]
+        return out.view(n_tokens, top_k, -1)

@@ -1,0 +1,73 @@
+"""`ExpertStore`: every expert of every layer in host RAM, as blobs.
+
+Dimension letters: D hidden size, E experts per layer, F expert width.
+
+A *blob* is one expert's bytes laid out contiguously: gate [F, D] | up [F, D] | down [D, F], in
+the model dtype. It is the unit a VRAM expert cache copies into a slot. Because gate and up are
+adjacent, the first 2*F*D elements of a blob are the fused gate_up matrix [2F, D].
+`strata.engine.model.checkpoint.expert_store` reads one from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ExpertStore"]
+
+
+class ExpertStore:
+    """All experts of all layers in host RAM, as blobs: per layer one uint8 tensor [E, blob_bytes].
+
+    Row `e` of layer `l` is the blob of expert (l, e). `pin_memory` page-locks the buffers so
+    that uploads to a CUDA device can be asynchronous.
+    """
+
+    def __init__(
+        self, layers: list[torch.Tensor], hidden_size: int, expert_width: int, dtype: torch.dtype
+    ) -> None:
+        self.hidden_size = hidden_size
+        self.expert_width = expert_width
+        self.dtype = dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.blob_bytes = 3 * expert_width * hidden_size * itemsize
+        if not layers:
+            raise ValueError("an ExpertStore needs at least one layer")
+        for i, buf in enumerate(layers):
+            if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != self.blob_bytes:
+                raise ValueError(
+                    f"layer {i}: expected a uint8 tensor [E, {self.blob_bytes}], got "
+                    f"{buf.dtype} {list(buf.shape)}"
+                )
+            if buf.shape[0] != layers[0].shape[0]:
+                raise ValueError(
+                    f"layer {i} has {buf.shape[0]} experts, layer 0 has {layers[0].shape[0]}"
+                )
+        self._layers = layers
+        self.n_layers = len(layers)
+        self.n_experts = layers[0].shape[0]
+
+    def _check(self, layer: int, expert: int | None = None) -> None:
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} is out of range [0, {self.n_layers})")
+        if expert is not None and not 0 <= expert < self.n_experts:
+            raise IndexError(f"expert {expert} is out of range [0, {self.n_experts})")
+
+    def layer_blobs(self, layer: int) -> torch.Tensor:
+        """uint8 [E, blob_bytes]: the blobs of one layer, row e is expert e."""
+        self._check(layer)
+        return self._layers[layer]
+
+    def blob(self, layer: int, expert: int) -> torch.Tensor:
+        """uint8 [blob_bytes]: a view of the blob of expert (layer, expert)."""
+        self._check(layer, expert)
+        return self._layers[layer][expert]
+
+    def weights(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views (gate [F, D], up [F, D], down [D, F]) into the blob of expert (layer, expert)."""
+        typed = self.blob(layer, expert).view(self.dtype)
+        f, d = self.expert_width, self.hidden_size
+        return (
+            typed[: f * d].view(f, d),
+            typed[f * d : 2 * f * d].view(f, d),
+            typed[2 * f * d :].view(d, f),
+        )

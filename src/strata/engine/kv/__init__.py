@@ -1,0 +1,7 @@
+"""The K/V: fixed or elastic.
+
+- `kv_cache`: `KVCache`, one virtual-memory range with a segment per layer's K and V;
+- `elastic`: `ElasticKV`, growing into free budget and the expert cache's slots, trimming back;
+- `plan`: whether `--kv-grow` applies and its figures, sized beside the cache;
+- `stats`: `KvStats`, the elastic K/V's figures.
+"""

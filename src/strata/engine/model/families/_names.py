@@ -1,0 +1,51 @@
+"""Tensor names shared by the families that follow the Llama layout (`model.layers.N.…`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from strata.engine.model.config import ModelConfig
+
+
+def global_names(cfg: ModelConfig) -> dict[str, str]:
+    return {
+        "embed": "model.embed_tokens.weight",
+        "final_norm": "model.norm.weight",
+        "lm_head": "lm_head.weight",
+    }
+
+
+def attention_names(layer: int) -> dict[str, str]:
+    """The attention and norm roles, named as every supported family names them."""
+    p = f"model.layers.{layer}."
+    return {
+        "attn_norm": p + "input_layernorm.weight",
+        "mlp_norm": p + "post_attention_layernorm.weight",
+        "q": p + "self_attn.q_proj.weight",
+        "k": p + "self_attn.k_proj.weight",
+        "v": p + "self_attn.v_proj.weight",
+        "o": p + "self_attn.o_proj.weight",
+        "q_bias": p + "self_attn.q_proj.bias",
+        "k_bias": p + "self_attn.k_proj.bias",
+        "v_bias": p + "self_attn.v_proj.bias",
+        "o_bias": p + "self_attn.o_proj.bias",
+        "q_norm": p + "self_attn.q_norm.weight",
+        "k_norm": p + "self_attn.k_norm.weight",
+    }
+
+
+def require_every_layer_moe(hf: dict[str, Any]) -> None:
+    """Qwen-style configs can make some layers dense; this engine runs all-MoE models only."""
+    step = hf.get("decoder_sparse_step", 1)
+    dense = hf.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise ValueError(
+            f"decoder_sparse_step={step} and mlp_only_layers={dense} make some layers dense; "
+            "supported: decoder_sparse_step=1 and mlp_only_layers=[] (every layer MoE)"
+        )
+
+
+def reject_sliding_window(hf: dict[str, Any]) -> None:
+    if hf.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=true is not supported; supported: false")

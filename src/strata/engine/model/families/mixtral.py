@@ -1,0 +1,37 @@
+"""Mixtral (`model_type: mixtral`): plain GQA attention, top-k routing always renormalized.
+
+Experts are `block_sparse_moe.experts.N.w1` (gate), `w3` (up) and `w2` (down), as published.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from strata.engine.model.families._names import attention_names, global_names
+
+if TYPE_CHECKING:
+    from strata.engine.model.config import ModelConfig
+
+MODEL_TYPE = "mixtral"
+__all__ = ["MODEL_TYPE", "config_fields", "expert_names", "global_names", "layer_names"]
+
+
+def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "n_experts": hf.get("num_local_experts", hf.get("num_experts")),
+        "expert_width": hf["intermediate_size"],
+        "norm_topk_prob": True,
+        "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
+        "sliding_window": hf.get("sliding_window"),
+    }
+
+
+def layer_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
+    names = attention_names(layer)
+    names["router"] = f"model.layers.{layer}.block_sparse_moe.gate.weight"
+    return names
+
+
+def expert_names(layer: int, expert: int) -> tuple[str, str, str]:
+    p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+    return p + "w1.weight", p + "w3.weight", p + "w2.weight"

@@ -1,0 +1,48 @@
+"""Qwen3-MoE (`model_type: qwen3_moe`): RMSNorm over each head's q and k (weights [Dh]).
+
+An explicit `head_dim` (128 in the published models, not hidden_size / heads); routing weights
+renormalized when `norm_topk_prob` (true for the published models); no shared expert.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from strata.engine.model.families._names import (
+    attention_names,
+    global_names,
+    reject_sliding_window,
+    require_every_layer_moe,
+)
+
+if TYPE_CHECKING:
+    from strata.engine.model.config import ModelConfig
+
+MODEL_TYPE = "qwen3_moe"
+__all__ = ["MODEL_TYPE", "config_fields", "expert_names", "global_names", "layer_names"]
+
+
+def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    require_every_layer_moe(hf)
+    reject_sliding_window(hf)
+    bias = bool(hf.get("attention_bias", False))
+    return {
+        "n_experts": hf.get("num_experts", hf.get("num_local_experts")),
+        "expert_width": hf["moe_intermediate_size"],
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "qk_norm": "head",
+        "qkv_bias": bias,
+        "o_bias": bias,
+    }
+
+
+def layer_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
+    names = attention_names(layer)
+    names["router"] = f"model.layers.{layer}.mlp.gate.weight"
+    return names
+
+
+def expert_names(layer: int, expert: int) -> tuple[str, str, str]:
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"

@@ -1,0 +1,264 @@
+"""The shared layers: RMSNorm, RoPE, grouped-query attention over the K/V, top-k routing, SwiGLU.
+
+Dimension letters: T tokens in the batch, D hidden size, H query heads, G kv heads (R = H / G
+query heads per kv head), Dh head dim, N K/V cells attended, E experts, K experts per token,
+F expert width, Fs shared-expert width.
+
+Weights are plain tensors held by small classes built from a role -> tensor dict (roles are
+listed in `strata.engine.model.families`). Nothing here reads a tensor's values on the host: no
+`.item()`, no data-dependent branching, so decode (T = 1) can be captured in a CUDA graph.
+Numerics follow the Hugging Face implementations: RMSNorm and softmax in float32, RoPE tables in
+float32 cast to the model dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from strata.engine.experts import Experts
+from strata.engine.model.config import ModelConfig
+
+Weights = dict[str, torch.Tensor]
+
+# A forward's tokens attend in pieces of at most this many (`MoEModel.forward`), except a
+# prompt's first chunk, whose causal kernel holds no mask: a piece's mask is [piece, N] bools,
+# converted per query head, and would otherwise grow with the chunk. The experts still see the
+# whole chunk at once, so a long prompt read in larger chunks reads (or uploads) each expert
+# fewer times for the same attention memory.
+ATTENTION_PIECE_TOKENS = 512
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., C] normalized over C in float32, cast back, then scaled by weight [C].
+
+    The Hugging Face order (scale after the cast back), with the normalization in one fused op.
+    """
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """[Dh/2] float32 inverse frequencies (computed on the CPU, as Hugging Face does)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return (1.0 / (theta**exponents)).to(device)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, Dh] for positions [T] int64 (halves repeated, the "rotate half" layout)."""
+    freqs = positions.unsqueeze(1).float() * inv_freq.unsqueeze(0)  # [T, Dh/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, Dh] rotated by cos, sin [T, Dh]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, heads, Dh]
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def attention_mask(
+    positions: torch.Tensor, n_ctx: int, sliding_window: int | None
+) -> torch.Tensor:
+    """bool [T, N]: token t (at positions[t]) may attend cell n (True = attend).
+
+    Causal (n <= position) and, with a window, n > position - window (as Hugging Face's).
+    """
+    cells = torch.arange(n_ctx, device=positions.device)  # [N]
+    pos = positions.unsqueeze(1)  # [T, 1]
+    allowed = cells.unsqueeze(0) <= pos  # [T, N]
+    if sliding_window is not None:
+        allowed &= cells.unsqueeze(0) > pos - sliding_window
+    return allowed
+
+
+class AttentionSpan(NamedTuple):
+    """The tokens of one attention call: rows [a, b) of a forward's T tokens.
+
+    `cos`, `sin` [b - a, Dh] and `positions` [b - a] are those rows'; the call attends over
+    cells [0, n_ctx) through `mask` bool [b - a, n_ctx], or (None) causally over [0, b - a)
+    when `causal` (a prompt from position 0), or (None, not causal) every cell (decode).
+    """
+
+    rows: slice
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    n_ctx: int
+    mask: torch.Tensor | None
+    causal: bool
+
+
+class Attention:
+    """Grouped-query attention; q, k and v fused into one projection."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights) -> None:
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_width, self.kv_width = cfg.q_width, cfg.kv_width
+        self.eps = cfg.rms_norm_eps
+        self.qk_norm = cfg.qk_norm
+        self.clip_qkv = cfg.clip_qkv
+        self.scale = cfg.head_dim**-0.5
+        self.wqkv = torch.cat((w["q"], w["k"], w["v"]))  # [H*Dh + 2*G*Dh, D]
+        self.bqkv = torch.cat((w["q_bias"], w["k_bias"], w["v_bias"])) if cfg.qkv_bias else None
+        self.wo = w["o"]  # [D, H*Dh]
+        self.bo = w.get("o_bias")  # [D] or None
+        self.q_norm = w.get("q_norm")  # [H*Dh] ("full") or [Dh] ("head") or None
+        self.k_norm = w.get("k_norm")
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        n_ctx: int,
+        mask: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """x [T, D] -> [T, D]. Writes K/V at `positions`, attends over cells [0, n_ctx).
+
+        mask bool [T, N] or None; None with `causal` means cells [0, T) causally (a prompt from
+        position 0), None without `causal` means every cell (one token: decode).
+        """
+        n_tokens = x.shape[0]
+        h, g, dh = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = F.linear(x, self.wqkv, self.bqkv)  # [T, H*Dh + 2*G*Dh]
+        q, k, v = qkv.split((self.q_width, self.kv_width, self.kv_width), dim=-1)
+        if self.qk_norm == "full":
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(n_tokens, h, dh)  # [T, H, Dh]
+        k = k.reshape(n_tokens, g, dh)  # [T, G, Dh]
+        v = v.reshape(n_tokens, g, dh)  # [T, G, Dh]
+        if self.qk_norm == "head":
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Positions are distinct, so index_copy_ writes each cell once: deterministic.
+        k_cache.index_copy_(0, positions, k)
+        v_cache.index_copy_(0, positions, v)
+        keys = k_cache[:n_ctx].transpose(0, 1)  # [G, N, Dh]
+        values = v_cache[:n_ctx].transpose(0, 1)  # [G, N, Dh]
+        if causal and mask is None:
+            out = self._prompt(q, keys, values)
+        else:
+            out = self._folded(q, keys, values, mask)
+        return F.linear(out, self.wo, self.bo)  # [T, D]
+
+    def _prompt(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """A prompt from position 0: causal over [0, T), kv heads repeated to H."""
+        n_tokens, h, _ = q.shape
+        r = h // self.n_kv_heads
+        if r > 1:
+            keys = keys.repeat_interleave(r, dim=0)  # [H, N, Dh]: query head i reads kv head i // R
+            values = values.repeat_interleave(r, dim=0)  # [H, N, Dh]
+        # 4-D [1, heads, length, Dh] operands: the layout the fused kernels take.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            is_causal=True, scale=self.scale,
+        )[0]  # [H, T, Dh]
+        return out.transpose(0, 1).reshape(n_tokens, h * self.head_dim)
+
+    def _folded(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The R query heads of each kv head folded into the query axis: no K/V copies."""
+        n_tokens, h, dh = q.shape
+        g = self.n_kv_heads
+        r = h // g
+        q = q.view(n_tokens, g, r, dh).permute(1, 2, 0, 3).reshape(g, r * n_tokens, dh)
+        if mask is not None:
+            # [T, N] -> [R*T, N], rows ordered (r, t) like q's.
+            mask = mask.unsqueeze(0).expand(r, -1, -1).reshape(r * n_tokens, -1)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+            scale=self.scale,
+        )[0]  # [G, R*T, Dh]
+        return out.view(g, r, n_tokens, dh).permute(2, 0, 1, 3).reshape(n_tokens, h * dh)
+
+
+def route(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing from router logits [T, E]: ids [T, K] int64, weights [T, K] float32.
+
+    Softmax over all experts in float32, then the top k (renormalized to sum to 1 if asked).
+    """
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """x [T, D] through a SwiGLU FFN: gate_up [2F, D] (gate rows first), down [D, F]."""
+    h = F.linear(x, gate_up)  # [T, 2F]
+    width = gate_up.shape[0] // 2
+    return F.linear(F.silu(h[:, :width]) * h[:, width:], down)  # [T, D]
+
+
+class MoE:
+    """The MoE feed-forward: router, routed experts (through `Experts`), optional shared expert."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: Weights) -> None:
+        self.layer = layer
+        self.top_k = cfg.top_k
+        self.normalize = cfg.norm_topk_prob
+        self.router = w["router"]  # [E, D]
+        self.shared_gate_up = None
+        if cfg.shared_expert_width:
+            self.shared_gate_up = torch.cat((w["shared_gate"], w["shared_up"]))  # [2Fs, D]
+            self.shared_down = w["shared_down"]  # [D, Fs]
+            self.shared_router = w["shared_router"]  # [1, D]
+
+    def forward(self, x: torch.Tensor, experts: Experts) -> torch.Tensor:
+        """x [T, D] -> [T, D]."""
+        ids, weights = route(F.linear(x, self.router), self.top_k, self.normalize)  # [T, K]
+        out = experts.forward(self.layer, x, ids, weights)  # [T, D]
+        if self.shared_gate_up is not None:
+            shared = swiglu(x, self.shared_gate_up, self.shared_down)  # [T, D]
+            out = out + torch.sigmoid(F.linear(x, self.shared_router)) * shared
+        return out
+
+
+class DecoderLayer:
+    """Pre-norm residual block: x + attention(norm(x)), then h + moe(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: Weights) -> None:
+        self.layer = layer
+        self.eps = cfg.rms_norm_eps
+        self.attn_norm = w["attn_norm"]  # [D]
+        self.mlp_norm = w["mlp_norm"]  # [D]
+        self.attn = Attention(cfg, w)
+        self.moe = MoE(cfg, layer, w)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        spans: list[AttentionSpan],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        experts: Experts,
+    ) -> torch.Tensor:
+        """x [T, D] -> [T, D]. Attention span by span, in order (a span attends the K/V the
+        spans before it wrote), then the MoE over all T tokens at once."""
+        normed = rms_norm(x, self.attn_norm, self.eps)  # [T, D]
+        attended = [
+            self.attn.forward(normed[span.rows], span.cos, span.sin, span.positions, k_cache,
+                              v_cache, span.n_ctx, span.mask, span.causal)
+            for span in spans
+        ]  # [b - a, D] each
+        h = x + (attended[0] if len(attended) == 1 else torch.cat(attended))  # [T, D]
+        return h + self.moe.forward(rms_norm(h, self.mlp_norm, self.eps), experts)

@@ -1,0 +1,80 @@
+"""`load`: a model with the expert cache and the elastic K/V composed around it.
+
+The order: the model's dense weights and the host store of experts (`load_model`); the expert
+cache over the store, its books ranked by the profile, filled hottest first, with the prompt
+loan (`build_cached_experts`); then the elastic K/V beside the cache (`start_elastic`), which
+takes the cache's executor, so that the slots it gives up and refills go through the same
+steps as every other decision. `Loaded` owns all three and closes them in reverse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from strata.engine.cache.build import CacheConfig, build_cached_experts
+from strata.engine.cache.cached_experts import CachedExperts
+from strata.engine.experts import ExpertStore
+from strata.engine.kv.elastic import ElasticKV
+from strata.engine.kv.plan import start_elastic
+from strata.engine.model import MoEModel, load_model
+
+__all__ = ["Loaded", "load"]
+
+
+@dataclass
+class Loaded:
+    """A loaded model and what was composed around it: `cache`, its experts through the expert
+    cache (None: every expert resident), and `kv`, the elastic K/V kept across requests (None:
+    each request makes its own K/V, `--kv-grow` off or not applicable)."""
+
+    model: MoEModel
+    cache: CachedExperts | None = None
+    kv: ElasticKV | None = None
+
+    def close(self) -> None:
+        """Release the K/V's range, then the arena (the K/V's chunks come from its backend).
+        Idempotent."""
+        if self.kv is not None:
+            self.kv.close()
+        if self.cache is not None:
+            self.cache.close()
+
+    def __enter__(self) -> Loaded:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
+    cache: CacheConfig | None = None,
+) -> Loaded:
+    """Load the checkpoint at `path` (see `load_model`); with `cache`, its experts run through
+    the expert cache it configures, and with `cache.kv_grow` the elastic K/V is started beside
+    it. Raises as `load_model`; anything made before a failure is released again."""
+    if cache is None:
+        return Loaded(load_model(path, device=device, dtype=dtype, progress=progress))
+    made: list[CachedExperts] = []
+
+    def make_experts(store: ExpertStore) -> CachedExperts:
+        made.append(build_cached_experts(cache, store, device))
+        return made[0]
+
+    try:
+        model = load_model(path, device=device, dtype=dtype, progress=progress,
+                           make_experts=make_experts)
+        cached = made[0]
+        kv = start_elastic(cached, cache.kv_grow) if cache.kv_grow is not None else None
+    except BaseException:
+        for cached in made:
+            cached.close()
+        raise
+    return Loaded(model, cached, kv)
