@@ -64,11 +64,12 @@ WARMUP_TOKENS = 8  # the untimed chat each run starts with
 def run_variant(name, model, store, cfg, dtype, device, rank, sizing, args) -> dict:
     """One run: a fresh cache (and K/V) around the shared store, the chat, then the long one."""
     if name == "kv-grow":
-        config, notes = plan_elastic_cache(cfg, dtype, device, profile=True, rank=rank, **sizing)
+        config, kv_grow, notes = plan_elastic_cache(cfg, dtype, device, profile=True,
+                                                    rank=rank, **sizing)
     else:
-        config, notes = plan_cache(cfg, dtype, device, rank=rank, **sizing), []
+        config, kv_grow, notes = plan_cache(cfg, dtype, device, rank=rank, **sizing), None, []
     model.experts = build_cached_experts(config, store, device)
-    kv = start_elastic(model.experts, config.kv_grow) if config.kv_grow is not None else None
+    kv = start_elastic(model.experts, kv_grow) if kv_grow is not None else None
     common = {"max_context": sizing["max_context"], "temperature": 0.0, "ignore_stop": True,
               "prefill_chunk": sizing["prefill_chunk"]}
     try:

@@ -69,19 +69,27 @@ class CheckedPolicy:
         )
         return min(validate.check_kv_target(self.name, need_cells, answer), max_cells)
 
-    def give_up(self, n_chunks: int) -> GiveUpPlan:
-        """Ask `give_up` for `n_chunks`, then `relocate` for the slots chosen; check both."""
-        givable = self.view.givable_chunks()
+    def view_with_top(self, top: int | None) -> ResidencyView:
+        """The view, or (`top` given) one whose loan region starts at `top`."""
+        return self.view if top is None else ResidencyView(self.table, top=top)
+
+    def give_up(self, n_chunks: int, *, top: int | None = None) -> GiveUpPlan:
+        """Ask `give_up` for `n_chunks`, then `relocate` for the slots chosen; check both.
+
+        `top`: the loan region's first slot as the decision sees it (default: the books');
+        both answers are asked and checked on a view with that region."""
+        view = self.view_with_top(top)
+        givable = view.givable_chunks()
         if not 1 <= n_chunks <= givable:
             raise ValueError(
                 f"n_chunks {n_chunks} is outside [1, {givable}]: the cache can give {givable} "
-                f"chunks above the floor {self.view.floor} and below top {self.view.top}"
+                f"chunks above the floor {view.floor} and below top {view.top}"
             )
-        answer = self._ask("give_up", lambda: self.policy.give_up(self.view, n_chunks))
-        slots, chunks = validate.check_give_up(self.view, self.name, n_chunks, answer)
+        answer = self._ask("give_up", lambda: self.policy.give_up(view, n_chunks))
+        slots, chunks = validate.check_give_up(view, self.name, n_chunks, answer)
         slots = _readonly_int32(slots)
-        answer = self._ask("relocate", lambda: self.policy.relocate(self.view, slots))
-        moves = validate.check_relocate(self.view, self.name, slots, answer)
+        answer = self._ask("relocate", lambda: self.policy.relocate(view, slots))
+        moves = validate.check_relocate(view, self.name, slots, answer)
         return GiveUpPlan(n_chunks=n_chunks, slots=slots, moves=moves, chunks=chunks)
 
     def refill(self, free_slots: Any) -> np.ndarray:

@@ -27,13 +27,18 @@ def _readonly(array: np.ndarray) -> np.ndarray:
 class ResidencyView:
     """The books as a policy sees them: arrays with the write flag off, regions, geometry.
 
-    Slots [top, n_slots) are the loan region; slots below `floor` are never given up.
+    Slots [top, n_slots) are the loan region; slots below `floor` are never given up. `top`, when
+    given, is the loan region's first slot as the caller sees it (the elastic K/V asks its
+    give-up with the region the prompt loan would lend, open or not); by default the books'.
     """
 
-    __slots__ = ("_chunk_bounds", "_slot_bounds", "_table")
+    __slots__ = ("_chunk_bounds", "_slot_bounds", "_table", "_top")
 
-    def __init__(self, table: ResidencyTable) -> None:
+    def __init__(self, table: ResidencyTable, *, top: int | None = None) -> None:
         self._table = table
+        if top is not None and not table.floor <= top <= table.n_slots:
+            raise ValueError(f"top {top} is outside [floor {table.floor}, {table.n_slots}]")
+        self._top = top
         self._slot_bounds: tuple[np.ndarray, np.ndarray] | None = None
         self._chunk_bounds: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -65,7 +70,7 @@ class ResidencyView:
     @property
     def top(self) -> int:
         """The first slot of the loan region."""
-        return self._table.top
+        return self._table.top if self._top is None else self._top
 
     @property
     def floor(self) -> int:

@@ -16,7 +16,7 @@ from strata._residency import ResidencyTable
 from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.cached_experts import CachedExperts
-from strata.engine.cache.loan import PromptLoan
+from strata.engine.cache.loan import LoanOptions
 from strata.engine.kv.elastic import ElasticKV, KvFullError, loan_top
 from strata.engine.kv.kv_cache import KVCache
 from strata.engine.model.checkpoint import Checkpoint, expert_store
@@ -74,9 +74,9 @@ def _setup(store, n_slots=12, free_chunks=0, policy=None, keep_slots=6, params=P
     events = EventLog()
     pm.register(events)
     policy = policy or Recorder()
-    cached = CachedExperts(store, arena, table, CheckedPolicy(policy, table), "cpu", events=pm)
+    cached = CachedExperts(store, arena, table, CheckedPolicy(policy, table), "cpu", events=pm,
+                           loan=LoanOptions(keep_slots=keep_slots))
     cached.fill_hottest()
-    cached.loan = PromptLoan(cached, keep_slots=keep_slots)
     table.set_regions(floor=params.floor_slots)
     kv = KVCache(backend, store.n_layers, WINDOW, 2, 16, torch.float32,
                  mapped_cells=params.init_cells)

@@ -74,11 +74,11 @@ def _model(ckpt, *, kv_grow, environ=None, **sizing):
               "prefill_loan": False, "rank": uniform_rank(config.n_layers, config.n_experts),
               **sizing}
     if kv_grow:
-        cache, _ = plan_elastic_cache(config, config.dtype, CUDA, profile=True,
-                                      environ=environ, **sizing)
+        cache, elastic, _ = plan_elastic_cache(config, config.dtype, CUDA, profile=True,
+                                               environ=environ, **sizing)
     else:
-        cache = plan_cache(config, config.dtype, CUDA, **sizing)
-    return load(ckpt, device=CUDA, cache=cache)
+        cache, elastic = plan_cache(config, config.dtype, CUDA, **sizing), None
+    return load(ckpt, device=CUDA, cache=cache, kv_grow=elastic)
 
 
 def _run(loaded, options=OPTIONS):

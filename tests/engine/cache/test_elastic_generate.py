@@ -72,12 +72,13 @@ def _model(ckpt, rank, *, kv_grow, environ=None, **sizing):
     sizing = {"max_context": WINDOW, "prefill_chunk": 32, "prefill_loan": False,
               "backend": _vmm.HostBackend(CHUNK), "rank": rank, **sizing}
     if kv_grow:
-        cache, notes = plan_elastic_cache(cfg, torch.float32, torch.device("cpu"),
-                                          profile=rank is not None, environ=environ or {},
-                                          **sizing)
+        cache, elastic, notes = plan_elastic_cache(cfg, torch.float32, torch.device("cpu"),
+                                                   profile=rank is not None,
+                                                   environ=environ or {}, **sizing)
     else:
-        cache, notes = plan_cache(cfg, torch.float32, torch.device("cpu"), **sizing), []
-    return load(ckpt, cache=cache), notes
+        cache, elastic, notes = plan_cache(cfg, torch.float32, torch.device("cpu"), **sizing), \
+            None, []
+    return load(ckpt, cache=cache, kv_grow=elastic), notes
 
 
 def _run(loaded, options=OPTIONS):

@@ -29,10 +29,8 @@ def cfg():
 
 def _plan(cfg, environ, *, profile=True, max_context=1024, **sizing):
     sizing = {"prefill_chunk": 32, "prefill_loan": False, **sizing}
-    cache, notes = plan_elastic_cache(cfg, torch.float32, CPU, profile=profile,
-                                      max_context=max_context, backend=_vmm.HostBackend(CHUNK),
-                                      environ=environ, **sizing)
-    return cache, notes
+    return plan_elastic_cache(cfg, torch.float32, CPU, profile=profile, max_context=max_context,
+                              backend=_vmm.HostBackend(CHUNK), environ=environ, **sizing)
 
 
 def _plain(cfg, max_context=1024, **sizing):
@@ -60,21 +58,21 @@ def test_the_cache_is_sized_around_the_start_cells(cfg):
     # A 2 MiB budget: dense 226 KiB, workspace 1 MiB, and the K/V of the whole window (1024
     # cells: 512 KiB) leave 2 slots of 96 KiB; 256 cells (128 KiB) leave 6.
     whole = _plain(cfg, budget_mib=2.0).budget
-    cache, notes = _plan(cfg, {"STRATA_KV_GROW_INIT": "256", "STRATA_KV_GROW_FLOOR": "2"},
-                         budget_mib=2.0)
+    cache, kv_grow, notes = _plan(cfg, {"STRATA_KV_GROW_INIT": "256",
+                                        "STRATA_KV_GROW_FLOOR": "2"}, budget_mib=2.0)
     grown = cache.budget
     assert grown.kv_bytes == 4 * 8 * CHUNK  # 256 cells: 8 chunks in each of 4 segments
     assert whole.kv_bytes == 4 * 32 * CHUNK
     assert (whole.n_slots, grown.n_slots) == (2, 6)
-    params = cache.kv_grow.params
+    params = kv_grow.params
     assert params == KvParams(init_cells=256, step_cells=8192, floor_slots=2)
     assert notes == ["elastic K/V: 256 of 1024 cells mapped at start, steps of 8192, the "
                      "cache keeps at least 2 slots"]
 
 
 def test_ignored_without_a_profile_or_when_cells_do_not_tile_chunks(cfg):
-    cache, notes = _plan(cfg, {}, profile=False, budget_mib=3.0)
-    assert cache.kv_grow is None and notes[0].startswith("--kv-grow ignored: it needs "
+    cache, kv_grow, notes = _plan(cfg, {}, profile=False, budget_mib=3.0)
+    assert kv_grow is None and notes[0].startswith("--kv-grow ignored: it needs "
                                                          "--expert-profile")
     assert cache.budget == _plain(cfg, budget_mib=3.0).budget  # sized as without the flag
     assert cells_per_chunk(cfg, torch.float32, 4096) == 32
@@ -84,14 +82,14 @@ def test_ignored_without_a_profile_or_when_cells_do_not_tile_chunks(cfg):
 def test_when_the_cache_cannot_give_the_window_is_mapped_up_front(cfg):
     # The default floor (128 slots) is above this cache's 16 slots: top is at the floor.
     env = {"STRATA_KV_GROW_INIT": "256"}
-    cache, notes = _plan(cfg, env, budget_mib=3.0)
-    assert cache.kv_grow is None
+    cache, kv_grow, notes = _plan(cfg, env, budget_mib=3.0)
+    assert kv_grow is None
     assert "(its 16 slots below the loan are at the floor of 16): elastic K/V off for this " \
            "run, the whole window (1024 cells) is mapped up front" in notes[0]
     assert cache.budget == _plain(cfg, budget_mib=3.0).budget
     # With a fixed cache leaving free budget for the whole window, the K/V grows into it.
-    cache, notes = _plan(cfg, env, budget_mib=3.0, expert_cache_mib=0.5)
-    assert cache.kv_grow is not None and "grows into free budget only" in notes[-1]
+    cache, kv_grow, notes = _plan(cfg, env, budget_mib=3.0, expert_cache_mib=0.5)
+    assert kv_grow is not None and "grows into free budget only" in notes[-1]
     # And a budget too small for the whole window stops with how much is missing.
     with pytest.raises(ValueError, match=r"1.5 MiB \(--vram-budget-mib\) is [\d.]+ KiB short"):
         _plan(cfg, env, budget_mib=1.5)

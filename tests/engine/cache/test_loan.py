@@ -12,6 +12,7 @@ from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.cache.loan import (
     DEFAULT_KEEP_SLOTS,
     KEEP_SLOTS_ENV,
+    LoanOptions,
     PromptLoan,
     loan_slots,
 )
@@ -42,14 +43,16 @@ def setup(request):
     return model, store
 
 
-def _cache(store, n_slots, policy="coldest-in-loan"):
+def _cache(store, n_slots, policy="coldest-in-loan", **loan):
+    """A filled cache of `n_slots`; with `loan` options (LoanOptions'), its prompt loan."""
     slot_bytes = slot_bytes_for(store.blob_bytes)
     table = ResidencyTable(store.n_layers, store.n_experts, n_slots, slot_bytes, CHUNK_BYTES)
     arena = Arena(_vmm.HostBackend(CHUNK_BYTES), n_slots, slot_bytes,
                   hidden_size=store.hidden_size, expert_width=store.expert_width,
                   dtype=store.dtype)
     policy = policy if isinstance(policy, Policy) else load_registry().create(policy)
-    cached = CachedExperts(store, arena, table, CheckedPolicy(policy, table), "cpu")
+    cached = CachedExperts(store, arena, table, CheckedPolicy(policy, table), "cpu",
+                           loan=LoanOptions(**loan) if loan else None)
     cached.fill_hottest()
     return cached
 
@@ -98,8 +101,7 @@ def test_the_loan_path_agrees_with_the_cpu_path_and_the_resident_model(setup):
     # 8-bit mantissa through 4 layers.
     fp32 = store.dtype == torch.float32
     tol = {"rtol": 1e-5, "atol": 1e-5} if fp32 else {"rtol": 0.02, "atol": 0.02}
-    lent = _cache(store, 12)
-    lent.loan = PromptLoan(lent, short_read=8, keep_slots=4)  # lends min(10, 8, 16) = 8
+    lent = _cache(store, 12, short_read=8, keep_slots=4)  # lends min(10, 8, 16) = 8
     cpu = _cache(store, 12)
     with_loan, without = _prefill(model, lent), _prefill(model, cpu)
     stats, cpu_stats = lent.stats.prompt, cpu.stats.prompt
@@ -117,8 +119,9 @@ def test_the_loan_path_agrees_with_the_cpu_path_and_the_resident_model(setup):
 
 def test_lend_then_refill_keeps_books_and_bytes_in_agreement(setup):
     model, store = setup
-    cached = _cache(store, 12, policy="lru")  # lru admits misses: they must stay below top
-    loan = cached.loan = PromptLoan(cached, short_read=8, keep_slots=4)
+    # lru admits misses: they must stay below top
+    cached = _cache(store, 12, policy="lru", short_read=8, keep_slots=4)
+    loan = cached.loan
     before = cached.table.owner.copy()
     _prefill(model, cached, chunk=20)  # three long passes share one loan
     assert loan.active and loan.loans == 1 and cached.table.top == 4
@@ -145,12 +148,12 @@ def test_lend_then_refill_keeps_books_and_bytes_in_agreement(setup):
 
 def test_short_passes_and_decode_do_not_borrow(setup):
     model, store = setup
-    cached = _cache(store, 12)
-    loan = cached.loan = PromptLoan(cached, short_read=8, keep_slots=4)
+    cached = _cache(store, 12, short_read=8, keep_slots=4)
+    loan = cached.loan
     _prefill(model, cached, prompt=PROMPT[:8])  # 8 tokens: not longer than short_read
     assert not loan.active and cached.stats.lent_slots == 0
     assert cached.stats.prompt.cpu_experts > 0 and cached.stats.prompt.loan_experts == 0
-    assert not loan.begin_pass(cached, 100, "decode")
+    assert not loan.begin_pass(100, "decode")
     stats = cached.end_request()
     assert stats.lent_slots == 0 and cached.table.top == 12
     cached.close()
@@ -158,9 +161,9 @@ def test_short_passes_and_decode_do_not_borrow(setup):
 
 def test_a_cache_too_small_to_lend_reads_on_the_cpu(setup):
     model, store = setup
-    cached = _cache(store, 6)
-    loan = cached.loan = PromptLoan(cached, short_read=8)  # keeps 128 > 6 slots
-    assert loan.keep_slots == DEFAULT_KEEP_SLOTS
+    cached = _cache(store, 6, short_read=8)  # keeps 128 > 6 slots
+    loan = cached.loan
+    assert loan.options.keep_slots == DEFAULT_KEEP_SLOTS
     out = _prefill(model, cached)
     assert not loan.active and cached.stats.prompt.cpu_experts > 0
     torch.testing.assert_close(out, _reference(model), rtol=0.02, atol=0.02)
@@ -169,8 +172,7 @@ def test_a_cache_too_small_to_lend_reads_on_the_cpu(setup):
 
 def test_a_request_that_ends_in_the_prompt_gives_the_loan_back(setup):
     model, store = setup
-    cached = _cache(store, 12)
-    cached.loan = PromptLoan(cached, short_read=8, keep_slots=4)
+    cached = _cache(store, 12, short_read=8, keep_slots=4)
     _prefill(model, cached)
     assert cached.loan.active
     stats = cached.end_request()
@@ -182,15 +184,15 @@ def test_a_request_that_ends_in_the_prompt_gives_the_loan_back(setup):
 
 def test_a_lent_slot_filled_behind_the_loans_back_is_refused(setup):
     model, store = setup
-    cached = _cache(store, 12)
-    loan = cached.loan = PromptLoan(cached, short_read=8, keep_slots=4)
+    cached = _cache(store, 12, short_read=8, keep_slots=4)
+    loan = cached.loan
     _prefill(model, cached)
     missing = np.flatnonzero(cached.table.res.reshape(-1) < 0)[0]
     cached.table.assign(int(loan.lent[3]), *divmod(int(missing), store.n_experts))
     x = torch.zeros(1, store.hidden_size, dtype=store.dtype)
     misses = Routed.of(np.array([[0, 1, 2, 3]]))
     with pytest.raises(RuntimeError, match=rf"lent slots \[{loan.lent[3]}\] hold experts"):
-        loan.compute_misses(cached, 0, x, misses)
+        loan.compute_misses(0, x, misses)
     cached.close()
 
 
@@ -205,8 +207,7 @@ class BadRefill(Policy):
 
 def test_a_bad_refill_is_refused_and_the_cache_carries_on(setup):
     model, store = setup
-    cached = _cache(store, 12, policy=BadRefill())
-    cached.loan = PromptLoan(cached, short_read=8, keep_slots=4)
+    cached = _cache(store, 12, policy=BadRefill(), short_read=8, keep_slots=4)
     _prefill(model, cached)
     with pytest.raises(PolicyError, match=r"bad-refill.*slot 0, which was not offered"):
         cached.set_phase("decode")
@@ -222,11 +223,11 @@ def test_keep_slots_from_the_environment(setup, monkeypatch):
     _, store = setup
     cached = _cache(store, 4)
     monkeypatch.setenv(KEEP_SLOTS_ENV, "3")
-    assert PromptLoan(cached).keep_slots == 3
-    assert PromptLoan(cached, keep_slots=1).keep_slots == 1  # the argument wins
+    assert LoanOptions().keep_slots == 3
+    assert LoanOptions(keep_slots=1).keep_slots == 1  # the argument wins
     monkeypatch.setenv(KEEP_SLOTS_ENV, "lots")
     with pytest.raises(ValueError, match=f"{KEEP_SLOTS_ENV}='lots': want an integer >= 0"):
-        PromptLoan(cached)
+        LoanOptions()
     cached.close()
 
 
@@ -242,9 +243,10 @@ def test_bad_options_are_refused(setup, kwargs, message):
     _, store = setup
     cached = _cache(store, 4)
     with pytest.raises(ValueError, match=message):
-        PromptLoan(cached, **kwargs)
+        LoanOptions(**kwargs)
+    loan = PromptLoan(cached.executor, cached.checked, LoanOptions())
     with pytest.raises(ValueError, match="no loan is open"):
-        PromptLoan(cached).compute_misses(cached, 0, torch.zeros(1, 4), None)
+        loan.compute_misses(0, torch.zeros(1, 4), None)
     cached.close()
 
 

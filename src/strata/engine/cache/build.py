@@ -2,13 +2,13 @@
 
 The order at start: the books (`ResidencyTable`, ranked by the profile when there is one), the
 arena (mapped whole), the policy bound to the books, then the slots filled hottest first, as the
-simulator starts. The prompt loan is attached, then the elastic K/V (`--kv-grow`) started.
+simulator starts, with the prompt loan if asked for. The elastic K/V (`--kv-grow`) is started
+beside the cache by whatever composes them (`strata.engine.runtime.load`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pluggy
@@ -20,14 +20,10 @@ from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.budget import CacheBudget, plan_budget
 from strata.engine.cache.cached_experts import CachedExperts
-from strata.engine.cache.loan import PromptLoan
+from strata.engine.cache.loan import LoanOptions
 from strata.engine.experts import ExpertStore
 from strata.engine.model.config import ModelConfig
 from strata.policies import Policy
-from strata.policies.builtin.coldest_in_loan import ColdestInLoan
-
-if TYPE_CHECKING:
-    from strata.engine.kv.plan import KvGrowConfig
 
 __all__ = [
     "DEFAULT_SHORT_READ",
@@ -53,8 +49,7 @@ class CacheConfig:
     tokens. `cpu_threads` sets the intra-op threads of the CPU's experts (None: torch's).
     `stream_misses`: of a decode layer call's misses, how many are uploaded to a staging
     buffer and computed on the device while the CPU computes the others (0: none).
-    `kv_grow` starts the elastic K/V beside the cache (`strata.engine.kv.plan`; None:
-    the K/V is made per request, its whole window mapped).
+    The elastic K/V is planned beside it (`strata.engine.kv.plan.plan_elastic_cache`).
     """
 
     budget: CacheBudget
@@ -66,7 +61,6 @@ class CacheConfig:
     prefill_loan: bool = True
     short_read: int = DEFAULT_SHORT_READ
     events: pluggy.PluginManager | None = field(default=None, compare=False)
-    kv_grow: KvGrowConfig | None = None
 
     def __post_init__(self) -> None:
         if self.backend.chunk_bytes != self.budget.chunk_bytes:
@@ -160,14 +154,13 @@ def build_cached_experts(
                   hidden_size=store.hidden_size, expert_width=store.expert_width,
                   dtype=store.dtype)
     try:
-        checked = CheckedPolicy(config.policy or ColdestInLoan(), table)
+        checked = CheckedPolicy(config.policy, table) if config.policy is not None else None
+        loan = LoanOptions(short_read=config.short_read) if config.prefill_loan else None
         cached = CachedExperts(store, arena, table, checked, device, config.cpu_threads,
                                events=config.events, budget=budget,
-                               stream_misses=config.stream_misses)
+                               stream_misses=config.stream_misses, loan=loan)
         try:
             cached.fill_hottest()
-            if config.prefill_loan:
-                cached.loan = PromptLoan(cached, short_read=config.short_read)
         except BaseException:
             cached.close()
             raise

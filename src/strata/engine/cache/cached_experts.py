@@ -33,62 +33,50 @@ The device then runs ahead of the host as without a cache, and `generate` replay
 steps from CUDA graphs as it does without a cache: `graph_capture` around the capture (its
 warm-up runs are not counted), `count_replay` after each replay.
 
-The device mirror (`mirror`, int32 [L, E]) is re-uploaded after every change of the books, with
-a blocking copy, so no kernel reads it stale.
+Every change of the slots (the fill, admissions, the loan, the elastic K/V's give-ups and trims)
+is carried out by the cache's `CacheExecutor` (`executor`), all or nothing; the device mirror of
+the books (`mirror`, int32 [L, E]) is re-uploaded after each, with a blocking copy, so no kernel
+reads it stale. The prompt loan is the cache's own (`loan`, built from `LoanOptions`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pluggy
 import torch
-import torch.nn.functional as F
 
 from strata._residency import ResidencyTable
-from strata.books import CheckedPolicy, apply_admit
+from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena
 from strata.engine.cache.budget import CacheBudget
-from strata.engine.cache.stats import PHASES, CacheStats
+from strata.engine.cache.device_heat import DeviceHeat
+from strata.engine.cache.executor import CacheExecutor
+from strata.engine.cache.from_slots import compute_from_slots
+from strata.engine.cache.loan import LoanOptions, PromptLoan
+from strata.engine.cache.stats import PHASES, CacheStats, PhaseStats
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.grouped import expert_rows
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.streamed import StreamedMisses
-from strata.policies import emit
-from strata.policies.builtin.coldest_in_loan import ColdestInLoan
-from strata.policies.events import Admitted, Evicted
+from strata.policies import Policy
 
-__all__ = ["CachedExperts", "Loan"]
-
-
-class Loan(Protocol):
-    """The prompt loan (`strata.engine.cache.loan`), as the cache calls it."""
-
-    def begin_pass(self, cached: CachedExperts, n_tokens: int, phase: str) -> bool: ...
-    def compute_misses(
-        self, cached: CachedExperts, layer: int, x: torch.Tensor, misses: Routed
-    ) -> torch.Tensor: ...
-    def end_pass(self, cached: CachedExperts) -> None: ...
-    def end_prompt(self, cached: CachedExperts) -> None: ...
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+__all__ = ["CachedExperts"]
 
 
 class CachedExperts:
     """Experts through a cache of `arena.n_slots` slots whose books are `table`.
 
-    `policy` decides admissions (None: the default, `coldest-in-loan`, which admits nothing);
-    `events` is the plugin manager whose observers are told `admitted` and `evicted`.
-    Requests: `begin_request`, `set_phase`, `end_request` (which returns the request's stats).
-    Slots start empty: `fill_hottest` fills them. `close` releases the arena.
+    `policy` decides admissions (None: the default decisions, `coldest-in-loan`'s, which admit
+    nothing); `events` is the plugin manager whose observers are told each change. `loan`
+    lends the top slots to long prompt passes (None: no loan). Requests: `begin_request`,
+    `set_phase`, `end_request` (which returns the request's stats). Slots start empty:
+    `fill_hottest` fills them. `close` releases the arena.
     """
 
     def __init__(
@@ -103,74 +91,56 @@ class CachedExperts:
         events: pluggy.PluginManager | None = None,
         budget: CacheBudget | None = None,
         stream_misses: int = 0,
+        loan: LoanOptions | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if arena.device != self.device:
-            raise ValueError(f"the arena is on {arena.device}, the experts run on {self.device}")
-        geometry = (table.n_layers, table.n_experts, table.n_slots, table.slot_bytes,
-                    table.chunk_bytes)
-        expected = (store.n_layers, store.n_experts, arena.n_slots, arena.slot_bytes,
-                    arena.chunk_bytes)
-        if geometry != expected:
-            raise ValueError(
-                f"the books' (layers, experts, slots, slot_bytes, chunk_bytes) {geometry} do "
-                f"not match the store's and the arena's {expected}"
-            )
-        if arena.blob_bytes != store.blob_bytes:
-            raise ValueError(f"the arena holds blobs of {arena.blob_bytes} bytes, the store "
-                             f"{store.blob_bytes}")
+        _check_parts(store, arena, table, self.device)
         if policy is not None and policy.table is not table:
             raise ValueError("the policy is bound to other books than `table`")
+        if isinstance(stream_misses, bool) or not isinstance(stream_misses, int) \
+                or stream_misses < 0:
+            raise ValueError(f"stream_misses must be an int >= 0, got {stream_misses!r}")
         self.store, self.arena, self.table = store, arena, table
-        self.checked = policy or CheckedPolicy(ColdestInLoan(), table)
+        self.checked = policy or CheckedPolicy(Policy(), table, name="coldest-in-loan")
         self.events = events
         self.budget = budget
         self.n_layers, self.n_experts = store.n_layers, store.n_experts
         self.expert_width, self.hidden_size = store.expert_width, store.hidden_size
+        self.phase = "prompt"
+        self.stats = CacheStats(slots=arena.n_slots, policy=self.checked.name)
+        self.executor = CacheExecutor(store, arena, table, self.device, events=events,
+                                      on_upload=self._count_upload)
+        self.loan = PromptLoan(self.executor, self.checked, loan) if loan is not None else None
         self.cpu = CpuExperts(store, cpu_threads)
-        if isinstance(stream_misses, bool) or not isinstance(stream_misses, int) \
-                or stream_misses < 0:
-            raise ValueError(f"stream_misses must be an int >= 0, got {stream_misses!r}")
         self.stream_misses = stream_misses
         self.streamer = StreamedMisses(store, self.device, stream_misses) \
             if stream_misses else None
         answering = type(getattr(self.checked.policy, "inner", self.checked.policy))
         self._observes = "observe" in answering.overrides()
-        # Routed ids not yet in the books' heat, flat [L*E] (the device-only decode path).
-        self._pending_heat = torch.zeros(self.n_layers * self.n_experts, dtype=torch.int64,
-                                         device=self.device)
-        self._pending = False
-        self.mirror = torch.full((self.n_layers, self.n_experts), -1, dtype=torch.int32,
-                                 device=self.device)  # [L, E]: the books' res, on the device
-        self.sync_mirror()
-        self.loan: Loan | None = None
-        self.phase = "prompt"
-        self.stats = CacheStats(slots=arena.n_slots, policy=self.checked.name)
+        self.heat = DeviceHeat(table, self.device)  # routing counted on the device-only path
         self._last_layer = -1  # the layer of the open pass's latest call; -1: no pass is open
         self._loaned = False
         self._capturing = False  # inside graph_capture: calls run device-only, uncounted
         self._captured_top_k = 0  # K of the captured step, for count_replay
 
     # --- the books and the slots ---
+    @property
+    def mirror(self) -> torch.Tensor:
+        """int32 [L, E]: the books' `res` on the device."""
+        return self.executor.mirror
+
     def sync_mirror(self) -> None:
         """Upload the books' `res` to the device mirror; complete when it returns."""
-        self.mirror.copy_(torch.from_numpy(np.array(self.table.res, dtype=np.int32)))
-        _sync(self.device)
+        self.executor.sync_mirror()
+
+    def _count_upload(self, n_bytes: int) -> None:
+        self.stats.phase(self.phase).uploaded_bytes += n_bytes
 
     def flush_heat(self) -> None:
         """Fold the routing counted on the device into the books' heat (one host read)."""
-        if not self._pending:
-            return
-        # A copy: on the CPU `.cpu()` is the counter itself, which is zeroed next.
-        counts = self._pending_heat.to("cpu", copy=True).numpy().reshape(
-            self.n_layers, self.n_experts)
-        self._pending_heat.zero_()
-        self._pending = False
-        experts = np.arange(self.n_experts, dtype=np.int64)
-        for layer in np.flatnonzero(counts.sum(axis=1)).tolist():
-            self.table.record(layer, np.repeat(experts, counts[layer]))
+        self.heat.flush()
 
     @property
     def device_only(self) -> bool:
@@ -179,12 +149,10 @@ class CachedExperts:
         return (not self._observes and not self._loaned
                 and self.table.n_resident == self.n_layers * self.n_experts)
 
-    def upload(self, slots: Sequence[int] | np.ndarray, experts: np.ndarray) -> int:
+    def upload(self, slots: np.ndarray, experts: np.ndarray) -> int:
         """Copy (layer, expert) blobs int [n, 2] from the store into `slots`, complete when it
-        returns; counted in the open request's stats. The books are the caller's."""
-        n_bytes = self.arena.upload(slots, experts, self.store)
-        self.stats.phase(self.phase).uploaded_bytes += n_bytes
-        return n_bytes
+        returns; counted in the open request's stats. Bytes only: the books are the caller's."""
+        return self.executor.upload(slots, experts)
 
     def fill_hottest(self) -> int:
         """Fill slots [0, n) with the n = min(S, L*E) hottest experts by the books' rank, as
@@ -193,17 +161,10 @@ class CachedExperts:
             raise ValueError(f"fill_hottest: {self.table.n_resident} slots are filled already")
         n_fill = min(self.table.n_slots, self.n_layers * self.n_experts)
         hottest = np.argsort(self.table.rank.reshape(-1), kind="stable")[:n_fill]
-        slots = np.arange(n_fill, dtype=np.int32)
-        layers = (hottest // self.n_experts).astype(np.int32)
-        experts = (hottest % self.n_experts).astype(np.int32)
-        self.table.assign_many(slots, layers, experts)
-        try:
-            self.upload(slots, np.stack([layers, experts], axis=1))
-        except BaseException:
-            self.table.evict_many(slots)
-            raise
-        finally:
-            self.sync_mirror()
+        placements = np.stack([np.arange(n_fill), hottest // self.n_experts,
+                               hottest % self.n_experts], axis=1)  # [n, 3]
+        with self.executor.change() as change:
+            change.fill(placements)
         return n_fill
 
     # --- requests and passes ---
@@ -221,7 +182,7 @@ class CachedExperts:
         self._close_pass()
         self.flush_heat()
         if self.phase == "prompt" and phase == "decode" and self.loan is not None:
-            self.loan.end_prompt(self)
+            self.loan.end_prompt()
         self.phase = phase
 
     def end_request(self) -> CacheStats:
@@ -229,7 +190,7 @@ class CachedExperts:
         self._close_pass()
         self.flush_heat()
         if self.phase == "prompt" and self.loan is not None:
-            self.loan.end_prompt(self)
+            self.loan.end_prompt()
         return self.stats
 
     def _open_pass(self, n_tokens: int) -> None:
@@ -237,16 +198,15 @@ class CachedExperts:
         self._loaned = False
         if self.loan is not None:
             self.flush_heat()  # the loan's choices read the heat
-            self._loaned = bool(self.loan.begin_pass(self, n_tokens, self.phase))
+            loans = self.loan.loans
+            self._loaned = self.loan.begin_pass(n_tokens, self.phase)
+            if self.loan.loans > loans:
+                self.stats.note_lent(int(self.loan.lent.size))
 
     def _close_pass(self) -> None:
-        if self._last_layer < 0:
-            return
+        # A pass the loan took keeps it open until the prompt ends, for the prompt's next pass.
         self._last_layer = -1
-        if self._loaned:
-            self._loaned = False
-            assert self.loan is not None
-            self.loan.end_pass(self)
+        self._loaned = False
 
     # --- the MoE layer's call ---
     def forward(
@@ -273,12 +233,18 @@ class CachedExperts:
             stats.layer_calls += 1
             stats.lookups += n_tokens * top_k
             stats.hits += n_tokens * top_k
-            stats.forward_s += time.perf_counter() - entered
-            if layer == self.n_layers - 1:
-                self._close_pass()
-            return result
-        self.flush_heat()
+        else:
+            self.flush_heat()
+            result = self._routed_forward(layer, x, topk_ids, topk_weights, stats)
+        stats.forward_s += time.perf_counter() - entered
+        if layer == self.n_layers - 1:
+            self._close_pass()
+        return result
 
+    def _routed_forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, stats: PhaseStats) -> torch.Tensor:
+        """Steps 1-6 of the module's docstring: the routing read on the host."""
+        n_tokens, top_k = topk_ids.shape
         started = time.perf_counter()
         ids = np.ascontiguousarray(topk_ids.cpu().numpy(), dtype=np.int64)  # [T, K], the sync
         stats.wait_s += time.perf_counter() - started
@@ -306,36 +272,8 @@ class CachedExperts:
         started = time.perf_counter()
         out = x.new_empty((n_tokens * top_k, x.shape[1]))  # [T*K, D]: row t*K + k
         try:
-            hits = Routed.of(ids, hit) if n_hits and n_tokens > 1 else None
-            if hits is not None:
-                hit_rows = hits.rows
-            else:  # decode: the hit rows, each reading its slot by the books' answer
-                hit_rows = np.flatnonzero(hit.reshape(-1)) if n_hits else None
-            hit_slots = slots.reshape(-1)[hit_rows] if hit_rows is not None and hits is None \
-                else None
-            # [R] each: the slots, and the rows each share's outputs land in; one upload.
-            slot_index, hit_index, streamed_index, miss_index = self._rows_to_device(
-                hit_slots, hit_rows,
-                streamed.rows if streamed is not None else None,
-                misses.rows if misses is not None else None)
-            if hit_slots is not None:
-                # T == 1: every hit row reads the one token; all of them in one call.
-                y = expert_rows(self.arena.gate_up_all(), self.arena.down_all(), slot_index,
-                                x.expand(hit_slots.size, -1))  # [R, D]
-                out.index_copy_(0, hit_index, y)
-            elif hits is not None:
-                # Each hit expert's slot: that of its first row (one slot per expert).
-                hit_slots = slots.reshape(-1)[hits.rows[hits.starts[:-1]]]
-                out.index_copy_(0, hit_index, self.compute_from_slots(x, hits, hit_slots))
-            if streamed is not None:
-                assert self.streamer is not None  # only it splits streamed rows off
-                out.index_copy_(0, streamed_index, self.streamer.compute(layer, x, streamed))
-                stats.streamed_experts += streamed.n_experts
-                stats.uploaded_bytes += streamed.n_experts * self.store.blob_bytes
-            if misses is not None and self._loaned:
-                assert self.loan is not None
-                out.index_copy_(0, miss_index, self.loan.compute_misses(self, layer, x, misses))
-                stats.loan_experts += misses.n_experts
+            miss_index = self._issue_device_share(layer, x, ids, slots, hit, n_hits, streamed,
+                                                  misses, out, stats)
         finally:
             stats.device_s += time.perf_counter() - started
         if on_cpu:
@@ -352,11 +290,47 @@ class CachedExperts:
 
         # [T, K, D] -> [T, D]: weight and sum over K in float32, in order (as ResidentExperts).
         weighted = out.view(n_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
-        result = weighted.sum(dim=1).to(x.dtype)
-        stats.forward_s += time.perf_counter() - entered
-        if layer == self.n_layers - 1:
-            self._close_pass()
-        return result
+        return weighted.sum(dim=1).to(x.dtype)
+
+    def _issue_device_share(self, layer: int, x: torch.Tensor, ids: np.ndarray,
+                            slots: np.ndarray, hit: np.ndarray, n_hits: int,
+                            streamed: Routed | None, misses: Routed | None, out: torch.Tensor,
+                            stats: PhaseStats) -> torch.Tensor | None:
+        """Issue the hits, the streamed misses and the loan's misses into `out` [T*K, D];
+        returns the device rows of the misses left to the CPU (None: none)."""
+        n_tokens = ids.shape[0]
+        hits = Routed.of(ids, hit) if n_hits and n_tokens > 1 else None
+        if hits is not None:
+            hit_rows = hits.rows
+        else:  # decode: the hit rows, each reading its slot by the books' answer
+            hit_rows = np.flatnonzero(hit.reshape(-1)) if n_hits else None
+        hit_slots = slots.reshape(-1)[hit_rows] if hit_rows is not None and hits is None \
+            else None
+        # [R] each: the slots, and the rows each share's outputs land in; one upload.
+        slot_index, hit_index, streamed_index, miss_index = self._rows_to_device(
+            hit_slots, hit_rows,
+            streamed.rows if streamed is not None else None,
+            misses.rows if misses is not None else None)
+        if hit_slots is not None:
+            # T == 1: every hit row reads the one token; all of them in one call.
+            y = expert_rows(self.arena.gate_up_all(), self.arena.down_all(), slot_index,
+                            x.expand(hit_slots.size, -1))  # [R, D]
+            out.index_copy_(0, hit_index, y)
+        elif hits is not None:
+            # Each hit expert's slot: that of its first row (one slot per expert).
+            hit_slots = slots.reshape(-1)[hits.rows[hits.starts[:-1]]]
+            out.index_copy_(0, hit_index, compute_from_slots(self.arena, x, hits, hit_slots))
+        if streamed is not None:
+            assert self.streamer is not None  # only it splits streamed rows off
+            out.index_copy_(0, streamed_index, self.streamer.compute(layer, x, streamed))
+            stats.streamed_experts += streamed.n_experts
+            stats.uploaded_bytes += streamed.n_experts * self.store.blob_bytes
+        if misses is not None and self._loaned:
+            assert self.loan is not None
+            out.index_copy_(0, miss_index, self.loan.compute_misses(layer, x, misses))
+            stats.loan_experts += misses.n_experts
+            return None
+        return miss_index
 
     def _rows_to_device(self, *groups: np.ndarray | None) -> list[torch.Tensor | None]:
         """Each int [R_i] array (rows, slots) as an int64 tensor on the device (None stays
@@ -379,9 +353,7 @@ class CachedExperts:
     ) -> torch.Tensor:
         """Every row a hit, nothing on the host: the routing counted on the device."""
         n_tokens, top_k = topk_ids.shape
-        flat = topk_ids.reshape(-1) + layer * self.n_experts  # [T*K] flat expert ids
-        self._pending_heat.index_add_(0, flat, torch.ones_like(flat))
-        self._pending = True
+        self.heat.count(layer, topk_ids)
         # Every row a hit: the slots by the mirror, on the device (no host read).
         slot_ids = self.mirror[layer].index_select(0, topk_ids.reshape(-1))  # [T*K]
         x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1)
@@ -408,10 +380,9 @@ class CachedExperts:
             yield
         finally:
             self._capturing = False
-            # The warm-ups ran on a stream the current one has waited for: zeroing here
-            # follows them.
-            self._pending_heat.zero_()
-            self._pending = False
+            # The warm-ups ran on a stream the current one has waited for: dropping their
+            # counts here follows them.
+            self.heat.discard()
 
     def count_replay(self) -> None:
         """Count one replayed decode step: a pass of L layer calls, every routed row a hit; its
@@ -424,50 +395,23 @@ class CachedExperts:
         stats.layer_calls += self.n_layers
         stats.lookups += self.n_layers * self._captured_top_k
         stats.hits += self.n_layers * self._captured_top_k
-        self._pending = True
+        self.heat.mark_pending()
 
-    def compute_from_slots(
-        self, x: torch.Tensor, routed: Routed, slots: Sequence[int] | np.ndarray
-    ) -> torch.Tensor:
-        """[R, D] on the device, rows in `routed.rows` order: expert `routed.experts[i]` from
-        the blob in `slots[i]`, through its slot's views (no weight copy)."""
-        slots = np.asarray(slots).reshape(-1)
-        if slots.size != routed.n_experts:
-            raise ValueError(f"{slots.size} slots for {routed.n_experts} experts")
-        f, top_k = self.expert_width, routed.top_k
-        rows = torch.tensor(routed.rows, device=self.device)  # [R]
-        y = x.new_empty((routed.n_rows, x.shape[1]))  # [R, D]
-        for i, slot in enumerate(slots.tolist()):
-            lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
-            h = F.linear(x.index_select(0, rows[lo:hi] // top_k), self.arena.gate_up(slot))
-            act = F.silu(h[:, :f]) * h[:, f:]  # [n, F]
-            y[lo:hi] = F.linear(act, self.arena.down(slot))  # [n, D]
-        return y
+    def compute_from_slots(self, x: torch.Tensor, routed: Routed, slots: np.ndarray
+                           ) -> torch.Tensor:
+        """`strata.engine.cache.from_slots.compute_from_slots` over this cache's arena."""
+        return compute_from_slots(self.arena, x, routed, slots)
 
     def _admit(self, layer: int, missed: np.ndarray) -> None:
-        """Ask the policy which misses enter; apply to the books and upload, all or nothing."""
+        """Ask the policy which misses enter; carried out all or nothing."""
         placements = self.checked.admit(layer, missed)  # int64 [n, 3] (slot, layer, expert)
         if not placements.size:
             return
-        evicted = apply_admit(self.table, placements)
-        slots = placements[:, 0]
-        try:
-            self.upload(slots, placements[:, 1:])
-        except BaseException:
-            # The evicted blobs may be overwritten already: the slots are left empty.
-            self.table.evict_many(slots.astype(np.int32))
-            raise
-        finally:
-            self.sync_mirror()
+        with self.executor.change() as change:
+            evicted = change.admit(layer, placements)
         stats = self.stats.phase(self.phase)
         stats.admitted += int(placements.shape[0])
         stats.evicted += int(evicted.shape[0])
-        if self.events is not None:
-            emit(self.events, Admitted(layer=layer, placements=tuple(
-                (int(s), int(lay), int(e)) for s, lay, e in placements)))
-            if evicted.size:
-                emit(self.events, Evicted(experts=tuple(
-                    (int(lay), int(e)) for lay, e in evicted)))
 
     def close(self) -> None:
         """Release the arena. Idempotent."""
@@ -482,3 +426,22 @@ class CachedExperts:
             "policy": self.checked.name,
             **({"budget": self.budget.as_dict()} if self.budget is not None else {}),
         }
+
+
+def _check_parts(store: ExpertStore, arena: Arena, table: ResidencyTable,
+                 device: torch.device) -> None:
+    """ValueError unless the store, the arena and the books describe one cache on `device`."""
+    if arena.device != device:
+        raise ValueError(f"the arena is on {arena.device}, the experts run on {device}")
+    geometry = (table.n_layers, table.n_experts, table.n_slots, table.slot_bytes,
+                table.chunk_bytes)
+    expected = (store.n_layers, store.n_experts, arena.n_slots, arena.slot_bytes,
+                arena.chunk_bytes)
+    if geometry != expected:
+        raise ValueError(
+            f"the books' (layers, experts, slots, slot_bytes, chunk_bytes) {geometry} do "
+            f"not match the store's and the arena's {expected}"
+        )
+    if arena.blob_bytes != store.blob_bytes:
+        raise ValueError(f"the arena holds blobs of {arena.blob_bytes} bytes, the store "
+                         f"{store.blob_bytes}")

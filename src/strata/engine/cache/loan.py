@@ -32,19 +32,21 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from strata.books import apply_refill
+from strata.books import CheckedPolicy
+from strata.engine.cache.executor import CacheExecutor
+from strata.engine.cache.from_slots import compute_from_slots
 from strata.engine.experts.routed import Routed
-from strata.policies import emit
-from strata.policies.events import Evicted, Refilled
 
 __all__ = [
     "DEFAULT_KEEP_SLOTS",
     "DEFAULT_MAX_FRACTION",
     "KEEP_SLOTS_ENV",
+    "LoanOptions",
     "PromptLoan",
     "loan_slots",
 ]
@@ -76,32 +78,43 @@ def loan_slots(
     return max(0, n)
 
 
-class PromptLoan:
-    """Lends the top slots of `cached` (a `CachedExperts`) to prompt passes longer than
-    `short_read` tokens.
+@dataclass(frozen=True)
+class LoanOptions:
+    """How the prompt loan lends: prompt passes longer than `short_read` tokens borrow;
+    `keep_slots` is the fewest slots left to the cache during a loan (None: the environment's
+    `STRATA_LOAN_KEEP_SLOTS`, else 128); `max_fraction` the most of the arena lent (0.85).
+    ValueError for a bad option."""
 
-    `keep_slots`: the fewest slots left to the cache during a loan (None: the environment's
-    `STRATA_LOAN_KEEP_SLOTS`, else 128); `max_fraction`: the most of the arena lent (0.85).
-    Raises ValueError for a bad option.
-    """
+    short_read: int = 64
+    keep_slots: int | None = None
+    max_fraction: float = DEFAULT_MAX_FRACTION
 
-    def __init__(
-        self,
-        cached,
-        short_read: int = 64,
-        keep_slots: int | None = None,
-        max_fraction: float = DEFAULT_MAX_FRACTION,
-    ) -> None:
-        if keep_slots is None:
-            keep_slots = _keep_slots_from_env()
-        for name, value, low in (("short_read", short_read, 1), ("keep_slots", keep_slots, 0)):
+    def __post_init__(self) -> None:
+        if self.keep_slots is None:
+            object.__setattr__(self, "keep_slots", _keep_slots_from_env())
+        for name, low in (("short_read", 1), ("keep_slots", 0)):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if not 0.0 <= max_fraction <= 1.0:
-            raise ValueError(f"max_fraction must be in [0, 1], got {max_fraction!r}")
-        self.short_read = short_read
-        self.keep_slots = keep_slots
-        self.max_fraction = float(max_fraction)
+        if not 0.0 <= self.max_fraction <= 1.0:
+            raise ValueError(f"max_fraction must be in [0, 1], got {self.max_fraction!r}")
+
+    def lends(self, n_slots: int, n_experts: int, floor: int = 0) -> int:
+        """N, the slots a loan of a cache of `n_slots` takes (`loan_slots`)."""
+        return loan_slots(n_slots, n_experts, self.keep_slots, self.max_fraction, floor)
+
+
+class PromptLoan:
+    """Lends the top slots of the cache whose decisions `executor` carries out to prompt
+    passes longer than `options.short_read` tokens; `policy` (bound to the same books) decides
+    the refill. Built by `CachedExperts`, which calls the hooks below."""
+
+    def __init__(self, executor: CacheExecutor, policy: CheckedPolicy,
+                 options: LoanOptions) -> None:
+        if policy.table is not executor.table:
+            raise ValueError("the policy is bound to other books than the executor's")
+        self.executor, self.policy, self.options = executor, policy, options
+        self.table = executor.table
         self.lent = np.empty(0, np.int32)  # [N] ascending: the slots lent now (empty: none)
         self._top_before = -1
         self.loans = 0  # loans opened so far
@@ -111,22 +124,31 @@ class PromptLoan:
     def active(self) -> bool:
         return self.lent.size > 0
 
+    def top(self) -> int:
+        """The first slot of the loan region: the open loan's `top`, else the first slot a loan
+        would lend now (the elastic K/V gives up only below it, so a loan always finds its
+        slots)."""
+        table = self.table
+        if self.active:
+            return table.top
+        n = self.options.lends(table.n_slots, table.n_experts, table.floor)
+        return min(table.top, table.n_slots - n)
+
     # --- the hooks CachedExperts calls ---
-    def begin_pass(self, cached, n_tokens: int, phase: str) -> bool:
+    def begin_pass(self, n_tokens: int, phase: str) -> bool:
         """Before layer 0 of a pass: True when this pass's misses come here."""
-        if phase != "prompt" or n_tokens <= self.short_read:
+        if phase != "prompt" or n_tokens <= self.options.short_read:
             return False
         if not self.active:
-            self._lend(cached)
+            self._lend()
         return self.active
 
-    def compute_misses(self, cached, layer: int, x: torch.Tensor, misses: Routed
-                       ) -> torch.Tensor:
+    def compute_misses(self, layer: int, x: torch.Tensor, misses: Routed) -> torch.Tensor:
         """[R, D] on the device, rows in `misses.rows` order: the missed experts streamed
         through the lent slots, N at a time."""
         if not self.active:
             raise ValueError("compute_misses: no loan is open (begin_pass opens one)")
-        taken = self.lent[cached.table.owner[self.lent] >= 0]
+        taken = self.lent[self.table.owner[self.lent] >= 0]
         if taken.size:
             # Someone put an expert into a lent slot (a move into the loan region while the
             # K/V grew mid-prompt, say): streaming would overwrite it behind the books' back.
@@ -141,51 +163,41 @@ class PromptLoan:
             batch = misses.group(b0, b1)
             slots = self.lent[: b1 - b0]
             pairs = np.stack([np.full(b1 - b0, layer, np.int64), batch.experts], axis=1)
-            cached.upload(slots, pairs)  # complete before the compute below reads the slots
-            out[r0:r1] = cached.compute_from_slots(x, batch, slots)
+            # Bytes only, not a change of the books: lent slots are empty in them.
+            self.executor.upload(slots, pairs)  # complete before the compute reads the slots
+            out[r0:r1] = compute_from_slots(self.executor.arena, x, batch, slots)
         self.streamed_experts += misses.n_experts
         return out
 
-    def end_pass(self, cached) -> None:
-        """After the last layer of a pass that borrowed: the loan stays open until the prompt
-        ends, for the prompt's next pass."""
-
-    def end_prompt(self, cached) -> None:
+    def end_prompt(self) -> None:
         """Refill the lent slots through the policy, then give `top` back."""
         if not self.active:
             return
-        table = cached.table
         lent, self.lent = self.lent, np.empty(0, np.int32)
         try:
-            free = lent[table.owner[lent] < 0]
-            placements = cached.checked.refill(free)  # checked int64 [n, 3]
-            if placements.size:
-                # Bytes first: the books never name a slot whose blob is not there.
-                cached.upload(placements[:, 0], placements[:, 1:])
-                apply_refill(table, placements)
+            with self.executor.change() as change:
+                free = lent[self.table.owner[lent] < 0]
+                change.refill(self.policy.refill(free))  # checked int64 [n, 3]
+                change.set_top(self._top_before)
         finally:
-            table.set_regions(top=self._top_before)
-            cached.sync_mirror()
-        if cached.events is not None and placements.size:
-            emit(cached.events, Refilled(placements=tuple(
-                (int(s), int(layer), int(e)) for s, layer, e in placements)))
+            if self.table.top != self._top_before:
+                # The refill failed and was rolled back; the loan closes all the same: `top`
+                # comes back and the lent slots stay empty in the books.
+                with self.executor.change() as change:
+                    change.set_top(self._top_before)
 
     # --- opening a loan ---
-    def _lend(self, cached) -> None:
-        table = cached.table
-        n = loan_slots(table.n_slots, cached.n_experts, self.keep_slots, self.max_fraction,
-                       table.floor)
+    def _lend(self) -> None:
+        table = self.table
+        n = self.options.lends(table.n_slots, table.n_experts, table.floor)
         lent = np.arange(table.n_slots - n, table.n_slots, dtype=np.int32)
         lent = lent[table.backed[lent]]  # a slot whose chunks went to the K/V holds nothing
         if lent.size == 0:
             return
-        occupied = lent[table.owner[lent] >= 0]
-        evicted = table.evict_many(occupied) if occupied.size else np.empty((0, 2), np.int32)
-        self._top_before = table.top
-        table.set_regions(top=min(table.top, int(lent[0])))
-        cached.sync_mirror()  # complete before any kernel reads the books' new state
+        top_before = table.top
+        with self.executor.change() as change:
+            change.evict(lent)
+            change.set_top(min(table.top, int(lent[0])))
+        self._top_before = top_before
         self.lent = lent
         self.loans += 1
-        cached.stats.note_lent(int(lent.size))
-        if cached.events is not None and evicted.size:
-            emit(cached.events, Evicted(experts=tuple((int(a), int(b)) for a, b in evicted)))

@@ -9,16 +9,19 @@ segments, so `cells_per_chunk` cells of every segment take `n_segments` chunks.
 A growth (`ensure`, before a step needs cells past the mapped ones):
 1. the policy's `kv_target` says how many cells to map (whole steps);
 2. chunks come from free budget first; the rest from the cache: the policy's `give_up` names
-   slots below `top` (the loan region's first slot, even while no loan is open) and above the
-   floor, and `relocate` moves hotter experts in them into the loan region (both checked);
-3. the moved blobs are copied (device to device, complete before anything is unmapped), the
-   freed arena chunks are unmapped, the books apply the plan, and the K/V maps the arena's
-   chunks and then new ones, zeroing the new cells;
-4. the device mirror of the books is uploaded, events are told.
+   slots below the loan region (`PromptLoan.top`, the region a loan would lend even while none
+   is open, handed to the policy in its view) and above the floor, and `relocate` moves
+   hotter experts in them into the loan region (both checked);
+3. the cache's executor carries the plan out (`CacheChange.give_up`: the moved blobs copied
+   device to device, complete before anything is unmapped; the freed arena chunks unmapped;
+   the books applied), and the K/V maps the arena's chunks and then new ones, zeroing the new
+   cells;
+4. the device mirror of the books is uploaded, events are told (the executor's change ends).
 If a step of 3 fails, everything is rolled back: the K/V is as before (its mapping is all or
-nothing), the arena maps its chunks back (bytes intact), the books are restored and the
-relocations' destinations get their own experts' blobs again from the host store. The run goes
-on with the K/V it has; the reason is kept (`stats.last_failure`) and told to `on_note`.
+nothing), and the change rolls the cache back (the arena maps its chunks back, bytes intact;
+the books are restored; the relocations' destinations get their own experts' blobs again from
+the host store). The run goes on with the K/V it has; the reason is kept
+(`stats.last_failure`) and told to `on_note`.
 
 A trim (`trim`, when requests need fewer cells): the K/V hands back its chunks above the
 target; they fill the arena's unmapped chunks, lowest first; the policy's `refill` fills the
@@ -33,20 +36,21 @@ move, so views (and CUDA graphs) made over mapped cells or slots stay valid.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from strata import _vmm
-from strata._residency import ResidencyTable
-from strata.books import GiveUpPlan, apply_give_up, apply_refill
+from strata.books import GiveUpPlan
+from strata.engine.cache.cached_experts import CachedExperts
+from strata.engine.cache.executor import CacheChange, sync_device
 from strata.engine.kv.kv_cache import KVCache
 from strata.engine.kv.stats import KvStats
-from strata.policies import KvParams, emit
-from strata.policies.events import GaveUp, Grown, Refilled, Relocated, Trimmed
-from strata.policies.kv_params import ceil_div
+from strata.policies.events import Grown, Trimmed
+from strata.policies.kv_params import KvParams, ceil_div
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 __all__ = ["ElasticKV", "KvFullError", "KvGrowError", "loan_top"]
 
@@ -59,62 +63,15 @@ class KvFullError(RuntimeError):
     """A step needs K/V cells that are not mapped and could not be."""
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def loan_top(cached: Any) -> int:
-    """The first slot of the loan region: the open loan's `top`, else the slots the prompt
-    loan would lend (`strata.engine.cache.loan.loan_slots`), else `n_slots` (no loan)."""
-    from strata.engine.cache.loan import PromptLoan, loan_slots
-
-    table = cached.table
-    loan = cached.loan
-    if not isinstance(loan, PromptLoan) or loan.active:
-        return table.top
-    n = loan_slots(table.n_slots, cached.n_experts, loan.keep_slots, loan.max_fraction,
-                   table.floor)
-    return min(table.top, table.n_slots - n)
-
-
-@dataclass(frozen=True)
-class _Books:
-    """A copy of what growths and trims change in the books: residents, mapped chunks, top."""
-
-    owner: np.ndarray  # int32 [S]
-    chunk_mapped: np.ndarray  # bool [n_chunks]
-    top: int
-
-    @classmethod
-    def of(cls, table: ResidencyTable) -> _Books:
-        return cls(table.owner.copy(), table.chunk_mapped.copy(), table.top)
-
-    def restore(self, table: ResidencyTable) -> None:
-        """Put the books back as they were; each call checks before it changes anything."""
-        n_experts = table.n_experts
-        now = table.owner
-        changed = np.flatnonzero(now != self.owner).astype(np.int32)
-        leaving = changed[now[changed] >= 0]
-        if leaving.size:
-            table.evict_many(leaving)
-        unmap = np.flatnonzero(~self.chunk_mapped & table.chunk_mapped).astype(np.int32)
-        remap = np.flatnonzero(self.chunk_mapped & ~table.chunk_mapped).astype(np.int32)
-        if unmap.size:
-            table.mark_chunks(unmap, False)
-        if remap.size:
-            table.mark_chunks(remap, True)
-        back = changed[self.owner[changed] >= 0]
-        if back.size:
-            flat = self.owner[back]
-            table.assign_many(back, (flat // n_experts).astype(np.int32),
-                              (flat % n_experts).astype(np.int32))
-        table.set_regions(top=self.top)
+def loan_top(cache: CachedExperts) -> int:
+    """The first slot of the loan region: the prompt loan's (`PromptLoan.top`: the open loan's
+    `top`, else the first slot a loan would lend), else the books' `top` (no loan)."""
+    return cache.loan.top() if cache.loan is not None else cache.table.top
 
 
 class ElasticKV:
-    """The K/V `kv` of a model whose experts run through `cached` (a `CachedExperts`), grown
-    into `free_chunks` chunks of free budget and the cache's slots by `params`' steps.
+    """The K/V `kv` of a model whose experts run through `cache`, grown into `free_chunks`
+    chunks of free budget and the cache's slots by `params`' steps.
 
     `kv` must live on the arena's backend (chunks move between the two ranges). `on_note` is
     told, in one line, why a growth or trim failed. Not thread-safe: the engine's thread only.
@@ -123,13 +80,13 @@ class ElasticKV:
     def __init__(
         self,
         kv: KVCache,
-        cached: Any,
+        cache: CachedExperts,
         params: KvParams,
         *,
         free_chunks: int,
         on_note: Callable[[str], None] | None = None,
     ) -> None:
-        if kv.backend is not cached.arena.backend:
+        if kv.backend is not cache.arena.backend:
             raise ValueError("the K/V and the arena must share one memory backend")
         if kv.chunk_bytes % kv.cell_bytes:
             raise ValueError(f"K/V cells of {kv.cell_bytes} bytes do not tile chunks of "
@@ -137,7 +94,9 @@ class ElasticKV:
         if free_chunks < 0:
             raise ValueError(f"free_chunks must be >= 0, got {free_chunks}")
         self.kv = kv
-        self.cached = cached
+        self.cache = cache
+        self.executor = cache.executor
+        self.table = cache.table
         self.params = params
         self.free_chunks = free_chunks
         self.on_note = on_note
@@ -159,9 +118,9 @@ class ElasticKV:
         if not 0 <= need_cells <= self.kv.max_cells:
             raise ValueError(f"need_cells {need_cells} is outside [0, {self.kv.max_cells}] "
                              "(the window, --max-context)")
-        self.cached.flush_heat()  # the policy decides on all the routing seen so far
-        return self.cached.checked.kv_target(need_cells, self.mapped_cells, self.params,
-                                             self.max_mapped_cells)
+        self.cache.flush_heat()  # the policy decides on all the routing seen so far
+        return self.cache.checked.kv_target(need_cells, self.mapped_cells, self.params,
+                                            self.max_mapped_cells)
 
     # --- the calls generate and serve make ---
     def ensure(self, need_cells: int) -> bool:
@@ -218,142 +177,81 @@ class ElasticKV:
 
     # --- growing ---
     def _plan_give_up(self, n_chunks: int) -> GiveUpPlan:
-        """The policy's checked give-up of `n_chunks` chunks, decided with `top` at the loan
-        region's first slot (restored after)."""
-        table = self.cached.table
-        top = table.top
-        table.set_regions(top=loan_top(self.cached))
-        try:
-            givable = self.cached.checked.view.givable_chunks()
-            if n_chunks > givable:
-                raise KvGrowError(
-                    f"the growth needs {n_chunks} chunks from the expert cache, which can give "
-                    f"{givable} (slots [{table.floor}, {table.top}) between the floor and the "
-                    "loan region)"
-                )
-            return self.cached.checked.give_up(n_chunks)
-        finally:
-            table.set_regions(top=top)
+        """The policy's checked give-up of `n_chunks` chunks, decided on a view whose `top` is
+        the loan region's first slot."""
+        top = loan_top(self.cache)
+        checked = self.cache.checked
+        givable = checked.view_with_top(top).givable_chunks()
+        if n_chunks > givable:
+            raise KvGrowError(
+                f"the growth needs {n_chunks} chunks from the expert cache, which can give "
+                f"{givable} (slots [{self.table.floor}, {top}) between the floor and the "
+                "loan region)"
+            )
+        return checked.give_up(n_chunks, top=top)
 
     def _grow(self, target_cells: int) -> None:
-        kv, cached = self.kv, self.cached
-        table, arena = cached.table, cached.arena
+        kv = self.kv
         cells = min(target_cells, kv.max_cells)
         before = kv.mapped_cells
         n_new = (kv.chunks_for(cells) - kv.mapped_chunks) * kv.n_segments
         from_budget = min(self.free_chunks, n_new)
         plan = self._plan_give_up(n_new - from_budget) if n_new > from_budget else None
-        books = _Books.of(table)
-        moves = plan.moves if plan is not None else np.empty((0, 2), np.int32)
-        victims = self._residents(moves[:, 1])
-        taken: list[_vmm.Chunk] = []
-        copied = False
-        try:
-            if plan is not None:
-                _sync(cached.device)  # no kernel still reads a slot whose chunk leaves
-                if moves.size:
-                    arena.copy_blobs(moves)  # complete before the sources are unmapped
-                    copied = True
-                taken = arena.unmap_chunks(plan.chunks)
-                evicted = apply_give_up(table, plan)
+        with self.executor.change() as change:
+            taken = change.give_up(plan) if plan is not None else []
             use, spare = taken[:n_new], taken[n_new:]
             kv.map_cells(cells, chunks=use)  # new chunks past `use`; zeroes the new cells
-        except BaseException:
-            books.restore(table)
-            if taken:
-                arena.map_chunks(plan.chunks, taken)
-            if copied:
-                slots, experts = victims
-                arena.upload(slots, experts, cached.store)  # the destinations' own blobs
-            cached.sync_mirror()
-            raise
-        fresh = n_new - len(use)
+            fresh = n_new - len(use)
+            change.emit(Grown(cells_before=before, cells_after=kv.mapped_cells,
+                              chunks_from_budget=fresh,
+                              chunks_from_cache=0 if plan is None else int(plan.chunks.size)))
         for chunk in spare:  # a give-up freed more than the step needs: back to free budget
             chunk.release()
         self.free_chunks += len(spare) - fresh
-        cached.sync_mirror()
-        self._grown(before, fresh, plan, evicted if plan is not None else None)
-
-    def _residents(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(slots, experts int [n, 2]) of the residents of `slots`, to re-upload on a rollback."""
-        owner = self.cached.table.owner[np.asarray(slots, dtype=np.int64)]
-        held = owner >= 0
-        n_experts = self.cached.table.n_experts
-        flat = owner[held].astype(np.int64)
-        return np.asarray(slots)[held], np.stack([flat // n_experts, flat % n_experts], axis=1)
-
-    def _grown(self, before: int, fresh: int, plan: GiveUpPlan | None, evicted) -> None:
         stats = self.stats
         stats.grows += 1
         stats.fresh_chunks += fresh
-        stats.cells_mapped = self.kv.mapped_cells
-        from_cache = 0 if plan is None else int(plan.chunks.size)
+        stats.cells_mapped = kv.mapped_cells
         if plan is not None:
             stats.slots_given_up += int(plan.slots.size)
             stats.relocated += int(plan.moves.shape[0])
-        events = self.cached.events
-        if events is None:
-            return
-        if plan is not None:
-            if plan.moves.size:
-                emit(events, Relocated(moves=tuple((int(s), int(d)) for s, d in plan.moves)))
-            emit(events, GaveUp(slots=tuple(int(s) for s in plan.slots), chunks=from_cache,
-                                evicted=tuple((int(a), int(b)) for a, b in evicted)))
-        emit(events, Grown(cells_before=before, cells_after=self.kv.mapped_cells,
-                           chunks_from_budget=fresh, chunks_from_cache=from_cache))
 
     # --- trimming ---
     def _trim(self, target_cells: int) -> int:
-        kv, cached = self.kv, self.cached
-        table, arena = cached.table, cached.arena
+        kv, table = self.kv, self.table
         before = kv.mapped_cells
         cells = min(target_cells, kv.max_cells)
         n_back = (kv.mapped_chunks - kv.chunks_for(cells)) * kv.n_segments
         holes = np.flatnonzero(~table.chunk_mapped)[:n_back].astype(np.int32)  # lowest first
-        books = _Books.of(table)
-        # The decision first, on the books as they will be: nothing has moved yet.
-        try:
-            if holes.size:
-                table.mark_chunks(holes, True)
-            free = cached.checked.view.empty_slots(0, table.top)  # never a lent slot
-            placements = cached.checked.refill(free) if free.size else np.empty((0, 3), np.int64)
-        except BaseException:
-            books.restore(table)
-            raise
-        _sync(cached.device)  # no kernel still reads the cells that leave
-        back: list[_vmm.Chunk] = []
-        try:
-            back = kv.unmap_cells(cells)
-            arena.map_chunks(holes, back[: holes.size])
-        except BaseException:
-            if back:
-                kv.remap_cells(before, back)
-            books.restore(table)
-            raise
-        # Past the last fallible memory step: the blobs overwrite what the K/V left there.
-        if placements.size:
-            arena.upload(placements[:, 0], placements[:, 1:], cached.store)
-            apply_refill(table, placements)
+        with self.executor.change() as change:
+            # The decision first, on the books as they will be: nothing has moved yet.
+            change.mark_mapped(holes)
+            free = self.cache.checked.view.empty_slots(0, table.top)  # never a lent slot
+            placements = self.cache.checked.refill(free) if free.size \
+                else np.empty((0, 3), np.int64)
+            back = self._hand_back(change, before, cells, holes)
+            change.emit(Trimmed(cells_before=before, cells_after=kv.mapped_cells,
+                                chunks_returned=len(back)))
+            # Past the memory steps: the blobs overwrite what the K/V left in those chunks.
+            change.refill(placements)
         spare = back[holes.size :]
         for chunk in spare:
             chunk.release()
         self.free_chunks += len(spare)
-        cached.sync_mirror()
-        self._trimmed(before, len(back), len(spare), placements)
-        return len(back)
-
-    def _trimmed(self, before: int, n_back: int, n_spare: int, placements: np.ndarray) -> None:
         stats = self.stats
         stats.trims += 1
-        stats.returned_chunks += n_back - n_spare
-        stats.freed_chunks += n_spare
+        stats.returned_chunks += len(back) - len(spare)
+        stats.freed_chunks += len(spare)
         stats.refilled += int(placements.shape[0])
-        stats.cells_mapped = self.kv.mapped_cells
-        events = self.cached.events
-        if events is None:
-            return
-        emit(events, Trimmed(cells_before=before, cells_after=self.kv.mapped_cells,
-                             chunks_returned=n_back))
-        if placements.size:
-            emit(events, Refilled(placements=tuple(
-                (int(s), int(layer), int(e)) for s, layer, e in placements)))
+        stats.cells_mapped = kv.mapped_cells
+        return len(back)
+
+    def _hand_back(self, change: CacheChange, before: int, cells: int,
+                   holes: npt.NDArray[np.int32]) -> list[_vmm.Chunk]:
+        """The K/V's chunks above `cells`, the first into the arena's `holes`; undone (the
+        K/V maps them back) if the change fails after."""
+        sync_device(self.cache.device)  # no kernel still reads the cells that leave
+        back = self.kv.unmap_cells(cells)
+        change.on_undo(lambda: self.kv.remap_cells(before, back))
+        change.map_chunks(holes, back[: holes.size])
+        return back

@@ -31,21 +31,21 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from strata import _vmm
 from strata.books.validate import check_kv_params
 from strata.engine.cache.budget import CacheBudget, size_text
+from strata.engine.cache.build import CacheConfig, plan_cache
+from strata.engine.cache.cached_experts import CachedExperts
+from strata.engine.cache.loan import DEFAULT_MAX_FRACTION, _keep_slots_from_env, loan_slots
 from strata.engine.kv.elastic import ElasticKV
 from strata.engine.kv.kv_cache import KVCache
+from strata.engine.memory import device_backend
 from strata.engine.model.config import ModelConfig
 from strata.policies import KvContext, KvParams, Policy, PolicyError
-from strata.policies.builtin.coldest_in_loan import ColdestInLoan
-
-if TYPE_CHECKING:
-    from strata.engine.cache.build import CacheConfig
 
 __all__ = [
     "ENV_KV_GROW",
@@ -144,7 +144,7 @@ def plan_kv_grow(
     loan of a cache of `n_slots` lends (0 without the loan). Raises ValueError for a bad
     `STRATA_KV_GROW_*` value or a budget too small, PolicyError for a wrong `kv_params`.
     """
-    policy = policy or ColdestInLoan()
+    policy = policy or Policy()  # the default decisions (coldest-in-loan's)
     per_chunk = cells_per_chunk(config, dtype, chunk_bytes)
     ignored = None
     if not profile:
@@ -252,16 +252,12 @@ def plan_elastic_cache(
     backend: _vmm.Backend | None = None,
     environ: Mapping[str, str] | None = None,
     **options: Any,
-) -> tuple[CacheConfig, list[str]]:
-    """`strata.engine.cache.build.plan_cache` for `--kv-grow`: the CacheConfig (with `kv_grow`
-    set, or None when the flag is ignored or the window is mapped up front) and the notes to
-    print. `profile` says whether the fill comes from a profile (`--expert-profile`); `options`
-    are CacheConfig's other fields. Raises as `plan_kv_grow`; a backend made here is closed
-    again then."""
-    from strata.engine.cache.build import CacheConfig, plan_cache
-    from strata.engine.cache.loan import DEFAULT_MAX_FRACTION, _keep_slots_from_env, loan_slots
-    from strata.engine.memory import device_backend
-
+) -> tuple[CacheConfig, KvGrowConfig | None, list[str]]:
+    """`strata.engine.cache.build.plan_cache` for `--kv-grow`: the CacheConfig, the elastic
+    K/V to start beside it (None when the flag is ignored or the window is mapped up front)
+    and the notes to print. `profile` says whether the fill comes from a profile
+    (`--expert-profile`); `options` are CacheConfig's other fields. Raises as `plan_kv_grow`;
+    a backend made here is closed again then."""
     own = backend is None
     backend = backend or device_backend(device)
     try:
@@ -284,16 +280,16 @@ def plan_elastic_cache(
                             max_context=max_context, chunk_bytes=backend.chunk_bytes,
                             make_budget=make_budget, loan_region=loan_region, profile=profile,
                             environ=environ)
-        cache = CacheConfig(budget=plan.budget, backend=backend, kv_grow=plan.kv_grow, **options)
+        cache = CacheConfig(budget=plan.budget, backend=backend, **options)
     except BaseException:
         if own:
             backend.close()
         raise
-    return cache, plan.notes
+    return cache, plan.kv_grow, plan.notes
 
 
 def start_elastic(
-    cached: Any,
+    cached: CachedExperts,
     config: KvGrowConfig,
     *,
     free_chunks: int | None = None,

@@ -18,7 +18,7 @@ from strata.engine.cache.build import CacheConfig, build_cached_experts
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.experts import ExpertStore
 from strata.engine.kv.elastic import ElasticKV
-from strata.engine.kv.plan import start_elastic
+from strata.engine.kv.plan import KvGrowConfig, start_elastic
 from strata.engine.model import MoEModel, load_model
 
 __all__ = ["Loaded", "load"]
@@ -56,10 +56,14 @@ def load(
     dtype: torch.dtype | None = None,
     progress: bool = False,
     cache: CacheConfig | None = None,
+    kv_grow: KvGrowConfig | None = None,
 ) -> Loaded:
     """Load the checkpoint at `path` (see `load_model`); with `cache`, its experts run through
-    the expert cache it configures, and with `cache.kv_grow` the elastic K/V is started beside
-    it. Raises as `load_model`; anything made before a failure is released again."""
+    the expert cache it configures, and with `kv_grow` (`plan_elastic_cache`'s) the elastic
+    K/V is started beside it. Raises as `load_model`; anything made before a failure is
+    released again."""
+    if kv_grow is not None and cache is None:
+        raise ValueError("the elastic K/V grows into the expert cache: give `cache` too")
     if cache is None:
         return Loaded(load_model(path, device=device, dtype=dtype, progress=progress))
     made: list[CachedExperts] = []
@@ -72,7 +76,7 @@ def load(
         model = load_model(path, device=device, dtype=dtype, progress=progress,
                            make_experts=make_experts)
         cached = made[0]
-        kv = start_elastic(cached, cache.kv_grow) if cache.kv_grow is not None else None
+        kv = start_elastic(cached, kv_grow) if kv_grow is not None else None
     except BaseException:
         for cached in made:
             cached.close()
