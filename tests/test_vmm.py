@@ -6,6 +6,7 @@ silently.
 """
 
 import gc
+import mmap
 
 import numpy as np
 import pytest
@@ -243,7 +244,7 @@ def test_bad_map_and_unmap_arguments_leave_the_range_unchanged(backend):
     other.close()
 
 
-def test_bad_fault_requests_and_env_values_are_named():
+def test_bad_fault_requests_and_chunk_sizes_are_named():
     b = _vmm.HostBackend(chunk_bytes=HOST_CHUNK)
     with pytest.raises(ValueError, match="unknown op 'mmap'"):
         b.inject_fault("mmap")
@@ -255,18 +256,14 @@ def test_bad_fault_requests_and_env_values_are_named():
         _vmm.open_backend("gpu")
 
 
-@pytest.mark.parametrize("raw", ["0", "-4096", "1000", "lots", "65536.0"])
-def test_chunk_size_env_must_be_a_page_multiple(monkeypatch, raw):
-    monkeypatch.setenv("STRATA_VMM_CHUNK_BYTES", raw)
-    with pytest.raises(ValueError, match="STRATA_VMM_CHUNK_BYTES"):
-        _vmm.HostBackend()
-
-
-def test_chunk_size_env_sets_the_host_chunk(monkeypatch):
-    monkeypatch.setenv("STRATA_VMM_CHUNK_BYTES", "65536")
-    assert _vmm.open_backend("host").chunk_bytes == 65536
-    monkeypatch.delenv("STRATA_VMM_CHUNK_BYTES")
-    assert _vmm.open_backend("host").chunk_bytes == 2 << 20
+def test_the_memory_layer_does_not_read_the_environment(monkeypatch):
+    # strata.settings reads STRATA_VMM_CHUNK_BYTES and the engine passes it on
+    # (tests/test_settings.py); a backend built without a size takes the default.
+    monkeypatch.setenv("STRATA_VMM_CHUNK_BYTES", "lots")
+    assert _vmm.HostBackend().chunk_bytes == _vmm.DEFAULT_CHUNK_BYTES == 2 << 20
+    assert _vmm.open_backend("host", chunk_bytes=None).chunk_bytes == 2 << 20
+    with pytest.raises(ValueError, match="must divide"):
+        _vmm.HostBackend(chunk_bytes=3 * mmap.PAGESIZE)
 
 
 # --- fault injection -----------------------------------------------------------------------------

@@ -59,7 +59,11 @@ class HostBackend(Backend):
     """memfd-backed chunks mapped with mmap(MAP_FIXED | MAP_SHARED) into PROT_NONE reservations."""
 
     def __init__(self, chunk_bytes: int | None = None) -> None:
-        """`chunk_bytes`: a page multiple; default STRATA_VMM_CHUNK_BYTES, else 2 MiB."""
+        """`chunk_bytes`: a page multiple that divides 8 GiB; None: 2 MiB (`DEFAULT_CHUNK_BYTES`).
+
+        The environment is not read here: `strata.engine.memory.device_backend` passes the
+        `STRATA_VMM_CHUNK_BYTES` setting (`strata.settings`).
+        """
 
 class CudaBackend(Backend):
     """The driver's virtual memory API on one device, in its primary context."""

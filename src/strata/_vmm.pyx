@@ -71,23 +71,6 @@ def alive_chunks():
     return _alive_chunks_total
 
 
-def _env_chunk_bytes():
-    raw = os.environ.get("STRATA_VMM_CHUNK_BYTES")
-    if raw is None or raw == "":
-        return DEFAULT_CHUNK_BYTES
-    page = _pymmap.PAGESIZE
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value <= 0 or value % page:
-        raise ValueError(
-            f"STRATA_VMM_CHUNK_BYTES={raw!r}: expected a positive multiple of the page size "
-            f"({page} bytes), e.g. 65536"
-        )
-    return value
-
-
 def _check_index_range(lo, hi, n, what):
     try:
         lo, hi = operator.index(lo), operator.index(hi)
@@ -285,9 +268,13 @@ cdef class HostBackend(Backend):
     cdef off_t _next_offset  # first never-used offset in the last file
 
     def __init__(self, chunk_bytes=None):
-        """`chunk_bytes`: a multiple of the page size; default STRATA_VMM_CHUNK_BYTES, else 2 MiB."""
+        """`chunk_bytes`: a multiple of the page size that divides HOST_FILE_BYTES; None: 2 MiB.
+
+        The environment is not read here: `strata.engine.memory.device_backend` passes the
+        `STRATA_VMM_CHUNK_BYTES` setting (`strata.settings`).
+        """
         if chunk_bytes is None:
-            chunk_bytes = _env_chunk_bytes()
+            chunk_bytes = DEFAULT_CHUNK_BYTES
         page = _pymmap.PAGESIZE
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % page:
             raise ValueError(

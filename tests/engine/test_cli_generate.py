@@ -14,7 +14,7 @@ import torch
 
 from strata.cli.generate import _terminal_safe
 from strata.cli.main import main
-from strata.engine.model.init_model import BUILTIN_NAME
+from strata.engine.model.builtin import BUILTIN_NAME
 from support.checkpoints import (
     edit_config,
     make_checkpoint,
@@ -221,3 +221,13 @@ def test_the_readme_run_line_works_on_a_fresh_cache(tmp_path):
 
 def test_control_characters_are_masked_for_a_terminal_only():
     assert _terminal_safe("a\x1b[2Jb\n\tc\x07") == "a\ufffd[2Jb\n\tc\ufffd"
+
+
+
+
+def test_a_bad_setting_is_one_line(cache, capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "lots")
+    status, out, err = _run(capsys, "x", *FAST)
+    assert status == 2 and out == ""
+    assert err == ("strata generate: STRATA_LOAN_KEEP_SLOTS='lots': want an integer >= 0 "
+                   "(slots a loan leaves)\n")

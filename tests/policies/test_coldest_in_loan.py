@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from strata.books import CheckedPolicy, apply_give_up, apply_refill
-from strata.policies import load_registry
+from strata.policies import DEFAULT_POLICY, Policy, load_registry
 from support.policy_tables import heat_up, make_table
 
 
@@ -112,3 +112,12 @@ def test_admits_nothing(registry, table):
     table.evict(3)
     for name in ("coldest-in-loan", "static"):
         assert checked(registry, name, table).admit(1, [2, 3]).shape == (0, 3)
+
+
+def test_the_default_is_the_base_class_by_name(registry):
+    # `coldest-in-loan` answers every decision by `Policy`'s defaults: a plain `Policy()` decides
+    # the same, only its name differs.
+    entry = registry.get(DEFAULT_POLICY)
+    assert entry.cls.overrides() == ()
+    assert entry.cls.replay_kernel is None
+    assert (entry.cls.Options, entry.name) == (Policy.Options, "coldest-in-loan")

@@ -56,6 +56,61 @@ class LruSubclass(Lru):
     name = "lru-subclass"
 
 
+class LruSubclassDeclared(Lru):
+    """Declares the kernel again: its rule is still lru's."""
+
+    name = "lru-subclass-declared"
+    replay_kernel = "lru"
+
+
+class OutsideLru(Policy):
+    """An outside plugin with `lru`'s rule, declaring the kernel through the public interface
+    only: it is no subclass of the built-in and holds the rule in an instance of its own."""
+
+    name = "outside-lru"
+    replay_kernel = "lru"
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.rule = REGISTRY.create("lru")
+        self.given_back = 0
+
+    def give_up(self, view, n_chunks):
+        return self.rule.give_up(view, n_chunks)
+
+    def relocate(self, view, slots):
+        return self.rule.relocate(view, slots)
+
+    def observe(self, view, layer, expert_ids, hit_mask):
+        self.rule.observe(view, layer, expert_ids, hit_mask)
+
+    def admit(self, view, layer, missed_experts):
+        return self.rule.admit(view, layer, missed_experts)
+
+    def kernel_state(self, n_layers, n_experts):
+        return self.rule.kernel_state(n_layers, n_experts)
+
+    def set_kernel_state(self, state):
+        self.given_back += 1
+        self.rule.set_kernel_state(state)
+
+
+class BadKernelState(OutsideLru):
+    """Hands out its recency as float64: the simulator refuses it."""
+
+    name = "bad-kernel-state"
+    replay_kernel = "lru"
+
+    def kernel_state(self, n_layers, n_experts):
+        state = super().kernel_state(n_layers, n_experts)
+        return dataclasses.replace(state, last_use=state.last_use.astype(np.float64))
+
+
+class UnknownKernel(Policy):
+    name = "unknown-kernel"
+    replay_kernel = "arc"
+
+
 def test_paths_chosen():
     assert choose_path(REGISTRY.create("static")) == "batched"
     assert choose_path(REGISTRY.create("coldest-in-loan")) == "batched"
@@ -64,7 +119,9 @@ def test_paths_chosen():
     assert choose_path(REGISTRY.create("sieve")) == "kernel"
     assert choose_path(RefillColdestFirst()) == "batched"
     assert choose_path(CountingStatic()) == "generic"
-    assert choose_path(LruSubclass()) == "generic"
+    assert choose_path(LruSubclass()) == "generic"  # a subclass may change the rule
+    assert choose_path(LruSubclassDeclared()) == "kernel"
+    assert choose_path(OutsideLru()) == "kernel"
     assert choose_path(REGISTRY.create("lru"), "generic") == "generic"
 
 
@@ -252,3 +309,34 @@ def test_fast_paths_equal_the_generic_path_on_workloads(seed, name, options):
     assert min(events["grows"], events["gave_up_slots"], events["trims"], events["refills"]) > 0
     assert (events["relocations"] > 0) == (name != "static")
     assert (fast.result.admissions > 0) == (name in ("lru", "lfu", "sieve"))
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("make", [OutsideLru, LruSubclassDeclared])
+def test_a_declared_kernel_runs_an_outside_policy_exactly(seed, make):
+    trace, profile, kv = workload(seed)
+    config = ReplayConfig(slots=20, loan_slots=3, kv=kv)
+    env = {"STRATA_KV_GROW_INIT": "4", "STRATA_KV_GROW_STEP": "4", "STRATA_KV_GROW_FLOOR": ""}
+    fast, slow = run_both(trace, make, config, profile, env)
+    assert fast.result.path == "kernel"
+    assert_same(fast, slow)
+    state_a = fast.checked.policy.kernel_state(trace.n_layers, trace.n_experts)
+    state_b = slow.checked.policy.kernel_state(trace.n_layers, trace.n_experts)
+    assert state_a.clock == state_b.clock
+    assert np.array_equal(state_a.last_use, state_b.last_use)
+    if make is OutsideLru:  # the state came back through the interface, once per request
+        assert fast.checked.policy.given_back == trace.n_requests
+
+
+def test_a_bad_kernel_state_is_a_policy_error():
+    trace = decode_trace([0, 1, 2])
+    with pytest.raises(PolicyError, match=r"'bad-kernel-state', kernel_state: last_use must be "
+                                          r"a numpy int64 \[L, E\] = \[1, 4\]"):
+        replay(trace, BadKernelState(), ReplayConfig(slots=2))
+
+
+def test_an_unknown_kernel_is_a_policy_error():
+    with pytest.raises(PolicyError, match=r"'unknown-kernel', replay_kernel: no such kernel; "
+                                          "the simulator has lru, lfu, sieve"):
+        choose_path(UnknownKernel())
+    assert choose_path(UnknownKernel(), "generic") == "generic"

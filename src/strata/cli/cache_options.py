@@ -12,20 +12,19 @@ import argparse
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from strata.cli.errors import UsageError
 from strata.cli.policies import add_policy_arguments, policy_from_args
-from strata.engine.cache.build import (
-    DEFAULT_SHORT_READ,
-    CacheConfig,
-    default_stream_misses,
-    plan_cache,
-)
-from strata.engine.kv.plan import kv_grow_requested, plan_elastic_cache
-from strata.engine.model.config import ModelConfig
-from strata.policies import DEFAULT_POLICY, PluginError, PolicyError, load_registry
+from strata.engine.cache.defaults import DEFAULT_SHORT_READ
+from strata.policies.registry import DEFAULT_POLICY
+
+if TYPE_CHECKING:
+    import torch
+
+    from strata.engine.cache.build import CacheConfig
+    from strata.engine.kv.plan import KvGrowConfig
+    from strata.engine.model.config import ModelConfig
 
 __all__ = ["CachePlan", "add_cache_arguments", "cache_config_from_args"]
 
@@ -39,6 +38,7 @@ CACHE_FLAGS = {
     "cpu_threads": "--cpu-threads",
     "stream_misses": "--stream-misses",
 }
+
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,11 +98,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass
 class CachePlan:
-    """What `cache_config_from_args` decided: the config (None: every expert resident) and the
-    notes to print before loading (the profile warning)."""
+    """What `cache_config_from_args` decided: the config (None: every expert resident), the
+    elastic K/V to start beside it (None: `--kv-grow` off or not applicable) and the notes to
+    print before loading (the profile warning)."""
 
     config: CacheConfig | None
     notes: list[str] = field(default_factory=list)
+    kv_grow: KvGrowConfig | None = None
 
 
 def _expert_cache_mib(text: str | None) -> float | None:
@@ -137,8 +139,13 @@ def cache_config_from_args(
     """The cache the options ask for, sized for `config` in `dtype` on `device`.
 
     Raises UsageError for a bad value, an unreadable profile or one for another model, an
-    unknown policy or option, and a budget too small (saying how much is missing).
+    unknown policy or option, and a budget too small (saying how much is missing); a bad
+    `STRATA_KV_GROW*` or `STRATA_LOAN_KEEP_SLOTS` is a SettingError.
     """
+    from strata.engine.cache.build import default_stream_misses, plan_cache
+    from strata.engine.kv.plan import kv_grow_requested, plan_elastic_cache
+    from strata.policies import PolicyError, load_registry
+
     expert_cache_mib = _expert_cache_mib(args.expert_cache)
     for dest in ("short_read", "cpu_threads"):
         value = getattr(args, dest)
@@ -148,15 +155,9 @@ def cache_config_from_args(
         raise UsageError(f"--stream-misses must be in [0, {config.top_k}] (a decode layer misses "
                          f"at most the model's {config.top_k} experts a token), got "
                          f"{args.stream_misses}")
-    try:
-        kv_grow = kv_grow_requested(args.kv_grow)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+    kv_grow = kv_grow_requested(args.kv_grow)
     profile_rank, notes = _profile_rank(args, config)
-    try:
-        registry = load_registry()
-    except PluginError as err:
-        raise UsageError(str(err)) from None
+    registry = load_registry()
     policy = policy_from_args(args, registry)
     sizing = dict(
         max_context=max_context, prefill_chunk=prefill_chunk,
@@ -170,17 +171,17 @@ def cache_config_from_args(
     )
     try:
         if kv_grow:
-            cache, kv_notes = plan_elastic_cache(
+            cache, kv_grow_config, kv_notes = plan_elastic_cache(
                 config, dtype, device, profile=args.expert_profile is not None, **sizing)
             notes += kv_notes
         else:
-            cache = plan_cache(config, dtype, device, **sizing)
+            cache, kv_grow_config = plan_cache(config, dtype, device, **sizing), None
     except (ValueError, PolicyError) as err:
         raise UsageError(str(err)) from None
     if not _wanted(args, kv_grow) and cache.budget.holds_every_expert:
         cache.backend.close()
         return CachePlan(None)
-    return CachePlan(cache, notes)
+    return CachePlan(cache, notes, kv_grow_config)
 
 
 def _profile_rank(args: argparse.Namespace, config: ModelConfig):

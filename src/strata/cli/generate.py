@@ -11,36 +11,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import unicodedata
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from strata import settings
 from strata.cli.cache_options import (
     add_cache_arguments,
     cache_config_from_args,
     check_trace_path,
 )
+from strata.cli.device import parse_device, torch_dtype
 from strata.cli.errors import UsageError
-from strata.engine.model.checkpoint import CheckpointError
-from strata.engine.model.config import ModelConfig
-from strata.engine.model.init_model import builtin_checkpoint
-from strata.engine.model.tokenizer import Tokenizer, TokenizerError
-from strata.engine.runtime.generate import (
-    GenerateOptions,
-    GenerateResult,
-    check_prompt,
-    generate,
-)
 
-DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# The engine (and torch) are imported in `run`'s helpers, so that building the parser is quick.
+if TYPE_CHECKING:
+    import torch
+
+    from strata.engine.model.tokenizer import Tokenizer
+    from strata.engine.runtime.generate import GenerateOptions, GenerateResult
+
+__all__ = ["register", "run"]
+
 PROGRESS_BAR_BYTES = 1 << 30  # show a loading bar for checkpoints at least this large
-DUMP_ENV = "STRATA_DUMP_FIRST_LOGITS"
+DUMP_ENV = settings.DUMP_FIRST_LOGITS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `strata generate` to `subparsers`."""
     parser = subparsers.add_parser(
         "generate",
         help="generate text from a prompt (no --model: a tiny built-in random model)",
@@ -127,22 +127,9 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return sys.stdin.read()
 
 
-def parse_device(name: str | None) -> torch.device:
-    """--device: cuda or cpu (default: cuda when present); a UsageError names a bad one."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise UsageError(f"unknown --device {name!r}; use cuda or cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
-    return device
-
-
 def _model_dir(args: argparse.Namespace) -> Path:
+    from strata.engine.model.builtin import builtin_checkpoint
+
     if args.model is not None:
         return Path(args.model)
     try:
@@ -203,6 +190,8 @@ def _stats_block(result: GenerateResult) -> str:
 
 def _generate(loaded, tokenizer, prompt_ids, options, stream, trace_path) -> GenerateResult:
     """`generate`, with the routing recorded to `trace_path` (`--trace`) when given."""
+    from strata.engine.runtime.generate import generate
+
     model = loaded.model
     if trace_path is None:
         return generate(model, tokenizer, prompt_ids, options, on_text=stream, kv=loaded.kv)
@@ -219,20 +208,20 @@ def _generate(loaded, tokenizer, prompt_ids, options, stream, trace_path) -> Gen
     return result
 
 
-def run(args: argparse.Namespace) -> int:
-    from strata.engine.model.moe import runtime_dtype  # the heavy imports, after checks
-    from strata.engine.runtime.load import load
+def _dump_path() -> Path | None:
+    """`STRATA_DUMP_FIRST_LOGITS`, checked before the (long) run: its directory must exist."""
+    path = settings.read().dump_first_logits
+    if path is not None and not path.absolute().parent.is_dir():
+        raise UsageError(f"{DUMP_ENV}={path}: its directory does not exist")
+    return path
 
-    if args.dtype not in DTYPES:
-        raise UsageError(f"unknown --dtype {args.dtype!r}; choose one of: {', '.join(DTYPES)}")
-    device = parse_device(args.device)
-    dump_path = os.environ.get(DUMP_ENV)
-    if dump_path and not Path(dump_path).absolute().parent.is_dir():
-        raise UsageError(f"{DUMP_ENV}={dump_path}: its directory does not exist")
-    check_trace_path(args.trace)
-    text = _read_prompt(args)
+
+def _generate_options(args: argparse.Namespace) -> GenerateOptions:
+    """The generation options of the flags; UsageError naming the flag of a bad one."""
+    from strata.engine.runtime.generate import GenerateOptions
+
     try:
-        options = GenerateOptions(
+        return GenerateOptions(
             max_new=args.max_new,
             max_context=args.max_context,
             temperature=args.temperature,
@@ -246,6 +235,24 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         raise UsageError(_as_flags(str(err))) from None
+
+
+def _load(
+    args: argparse.Namespace,
+    text: str,
+    options: GenerateOptions,
+    dtype: torch.dtype | None,
+    device: torch.device,
+) -> tuple[Path, Tokenizer, list[int], Any]:
+    """(model directory, tokenizer, prompt ids, the loaded model and its cache): the prompt is
+    checked against config.json before the (long) load; any bad input is one UsageError."""
+    from strata.engine.model.checkpoint import CheckpointError
+    from strata.engine.model.config import ModelConfig
+    from strata.engine.model.moe import runtime_dtype
+    from strata.engine.model.tokenizer import Tokenizer, TokenizerError
+    from strata.engine.runtime.generate import check_prompt
+    from strata.engine.runtime.load import load
+
     model_dir = _model_dir(args)
     try:
         config = ModelConfig.from_dir(model_dir)  # the directory's first check
@@ -254,10 +261,9 @@ def run(args: argparse.Namespace) -> int:
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
         else:
             prompt_ids = tokenizer.encode(text)
-        # Checked against config.json before the (long) load.
         check_prompt(prompt_ids, options, config.vocab_size)
         cache = cache_config_from_args(
-            args, config, runtime_dtype(config, DTYPES[args.dtype]), device,
+            args, config, runtime_dtype(config, dtype), device,
             max_context=options.max_context, prefill_chunk=options.prefill_chunk,
         )
         for note in cache.notes:
@@ -266,12 +272,59 @@ def run(args: argparse.Namespace) -> int:
         loaded = load(
             model_dir,
             device=device,
-            dtype=DTYPES[args.dtype],
+            dtype=dtype,
             progress=sys.stderr.isatty() and weights_bytes >= PROGRESS_BAR_BYTES,
             cache=cache.config,
+            kv_grow=cache.kv_grow,
         )
     except (CheckpointError, TokenizerError, ValueError) as err:
         raise UsageError(" ".join(str(err).split())) from None
+    return model_dir, tokenizer, prompt_ids, loaded
+
+
+def _stream(args: argparse.Namespace) -> Callable[[str], None] | None:
+    """Where the text goes as it is generated: stdout, masked for a terminal; None for --json."""
+    if args.json:
+        return None
+    tty = sys.stdout.isatty()
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(_terminal_safe(piece) if tty else piece)
+        sys.stdout.flush()
+
+    return stream
+
+
+def _report(args: argparse.Namespace, result: GenerateResult, loaded: Any, model_dir: Path,
+            device: torch.device) -> None:
+    """The JSON object on stdout (--json), else the stats block on stderr."""
+    if not args.json:
+        if not result.text.endswith("\n"):
+            print()
+        print(_stats_block(result), file=sys.stderr)
+        return
+    document = {
+        "text": result.text,
+        "tokens": result.tokens,
+        **result.stats(),
+        "model": str(model_dir),
+        "device": str(device),
+        "dtype": str(loaded.model.dtype).removeprefix("torch."),
+    }
+    if loaded.cache is not None:
+        document["cache"]["budget"] = loaded.cache.budget.as_dict()
+    print(json.dumps(document, ensure_ascii=False))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`strata generate`: check every option, load the model, stream the text, report."""
+    dtype = torch_dtype(args.dtype)
+    device = parse_device(args.device)
+    dump_path = _dump_path()
+    check_trace_path(args.trace)
+    text = _read_prompt(args)
+    options = _generate_options(args)
+    model_dir, tokenizer, prompt_ids, loaded = _load(args, text, options, dtype, device)
     model, cached = loaded.model, loaded.cache
     if cached is not None:
         print(f"strata: {cached.budget.startup_line()}", file=sys.stderr)
@@ -280,38 +333,14 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
     stop_ids = _stop_ids(model_dir, model.config.eos_token_ids, tokenizer)
     options = dataclasses.replace(options, stop_ids=stop_ids)
-    stream = None
-    if not args.json:
-        tty = sys.stdout.isatty()
-
-        def stream(piece: str) -> None:
-            sys.stdout.write(_terminal_safe(piece) if tty else piece)
-            sys.stdout.flush()
-
     try:
-        result = _generate(loaded, tokenizer, prompt_ids, options, stream, args.trace)
+        result = _generate(loaded, tokenizer, prompt_ids, options, _stream(args), args.trace)
     finally:
         loaded.close()
-
-    if dump_path:
+    if dump_path is not None:
         try:
-            Path(dump_path).write_bytes(result.first_logits.numpy().tobytes())
+            dump_path.write_bytes(result.first_logits.numpy().tobytes())
         except OSError as err:
             raise UsageError(f"{DUMP_ENV}={dump_path}: {err.strerror or err}") from None
-    if args.json:
-        document = {
-            "text": result.text,
-            "tokens": result.tokens,
-            **result.stats(),
-            "model": str(model_dir),
-            "device": str(device),
-            "dtype": str(model.dtype).removeprefix("torch."),
-        }
-        if cached is not None:
-            document["cache"]["budget"] = cached.budget.as_dict()
-        print(json.dumps(document, ensure_ascii=False))
-    else:
-        if not result.text.endswith("\n"):
-            print()
-        print(_stats_block(result), file=sys.stderr)
+    _report(args, result, loaded, model_dir, device)
     return 0

@@ -6,21 +6,16 @@ import argparse
 import math
 import sys
 
-import torch
-
+from strata.cli.device import torch_dtype
 from strata.cli.errors import UsageError
-from strata.engine.model.init_model import (
-    DEFAULT_MAX_SHARD_BYTES,
-    FAMILIES,
-    checkpoint_bytes,
-    write_checkpoint_atomic,
-)
-from strata.engine.model.presets import PRESETS, get_preset
+from strata.engine.model.presets import DEFAULT_MAX_SHARD_BYTES, FAMILIES, PRESETS
 
-DTYPE_CHOICES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+DEFAULT_MAX_SHARD_MIB = DEFAULT_MAX_SHARD_BYTES // 2**20
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `strata init-model` to `subparsers`."""
     parser = subparsers.add_parser(
         "init-model",
         help="write a checkpoint with random weights (for tests, benchmarks, a first run)",
@@ -56,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-shard-mib",
         type=int,
-        default=DEFAULT_MAX_SHARD_BYTES // 2**20,
+        default=DEFAULT_MAX_SHARD_MIB,
         metavar="MIB",
         help="largest safetensors shard (default: %(default)s)",
     )
@@ -64,12 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`strata init-model`: check the arguments, write the checkpoint, say what was written."""
+    from strata.engine.model.init_model import checkpoint_bytes, write_checkpoint_atomic
+    from strata.engine.model.presets import get_preset
+
     try:
         preset = get_preset(args.preset)
-        if args.dtype not in DTYPE_CHOICES:
-            raise ValueError(
-                f"unknown --dtype {args.dtype!r}; choose one of: {', '.join(DTYPE_CHOICES)}"
-            )
+        dtype = torch_dtype(args.dtype, DTYPE_CHOICES)
         if not (math.isfinite(args.router_skew) and args.router_skew >= 0):
             raise ValueError(
                 f"--router-skew must be a finite number >= 0, got {args.router_skew:g}"
@@ -79,7 +75,6 @@ def run(args: argparse.Namespace) -> int:
         if args.layers is not None:
             preset = preset.with_layers(args.layers)
         family = args.family or preset.default_family
-        dtype = DTYPE_CHOICES[args.dtype]
         total_bytes = checkpoint_bytes(family, preset, dtype)  # also checks the family
         out = write_checkpoint_atomic(
             args.dir,

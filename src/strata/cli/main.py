@@ -1,7 +1,11 @@
 """The `strata` command line.
 
 Each subcommand lives with the stage it drives; this module only builds the parser and maps
-user errors to one line on stderr and exit status 2.
+bad input to one line on stderr and exit status 2.
+
+Building the parser imports every command module, so none of them imports torch or the engine
+at module level: `strata --help`, `strata policies` and `strata trace info` start in a fraction
+of a second, and a command imports what it runs inside its `run`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import sys
 
 from strata import __version__
 from strata.cli.errors import UsageError
+from strata.policies.errors import OptionError, PluginError, PolicyError
+from strata.policies.registry import UnknownPolicyError
+from strata.settings import SettingError
 
 # Each module adds its subcommand with `register(subparsers)`, setting `run=` to a function
 # that takes the parsed namespace and returns an exit status. Listed in the order of `--help`.
@@ -24,8 +31,23 @@ COMMAND_MODULES: tuple[str, ...] = (
     "strata.cli.init_model",
 )
 
+# Bad input, wherever it is found: a bad option or file (UsageError), a bad STRATA_* variable,
+# an unknown policy or option, a plugin that cannot load, a policy that answers wrongly. Each
+# names what is wrong, so one line says it all; any other exception is a bug and keeps its
+# traceback.
+BAD_INPUT: tuple[type[Exception], ...] = (
+    UsageError,
+    SettingError,
+    UnknownPolicyError,
+    OptionError,
+    PluginError,
+    PolicyError,
+)
+TRACE_HINT = "STRATA_TRACE_PLUGINS=1 prints every decision"
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `strata` parser, with every command of COMMAND_MODULES."""
     parser = argparse.ArgumentParser(
         prog="strata",
         description=(
@@ -40,7 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(err: Exception) -> str:
+    """The one line that reports bad input: the message with its line breaks folded, and for
+    a policy's wrong answer how to watch its decisions."""
+    text = " ".join(part.strip() for part in str(err).splitlines() if part.strip())
+    if isinstance(err, PolicyError) and TRACE_HINT not in text:
+        text += f" ({TRACE_HINT})"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run `strata` with `argv` (default: sys.argv[1:]); the exit status (argparse's own errors
+    exit through SystemExit, status 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -48,6 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.run(args) or 0)
-    except UsageError as err:
-        print(f"strata {args.command}: {err}", file=sys.stderr)
+    except BAD_INPUT as err:
+        print(f"strata {args.command}: {error_line(err)}", file=sys.stderr)
         return 2

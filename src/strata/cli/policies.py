@@ -109,6 +109,7 @@ def _full_listing(entry: PolicyEntry) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`strata policies [NAME] [--json]`: list the policies, or show one in full."""
     registry = _registry()
     if args.name is not None:
         try:
@@ -128,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `strata policies` to `subparsers`."""
     parser = subparsers.add_parser(
         "policies",
         help="list the cache policies, their sources and options",

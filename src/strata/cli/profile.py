@@ -18,24 +18,25 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from strata.cli.cache_options import (
     add_cache_arguments,
     cache_config_from_args,
     check_trace_path,
 )
+from strata.cli.device import parse_device, torch_dtype
 from strata.cli.errors import UsageError
-from strata.cli.generate import parse_device
 
+# The engine (and torch) are imported inside the functions `run` calls, so that building the
+# parser is quick.
 if TYPE_CHECKING:
-    pass
+    import torch
 
-DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = ("auto", "bf16", "fp32")
 SOURCE = "strata profile"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `strata profile` to `subparsers`."""
     parser = subparsers.add_parser(
         "profile",
         help="count a model's expert routing over some prompts: an expert profile (.npz)",
@@ -141,21 +142,23 @@ def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, list[lis
     try:
         config = ModelConfig.from_dir(model_dir)
         prompts = _encode_prompts(args, Tokenizer.from_dir(model_dir), config.vocab_size)
+        dtype = torch_dtype(args.dtype, DTYPES)
         plan = cache_config_from_args(
-            args, config, runtime_dtype(config, DTYPES[args.dtype]), device,
+            args, config, runtime_dtype(config, dtype), device,
             max_context=max(len(ids) for ids in prompts) + args.decode + 1,
             prefill_chunk=args.prefill_chunk,
         )
         for note in plan.notes:
             print(f"strata: {note}", file=sys.stderr)
-        loaded = load(model_dir, device=device, dtype=DTYPES[args.dtype],
-                           cache=plan.config)
+        loaded = load(model_dir, device=device, dtype=dtype,
+                      cache=plan.config, kv_grow=plan.kv_grow)
     except (CheckpointError, TokenizerError, ValueError) as err:
         raise UsageError(" ".join(str(err).split())) from None
     return loaded, prompts
 
 
 def run(args: argparse.Namespace) -> int:
+    """`strata profile`: run the model over the prompts, write the counts as a profile."""
     from strata.engine.runtime.calibrate import collect_counts
     from strata.engine.runtime.recording import new_trace_writer
     from strata.formats.profile import Profile, save_profile

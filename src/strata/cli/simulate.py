@@ -18,16 +18,14 @@ from strata.formats.trace import FORMAT, Trace, TraceError, load_trace
 from strata.policies import PolicyError
 from strata.policies.kv_params import DEFAULT_FLOOR_SLOTS
 from strata.policies.registry import DEFAULT_POLICY, PolicyRegistry, load_registry
-from strata.sim.belady import access_sequence, belady, oracle_static
 from strata.sim.cost import Bandwidths, CostModel
 from strata.sim.kv_sim import DEFAULT_CHUNK_BYTES, KvConfig
-from strata.sim.replay import PATH_CHOICES, ReplayConfig, policy_label, replay
+from strata.sim.replay import PATH_CHOICES, policy_label
 from strata.sim.result import ReplayResult
+from strata.sim.sweep import BOUNDS, DEFAULT_BOUNDS, sweep, sweep_steps
 
 OUTPUT_FORMAT = "strata-simulate"
 OUTPUT_VERSION = 1
-BOUNDS = ("belady", "belady-per-layer", "oracle-static")
-DEFAULT_BOUNDS = "belady,oracle-static"
 MiB = 1 << 20
 
 
@@ -198,6 +196,8 @@ def _progress(args: argparse.Namespace, total: int):
 
 
 def simulate(args: argparse.Namespace, trace: Trace) -> tuple[list[ReplayResult], dict]:
+    """The options' sweep (`strata.sim.sweep`) and the settings it ran with, for the output;
+    UsageError for a bad option, naming the flag."""
     registry = load_registry()
     specs = _policies(args, registry)
     kv = _kv_config(args, trace)
@@ -207,27 +207,17 @@ def simulate(args: argparse.Namespace, trace: Trace) -> tuple[list[ReplayResult]
     for slots in args.slots:
         if args.loan_slots > slots:
             raise UsageError(f"--loan-slots {args.loan_slots} exceeds --slots {slots}")
-    results: list[ReplayResult] = []
-    seq = access_sequence(trace) if args.bounds else None
-    with _progress(args, trace.n_steps * len(specs) * len(args.slots)) as bar:
-        for slots in args.slots:
-            config = ReplayConfig(slots=slots, loan_slots=args.loan_slots, kv=kv, path=args.path)
-            for name, options in specs:
-                policy = registry.create(name, options)
-                bar.set_postfix_str(f"{policy_label(policy)[0]} @ {slots}")
-                try:
-                    results.append(replay(trace, policy, config, profile, bar.update))
-                except PolicyError as exc:
-                    raise UsageError(f"{exc} (STRATA_TRACE_PLUGINS=1 prints every decision)") \
-                        from None
-                except ValueError as exc:
-                    raise UsageError(str(exc)) from None
-            for bound in args.bounds:
-                if bound == "oracle-static":
-                    results.append(oracle_static(trace, slots, seq=seq))
-                else:
-                    scope = "global" if bound == "belady" else "per-layer"
-                    results.append(belady(trace, slots, scope=scope, seq=seq))
+    with _progress(args, sweep_steps(trace, len(specs), len(args.slots))) as bar:
+        try:
+            results = sweep(
+                trace, specs, args.slots, registry=registry, loan_slots=args.loan_slots, kv=kv,
+                profile=profile, path=args.path, bounds=args.bounds, on_step=bar.update,
+                on_replay=lambda label, slots: bar.set_postfix_str(f"{label} @ {slots}"),
+            )
+        except PolicyError as exc:
+            raise UsageError(f"{exc} (STRATA_TRACE_PLUGINS=1 prints every decision)") from None
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     settings = {
         "profile": profile_text,
         "loan_slots": args.loan_slots,
@@ -264,6 +254,7 @@ def _table(rows: Sequence[dict[str, Any]], with_cost: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`strata simulate`: the sweep the options ask for, as a table or one JSON object."""
     trace = read_trace(args.trace)
     cost = _cost_model(args, trace)
     results, settings = simulate(args, trace)
@@ -305,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `strata simulate` to `subparsers`."""
     parser = subparsers.add_parser(
         "simulate",
         help="replay a routing trace through cache policies, beside Belady's bound",
@@ -331,9 +323,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="fills the cache at start, hottest first: 'self' (the trace's own "
                             "counts, the default), 'none' (empty), a calibration trace, or an "
                             ".npz with 'counts' [L, E]")
-    group.add_argument("--bounds", type=_bound_list, default=_bound_list(DEFAULT_BOUNDS),
+    group.add_argument("--bounds", type=_bound_list, default=list(DEFAULT_BOUNDS),
                        metavar="LIST", help=f"bounds shown beside: a comma list of "
-                                            f"{', '.join(BOUNDS)}, or none ({DEFAULT_BOUNDS})")
+                                            f"{', '.join(BOUNDS)}, or none "
+                                            f"({','.join(DEFAULT_BOUNDS)})")
     group.add_argument("--path", choices=PATH_CHOICES, default="auto",
                        help="auto: the fastest exact path per policy; generic: step every "
                             "policy through the engine's sequence")

@@ -32,6 +32,7 @@ def read_trace(path: str):
 
 
 def run_synth(args: argparse.Namespace) -> int:
+    """`strata trace synth`: write a seeded synthetic trace."""
     try:
         spec = SynthSpec(
             kind=args.kind, n_layers=args.layers, n_experts=args.experts, top_k=args.top_k,
@@ -54,6 +55,7 @@ def run_synth(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
+    """`strata trace info`: check a trace and print its figures."""
     summary = read_trace(args.trace).summary()
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
@@ -68,6 +70,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `strata trace synth` and `strata trace info` to `subparsers`."""
     parser = subparsers.add_parser(
         "trace",
         help="make synthetic routing traces, and inspect traces",

@@ -24,14 +24,11 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from strata.formats.npz import npz_scalar, read_npz, write_npz
-
-if TYPE_CHECKING:
-    from strata.engine.model.config import ModelConfig
 
 __all__ = [
     "FORMAT",
@@ -56,6 +53,17 @@ NO_PROFILE_WARNING = (
 _FIELDS = ("format", "version", "n_layers", "n_experts", "counts", "rank", "config_hash",
            "config", "meta")
 _HASH = re.compile(r"[0-9a-f]{64}")
+
+
+class ModelIdentity(Protocol):
+    """What a profile records of the model it was made for (`strata.engine.model.config.
+    ModelConfig` is one; formats sit below the engine and do not import it)."""
+
+    n_layers: int
+    n_experts: int
+
+    def config_hash(self) -> str: ...
+    def to_json_dict(self) -> dict[str, Any]: ...
 
 
 class ProfileError(ValueError):
@@ -145,7 +153,7 @@ class Profile:
 
     @classmethod
     def for_model(
-        cls, counts: np.ndarray, config: ModelConfig, meta: Mapping[str, Any] | None = None
+        cls, counts: np.ndarray, config: ModelIdentity, meta: Mapping[str, Any] | None = None
     ) -> Profile:
         """A profile of `counts` [L, E] for the model `config` describes (shapes checked)."""
         profile = cls(counts, config.config_hash(), config.to_json_dict(), meta or {})
@@ -183,7 +191,7 @@ class Profile:
         order = np.argsort(self.rank.reshape(-1), kind="stable").astype(np.int32)
         return _frozen(order)
 
-    def check(self, config: ModelConfig) -> None:
+    def check(self, config: ModelIdentity) -> None:
         """ProfileError unless this profile was made for the model `config` describes; the
         message says what differs (layers and experts first, then each config field)."""
         want = (config.n_layers, config.n_experts)

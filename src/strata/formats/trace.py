@@ -11,8 +11,11 @@ Legend of dimension letters:
 A trace is steps of tokens: step s covers tokens [step_offsets[s], step_offsets[s+1]) and has a
 phase (prompt or decode); request r covers steps [request_offsets[r], request_offsets[r+1]),
 its prompt steps first. Stored as an `.npz` of format `strata-routing-trace`, version 1
-(docs/sim/trace-format.md); `load_trace` checks every shape and range and names what is wrong.
+(docs/sim/reference.md); `load_trace` checks every shape and range and names what is wrong.
 `TraceWriter` builds one step by step, as the engine will while it runs.
+
+Every public name is importable from here; the checks of a valid trace live in
+`strata.formats.trace_check` and the `Trace` class in `strata.formats.trace_data`.
 """
 
 from __future__ import annotations
@@ -20,242 +23,34 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from strata.formats.npz import npz_scalar, read_npz, write_npz
+from strata.formats.trace_check import DECODE, PROMPT, TraceError, check_stored_dtypes
+from strata.formats.trace_data import FORMAT, PHASES, VERSION, Trace
 
-FORMAT = "strata-routing-trace"
-VERSION = 1
-PROMPT, DECODE = 0, 1
-PHASES = {"prompt": PROMPT, "decode": DECODE}
+__all__ = [
+    "DECODE",
+    "FORMAT",
+    "PHASES",
+    "PROMPT",
+    "VERSION",
+    "Trace",
+    "TraceError",
+    "TraceWriter",
+    "concat_steps",
+    "load_trace",
+    "save_trace",
+]
 
 # Stored fields, in file order; router_weights is optional.
 _FIELDS = (
     "format", "version", "n_experts", "expert_ids", "step_offsets", "step_phase",
     "request_offsets", "meta",
 )
-_ID_DTYPES = (np.int16, np.int32)
 _MAX_IDS_DTYPE_INT16 = np.iinfo(np.int16).max
-
-
-class TraceError(ValueError):
-    """A trace that breaks the format: the message names the file (if any) and the problem."""
-
-
-def _frozen(array: np.ndarray) -> np.ndarray:
-    array = np.ascontiguousarray(array)
-    if array.flags.writeable:
-        array = array.view()
-        array.flags.writeable = False
-    return array
-
-
-def _check_offsets(name: str, offsets: np.ndarray, end: int, unit: str) -> None:
-    """offsets int64 [n+1]: 0, strictly increasing, ending at `end`."""
-    if offsets.ndim != 1 or offsets.size < 2:
-        raise TraceError(f"{name} must be int64 [n + 1] with n >= 1, got shape {offsets.shape}")
-    if offsets[0] != 0 or offsets[-1] != end:
-        raise TraceError(
-            f"{name} must start at 0 and end at {end} (the {unit}), got "
-            f"{int(offsets[0])} .. {int(offsets[-1])}"
-        )
-    empty = np.flatnonzero(np.diff(offsets) <= 0)
-    if empty.size:
-        i = int(empty[0])
-        raise TraceError(
-            f"{name} must increase strictly (no empty entry): {name}[{i}] = {int(offsets[i])}, "
-            f"{name}[{i + 1}] = {int(offsets[i + 1])}"
-        )
-
-
-@dataclass(frozen=True, eq=False)
-class Trace:
-    """A checked routing trace; its arrays are read-only.
-
-    Attributes:
-        n_experts: E, routed experts per layer.
-        expert_ids: int32 [N, L, K], the experts each token was routed to at each layer,
-            distinct within a token's K.
-        step_offsets: int64 [S + 1], token ranges of the steps.
-        step_phase: uint8 [S], PROMPT (0) or DECODE (1).
-        request_offsets: int64 [R + 1], step ranges of the requests; in each request the
-            prompt steps come before the decode steps.
-        router_weights: float32 [N, L, K] (finite, >= 0) or None.
-        meta: JSON-ready dict: where the trace came from (a synthetic spec, a model), and the
-            model's geometry if known (`slot_bytes`, `kv_segment_cell_bytes`, `kv_segments`).
-
-    Raises:
-        TraceError: any array of the wrong dtype, shape or range, with what is wrong.
-    """
-
-    n_experts: int
-    expert_ids: np.ndarray
-    step_offsets: np.ndarray
-    step_phase: np.ndarray
-    request_offsets: np.ndarray
-    router_weights: np.ndarray | None = None
-    meta: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int | np.integer):
-            raise TraceError(f"n_experts must be an int, got {self.n_experts!r}")
-        n_experts = int(self.n_experts)
-        if not 1 <= n_experts <= np.iinfo(np.int32).max:
-            raise TraceError(f"n_experts must be >= 1, got {n_experts}")
-        object.__setattr__(self, "n_experts", n_experts)
-        ids = np.asarray(self.expert_ids)
-        if ids.dtype.kind not in "iu":
-            raise TraceError(f"expert_ids must be integers, got dtype {ids.dtype}")
-        if ids.ndim != 3 or 0 in ids.shape:
-            raise TraceError(f"expert_ids must be [N, L, K] with N, L, K >= 1, got {ids.shape}")
-        n_tokens, _, top_k = ids.shape
-        if top_k > n_experts:
-            raise TraceError(f"top_k {top_k} (expert_ids.shape[2]) exceeds n_experts {n_experts}")
-        bad = (ids < 0) | (ids >= n_experts)
-        if bad.any():
-            t, layer, k = (int(v) for v in np.argwhere(bad)[0])
-            raise TraceError(
-                f"expert_ids[{t}, {layer}, {k}] = {int(ids[t, layer, k])} is outside "
-                f"[0, {n_experts}) (n_experts)"
-            )
-        ids = ids.astype(np.int32, copy=False)
-        if top_k > 1:
-            ordered = np.sort(ids, axis=2)
-            twice = np.argwhere(ordered[:, :, 1:] == ordered[:, :, :-1])
-            if twice.size:
-                t, layer, _ = (int(v) for v in twice[0])
-                raise TraceError(
-                    f"token {t} is routed to one expert twice at layer {layer}: "
-                    f"{ids[t, layer].tolist()} (top-k ids are distinct)"
-                )
-        object.__setattr__(self, "expert_ids", _frozen(ids))
-
-        for name in ("step_offsets", "request_offsets"):
-            offsets = np.asarray(getattr(self, name))
-            if offsets.dtype.kind not in "iu":
-                raise TraceError(f"{name} must be integers, got dtype {offsets.dtype}")
-            object.__setattr__(self, name, _frozen(offsets.astype(np.int64, copy=False)))
-        _check_offsets("step_offsets", self.step_offsets, n_tokens, "tokens")
-        n_steps = self.step_offsets.size - 1
-        _check_offsets("request_offsets", self.request_offsets, n_steps, "steps")
-
-        phase = np.asarray(self.step_phase)
-        if phase.dtype.kind not in "iu" or phase.shape != (n_steps,):
-            raise TraceError(
-                f"step_phase must be integers [S] = [{n_steps}], got {phase.dtype} {phase.shape}"
-            )
-        bad = np.flatnonzero((phase != PROMPT) & (phase != DECODE))
-        if bad.size:
-            raise TraceError(
-                f"step_phase[{int(bad[0])}] = {int(phase[bad[0]])}; want 0 (prompt) or 1 (decode)"
-            )
-        phase = phase.astype(np.uint8)
-        # A prompt step right after a decode step must begin a new request.
-        back = np.flatnonzero((phase[1:] == PROMPT) & (phase[:-1] == DECODE)) + 1
-        starts = np.zeros(n_steps, bool)
-        starts[self.request_offsets[:-1]] = True
-        back = back[~starts[back]]
-        if back.size:
-            s = int(back[0])
-            r = int(np.searchsorted(self.request_offsets, s, side="right") - 1)
-            raise TraceError(
-                f"step {s} is a prompt step after a decode step of the same request {r}; "
-                "a request's prompt steps come first"
-            )
-        object.__setattr__(self, "step_phase", _frozen(phase))
-
-        if self.router_weights is not None:
-            weights = np.asarray(self.router_weights)
-            if weights.dtype.kind != "f" or weights.shape != ids.shape:
-                raise TraceError(
-                    f"router_weights must be floats of expert_ids' shape {ids.shape}, got "
-                    f"{weights.dtype} {weights.shape}"
-                )
-            weights = weights.astype(np.float32, copy=False)
-            bad = ~np.isfinite(weights) | (weights < 0)
-            if bad.any():
-                t, layer, k = (int(v) for v in np.argwhere(bad)[0])
-                raise TraceError(
-                    f"router_weights[{t}, {layer}, {k}] = {float(weights[t, layer, k])}; "
-                    "want a finite weight >= 0"
-                )
-            object.__setattr__(self, "router_weights", _frozen(weights))
-
-        if not isinstance(self.meta, Mapping):
-            raise TraceError(f"meta must be a mapping, got {type(self.meta).__name__}")
-        try:
-            text = json.dumps(dict(self.meta), sort_keys=True)
-        except (TypeError, ValueError) as exc:
-            raise TraceError(f"meta must be JSON-ready: {exc}") from None
-        object.__setattr__(self, "meta", json.loads(text))
-
-    # --- shape ---
-    @property
-    def n_layers(self) -> int:
-        return int(self.expert_ids.shape[1])
-
-    @property
-    def top_k(self) -> int:
-        return int(self.expert_ids.shape[2])
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.expert_ids.shape[0])
-
-    @property
-    def n_steps(self) -> int:
-        return int(self.step_offsets.size - 1)
-
-    @property
-    def n_requests(self) -> int:
-        return int(self.request_offsets.size - 1)
-
-    @property
-    def n_accesses(self) -> int:
-        """Routed (token, layer, expert) lookups: N * L * K."""
-        return int(self.expert_ids.size)
-
-    @property
-    def step_tokens(self) -> np.ndarray:
-        """int64 [S]: tokens per step."""
-        return np.diff(self.step_offsets)
-
-    @property
-    def request_tokens(self) -> np.ndarray:
-        """int64 [R]: tokens per request (prompt + decoded): the K/V cells it reaches."""
-        return self.step_offsets[self.request_offsets[1:]] - self.step_offsets[
-            self.request_offsets[:-1]
-        ]
-
-    def routing_counts(self) -> np.ndarray:
-        """int64 [L, E]: how often each expert was routed to, over the whole trace."""
-        flat = self.expert_ids + (np.arange(self.n_layers, dtype=np.int32) * self.n_experts)[
-            None, :, None
-        ]
-        counts = np.bincount(flat.reshape(-1), minlength=self.n_layers * self.n_experts)
-        return counts.reshape(self.n_layers, self.n_experts)
-
-    def summary(self) -> dict[str, Any]:
-        """The trace's figures, JSON-ready."""
-        phase = self.step_phase
-        tokens = self.step_tokens
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "n_layers": self.n_layers,
-            "n_experts": self.n_experts,
-            "top_k": self.top_k,
-            "requests": self.n_requests,
-            "steps": self.n_steps,
-            "prompt_tokens": int(tokens[phase == PROMPT].sum()),
-            "decode_tokens": int(tokens[phase == DECODE].sum()),
-            "accesses": self.n_accesses,
-            "router_weights": self.router_weights is not None,
-            "meta": dict(self.meta),
-        }
 
 
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
@@ -302,32 +97,21 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
     if version != VERSION:
         raise TraceError(f"{path} has trace format version {version}; this strata reads "
                          f"version {VERSION}")
-    ids = data["expert_ids"]
-    if ids.dtype not in _ID_DTYPES:
-        raise TraceError(f"{path}: expert_ids must be int16 or int32, got {ids.dtype}")
-    for name in ("step_offsets", "request_offsets"):
-        if data[name].dtype != np.int64:
-            raise TraceError(f"{path}: {name} must be int64, got {data[name].dtype}")
-    if data["step_phase"].dtype != np.uint8:
-        raise TraceError(f"{path}: step_phase must be uint8, got {data['step_phase'].dtype}")
+    check_stored_dtypes(path, data)
     try:
         meta = json.loads(_scalar(path, data, "meta", "U"))
     except json.JSONDecodeError as exc:
         raise TraceError(f"{path}: meta is not JSON: {exc}") from None
     if not isinstance(meta, dict):
         raise TraceError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
-    weights = data.get("router_weights")
-    if weights is not None and weights.dtype not in (np.float16, np.float32):
-        raise TraceError(f"{path}: router_weights must be float16 or float32, got "
-                         f"{weights.dtype}")
     try:
         return Trace(
             n_experts=_scalar(path, data, "n_experts", "iu"),
-            expert_ids=ids,
+            expert_ids=data["expert_ids"],
             step_offsets=data["step_offsets"],
             step_phase=data["step_phase"],
             request_offsets=data["request_offsets"],
-            router_weights=weights,
+            router_weights=data.get("router_weights"),
             meta=meta,
         )
     except TraceError as exc:

@@ -6,7 +6,15 @@ and the simulator ask through `strata.books.CheckedPolicy`, which checks every a
 observe events through pluggy hooks (`strata.policies.hookspecs`), marked with `hookimpl`.
 """
 
-from strata.policies.base import DECISIONS, NoOptions, Policy
+from strata.policies.base import (
+    DECISIONS,
+    REPLAY_KERNELS,
+    LfuState,
+    LruState,
+    NoOptions,
+    Policy,
+    SieveState,
+)
 from strata.policies.errors import OptionError, PluginError, PolicyError
 from strata.policies.events import EngineInfo, Event, announce_start, emit
 from strata.policies.hookspecs import hookimpl
@@ -24,10 +32,13 @@ from strata.policies.view import ResidencyView
 __all__ = [
     "DECISIONS",
     "DEFAULT_POLICY",
+    "REPLAY_KERNELS",
     "EngineInfo",
     "Event",
     "KvContext",
     "KvParams",
+    "LfuState",
+    "LruState",
     "NoOptions",
     "OptionError",
     "PluginError",
@@ -36,6 +47,7 @@ __all__ = [
     "PolicyError",
     "PolicyRegistry",
     "ResidencyView",
+    "SieveState",
     "UnknownPolicyError",
     "announce_start",
     "emit",

@@ -36,16 +36,99 @@ class NoOptions:
     """The options of a policy that takes none."""
 
 
+@dataclasses.dataclass(frozen=True)
+class LruState:
+    """The `lru` kernel's state: recency by `observe` calls. The rule is the built-in `lru`'s.
+
+    `observe` stamps the experts routed at its layer with `clock`, then advances it by one.
+    `admit` takes up to `max_admits` of the missed experts, latest stamp first (then the books'
+    heat order), into the backed slots below `top`: empty ones first, then those of the
+    residents stamped longest ago (then the coldest by heat, then by profile rank).
+
+    Attributes:
+        last_use: int64 [L, E], the clock at each expert's last routing, -1 never.
+        clock: the `observe` calls so far.
+        max_admits: the most misses admitted per layer per step.
+    """
+
+    last_use: np.ndarray
+    clock: int
+    max_admits: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LfuState:
+    """The `lfu` kernel's state: decayed routing counts. The rule is the built-in `lfu`'s.
+
+    `observe` multiplies its layer's counts by `decay`, then adds one per routed token. `admit`
+    pairs the missed experts, highest count first, with the victims `lru` would take ranked
+    by count, and admits each pair while the miss's count is above its victim's (an empty
+    slot's is -inf), up to `max_admits`.
+
+    Attributes:
+        counts: float64 [L, E], the decayed routing counts.
+        decay: in (0, 1], each layer's counts are multiplied by it at its step.
+        max_admits: the most misses admitted per layer per step.
+    """
+
+    counts: np.ndarray
+    decay: float
+    max_admits: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SieveState:
+    """The `sieve` kernel's state: SIEVE's queue, visited marks and hand. The rule is the
+    built-in `sieve`'s.
+
+    `observe` marks the hit experts visited. `admit` takes up to `max_admits` missed experts
+    (hottest by the books' heat first) into the empty slots below `top`, then into the slots
+    of the residents the hand evicts. The queue is the residents below `top` ordered by key
+    `(inserted + 1) * L*E + (L*E - 1 - rank)`, oldest first; the hand walks it from the first
+    key >= `hand` (-1: the oldest), clearing the visited marks it passes, and evicts the first
+    unvisited. Each admitted expert gets the number `next_insert`, which advances, unvisited.
+
+    Attributes:
+        visited: bool [L, E], hit since the hand last passed.
+        inserted: int64 [L, E], each expert's admission number, -1 never admitted.
+        next_insert: the number the next admitted expert gets.
+        hand: the queue key the hand resumes at, -1 the oldest.
+        max_admits: the most misses admitted per layer per step.
+    """
+
+    visited: np.ndarray
+    inserted: np.ndarray
+    next_insert: int
+    hand: int
+    max_admits: int
+
+
+KernelState = LruState | LfuState | SieveState
+
+# The simulator's kernels a policy may declare as its `replay_kernel`, with their states.
+REPLAY_KERNELS: dict[str, type] = {"lru": LruState, "lfu": LfuState, "sieve": SieveState}
+
+
 class Policy:
     """The decisions a policy answers; every one defaults to the `coldest-in-loan` behaviour.
 
     Subclasses set `name` (how `--policy` picks it) and, if they take options, `Options`: a
     frozen dataclass whose fields all have defaults (int, float, bool or str). The docstring's
     first line is the summary `strata policies` prints.
+
+    A class whose `observe` and `admit` follow exactly the rule of one of the simulator's
+    kernels (`REPLAY_KERNELS`: `lru`, `lfu`, `sieve`, the rules of the built-ins of those
+    names) may declare it: `replay_kernel` names the kernel, `kernel_state` hands the rule's
+    state out and `set_kernel_state` takes it back. The simulator then replays spans of steps
+    in that kernel (its `kernel` path) and still asks the policy object for every other
+    decision, between spans. The declaration holds for the class whose body makes it, not for
+    its subclasses, which may change the rule: a subclass declares it again to keep it.
     """
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
+    # The simulator kernel that runs this class's `observe` and `admit` exactly; None: none.
+    replay_kernel: ClassVar[str | None] = None
 
     def __init__(self, options: Any = None) -> None:
         """`options`: an `Options` instance, or a dict / `key=value` strings to parse into one
@@ -122,6 +205,23 @@ class Policy:
         below `top`; its resident, if any, is evicted. Default: nothing (a fixed cache).
         """
         return []
+
+    def kernel_state(self, n_layers: int, n_experts: int) -> KernelState:
+        """The state of this policy's `replay_kernel` rule for books of [L, E] experts, as
+        that kernel's state class (`REPLAY_KERNELS[replay_kernel]`); made fresh, as `observe`
+        would make it, if the policy has none of that shape yet.
+
+        The simulator asks before each span of steps it replays in the kernel and does not
+        write into what it is given: it replays on copies and hands the state back with
+        `set_kernel_state`. Only a class that declares `replay_kernel` implements it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} declares no replay_kernel")
+
+    def set_kernel_state(self, state: KernelState) -> None:
+        """Take back the state a kernel advanced over a span of steps, as `observe` and
+        `admit` would have left it: the policy keeps it (its arrays are the policy's now) and
+        answers its next decisions from it."""
+        raise NotImplementedError(f"{type(self).__name__} declares no replay_kernel")
 
     @classmethod
     def overrides(cls) -> tuple[str, ...]:

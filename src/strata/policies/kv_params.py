@@ -6,17 +6,18 @@ chunks of every layer's K and V segment, so cell counts it maps are multiples of
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from strata import settings
 
 DEFAULT_INIT_CELLS = 16384
 DEFAULT_STEP_CELLS = 8192
 DEFAULT_FLOOR_SLOTS = 128
 
-ENV_INIT = "STRATA_KV_GROW_INIT"
-ENV_STEP = "STRATA_KV_GROW_STEP"
-ENV_FLOOR = "STRATA_KV_GROW_FLOOR"
+ENV_INIT = settings.KV_GROW_INIT
+ENV_STEP = settings.KV_GROW_STEP
+ENV_FLOOR = settings.KV_GROW_FLOOR
 
 
 def _require_int(name: str, value: object, lowest: int) -> None:
@@ -93,32 +94,19 @@ class KvContext:
         floor_slots: int = DEFAULT_FLOOR_SLOTS,
         environ: Mapping[str, str] | None = None,
     ) -> KvContext:
-        """A context with the `STRATA_KV_GROW_*` overrides read from `environ` (os.environ)."""
-        env = os.environ if environ is None else environ
+        """A context with the `STRATA_KV_GROW_*` overrides read from `environ` (os.environ)
+        through `strata.settings`; SettingError (a ValueError) names a bad variable."""
+        read = settings.read(environ)
         return cls(
             max_cells=max_cells,
             cells_per_chunk=cells_per_chunk,
             n_slots=n_slots,
             top=top,
             floor_slots=floor_slots,
-            env_init_cells=env_positive_int(env, ENV_INIT),
-            env_step_cells=env_positive_int(env, ENV_STEP),
-            env_floor_slots=env_positive_int(env, ENV_FLOOR),
+            env_init_cells=read.kv_grow_init,
+            env_step_cells=read.kv_grow_step,
+            env_floor_slots=read.kv_grow_floor,
         )
-
-
-def env_positive_int(environ: Mapping[str, str], name: str) -> int | None:
-    """The positive integer in `environ[name]`, or None when it is unset or empty."""
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{name}={raw!r}: want a positive integer (for example {name}=8192)")
-    return value
 
 
 def default_kv_params(ctx: KvContext) -> KvParams:

@@ -9,7 +9,6 @@ plugins load; the package's own always do, since the default policy lives there.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,7 @@ from typing import Any
 
 import pluggy
 
+from strata import settings
 from strata.policies import hookspecs
 from strata.policies.base import Policy
 from strata.policies.errors import PluginError
@@ -26,7 +26,7 @@ from strata.policies.tracing import PREFIX as TRACE_PREFIX
 from strata.policies.tracing import TracedPolicy, trace_hook_calls, tracing_enabled
 
 ENTRY_POINT_GROUP = "strata"
-ENV_LOAD = "STRATA_LOAD_PLUGINS"
+ENV_LOAD = settings.LOAD_PLUGINS
 DEFAULT_POLICY = "coldest-in-loan"
 HOME_DISTRIBUTION = "strata"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -49,16 +49,10 @@ class StrataPluginManager(pluggy.PluginManager):
         return self.sources.get(plugin_name, f"plugin {plugin_name}")
 
 
-def _wanted(environ: Mapping[str, str]) -> set[str] | None:
-    raw = environ.get(ENV_LOAD)
-    if raw is None:
-        return None
-    return {name.strip() for name in raw.split(",") if name.strip()}
-
-
 def load_entry_points(pm: StrataPluginManager, environ: Mapping[str, str] | None = None) -> None:
-    """Register every plugin of entry point group `strata` on sys.path that is let load."""
-    wanted = _wanted(os.environ if environ is None else environ)
+    """Register every plugin of entry point group `strata` on sys.path that is let load
+    (`STRATA_LOAD_PLUGINS` in `environ`, default os.environ)."""
+    wanted = settings.read(environ).load_plugins
     seen_dists: set[str] = set()
     outside: set[str] = set()
     matched: set[str] = set()

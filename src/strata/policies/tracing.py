@@ -8,7 +8,6 @@ hook call (registration, observers).
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 from collections.abc import Mapping
 from typing import Any, TextIO
@@ -16,16 +15,18 @@ from typing import Any, TextIO
 import numpy as np
 import pluggy
 
+from strata import settings
 from strata.policies.base import DECISIONS, Policy
 from strata.policies.view import ResidencyView
 
-ENV_TRACE = "STRATA_TRACE_PLUGINS"
+ENV_TRACE = settings.TRACE_PLUGINS
 PREFIX = "strata trace:"
 
 
 def tracing_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if environ is None else environ
-    return env.get(ENV_TRACE, "").strip() not in ("", "0")
+    """Whether `STRATA_TRACE_PLUGINS` in `environ` (os.environ) asks for tracing (any value but
+    empty or 0); SettingError for a bad value of any `STRATA_*` variable."""
+    return settings.read(environ).trace_plugins
 
 
 def describe(value: Any) -> str:

@@ -13,6 +13,7 @@ from strata.sim.cost import Bandwidths, CostModel
 from strata.sim.kv_sim import KvConfig
 from strata.sim.replay import Replay, ReplayConfig, choose_path, replay
 from strata.sim.result import ReplayResult
+from strata.sim.sweep import sweep
 from strata.sim.synth import SynthSpec, synth_trace
 
 __all__ = [
@@ -32,5 +33,6 @@ __all__ = [
     "oracle_static",
     "replay",
     "save_trace",
+    "sweep",
     "synth_trace",
 ]

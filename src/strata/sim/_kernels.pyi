@@ -88,8 +88,9 @@ def replay_scored(
     layer_admits: np.ndarray,
     layer_evictions: np.ndarray,
 ) -> int:
-    """Steps [step_lo, step_hi) of the `lru` (MODE_LRU) or `lfu` (MODE_LFU) rule, exactly as
-    `strata.policies.builtin.lru.Lru` / `lfu.Lfu` stepped through the engine's sequence
+    """Steps [step_lo, step_hi) of the `lru` (MODE_LRU) or `lfu` (MODE_LFU) rule
+    (`strata.policies.base.LruState`, `LfuState`), exactly as a policy declaring that
+    `replay_kernel` (the built-ins `lru`, `lfu`) stepped through the engine's sequence
     (lookup, record heat, observe, admit the distinct misses, apply) would run them.
 
     Works on copies of the books: `res` int32 [L, E], `owner` int32 [n_slots], `heat` float64
@@ -128,8 +129,9 @@ def replay_sieve(
     layer_admits: np.ndarray,
     layer_evictions: np.ndarray,
 ) -> tuple[int, int]:
-    """Steps [step_lo, step_hi) of the `sieve` rule, exactly as
-    `strata.policies.builtin.sieve.Sieve` stepped through the engine's sequence would run them.
+    """Steps [step_lo, step_hi) of the `sieve` rule (`strata.policies.base.SieveState`),
+    exactly as a policy declaring that `replay_kernel` (the built-in `sieve`) stepped through
+    the engine's sequence would run them.
 
     The books' copies and the outputs are as for `replay_scored`. The policy's state is updated
     in place: `visited` (its bool [L, E] viewed as uint8) and `inserted` int64 [L, E]; its

@@ -1,5 +1,5 @@
 # The simulator's hot loops: the access sequence, Belady's MIN with bypass, per-block counts, and
-# the replay of the adaptive built-ins `lru` and `lfu`. Each is a nogil loop over typed
+# the replays of the `lru`, `lfu` and `sieve` rules. Each is a nogil loop over typed
 # memoryviews behind a thin `def` wrapper that checks shapes; `_kernels.pyi` documents them.
 # Directives (bounds and wraparound checks off) are set once in setup.py.
 #

@@ -2,8 +2,9 @@
 
 # The adaptive built-ins, `lru` and `lfu`, step by step
 #
-# Their rule (strata.policies.builtin._adaptive.ScoredCache): each expert has a score (lru:
-# the observe call it was last routed in; lfu: decayed routing counts); per layer step the
+# Their rule (strata.policies.base.LruState and LfuState; the built-ins' ScoredCache in
+# strata.policies.builtin._adaptive): each expert has a score (lru: the observe call it was
+# last routed in; lfu: decayed routing counts); per layer step the
 # misses, best score first (then hotter in the books' heat order), are paired with the backed
 # slots below `top`, empty ones first (ascending), then residents of the lowest score (then
 # colder in heat order); lfu admits a pair only while the miss scores above the victim.
@@ -228,7 +229,8 @@ def replay_scored(
     _need(bool(((owner_a < L * E) & (owner_a >= -1)).all()), "owner holds an id out of range")
     _need(bool((res_a[owner_a[held]] == held).all()) and
           int((res_a >= 0).sum()) == held.size, "res and owner are not inverse")
-    # Only the built-ins' own state: the kernel trusts ids to be in [0, E) (Trace checks).
+    # The policy's state is only compared, never an index, so any values are safe; the
+    # kernel trusts ids to be in [0, E) (Trace checks).
     empties = np.flatnonzero((owner_a[:top] < 0) & (np.asarray(backed)[:top] != 0)).astype(
         np.int32)
     missed = np.empty(E, np.int32)

@@ -1,15 +1,14 @@
 # Included by _kernels.pyx: the replay of `sieve`.
 #
-# The rule (strata.policies.builtin.sieve.Sieve): the residents below `top` form a queue
-# ordered by key = (admission number + 1) * L*E + (L*E - 1 - rank), oldest (smallest) first;
-# a hit marks an expert visited. An admit call takes the empty slots first, then victims: the
-# hand's order is fixed for the call (from the first key >= the hand, round the queue); each
-# victim is the next expert in that order neither visited nor taken, the marks passed are
-# cleared; at the end of the order the rest are cleared and the walk starts over, taking the
-# first not yet taken. The hand then stands on the one after the last victim (-1 past the end
-# of the order). The queue is a doubly linked list of slots behind a sentinel; victims leave it
-# and the admitted join at the new end after the call, as the policy sees them once the books
-# have them.
+# The rule (strata.policies.base.SieveState, the built-in `sieve`): the residents below `top` form
+# a queue ordered by key = (admission number + 1) * L*E + (L*E - 1 - rank), oldest (smallest)
+# first; a hit marks an expert visited. An admit call takes the empty slots first, then victims:
+# the hand's order is fixed for the call (from the first key >= the hand, round the queue); each
+# victim is the next expert in that order neither visited nor taken, the marks passed are cleared;
+# at the end of the order the rest are cleared and the walk starts over, taking the first not yet
+# taken. The hand then stands on the one after the last victim (-1 past the end of the order). The
+# queue is a doubly linked list of slots behind a sentinel; victims leave it and the admitted join
+# at the new end after the call, as the policy sees them once the books have them.
 
 cdef struct Queue:
     int32_t *prev      # [n_slots + 1]; index n_slots is the sentinel

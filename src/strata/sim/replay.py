@@ -14,12 +14,13 @@ runs it, through the same `CheckedPolicy` and apply functions:
     apply_admit(table, placements)
 
 That is the `generic` path, for any policy. Two faster paths give the same counts:
+- `kernel`, for a policy whose class declares a simulator kernel (`Policy.replay_kernel`: the
+  built-ins `lru`, `lfu` and `sieve` do, and an outside plugin may): its rule in a Cython loop
+  (`strata.sim.kernel_path`) on the state the policy hands out and takes back, so that the K/V
+  events between spans still ask the policy object itself;
 - `batched`, for a policy that overrides neither `observe` nor `admit` (`static`,
   `coldest-in-loan`): nothing it decides changes residency between two K/V events, so a span of
-  steps is one `lookup`, one `record` and one `observe` per layer;
-- `kernel`, for the built-ins `lru`, `lfu` and `sieve` exactly (not subclasses): their rule in
-  a Cython loop (`strata.sim._kernels.replay_scored`, `replay_sieve`) that updates the
-  policy's own state, so that the K/V events between spans still ask the policy object itself.
+  steps is one `lookup`, one `record` and one `observe` per layer.
 tests/sim prove both fast paths equal to the generic path, step for step.
 """
 
@@ -37,16 +38,12 @@ from strata._residency import ResidencyTable
 from strata.books import CheckedPolicy, apply_admit
 from strata.formats.trace import Trace
 from strata.policies import Policy
-from strata.policies.builtin.lfu import Lfu
-from strata.policies.builtin.lru import Lru
-from strata.policies.builtin.sieve import Sieve
 from strata.sim import _kernels
+from strata.sim.kernel_path import declared_kernel, kernel_span
 from strata.sim.kv_sim import KvConfig, KvSim
 from strata.sim.result import ReplayResult
 
 PATH_CHOICES = ("auto", "generic")
-KERNEL_MODES: dict[type, int] = {Lru: _kernels.MODE_LRU, Lfu: _kernels.MODE_LFU}
-KERNEL_POLICIES = (Lru, Lfu, Sieve)
 # Steps per kernel or batched span when no K/V event splits the trace: bounds the progress
 # bar's jumps, not the result.
 SPAN_STEPS = 4096
@@ -98,12 +95,17 @@ def start_books(trace: Trace, config: ReplayConfig, profile: np.ndarray | None) 
 
 
 def choose_path(policy: Policy, requested: str = "auto") -> str:
-    """`kernel`, `batched` or `generic`: the fastest path that runs `policy` exactly."""
+    """`kernel`, `batched` or `generic`: the fastest path that runs `policy` exactly.
+
+    `kernel` for a policy whose own class declares `replay_kernel`; PolicyError for a kernel
+    the simulator does not have.
+    """
     if requested == "generic":
         return "generic"
-    cls = type(policy)
-    if cls in KERNEL_POLICIES:
+    name = policy.name or type(policy).__name__
+    if declared_kernel(policy, name) is not None:
         return "kernel"
+    cls = type(policy)
     if cls.observe is Policy.observe and cls.admit is Policy.admit:
         return "batched"
     return "generic"
@@ -138,6 +140,7 @@ class Replay:
                                          options=options, path=path, slots=config.slots)
         self.ids_by_layer = np.ascontiguousarray(trace.expert_ids.transpose(1, 0, 2))  # [L,N,K]
         self.path = path
+        self.kernel = declared_kernel(policy, self.checked.name) if path == "kernel" else None
         self._done = False
 
     def run(self, progress: Callable[[int], None] | None = None) -> ReplayResult:
@@ -210,9 +213,9 @@ class Replay:
                                  steps.distinct_hits[s0:s1, layer],
                                  steps.distinct_misses[s0:s1, layer], scratch)
 
-    # --- kernel: lru, lfu and sieve in Cython, on the policy's own state ---
+    # --- kernel: the policy's declared rule in Cython, on the state it hands out ---
     def _kernel_span(self, s0: int, s1: int) -> None:
-        policy, table, trace = self.checked.policy, self.table, self.trace
+        table, trace = self.table, self.trace
         res, owner, heat = table.res.copy(), table.owner.copy(), table.heat.copy()
         steps = self.result.steps
         admits = np.zeros((s1 - s0, trace.n_layers), np.int32)
@@ -220,13 +223,8 @@ class Replay:
         outs = (steps.hits[s0:s1], steps.distinct_hits[s0:s1], steps.distinct_misses[s0:s1],
                 admits, self.result.layer_admissions, self.result.layer_evictions)
         span = (trace.expert_ids, trace.step_offsets, s0, s1)
-        if isinstance(policy, Sieve):
-            self._sieve_state(policy)
-            policy.next_insert, policy.hand = _kernels.replay_sieve(
-                *span, *books, policy.visited.view(np.uint8), policy.inserted,
-                policy.next_insert, policy.hand, policy.options.max_admits, *outs)
-        else:
-            self._scored_span(policy, span, books, outs)
+        kernel_span(self.checked, self.kernel, span, books, outs,
+                    (trace.n_layers, trace.n_experts))
         steps.uploads[s0:s1] += admits.sum(axis=1, dtype=np.int32)
         # The books catch up: residency by difference, heat by recording the span's routing.
         changed = np.flatnonzero(owner != table.owner).astype(np.int32)
@@ -240,30 +238,6 @@ class Replay:
         t0, t1 = trace.step_offsets[s0], trace.step_offsets[s1]
         for layer in range(trace.n_layers):
             table.record(layer, self.ids_by_layer[layer, t0:t1])
-
-    def _scored_span(self, policy: Policy, span: tuple, books: tuple, outs: tuple) -> None:
-        shape = (self.trace.n_layers, self.trace.n_experts)
-        mode = KERNEL_MODES[type(policy)]
-        if mode == _kernels.MODE_LRU:
-            if policy.last_use is None or policy.last_use.shape != shape:
-                policy.last_use = np.full(shape, -1, np.int64)
-            last_use, score, decay = policy.last_use, policy.last_use.astype(np.float64), 1.0
-        else:
-            if policy.counts is None or policy.counts.shape != shape:
-                policy.counts = np.zeros(shape, np.float64)
-            last_use, score, decay = np.empty((0, 0), np.int64), policy.counts, policy.options.decay
-        clock = _kernels.replay_scored(mode, *span, *books, score, last_use,
-                                       getattr(policy, "clock", 0), decay,
-                                       policy.options.max_admits, *outs)
-        if mode == _kernels.MODE_LRU:
-            policy.clock = clock
-
-    def _sieve_state(self, policy: Sieve) -> None:
-        """The policy's arrays, made as its own `_state` makes them when it has none."""
-        shape = (self.trace.n_layers, self.trace.n_experts)
-        if policy.visited is None or policy.visited.shape != shape:
-            policy.visited = np.zeros(shape, bool)
-            policy.inserted = np.full(shape, -1, np.int64)
 
 
 def replay(

@@ -20,8 +20,10 @@ from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.budget import CacheBudget, plan_budget
 from strata.engine.cache.cached_experts import CachedExperts
+from strata.engine.cache.defaults import DEFAULT_SHORT_READ
 from strata.engine.cache.loan import LoanOptions
 from strata.engine.experts import ExpertStore
+from strata.engine.memory import given_or_own_backend
 from strata.engine.model.config import ModelConfig
 from strata.policies import Policy
 
@@ -33,7 +35,6 @@ __all__ = [
     "plan_cache",
 ]
 
-DEFAULT_SHORT_READ = 64  # prompt parts longer than this many tokens take the loan
 
 
 @dataclass(frozen=True)
@@ -107,14 +108,10 @@ def plan_cache(
 ) -> CacheConfig:
     """The CacheConfig for a model of `config` computing in `dtype` on `device`, sized from the
     flags' values (see `plan_budget`); `options` are CacheConfig's other fields. `backend`
-    defaults to the K/V's kind on `device` (`strata.engine.kv.kv_cache.device_backend`). Raises
+    defaults to a new one for `device` (`strata.engine.memory.device_backend`). Raises
     ValueError for a bad value or a budget too small; the backend made here is closed again then."""
-    from strata.engine.memory import device_backend
-
-    own = backend is None
-    backend = backend or device_backend(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    try:
+    with given_or_own_backend(backend, device) as backend:
         budget = plan_budget(
             config, dtype, device,
             slot_bytes=slot_bytes_for(3 * config.expert_width * config.hidden_size * itemsize),
@@ -124,10 +121,6 @@ def plan_cache(
             stream_blobs=options.get("stream_misses", 0),
         )
         return CacheConfig(budget=budget, backend=backend, **options)
-    except BaseException:
-        if own:
-            backend.close()
-        raise
 
 
 def build_cached_experts(

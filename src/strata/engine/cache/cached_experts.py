@@ -44,7 +44,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import pluggy
@@ -62,9 +61,9 @@ from strata.engine.cache.stats import PHASES, CacheStats, PhaseStats
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.grouped import expert_rows
-from strata.engine.experts.routed import Routed
+from strata.engine.experts.routed import Routed, rows_to_device
 from strata.engine.experts.streamed import StreamedMisses
-from strata.policies import Policy
+from strata.policies import DEFAULT_POLICY, load_registry
 
 __all__ = ["CachedExperts"]
 
@@ -72,7 +71,7 @@ __all__ = ["CachedExperts"]
 class CachedExperts:
     """Experts through a cache of `arena.n_slots` slots whose books are `table`.
 
-    `policy` decides admissions (None: the default decisions, `coldest-in-loan`'s, which admit
+    `policy` decides admissions (None: the registry's default, `coldest-in-loan`, which admits
     nothing); `events` is the plugin manager whose observers are told each change. `loan`
     lends the top slots to long prompt passes (None: no loan). Requests: `begin_request`,
     `set_phase`, `end_request` (which returns the request's stats). Slots start empty:
@@ -96,14 +95,13 @@ class CachedExperts:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        _check_parts(store, arena, table, self.device)
         if policy is not None and policy.table is not table:
             raise ValueError("the policy is bound to other books than `table`")
         if isinstance(stream_misses, bool) or not isinstance(stream_misses, int) \
                 or stream_misses < 0:
             raise ValueError(f"stream_misses must be an int >= 0, got {stream_misses!r}")
         self.store, self.arena, self.table = store, arena, table
-        self.checked = policy or CheckedPolicy(Policy(), table, name="coldest-in-loan")
+        self.checked = policy or CheckedPolicy(load_registry().create(DEFAULT_POLICY), table)
         self.events = events
         self.budget = budget
         self.n_layers, self.n_experts = store.n_layers, store.n_experts
@@ -148,11 +146,6 @@ class CachedExperts:
         policy without an `observe` of its own."""
         return (not self._observes and not self._loaned
                 and self.table.n_resident == self.n_layers * self.n_experts)
-
-    def upload(self, slots: np.ndarray, experts: np.ndarray) -> int:
-        """Copy (layer, expert) blobs int [n, 2] from the store into `slots`, complete when it
-        returns; counted in the open request's stats. Bytes only: the books are the caller's."""
-        return self.executor.upload(slots, experts)
 
     def fill_hottest(self) -> int:
         """Fill slots [0, n) with the n = min(S, L*E) hottest experts by the books' rank, as
@@ -307,7 +300,7 @@ class CachedExperts:
         hit_slots = slots.reshape(-1)[hit_rows] if hit_rows is not None and hits is None \
             else None
         # [R] each: the slots, and the rows each share's outputs land in; one upload.
-        slot_index, hit_index, streamed_index, miss_index = self._rows_to_device(
+        slot_index, hit_index, streamed_index, miss_index = rows_to_device(self.device,
             hit_slots, hit_rows,
             streamed.rows if streamed is not None else None,
             misses.rows if misses is not None else None)
@@ -331,22 +324,6 @@ class CachedExperts:
             stats.loan_experts += misses.n_experts
             return None
         return miss_index
-
-    def _rows_to_device(self, *groups: np.ndarray | None) -> list[torch.Tensor | None]:
-        """Each int [R_i] array (rows, slots) as an int64 tensor on the device (None stays
-        None), in one host-to-device copy: on CUDA each copy from pageable memory waits for
-        the stream."""
-        present = [g for g in groups if g is not None]
-        if not present:
-            return [None] * len(groups)
-        flat = torch.from_numpy(np.concatenate(present).astype(np.int64, copy=False)).to(
-            self.device)  # [sum R_i]
-        views: list[torch.Tensor | None] = []
-        at = 0
-        for group in groups:
-            views.append(None if group is None else flat[at : at + group.size])
-            at += 0 if group is None else group.size
-        return views
 
     def _device_only_forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -397,11 +374,6 @@ class CachedExperts:
         stats.hits += self.n_layers * self._captured_top_k
         self.heat.mark_pending()
 
-    def compute_from_slots(self, x: torch.Tensor, routed: Routed, slots: np.ndarray
-                           ) -> torch.Tensor:
-        """`strata.engine.cache.from_slots.compute_from_slots` over this cache's arena."""
-        return compute_from_slots(self.arena, x, routed, slots)
-
     def _admit(self, layer: int, missed: np.ndarray) -> None:
         """Ask the policy which misses enter; carried out all or nothing."""
         placements = self.checked.admit(layer, missed)  # int64 [n, 3] (slot, layer, expert)
@@ -417,31 +389,4 @@ class CachedExperts:
         """Release the arena. Idempotent."""
         self.arena.close()
 
-    def describe(self) -> dict[str, Any]:
-        """The cache's shape, for `--json`."""
-        return {
-            "slots": self.arena.n_slots,
-            "slot_bytes": self.arena.slot_bytes,
-            "resident": self.table.n_resident,
-            "policy": self.checked.name,
-            **({"budget": self.budget.as_dict()} if self.budget is not None else {}),
-        }
 
-
-def _check_parts(store: ExpertStore, arena: Arena, table: ResidencyTable,
-                 device: torch.device) -> None:
-    """ValueError unless the store, the arena and the books describe one cache on `device`."""
-    if arena.device != device:
-        raise ValueError(f"the arena is on {arena.device}, the experts run on {device}")
-    geometry = (table.n_layers, table.n_experts, table.n_slots, table.slot_bytes,
-                table.chunk_bytes)
-    expected = (store.n_layers, store.n_experts, arena.n_slots, arena.slot_bytes,
-                arena.chunk_bytes)
-    if geometry != expected:
-        raise ValueError(
-            f"the books' (layers, experts, slots, slot_bytes, chunk_bytes) {geometry} do "
-            f"not match the store's and the arena's {expected}"
-        )
-    if arena.blob_bytes != store.blob_bytes:
-        raise ValueError(f"the arena holds blobs of {arena.blob_bytes} bytes, the store "
-                         f"{store.blob_bytes}")

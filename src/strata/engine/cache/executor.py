@@ -91,7 +91,8 @@ class _Books:
 
 
 class CacheExecutor:
-    """Carries out decisions on the cache of `arena` (the bytes) whose books are `table`.
+    """Carries out decisions on the cache of `arena` (the bytes) whose books are `table`
+    (ValueError unless the three describe one cache on `device`).
 
     `store` holds every expert's blob (the source of uploads and of rollbacks); `events` is the
     plugin manager told each completed change's events (None: nobody); `on_upload(n_bytes)` is
@@ -108,6 +109,7 @@ class CacheExecutor:
         events: pluggy.PluginManager | None = None,
         on_upload: Callable[[int], None] | None = None,
     ) -> None:
+        _check_parts(store, arena, table, device)
         self.store, self.arena, self.table = store, arena, table
         self.device = device
         self.events = events
@@ -266,3 +268,22 @@ class CacheChange:
         except BaseException:
             self.table.evict_many(written)  # their bytes are unknown: leave them empty
             raise
+
+
+def _check_parts(store: ExpertStore, arena: Arena, table: ResidencyTable,
+                 device: torch.device) -> None:
+    """ValueError unless the store, the arena and the books describe one cache on `device`."""
+    if arena.device != device:
+        raise ValueError(f"the arena is on {arena.device}, the experts run on {device}")
+    geometry = (table.n_layers, table.n_experts, table.n_slots, table.slot_bytes,
+                table.chunk_bytes)
+    expected = (store.n_layers, store.n_experts, arena.n_slots, arena.slot_bytes,
+                arena.chunk_bytes)
+    if geometry != expected:
+        raise ValueError(
+            f"the books' (layers, experts, slots, slot_bytes, chunk_bytes) {geometry} do "
+            f"not match the store's and the arena's {expected}"
+        )
+    if arena.blob_bytes != store.blob_bytes:
+        raise ValueError(f"the arena holds blobs of {arena.blob_bytes} bytes, the store "
+                         f"{store.blob_bytes}")

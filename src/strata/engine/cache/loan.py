@@ -31,13 +31,17 @@ may fill one, e.g. the elastic K/V must not grow mid-prompt), and the loan compu
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from strata.books import CheckedPolicy
+from strata.engine.cache.defaults import (
+    DEFAULT_KEEP_SLOTS,
+    DEFAULT_MAX_FRACTION,
+    DEFAULT_SHORT_READ,
+)
 from strata.engine.cache.executor import CacheExecutor
 from strata.engine.cache.from_slots import compute_from_slots
 from strata.engine.experts.routed import Routed
@@ -51,22 +55,16 @@ __all__ = [
     "loan_slots",
 ]
 
-DEFAULT_KEEP_SLOTS = 128  # slots a loan never takes: the hottest experts stay for the prompt
-DEFAULT_MAX_FRACTION = 0.85  # the most of the arena a loan takes
 KEEP_SLOTS_ENV = "STRATA_LOAN_KEEP_SLOTS"  # overrides DEFAULT_KEEP_SLOTS (tiny test caches: 0)
 
 
 def _keep_slots_from_env() -> int:
-    text = os.environ.get(KEEP_SLOTS_ENV)
-    if text is None or text == "":
-        return DEFAULT_KEEP_SLOTS
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{KEEP_SLOTS_ENV}={text!r}: want an integer >= 0 (slots a loan leaves)")
-    return value
+    """`STRATA_LOAN_KEEP_SLOTS`, read and checked by `strata.settings` (SettingError, a
+    ValueError, for a bad value), else DEFAULT_KEEP_SLOTS."""
+    from strata import settings
+
+    keep = settings.read().loan_keep_slots
+    return DEFAULT_KEEP_SLOTS if keep is None else keep
 
 
 def loan_slots(
@@ -85,7 +83,7 @@ class LoanOptions:
     `STRATA_LOAN_KEEP_SLOTS`, else 128); `max_fraction` the most of the arena lent (0.85).
     ValueError for a bad option."""
 
-    short_read: int = 64
+    short_read: int = DEFAULT_SHORT_READ
     keep_slots: int | None = None
     max_fraction: float = DEFAULT_MAX_FRACTION
 

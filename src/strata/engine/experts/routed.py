@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,19 @@ class Routed:
     def expert_rows(self, i: int) -> np.ndarray:
         """int64 [n]: the rows of the i-th expert (`experts[i]`)."""
         return self.rows[self.starts[i] : self.starts[i + 1]]
+
+
+def rows_to_device(device: torch.device, *groups: np.ndarray | None) -> list[torch.Tensor | None]:
+    """Each int [R_i] array (rows, slots) as an int64 tensor on `device` (None stays None), in
+    one host-to-device copy: on CUDA each copy from pageable memory waits for the stream."""
+    present = [g for g in groups if g is not None]
+    if not present:
+        return [None] * len(groups)
+    flat = torch.from_numpy(np.concatenate(present).astype(np.int64, copy=False)).to(
+        device)  # [sum R_i]
+    views: list[torch.Tensor | None] = []
+    at = 0
+    for group in groups:
+        views.append(None if group is None else flat[at : at + group.size])
+        at += 0 if group is None else group.size
+    return views

@@ -5,3 +5,7 @@
 - `plan`: whether `--kv-grow` applies and its figures, sized beside the cache;
 - `stats`: `KvStats`, the elastic K/V's figures.
 """
+
+from strata.engine.kv.kv_cache import KVCache, new_kv
+
+__all__ = ["KVCache", "new_kv"]

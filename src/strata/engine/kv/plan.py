@@ -27,7 +27,6 @@ free budget left is counted in chunks.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,9 +42,16 @@ from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.cache.loan import DEFAULT_MAX_FRACTION, _keep_slots_from_env, loan_slots
 from strata.engine.kv.elastic import ElasticKV
 from strata.engine.kv.kv_cache import KVCache
-from strata.engine.memory import device_backend
+from strata.engine.memory import given_or_own_backend
 from strata.engine.model.config import ModelConfig
-from strata.policies import KvContext, KvParams, Policy, PolicyError
+from strata.policies import (
+    DEFAULT_POLICY,
+    KvContext,
+    KvParams,
+    Policy,
+    PolicyError,
+    load_registry,
+)
 
 __all__ = [
     "ENV_KV_GROW",
@@ -63,12 +69,11 @@ ENV_KV_GROW = "STRATA_KV_GROW"
 
 
 def kv_grow_requested(flag: bool, environ: Mapping[str, str] | None = None) -> bool:
-    """`--kv-grow`, or `STRATA_KV_GROW=1`; ValueError naming the variable for another value."""
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_KV_GROW, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{ENV_KV_GROW}={raw!r}: want 1 (on) or 0 (off)")
-    return bool(flag) or raw == "1"
+    """`--kv-grow`, or `STRATA_KV_GROW=1` in `environ` (os.environ), read and checked by
+    `strata.settings`: SettingError (a ValueError) naming the variable for another value."""
+    from strata import settings
+
+    return settings.read(environ).kv_grow or bool(flag)
 
 
 def cells_per_chunk(config: ModelConfig, dtype: torch.dtype, chunk_bytes: int) -> int:
@@ -144,7 +149,7 @@ def plan_kv_grow(
     loan of a cache of `n_slots` lends (0 without the loan). Raises ValueError for a bad
     `STRATA_KV_GROW_*` value or a budget too small, PolicyError for a wrong `kv_params`.
     """
-    policy = policy or Policy()  # the default decisions (coldest-in-loan's)
+    policy = policy or load_registry().create(DEFAULT_POLICY)
     per_chunk = cells_per_chunk(config, dtype, chunk_bytes)
     ignored = None
     if not profile:
@@ -169,66 +174,92 @@ def plan_kv_grow(
         raise PolicyError(name, "kv_params", params,
                           f"init_cells {params.init_cells} differs from the {init} it gave "
                           "before the cache was sized: it must not depend on the cache's size")
-    cell_bytes = chunk_bytes // per_chunk
-    floor = params.floor_slots
-
-    def rest_bytes(cells: int) -> int:
-        """The window's K/V beyond `cells` mapped: whole chunks of every segment."""
-        segment_chunks = [-(-n * cell_bytes // chunk_bytes) for n in (cells, max_context)]
-        return 2 * config.n_layers * (segment_chunks[1] - segment_chunks[0]) * chunk_bytes
-
-    def top_of(budget: CacheBudget) -> int:
-        """The first slot of the loan region of a cache sized by `budget`."""
-        return budget.n_slots - loan_region(budget.n_slots)
-
-    def reachable_bytes(budget: CacheBudget) -> int:
-        """What growth can map past the start: free budget, then the chunks that slots
-        [floor, top) hold whole (a chunk shared with a kept slot stays)."""
-        top = top_of(budget)
-        spare = (budget.available_bytes - budget.arena_bytes) // chunk_bytes
-        lo = -(-floor * budget.slot_bytes // chunk_bytes)
-        hi = top * budget.slot_bytes // chunk_bytes
-        return (spare + max(0, hi - lo)) * chunk_bytes
-
-    # The window must stay reachable: --max-context cells always fit, as without the flag.
-    # When free budget and the givable slots cannot hold the rest of it, more cells are
-    # mapped at start (whole steps), which leaves the cache fewer slots.
-    asked, asked_budget = init, budget
-    while init < max_context and reachable_bytes(budget) < rest_bytes(init):
-        init = min(init + params.step_cells, max_context)
-        if init < max_context:
-            try:
-                budget = make_budget(init)
-            except ValueError:  # too small: the whole window below says how much is missing
-                init = max_context
-    if init < max_context or asked == max_context:
-        if init != asked:
-            params = KvParams(init, params.step_cells, floor)
+    window = _Window(2 * config.n_layers, max_context, chunk_bytes // per_chunk, chunk_bytes,
+                     params.floor_slots, loan_region)
+    start, start_budget = window.start(init, budget, params.step_cells, make_budget)
+    if start < max_context or init == max_context:
+        if start != init:
+            params = KvParams(start, params.step_cells, params.floor_slots)
         shape = KvGrowConfig(config.n_layers, max_context, config.n_kv_heads,
                              config.head_dim, dtype, params)
-        notes = [f"elastic K/V: {init} of {max_context} cells mapped at start, steps of "
-                 f"{params.step_cells}, the cache keeps at least {floor} slots"]
-        if init != asked:
-            notes.append(f"--kv-grow: {init} cells mapped at start, not {asked}: with fewer, "
-                         "the free budget and the slots between the floor and the loan region "
-                         f"could not hold the rest of the {max_context}-cell window")
-        top = top_of(budget)
-        if init < max_context and not (budget.n_slots > 0 and top > floor):
-            notes.append("--kv-grow: the cache cannot give memory to the K/V ("
-                         + _why_not(budget.n_slots, top, floor) + "); the K/V grows into free "
-                         "budget only")
-        return KvGrowPlan(budget, shape, notes)
-    top = top_of(asked_budget)
-    if asked_budget.n_slots > 0 and top > floor:
+        return KvGrowPlan(start_budget, shape, window.notes(start, init, start_budget, params))
+    top = window.top_of(budget)
+    floor = params.floor_slots
+    if budget.n_slots > 0 and top > floor:
         why = (f"free budget and slots [{floor}, {top}) can give "
-               f"{size_text(reachable_bytes(asked_budget))} of the "
-               f"{size_text(rest_bytes(asked))} the rest of the window needs")
+               f"{size_text(window.reachable_bytes(budget))} of the "
+               f"{size_text(window.rest_bytes(init))} the rest of the window needs")
     else:
-        why = _why_not(asked_budget.n_slots, top, floor)
+        why = _why_not(budget.n_slots, top, floor)
     whole = make_budget(max_context)  # ValueError: how much memory is missing
     return KvGrowPlan(whole, None, [
         f"--kv-grow: the cache cannot give memory to the K/V ({why}): elastic K/V off for this "
         f"run, the whole window ({max_context} cells) is mapped up front"])
+
+
+@dataclass(frozen=True)
+class _Window:
+    """The window's arithmetic for a plan: `n_segments` K/V segments of `max_cells` cells of
+    `cell_bytes`, in chunks of `chunk_bytes`; the cache keeps `floor` slots and the prompt loan
+    of a cache of n slots lends `loan_region(n)` of them."""
+
+    n_segments: int
+    max_cells: int
+    cell_bytes: int
+    chunk_bytes: int
+    floor: int
+    loan_region: Callable[[int], int]
+
+    def rest_bytes(self, cells: int) -> int:
+        """The window's K/V beyond `cells` mapped: whole chunks of every segment."""
+        chunk = self.chunk_bytes
+        segment_chunks = [-(-n * self.cell_bytes // chunk) for n in (cells, self.max_cells)]
+        return self.n_segments * (segment_chunks[1] - segment_chunks[0]) * chunk
+
+    def top_of(self, budget: CacheBudget) -> int:
+        """The first slot of the loan region of a cache sized by `budget`."""
+        return budget.n_slots - self.loan_region(budget.n_slots)
+
+    def reachable_bytes(self, budget: CacheBudget) -> int:
+        """What growth can map past the start: free budget, then the chunks that slots
+        [floor, top) hold whole (a chunk shared with a kept slot stays)."""
+        chunk = self.chunk_bytes
+        spare = (budget.available_bytes - budget.arena_bytes) // chunk
+        lo = -(-self.floor * budget.slot_bytes // chunk)
+        hi = self.top_of(budget) * budget.slot_bytes // chunk
+        return (spare + max(0, hi - lo)) * chunk
+
+    def start(self, init: int, budget: CacheBudget, step: int,
+              make_budget: Callable[[int], CacheBudget]) -> tuple[int, CacheBudget]:
+        """(cells mapped at start, the budget sized for them): `init`, or more by whole steps.
+
+        The window must stay reachable: --max-context cells always fit, as without the flag.
+        When free budget and the givable slots cannot hold the rest of it, more cells are
+        mapped at start, which leaves the cache fewer slots; `max_cells` when no start short of
+        the window does."""
+        while init < self.max_cells and self.reachable_bytes(budget) < self.rest_bytes(init):
+            init = min(init + step, self.max_cells)
+            if init < self.max_cells:
+                try:
+                    budget = make_budget(init)
+                except ValueError:  # too small: the whole window says how much is missing
+                    init = self.max_cells
+        return init, budget
+
+    def notes(self, start: int, asked: int, budget: CacheBudget, params: KvParams) -> list[str]:
+        """The lines to print for a plan mapping `start` cells at start (`asked` asked for)."""
+        notes = [f"elastic K/V: {start} of {self.max_cells} cells mapped at start, steps of "
+                 f"{params.step_cells}, the cache keeps at least {self.floor} slots"]
+        if start != asked:
+            notes.append(f"--kv-grow: {start} cells mapped at start, not {asked}: with fewer, "
+                         "the free budget and the slots between the floor and the loan region "
+                         f"could not hold the rest of the {self.max_cells}-cell window")
+        top = self.top_of(budget)
+        if start < self.max_cells and not (budget.n_slots > 0 and top > self.floor):
+            notes.append("--kv-grow: the cache cannot give memory to the K/V ("
+                         + _why_not(budget.n_slots, top, self.floor) + "); the K/V grows into "
+                         "free budget only")
+        return notes
 
 
 def _why_not(n_slots: int, top: int, floor: int) -> str:
@@ -258,9 +289,7 @@ def plan_elastic_cache(
     and the notes to print. `profile` says whether the fill comes from a profile
     (`--expert-profile`); `options` are CacheConfig's other fields. Raises as `plan_kv_grow`;
     a backend made here is closed again then."""
-    own = backend is None
-    backend = backend or device_backend(device)
-    try:
+    with given_or_own_backend(backend, device) as backend:
         keep_slots = _keep_slots_from_env()
         lends = options.get("prefill_loan", True)
 
@@ -281,10 +310,6 @@ def plan_elastic_cache(
                             make_budget=make_budget, loan_region=loan_region, profile=profile,
                             environ=environ)
         cache = CacheConfig(budget=plan.budget, backend=backend, **options)
-    except BaseException:
-        if own:
-            backend.close()
-        raise
     return cache, plan.kv_grow, plan.notes
 
 

@@ -4,9 +4,22 @@
 - `checkpoint`: the safetensors reader; `tokenizer`: tokenizers and chat templates;
 - `layers`, `moe`: the decoder layers and `MoEModel` (device-agnostic; experts behind the
   `Experts` interface, the K/V passed in), `load_model`;
-- `presets`, `init_model`: shapes of known models and random checkpoints of them.
+- `presets`, `init_model`, `builtin`: shapes of known models, random checkpoints of them, the
+  first-run model.
+
+`MoEModel`, `load_model` and `runtime_dtype` are importable from here; they are loaded on first
+use, so that the torch-free parts (`presets`, `families`) import without torch (the command
+line's help names them).
 """
 
-from strata.engine.model.moe import MoEModel, load_model, runtime_dtype
+from typing import Any
 
 __all__ = ["MoEModel", "load_model", "runtime_dtype"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from strata.engine.model import moe
+
+        return getattr(moe, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

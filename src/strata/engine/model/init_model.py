@@ -43,10 +43,16 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from strata.engine.model.presets import BYTE_TOKENS, PRESETS, SPECIAL_TOKENS, Preset, get_preset
+from strata.engine.model.presets import (
+    BYTE_TOKENS,
+    DEFAULT_MAX_SHARD_BYTES,
+    FAMILIES,
+    PRESETS,
+    SPECIAL_TOKENS,
+    Preset,
+    get_preset,
+)
 from strata.engine.model.tokenizer import byte_level_tokenizer_config, byte_level_tokenizer_json
-
-FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
@@ -62,7 +68,6 @@ ENDOFTEXT_ID = BYTE_TOKENS + SPECIAL_TOKENS.index("<|endoftext|>")
 IM_END_ID = BYTE_TOKENS + SPECIAL_TOKENS.index("<|im_end|>")
 PAD_ID = BYTE_TOKENS + SPECIAL_TOKENS.index("<|pad|>")
 
-DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -363,39 +368,6 @@ def write_checkpoint_atomic(out_dir: str | os.PathLike[str], *args: Any, **kwarg
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
     return out
-
-
-# The first-run model: the tiny preset, written once into the cache directory.
-BUILTIN_FAMILY = "qwen3_moe"
-BUILTIN_PRESET = "tiny"
-BUILTIN_NAME = f"builtin-{BUILTIN_PRESET}-{BUILTIN_FAMILY}-seed0-v1"  # bump v on format changes
-
-
-def cache_dir() -> Path:
-    """`$STRATA_CACHE_DIR`, else `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`."""
-    if os.environ.get("STRATA_CACHE_DIR"):
-        return Path(os.environ["STRATA_CACHE_DIR"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "strata"
-    return Path.home() / ".cache" / "strata"
-
-
-def builtin_checkpoint() -> tuple[Path, bool]:
-    """The built-in tiny checkpoint (random weights) and whether this call created it.
-
-    Created once, atomically, in `cache_dir()/models`; concurrent first runs are safe: the
-    loser of the rename uses the winner's copy, which holds the same bytes.
-    """
-    path = cache_dir() / "models" / BUILTIN_NAME
-    if (path / "config.json").is_file():
-        return path, False
-    try:
-        write_checkpoint_atomic(path, BUILTIN_FAMILY, BUILTIN_PRESET, seed=0)
-    except (ValueError, OSError):
-        if (path / "config.json").is_file():  # another process made it first
-            return path, False
-        raise
-    return path, True
 
 
 def iter_presets_and_families() -> Iterator[tuple[str, str]]:

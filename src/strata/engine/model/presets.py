@@ -27,6 +27,12 @@ SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"
 BYTE_LEVEL_VOCAB = BYTE_TOKENS + len(SPECIAL_TOKENS)
 
 
+# The families `init-model` writes tensor names and config fields for.
+FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# The largest safetensors shard `init-model` writes.
+DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
+
+
 @dataclass(frozen=True)
 class Preset:
     """The shape of a MoE model, independent of the family that names its tensors.

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from strata.policies.base import LfuState
 from strata.policies.builtin._adaptive import ScoredCache
 from strata.policies.hookspecs import hookimpl
 
@@ -34,23 +35,31 @@ class Lfu(ScoredCache):
 
     name = "lfu"
     Options = LfuOptions
+    replay_kernel = "lfu"
 
     def __init__(self, options=None) -> None:
         super().__init__(options)
         self.counts: np.ndarray | None = None  # float64 [L, E], decayed routing counts
 
-    def _state(self, view) -> np.ndarray:
-        if self.counts is None or self.counts.shape != (view.n_layers, view.n_experts):
-            self.counts = np.zeros((view.n_layers, view.n_experts), np.float64)
+    def _state(self, n_layers: int, n_experts: int) -> np.ndarray:
+        if self.counts is None or self.counts.shape != (n_layers, n_experts):
+            self.counts = np.zeros((n_layers, n_experts), np.float64)
         return self.counts
 
     def observe(self, view, layer, expert_ids, hit_mask):
-        row = self._state(view)[layer]
+        row = self._state(view.n_layers, view.n_experts)[layer]
         row *= self.options.decay
         row += np.bincount(np.ravel(expert_ids), minlength=row.size)
 
     def expert_scores(self, view):
-        return self._state(view)
+        return self._state(view.n_layers, view.n_experts)
+
+    def kernel_state(self, n_layers, n_experts):
+        return LfuState(self._state(n_layers, n_experts), self.options.decay,
+                        self.options.max_admits)
+
+    def set_kernel_state(self, state):
+        self.counts = state.counts
 
     def worth_admitting(self, expert_score, victim_score):
         return expert_score > victim_score

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from strata.policies.base import LruState
 from strata.policies.builtin._adaptive import ScoredCache
 from strata.policies.hookspecs import hookimpl
 
@@ -28,23 +29,30 @@ class Lru(ScoredCache):
 
     name = "lru"
     Options = LruOptions
+    replay_kernel = "lru"
 
     def __init__(self, options=None) -> None:
         super().__init__(options)
         self.last_use: np.ndarray | None = None  # int64 [L, E], -1 = never since start
         self.clock = 0
 
-    def _state(self, view) -> np.ndarray:
-        if self.last_use is None or self.last_use.shape != (view.n_layers, view.n_experts):
-            self.last_use = np.full((view.n_layers, view.n_experts), -1, np.int64)
+    def _state(self, n_layers: int, n_experts: int) -> np.ndarray:
+        if self.last_use is None or self.last_use.shape != (n_layers, n_experts):
+            self.last_use = np.full((n_layers, n_experts), -1, np.int64)
         return self.last_use
 
     def observe(self, view, layer, expert_ids, hit_mask):
-        self._state(view)[layer, np.ravel(expert_ids)] = self.clock
+        self._state(view.n_layers, view.n_experts)[layer, np.ravel(expert_ids)] = self.clock
         self.clock += 1
 
     def expert_scores(self, view):
-        return self._state(view).astype(np.float64)
+        return self._state(view.n_layers, view.n_experts).astype(np.float64)
+
+    def kernel_state(self, n_layers, n_experts):
+        return LruState(self._state(n_layers, n_experts), self.clock, self.options.max_admits)
+
+    def set_kernel_state(self, state):
+        self.last_use, self.clock = state.last_use, state.clock
 
 
 @hookimpl

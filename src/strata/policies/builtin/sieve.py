@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from strata.policies.base import SieveState
 from strata.policies.builtin._adaptive import ScoredCache
 from strata.policies.hookspecs import hookimpl
 
@@ -31,6 +32,7 @@ class Sieve(ScoredCache):
 
     name = "sieve"
     Options = SieveOptions
+    replay_kernel = "sieve"
 
     def __init__(self, options=None) -> None:
         super().__init__(options)
@@ -39,14 +41,23 @@ class Sieve(ScoredCache):
         self.next_insert = 0
         self.hand = -1  # queue key of the next expert to examine; -1 = the tail (oldest)
 
-    def _state(self, view) -> None:
-        shape = (view.n_layers, view.n_experts)
+    def _state(self, n_layers: int, n_experts: int) -> None:
+        shape = (n_layers, n_experts)
         if self.visited is None or self.visited.shape != shape:
             self.visited = np.zeros(shape, bool)
             self.inserted = np.full(shape, -1, np.int64)
 
+    def kernel_state(self, n_layers, n_experts):
+        self._state(n_layers, n_experts)
+        return SieveState(self.visited, self.inserted, self.next_insert, self.hand,
+                          self.options.max_admits)
+
+    def set_kernel_state(self, state):
+        self.visited, self.inserted = state.visited, state.inserted
+        self.next_insert, self.hand = state.next_insert, state.hand
+
     def observe(self, view, layer, expert_ids, hit_mask):
-        self._state(view)
+        self._state(view.n_layers, view.n_experts)
         self.visited[layer, np.asarray(expert_ids)[np.asarray(hit_mask)]] = True
 
     def _queue(self, view, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +105,7 @@ class Sieve(ScoredCache):
         return victims
 
     def admit(self, view, layer, missed_experts):
-        self._state(view)
+        self._state(view.n_layers, view.n_experts)
         heat, rank = view.heat[layer], view.rank[layer]
         missed = np.asarray(missed_experts, dtype=np.int64)
         missed = missed[np.lexsort((rank[missed], -heat[missed]))][: self.options.max_admits]
@@ -110,7 +121,7 @@ class Sieve(ScoredCache):
 
     def expert_scores(self, view):
         """Residents score by how late the hand would evict them; the rest score -inf."""
-        self._state(view)
+        self._state(view.n_layers, view.n_experts)
         scores = np.full(view.n_layers * view.n_experts, -np.inf)
         met, _ = self._hand_order(view, np.flatnonzero(view.owner >= 0))
         flat = view.owner[met]

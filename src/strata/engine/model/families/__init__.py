@@ -29,12 +29,9 @@ dim, E experts, F expert width, Fs shared-expert width, V vocabulary):
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 from strata.engine.model.families import mixtral, olmoe, qwen2_moe, qwen3_moe
-
-if TYPE_CHECKING:
-    from strata.engine.model.config import ModelConfig
+from strata.engine.model.families._shape import ModelShape
 
 FAMILIES: dict[str, ModuleType] = {
     module.MODEL_TYPE: module for module in (mixtral, olmoe, qwen2_moe, qwen3_moe)
@@ -52,7 +49,7 @@ def family(model_type: str) -> ModuleType:
         ) from None
 
 
-def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def global_shapes(cfg: ModelShape) -> dict[str, tuple[int, ...]]:
     """Role -> shape of the tensors outside the layers."""
     shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
     if not cfg.tie_word_embeddings:
@@ -60,7 +57,7 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def layer_shapes(cfg: ModelShape) -> dict[str, tuple[int, ...]]:
     """Role -> shape of one layer's dense (non-expert) tensors."""
     d, qw, kvw = cfg.hidden_size, cfg.q_width, cfg.kv_width
     shapes: dict[str, tuple[int, ...]] = {
@@ -87,13 +84,13 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def expert_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+def expert_shapes(cfg: ModelShape) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
     """Shapes of one expert's gate [F, D], up [F, D] and down [D, F]."""
     f, d = cfg.expert_width, cfg.hidden_size
     return (f, d), (f, d), (d, f)
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_tensors(cfg: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor name the checkpoint must hold -> its shape, in load order."""
     fam = family(cfg.family)
     names = fam.global_names(cfg)

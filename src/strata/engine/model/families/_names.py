@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from strata.engine.model.config import ModelConfig
+from strata.engine.model.families._shape import ModelShape
 
 
-def global_names(cfg: ModelConfig) -> dict[str, str]:
+def global_names(cfg: ModelShape) -> dict[str, str]:
     return {
         "embed": "model.embed_tokens.weight",
         "final_norm": "model.norm.weight",

@@ -5,12 +5,10 @@ Experts are `block_sparse_moe.experts.N.w1` (gate), `w3` (up) and `w2` (down), a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from strata.engine.model.families._names import attention_names, global_names
-
-if TYPE_CHECKING:
-    from strata.engine.model.config import ModelConfig
+from strata.engine.model.families._shape import ModelShape
 
 MODEL_TYPE = "mixtral"
 __all__ = ["MODEL_TYPE", "config_fields", "expert_names", "global_names", "layer_names"]
@@ -26,7 +24,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def layer_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
+def layer_names(cfg: ModelShape, layer: int) -> dict[str, str]:
     names = attention_names(layer)
     names["router"] = f"model.layers.{layer}.block_sparse_moe.gate.weight"
     return names

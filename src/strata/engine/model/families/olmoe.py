@@ -5,12 +5,10 @@ Routing weights are renormalized only when `norm_topk_prob` (false for the publi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from strata.engine.model.families._names import attention_names, global_names
-
-if TYPE_CHECKING:
-    from strata.engine.model.config import ModelConfig
+from strata.engine.model.families._shape import ModelShape
 
 MODEL_TYPE = "olmoe"
 __all__ = ["MODEL_TYPE", "config_fields", "expert_names", "global_names", "layer_names"]
@@ -32,7 +30,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def layer_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
+def layer_names(cfg: ModelShape, layer: int) -> dict[str, str]:
     names = attention_names(layer)
     names["router"] = f"model.layers.{layer}.mlp.gate.weight"
     return names

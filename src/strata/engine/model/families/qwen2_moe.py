@@ -6,7 +6,7 @@ scaled by `sigmoid(shared_expert_gate(x))` and added to the routed experts' sum.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from strata.engine.model.families._names import (
     attention_names,
@@ -14,9 +14,7 @@ from strata.engine.model.families._names import (
     reject_sliding_window,
     require_every_layer_moe,
 )
-
-if TYPE_CHECKING:
-    from strata.engine.model.config import ModelConfig
+from strata.engine.model.families._shape import ModelShape
 
 MODEL_TYPE = "qwen2_moe"
 __all__ = ["MODEL_TYPE", "config_fields", "expert_names", "global_names", "layer_names"]
@@ -36,7 +34,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def layer_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
+def layer_names(cfg: ModelShape, layer: int) -> dict[str, str]:
     p = f"model.layers.{layer}.mlp."
     names = attention_names(layer)
     names.update(

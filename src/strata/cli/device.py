@@ -1,0 +1,54 @@
+"""`--device` and `--dtype`: named as text in the parsers, resolved to torch's only in `run`.
+
+Building a parser must not import torch (`strata --help` would take seconds), so the dtype
+choices are names here and torch is imported by the functions that resolve them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from strata.cli.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+# The command-line name of each dtype -> the attribute of `torch` it names (None: the
+# checkpoint's own).
+DTYPE_NAMES: dict[str, str | None] = {
+    "auto": None,
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+}
+
+
+def torch_dtype(name: str, allowed: Sequence[str] = tuple(DTYPE_NAMES)) -> torch.dtype | None:
+    """The torch dtype of a `--dtype` name (None for auto); UsageError for a name not in
+    `allowed` (the command's choices)."""
+    if name not in allowed:
+        raise UsageError(f"unknown --dtype {name!r}; choose one of: {', '.join(allowed)}")
+    attribute = DTYPE_NAMES[name]
+    if attribute is None:
+        return None
+    import torch
+
+    return getattr(torch, attribute)
+
+
+def parse_device(name: str | None) -> torch.device:
+    """--device: cuda or cpu (default: cuda when present); a UsageError names a bad one."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"unknown --device {name!r}; use cuda or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
+    return device

@@ -1,0 +1,153 @@
+"""One decode round: eager, replayed from a CUDA graph, or from graphs cut at the experts.
+
+On CUDA, with every expert resident (`ResidentExperts`, or an expert cache holding every
+expert that needs nothing on the host: `device_only`), a round replays a CUDA graph captured
+for the round's attention window (`GRAPH_WINDOW_CELLS`-cell buckets, so a round reads only
+the cells it needs). With a cache that misses (it reads the routing on the host every layer)
+or a wrapper around the experts, a round replays graphs cut at the experts calls, which run
+eagerly between them (`strata.engine.runtime.piecewise`). `decode_step` picks one.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from strata.engine.cache.cached_experts import CachedExperts
+from strata.engine.experts import ResidentExperts
+
+__all__ = ["GRAPH_WINDOW_CELLS", "decode_step"]
+
+GRAPH_WINDOW_CELLS = 256  # decode graphs attend over windows of a multiple of this many cells
+
+
+class _EagerDecode:
+    """One decode round through `model.forward`."""
+
+    path = "eager"
+
+    def __init__(self, model: Any, kv: Any) -> None:
+        self.model, self.kv = model, kv
+
+    def prepare(self, token: int, first: int, last: int) -> None:
+        """Nothing to set up for eager rounds."""
+
+    def __call__(self, token: int, position: int) -> torch.Tensor:
+        ids = torch.tensor([token], dtype=torch.int64, device=self.model.device)  # [1]
+        return self.model.forward(ids, position, self.kv)[-1]  # [V]
+
+
+class _GraphDecode:
+    """One decode round replayed from a CUDA graph of `model.forward_at`.
+
+    One graph per attention window (a multiple of GRAPH_WINDOW_CELLS, capped at the mapped
+    cells), all captured by `prepare` before the decode clock starts. The round's token and
+    position are written into static device tensors the graphs read. Capturing first runs the
+    step eagerly on a side stream (warm-up), which writes the K/V cell of the position it is
+    given: the first window's warm-up uses the first round's own token and position (the replay
+    writes the same values again), a later window's the first position of that window, a cell
+    that its own round overwrites before any round reads it (causal attention never reads cells
+    after the current position).
+    """
+
+    path = "cuda-graph"
+
+    def __init__(self, model: Any, kv: Any, compile: bool = False, cache: Any = None) -> None:
+        self.model, self.kv = model, kv
+        self.cache = cache  # a device-only CachedExperts: told of captures and replays
+        self.forward_at = model.forward_at
+        if compile:
+            from strata.engine.runtime.compile import compile_decode_step
+
+            self.forward_at = compile_decode_step(model.forward_at)
+        self.path = "compiled-cuda-graph" if compile else "cuda-graph"
+        self.token = torch.zeros(1, dtype=torch.int64, device=model.device)  # [1]
+        self.position = torch.zeros(1, dtype=torch.int64, device=model.device)  # [1]
+        self.pool = torch.cuda.graph_pool_handle()
+        # n_ctx -> (a CUDAGraph, or the pieces of one: anything with replay(), logits [V])
+        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+
+    def _window(self, position: int) -> int:
+        cells = -(-(position + 1) // GRAPH_WINDOW_CELLS) * GRAPH_WINDOW_CELLS
+        return min(cells, self.kv.mapped_cells)
+
+    def _capture(self, n_ctx: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        def step() -> torch.Tensor:
+            return self.forward_at(self.token, self.position, self.kv, n_ctx)[-1]  # [V]
+
+        side = torch.cuda.Stream(device=self.model.device)
+        with self.cache.graph_capture() if self.cache is not None else nullcontext():
+            side.wait_stream(torch.cuda.current_stream(self.model.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream(self.model.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = step()
+        return graph, logits
+
+    def prepare(self, token: int, first: int, last: int) -> None:
+        """Capture the graphs of the rounds at positions [first, last]; `token` is round 1's."""
+        position = first
+        while position <= last:
+            n_ctx = self._window(position)
+            if n_ctx not in self.graphs:
+                self.token.fill_(token)
+                self.position.fill_(position)
+                self.graphs[n_ctx] = self._capture(n_ctx)
+            position = n_ctx  # the first position of the next window
+
+    def __call__(self, token: int, position: int) -> torch.Tensor:
+        self.token.fill_(token)
+        self.position.fill_(position)
+        n_ctx = self._window(position)
+        if n_ctx not in self.graphs:  # not prepared for: capture now (inside the clock)
+            self.graphs[n_ctx] = self._capture(n_ctx)
+        graph, logits = self.graphs[n_ctx]
+        graph.replay()
+        if self.cache is not None:
+            self.cache.count_replay()
+        return logits
+
+
+class _PiecewiseDecode(_GraphDecode):
+    """`_GraphDecode` for experts that work on the host: each window's step is captured as
+    graphs cut at the experts calls, which run eagerly between them
+    (`strata.engine.runtime.piecewise`).
+    """
+
+    def __init__(self, model: Any, kv: Any) -> None:
+        super().__init__(model, kv)
+        self.path = "piecewise-cuda-graph"
+        self.side = torch.cuda.Stream(device=model.device)  # every capture into self.pool
+
+    def _capture(self, n_ctx: int) -> tuple[Any, torch.Tensor]:
+        from strata.engine.runtime.piecewise import capture_pieces
+
+        pieces = capture_pieces(
+            self.model,
+            lambda: self.forward_at(self.token, self.position, self.kv, n_ctx)[-1],  # [V]
+            self.pool, self.side,
+        )
+        assert pieces.logits is not None
+        return pieces, pieces.logits
+
+
+def decode_step(model: Any, kv: Any, cached: CachedExperts | None, *, cuda_graphs: bool,
+                piecewise_graphs: bool, compile: bool) -> Any:
+    """The decode round for `model` over `kv` (`cached`: its expert cache, or None): a graph
+    replay where the experts need nothing on the host, graphs cut at the experts calls where
+    they do, eager rounds off CUDA or when graphs are off."""
+    on_cuda = model.device.type == "cuda"
+    # Graphs replay resident experts, and a cache that needs nothing on the host; a cache
+    # that misses or a wrapper works on the host.
+    resident = isinstance(model.experts, ResidentExperts)
+    graph_cache = cached if cached is model.experts and cached.device_only else None
+    if cuda_graphs and on_cuda and (resident or graph_cache):
+        return _GraphDecode(model, kv, compile and resident, graph_cache)
+    if cuda_graphs and piecewise_graphs and on_cuda:
+        return _PiecewiseDecode(model, kv)
+    return _EagerDecode(model, kv)
