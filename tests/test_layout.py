@@ -38,6 +38,9 @@ LONG_MODULES_ALLOWED: dict[str, str] = {
 # Functions over MAX_FUNCTION_LINES that may stay so, as "module:qualname", with the reason.
 LONG_FUNCTIONS_ALLOWED: dict[str, str] = {}
 
+# The engine's rooms, top first: each imports only rooms after it in this list.
+ENGINE_ROOMS = tuple(f"strata.engine.{room}" for room in
+                     ("runtime", "kv", "cache", "model", "experts"))
 # (importer room, imported room, why not): rooms are matched as a prefix of dotted names.
 FORBIDDEN: list[tuple[str, str, str]] = [
     ("strata.engine", "strata.sim", "the engine and the simulator are peers over policies"),
@@ -53,6 +56,9 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("strata.books", "strata.engine", "the books lie below the engine"),
     ("strata.books", "strata.sim", "the books lie below the simulator"),
     ("strata.books", "strata.cli", "the books know no command line"),
+    # The engine's rooms stack: runtime > kv > cache > model > experts (docs/architecture.md).
+    *[(low, high, "the engine's rooms import only the rooms below them")
+      for i, high in enumerate(ENGINE_ROOMS) for low in ENGINE_ROOMS[i + 1:]],
 ]
 # Rooms only the named rooms may import; `strata.cli` is the top, importable by nothing else.
 ONLY_FROM: dict[str, tuple[tuple[str, ...], str]] = {
@@ -385,3 +391,8 @@ def test_no_function_is_too_long(package):
 def test_every_allowance_gives_its_reason():
     for key, reason in {**LONG_MODULES_ALLOWED, **LONG_FUNCTIONS_ALLOWED}.items():
         assert reason.strip() and "\n" not in reason, key
+
+
+def test_settings_import_nothing_of_strata(package):
+    # Every layer reads its STRATA_* variables through strata.settings: a leaf, so no cycle.
+    assert [target for target, _, _ in package.imports.get("strata.settings", [])] == []
