@@ -7,6 +7,7 @@ silently.
 
 import gc
 import mmap
+import os
 
 import numpy as np
 import pytest
@@ -354,3 +355,25 @@ def test_cuda_ranges_work_from_a_thread_torch_never_used():
     thread.join()
     assert results == {"sum": 8.0}
     assert backend.alive_chunks == 0
+
+
+def test_closing_a_host_backend_closes_its_files_once_no_chunk_is_alive():
+    def memfds():
+        return sum("memfd:strata-chunks" in os.readlink(f"/proc/self/fd/{fd}")
+                   for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    before = memfds()
+    backend = _vmm.HostBackend(65536)
+    rng = backend.reserve(4 * 65536)
+    rng.map(0, 2)
+    held = rng.unmap(1, 2)  # a chunk held by the caller keeps the files open
+    backend.close()
+    assert rng.closed and memfds() == before + 1
+    del held
+    backend.close()
+    assert memfds() == before
+    again = backend.reserve(2 * 65536)  # a new file for the next chunk
+    again.map(0, 1)
+    assert memfds() == before + 1
+    backend.close()
+    assert memfds() == before

@@ -58,6 +58,10 @@ class Backend:
 class HostBackend(Backend):
     """memfd-backed chunks mapped with mmap(MAP_FIXED | MAP_SHARED) into PROT_NONE reservations."""
 
+    def close(self) -> None:
+        """Close every range, then the memfd files once no chunk of this backend is alive (a
+        later chunk opens a new file)."""
+
     def __init__(self, chunk_bytes: int | None = None) -> None:
         """`chunk_bytes`: a page multiple that divides 8 GiB; None: 2 MiB (`DEFAULT_CHUNK_BYTES`).
 

@@ -348,6 +348,18 @@ cdef class HostBackend(Backend):
 
         return torch.frombuffer(span, dtype=torch.uint8, count=nbytes)
 
+    def close(self):
+        """Close every range of this backend, then, when no chunk of it is alive any more,
+        close its memfd files now rather than when the backend is dropped (a long-lived
+        process opens and closes engines). A later chunk opens a new file."""
+        Backend.close(self)
+        if self._alive == 0 and self._fds:
+            for fd in self._fds:
+                c_close(fd)
+            self._fds = []
+            self._free = []
+            self._next_offset = HOST_FILE_BYTES
+
     def __dealloc__(self):
         # Chunks keep their backend alive, so no chunk is left when this runs.
         if self._fds is not None:

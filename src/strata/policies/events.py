@@ -144,8 +144,20 @@ class Restored(Event):
 
 
 @dataclass(frozen=True)
+class RequestStarted(Event):
+    """A request begins: its prompt's tokens, of which `reused_tokens` the K/V holds already
+    (the live or a restored conversation's cells), read by no forward."""
+
+    kind: ClassVar[str] = "request_started"
+    request: str
+    prompt_tokens: int
+    reused_tokens: int
+
+
+@dataclass(frozen=True)
 class RequestFinished(Event):
-    """A request is done: its tokens, its time, and the cache's hits among its lookups."""
+    """A request is done: its tokens, its time, and the cache's hits among its lookups.
+    `seconds` is the whole request, `first_token_s` the part up to its first token."""
 
     kind: ClassVar[str] = "request_finished"
     request: str
@@ -154,11 +166,13 @@ class RequestFinished(Event):
     seconds: float
     hits: int
     lookups: int
+    reused_tokens: int = 0
+    first_token_s: float = 0.0
 
 
 EVENTS: tuple[type[Event], ...] = (
     Grown, GaveUp, Relocated, Trimmed, Refilled, Admitted, Evicted, Parked, Restored,
-    RequestFinished,
+    RequestStarted, RequestFinished,
 )
 
 

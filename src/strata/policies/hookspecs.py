@@ -49,7 +49,8 @@ def strata_engine_started(info: EngineInfo) -> None:
 def strata_event(event: Event) -> None:
     """Something happened to the cache or the K/V: `event` is one of the frozen dataclasses of
     `strata.policies.events` (`Grown`, `GaveUp`, `Relocated`, `Trimmed`, `Refilled`,
-    `Admitted`, `Evicted`, `Parked`, `Restored`, `RequestFinished`) with its figures.
+    `Admitted`, `Evicted`, `Parked`, `Restored`, `RequestStarted`, `RequestFinished`) with its
+    figures.
 
     Called after the books and the memory agree again, once per event, in the order things
     happened. Any number of plugins may observe (tracing and metrics are observers); return

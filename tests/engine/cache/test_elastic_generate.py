@@ -134,7 +134,7 @@ def test_grown_into_free_budget_only_is_identical(ckpt, rank):
     grown = _run(loaded)
     _same(grown, plain)
     kv = grown.kv
-    # 60 + 8 + 16 cells: 96 on the step grid, 3 chunks in each of 4 segments, 8 of them new.
+    # 60 + 16 cells at the request: 96 on the step grid, 3 chunks in each of 4 segments, 8 of them new.
     assert (kv.grows, kv.cells_mapped, kv.slots_given_up, kv.fresh_chunks) == (1, 96, 0, 8)
 
 
@@ -179,7 +179,7 @@ def test_a_failed_growth_is_told_and_the_run_goes_on(ckpt, rank, capsys):
     cached.arena.backend.inject_fault("map", 5)  # the growth before the prompt fails
     result = _run(loaded)
     assert result.kv.failures == 1 and "injected fault in map" in result.kv.last_failure
-    assert "K/V growth for 84 cells failed and was rolled back; going on with 32 cells" in \
+    assert "K/V growth for 76 cells failed and was rolled back; going on with 32 cells" in \
         capsys.readouterr().err
     # The prompt's first chunk fit; the next one grew again (no fault pending), and so on.
     assert result.kv.grows >= 1 and len(result.tokens) == 8

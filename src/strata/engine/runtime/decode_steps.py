@@ -34,6 +34,10 @@ class _EagerDecode:
     def prepare(self, token: int, first: int, last: int) -> None:
         """Nothing to set up for eager rounds."""
 
+    def still_valid(self) -> bool:
+        """Eager rounds read whatever the experts are now: always."""
+        return True
+
     def __call__(self, token: int, position: int) -> torch.Tensor:
         ids = torch.tensor([token], dtype=torch.int64, device=self.model.device)  # [1]
         return self.model.forward(ids, position, self.kv)[-1]  # [V]
@@ -99,6 +103,11 @@ class _GraphDecode:
                 self.position.fill_(position)
                 self.graphs[n_ctx] = self._capture(n_ctx)
             position = n_ctx  # the first position of the next window
+
+    def still_valid(self) -> bool:
+        """Whether the graphs can still be replayed: a graph of a device-only cache reads no
+        routing on the host, so it is stale once the cache misses (slots given up)."""
+        return self.cache is None or self.cache.device_only
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
         self.token.fill_(token)

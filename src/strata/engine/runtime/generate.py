@@ -27,12 +27,12 @@ import torch
 
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.kv.elastic import ElasticKV
-from strata.engine.kv.kv_cache import new_kv
+from strata.engine.kv.kv_cache import KVCache, new_kv
 from strata.engine.model.tokenizer import Tokenizer
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.sampling import Sampler
 
-GROW_MARGIN_CELLS = 16  # the elastic K/V grows for the prompt + max_new + this, at once
+GROW_MARGIN_CELLS = 16  # the elastic K/V grows at a request for its prompt + this many cells
 DETOKENIZER_CONTEXT_IDS = 4  # prompt ids the streaming detokenizer sees before the first token
 
 
@@ -82,6 +82,7 @@ class GenerateResult:
     first_logits: torch.Tensor = field(repr=False)  # float32 [V] on the CPU: the first position
     cache: Any = None  # the expert cache's CacheStats of this request, or None without a cache
     kv: Any = None  # the elastic K/V's KvStats after this request, or None without --kv-grow
+    reused_tokens: int = 0  # prompt tokens whose cells the K/V held already (not read again)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -99,6 +100,7 @@ class GenerateResult:
         """The figures as JSON values (what `strata generate --json` prints besides the text)."""
         return {
             "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
             "generated_tokens": len(self.tokens),
             "prefill_s": self.prefill_s,
             "prefill_tok_s": self.prefill_tok_s,
@@ -175,13 +177,18 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     *,
     kv: ElasticKV | None = None,
+    cells: KVCache | None = None,
+    reused: int = 0,
 ) -> GenerateResult:
     """Generate up to `options.max_new` tokens after `prompt_ids`.
 
     `model` is a `strata.engine.model.MoEModel`. With a `tokenizer`, the text is decoded as it
-    comes and each new piece is passed to `on_text`; without one, `text` is "". `kv`: the
-    elastic K/V kept across requests (`Loaded.kv`); None makes a K/V of `max_context` cells
-    for this request and releases it after.
+    comes and each new piece is passed to `on_text`; without one, `text` is "". The K/V: `kv`,
+    the elastic K/V kept across requests (`Loaded.kv`), grown at the request for the prompt
+    (plus `GROW_MARGIN_CELLS`) and in decode rounds as they reach its mapped cells; else
+    `cells`, a fixed K/V the caller keeps; else one of `max_context` cells made for this
+    request and released after. `reused`: the prompt's first tokens whose cells the K/V holds
+    already (a conversation's earlier turns), read again by no forward; at most all but one.
     Raises ValueError when the prompt is empty, holds an id outside the model's vocabulary, or
     does not fit `max_context` with `max_new`.
     """
@@ -196,16 +203,26 @@ def generate(
     if elastic is not None and options.max_context > elastic.kv.max_cells:
         raise ValueError(f"max_context {options.max_context} is past the elastic K/V's window "
                          f"of {elastic.kv.max_cells} cells")
-    cells = new_kv(model, options.max_context) if elastic is None else elastic.kv
+    if not 0 <= reused < len(prompt):
+        raise ValueError(f"reused {reused} must be in [0, {len(prompt) - 1}]: the last prompt "
+                         "token is always read, its logits give the first new token")
+    own_cells = elastic is None and cells is None
+    if cells is not None and cells.max_cells < options.max_context:
+        raise ValueError(f"max_context {options.max_context} is past the K/V's window of "
+                         f"{cells.max_cells} cells")
+    if elastic is not None:
+        cells = elastic.kv
+    elif cells is None:
+        cells = new_kv(model, options.max_context)
     run = _Run(model, cells, elastic, cached, options, stop_ids)
     try:
         if cached is not None:
             cached.begin_request()
-        run.prefill(prompt)
+        run.prefill(prompt, reused)
         text.push(run.tokens[0])
         run.decode(len(prompt), text.push)
     finally:
-        if elastic is None:
+        if own_cells:
             cells.close()
         if cached is not None:
             cache_stats = cached.end_request()
@@ -221,6 +238,7 @@ def generate(
         stop_reason="eos" if tokens[-1] in stop_ids else "max_new",
         decode_path=run.path,
         first_logits=run.first_logits,
+        reused_tokens=reused,
         cache=cache_stats,
         kv=elastic.stats.copy() if elastic is not None else None,
     )
@@ -239,17 +257,26 @@ class _Run:
         self.prefill_s = self.decode_s = self.decode_setup_s = 0.0
         self.path = "eager"
 
-    def prefill(self, prompt: list[int]) -> None:
-        """Read the prompt in chunks and sample the first token (`first_logits` kept)."""
+    def _step(self) -> Any:
+        options = self.options
+        step = decode_step(self.model, self.kv, self.cached, cuda_graphs=options.cuda_graphs,
+                           piecewise_graphs=options.piecewise_graphs, compile=options.compile)
+        self.path = step.path
+        return step
+
+    def prefill(self, prompt: list[int], reused: int) -> None:
+        """Read the prompt past its `reused` tokens in chunks and sample the first token
+        (`first_logits` kept)."""
         model, elastic, options = self.model, self.elastic, self.options
         ids = torch.tensor(prompt, dtype=torch.int64, device=model.device)  # [P]
         _sync(model.device)
         start = time.perf_counter()
         if elastic is not None:
-            # Once, for the whole request; if it fails, the run goes on while the cells last.
-            elastic.ensure(min(len(prompt) + options.max_new + GROW_MARGIN_CELLS,
-                               elastic.kv.max_cells))
-        for chunk_start in range(0, len(prompt), options.prefill_chunk):
+            # For the prompt, not for max_new: most requests stop early; decode rounds grow
+            # it further as they reach the mapped cells. If this fails, the run goes on while
+            # the cells last.
+            elastic.ensure(min(len(prompt) + GROW_MARGIN_CELLS, elastic.kv.max_cells))
+        for chunk_start in range(reused, len(prompt), options.prefill_chunk):
             chunk = ids[chunk_start : chunk_start + options.prefill_chunk]  # [C]
             if elastic is not None:
                 elastic.require(chunk_start + chunk.shape[0])  # KvFullError past the mapped
@@ -266,19 +293,22 @@ class _Run:
         """Decode rounds from `position` (the cell of the token being fed) until `max_new`
         tokens or a stop id; each new token to `on_token`."""
         model, options, tokens = self.model, self.options, self.tokens
-        step = decode_step(model, self.kv, self.cached, cuda_graphs=options.cuda_graphs,
-                           piecewise_graphs=options.piecewise_graphs, compile=options.compile)
-        self.path = step.path
+        step = self._step()
         token = tokens[-1]
         start = time.perf_counter()
         if token not in self.stop_ids:
-            step.prepare(token, position, position + options.max_new - 2)
+            # The rounds the mapped cells hold; an elastic K/V grown later captures the next
+            # windows as the rounds reach them (addresses never move: the graphs stay valid).
+            step.prepare(token, position, min(position + options.max_new - 2,
+                                              self.kv.mapped_cells - 1))
         _sync(model.device)
         self.decode_setup_s = time.perf_counter() - start
         start = time.perf_counter()
         while len(tokens) < options.max_new and token not in self.stop_ids:
-            if self.elastic is not None:
-                self.elastic.require(position + 1)
+            if self.elastic is not None and position + 1 > self.kv.mapped_cells:
+                self.elastic.require(position + 1)  # by the policy's steps; KvFullError
+                if not step.still_valid():
+                    step = self._step()  # slots given up: the experts work on the host now
             token = self.sampler.sample(step(token, position))
             position += 1
             tokens.append(token)

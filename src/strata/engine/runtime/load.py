@@ -35,12 +35,13 @@ class Loaded:
     kv: ElasticKV | None = None
 
     def close(self) -> None:
-        """Release the K/V's range, then the arena (the K/V's chunks come from its backend).
-        Idempotent."""
+        """Release the K/V's range, then the arena (the K/V's chunks come from its backend),
+        then the backend's own resources (host files). Idempotent."""
         if self.kv is not None:
             self.kv.close()
         if self.cache is not None:
             self.cache.close()
+            self.cache.arena.backend.close()
 
     def __enter__(self) -> Loaded:
         return self

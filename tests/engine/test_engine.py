@@ -1,0 +1,181 @@
+"""`Engine` across requests on the host backend: the reference's served scenario (grow at the
+request and mid-decode, trim and refill, park and restore), prefix reuse, a restored
+conversation continuing exactly as one never parked, and many random requests leaking nothing.
+
+Chunks are 4 KiB so the tiny model grows in many small steps: a K/V cell of the tiny qwen3_moe in
+fp32 is 128 bytes (32 cells a chunk, 4 segments), a slot 96 KiB (24 chunks).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from strata import _vmm
+from strata.engine.cache.build import plan_cache
+from strata.engine.kv.plan import plan_elastic_cache
+from strata.engine.model.config import ModelConfig
+from strata.engine.runtime.engine import Engine
+from strata.engine.runtime.generate import GenerateOptions
+from strata.formats.profile import rank_from_counts
+from strata.policies import plugin_manager
+from support.checkpoints import cached_checkpoint
+from support.events import EventLog
+
+CHUNK = 4096
+WINDOW = 512
+GROW = {"STRATA_KV_GROW_INIT": "32", "STRATA_KV_GROW_STEP": "32", "STRATA_KV_GROW_FLOOR": "2"}
+
+
+def options(max_new, **kw):
+    return GenerateOptions(max_new=max_new, max_context=WINDOW, temperature=0.0,
+                           prefill_chunk=32, ignore_stop=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def rank(ckpt):
+    cfg = ModelConfig.from_dir(ckpt)
+    counts = np.random.default_rng(0).integers(0, 1000, (cfg.n_layers, cfg.n_experts))
+    return rank_from_counts(counts)
+
+
+def _engine(ckpt, rank, *, kv_grow=True, conversations=True, **sizing):
+    """(engine, event log): the tiny model through the expert cache sized as `strata generate`
+    sizes it (the host default budget: every expert and the start cells, no free budget)."""
+    cfg = ModelConfig.from_dir(ckpt)
+    pm = plugin_manager(entry_points=False)
+    log = EventLog()
+    pm.register(log)
+    sizing = {"max_context": WINDOW, "prefill_chunk": 32, "prefill_loan": True, "rank": rank,
+              "backend": _vmm.HostBackend(CHUNK), "events": pm, **sizing}
+    if kv_grow:
+        cache, elastic, _ = plan_elastic_cache(cfg, torch.float32, torch.device("cpu"),
+                                               profile=True, environ=GROW, **sizing)
+    else:
+        cache, elastic = plan_cache(cfg, torch.float32, torch.device("cpu"), **sizing), None
+    engine = Engine.open(ckpt, cache=cache, kv_grow=elastic, max_context=WINDOW,
+                         conversation_cache_mib=4.0 if conversations else 0.0,
+                         conversation_cache_slots=2 if conversations else 0)
+    return engine, log
+
+
+def _kinds(log, since=0):
+    return [type(e).__name__ for e in log.seen[since:]]
+
+
+def test_the_served_scenario(ckpt, rank, monkeypatch):
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "8")  # a loan region of the top 8 slots
+    engine, log = _engine(ckpt, rank)
+    table = engine.cache.table
+    with engine:
+        assert engine.kv.mapped_cells == 32
+        # A chat: fits the start cells.
+        chat = engine.generate(list(range(100, 110)), options(6))
+        assert chat.kv.grows == 0 and chat.reused_tokens == 0
+        table.validate()
+        # A long prompt: grown at the request for the prompt, then mid-decode.
+        long_prompt = [3 + i % 250 for i in range(250)]
+        seen = len(log.seen)
+        long = engine.generate(long_prompt, options(60))
+        kinds = _kinds(log, seen)
+        assert kinds.count("Grown") >= 2 and "Parked" in kinds  # the chat shared nothing
+        grown = [e for e in log.seen[seen:] if type(e).__name__ == "Grown"]
+        assert grown[0].cells_after >= 250 + 16 and grown[0].cells_after < 250 + 59
+        assert engine.kv.mapped_cells >= 250 + 59 and long.kv.slots_given_up > 0
+        table.validate()
+        given_up = long.kv.slots_given_up
+        # Two short chats: the long conversation is parked, the K/V trimmed, slots refilled.
+        seen = len(log.seen)
+        engine.generate(list(range(200, 210)), options(6))
+        engine.generate(list(range(230, 240)), options(6))
+        kinds = _kinds(log, seen)
+        assert "Trimmed" in kinds and "Refilled" in kinds and kinds.count("Parked") == 2
+        assert engine.kv.mapped_cells < 100 and engine.elastic.stats.refilled > 0
+        assert table.n_resident > 16 - given_up
+        table.validate()
+        # The long conversation's follow-up: restored from its parked copy after growing.
+        follow = long_prompt + long.tokens[:-1] + [7, 8, 9]
+        seen = len(log.seen)
+        result = engine.generate(follow, options(4))
+        kinds = _kinds(log, seen)
+        assert "Restored" in kinds and kinds.index("Grown") < kinds.index("Restored")
+        assert result.reused_tokens == len(long_prompt) + len(long.tokens) - 1
+        assert result.stats()["reused_tokens"] == result.reused_tokens
+        table.validate()
+    done = [e for e in log.seen if type(e).__name__ == "RequestFinished"]
+    assert [e.reused_tokens for e in done] == [0, 0, 0, 0, result.reused_tokens]
+    assert len([e for e in log.seen if type(e).__name__ == "RequestStarted"]) == 5
+
+
+def test_a_chat_reuses_the_live_conversation(ckpt, rank):
+    engine, _ = _engine(ckpt, rank, kv_grow=False, conversations=False)
+    with engine:
+        first = engine.generate(list(range(3, 23)), options(5))
+        turn = list(range(3, 23)) + first.tokens[:-1] + [1, 2, 3]
+        second = engine.generate(turn, options(5))
+        assert second.reused_tokens == 20 + 4
+        # A request that differs after 10 tokens reuses those 10 and drops the rest.
+        third = engine.generate([*range(3, 13), 99, 98], options(3))
+        assert third.reused_tokens == 10
+
+
+def test_a_restored_conversation_continues_as_one_never_parked(ckpt, rank):
+    prompt = list(range(3, 83))
+    unrelated = list(range(100, 120))
+    results = []
+    for park in (False, True):
+        engine, log = _engine(ckpt, rank, kv_grow=False)
+        with engine:
+            first = engine.generate(prompt, options(12))
+            if park:
+                engine.generate(unrelated, options(4))  # parks the first conversation
+            follow = prompt + first.tokens[:-1] + [5, 6, 7]
+            results.append(engine.generate(follow, options(8)))
+        assert ("Restored" in _kinds(log)) == park
+    kept, restored = results
+    assert kept.reused_tokens == restored.reused_tokens == 80 + 11
+    assert torch.equal(kept.first_logits, restored.first_logits)
+    assert kept.tokens == restored.tokens
+
+
+def test_random_requests_leak_nothing(ckpt, rank, monkeypatch):
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "8")
+    rng = np.random.default_rng(7)
+    _engine(ckpt, rank)[0].close()  # files opened once per process are not leaks
+    gc.collect()
+    alive, fds = _vmm.alive_chunks(), len(os.listdir("/proc/self/fd"))
+    engine, _ = _engine(ckpt, rank)
+    history: list[list[int]] = []
+    failures = 0
+    with engine:
+        backend = engine.cache.arena.backend
+        for _ in range(1000):
+            kind = rng.integers(3)
+            if kind == 0 or not history:  # a new conversation
+                prompt = [int(t) for t in rng.integers(3, 250, rng.integers(1, 200))]
+            else:  # a continuation of an earlier one (live or parked)
+                prompt = history[rng.integers(len(history))] + [int(rng.integers(3, 250))]
+            prompt = prompt[: WINDOW - 40][-300:]
+            if rng.random() < 0.2:
+                backend.inject_fault(str(rng.choice(["map", "unmap"])), int(rng.integers(1, 6)))
+            try:
+                result = engine.generate(prompt, options(int(rng.integers(1, 24))))
+                history.append(prompt + result.tokens[:-1])
+            except Exception as err:  # a failed growth the run could not go on without
+                failures += 1
+                assert "K/V cells" in str(err) or "injected fault" in str(err)
+            backend.clear_faults()
+            engine.cache.table.validate()
+    del engine, backend  # a memory backend closes its files when it is dropped
+    gc.collect()
+    assert _vmm.alive_chunks() == alive and len(os.listdir("/proc/self/fd")) <= fds
+    assert 0 < failures < 300  # some growths failed under the faults, most requests ran
