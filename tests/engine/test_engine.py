@@ -22,7 +22,8 @@ from strata.engine.model.config import ModelConfig
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.generate import GenerateOptions
 from strata.formats.profile import rank_from_counts
-from strata.policies import plugin_manager
+from strata.policies import hookimpl, load_registry, plugin_manager
+from strata.policies.events import EVENTS
 from support.checkpoints import cached_checkpoint
 from support.events import EventLog
 
@@ -48,6 +49,17 @@ def rank(ckpt):
     return rank_from_counts(counts)
 
 
+class Started:
+    """Remembers `strata_engine_started`."""
+
+    def __init__(self):
+        self.infos = []
+
+    @hookimpl
+    def strata_engine_started(self, info):
+        self.infos.append(info)
+
+
 def _engine(ckpt, rank, *, kv_grow=True, conversations=True, **sizing):
     """(engine, event log): the tiny model through the expert cache sized as `strata generate`
     sizes it (the host default budget: every expert and the start cells, no free budget)."""
@@ -55,6 +67,8 @@ def _engine(ckpt, rank, *, kv_grow=True, conversations=True, **sizing):
     pm = plugin_manager(entry_points=False)
     log = EventLog()
     pm.register(log)
+    log.started = Started()
+    pm.register(log.started)
     sizing = {"max_context": WINDOW, "prefill_chunk": 32, "prefill_loan": True, "rank": rank,
               "backend": _vmm.HostBackend(CHUNK), "events": pm, **sizing}
     if kv_grow:
@@ -179,3 +193,20 @@ def test_random_requests_leak_nothing(ckpt, rank, monkeypatch):
     gc.collect()
     assert _vmm.alive_chunks() == alive and len(os.listdir("/proc/self/fd")) <= fds
     assert 0 < failures < 300  # some growths failed under the faults, most requests ran
+
+
+def test_every_documented_hook_and_event_fires(ckpt, rank, monkeypatch):
+    # lru admits misses (Admitted, Evicted); the rest come from the served scenario's steps.
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "8")
+    engine, log = _engine(ckpt, rank, policy=load_registry().create("lru"))
+    long_prompt = [3 + i % 250 for i in range(250)]
+    with engine:
+        engine.generate(list(range(100, 110)), options(6))
+        long = engine.generate(long_prompt, options(60))
+        engine.generate(list(range(200, 210)), options(6))
+        engine.generate(list(range(230, 240)), options(6))
+        engine.generate(long_prompt + long.tokens[:-1] + [7], options(4))
+    assert [info.kv_grow for info in log.started.infos] == [True]
+    assert log.started.infos[0].n_slots == 16 and log.started.infos[0].policy == "lru"
+    missing = {event.__name__ for event in EVENTS} - set(_kinds(log))
+    assert not missing, f"documented events never fired in a real run: {sorted(missing)}"

@@ -1,0 +1,150 @@
+"""`strata chat`: a multi-turn chat in the terminal, on one `Engine` for the whole session.
+
+Each turn is the whole conversation rendered by the checkpoint's chat template; the engine
+reuses the longest common prefix with the conversation it holds, so a turn reads only what is
+new (the template may render the last reply's end differently from how generation stopped:
+prefix reuse, not exact extension, makes that cheap). `/reset` starts a new conversation;
+end of input (Ctrl-D) leaves. `--verbose` prints a line of figures per turn on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from strata.cli.cache_options import add_cache_arguments, cache_config_from_args
+from strata.cli.device import parse_device, torch_dtype
+from strata.cli.errors import UsageError
+
+RESET = "/reset"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `strata chat` to `subparsers`."""
+    parser = subparsers.add_parser(
+        "chat",
+        help="chat with a model in the terminal; each turn reuses the last one's K/V",
+        description=(
+            "Chat with a checkpoint through its chat template: type a message, the reply "
+            f"streams back. {RESET} starts a new conversation; end of input (Ctrl-D) leaves. "
+            "Without --model, the tiny built-in random model."
+        ),
+    )
+    parser.add_argument("--model", metavar="DIR", help="a checkpoint directory (HF layout)")
+    parser.add_argument("--system", metavar="TEXT", help="a system message to start with")
+    parser.add_argument("--max-new", type=int, default=512, help="tokens a reply may take (512)")
+    parser.add_argument("--max-context", type=int, default=4096,
+                        help="K/V cells: the whole conversation must fit (4096)")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (the checkpoint's own), bf16, fp16 or fp32")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (0.8)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus mass, 1: off (0.95)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest, 0: off (0)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    parser.add_argument("--prefill-chunk", type=int, default=512,
+                        help="prompt tokens per forward (512)")
+    parser.add_argument("--conversation-cache-mib", type=float, default=0.0, metavar="MIB",
+                        help="park conversations left by /reset in this much host RAM (0: off)")
+    parser.add_argument("--conversation-cache-slots", type=int, default=4, metavar="N",
+                        help="at most this many parked conversations (4)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="a line of figures per turn on stderr")
+    add_cache_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def _options(args: argparse.Namespace) -> Any:
+    from strata.engine.runtime.generate import GenerateOptions
+
+    try:
+        return GenerateOptions(max_new=args.max_new, max_context=args.max_context,
+                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                               seed=args.seed, prefill_chunk=args.prefill_chunk)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _engine(args: argparse.Namespace, options: Any) -> tuple[Any, Any]:
+    """(engine, stop ids): the model, its cache and K/V as `strata generate` builds them."""
+    from strata.cli.generate import _model_dir, _stop_ids
+    from strata.engine.model.checkpoint import CheckpointError
+    from strata.engine.model.config import ModelConfig
+    from strata.engine.model.moe import runtime_dtype
+    from strata.engine.model.tokenizer import Tokenizer, TokenizerError
+    from strata.engine.runtime.engine import Engine
+
+    if args.conversation_cache_mib < 0 or args.conversation_cache_slots < 0:
+        raise UsageError("--conversation-cache-mib and --conversation-cache-slots must be >= 0")
+    dtype, device = torch_dtype(args.dtype), parse_device(args.device)
+    model_dir = _model_dir(args)
+    try:
+        config = ModelConfig.from_dir(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        cache = cache_config_from_args(args, config, runtime_dtype(config, dtype), device,
+                                       max_context=options.max_context,
+                                       prefill_chunk=options.prefill_chunk)
+        for note in cache.notes:
+            print(f"strata: {note}", file=sys.stderr)
+        engine = Engine.open(model_dir, device=device, dtype=dtype,
+                             max_context=options.max_context, cache=cache.config,
+                             kv_grow=cache.kv_grow, tokenizer=tokenizer,
+                             conversation_cache_mib=args.conversation_cache_mib,
+                             conversation_cache_slots=args.conversation_cache_slots)
+    except (CheckpointError, TokenizerError, ValueError) as err:
+        raise UsageError(" ".join(str(err).split())) from None
+    return engine, _stop_ids(model_dir, engine.model.config.eos_token_ids, tokenizer)
+
+
+def _figures(result: Any) -> str:
+    return (f"strata: {result.prompt_tokens} prompt tokens ({result.reused_tokens} reused), "
+            f"prefill {result.prefill_tok_s:.1f} tok/s, decode {result.decode_tok_s:.1f} tok/s "
+            f"({len(result.tokens)} tokens, {result.stop_reason})")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`strata chat`: read a message a line, stream each reply, until end of input."""
+    import dataclasses
+
+    from strata.cli.generate import _terminal_safe
+
+    options = _options(args)
+    engine, stop_ids = _engine(args, options)
+    options = dataclasses.replace(options, stop_ids=stop_ids)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    tty = sys.stdout.isatty()
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(_terminal_safe(piece) if tty else piece)
+        sys.stdout.flush()
+
+    with engine:
+        while True:
+            if sys.stdin.isatty():
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+            if not line:  # end of input
+                break
+            text = line.strip()
+            if text == RESET:
+                messages = list(start)
+                print("(a new conversation)", flush=True)
+                continue
+            if not text:
+                continue
+            messages.append({"role": "user", "content": text})
+            ids = engine.tokenizer.encode_chat(messages)
+            try:
+                result = engine.generate(ids, options, on_text=stream)
+            except ValueError as err:  # the conversation outgrew the window, say
+                messages.pop()
+                print(f"strata chat: {err}", file=sys.stderr)
+                continue
+            messages.append({"role": "assistant", "content": result.text})
+            print(flush=True)
+            if args.verbose:
+                print(_figures(result), file=sys.stderr, flush=True)
+    return 0
