@@ -140,6 +140,8 @@ def test_a_chat_reuses_the_live_conversation(ckpt, rank):
         # A request that differs after 10 tokens reuses those 10 and drops the rest.
         third = engine.generate([*range(3, 13), 99, 98], options(3))
         assert third.reused_tokens == 10
+        # One decode step for the engine's life (on CUDA, with the graphs it captured).
+        assert len(engine.warm) == 1
 
 
 def test_a_restored_conversation_continues_as_one_never_parked(ckpt, rank):
@@ -210,3 +212,45 @@ def test_every_documented_hook_and_event_fires(ckpt, rank, monkeypatch):
     assert log.started.infos[0].n_slots == 16 and log.started.infos[0].policy == "lru"
     missing = {event.__name__ for event in EVENTS} - set(_kinds(log))
     assert not missing, f"documented events never fired in a real run: {sorted(missing)}"
+
+
+class FailingTarget(load_registry().get("coldest-in-loan").cls):
+    """The default policy, whose `kv_target` raises while `failing` is set."""
+
+    name = "failing-target"
+    failing = False
+
+    def kv_target(self, need_cells, mapped_cells, params):
+        if self.failing:
+            raise RuntimeError("no target today")
+        return super().kv_target(need_cells, mapped_cells, params)
+
+
+def test_a_failed_restore_or_policy_loses_no_parked_conversation(ckpt, rank, monkeypatch):
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "8")
+    policy = FailingTarget()
+    engine, log = _engine(ckpt, rank, policy=policy)
+    long_prompt = [3 + i % 250 for i in range(250)]
+    with engine:
+        long = engine.generate(long_prompt, options(20))
+        engine.generate(list(range(100, 110)), options(4))  # parks the long one, trims
+        assert len(engine.conversations) == 1 and engine.kv.mapped_cells < 250
+        follow = long_prompt + long.tokens[:-1] + [7]
+        # The restore cannot grow the K/V: nothing left to give, no free budget.
+        table = engine.cache.table
+        floor = table.floor
+        table.set_regions(floor=table.top)
+        with pytest.raises(Exception, match="K/V cells"):
+            engine.generate(follow, options(4))
+        assert engine.conversations.best(follow)[1] == len(follow) - 1  # still parked
+        table.set_regions(floor=floor)
+        table.validate()
+        # A policy that raises: a PolicyError naming it, then the engine serves on.
+        policy.failing = True
+        with pytest.raises(Exception, match="failing-target"):
+            engine.generate(follow, options(4))
+        policy.failing = False
+        assert engine.conversations.best(follow)[1] == len(follow) - 1
+        result = engine.generate(follow, options(4))
+        assert result.reused_tokens == len(follow) - 1 and "Restored" in _kinds(log)
+        table.validate()

@@ -146,17 +146,29 @@ class _PiecewiseDecode(_GraphDecode):
 
 
 def decode_step(model: Any, kv: Any, cached: CachedExperts | None, *, cuda_graphs: bool,
-                piecewise_graphs: bool, compile: bool) -> Any:
+                piecewise_graphs: bool, compile: bool,
+                warm: dict[tuple[Any, ...], Any] | None = None) -> Any:
     """The decode round for `model` over `kv` (`cached`: its expert cache, or None): a graph
     replay where the experts need nothing on the host, graphs cut at the experts calls where
-    they do, eager rounds off CUDA or when graphs are off."""
+    they do, eager rounds off CUDA or when graphs are off.
+
+    `warm`: steps made before for this model and K/V (an engine keeps them for its life), by
+    kind; a step found there is used again, with the graphs it captured: the K/V's and the
+    slots' addresses never move, so they stay valid across requests, growths and trims."""
     on_cuda = model.device.type == "cuda"
     # Graphs replay resident experts, and a cache that needs nothing on the host; a cache
     # that misses or a wrapper works on the host.
     resident = isinstance(model.experts, ResidentExperts)
     graph_cache = cached if cached is model.experts and cached.device_only else None
     if cuda_graphs and on_cuda and (resident or graph_cache):
-        return _GraphDecode(model, kv, compile and resident, graph_cache)
-    if cuda_graphs and piecewise_graphs and on_cuda:
-        return _PiecewiseDecode(model, kv)
-    return _EagerDecode(model, kv)
+        key: tuple[Any, ...] = ("graph", id(kv), compile and resident, graph_cache is not None)
+        make: Any = lambda: _GraphDecode(model, kv, compile and resident, graph_cache)  # noqa: E731
+    elif cuda_graphs and piecewise_graphs and on_cuda:
+        key, make = ("piecewise", id(kv)), lambda: _PiecewiseDecode(model, kv)
+    else:
+        key, make = ("eager", id(kv)), lambda: _EagerDecode(model, kv)
+    if warm is None:
+        return make()
+    if key not in warm:
+        warm[key] = make()
+    return warm[key]

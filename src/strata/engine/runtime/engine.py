@@ -86,6 +86,8 @@ class Engine:
         self.conversations = conversations
         self.events = events
         self.live: list[int] = []  # the live conversation: cells [0, len(live)) hold it
+        # Decode steps and their CUDA graphs, captured once and replayed by every request.
+        self.warm: dict[tuple[object, ...], object] = {}
         self._requests = (f"r{i}" for i in itertools.count(1))
         if events is not None:
             announce_start(events, self.info(name))
@@ -166,11 +168,15 @@ class Engine:
             self._fit_kv(prompt, reused)
             if restore is not None:
                 self._restore(restore, reused)
+                restore = None
             self.live = []  # from here until it ends, the request writes the cells
             result = generate(self.model, self.tokenizer, prompt, options, on_text,
-                              kv=self.elastic, cells=self.fixed, reused=reused)
+                              kv=self.elastic, cells=self.fixed, reused=reused,
+                              warm=self.warm)
         except BaseException:
             self.live = []
+            if restore is not None:  # not restored: it stays parked, nothing is lost
+                self.conversations.put_back(restore)
             raise
         # Cells hold the prompt and every generated token but the last, which was not fed.
         self.live = prompt + result.tokens[:-1]
@@ -222,14 +228,10 @@ class Engine:
         self.elastic.ensure(need)
 
     def _restore(self, entry, n_cells: int) -> None:
-        """Copy a parked conversation's first `n_cells` back; on failure it stays parked."""
-        try:
-            if self.elastic is not None:
-                self.elastic.require(n_cells)
-            self.conversations.restore(entry, self.kv, n_cells)
-        except BaseException:
-            self.conversations.put_back(entry)
-            raise
+        """Copy a parked conversation's first `n_cells` back (the K/V grown for them)."""
+        if self.elastic is not None:
+            self.elastic.require(n_cells)
+        self.conversations.restore(entry, self.kv, n_cells)
         self._emit(Restored(conversation=entry.name, cells=n_cells,
                             nbytes=n_cells * self.conversations.cell_bytes(self.kv)))
 

@@ -179,6 +179,7 @@ def generate(
     kv: ElasticKV | None = None,
     cells: KVCache | None = None,
     reused: int = 0,
+    warm: dict[tuple[Any, ...], Any] | None = None,
 ) -> GenerateResult:
     """Generate up to `options.max_new` tokens after `prompt_ids`.
 
@@ -189,6 +190,8 @@ def generate(
     `cells`, a fixed K/V the caller keeps; else one of `max_context` cells made for this
     request and released after. `reused`: the prompt's first tokens whose cells the K/V holds
     already (a conversation's earlier turns), read again by no forward; at most all but one.
+    `warm`: the decode steps (and their CUDA graphs) of earlier requests over the same K/V, to
+    use again and to add to (`decode_step`); None makes them for this request.
     Raises ValueError when the prompt is empty, holds an id outside the model's vocabulary, or
     does not fit `max_context` with `max_new`.
     """
@@ -214,7 +217,7 @@ def generate(
         cells = elastic.kv
     elif cells is None:
         cells = new_kv(model, options.max_context)
-    run = _Run(model, cells, elastic, cached, options, stop_ids)
+    run = _Run(model, cells, elastic, cached, options, stop_ids, warm)
     try:
         if cached is not None:
             cached.begin_request()
@@ -249,9 +252,9 @@ class _Run:
 
     def __init__(self, model: Any, kv: Any, elastic: ElasticKV | None,
                  cached: CachedExperts | None, options: GenerateOptions,
-                 stop_ids: frozenset[int]) -> None:
+                 stop_ids: frozenset[int], warm: dict[tuple[Any, ...], Any] | None) -> None:
         self.model, self.kv, self.elastic, self.cached = model, kv, elastic, cached
-        self.options, self.stop_ids = options, stop_ids
+        self.options, self.stop_ids, self.warm = options, stop_ids, warm
         self.sampler = Sampler(options.temperature, options.top_p, options.top_k, options.seed)
         self.tokens: list[int] = []
         self.prefill_s = self.decode_s = self.decode_setup_s = 0.0
@@ -260,7 +263,8 @@ class _Run:
     def _step(self) -> Any:
         options = self.options
         step = decode_step(self.model, self.kv, self.cached, cuda_graphs=options.cuda_graphs,
-                           piecewise_graphs=options.piecewise_graphs, compile=options.compile)
+                           piecewise_graphs=options.piecewise_graphs, compile=options.compile,
+                           warm=self.warm)
         self.path = step.path
         return step
 
