@@ -10,8 +10,9 @@
 # CPU), cache (3: bench/cache.py at 4 GiB against accelerate), kv-grow (2: the short chat at
 # the reference's proportions, start cells 1/12 of the window), kv-grow-skewed (2.5: the same
 # on a model whose routing favours some experts), kv-grow-32k (3: the 32K prompt, start cells
-# 1/12 too), kv-grow-32k-skewed (4: the same on the skewed model). A new checkpoint adds about
-# a minute to the first stage that uses it.
+# 1/12 too), kv-grow-32k-skewed (4: the same on the skewed model), agents (4: the reference's
+# agent scenario through Engine, bench/agents.py, on the kv-grow checkpoint). A new checkpoint
+# adds about a minute to the first stage that uses it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -54,6 +55,10 @@ for stage in "$@"; do
                --chat-new 32 --long-new 16 --kv-floor 32 --kv-init 4096 --json) \
                > "$OUT/$stage.json" 2> "$OUT/$stage.err"
                grep "bench/" "$OUT/$stage.err" ;;
+    agents) model=$(checkpoint 0)
+            (cd bench && timeout 540 python3 agents.py --model "$model" --kv-floor 32 \
+               --kv-init 4096 --json) > "$OUT/agents.json" 2> "$OUT/agents.err"
+            grep "bench/" "$OUT/agents.err" ;;
     *) echo "gpu_session.sh: unknown stage $stage" >&2; exit 2 ;;
     esac
 done
