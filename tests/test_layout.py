@@ -179,6 +179,10 @@ class Package:
     def folder_graph(self) -> dict[str, set[str]]:
         graph: dict[str, set[str]] = defaultdict(set)
         for name, targets in self.imports.items():
+            if name == PACKAGE:
+                # The package's face (`strata.Engine`, loaded on first use): the top of the
+                # graph, imported by nothing inside; its folder's other modules are the bottom.
+                continue
             for target, _, _ in targets:
                 if self.folder(target) != self.folder(name):
                     graph[self.folder(name)].add(self.folder(target))
@@ -396,3 +400,8 @@ def test_every_allowance_gives_its_reason():
 def test_settings_import_nothing_of_strata(package):
     # Every layer reads its STRATA_* variables through strata.settings: a leaf, so no cycle.
     assert [target for target, _, _ in package.imports.get("strata.settings", [])] == []
+
+
+def test_machine_imports_nothing_of_strata(package):
+    # The machine's limits are asked for by formats, the engine and the cli: a leaf too.
+    assert [target for target, _, _ in package.imports.get("strata.machine", [])] == []
