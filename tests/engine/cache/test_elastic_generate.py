@@ -134,7 +134,7 @@ def test_grown_into_free_budget_only_is_identical(ckpt, rank):
     grown = _run(loaded)
     _same(grown, plain)
     kv = grown.kv
-    # 60 + 16 cells at the request: 96 on the step grid, 3 chunks in each of 4 segments, 8 of them new.
+    # 60 + 16 cells at the request: 96 on the step grid, 3 chunks in each of 4 segments, 8 new.
     assert (kv.grows, kv.cells_mapped, kv.slots_given_up, kv.fresh_chunks) == (1, 96, 0, 8)
 
 
