@@ -27,7 +27,7 @@ GOOD = {
     "STRATA_KV_GROW": [("1", True), ("0", False), (" 1 ", True), ("", False)],
     "STRATA_KV_GROW_INIT": [("1", 1), (" 1000 ", 1000), ("", None)],
     "STRATA_KV_GROW_STEP": [("8192", 8192), ("", None)],
-    "STRATA_KV_GROW_FLOOR": [("2", 2), ("", None)],
+    "STRATA_KV_GROW_FLOOR": [("2", 2), ("0", 0), ("", None)],
     "STRATA_TRACE_PLUGINS": [("1", True), ("yes", True), ("0", False), (" ", False)],
     "STRATA_LOAD_PLUGINS": [("pkg-a", frozenset({"pkg-a"})), (" a , b,", frozenset({"a", "b"})),
                             ("", frozenset())],
@@ -47,7 +47,11 @@ BAD = {
     "STRATA_KV_GROW": [(raw, "want 1 (on) or 0 (off)") for raw in ("maybe", "yes", "2", "true")],
     **{name: [(raw, f"want a positive integer (for example {name}=8192)")
               for raw in ("abc", "0", "-8", "1.5", "8k")]
-       for name in ("STRATA_KV_GROW_INIT", "STRATA_KV_GROW_STEP", "STRATA_KV_GROW_FLOOR")},
+       for name in ("STRATA_KV_GROW_INIT", "STRATA_KV_GROW_STEP")},
+    # A floor is slots, and 0 of them is a floor.
+    "STRATA_KV_GROW_FLOOR": [
+        (raw, "want an integer >= 0 (slots the cache keeps, for example STRATA_KV_GROW_FLOOR=128)")
+        for raw in ("abc", "-8", "1.5", "8k")],
 }
 # Every value is accepted: a switch that anything but 0 turns on, a list of names, paths.
 NO_BAD_VALUES = {"STRATA_TRACE_PLUGINS", "STRATA_LOAD_PLUGINS", "STRATA_CACHE_DIR",

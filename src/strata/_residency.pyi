@@ -65,7 +65,9 @@ class ResidencyTable:
         """ceil(n_slots * slot_bytes / chunk_bytes)."""
     # --- read-only numpy views (write flag off) ---
     # Live views of the table's own buffers: they show later changes, are never reallocated,
-    # and cannot be made writeable.
+    # and cannot be made writeable; their `.base` leads to nothing writeable. Each property
+    # returns the same array object every time: for the engine and the simulator, never handed
+    # to a policy (a policy reads `ResidencyView`'s, a new object on every read).
     @property
     def res(self) -> np.ndarray:
         """int32 [L, E]: slot of each expert, or -1."""
@@ -237,3 +239,119 @@ class ResidencyTable:
                 arrays of the wrong dtype or shape or inconsistent books, or its geometry differs
                 from one given here; the message names the path and the problem.
         """
+
+
+class ResidencyView:
+    """The books as a policy sees them: arrays with the write flag off, regions, geometry.
+
+    Slots [top, n_slots) are the loan region; slots below `floor` are never given up. `top`, when
+    given, is the loan region's first slot as the caller sees it (the elastic K/V asks its
+    give-up with the region the prompt loan would lend, open or not); by default the books'.
+
+    The view shows the table live and cannot change it: the table is kept where Python cannot
+    read it, the view takes no attributes (nor does its class), it cannot be pickled, and every
+    array it hands out is a new read-only array object that cannot be made writeable and whose
+    `.base` leads to nothing writeable. Nothing reachable from it leads to a method that changes
+    the books. A plugin runs in the engine's process, so this keeps a policy from reaching the
+    books through what it is given; it is not a sandbox.
+
+    Raises:
+        TypeError: `table` is not a `ResidencyTable`, or `top` is not an integer.
+        ValueError: `top` is outside [floor, n_slots].
+    """
+
+    def __init__(self, table: ResidencyTable, *, top: int | None = None) -> None: ...
+    # --- shape and regions ---
+    @property
+    def n_layers(self) -> int:
+        """L, the MoE layers."""
+    @property
+    def n_experts(self) -> int:
+        """E, the routed experts per layer."""
+    @property
+    def n_slots(self) -> int:
+        """S, the slots of the arena."""
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes per slot."""
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per arena chunk."""
+    @property
+    def n_chunks(self) -> int:
+        """The arena's chunks."""
+    @property
+    def top(self) -> int:
+        """The first slot of the loan region."""
+    @property
+    def floor(self) -> int:
+        """The fewest slots the cache keeps: slots below it are never given up."""
+    @property
+    def n_resident(self) -> int:
+        """Slots that hold an expert."""
+    # --- arrays: the books' own memory, a new read-only array object on every read ---
+    @property
+    def res(self) -> np.ndarray:
+        """int32 [L, E]: slot of each expert, or -1."""
+    @property
+    def owner(self) -> np.ndarray:
+        """int32 [S]: flat expert id (`layer * n_experts + expert`) in each slot, or -1."""
+    @property
+    def heat(self) -> np.ndarray:
+        """float64 [L, E]: decayed routing counts."""
+    @property
+    def rank(self) -> np.ndarray:
+        """int32 [L, E]: profile rank, 0 = hottest."""
+    @property
+    def chunk_mapped(self) -> np.ndarray:
+        """bool [n_chunks]: arena chunks that are mapped."""
+    @property
+    def backed(self) -> np.ndarray:
+        """bool [S]: slots whose every chunk is mapped; only these can hold an expert."""
+    # --- the table's read-only queries ---
+    def slot_of(self, layer: int, expert: int) -> int:
+        """The slot holding (layer, expert), or -1."""
+    def expert_in(self, slot: int) -> tuple[int, int] | None:
+        """The (layer, expert) in `slot`, or None."""
+    def coldest(self, lo: int, hi: int) -> int:
+        """The slot in [lo, hi) holding the coldest resident, or -1."""
+    def residents_by_heat(self, lo: int, hi: int) -> np.ndarray:
+        """int32 slots in [lo, hi) that hold an expert, coldest first."""
+    def hottest_missing(self, k: int) -> np.ndarray:
+        """int32 [n, 2] (layer, expert) of up to k non-resident experts, hottest first."""
+    def slot_chunks(self, slot: int) -> tuple[int, int]:
+        """Chunks [lo, hi) that slot touches."""
+    def chunk_slots(self, chunk: int) -> tuple[int, int]:
+        """Slots [lo, hi) that touch chunk."""
+    # --- derived in numpy ---
+    def heat_position(self) -> np.ndarray:
+        """int64 [L, E]: each expert's place in the heat order, 0 = hottest.
+
+        The books' order: higher heat first, then lower profile rank; ranks are a permutation,
+        so no two experts share a place.
+        """
+    def slot_chunk_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """int64 [S] twice, read-only: the chunks [lo, hi) each slot touches."""
+    def chunk_slot_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """int64 [n_chunks] twice, read-only: the slots [lo, hi) that touch each chunk."""
+    def chunks_freed_by(self, slots: np.ndarray) -> np.ndarray:
+        """int32 chunks, ascending, that giving up `slots` (valid, distinct) frees.
+
+        A mapped chunk is freed when the given-up slots touch it and no other backed slot
+        does: a slot straddling a chunk boundary keeps the chunk it shares with a neighbour
+        unless that neighbour goes too (or has no memory left already).
+        """
+    def givable_slots(self) -> np.ndarray:
+        """int32 backed slots in [floor, top), ascending: those a give-up may name."""
+    def givable_chunks(self) -> int:
+        """How many chunks giving up every givable slot would free: the most a growth can ask."""
+    def empty_slots(self, lo: int, hi: int) -> np.ndarray:
+        """int32 backed slots in [lo, hi) that hold no expert, ascending."""
+
+def frozen(array: np.ndarray) -> np.ndarray:
+    """A read-only view of `array` (or of `np.asarray(array)`): a new array object over the same
+    memory that cannot be made writeable and whose `.base` leads to nothing writeable.
+
+    The checker hands policies their array arguments (`slots`, `free_slots`, `missed_experts`,
+    and `observe`'s `expert_ids` and `hit_mask`) this way, keeping the arrays it checks against.
+    """

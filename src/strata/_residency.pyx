@@ -19,8 +19,11 @@ import zipfile
 
 import numpy as np
 
+cimport cython
 cimport numpy as cnp
 from cpython.number cimport PyNumber_Index
+from cpython.object cimport PyTypeObject
+from cpython.ref cimport PyObject, Py_INCREF
 from libc.stdint cimport int32_t, int64_t, uint64_t
 
 cnp.import_array()
@@ -127,11 +130,6 @@ cdef tuple _at(object flat_index, object shape):
     return tuple(int(i) for i in np.unravel_index(flat_index, shape))
 
 
-cdef object _readonly(cnp.ndarray a):
-    """A view of a that nobody can make writeable again (its base is a read-only buffer)."""
-    return np.frombuffer(memoryview(a).toreadonly(), dtype=a.dtype).reshape(np.shape(a))
-
-
 # ---------------------------------------------------------------- nogil kernels
 
 cdef Py_ssize_t _lookup_kernel(const int32_t[::1] res_row, const id_t* ids, Py_ssize_t n,
@@ -235,9 +233,9 @@ cdef class ResidencyTable:
         self._heat, self._heat_flat = self._heat_a, self._heat_a.reshape(-1)
         self._rank_flat = self._rank_a.reshape(-1)
         self._mapped, self._backed = self._mapped_a, self._backed_a
-        self._res_ro, self._owner_ro = _readonly(self._res_a), _readonly(self._owner_a)
-        self._heat_ro, self._rank_ro = _readonly(self._heat_a), _readonly(self._rank_a)
-        self._mapped_ro, self._backed_ro = _readonly(self._mapped_a), _readonly(self._backed_a)
+        self._res_ro, self._owner_ro = _frozen(self._res_a), _frozen(self._owner_a)
+        self._heat_ro, self._rank_ro = _frozen(self._heat_a), _frozen(self._rank_a)
+        self._mapped_ro, self._backed_ro = _frozen(self._mapped_a), _frozen(self._backed_a)
         self.top, self.floor = self.n_slots, 0
 
     def __repr__(self):
@@ -772,3 +770,6 @@ cdef class ResidencyTable:
         except AssertionError as e:
             raise ValueError(f"{path} holds inconsistent books: {e}") from None
         return table
+
+
+include "_residency_view.pxi"

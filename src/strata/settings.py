@@ -197,9 +197,17 @@ VARIABLES: tuple[Variable, ...] = (
                     "`kv_params`", "16384", "kv_grow_init"),
     _positive_cells(KV_GROW_STEP, "K/V cells a growth step maps, overriding the default "
                     "`kv_params`", "8192", "kv_grow_step"),
-    _positive_cells(KV_GROW_FLOOR, "the fewest slots the cache keeps while the K/V grows, "
-                    "overriding the default `kv_params`", "128 (`strata simulate`: "
-                    "`--floor-slots`)", "kv_grow_floor"),
+    # A count of slots, not cells: 0 is a floor (the K/V may take every slot below the loan).
+    Variable(
+        KV_GROW_FLOOR,
+        "the fewest slots the cache keeps while the K/V grows, overriding the default "
+        "`kv_params`",
+        "an integer >= 0",
+        "128 (`strata simulate`: `--floor-slots`)",
+        "kv_grow_floor",
+        want=f"want an integer >= 0 (slots the cache keeps, for example {KV_GROW_FLOOR}=128)",
+        convert=_optional_int, check=_count_ok,
+    ),
     Variable(
         TRACE_PLUGINS,
         "print every policy decision with its arguments and result, every registration and "

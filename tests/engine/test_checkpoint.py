@@ -143,8 +143,8 @@ def test_unsupported_model_type(tmp_path):
     path = make_checkpoint(tmp_path / "c", "olmoe")
     edit_config(path, model_type="deepseek_v3")
     assert open_error(path) == (
-        "unsupported model_type 'deepseek_v3' in config.json; supported: mixtral, olmoe, "
-        "qwen2_moe, qwen3_moe"
+        f"{path / 'config.json'}: model_type 'deepseek_v3' is not supported; supported: mixtral, "
+        "olmoe, qwen2_moe, qwen3_moe"
     )
 
 

@@ -76,20 +76,20 @@ def test_transformers5_rope_parameters(tmp_path):
     ("change", "message"),
     [
         ({"model_type": "llama"},
-         "unsupported model_type 'llama' in config.json; supported: mixtral, olmoe, qwen2_moe, "
-         "qwen3_moe"),
+         "config.json: model_type 'llama' is not supported; supported: mixtral, olmoe, "
+         "qwen2_moe, qwen3_moe"),
         ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
         ({"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
-        ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+        ({"use_sliding_window": True}, "use_sliding_window true is not supported"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
-         "rope_type 'yarn' is not supported; supported: default"),
+         "rope_parameters has rope_type 'yarn', which is not supported; supported: default"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported; supported: silu"),
         ({"dtype": "int8"}, "dtype 'int8' is not supported"),
-        ({"moe_intermediate_size": None}, "missing field 'moe_intermediate_size'"),
-        ({"num_key_value_heads": 3}, "n_heads (4) must be a multiple of n_kv_heads (3)"),
-        ({"num_experts_per_tok": 9}, "top_k (9) must be at most n_experts (8)"),
-        ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+        ({"moe_intermediate_size": None}, "moe_intermediate_size is missing; it is required"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads (3) must divide num_attention_heads (4)"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok (9) must be at most num_experts (8)"),
+        ({"hidden_size": 0}, "hidden_size must be an integer in [1, 2147483647], got 0"),
     ],
 )
 def test_rejections_are_one_line(change, message, tmp_path):

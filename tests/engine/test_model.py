@@ -83,7 +83,7 @@ def test_load_errors(tmp_path):
         load_model(cached_checkpoint("olmoe"), dtype=torch.float16)
     path = make_checkpoint(tmp_path / "c", "qwen3_moe")
     edit_config(path, model_type="gpt2")
-    with pytest.raises(CheckpointError, match="unsupported model_type 'gpt2'"):
+    with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported"):
         load_model(path)
 
 

@@ -14,14 +14,26 @@ def context(**overrides):
     return KvContext(**(fields | overrides))
 
 
-@pytest.mark.parametrize("name", ["STRATA_KV_GROW_INIT", "STRATA_KV_GROW_STEP",
-                                  "STRATA_KV_GROW_FLOOR"])
-@pytest.mark.parametrize("raw", ["abc", "0", "-8", "1.5", "8k"])
-def test_a_bad_override_names_its_variable(name, raw):
+# Cells are positive; a floor is slots, and 0 of them is a floor.
+BAD_OVERRIDES = [(name, raw, "a positive integer")
+                 for name in ("STRATA_KV_GROW_INIT", "STRATA_KV_GROW_STEP")
+                 for raw in ("abc", "0", "-8", "1.5", "8k")] + [
+    ("STRATA_KV_GROW_FLOOR", raw, "an integer >= 0 (slots") for raw in ("abc", "-8", "1.5", "8k")]
+
+
+@pytest.mark.parametrize(("name", "raw", "want"), BAD_OVERRIDES)
+def test_a_bad_override_names_its_variable(name, raw, want):
     with pytest.raises(ValueError) as caught:
         KvContext.from_env(max_cells=1024, cells_per_chunk=16, n_slots=10, top=10,
                            environ={name: raw})
-    assert str(caught.value).startswith(f"{name}={raw!r}: want a positive integer")
+    assert str(caught.value).startswith(f"{name}={raw!r}: want {want}")
+
+
+def test_a_floor_of_no_slots_is_a_floor():
+    ctx = KvContext.from_env(max_cells=1024, cells_per_chunk=16, n_slots=10, top=10,
+                             environ={"STRATA_KV_GROW_FLOOR": "0"})
+    assert ctx.env_floor_slots == 0
+    assert default_kv_params(ctx).floor_slots == 0
 
 
 def test_overrides_are_read_and_default_params_round_to_chunks():

@@ -153,7 +153,7 @@ def test_observers_receive_events_and_the_historic_start():
         "EngineInfo", "Grown", "EngineInfo", "Parked", "Parked"]
     assert {e.kind for e in EVENTS} == {
         "grown", "gave_up", "relocated", "trimmed", "refilled", "admitted", "evicted", "parked",
-        "restored", "request_finished"}
+        "restored", "request_started", "request_finished"}
 
 
 def test_events_reject_negative_counts():

@@ -2,8 +2,10 @@
 
 Each method asks the policy, turns an exception it raises into `PolicyError`, and runs the
 answer through `strata.books.validate`. The caller's own arguments are checked first: a bad
-one is the caller's bug (ValueError), not the policy's. `observe` is the hot path and is the
-policy's own bound method, uncalled through anything.
+one is the caller's bug (ValueError), not the policy's. A policy is handed its array arguments
+as `frozen` views (read-only for good), and the checker judges its answer against the arrays it
+kept. `observe` is the hot path: one call of the policy's own method inside a try, and the
+policy's default (which keeps no state) is called bare.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from strata._residency import frozen
 from strata.books import validate
 from strata.books.apply import GiveUpPlan
 from strata.policies.base import Policy
@@ -30,6 +33,36 @@ def _readonly_int32(values: Any) -> np.ndarray:
     return array
 
 
+# What a policy may raise that is its own fault: any error, and an exit it asked for itself
+# (a plugin's sys.exit() must not end the run as if it had succeeded). KeyboardInterrupt is the
+# user's, and propagates.
+POLICY_FAULTS = (Exception, SystemExit)
+
+
+def _raised(name: str, method: str, exc: BaseException) -> PolicyError:
+    return PolicyError(name, method, exc, f"raised {type(exc).__name__}: {exc}")
+
+
+def _checked_observe(policy: Policy, name: str) -> Callable[..., None]:
+    """The policy's `observe` as the engine and the simulator call it, once per layer per step:
+    an exception from it becomes a PolicyError naming the policy (a try costs nothing until it
+    raises), and it reads the routing through frozen views, since the caller goes on using the
+    arrays. The default `observe` does nothing and cannot raise, so it is returned bare."""
+    observe = policy.observe
+    if type(policy).observe is Policy.observe:
+        return observe
+
+    def checked_observe(view: ResidencyView, layer: int, expert_ids: Any, hit_mask: Any) -> None:
+        try:
+            observe(view, layer, frozen(expert_ids), frozen(hit_mask))
+        except PolicyError:
+            raise
+        except POLICY_FAULTS as exc:
+            raise _raised(name, "observe", exc) from exc
+
+    return checked_observe
+
+
 class CheckedPolicy:
     """A policy bound to the books it decides about, every answer checked."""
 
@@ -39,7 +72,7 @@ class CheckedPolicy:
         self.table = table
         self.view = ResidencyView(table)
         # The engine calls this per layer per step, directly.
-        self.observe = policy.observe
+        self.observe = _checked_observe(policy, self.name)
         # Whether `admit` can say anything but "nothing": if not, the engine need not ask.
         answering = type(getattr(policy, "inner", policy))
         self.admits = "admit" in answering.overrides()
@@ -49,10 +82,8 @@ class CheckedPolicy:
             return call()
         except PolicyError:
             raise
-        except Exception as exc:
-            raise PolicyError(
-                self.name, method, exc, f"raised {type(exc).__name__}: {exc}"
-            ) from exc
+        except POLICY_FAULTS as exc:
+            raise _raised(self.name, method, exc) from exc
 
     def kv_params(self, ctx: KvContext) -> KvParams:
         answer = self._ask("kv_params", lambda: self.policy.kv_params(ctx))
@@ -88,7 +119,7 @@ class CheckedPolicy:
         answer = self._ask("give_up", lambda: self.policy.give_up(view, n_chunks))
         slots, chunks = validate.check_give_up(view, self.name, n_chunks, answer)
         slots = _readonly_int32(slots)
-        answer = self._ask("relocate", lambda: self.policy.relocate(view, slots))
+        answer = self._ask("relocate", lambda: self.policy.relocate(view, frozen(slots)))
         moves = validate.check_relocate(view, self.name, slots, answer)
         return GiveUpPlan(n_chunks=n_chunks, slots=slots, moves=moves, chunks=chunks)
 
@@ -103,7 +134,7 @@ class CheckedPolicy:
                 raise ValueError(
                     f"free_slots {free.tolist()} must be distinct, backed, empty slots"
                 )
-        answer = self._ask("refill", lambda: self.policy.refill(self.view, free))
+        answer = self._ask("refill", lambda: self.policy.refill(self.view, frozen(free)))
         return validate.check_refill(self.view, self.name, free, answer)
 
     def admit(self, layer: int, missed_experts: Any) -> np.ndarray:
@@ -118,5 +149,5 @@ class CheckedPolicy:
                 raise ValueError(
                     f"missed_experts {missed.tolist()} must be ascending, distinct, non-resident"
                 )
-        answer = self._ask("admit", lambda: self.policy.admit(self.view, layer, missed))
+        answer = self._ask("admit", lambda: self.policy.admit(self.view, layer, frozen(missed)))
         return validate.check_admit(self.view, self.name, layer, missed, answer)

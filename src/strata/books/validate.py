@@ -7,6 +7,7 @@ naming the policy, the decision and the bad value. Nothing here changes the book
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,8 +30,9 @@ def _int_array(policy: str, method: str, decision: Any, ncols: int | None, what:
         raise PolicyError(policy, method, decision, f"returned None; want {what}")
     try:
         array = np.asarray(decision)
-    except (TypeError, ValueError) as exc:
-        raise PolicyError(policy, method, decision, f"want {what} ({exc})") from None
+    except Exception as exc:  # a policy's own sequence type may raise anything while read
+        raise PolicyError(policy, method, decision,
+                          f"want {what} ({type(exc).__name__}: {exc})") from None
     if array.size == 0:
         return empty
     if array.dtype.kind not in "iu":
@@ -203,36 +205,61 @@ def check_admit(
     return triples
 
 
+# KvParams' fields and the least each may be. The dataclass checks them when it is made, but a
+# policy can force a field past that (object.__setattr__), so the checker reads each again.
+KV_FIELDS = (("init_cells", 1), ("step_cells", 1), ("floor_slots", 0))
+
+
+def _kv_field(policy: str, decision: Any, field: str, lowest: int) -> int:
+    try:
+        value = getattr(decision, field)
+    except Exception as exc:
+        raise PolicyError(policy, "kv_params", decision,
+                          f"{field} cannot be read ({type(exc).__name__}: {exc})") from None
+    # A plain int, whatever int subclass the policy used (its own comparisons are not asked).
+    number = None if isinstance(value, bool) or not isinstance(value, int) else operator.index(
+        value)
+    if number is None or number < lowest:
+        raise PolicyError(policy, "kv_params", decision,
+                          f"{field} must be an integer >= {lowest}, got {value!r}")
+    return number
+
+
 def check_kv_params(ctx: KvContext, policy: str, decision: Any) -> KvParams:
+    """A new KvParams of plain ints, every field checked for type and range, cells in whole
+    chunks, `init_cells` within the window and `floor_slots` at most `top`."""
     method = "kv_params"
     if not isinstance(decision, KvParams):
         raise PolicyError(policy, method, decision, "want a KvParams")
+    init, step, floor = (_kv_field(policy, decision, field, lowest)
+                         for field, lowest in KV_FIELDS)
     per_chunk = ctx.cells_per_chunk
-    for field in ("init_cells", "step_cells"):
-        cells = getattr(decision, field)
+    for field, cells in (("init_cells", init), ("step_cells", step)):
         if cells % per_chunk:
             raise PolicyError(
                 policy, method, decision,
                 f"{field} {cells} is not whole chunks ({per_chunk} cells a chunk)",
             )
-    if decision.init_cells > ctx.max_mapped_cells:
+    if init > ctx.max_mapped_cells:
         raise PolicyError(policy, method, decision,
-                          f"init_cells {decision.init_cells} is past the window "
+                          f"init_cells {init} is past the window "
                           f"({ctx.max_mapped_cells} cells)")
-    if decision.floor_slots > ctx.top:
+    if floor > ctx.top:
         raise PolicyError(policy, method, decision,
-                          f"floor_slots {decision.floor_slots} is above top {ctx.top}")
-    return decision
+                          f"floor_slots {floor} is above top {ctx.top}")
+    # A copy: the policy keeps its own object, which it could still change.
+    return KvParams(init_cells=init, step_cells=step, floor_slots=floor)
 
 
 def check_kv_target(policy: str, need_cells: int, decision: Any) -> int:
     method = "kv_target"
     if isinstance(decision, bool) or not isinstance(decision, int | np.integer):
         raise PolicyError(policy, method, decision, "want an int number of cells")
-    if decision < need_cells:
-        raise PolicyError(policy, method, int(decision),
-                          f"{int(decision)} cells do not cover the {need_cells} needed")
-    return int(decision)
+    cells = operator.index(decision)  # a plain int, whatever int type the policy used
+    if cells < need_cells:
+        raise PolicyError(policy, method, cells,
+                          f"{cells} cells do not cover the {need_cells} needed")
+    return cells
 
 
 _CHECKS = {

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from strata.cli.errors import UsageError
 from strata.cli.policies import add_policy_arguments, policy_from_args
 from strata.engine.cache.defaults import DEFAULT_SHORT_READ
+from strata.machine import available_cpus
 from strata.policies.registry import DEFAULT_POLICY
 
 if TYPE_CHECKING:
@@ -151,6 +152,10 @@ def cache_config_from_args(
         value = getattr(args, dest)
         if value is not None and value < 1:
             raise UsageError(f"{CACHE_FLAGS[dest]} must be >= 1, got {value}")
+    cpus = available_cpus()
+    if args.cpu_threads is not None and args.cpu_threads > cpus:
+        raise UsageError(f"--cpu-threads {args.cpu_threads} is more than the {cpus} CPUs this "
+                         f"process may run on; give at most {cpus}")
     if args.stream_misses is not None and not 0 <= args.stream_misses <= config.top_k:
         raise UsageError(f"--stream-misses must be in [0, {config.top_k}] (a decode layer misses "
                          f"at most the model's {config.top_k} experts a token), got "
@@ -192,7 +197,8 @@ def _profile_rank(args: argparse.Namespace, config: ModelConfig):
     profile = None
     if args.expert_profile is not None:
         try:
-            profile = load_profile(args.expert_profile)
+            profile = load_profile(args.expert_profile,
+                                   expect=(config.n_layers, config.n_experts))
             profile.check(config)
         except (OSError, ProfileError) as err:
             reason = getattr(err, "strerror", None) or err

@@ -25,6 +25,8 @@ from strata.cli.cache_options import (
 )
 from strata.cli.device import parse_device, torch_dtype
 from strata.cli.errors import UsageError
+from strata.cli.prompt_text import read_prompt
+from strata.formats.jsonfile import read_json
 
 # The engine (and torch) are imported in `run`'s helpers, so that building the parser is quick.
 if TYPE_CHECKING:
@@ -113,18 +115,7 @@ def _as_flags(message: str) -> str:
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
-    if args.prompt is not None and args.prompt_file is not None:
-        raise UsageError("give the prompt as an argument or with --prompt-file, not both")
-    if args.prompt is not None:
-        return args.prompt
-    if args.prompt_file is not None:
-        try:
-            return Path(args.prompt_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise UsageError(f"--prompt-file {args.prompt_file}: {err}") from None
-    if sys.stdin.isatty():
-        raise UsageError('no prompt: give one as an argument, --prompt-file PATH, or on stdin')
-    return sys.stdin.read()
+    return read_prompt(args.prompt, args.prompt_file, max_context=args.max_context)
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -155,9 +146,11 @@ def _stop_ids(
     generation_config = model_dir / "generation_config.json"
     if generation_config.is_file():
         try:
-            eos = json.loads(generation_config.read_text()).get("eos_token_id")
-        except (OSError, json.JSONDecodeError):
-            eos = None  # optional file: a broken one only loses its stop ids
+            document = read_json(generation_config, what="generation_config.json",
+                                 error=UsageError)
+        except UsageError:
+            document = None  # optional file: a broken one only loses its stop ids
+        eos = document.get("eos_token_id") if isinstance(document, dict) else None
         if isinstance(eos, int):
             ids.add(eos)
         elif isinstance(eos, list):
@@ -262,6 +255,10 @@ def _load(
         else:
             prompt_ids = tokenizer.encode(text)
         check_prompt(prompt_ids, options, config.vocab_size)
+        if options.top_k > config.vocab_size:
+            raise UsageError(f"--top-k {options.top_k} is more than the model's vocabulary of "
+                             f"{config.vocab_size} tokens; give at most {config.vocab_size} "
+                             "(0: off)")
         cache = cache_config_from_args(
             args, config, runtime_dtype(config, dtype), device,
             max_context=options.max_context, prefill_chunk=options.prefill_chunk,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from strata import __version__
 from strata.cli.errors import UsageError
@@ -24,6 +25,7 @@ from strata.settings import SettingError
 # that takes the parsed namespace and returns an exit status. Listed in the order of `--help`.
 COMMAND_MODULES: tuple[str, ...] = (
     "strata.cli.generate",
+    "strata.cli.chat",
     "strata.cli.profile",
     "strata.cli.policies",
     "strata.cli.simulate",
@@ -46,9 +48,18 @@ BAD_INPUT: tuple[type[Exception], ...] = (
 TRACE_HINT = "STRATA_TRACE_PLUGINS=1 prints every decision"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors (an unknown option, `--max-context 1e12` for an
+    integer) are one line like every other bad input, exit status 2; the usage is one `--help`
+    away. Subcommands' parsers are of the same class (argparse makes them as their parent)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `strata` parser, with every command of COMMAND_MODULES."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="strata",
         description=(
             "Run Mixture-of-Experts language models larger than the GPU: experts live in host "

@@ -25,6 +25,7 @@ from strata.cli.cache_options import (
 )
 from strata.cli.device import parse_device, torch_dtype
 from strata.cli.errors import UsageError
+from strata.cli.prompt_text import read_text_file
 
 # The engine (and torch) are imported inside the functions `run` calls, so that building the
 # parser is quick.
@@ -78,10 +79,7 @@ def read_prompts(path: str | Path) -> list[str]:
             file holds no prompt.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"--prompts {path}: {getattr(err, 'strerror', None) or err}") from None
+    text = read_text_file(str(path), flag="--prompts")
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -91,8 +89,10 @@ def read_prompts(path: str | Path) -> list[str]:
             continue
         try:
             value = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"--prompts {path}:{number}: not JSON ({err.msg})") from None
+        except (ValueError, RecursionError) as err:  # not JSON, nested too deep, or 4300 digits
+            reason = getattr(err, "msg", None) or (
+                "nested too deeply" if isinstance(err, RecursionError) else "a number too long")
+            raise UsageError(f"--prompts {path}:{number}: not JSON ({reason})") from None
         if isinstance(value, dict):
             value = value.get("prompt", value.get("text"))
         if not isinstance(value, str) or not value:

@@ -14,6 +14,7 @@ import numpy as np
 from strata.cli.errors import UsageError
 from strata.cli.policies import policy_from_args
 from strata.cli.trace import read_trace
+from strata.formats.npz import open_npz
 from strata.formats.trace import FORMAT, Trace, TraceError, load_trace
 from strata.policies import PolicyError
 from strata.policies.kv_params import DEFAULT_FLOOR_SLOTS
@@ -162,15 +163,11 @@ def _profile(args: argparse.Namespace, trace: Trace) -> tuple[np.ndarray | None,
         return trace.routing_counts(), "self (the trace's own counts: static = oracle static)"
     if args.profile == "none":
         return None, "none (the cache starts empty)"
+    want = (trace.n_layers, trace.n_experts)
     try:
-        with np.load(args.profile, allow_pickle=False) as z:
-            files = set(z.files)
-            is_trace = "format" in files and str(z["format"]) == FORMAT
-            counts = None if is_trace or "counts" not in files else z["counts"]
+        is_trace, counts = _profile_counts(args.profile, want)
     except FileNotFoundError:
         raise UsageError(f"--profile: no file at {args.profile}") from None
-    except Exception as exc:
-        raise UsageError(f"--profile {args.profile} is not a readable .npz: {exc}") from None
     if is_trace:
         try:
             counts = load_trace(args.profile).routing_counts()
@@ -179,13 +176,30 @@ def _profile(args: argparse.Namespace, trace: Trace) -> tuple[np.ndarray | None,
     elif counts is None:
         raise UsageError(f"--profile {args.profile} is neither a trace nor an .npz with "
                          "'counts' [L, E]")
-    want = (trace.n_layers, trace.n_experts)
     if counts.shape != want or counts.dtype.kind not in "iuf" or not np.isfinite(counts).all() \
             or (counts < 0).any():
         raise UsageError(f"--profile {args.profile}: counts must be finite, >= 0 and of shape "
                          f"{want} (the trace's layers and experts), got {counts.dtype} "
                          f"{counts.shape}")
     return counts, args.profile
+
+
+def _profile_counts(path: str, want: tuple[int, int]) -> tuple[bool, np.ndarray | None]:
+    """(whether `path` is a routing trace, its 'counts' array or None), through the one .npz
+    reader: counts of another shape than `want` are refused before they are read."""
+    with open_npz(path, short="profile", error=UsageError) as npz:
+        header = npz.members.get("format")
+        if header is not None and header.shape == () and header.dtype.kind == "U" \
+                and str(npz.read("format")) == FORMAT:
+            return True, None
+        counts = npz.members.get("counts")
+        if counts is None:
+            return False, None
+        if counts.shape != want:
+            raise UsageError(f"--profile {path}: counts must be finite, >= 0 and of shape "
+                             f"{want} (the trace's layers and experts), got {counts.dtype} "
+                             f"{counts.shape}")
+        return False, npz.read("counts")
 
 
 def _progress(args: argparse.Namespace, total: int):

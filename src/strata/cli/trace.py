@@ -7,6 +7,7 @@ import json
 
 from strata.cli.errors import UsageError
 from strata.formats.trace import TraceError, load_trace, save_trace
+from strata.machine import bytes_text, host_limit
 from strata.sim.synth import KINDS, SynthSpec, synth_trace
 
 
@@ -43,6 +44,7 @@ def run_synth(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    _check_synth_size(spec)
     trace = synth_trace(spec)
     try:
         save_trace(trace, args.out)
@@ -52,6 +54,21 @@ def run_synth(args: argparse.Namespace) -> int:
           f"{trace.n_tokens} tokens, {trace.n_accesses} accesses "
           f"({trace.n_layers} layers x top-{trace.top_k} of {trace.n_experts})")
     return 0
+
+
+def _check_synth_size(spec: SynthSpec) -> None:
+    """UsageError, with the figure and the host's limit, for a trace too large to make: its
+    routing ids (int32 [N, L, K], then int16 to write), two Python list entries a step, and
+    the experts' popularity draws (float64 and int64 [L, E]), at the most tokens it may hold."""
+    tokens = spec.n_requests * (spec.prompt_tokens[1] + spec.decode_tokens[1])
+    need = tokens * (spec.n_layers * spec.top_k * 6 + 16) + spec.n_layers * spec.n_experts * 24
+    limit = host_limit()
+    if need > limit.nbytes:
+        raise UsageError(
+            f"a trace of up to {tokens:,} tokens x {spec.n_layers} layers x top-{spec.top_k} of "
+            f"{spec.n_experts} experts needs about {bytes_text(need)}, more than {limit}; "
+            "lower --requests, --prompt-tokens, --decode-tokens, --layers or --experts"
+        )
 
 
 def run_info(args: argparse.Namespace) -> int:

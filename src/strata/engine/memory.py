@@ -13,8 +13,28 @@ from contextlib import contextmanager
 import torch
 
 from strata import _vmm, settings
+from strata.machine import MemoryLimit, host_limit
 
-__all__ = ["device_backend", "given_or_own_backend"]
+__all__ = ["backend_limit", "device_backend", "given_or_own_backend", "memory_limit"]
+
+
+def memory_limit(device: str | torch.device) -> MemoryLimit:
+    """The most memory `device` has: the GPU's total memory on CUDA, `strata.machine.
+    host_limit` on the CPU (the host backend maps host memory). What would be mapped is checked
+    against it before it is mapped."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host_limit()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _, total = torch.cuda.mem_get_info(index)
+    return MemoryLimit(int(total), f"the memory of cuda:{index}")
+
+
+def backend_limit(backend: _vmm.Backend) -> MemoryLimit:
+    """`memory_limit` of the device whose memory `backend` maps."""
+    if isinstance(backend, _vmm.CudaBackend):
+        return memory_limit(torch.device("cuda", backend.device))
+    return host_limit()
 
 
 def device_backend(

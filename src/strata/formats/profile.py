@@ -22,13 +22,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from strata.formats.npz import npz_scalar, read_npz, write_npz
+from strata.formats.npz import Member, npz_scalar, read_npz, write_npz
 
 __all__ = [
     "FORMAT",
@@ -294,8 +294,32 @@ def _json_field(path: str, data: Mapping[str, np.ndarray], name: str) -> dict[st
     return value
 
 
-def load_profile(path: str | os.PathLike[str]) -> Profile:
-    """Read and check a profile written by `save_profile`.
+def _shape_check(path: str, expect: tuple[int, int] | None) -> Callable[[Mapping[str, Member]],
+                                                                          None]:
+    """The check of a profile's headers, before any array is read: counts and rank [L, E]
+    (`expect`'s, when given), every other field a scalar."""
+
+    def check(members: Mapping[str, Member]) -> None:
+        for name, member in members.items():
+            want = 2 if name in ("counts", "rank") else 0
+            if len(member.shape) != want:
+                raise ProfileError(f"{path}: {name} must be {'[L, E]' if want else 'a scalar'}, "
+                                   f"got shape {list(member.shape)}")
+        shapes = {members[name].shape for name in ("counts", "rank") if name in members}
+        if expect is not None and shapes and shapes != {expect}:
+            raise ProfileError(
+                f"{path}: the profile is for a model of {' / '.join(map(str, shapes))} (layers, "
+                f"experts), this model has {expect}")
+        if len(shapes) > 1:
+            raise ProfileError(f"{path}: counts and rank must have one shape, got {shapes}")
+
+    return check
+
+
+def load_profile(path: str | os.PathLike[str], *, expect: tuple[int, int] | None = None
+                 ) -> Profile:
+    """Read and check a profile written by `save_profile`; with `expect` (the model's
+    (n_layers, n_experts)), a profile of another shape is refused before its arrays are read.
 
     Raises:
         FileNotFoundError: no file at `path`.
@@ -304,7 +328,8 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
             the path and the problem.
     """
     path = os.fspath(path)
-    data = read_npz(path, fmt=FORMAT, short="profile", long="expert profile", error=ProfileError)
+    data = read_npz(path, fmt=FORMAT, short="profile", long="expert profile", error=ProfileError,
+                    fields=_FIELDS, check=_shape_check(path, expect))
     version = _scalar(path, data, "version", "iu") if "version" in data else None
     if version != VERSION:
         raise ProfileError(

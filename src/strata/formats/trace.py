@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.formats.npz import npz_scalar, read_npz, write_npz
+from strata.formats.npz import Member, npz_scalar, read_npz, write_npz
 from strata.formats.trace_check import DECODE, PROMPT, TraceError, check_stored_dtypes
 from strata.formats.trace_data import FORMAT, PHASES, VERSION, Trace
 
@@ -89,7 +89,8 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
             problem.
     """
     path = os.fspath(path)
-    data = read_npz(path, fmt=FORMAT, short="trace", long="routing trace", error=TraceError)
+    data = read_npz(path, fmt=FORMAT, short="trace", long="routing trace", error=TraceError,
+                    fields=(*_FIELDS, "router_weights"), check=lambda m: _check_shapes(path, m))
     missing = [name for name in _FIELDS if name not in data]
     if missing:
         raise TraceError(f"{path}: the fields {missing} are missing")
@@ -116,6 +117,29 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
         )
     except TraceError as exc:
         raise TraceError(f"{path}: {exc}") from None
+
+
+def _check_shapes(path: str, members: Mapping[str, Member]) -> None:
+    """The shapes of a trace's arrays, from their headers, before any is read: every array is
+    no larger than expert_ids [N, L, K] makes it (S <= N steps, R <= S requests)."""
+    dims = {"expert_ids": "[N, L, K]", "router_weights": "[N, L, K]",
+            "step_offsets": "[S + 1]", "step_phase": "[S]", "request_offsets": "[R + 1]"}
+    for name, member in members.items():
+        if len(member.shape) != dims.get(name, "").count(",") + (name in dims):
+            raise TraceError(f"{path}: {name} must be {dims.get(name, 'a scalar')}, got shape "
+                             f"{list(member.shape)}")
+    if "expert_ids" not in members:
+        return
+    ids = members["expert_ids"].shape
+    weights = members.get("router_weights")
+    if weights is not None and weights.shape != ids:
+        raise TraceError(f"{path}: router_weights must be of expert_ids' shape {list(ids)}, "
+                         f"got {list(weights.shape)}")
+    for name in ("step_offsets", "step_phase", "request_offsets"):
+        if name in members and members[name].shape[0] > ids[0] + 1:
+            raise TraceError(f"{path}: {name} has {members[name].shape[0]:,} entries, more than "
+                             f"the {ids[0]:,} tokens of expert_ids allow (each step holds one "
+                             "token or more)")
 
 
 def _phase_code(phase: str | int) -> int:

@@ -73,10 +73,11 @@ class KvContext:
         _require_int("floor_slots", self.floor_slots, 0)
         if self.top > self.n_slots:
             raise ValueError(f"top {self.top} is past the last slot (n_slots {self.n_slots})")
-        for name in ("env_init_cells", "env_step_cells", "env_floor_slots"):
+        for name, lowest in (("env_init_cells", 1), ("env_step_cells", 1),
+                             ("env_floor_slots", 0)):
             value = getattr(self, name)
             if value is not None:
-                _require_int(name, value, 1)
+                _require_int(name, value, lowest)
 
     @property
     def max_mapped_cells(self) -> int:

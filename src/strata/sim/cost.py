@@ -16,7 +16,6 @@ engine measured them (a JSON file with `device_gbps`, `host_gbps`, `pcie_gbps`).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from strata.formats.jsonfile import read_json
 from strata.formats.trace import DECODE, PROMPT
 from strata.sim.result import ReplayResult
 
@@ -50,9 +50,8 @@ class Bandwidths:
     def from_json(cls, path: str | os.PathLike[str]) -> Bandwidths:
         """Read `{"device_gbps": .., "host_gbps": .., "pcie_gbps": ..}` (other keys ignored)."""
         try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
+            data = read_json(path, what="bandwidths", error=ValueError)
+        except ValueError as exc:
             raise ValueError(f"cannot read bandwidths from {os.fspath(path)}: {exc}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{os.fspath(path)}: want a JSON object with {BANDWIDTH_KEYS}")

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from strata.books import CheckedPolicy
+from strata.books.checked import POLICY_FAULTS
 from strata.policies import Policy, PolicyError
 from strata.policies.base import REPLAY_KERNELS, KernelState, LfuState, LruState, SieveState
 from strata.sim import _kernels
@@ -49,7 +50,7 @@ def _ask(name: str, method: str, call: Callable[[], Any]) -> Any:
         return call()
     except PolicyError:
         raise
-    except Exception as exc:
+    except POLICY_FAULTS as exc:
         raise PolicyError(name, method, exc, f"raised {type(exc).__name__}: {exc}") from exc
 
 

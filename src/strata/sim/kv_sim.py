@@ -139,17 +139,27 @@ class KvSim:
         result.events["grows"] += 1
 
     def _trim(self, target: int, first_step: int, result: ReplayResult) -> None:
+        """Hand chunks back and refill, all or nothing, as the engine does: the refill is asked
+        with the chunks mapped (the slots they complete are what it fills), so if it raises or
+        cannot be applied the chunks are unmapped again before the error propagates, and the
+        K/V's figures and the counts change only once both have succeeded."""
         table = self.checked.table
         back = self.config.chunks_for(self.mapped_cells) - self.config.chunks_for(target)
         holes = np.flatnonzero(~table.chunk_mapped).astype(np.int32)[:back]
         if holes.size:
             table.mark_chunks(holes, True)
+        try:
+            free_slots = self.checked.view.empty_slots(0, table.n_slots)
+            placements = (self.checked.refill(free_slots) if free_slots.size
+                          else np.empty((0, 3), np.int64))
+            apply_refill(table, placements)
+        except BaseException:
+            if holes.size:
+                table.mark_chunks(holes, False)
+            raise
         self.free_chunks += back - holes.size
         self.mapped_cells = target
         result.events["trims"] += 1
-        free_slots = self.checked.view.empty_slots(0, table.n_slots)
-        if free_slots.size:
-            placements = self.checked.refill(free_slots)
-            apply_refill(table, placements)
+        if placements.size:
             result.events["refills"] += int(placements.shape[0])
             result.steps.uploads[first_step] += placements.shape[0]

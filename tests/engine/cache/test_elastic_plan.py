@@ -46,11 +46,15 @@ def test_requested_by_the_flag_or_the_environment():
         kv_grow_requested(False, {ENV_KV_GROW: "yes"})
 
 
-@pytest.mark.parametrize("name", ["STRATA_KV_GROW_INIT", "STRATA_KV_GROW_STEP",
-                                  "STRATA_KV_GROW_FLOOR"])
-@pytest.mark.parametrize("value", ["0", "-5", "1.5", "lots"])
-def test_an_environment_value_that_is_not_a_positive_integer_is_named(cfg, name, value):
-    with pytest.raises(ValueError, match=f"{name}='{value}': want a positive integer"):
+@pytest.mark.parametrize(("name", "value", "want"), [
+    *[(name, value, "a positive integer") for name in ("STRATA_KV_GROW_INIT",
+                                                       "STRATA_KV_GROW_STEP")
+      for value in ("0", "-5", "1.5", "lots")],
+    # A floor is slots: 0 of them is a floor, a negative count is not.
+    *[("STRATA_KV_GROW_FLOOR", value, "an integer >= 0") for value in ("-5", "1.5", "lots")],
+])
+def test_a_bad_environment_value_is_named(cfg, name, value, want):
+    with pytest.raises(ValueError, match=f"{name}='{value}': want {want}"):
         _plan(cfg, {name: value})
 
 

@@ -8,7 +8,9 @@ exactly what holds every expert. `--vram-reserve-mib` is what stays free of it (
 on CUDA, 0 on the CPU). `--expert-cache auto` gives the arena whatever is left, in whole slots
 (and whole chunks of the memory backend), at most one slot per expert; `--expert-cache N` asks
 for N MiB, capped by what is left. Every figure is computed from the model's config, before
-anything is loaded, so a budget that is too small is refused at once.
+anything is loaded, so a budget that is too small is refused at once; and so is what could never
+fit the machine (`check_machine`): a K/V window larger than the device's memory (the host's RAM
+on the CPU), or a budget or reserve larger than the device.
 """
 
 from __future__ import annotations
@@ -19,14 +21,17 @@ from dataclasses import dataclass
 import torch
 
 from strata.engine.experts.grouped import copies_weights
+from strata.engine.memory import memory_limit
 from strata.engine.model import families
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.layers import ATTENTION_PIECE_TOKENS
+from strata.machine import bytes_text
 
 __all__ = [
     "DEFAULT_RESERVE_MIB",
     "MIB",
     "CacheBudget",
+    "check_machine",
     "dense_bytes",
     "device_free_bytes",
     "gathered_bytes",
@@ -194,20 +199,28 @@ class CacheBudget:
         return min(whole_chunks // self.slot_bytes, self.total_experts)
 
     @property
+    def asked_slots(self) -> int | None:
+        """The slots `--expert-cache N` asks for, at most one per expert (None: auto). Compared
+        as a float first: N may be far beyond any machine (1e308 MiB is capped, not an
+        overflow)."""
+        if self.expert_cache_mib is None:
+            return None
+        asked_bytes = self.expert_cache_mib * MIB
+        if asked_bytes >= self.total_experts * self.slot_bytes:
+            return self.total_experts
+        return int(asked_bytes) // self.slot_bytes
+
+    @property
     def n_slots(self) -> int:
         """The slots of the arena: `auto_slots`, or the asked-for MiB capped by it."""
-        if self.expert_cache_mib is None:
-            return self.auto_slots
-        asked = int(self.expert_cache_mib * MIB) // self.slot_bytes
-        return min(asked, self.auto_slots)
+        asked = self.asked_slots
+        return self.auto_slots if asked is None else min(asked, self.auto_slots)
 
     @property
     def capped(self) -> bool:
         """True when `--expert-cache N` asked for more slots than the budget leaves."""
-        if self.expert_cache_mib is None:
-            return False
-        asked = min(int(self.expert_cache_mib * MIB) // self.slot_bytes, self.total_experts)
-        return asked > self.auto_slots
+        asked = self.asked_slots
+        return asked is not None and asked > self.auto_slots
 
     @property
     def arena_bytes(self) -> int:
@@ -275,6 +288,8 @@ def plan_budget(
                         ("--expert-cache", expert_cache_mib)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{flag} must be a number of MiB >= 0, got {value!r}")
+    check_machine(cfg, dtype, device, chunk_bytes=chunk_bytes, max_context=max_context,
+                  budget_mib=budget_mib, reserve_mib=reserve_mib)
     if reserve_mib is None:
         reserve_mib = DEFAULT_RESERVE_MIB.get(device.type, 0.0)
     parts = {
@@ -298,3 +313,33 @@ def plan_budget(
         total_experts=total_experts, expert_cache_mib=expert_cache_mib, budget_source=source,
         **parts,
     )
+
+
+def check_machine(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    chunk_bytes: int,
+    max_context: int,
+    budget_mib: float | None = None,
+    reserve_mib: float | None = None,
+) -> None:
+    """ValueError, with the figure and the machine's limit, for what could never fit `device`
+    (`memory_limit`: the GPU's memory, or the host's RAM on the CPU): a K/V window whose every
+    cell could not be mapped, or a budget or reserve larger than the device. Checked before
+    anything is sized from them."""
+    limit = memory_limit(device)
+    cell_bytes = cfg.n_kv_heads * cfg.head_dim * _itemsize(dtype)
+    window = kv_bytes(cfg, max_context, dtype, chunk_bytes)
+    if window > limit.nbytes:
+        fit = limit.nbytes // (2 * cfg.n_layers) // chunk_bytes * chunk_bytes // cell_bytes
+        raise ValueError(
+            f"the K/V window of {max_context:,} cells needs {bytes_text(window)} "
+            f"({cfg.n_layers} layers x K and V x {cell_bytes} bytes a cell), more than {limit}; "
+            f"at most {fit:,} cells fit"
+        )
+    for flag, mib in (("--vram-budget-mib", budget_mib), ("--vram-reserve-mib", reserve_mib)):
+        if mib is not None and mib * MIB > limit.nbytes:
+            raise ValueError(f"{flag} {mib:g} is more than {limit.what} "
+                             f"({limit.nbytes / MIB:,.0f} MiB); give at most that")

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from strata import _vmm
-from strata.engine.memory import device_backend
+from strata.engine.memory import backend_limit, device_backend
+from strata.machine import bytes_text
 
 __all__ = ["KVCache", "new_kv"]
 
@@ -62,6 +63,14 @@ class KVCache:
         # Each segment spans whole chunks so that it starts on a chunk boundary.
         self.segment_chunks = -(-max_cells * self.cell_bytes // self.chunk_bytes)
         self.segment_bytes = self.segment_chunks * self.chunk_bytes
+        limit = backend_limit(backend)
+        if 2 * n_layers * self.segment_bytes > limit.nbytes:
+            # Every cell of the window may be mapped: one that could never be is refused
+            # before anything is reserved.
+            raise ValueError(
+                f"a K/V of {max_cells:,} cells needs "
+                f"{bytes_text(2 * n_layers * self.segment_bytes)}, more than {limit}"
+            )
         self._range = backend.reserve(2 * n_layers * self.segment_bytes)
         self._mapped_chunks = 0  # per segment: chunks [0, _mapped_chunks) are mapped
         self._k: list[torch.Tensor] = []

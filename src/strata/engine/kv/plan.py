@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from strata import _vmm
+from strata.books.checked import POLICY_FAULTS
 from strata.books.validate import check_kv_params
 from strata.engine.cache.budget import CacheBudget, size_text
 from strata.engine.cache.build import CacheConfig, plan_cache
@@ -89,7 +90,7 @@ def ask_kv_params(policy: Policy, ctx: KvContext) -> KvParams:
         answer = policy.kv_params(ctx)
     except PolicyError:
         raise
-    except Exception as exc:
+    except POLICY_FAULTS as exc:
         raise PolicyError(name, "kv_params", exc, f"raised {type(exc).__name__}: {exc}") from exc
     return check_kv_params(ctx, name, answer)
 

@@ -1,7 +1,8 @@
 """Reading a Hugging Face checkpoint directory: `config.json` and memory-mapped safetensors.
 
 `Checkpoint.open` checks everything it can before any weight is read: the config, that every
-file opens, and that every tensor the family needs is there with the shape `config.json` implies.
+file lies inside the directory and opens, and that every tensor the family needs is there with
+the shape `config.json` implies (`strata.engine.model.weight_files`).
 A failure is one `CheckpointError` line saying what was wrong (the CLI turns it into exit
 status 2). Tensors are read lazily from the memory-mapped files, one at a time.
 """
@@ -9,26 +10,28 @@ status 2). Tensors are read lazily from the memory-mapped files, one at a time.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from strata.engine.experts.store import ExpertStore
 from strata.engine.model import families
-from strata.engine.model.config import DTYPES, CheckpointError, ModelConfig, read_config_json
+from strata.engine.model.config import CheckpointError, ModelConfig, read_config_json
+from strata.engine.model.weight_files import (
+    INDEX_NAME,
+    SAFETENSORS_DTYPE_NAMES,
+    check_tensors,
+    weight_files,
+)
 
-__all__ = ["Checkpoint", "CheckpointError", "expert_store"]
+__all__ = ["INDEX_NAME", "Checkpoint", "CheckpointError", "expert_store"]
 
-INDEX_NAME = "model.safetensors.index.json"
-# safetensors' dtype tags of the float dtypes a checkpoint may hold.
+# safetensors' dtype tags of the float dtypes a checkpoint may hold, as torch's.
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
+    tag: getattr(torch, name) for tag, name in SAFETENSORS_DTYPE_NAMES.items()
 }
 
 
@@ -52,11 +55,10 @@ class Checkpoint:
         """Open and check `path`; `CheckpointError` with one line saying what was wrong."""
         directory = Path(path)
         hf = read_config_json(directory)
-        config = ModelConfig.from_hf(hf)
-        files, locations = _open_files(directory)
-        expected = families.expected_tensors(config)
-        for name, shape in expected.items():
-            _check_tensor(directory, files, locations, name, shape)
+        config = ModelConfig.from_hf(hf, source=str(directory / "config.json"))
+        found = weight_files(directory)
+        check_tensors(config, found)
+        files, locations = found.handles, found.locations
         if not ("dtype" in hf or "torch_dtype" in hf):
             # No dtype in config.json: the checkpoint's own tensors say what it is.
             embed = families.family(config.family).global_names(config)["embed"]
@@ -91,78 +93,6 @@ class Checkpoint:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
-
-
-def _open_files(directory: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """Open every shard; return file name -> handle and tensor name -> file name."""
-    index_path = directory / INDEX_NAME
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(
-                f"{index_path} is not a safetensors index (a JSON object with a weight_map): "
-                f"{_one_line(err)}"
-            ) from None
-        file_names = sorted(set(weight_map.values()))
-    else:
-        weight_map = None
-        file_names = sorted(p.name for p in directory.glob("*.safetensors"))
-        if not file_names:
-            raise CheckpointError(f"no *.safetensors files (and no {INDEX_NAME}) in {directory}")
-    files: dict[str, Any] = {}
-    locations: dict[str, str] = {}
-    for file_name in file_names:
-        file_path = directory / file_name
-        if not file_path.is_file():
-            raise CheckpointError(f"{file_path} is missing ({INDEX_NAME} lists it)")
-        try:
-            handle = safe_open(str(file_path), framework="pt")
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(
-                f"{file_path} is truncated or not a safetensors file: {_one_line(err)}"
-            ) from None
-        files[file_name] = handle
-        for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            locations.setdefault(name, file_name)
-    if weight_map is not None:
-        # The index decides where each tensor lives; a tensor the index places in a file that
-        # lacks it is reported when it is needed (see _check_tensor).
-        locations = dict(weight_map)
-    return files, locations
-
-
-def _check_tensor(
-    directory: Path,
-    files: dict[str, Any],
-    locations: dict[str, str],
-    name: str,
-    shape: tuple[int, ...],
-) -> None:
-    file_name = locations.get(name)
-    if file_name is None:
-        where = INDEX_NAME if (directory / INDEX_NAME).is_file() else ", ".join(sorted(files))
-        raise CheckpointError(f"tensor {name!r} is missing from {where} in {directory}")
-    handle = files[file_name]
-    try:
-        info = handle.get_slice(name)
-    except SafetensorError:
-        raise CheckpointError(
-            f"tensor {name!r} is missing from {directory / file_name} "
-            f"({INDEX_NAME} places it there)"
-        ) from None
-    found = tuple(info.get_shape())
-    if found != shape:
-        raise CheckpointError(
-            f"tensor {name!r} in {directory / file_name} has shape {list(found)}, but "
-            f"config.json implies {list(shape)}"
-        )
-    dtype = info.get_dtype()
-    if dtype not in SAFETENSORS_DTYPES:
-        raise CheckpointError(
-            f"tensor {name!r} in {directory / file_name} has dtype {dtype}; supported: "
-            f"{', '.join(SAFETENSORS_DTYPES)} ({', '.join(DTYPES)})"
-        )
 
 
 def expert_store(

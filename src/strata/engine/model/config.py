@@ -18,6 +18,13 @@ from typing import Any
 import torch
 
 from strata.engine.model import families
+from strata.engine.model.errors import CheckpointError
+from strata.engine.model.families._fields import INT_MAX, FieldError, Fields
+from strata.engine.model.weight_files import check_tensors, weight_files
+from strata.formats.jsonfile import json_repr, json_type, read_json_object
+
+__all__ = ["DTYPES", "QK_NORMS", "SUPPORTED_FAMILIES", "CheckpointError", "ModelConfig",
+           "dtype_name", "read_config_json"]
 
 # The HF `model_type`s this engine runs.
 SUPPORTED_FAMILIES: tuple[str, ...] = families.SUPPORTED_FAMILIES
@@ -29,14 +36,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 QK_NORMS = ("none", "full", "head")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message is one line saying what was wrong.
-
-    Raised for a missing or unreadable `config.json` or safetensors file, a missing tensor, a
-    shape that disagrees with `config.json`, and an unsupported `model_type`.
-    """
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -150,28 +149,31 @@ class ModelConfig:
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict; `CheckpointError` says what was wrong."""
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_FAMILIES:
-            raise CheckpointError(
-                f"unsupported model_type {model_type!r} in config.json; "
-                f"supported: {', '.join(SUPPORTED_FAMILIES)}"
-            )
+    def from_hf(cls, hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict, every field the family reads checked
+        for type and range first; `CheckpointError` names `source` and the field."""
+        if not isinstance(hf, dict):
+            raise CheckpointError(f"{source} must hold a JSON object, got {json_type(hf)}")
+        fields = Fields(hf)
         try:
+            model_type = fields.text("model_type", choices=SUPPORTED_FAMILIES)
             # The family's fields win: OLMoE, for one, sizes its heads its own way.
-            fields = _common_fields(hf)
-            fields.update(families.family(model_type).config_fields(hf))
-            return cls(family=model_type, **fields)
-        except (ValueError, TypeError, KeyError) as err:
-            if isinstance(err, CheckpointError):
-                raise
-            raise CheckpointError(f"config.json ({model_type}): {_one_line(err)}") from None
+            values = _common_fields(fields)
+            values.update(families.family(model_type).config_fields(fields))
+            _check_together(fields, values)
+        except FieldError as err:
+            raise CheckpointError(f"{source}: {err}") from None
+        return cls(family=model_type, **values)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Read `<path>/config.json`."""
-        return cls.from_hf(read_config_json(path))
+        """Read `<path>/config.json`, and check it against the weights files there: every
+        tensor it implies, by name, shape and dtype, from the files' headers (no weight is
+        read), so that nothing is sized from a config its weights do not bear out."""
+        directory = Path(path)
+        config = cls.from_hf(read_config_json(directory), source=str(directory / "config.json"))
+        check_tensors(config, weight_files(directory))
+        return config
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
@@ -182,58 +184,59 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"no config.json in {str(directory)!r}")
-    try:
-        hf = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{config_path} is not readable JSON: {_one_line(err)}") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{config_path} must hold a JSON object, got {type(hf).__name__}")
-    return hf
+    return read_json_object(config_path, what="config.json", error=CheckpointError)
 
 
-def _one_line(err: BaseException) -> str:
-    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-    if isinstance(err, KeyError):
-        text = f"missing field {text!r}"
-    return " ".join(text.split())
-
-
-def _common_fields(hf: dict[str, Any]) -> dict[str, Any]:
+def _common_fields(fields: Fields) -> dict[str, Any]:
     """The fields every family spells the same way."""
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
+    fields.text("hidden_act", choices=("silu",), default="silu")
     # Without a dtype field the checkpoint's tensors decide (see Checkpoint.open).
-    dtype_key = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
-    if dtype_key not in DTYPES:
-        raise ValueError(f"dtype {dtype_key!r} is not supported; supported: {', '.join(DTYPES)}")
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = tuple(int(i) for i in eos)
+    dtype_key = fields.text(fields.first("dtype", "torch_dtype"), choices=DTYPES,
+                            default="bfloat16", optional=True)
+    vocab_size = fields.integer("vocab_size")
+    heads = fields.integer("num_attention_heads")
+    kv_heads = fields.integer("num_key_value_heads", default=heads, optional=True)
+    if heads % kv_heads:
+        raise fields.fail("num_key_value_heads",
+                          f"({kv_heads}) must divide num_attention_heads ({heads})")
     return {
-        "vocab_size": hf["vocab_size"],
-        "hidden_size": hf["hidden_size"],
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": hf["num_attention_heads"],
-        "n_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        "top_k": hf["num_experts_per_tok"],
-        "rope_theta": float(_rope_theta(hf)),
-        "max_position_embeddings": hf.get("max_position_embeddings", 4096),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "vocab_size": vocab_size,
+        "hidden_size": fields.integer("hidden_size"),
+        "n_layers": fields.integer("num_hidden_layers"),
+        "n_heads": heads,
+        "n_kv_heads": kv_heads,
+        "top_k": fields.integer("num_experts_per_tok"),
+        "rope_theta": _rope_theta(fields),
+        "max_position_embeddings": fields.integer("max_position_embeddings", default=4096),
+        "tie_word_embeddings": fields.boolean("tie_word_embeddings", default=False),
         "dtype": DTYPES[dtype_key],
-        "bos_token_id": hf.get("bos_token_id"),
-        "eos_token_id": eos,
+        "bos_token_id": fields.integer("bos_token_id", low=0, high=vocab_size - 1, default=None,
+                                       optional=True, bound=" (below vocab_size)"),
+        "eos_token_id": fields.token_ids("eos_token_id", vocab_size),
     }
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
+def _rope_theta(fields: Fields) -> float:
     """rope_theta from Transformers 5's `rope_parameters` or the older top-level fields."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for spec in (params, scaling):
+    params = fields.object("rope_parameters")
+    scaling = fields.object("rope_scaling")
+    for name, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
         kind = spec.get("rope_type", spec.get("type", "default"))
         if kind != "default":
-            raise ValueError(f"rope_type {kind!r} is not supported; supported: default")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return theta
+            raise fields.fail(name, f"has rope_type {json_repr(kind)}, which is not supported; "
+                                    "supported: default")
+    if params.get("rope_theta") is not None:
+        return Fields(params, prefix="rope_parameters.").number("rope_theta")
+    return fields.number("rope_theta", default=10000.0)
+
+
+def _check_together(fields: Fields, values: dict[str, Any]) -> None:
+    """The rules between fields, named by their config.json names."""
+    experts = next(name for name in ("num_experts", "num_local_experts") if name in fields.read)
+    if values["top_k"] > values["n_experts"]:
+        raise fields.fail("num_experts_per_tok", f"({values['top_k']}) must be at most {experts} "
+                                                 f"({values['n_experts']})")
+    if values["n_layers"] * values["n_experts"] > INT_MAX:
+        raise fields.fail("num_hidden_layers", f"x {experts} = {values['n_layers']} x "
+                                               f"{values['n_experts']} experts; at most "
+                                               f"{INT_MAX} (2**31 - 1) are supported")

@@ -25,6 +25,7 @@ import jinja2.sandbox
 import tokenizers
 
 from strata.engine.model.presets import BYTE_TOKENS, SPECIAL_TOKENS
+from strata.formats.jsonfile import json_repr, json_type, read_json_object
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -41,28 +42,53 @@ class TokenizerError(ValueError):
     """A tokenizer that cannot be read or used: one line saying what was wrong."""
 
 
-def _token_text(value: Any) -> str | None:
-    """`bos_token` and friends are a string, null, or an AddedToken dict in tokenizer_config."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+def _token_text(config_file: Path, config: dict[str, Any], name: str) -> str | None:
+    """`bos_token` and friends: a string, null, or an AddedToken object with a string
+    `content`, in tokenizer_config.json; TokenizerError naming the field otherwise."""
+    value = config.get(name)
+    content = value.get("content") if isinstance(value, dict) else value
+    if content is not None and not isinstance(content, str):
+        raise TokenizerError(f"{config_file}: {name} must be a string, null, or an object with "
+                             f"a string 'content', got {json_repr(value)} ({json_type(value)})")
+    return content
+
+
+def _named_template(config_file: Path, templates: list[Any]) -> str | None:
+    """The "default" of named templates: [{"name": "default", "template": ...}, ...]."""
+    for item in templates:
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str)
+                and isinstance(item.get("template"), str)):
+            raise TokenizerError(f"{config_file}: chat_template must be a string or a list of "
+                                 "objects with a string 'name' and 'template', got an item "
+                                 f"{json_repr(item)}")
+    return next((item["template"] for item in templates if item["name"] == "default"), None)
 
 
 def _read_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    config_file = model_dir / "tokenizer_config.json"
     template = tokenizer_config.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
-        named = {item.get("name"): item.get("template") for item in template}
-        template = named.get("default")
+    if isinstance(template, list):
+        template = _named_template(config_file, template)
+    elif template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{config_file}: chat_template must be a string, a list of named "
+                             f"templates or null, got {json_type(template)}")
     if isinstance(template, str):
         return template
     # Newer checkpoints keep the template in a file of its own.
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        try:
+            return jinja_file.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise TokenizerError(f"{jinja_file} cannot be read as UTF-8 text: {err}") from None
     json_file = model_dir / "chat_template.json"
     if json_file.is_file():
-        template = json.loads(json_file.read_text(encoding="utf-8")).get("chat_template")
-        return template if isinstance(template, str) else None
+        document = read_json_object(json_file, what="chat_template.json", error=TokenizerError)
+        template = document.get("chat_template")
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{json_file}: chat_template must be a string, got "
+                                 f"{json_type(template)}")
+        return template
     return None
 
 
@@ -109,21 +135,26 @@ class Tokenizer:
             raise TokenizerError(f"{tokenizer_file} could not be read: {err}") from None
         config: dict[str, Any] = {}
         config_file = model_dir / "tokenizer_config.json"
-        if config_file.is_file():
-            try:
-                config = json.loads(config_file.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as err:
-                raise TokenizerError(f"{config_file} is not valid JSON: {err}") from None
+        if config_file.exists() or config_file.is_symlink():  # a broken link is an error too
+            config = read_json_object(config_file, what="tokenizer_config.json",
+                                      error=TokenizerError)
         return cls(
             backend,
-            bos_token=_token_text(config.get("bos_token")),
-            eos_token=_token_text(config.get("eos_token")),
+            bos_token=_token_text(config_file, config, "bos_token"),
+            eos_token=_token_text(config_file, config, "eos_token"),
             chat_template=_read_chat_template(model_dir, config),
         )
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` applies the tokenizer's own post-processor
-        (e.g. Mixtral's leading `<s>`). Special-token text in `text` becomes its id."""
+        (e.g. Mixtral's leading `<s>`). Special-token text in `text` becomes its id.
+        TokenizerError for text that is not Unicode (a lone surrogate, as undecodable bytes of
+        a command line become)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise TokenizerError(f"the text holds {text[err.start]!r} at character {err.start}, "
+                                 "which is not Unicode (bytes that are not UTF-8?)") from None
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

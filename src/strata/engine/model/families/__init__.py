@@ -1,10 +1,11 @@
 """The supported model families: one module each, mapping Hugging Face names onto shared roles.
 
 A family module says two things: how its `config.json` maps onto `ModelConfig` fields
-(`config_fields`), and what its checkpoint tensors are called (`global_names`, `layer_names`,
-`expert_names`), by *role*. The roles and their shapes are common to all families and listed
-here; the shared layers (`strata.engine.model.layers`) are built from roles, so the families differ
-only in which roles they have and what they call them.
+(`config_fields`, reading each through `_fields.Fields`, which checks its type and range), and
+what its checkpoint tensors are called (`global_names`, `layer_names`, `expert_names`), by
+*role*. The roles and their shapes are common to all families and listed here; the shared layers
+(`strata.engine.model.layers`) are built from roles, so the families differ only in which roles
+they have and what they call them.
 
 Roles, with shapes in the engine's dimension letters (D hidden, H heads, G kv heads, Dh head
 dim, E experts, F expert width, Fs shared-expert width, V vocabulary):
@@ -28,6 +29,7 @@ dim, E experts, F expert width, Fs shared-expert width, V vocabulary):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import ModuleType
 
 from strata.engine.model.families import mixtral, olmoe, qwen2_moe, qwen3_moe
@@ -92,12 +94,24 @@ def expert_shapes(cfg: ModelShape) -> tuple[tuple[int, int], tuple[int, int], tu
 
 def expected_tensors(cfg: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor name the checkpoint must hold -> its shape, in load order."""
+    return dict(iter_expected_tensors(cfg))
+
+
+def iter_expected_tensors(cfg: ModelShape) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor the checkpoint must hold, in load order, one at a time: a
+    check that stops at the first missing one never lists more names than the files hold."""
     fam = family(cfg.family)
     names = fam.global_names(cfg)
-    out = {names[role]: shape for role, shape in global_shapes(cfg).items()}
+    yield from ((names[role], shape) for role, shape in global_shapes(cfg).items())
     for layer in range(cfg.n_layers):
         names = fam.layer_names(cfg, layer)
-        out.update({names[role]: shape for role, shape in layer_shapes(cfg).items()})
+        yield from ((names[role], shape) for role, shape in layer_shapes(cfg).items())
         for expert in range(cfg.n_experts):
-            out.update(zip(fam.expert_names(layer, expert), expert_shapes(cfg), strict=True))
-    return out
+            yield from zip(fam.expert_names(layer, expert), expert_shapes(cfg), strict=True)
+
+
+def tensor_count(cfg: ModelShape, n_layers: int | None = None) -> int:
+    """len(expected_tensors(cfg)), counted without listing them; of its first `n_layers`
+    layers only, if given."""
+    per_layer = len(layer_shapes(cfg)) + 3 * cfg.n_experts
+    return len(global_shapes(cfg)) + (cfg.n_layers if n_layers is None else n_layers) * per_layer

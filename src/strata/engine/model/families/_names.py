@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from strata.engine.model.families._fields import Fields
 from strata.engine.model.families._shape import ModelShape
+from strata.formats.jsonfile import json_repr
 
 
 def global_names(cfg: ModelShape) -> dict[str, str]:
@@ -34,17 +34,22 @@ def attention_names(layer: int) -> dict[str, str]:
     }
 
 
-def require_every_layer_moe(hf: dict[str, Any]) -> None:
+def require_every_layer_moe(fields: Fields) -> None:
     """Qwen-style configs can make some layers dense; this engine runs all-MoE models only."""
-    step = hf.get("decoder_sparse_step", 1)
-    dense = hf.get("mlp_only_layers") or []
+    step = fields.integer("decoder_sparse_step", default=1)
+    dense = fields.hf.get("mlp_only_layers")
+    if dense is not None and not isinstance(dense, list):
+        raise fields.fail("mlp_only_layers", f"must be a list of layer numbers (empty: every "
+                                             f"layer MoE), got {json_repr(dense)}")
     if step != 1 or dense:
-        raise ValueError(
-            f"decoder_sparse_step={step} and mlp_only_layers={dense} make some layers dense; "
-            "supported: decoder_sparse_step=1 and mlp_only_layers=[] (every layer MoE)"
+        raise fields.fail(
+            "decoder_sparse_step" if step != 1 else "mlp_only_layers",
+            f"(decoder_sparse_step={step} and mlp_only_layers={json_repr(dense or [])}) makes "
+            "some layers dense; supported: decoder_sparse_step=1 and mlp_only_layers=[] (every "
+            "layer MoE)",
         )
 
 
-def reject_sliding_window(hf: dict[str, Any]) -> None:
-    if hf.get("use_sliding_window"):
-        raise ValueError("use_sliding_window=true is not supported; supported: false")
+def reject_sliding_window(fields: Fields) -> None:
+    if fields.boolean("use_sliding_window", default=False):
+        raise fields.fail("use_sliding_window", "true is not supported; supported: false")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from strata.engine.model.families._fields import Fields, head_dim
 from strata.engine.model.families._names import attention_names, global_names
 from strata.engine.model.families._shape import ModelShape
 
@@ -14,13 +15,14 @@ MODEL_TYPE = "mixtral"
 __all__ = ["MODEL_TYPE", "config_fields", "expert_names", "global_names", "layer_names"]
 
 
-def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
+def config_fields(fields: Fields) -> dict[str, Any]:
     return {
-        "n_experts": hf.get("num_local_experts", hf.get("num_experts")),
-        "expert_width": hf["intermediate_size"],
+        "n_experts": fields.integer(fields.first("num_local_experts", "num_experts")),
+        "head_dim": head_dim(fields),
+        "expert_width": fields.integer("intermediate_size"),
         "norm_topk_prob": True,
-        "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
-        "sliding_window": hf.get("sliding_window"),
+        "rms_norm_eps": fields.number("rms_norm_eps", default=1e-5),
+        "sliding_window": fields.integer("sliding_window", default=None, optional=True),
     }
 
 

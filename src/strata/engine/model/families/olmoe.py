@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from strata.engine.model.families._fields import Fields, head_dim
 from strata.engine.model.families._names import attention_names, global_names
 from strata.engine.model.families._shape import ModelShape
 
@@ -14,19 +15,19 @@ MODEL_TYPE = "olmoe"
 __all__ = ["MODEL_TYPE", "config_fields", "expert_names", "global_names", "layer_names"]
 
 
-def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    bias = bool(hf.get("attention_bias", False))
+def config_fields(fields: Fields) -> dict[str, Any]:
+    bias = fields.boolean("attention_bias", default=False)
     return {
-        "n_experts": hf.get("num_experts", hf.get("num_local_experts")),
-        "expert_width": hf["intermediate_size"],
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-        "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
+        "n_experts": fields.integer(fields.first("num_experts", "num_local_experts")),
+        "expert_width": fields.integer("intermediate_size"),
+        "norm_topk_prob": fields.boolean("norm_topk_prob", default=False),
+        "rms_norm_eps": fields.number("rms_norm_eps", default=1e-5),
         "qk_norm": "full",
         "qkv_bias": bias,
         "o_bias": bias,
-        "clip_qkv": hf.get("clip_qkv"),
+        "clip_qkv": fields.number("clip_qkv", default=None, optional=True),
         # OLMoE sizes its q/k norms and heads from hidden_size // num_attention_heads.
-        "head_dim": hf["hidden_size"] // hf["num_attention_heads"],
+        "head_dim": head_dim(fields, explicit=False),
     }
 
 

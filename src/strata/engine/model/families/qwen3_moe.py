@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from strata.engine.model.families._fields import Fields, head_dim
 from strata.engine.model.families._names import (
     attention_names,
     global_names,
@@ -20,15 +21,16 @@ MODEL_TYPE = "qwen3_moe"
 __all__ = ["MODEL_TYPE", "config_fields", "expert_names", "global_names", "layer_names"]
 
 
-def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    require_every_layer_moe(hf)
-    reject_sliding_window(hf)
-    bias = bool(hf.get("attention_bias", False))
+def config_fields(fields: Fields) -> dict[str, Any]:
+    require_every_layer_moe(fields)
+    reject_sliding_window(fields)
+    bias = fields.boolean("attention_bias", default=False)
     return {
-        "n_experts": hf.get("num_experts", hf.get("num_local_experts")),
-        "expert_width": hf["moe_intermediate_size"],
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "n_experts": fields.integer(fields.first("num_experts", "num_local_experts")),
+        "head_dim": head_dim(fields),
+        "expert_width": fields.integer("moe_intermediate_size"),
+        "norm_topk_prob": fields.boolean("norm_topk_prob", default=False),
+        "rms_norm_eps": fields.number("rms_norm_eps", default=1e-6),
         "qk_norm": "head",
         "qkv_bias": bias,
         "o_bias": bias,
