@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 from pathlib import Path
 
 import torch
@@ -83,3 +84,23 @@ def proportions(cfg: ModelConfig, dtype: torch.dtype, args) -> tuple[float, int,
                "window_kv_mib": max_context * cell / MIB,
                "window_kv_share": max_context * cell / (budget_mib * MIB)}
     return budget_mib, max_context, figures
+
+
+# The elastic K/V's and the memory's settings a benchmark takes as flags: (flag dest, variable).
+KV_ENV_FLAGS = (("kv_init", "STRATA_KV_GROW_INIT"), ("kv_step", "STRATA_KV_GROW_STEP"),
+                ("kv_floor", "STRATA_KV_GROW_FLOOR"), ("loan_keep_slots", "STRATA_LOAN_KEEP_SLOTS"),
+                ("chunk_bytes", "STRATA_VMM_CHUNK_BYTES"))
+
+
+def add_kv_env_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--kv-init`, `--kv-step`, `--kv-floor`, `--loan-keep-slots`, `--chunk-bytes`: each sets
+    its STRATA_* variable for the run (`set_kv_env`)."""
+    for dest, env in KV_ENV_FLAGS:
+        parser.add_argument("--" + dest.replace("_", "-"), type=int, help=f"sets {env}")
+
+
+def set_kv_env(args: argparse.Namespace) -> None:
+    """Set the STRATA_* variable of each `add_kv_env_arguments` flag given."""
+    for dest, env in KV_ENV_FLAGS:
+        if getattr(args, dest) is not None:
+            os.environ[env] = str(getattr(args, dest))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -34,12 +33,14 @@ from pathlib import Path
 import torch
 
 from _common import (
+    add_kv_env_arguments,
     add_model_arguments,
     add_proportion_arguments,
     byte_tokens,
     checkpoint_for,
     free_memory,
     proportions,
+    set_kv_env,
 )
 from strata.engine.cache.build import default_stream_misses, plan_cache
 from strata.engine.kv.plan import plan_elastic_cache
@@ -114,18 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversation-cache-mib", type=float, default=16384.0)
     parser.add_argument("--conversation-cache-slots", type=int, default=4)
     parser.add_argument("--profile-prompts", type=int, default=2)
-    parser.add_argument("--kv-init", type=int, help="sets STRATA_KV_GROW_INIT")
-    parser.add_argument("--kv-step", type=int, help="sets STRATA_KV_GROW_STEP")
-    parser.add_argument("--kv-floor", type=int, help="sets STRATA_KV_GROW_FLOOR")
-    parser.add_argument("--chunk-bytes", type=int, help="sets STRATA_VMM_CHUNK_BYTES (host)")
+    add_kv_env_arguments(parser)
     parser.add_argument("--no-prefill-loan", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
-    for flag, env in (("kv_init", "STRATA_KV_GROW_INIT"), ("kv_step", "STRATA_KV_GROW_STEP"),
-                      ("kv_floor", "STRATA_KV_GROW_FLOOR"),
-                      ("chunk_bytes", "STRATA_VMM_CHUNK_BYTES")):
-        if getattr(args, flag) is not None:
-            os.environ[env] = str(getattr(args, flag))
+    set_kv_env(args)
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with tempfile.TemporaryDirectory(prefix="strata-bench-agents-") as tmp:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import statistics
 import sys
@@ -42,12 +41,14 @@ from pathlib import Path
 import torch
 
 from _common import (
+    add_kv_env_arguments,
     add_model_arguments,
     add_proportion_arguments,
     byte_tokens,
     checkpoint_for,
     free_memory,
     proportions,
+    set_kv_env,
 )
 from strata.engine.cache.build import build_cached_experts, default_stream_misses, plan_cache
 from strata.engine.kv.plan import plan_elastic_cache, start_elastic
@@ -115,22 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternations (medians)")
     parser.add_argument("--burn-in", type=int, default=1,
                         help="untimed rounds of both variants before the timed ones")
-    parser.add_argument("--kv-init", type=int, help="sets STRATA_KV_GROW_INIT")
-    parser.add_argument("--kv-step", type=int, help="sets STRATA_KV_GROW_STEP")
-    parser.add_argument("--kv-floor", type=int, help="sets STRATA_KV_GROW_FLOOR")
-    parser.add_argument("--loan-keep-slots", type=int, help="sets STRATA_LOAN_KEEP_SLOTS")
-    parser.add_argument("--chunk-bytes", type=int, help="sets STRATA_VMM_CHUNK_BYTES (host)")
+    add_kv_env_arguments(parser)
     parser.add_argument("--no-prefill-loan", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.chat_new < 2 or args.long_new < 2:
         parser.error("--rounds must be >= 1, --chat-new and --long-new >= 2")
-    for flag, env in (("kv_init", "STRATA_KV_GROW_INIT"), ("kv_step", "STRATA_KV_GROW_STEP"),
-                      ("kv_floor", "STRATA_KV_GROW_FLOOR"),
-                      ("loan_keep_slots", "STRATA_LOAN_KEEP_SLOTS"),
-                      ("chunk_bytes", "STRATA_VMM_CHUNK_BYTES")):
-        if getattr(args, flag) is not None:
-            os.environ[env] = str(getattr(args, flag))
+    set_kv_env(args)
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with tempfile.TemporaryDirectory(prefix="strata-bench-kv-grow-") as tmp:
