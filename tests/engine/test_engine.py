@@ -254,3 +254,29 @@ def test_a_failed_restore_or_policy_loses_no_parked_conversation(ckpt, rank, mon
         result = engine.generate(follow, options(4))
         assert result.reused_tokens == len(follow) - 1 and "Restored" in _kinds(log)
         table.validate()
+
+
+def test_an_engine_from_the_user_s_options(ckpt, tmp_path):
+    from strata.engine.runtime.options import CacheOptions, EngineOptions
+    from strata.formats.profile import Profile, save_profile
+
+    cfg = ModelConfig.from_dir(ckpt)
+    counts = np.random.default_rng(3).integers(1, 500, (cfg.n_layers, cfg.n_experts))
+    save_profile(Profile.for_model(counts, cfg, {}), tmp_path / "p.npz")
+    user = EngineOptions(max_context=WINDOW, prefill_chunk=32, conversation_cache_mib=4.0,
+                            conversation_cache_slots=2,
+                            cache=CacheOptions(expert_cache_mib=0.5, policy="lru",
+                                               expert_profile=str(tmp_path / "p.npz")))
+    with Engine.from_options(ckpt, user) as engine:
+        assert engine.cache is not None and engine.cache.checked.name == "lru"
+        assert engine.cache.arena.n_slots < cfg.n_layers * cfg.n_experts
+        result = engine.generate(list(range(3, 40)), options(8))
+        assert len(result.tokens) == 8 and result.cache.lookups > 0
+    # Every value is checked before anything loads, the flag named.
+    with pytest.raises(ValueError, match="--cpu-threads must be >= 1"):
+        CacheOptions(cpu_threads=0)
+    with pytest.raises(ValueError, match=r"--expert-profile .*nope\.npz"):
+        Engine.from_options(ckpt, EngineOptions(cache=CacheOptions(
+            expert_profile=str(tmp_path / "nope.npz"))))
+    with pytest.raises(ValueError, match="conversation_cache_mib"):
+        EngineOptions(conversation_cache_mib=-1.0)

@@ -10,24 +10,20 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from strata.cli.errors import UsageError
-from strata.cli.policies import add_policy_arguments, policy_from_args
+from strata.cli.policies import add_policy_arguments
 from strata.engine.cache.defaults import DEFAULT_SHORT_READ
-from strata.machine import available_cpus
-from strata.policies.registry import DEFAULT_POLICY
 
 if TYPE_CHECKING:
     import torch
 
-    from strata.engine.cache.build import CacheConfig
-    from strata.engine.kv.plan import KvGrowConfig
     from strata.engine.model.config import ModelConfig
+    from strata.engine.runtime.options import CacheOptions, CachePlan
 
-__all__ = ["CachePlan", "add_cache_arguments", "cache_config_from_args"]
+__all__ = ["add_cache_arguments", "cache_config_from_args", "cache_options_from_args"]
 
 # dest -> flag, for the options whose presence turns the cache on.
 CACHE_FLAGS = {
@@ -97,20 +93,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     add_policy_arguments(parser)
 
 
-@dataclass
-class CachePlan:
-    """What `cache_config_from_args` decided: the config (None: every expert resident), the
-    elastic K/V to start beside it (None: `--kv-grow` off or not applicable) and the notes to
-    print before loading (the profile warning)."""
-
-    config: CacheConfig | None
-    notes: list[str] = field(default_factory=list)
-    kv_grow: KvGrowConfig | None = None
-
-
-def _expert_cache_mib(text: str | None) -> float | None:
+def _expert_cache_mib(text: str | None) -> float | str | None:
     if text is None or text == "auto":
-        return None
+        return text
     try:
         value = float(text)
     except ValueError:
@@ -120,12 +105,21 @@ def _expert_cache_mib(text: str | None) -> float | None:
     return value
 
 
-def _wanted(args: argparse.Namespace, kv_grow: bool) -> bool:
-    """Whether an option of the cache (or a policy other than the default, or the elastic K/V)
-    was given."""
-    given = any(getattr(args, dest) is not None for dest in CACHE_FLAGS)
-    return given or kv_grow or args.no_prefill_loan or args.policy != DEFAULT_POLICY or bool(
-        args.policy_opts)
+def cache_options_from_args(args: argparse.Namespace) -> CacheOptions:
+    """The `expert cache` group's flags, `--kv-grow` and `--policy` as one `CacheOptions`;
+    UsageError naming the flag for a bad value."""
+    from strata.engine.runtime.options import CacheOptions
+
+    try:
+        return CacheOptions(
+            vram_budget_mib=args.vram_budget_mib, vram_reserve_mib=args.vram_reserve_mib,
+            expert_cache_mib=_expert_cache_mib(args.expert_cache),
+            expert_profile=args.expert_profile, prefill_loan=not args.no_prefill_loan,
+            short_read=args.short_read, cpu_threads=args.cpu_threads,
+            stream_misses=args.stream_misses, kv_grow=args.kv_grow, policy=args.policy,
+            policy_options=tuple(args.policy_opts or ()))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def cache_config_from_args(
@@ -137,74 +131,24 @@ def cache_config_from_args(
     max_context: int,
     prefill_chunk: int,
 ) -> CachePlan:
-    """The cache the options ask for, sized for `config` in `dtype` on `device`.
+    """The cache the options ask for (`strata.engine.runtime.options.plan_cache_options`),
+    sized for `config` in `dtype` on `device`.
 
     Raises UsageError for a bad value, an unreadable profile or one for another model, an
     unknown policy or option, and a budget too small (saying how much is missing); a bad
     `STRATA_KV_GROW*` or `STRATA_LOAN_KEEP_SLOTS` is a SettingError.
     """
-    from strata.engine.cache.build import default_stream_misses, plan_cache
-    from strata.engine.kv.plan import kv_grow_requested, plan_elastic_cache
-    from strata.policies import PolicyError, load_registry
+    from strata.engine.runtime.options import plan_cache_options
+    from strata.policies import OptionError, PolicyError, UnknownPolicyError
 
-    expert_cache_mib = _expert_cache_mib(args.expert_cache)
-    for dest in ("short_read", "cpu_threads"):
-        value = getattr(args, dest)
-        if value is not None and value < 1:
-            raise UsageError(f"{CACHE_FLAGS[dest]} must be >= 1, got {value}")
-    cpus = available_cpus()
-    if args.cpu_threads is not None and args.cpu_threads > cpus:
-        raise UsageError(f"--cpu-threads {args.cpu_threads} is more than the {cpus} CPUs this "
-                         f"process may run on; give at most {cpus}")
-    if args.stream_misses is not None and not 0 <= args.stream_misses <= config.top_k:
-        raise UsageError(f"--stream-misses must be in [0, {config.top_k}] (a decode layer misses "
-                         f"at most the model's {config.top_k} experts a token), got "
-                         f"{args.stream_misses}")
-    kv_grow = kv_grow_requested(args.kv_grow)
-    profile_rank, notes = _profile_rank(args, config)
-    registry = load_registry()
-    policy = policy_from_args(args, registry)
-    sizing = dict(
-        max_context=max_context, prefill_chunk=prefill_chunk,
-        budget_mib=args.vram_budget_mib, reserve_mib=args.vram_reserve_mib,
-        expert_cache_mib=expert_cache_mib, policy=policy, rank=profile_rank,
-        cpu_threads=args.cpu_threads,
-        stream_misses=default_stream_misses(config, device) if args.stream_misses is None
-        else args.stream_misses,
-        prefill_loan=not args.no_prefill_loan,
-        short_read=args.short_read or DEFAULT_SHORT_READ, events=registry.pm,
-    )
+    options = cache_options_from_args(args)
     try:
-        if kv_grow:
-            cache, kv_grow_config, kv_notes = plan_elastic_cache(
-                config, dtype, device, profile=args.expert_profile is not None, **sizing)
-            notes += kv_notes
-        else:
-            cache, kv_grow_config = plan_cache(config, dtype, device, **sizing), None
-    except (ValueError, PolicyError) as err:
+        return plan_cache_options(options, config, dtype, device, max_context=max_context,
+                                  prefill_chunk=prefill_chunk)
+    except (ValueError, PolicyError, UnknownPolicyError, OptionError) as err:
+        if isinstance(err, PolicyError) and not isinstance(err, ValueError):
+            raise  # the front door's error path adds the tracing hint
         raise UsageError(str(err)) from None
-    if not _wanted(args, kv_grow) and cache.budget.holds_every_expert:
-        cache.backend.close()
-        return CachePlan(None)
-    return CachePlan(cache, notes, kv_grow_config)
-
-
-def _profile_rank(args: argparse.Namespace, config: ModelConfig):
-    """(rank [L, E], notes): the fill order `--expert-profile` gives, or the uniform one with
-    the warning to print."""
-    from strata.formats.profile import ProfileError, fill_rank, load_profile
-
-    profile = None
-    if args.expert_profile is not None:
-        try:
-            profile = load_profile(args.expert_profile,
-                                   expect=(config.n_layers, config.n_experts))
-            profile.check(config)
-        except (OSError, ProfileError) as err:
-            reason = getattr(err, "strerror", None) or err
-            raise UsageError(f"--expert-profile {args.expert_profile}: {reason}") from None
-    rank, warning = fill_rank(profile, config.n_layers, config.n_experts)
-    return rank, [warning] if warning else []
 
 
 def check_trace_path(path: str | None) -> None:

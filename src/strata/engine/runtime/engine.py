@@ -37,6 +37,8 @@ from strata.engine.cache.build import CacheConfig
 from strata.engine.kv.conversations import ConversationCache, common_prefix
 from strata.engine.kv.kv_cache import KVCache, new_kv
 from strata.engine.kv.plan import KvGrowConfig
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.moe import runtime_dtype
 from strata.engine.model.tokenizer import Tokenizer
 from strata.engine.runtime.generate import (
     GROW_MARGIN_CELLS,
@@ -46,6 +48,7 @@ from strata.engine.runtime.generate import (
     generate,
 )
 from strata.engine.runtime.load import Loaded, load
+from strata.engine.runtime.options import EngineOptions, plan_cache_options
 from strata.policies import EngineInfo, announce_start, emit
 from strata.policies.events import Event, Parked, RequestFinished, RequestStarted, Restored
 
@@ -85,6 +88,7 @@ class Engine:
             new_kv(self.model, max_context)
         self.conversations = conversations
         self.events = events
+        self.notes: list[str] = []  # what planning had to say (from_options)
         self.live: list[int] = []  # the live conversation: cells [0, len(live)) hold it
         # Decode steps and their CUDA graphs, captured once and replayed by every request.
         self.warm: dict[tuple[object, ...], object] = {}
@@ -129,6 +133,31 @@ class Engine:
         except BaseException:
             loaded.close()
             raise
+
+    @classmethod
+    def from_options(cls, path: str | Path, options: EngineOptions, *,
+                     tokenizer: Tokenizer | None = None, progress: bool = False) -> Engine:
+        """Plan the cache `options.cache` asks for (`plan_cache_options`: every value checked,
+        the cache sized, before the long load), then `open`. The plan's notes (the profile
+        warning, the elastic K/V's figures) are kept in `notes`. Raises as
+        `plan_cache_options` and `load`."""
+        config = ModelConfig.from_dir(path)
+        plan = plan_cache_options(options.cache, config, runtime_dtype(config, options.dtype),
+                                  options.device, max_context=options.max_context,
+                                  prefill_chunk=options.prefill_chunk)
+        try:
+            engine = cls.open(
+                path, device=options.device, dtype=options.dtype,
+                max_context=options.max_context, cache=plan.config, kv_grow=plan.kv_grow,
+                conversation_cache_mib=options.conversation_cache_mib,
+                conversation_cache_slots=options.conversation_cache_slots,
+                tokenizer=tokenizer, progress=progress)
+        except BaseException:
+            if plan.config is not None:
+                plan.config.backend.close()
+            raise
+        engine.notes = plan.notes
+        return engine
 
     @property
     def kv(self) -> KVCache:

@@ -1,0 +1,178 @@
+"""`CacheOptions`: the expert cache's and the elastic K/V's options as a user gives them, and
+`plan_cache_options`, what they build.
+
+These are `strata generate`'s flags (the messages name them), as one frozen object that
+`Engine.open` and the command line share. The cache is used when any of its options is given,
+or when the budget cannot hold every expert; otherwise every expert is resident, as without the
+feature (CUDA graphs included). Planning checks every value and sizes the cache before the
+model is loaded, so a bad value or a budget too small is one error at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.engine.cache.build import CacheConfig, default_stream_misses, plan_cache
+from strata.engine.cache.defaults import DEFAULT_SHORT_READ
+from strata.engine.kv.plan import KvGrowConfig, kv_grow_requested, plan_elastic_cache
+from strata.engine.model.config import ModelConfig
+from strata.formats.profile import ProfileError, fill_rank, load_profile
+from strata.machine import available_cpus
+from strata.policies import DEFAULT_POLICY, load_registry
+
+__all__ = ["CacheOptions", "CachePlan", "EngineOptions", "plan_cache_options"]
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """The options of the expert cache (`--vram-budget-mib`, `--vram-reserve-mib`,
+    `--expert-cache` in MiB or "auto" (None: not given, auto too), `--expert-profile`, the
+    loan, `--short-read`, `--cpu-threads`, `--stream-misses`), of the elastic K/V
+    (`--kv-grow`) and the policy (`--policy`, `--policy-opt`). ValueError naming the flag for
+    a bad value. A given option (even "auto") turns the cache on."""
+
+    vram_budget_mib: float | None = None
+    vram_reserve_mib: float | None = None
+    expert_cache_mib: float | str | None = None
+    expert_profile: str | None = None
+    prefill_loan: bool = True
+    short_read: int | None = None
+    cpu_threads: int | None = None
+    stream_misses: int | None = None
+    kv_grow: bool = False
+    policy: str = DEFAULT_POLICY
+    policy_options: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        mib = self.expert_cache_mib
+        if mib is not None and mib != "auto" and not (
+                isinstance(mib, int | float) and not isinstance(mib, bool)
+                and math.isfinite(mib) and mib >= 0):
+            raise ValueError(f"--expert-cache must be auto or a number of MiB >= 0, got {mib!r}")
+        for flag, value in (("--short-read", self.short_read),
+                            ("--cpu-threads", self.cpu_threads)):
+            if value is not None and not _positive(value):
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        cpus = available_cpus()
+        if self.cpu_threads is not None and self.cpu_threads > cpus:
+            raise ValueError(f"--cpu-threads {self.cpu_threads} is more than the {cpus} CPUs "
+                             f"this process may run on; give at most {cpus}")
+        object.__setattr__(self, "policy_options", tuple(self.policy_options))
+
+    def asks_for_the_cache(self, kv_grow: bool) -> bool:
+        """Whether an option of the cache (or a policy other than the default, or the elastic
+        K/V) was given: then the cache is used even where every expert would fit."""
+        given = any(v is not None for v in (
+            self.vram_budget_mib, self.vram_reserve_mib, self.expert_cache_mib,
+            self.expert_profile, self.short_read, self.cpu_threads, self.stream_misses))
+        return given or kv_grow or not self.prefill_loan or self.policy != DEFAULT_POLICY \
+            or bool(self.policy_options)
+
+
+@dataclass
+class CachePlan:
+    """What `plan_cache_options` decided: the config (None: every expert resident), the
+    elastic K/V to start beside it (None: `--kv-grow` off or not applicable) and the notes to
+    print before loading (the profile warning, the elastic K/V's figures)."""
+
+    config: CacheConfig | None
+    notes: list[str] = field(default_factory=list)
+    kv_grow: KvGrowConfig | None = None
+
+
+def _profile_rank(path: str | None, config: ModelConfig) -> tuple[object, list[str]]:
+    """(rank [L, E], notes): the fill order the profile at `path` gives, or the uniform one with
+    the warning to print. ValueError naming the file for one that cannot be used."""
+    profile = None
+    if path is not None:
+        try:
+            profile = load_profile(path, expect=(config.n_layers, config.n_experts))
+            profile.check(config)
+        except (OSError, ProfileError) as err:
+            reason = getattr(err, "strerror", None) or err
+            raise ValueError(f"--expert-profile {path}: {reason}") from None
+    rank, warning = fill_rank(profile, config.n_layers, config.n_experts)
+    return rank, [warning] if warning else []
+
+
+def plan_cache_options(
+    options: CacheOptions,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    max_context: int,
+    prefill_chunk: int,
+) -> CachePlan:
+    """The cache `options` ask for, sized for `config` in `dtype` on `device`.
+
+    Raises ValueError for a bad value, an unreadable profile or one for another model, and a
+    budget too small (saying how much is missing); the registry's UnknownPolicyError /
+    OptionError for an unknown policy or option; PolicyError for a wrong `kv_params`;
+    SettingError for a bad `STRATA_KV_GROW*` or `STRATA_LOAN_KEEP_SLOTS`.
+    """
+    if options.stream_misses is not None and not 0 <= options.stream_misses <= config.top_k:
+        raise ValueError(f"--stream-misses must be in [0, {config.top_k}] (a decode layer "
+                         f"misses at most the model's {config.top_k} experts a token), got "
+                         f"{options.stream_misses}")
+    kv_grow = kv_grow_requested(options.kv_grow)
+    rank, notes = _profile_rank(options.expert_profile, config)
+    registry = load_registry()
+    policy = registry.create(options.policy, list(options.policy_options))
+    sizing = dict(
+        max_context=max_context, prefill_chunk=prefill_chunk,
+        budget_mib=options.vram_budget_mib, reserve_mib=options.vram_reserve_mib,
+        expert_cache_mib=None if options.expert_cache_mib == "auto" else options.expert_cache_mib,
+        policy=policy, rank=rank,
+        cpu_threads=options.cpu_threads,
+        stream_misses=default_stream_misses(config, device) if options.stream_misses is None
+        else options.stream_misses,
+        prefill_loan=options.prefill_loan,
+        short_read=options.short_read or DEFAULT_SHORT_READ, events=registry.pm,
+    )
+    if kv_grow:
+        cache, kv_grow_config, kv_notes = plan_elastic_cache(
+            config, dtype, device, profile=options.expert_profile is not None, **sizing)
+        notes += kv_notes
+    else:
+        cache, kv_grow_config = plan_cache(config, dtype, device, **sizing), None
+    if not options.asks_for_the_cache(kv_grow) and cache.budget.holds_every_expert:
+        cache.backend.close()
+        return CachePlan(None)
+    return CachePlan(cache, notes, kv_grow_config)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Everything `Engine.from_options` needs besides the model directory: the device
+    (`torch.device` or its name), the dtype (None: the checkpoint's own), the window
+    (`max_context` cells), the prompt's chunk, the cache's options and the conversation cache's
+    size (either 0: none). ValueError for a bad value."""
+
+    device: str | torch.device = "cpu"
+    dtype: torch.dtype | None = None
+    max_context: int = 4096
+    prefill_chunk: int = 512
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    conversation_cache_mib: float = 0.0
+    conversation_cache_slots: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_context", "prefill_chunk"):
+            if not _positive(getattr(self, name)):
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        mib, slots = self.conversation_cache_mib, self.conversation_cache_slots
+        if not (isinstance(mib, int | float) and math.isfinite(mib) and mib >= 0) or \
+                isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise ValueError("conversation_cache_mib and conversation_cache_slots must be >= 0, "
+                             f"got {mib!r} and {slots!r}")
+        if not isinstance(self.cache, CacheOptions):
+            raise ValueError(f"cache must be CacheOptions, got {type(self.cache).__name__}")
+        object.__setattr__(self, "device", torch.device(self.device))
