@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -153,11 +154,16 @@ def test_the_decode_bench_runs_and_reports(capsys):
     spec = importlib.util.spec_from_file_location("bench_decode", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--repeat", "1", "--json"]
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "12", "--repeat", "1",
+            "--json"]
     assert bench.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["strata"]["decode_tok_s"] > 0 and report["transformers"]["decode_tok_s"] > 0
-    assert report["ratio"] > 0 and report["tokens_equal_prefix"] >= 1  # the first token agrees
+    # transformers' decode is the difference of two timed runs: on a busy machine a run this
+    # short can leave none, which the bench reports as nan rather than a made-up rate.
+    peer = report["transformers"]["decode_tok_s"]
+    assert report["strata"]["decode_tok_s"] > 0 and (peer > 0 or math.isnan(peer))
+    assert report["ratio"] > 0 or math.isnan(peer)
+    assert report["tokens_equal_prefix"] >= 1  # the first token agrees
     assert report["bound_share"] is None  # no bandwidth given on the CPU
     assert report["bytes_per_token"] > 0
 
