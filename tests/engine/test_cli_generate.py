@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strata.cli.generate import _terminal_safe
+from strata.cli.generate import terminal_safe
 from strata.cli.main import main
 from strata.engine.model.builtin import BUILTIN_NAME
 from support.checkpoints import (
@@ -220,7 +220,7 @@ def test_the_readme_run_line_works_on_a_fresh_cache(tmp_path):
 
 
 def test_control_characters_are_masked_for_a_terminal_only():
-    assert _terminal_safe("a\x1b[2Jb\n\tc\x07") == "a\ufffd[2Jb\n\tc\ufffd"
+    assert terminal_safe("a\x1b[2Jb\n\tc\x07") == "a\ufffd[2Jb\n\tc\ufffd"
 
 
 

@@ -68,7 +68,7 @@ def _options(args: argparse.Namespace) -> Any:
 
 def _engine(args: argparse.Namespace, options: Any) -> tuple[Any, Any]:
     """(engine, stop ids): the model, its cache and K/V as `strata generate` builds them."""
-    from strata.cli.generate import _model_dir, _stop_ids
+    from strata.cli.generate import model_dir_from_args, stop_ids_of
     from strata.engine.model.checkpoint import CheckpointError
     from strata.engine.model.config import ModelConfig
     from strata.engine.model.moe import runtime_dtype
@@ -78,7 +78,7 @@ def _engine(args: argparse.Namespace, options: Any) -> tuple[Any, Any]:
     if args.conversation_cache_mib < 0 or args.conversation_cache_slots < 0:
         raise UsageError("--conversation-cache-mib and --conversation-cache-slots must be >= 0")
     dtype, device = torch_dtype(args.dtype), parse_device(args.device)
-    model_dir = _model_dir(args)
+    model_dir = model_dir_from_args(args)
     try:
         config = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
@@ -94,7 +94,7 @@ def _engine(args: argparse.Namespace, options: Any) -> tuple[Any, Any]:
                              conversation_cache_slots=args.conversation_cache_slots)
     except (CheckpointError, TokenizerError, ValueError) as err:
         raise UsageError(" ".join(str(err).split())) from None
-    return engine, _stop_ids(model_dir, engine.model.config.eos_token_ids, tokenizer)
+    return engine, stop_ids_of(model_dir, engine.model.config.eos_token_ids, tokenizer)
 
 
 def _figures(result: Any) -> str:
@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     """`strata chat`: read a message a line, stream each reply, until end of input."""
     import dataclasses
 
-    from strata.cli.generate import _terminal_safe
+    from strata.cli.generate import terminal_safe
+    from strata.engine.kv.elastic import KvFullError
 
     options = _options(args)
     engine, stop_ids = _engine(args, options)
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     tty = sys.stdout.isatty()
 
     def stream(piece: str) -> None:
-        sys.stdout.write(_terminal_safe(piece) if tty else piece)
+        sys.stdout.write(terminal_safe(piece) if tty else piece)
         sys.stdout.flush()
 
     with engine:
@@ -139,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
             ids = engine.tokenizer.encode_chat(messages)
             try:
                 result = engine.generate(ids, options, on_text=stream)
-            except ValueError as err:  # the conversation outgrew the window, say
+            except (ValueError, KvFullError) as err:
+                # The conversation outgrew the window, or the K/V could not grow for it: this
+                # turn is dropped, the chat goes on (a policy's error still ends it, exit 2).
                 messages.pop()
                 print(f"strata chat: {err}", file=sys.stderr)
                 continue

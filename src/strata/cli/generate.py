@@ -118,7 +118,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return read_prompt(args.prompt, args.prompt_file, max_context=args.max_context)
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
+def model_dir_from_args(args: argparse.Namespace) -> Path:
+    """`--model`, or the built-in tiny checkpoint (made once, said on stderr)."""
     from strata.engine.model.builtin import builtin_checkpoint
 
     if args.model is not None:
@@ -136,7 +137,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return path
 
 
-def _stop_ids(
+def stop_ids_of(
     model_dir: Path, config_eos: tuple[int, ...], tokenizer: Tokenizer
 ) -> tuple[int, ...]:
     """config.json's eos ids, generation_config.json's, and the tokenizer's eos token."""
@@ -158,7 +159,7 @@ def _stop_ids(
     return tuple(sorted(ids))
 
 
-def _terminal_safe(text: str) -> str:
+def terminal_safe(text: str) -> str:
     """Control characters other than newline and tab as U+FFFD: a random model's bytes must
     not drive the terminal (escape sequences). Only for a terminal; files get the raw text."""
     return "".join(
@@ -246,7 +247,7 @@ def _load(
     from strata.engine.runtime.generate import check_prompt
     from strata.engine.runtime.load import load
 
-    model_dir = _model_dir(args)
+    model_dir = model_dir_from_args(args)
     try:
         config = ModelConfig.from_dir(model_dir)  # the directory's first check
         tokenizer = Tokenizer.from_dir(model_dir)
@@ -286,7 +287,7 @@ def _stream(args: argparse.Namespace) -> Callable[[str], None] | None:
     tty = sys.stdout.isatty()
 
     def stream(piece: str) -> None:
-        sys.stdout.write(_terminal_safe(piece) if tty else piece)
+        sys.stdout.write(terminal_safe(piece) if tty else piece)
         sys.stdout.flush()
 
     return stream
@@ -328,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         if args.compile:
             print("strata: --compile applies to the runtime without an expert cache: ignored",
                   file=sys.stderr)
-    stop_ids = _stop_ids(model_dir, model.config.eos_token_ids, tokenizer)
+    stop_ids = stop_ids_of(model_dir, model.config.eos_token_ids, tokenizer)
     options = dataclasses.replace(options, stop_ids=stop_ids)
     try:
         result = _generate(loaded, tokenizer, prompt_ids, options, _stream(args), args.trace)
