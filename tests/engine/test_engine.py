@@ -144,6 +144,25 @@ def test_a_chat_reuses_the_live_conversation(ckpt, rank):
         assert len(engine.warm) == 1
 
 
+def test_a_stopped_request_keeps_its_cells_for_the_next_turn(ckpt, rank):
+    engine, _ = _engine(ckpt, rank, kv_grow=True, conversations=False)
+    with engine:
+        asked = []
+
+        def stop_after_four_rounds():
+            asked.append(True)
+            return len(asked) > 4
+
+        first = engine.generate(list(range(3, 23)), options(20),
+                                should_stop=stop_after_four_rounds)
+        assert first.stop_reason == "stopped" and len(first.tokens) == 5
+        assert first.decode_rounds == 4
+        # The next turn continues what was generated: every cell written is reused.
+        second = engine.generate(list(range(3, 23)) + first.tokens[:-1] + [7], options(3))
+        assert second.reused_tokens == 20 + 4
+        engine.elastic.table.validate()
+
+
 def test_a_restored_conversation_continues_as_one_never_parked(ckpt, rank):
     prompt = list(range(3, 83))
     unrelated = list(range(100, 120))

@@ -179,11 +179,13 @@ class Engine:
 
     # --- requests ---
     def generate(self, prompt_ids: Sequence[int], options: GenerateOptions,
-                 on_text: Callable[[str], None] | None = None) -> GenerateResult:
+                 on_text: Callable[[str], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> GenerateResult:
         """Run one request (see the module's docstring); the result's `reused_tokens` says how
-        many prompt tokens it did not read again. Raises ValueError for a bad prompt or
-        options (nothing changed), and whatever the run raises (the live conversation is then
-        dropped: its cells may be half-written)."""
+        many prompt tokens it did not read again. `should_stop` is asked before each decode
+        round (True: the request ends there, its cells kept as the live conversation's).
+        Raises ValueError for a bad prompt or options (nothing changed), and whatever the run
+        raises (the live conversation is then dropped: its cells may be half-written)."""
         prompt = [int(i) for i in prompt_ids]
         if options.max_context > self.max_context:
             raise ValueError(f"max_context {options.max_context} is past the engine's window "
@@ -201,7 +203,7 @@ class Engine:
             self.live = []  # from here until it ends, the request writes the cells
             result = generate(self.model, self.tokenizer, prompt, options, on_text,
                               kv=self.elastic, cells=self.fixed, reused=reused,
-                              warm=self.warm)
+                              warm=self.warm, should_stop=should_stop)
         except BaseException:
             self.live = []
             if restore is not None:  # not restored: it stays parked, nothing is lost

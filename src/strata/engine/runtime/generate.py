@@ -77,7 +77,7 @@ class GenerateResult:
     decode_rounds: int
     decode_s: float
     decode_setup_s: float  # capturing CUDA graphs before the decode clock (0 when eager)
-    stop_reason: str  # "eos" (a stop id was generated) or "max_new"
+    stop_reason: str  # "eos" (a stop id was generated), "max_new" or "stopped" (should_stop)
     decode_path: str  # "cuda-graph", "piecewise-cuda-graph" or "eager"
     first_logits: torch.Tensor = field(repr=False)  # float32 [V] on the CPU: the first position
     cache: Any = None  # the expert cache's CacheStats of this request, or None without a cache
@@ -180,6 +180,7 @@ def generate(
     cells: KVCache | None = None,
     reused: int = 0,
     warm: dict[tuple[Any, ...], Any] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> GenerateResult:
     """Generate up to `options.max_new` tokens after `prompt_ids`.
 
@@ -192,6 +193,8 @@ def generate(
     already (a conversation's earlier turns), read again by no forward; at most all but one.
     `warm`: the decode steps (and their CUDA graphs) of earlier requests over the same K/V, to
     use again and to add to (`decode_step`); None makes them for this request.
+    `should_stop`: asked before each decode round; True ends the request there with
+    `stop_reason` "stopped" (a server's client went away, or its stop text was generated).
     Raises ValueError when the prompt is empty, holds an id outside the model's vocabulary, or
     does not fit `max_context` with `max_new`.
     """
@@ -217,7 +220,7 @@ def generate(
         cells = elastic.kv
     elif cells is None:
         cells = new_kv(model, options.max_context)
-    run = _Run(model, cells, elastic, cached, options, stop_ids, warm)
+    run = _Run(model, cells, elastic, cached, options, stop_ids, warm, should_stop)
     try:
         if cached is not None:
             cached.begin_request()
@@ -238,7 +241,7 @@ def generate(
         decode_rounds=len(tokens) - 1,
         decode_s=run.decode_s,
         decode_setup_s=run.decode_setup_s,
-        stop_reason="eos" if tokens[-1] in stop_ids else "max_new",
+        stop_reason="eos" if tokens[-1] in stop_ids else "stopped" if run.stopped else "max_new",
         decode_path=run.path,
         first_logits=run.first_logits,
         reused_tokens=reused,
@@ -252,9 +255,12 @@ class _Run:
 
     def __init__(self, model: Any, kv: Any, elastic: ElasticKV | None,
                  cached: CachedExperts | None, options: GenerateOptions,
-                 stop_ids: frozenset[int], warm: dict[tuple[Any, ...], Any] | None) -> None:
+                 stop_ids: frozenset[int], warm: dict[tuple[Any, ...], Any] | None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
         self.model, self.kv, self.elastic, self.cached = model, kv, elastic, cached
         self.options, self.stop_ids, self.warm = options, stop_ids, warm
+        self.should_stop = should_stop
+        self.stopped = False
         self.sampler = Sampler(options.temperature, options.top_p, options.top_k, options.seed)
         self.tokens: list[int] = []
         self.prefill_s = self.decode_s = self.decode_setup_s = 0.0
@@ -309,6 +315,9 @@ class _Run:
         self.decode_setup_s = time.perf_counter() - start
         start = time.perf_counter()
         while len(tokens) < options.max_new and token not in self.stop_ids:
+            if self.should_stop is not None and self.should_stop():
+                self.stopped = True
+                break
             if self.elastic is not None and position + 1 > self.kv.mapped_cells:
                 self.elastic.require(position + 1)  # by the policy's steps; KvFullError
                 if not step.still_valid():
