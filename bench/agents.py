@@ -11,8 +11,11 @@ subagents and a 100K second main agent; time to first token never longer with th
 
 A follow-up is the conversation so far plus `--turn-tokens` new ones: the engine restores it
 from the conversation cache (growing the K/V first) and reads only what is new. Per turn: time
-to first token (`prefill_s`, the restore included), decode tok/s, reused tokens, and the K/V's
-cells, grows, trims, slots given up and refilled during the turn.
+to first token (`first_token_s`: parking, the K/V's trim or growth and the restore included),
+decode tok/s, reused tokens, and the K/V's cells, grows, trims, slots given up and refilled
+during the turn. Before the turns, `--burn-in` untimed requests on the variant's engine (the
+process's first kernels, cuBLAS handles and decode graphs) so that neither variant pays the
+warm-up for the other.
 
     python bench/agents.py --preset small --device cpu --budget-mib 12 --chunk-bytes 65536 \\
         --kv-init 128 --kv-step 128 --kv-floor 4 --main-tokens 512 --side-tokens 128 \\
@@ -74,6 +77,8 @@ def run_variant(name: str, ckpt: Path, cfg: ModelConfig, dtype: torch.dtype,
                               temperature=0.0, prefill_chunk=sizing["prefill_chunk"],
                               ignore_stop=True)
     with engine:
+        for i in range(args.burn_in):  # untimed; parked by the first turn, never reused
+            engine.generate(byte_tokens(args.side_tokens, 900 + i), options)
         for i, who in enumerate(TURNS):
             if who in held:
                 prompt = held[who] + byte_tokens(args.turn_tokens, 1000 + i)
@@ -84,7 +89,7 @@ def run_variant(name: str, ckpt: Path, cfg: ModelConfig, dtype: torch.dtype,
             if who != "side":
                 held[who] = prompt + result.tokens[:-1]
             turn = {"turn": who, "prompt_tokens": len(prompt),
-                    "reused_tokens": result.reused_tokens, "ttft_s": result.prefill_s,
+                    "reused_tokens": result.reused_tokens, "ttft_s": result.first_token_s,
                     "decode_tok_s": result.decode_tok_s,
                     "cells_mapped": engine.kv.mapped_cells,
                     "slots": engine.cache.arena.n_slots - int((~engine.cache.table.backed).sum())}
@@ -94,7 +99,7 @@ def run_variant(name: str, ckpt: Path, cfg: ModelConfig, dtype: torch.dtype,
                     turn[key] = getattr(after, key) - getattr(before, key)
             turns.append(turn)
             print(f"bench/agents.py: {name}: {who} {len(prompt)} tokens "
-                  f"({result.reused_tokens} reused): ttft {result.prefill_s:.2f} s, "
+                  f"({result.reused_tokens} reused): ttft {result.first_token_s:.2f} s, "
                   f"{result.decode_tok_s:.1f} tok/s, {engine.kv.mapped_cells} cells",
                   file=sys.stderr, flush=True)
     free_memory(device)
@@ -115,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversation-cache-mib", type=float, default=16384.0)
     parser.add_argument("--conversation-cache-slots", type=int, default=4)
     parser.add_argument("--profile-prompts", type=int, default=2)
+    parser.add_argument("--burn-in", type=int, default=1,
+                        help="untimed requests on each engine before its turns (1)")
     add_kv_env_arguments(parser)
     parser.add_argument("--no-prefill-loan", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")

@@ -57,7 +57,8 @@ for stage in "$@"; do
                grep "bench/" "$OUT/$stage.err" ;;
     agents) model=$(checkpoint 0)
             (cd bench && timeout 540 python3 agents.py --model "$model" --kv-floor 32 \
-               --kv-init 4096 --json) > "$OUT/agents.json" 2> "$OUT/agents.err"
+               --kv-init 4096 --main2-tokens 32768 --json) \
+               > "$OUT/agents.json" 2> "$OUT/agents.err"
             grep "bench/" "$OUT/agents.err" ;;
     *) echo "gpu_session.sh: unknown stage $stage" >&2; exit 2 ;;
     esac

@@ -136,3 +136,71 @@ def test_grown_by_giving_up_slots_on_cuda(ckpt):
         runs.append(result)
     assert runs[0].tokens == runs[1].tokens
     assert torch.equal(runs[0].first_logits, runs[1].first_logits)
+
+
+class TrimAtOneStep(ColdestInLoan):
+    """The default policy, trimming as soon as a whole step is spare (the default waits for
+    two, which this test's window of two steps never has)."""
+
+    name = "trim-at-one-step"
+
+    def kv_target(self, need_cells, mapped_cells, params):
+        step, init = params.step_cells, params.init_cells
+        if need_cells <= mapped_cells - step:
+            return init + -(-max(need_cells - init, 0) // step) * step
+        return super().kv_target(need_cells, mapped_cells, params)
+
+
+def _graph_counts(engine):
+    """{step kind: windows captured} of the engine's warm decode steps."""
+    return {key[0]: len(step.graphs) for key, step in engine.warm.items()}
+
+
+def test_an_engine_keeps_its_graphs_across_requests_and_growth(ckpt):
+    """Three requests on one engine whose cache holds every expert: a short one captures the
+    graph of its window; a long one grows the K/V mid-decode by giving up slots, so its graph
+    step (which reads no routing) is replaced by the piecewise one at that round; a short one
+    after it trims the K/V, refills the slots and replays the first request's graph without
+    capturing it again."""
+    from strata.engine.runtime.engine import Engine
+
+    window = 16384
+    config = ModelConfig.from_dir(ckpt)
+    sizing = {"max_context": window, "prefill_chunk": 1024, "prefill_loan": False,
+              "rank": uniform_rank(config.n_layers, config.n_experts)}
+    probe, _, _ = plan_elastic_cache(config, config.dtype, CUDA, profile=True, environ=GROW,
+                                     budget_mib=4096.0, **sizing)
+    budget = probe.budget
+    probe.backend.close()
+    every = -(-budget.total_experts * budget.slot_bytes // budget.chunk_bytes)
+    exact = budget.fixed_bytes + every * budget.chunk_bytes
+    cache, elastic, _ = plan_elastic_cache(config, config.dtype, CUDA, profile=True,
+                                           environ=GROW, budget_mib=exact / MIB,
+                                           policy=TrimAtOneStep(), **sizing)
+    options = GenerateOptions(max_new=8, max_context=window, temperature=0.0,
+                              ignore_stop=True, prefill_chunk=1024)
+    with Engine.open(ckpt, device=CUDA, cache=cache, kv_grow=elastic,
+                     max_context=window) as engine:
+        short = list(range(10, 110))
+        first = engine.generate(short, options)
+        assert first.decode_path == "cuda-graph" and first.kv.grows == 0
+        assert _graph_counts(engine) == {"graph": 1}
+        graph_step = next(step for key, step in engine.warm.items() if key[0] == "graph")
+        (window, captured), = graph_step.graphs.items()
+        # Decode passes the 8,192 start cells: grown by a step, slots given up mid-decode.
+        long = PROMPT[:8100]
+        second = engine.generate(long, dataclasses.replace(options, max_new=200))
+        assert second.kv.grows == 1 and second.kv.slots_given_up > 0
+        assert second.decode_path == "piecewise-cuda-graph" and len(second.tokens) == 200
+        # (Its rounds before the growth replayed the graph step, which captured their window.)
+        counts = _graph_counts(engine)
+        assert set(counts) == {"graph", "piecewise"}
+        engine.cache.table.validate()
+        # Trimmed back, the slots refilled: the first request's graph replays as captured.
+        third = engine.generate(list(range(20, 120)), options)
+        # (The K/V's figures count since the engine started.)
+        assert third.kv.trims == 1 and third.kv.refilled == second.kv.slots_given_up
+        assert third.decode_path == "cuda-graph"
+        assert _graph_counts(engine) == counts  # nothing captured again
+        assert graph_step.graphs[window] is captured
+        engine.cache.table.validate()

@@ -11,8 +11,10 @@ At each request, in this order:
    and the parked ones are matched against the prompt: the request reuses the longest common
    prefix with the live conversation; if a parked one shares more (or the live one shares
    nothing), the live one is parked (its cells copied to host RAM) and the best parked one
-   is restored after step 2. At least the prompt's last token is always read again: its
-   logits give the first new token;
+   is restored after step 2; a request that keeps less than half of the live one (another
+   chat sharing only a system prompt) parks it too, and reuses the common prefix in place.
+   At least the prompt's last token is always read again: its logits give the first new
+   token;
 2. the elastic K/V is fitted to the request: trimmed to the prompt's need when the policy's
    target for it is below the mapped cells (no conversation holds cells above what this
    request reuses: the outgoing one was parked or its tail dropped), its chunks refilled into
@@ -55,6 +57,9 @@ from strata.policies.events import Event, Parked, RequestFinished, RequestStarte
 __all__ = ["Engine"]
 
 MIB = 1 << 20
+# A request that keeps less than this share of the live conversation parks it before reusing
+# their common prefix (a chat's next turn keeps nearly all of it: nothing is parked then).
+PARK_WHEN_KEPT_UNDER = 0.5
 
 
 class Engine:
@@ -201,6 +206,7 @@ class Engine:
                 self._restore(restore, reused)
                 restore = None
             self.live = []  # from here until it ends, the request writes the cells
+            setup_s = time.perf_counter() - started
             result = generate(self.model, self.tokenizer, prompt, options, on_text,
                               kv=self.elastic, cells=self.fixed, reused=reused,
                               warm=self.warm, should_stop=should_stop)
@@ -209,6 +215,7 @@ class Engine:
             if restore is not None:  # not restored: it stays parked, nothing is lost
                 self.conversations.put_back(restore)
             raise
+        result.first_token_s = setup_s + result.prefill_s
         # Cells hold the prompt and every generated token but the last, which was not fed.
         self.live = prompt + result.tokens[:-1]
         self._emit(RequestFinished(
@@ -216,7 +223,7 @@ class Engine:
             seconds=time.perf_counter() - started,
             hits=result.cache.hits if result.cache is not None else 0,
             lookups=result.cache.lookups if result.cache is not None else 0,
-            reused_tokens=reused, first_token_s=result.prefill_s))
+            reused_tokens=reused, first_token_s=result.first_token_s))
         return result
 
     def _match(self, prompt: list[int]):
@@ -234,6 +241,14 @@ class Engine:
         if live_n == 0:
             self._park()
             return None, 0
+        if live_n < PARK_WHEN_KEPT_UNDER * len(self.live):
+            # The request leaves the live conversation early: another chat that shares only
+            # the template's start or a system prompt. Park it whole, to be restored when it
+            # comes back; the cells of the common prefix stay in place for this request.
+            kept = self.live[:live_n]
+            self._park()
+            self.live = kept
+            return None, live_n
         self.live = self.live[:live_n]  # the cells past the common prefix are dropped
         return None, live_n
 

@@ -83,6 +83,9 @@ class GenerateResult:
     cache: Any = None  # the expert cache's CacheStats of this request, or None without a cache
     kv: Any = None  # the elastic K/V's KvStats after this request, or None without --kv-grow
     reused_tokens: int = 0  # prompt tokens whose cells the K/V held already (not read again)
+    # From the request's start to its first token: `Engine.generate` adds what it does before
+    # the prefill (parking, the K/V's trim and growth, a restore); `generate` alone: prefill_s.
+    first_token_s: float = 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -104,6 +107,7 @@ class GenerateResult:
             "generated_tokens": len(self.tokens),
             "prefill_s": self.prefill_s,
             "prefill_tok_s": self.prefill_tok_s,
+            "first_token_s": self.first_token_s,
             "decode_rounds": self.decode_rounds,
             "decode_s": self.decode_s,
             "decode_ms_per_round": self.decode_ms_per_round,
@@ -245,6 +249,7 @@ def generate(
         decode_path=run.path,
         first_logits=run.first_logits,
         reused_tokens=reused,
+        first_token_s=run.prefill_s,
         cache=cache_stats,
         kv=elastic.stats.copy() if elastic is not None else None,
     )
