@@ -29,6 +29,24 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def engine_around(model, kv, max_context: int):
+    """An `Engine` over `model`, whose experts the caller swapped for a fresh expert cache
+    (`build_cached_experts` on the store every variant shares, not a checkpoint loaded again
+    per variant), with `kv` the elastic K/V started beside it or None. Closing it closes the
+    K/V, the cache and the cache's backend; the caller then sets `model.experts` to None."""
+    from strata.engine.runtime.engine import Engine
+    from strata.engine.runtime.load import Loaded
+
+    return Engine(Loaded(model, model.experts, kv), None, max_context=max_context)
+
+
+def fresh_request(engine, prompt: list[int], options):
+    """`engine.generate` of `prompt` read whole: the live conversation forgotten first, so that
+    a repeated request measures its prefill, not the engine's reuse of the one before."""
+    engine.reset()
+    return engine.generate(prompt, options)
+
+
 def byte_tokens(n: int, seed: int) -> list[int]:
     """`n` byte ids every checkpoint's tokenizer knows, fixed by `seed`."""
     generator = torch.Generator().manual_seed(seed)

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from _common import add_model_arguments, byte_tokens, free_memory, sync
+from _common import add_model_arguments, byte_tokens, free_memory, fresh_request, sync
 from strata.engine.cache.arena import slot_bytes_for
 from strata.engine.cache.budget import MIB
 from strata.engine.cache.build import plan_cache
@@ -59,8 +59,8 @@ from strata.engine.model.init_model import write_checkpoint
 from strata.engine.model.moe import load_model
 from strata.engine.model.presets import get_preset
 from strata.engine.runtime.calibrate import collect_counts
-from strata.engine.runtime.generate import GenerateOptions, generate
-from strata.engine.runtime.load import load
+from strata.engine.runtime.engine import Engine
+from strata.engine.runtime.generate import GenerateOptions
 from strata.formats.profile import Profile, fill_rank
 
 PROFILE_PROMPTS = 4  # seeded random prompts of 256 tokens the profile counts, + 32 decoded
@@ -77,28 +77,23 @@ def make_profile(ckpt: Path, device, dtype) -> Profile:
 
 
 def cached(ckpt, device, dtype, profile, max_context, small, *, loan=True, **options):
-    """A model through the cache; `small`: None (every expert), or the flags' values
-    {"budget_mib": ...} or {"expert_cache_mib": ...}; `options`: CacheConfig's others."""
+    """An engine whose model runs through the cache; `small`: None (every expert), or the
+    flags' values {"budget_mib": ...} or {"expert_cache_mib": ...}; `options`: CacheConfig's
+    others."""
     config = ModelConfig.from_dir(ckpt)
     rank, _ = fill_rank(profile, config.n_layers, config.n_experts)
     cache = plan_cache(config, dtype, device, max_context=max_context, prefill_chunk=512,
                        rank=rank, prefill_loan=loan, **(small or {}), **options)
-    return load(ckpt, device=device, dtype=dtype, cache=cache).model
+    return Engine.open(ckpt, device=device, dtype=dtype, cache=cache, max_context=max_context)
 
 
-def close(model) -> None:
-    experts = model.experts
-    if hasattr(experts, "close"):
-        experts.close()
-
-
-def run_decode(model, prompt, n_new, repeat, max_context, cuda_graphs=True,
+def run_decode(engine, prompt, n_new, repeat, max_context, cuda_graphs=True,
                piecewise=False) -> dict:
     options = GenerateOptions(max_new=n_new, max_context=max_context, temperature=0.0,
                               ignore_stop=True, cuda_graphs=cuda_graphs,
                               piecewise_graphs=piecewise)
-    generate(model, None, prompt, options)  # warm-up
-    runs = [generate(model, None, prompt, options) for _ in range(repeat)]
+    fresh_request(engine, prompt, options)  # warm-up
+    runs = [fresh_request(engine, prompt, options) for _ in range(repeat)]
     best = sorted(runs, key=lambda r: r.decode_tok_s)[len(runs) // 2]  # the median run
     out = {
         "tokens": runs[0].tokens,
@@ -114,11 +109,11 @@ def run_decode(model, prompt, n_new, repeat, max_context, cuda_graphs=True,
     return out
 
 
-def run_prefill(model, prompt, repeat, max_context) -> dict:
+def run_prefill(engine, prompt, repeat, max_context) -> dict:
     options = GenerateOptions(max_new=1, max_context=max_context, temperature=0.0,
                               ignore_stop=True)
-    generate(model, None, prompt, options)  # warm-up (and the loan's first refill)
-    runs = [generate(model, None, prompt, options) for _ in range(repeat)]
+    fresh_request(engine, prompt, options)  # warm-up (and the loan's first refill)
+    runs = [fresh_request(engine, prompt, options) for _ in range(repeat)]
     best = sorted(runs, key=lambda r: r.prefill_s)[len(runs) // 2]
     return {"prefill_s": best.prefill_s, "prefill_tok_s": best.prefill_tok_s,
             "cache": best.cache.as_dict()}
@@ -235,14 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         small = ({"budget_mib": args.budget_mib} if args.budget_mib else
                  {"expert_cache_mib": cache_mib_for_share(ckpt, dtype, args.expert_share)})
 
-        model = load_model(ckpt, device=device, dtype=dtype)
-        runs["resident"] = run_decode(model, prompt, args.new_tokens, args.repeat,
-                                      decode_context)
-        runs["resident-eager"] = run_decode(model, prompt, args.new_tokens, args.repeat,
-                                            decode_context, cuda_graphs=False)
+        with Engine.open(ckpt, device=device, dtype=dtype, max_context=decode_context) as engine:
+            runs["resident"] = run_decode(engine, prompt, args.new_tokens, args.repeat,
+                                          decode_context)
+            runs["resident-eager"] = run_decode(engine, prompt, args.new_tokens, args.repeat,
+                                                decode_context, cuda_graphs=False)
         _progress("resident", runs["resident"])
         _progress("resident-eager", runs["resident-eager"])
-        del model
+        del engine
         free_memory(device)
         budget_runs = [("cache-budget", 0), *((f"cache-budget-stream{n}", n) for n in streams)]
         decode_runs = [("cache-full", None, 0, False)]
@@ -251,27 +246,26 @@ def main(argv: list[str] | None = None) -> int:
             if args.piecewise:
                 decode_runs.append((f"{name}-piecewise", small, stream, True))
         for name, size, stream, piecewise in decode_runs:
-            model = cached(ckpt, device, dtype, profile, decode_context, size, loan=False,
-                           stream_misses=stream)
-            if size is None and not model.experts.budget.holds_every_expert:
-                print("bench/cache.py: the device cannot hold every expert: cache-full is "
-                      "partial", file=sys.stderr)
-            runs[name] = run_decode(model, prompt, args.new_tokens, args.repeat,
-                                    decode_context, piecewise=piecewise)
-            runs[name]["startup"] = model.experts.budget.startup_line()
+            with cached(ckpt, device, dtype, profile, decode_context, size, loan=False,
+                        stream_misses=stream) as engine:
+                if size is None and not engine.cache.budget.holds_every_expert:
+                    print("bench/cache.py: the device cannot hold every expert: cache-full is "
+                          "partial", file=sys.stderr)
+                runs[name] = run_decode(engine, prompt, args.new_tokens, args.repeat,
+                                        decode_context, piecewise=piecewise)
+                runs[name]["startup"] = engine.cache.budget.startup_line()
             _progress(name, runs[name])
-            close(model)
-            del model
+            del engine
             free_memory(device)
         prefill_runs = (("prefill-loan", True), ("prefill-cpu", False))
         for name, loan in prefill_runs if args.prefill_tokens else ():
-            model = cached(ckpt, device, dtype, profile, prefill_context, small, loan=loan)
-            runs[name] = run_prefill(model, long_prompt, args.repeat, prefill_context)
-            runs[name]["startup"] = model.experts.budget.startup_line()
+            with cached(ckpt, device, dtype, profile, prefill_context, small,
+                        loan=loan) as engine:
+                runs[name] = run_prefill(engine, long_prompt, args.repeat, prefill_context)
+                runs[name]["startup"] = engine.cache.budget.startup_line()
             print(f"bench/cache.py: {name}: {runs[name]['prefill_s']:.3f} s", file=sys.stderr,
                   flush=True)
-            close(model)
-            del model
+            del engine
             free_memory(device)
         peer_mib = args.budget_mib or small["expert_cache_mib"]
         runs["accelerate"] = None if args.no_peer else run_accelerate(

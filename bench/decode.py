@@ -1,7 +1,7 @@
 """Benchmark decode speed at batch 1: strata against transformers' `generate`, same weights.
 
 Makes its own checkpoint (`write_checkpoint` into a temporary directory, removed at the end),
-then runs strata's `generate` and transformers' `generate` greedily on the same prompt ids, each
+then runs strata's `Engine` and transformers' `generate` greedily on the same prompt ids, each
 after a warm-up run, and reports decode tok/s, their ratio, and the share of the memory-bandwidth
 bound that strata reaches. Writes nothing else.
 
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from _common import add_model_arguments, free_memory, sync
+from _common import add_model_arguments, free_memory, fresh_request, sync
 from strata.engine.model.init_model import write_checkpoint
-from strata.engine.model.moe import load_model
 from strata.engine.model.presets import BYTE_TOKENS, get_preset
-from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.engine import Engine
+from strata.engine.runtime.generate import GenerateOptions
 
 H200_BANDWIDTH_GBS = 4300.0
 
@@ -69,14 +69,15 @@ def _si(n_bytes: float) -> str:
 
 
 def run_strata(ckpt, device, dtype, prompt, n_new, repeat, compile=False) -> dict:
-    model = load_model(ckpt, device=device, dtype=dtype)
     options = GenerateOptions(
         max_new=n_new, max_context=len(prompt) + n_new, temperature=0.0, ignore_stop=True,
         compile=compile,
     )
-    generate(model, None, prompt, options)  # warm-up
-    runs = [generate(model, None, prompt, options) for _ in range(repeat)]
-    config = model.config
+    with Engine.open(ckpt, device=device, dtype=dtype,
+                     max_context=options.max_context) as engine:
+        fresh_request(engine, prompt, options)  # warm-up (the decode graphs captured)
+        runs = [fresh_request(engine, prompt, options) for _ in range(repeat)]
+        config = engine.model.config
     return {
         "config": config,
         "tokens": runs[0].tokens,

@@ -46,7 +46,9 @@ from _common import (
     add_proportion_arguments,
     byte_tokens,
     checkpoint_for,
+    engine_around,
     free_memory,
+    fresh_request,
     proportions,
     set_kv_env,
 )
@@ -54,7 +56,7 @@ from strata.engine.cache.build import build_cached_experts, default_stream_misse
 from strata.engine.kv.plan import plan_elastic_cache, start_elastic
 from strata.engine.model.config import ModelConfig
 from strata.engine.runtime.calibrate import collect_counts
-from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.generate import GenerateOptions
 from strata.engine.runtime.load import load
 from strata.formats.profile import rank_from_counts, uniform_rank
 
@@ -73,22 +75,18 @@ def run_variant(name, model, store, cfg, dtype, device, rank, sizing, args) -> d
     kv = start_elastic(model.experts, kv_grow) if kv_grow is not None else None
     common = {"max_context": sizing["max_context"], "temperature": 0.0, "ignore_stop": True,
               "prefill_chunk": sizing["prefill_chunk"]}
-    try:
+    with engine_around(model, kv, sizing["max_context"]) as engine:
         # Untimed first: on the GPU machine the first run after a load or a new cache took up
         # to 1.5x as long a round as the later ones.
-        generate(model, None, byte_tokens(args.chat_tokens, 1),
-                 GenerateOptions(max_new=min(args.chat_new, WARMUP_TOKENS), **common), kv=kv)
-        chat = generate(model, None, byte_tokens(args.chat_tokens, 1),
-                        GenerateOptions(max_new=args.chat_new, **common), kv=kv)
-        long = generate(model, None, byte_tokens(args.long_tokens, 2),
-                        GenerateOptions(max_new=args.long_new, **common), kv=kv)
-    finally:
-        slots = model.experts.arena.n_slots
-        if kv is not None:
-            kv.close()
-        model.experts.close()
-        model.experts = None
-        free_memory(device)
+        fresh_request(engine, byte_tokens(args.chat_tokens, 1),
+                      GenerateOptions(max_new=min(args.chat_new, WARMUP_TOKENS), **common))
+        chat = fresh_request(engine, byte_tokens(args.chat_tokens, 1),
+                             GenerateOptions(max_new=args.chat_new, **common))
+        long = fresh_request(engine, byte_tokens(args.long_tokens, 2),
+                             GenerateOptions(max_new=args.long_new, **common))
+        slots = engine.cache.arena.n_slots
+    model.experts = None
+    free_memory(device)
     return {
         "slots": slots, "notes": notes,
         "chat_decode_tok_s": chat.decode_tok_s, "chat_ms_per_round": chat.decode_ms_per_round,

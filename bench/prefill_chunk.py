@@ -32,14 +32,16 @@ from _common import (
     add_proportion_arguments,
     byte_tokens,
     checkpoint_for,
+    engine_around,
     free_memory,
+    fresh_request,
     proportions,
     sync,
 )
 from strata.engine.cache.build import build_cached_experts, default_stream_misses, plan_cache
 from strata.engine.model.config import ModelConfig
 from strata.engine.runtime.calibrate import collect_counts
-from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.generate import GenerateOptions
 from strata.engine.runtime.load import load
 from strata.formats.profile import rank_from_counts, uniform_rank
 
@@ -52,15 +54,13 @@ def run_chunk(chunk, model, store, cfg, dtype, device, rank, sizing, args) -> di
     model.experts = build_cached_experts(config, store, device)
     options = GenerateOptions(max_new=1, max_context=sizing["max_context"], temperature=0.0,
                               ignore_stop=True, prefill_chunk=chunk)
-    try:
-        generate(model, None, byte_tokens(min(WARMUP_TOKENS, args.prompt_tokens), 3), options)
+    with engine_around(model, None, sizing["max_context"]) as engine:
+        fresh_request(engine, byte_tokens(min(WARMUP_TOKENS, args.prompt_tokens), 3), options)
         sync(device)
-        result = generate(model, None, byte_tokens(args.prompt_tokens, 2), options)
-        slots = model.experts.arena.n_slots
-    finally:
-        model.experts.close()
-        model.experts = None
-        free_memory(device)
+        result = fresh_request(engine, byte_tokens(args.prompt_tokens, 2), options)
+        slots = engine.cache.arena.n_slots
+    model.experts = None
+    free_memory(device)
     return {"chunk": chunk, "slots": slots, "workspace_mib": config.budget.workspace_bytes / 2**20,
             "prefill_s": result.prefill_s,
             "uploaded_gib": result.cache.prompt.uploaded_bytes / 2**30,

@@ -64,6 +64,30 @@ def strata(site, *argv, script=None):
                           check=True).stdout
 
 
+def test_the_registry_tests_pass_with_the_example_installed(site):
+    """The README's `pytest` after the tutorial's own step of installing the plugin: the suite
+    hides installed plugins (tests/conftest.py), so the tests that count and name the policies
+    still see the built-ins alone. Run in a fresh pytest with the example on PYTHONPATH, where
+    `strata policies` lists it (test_strata_policies_lists_it)."""
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.pop("STRATA_LOAD_PLUGINS", None)
+    count = "import sys; sys.path.insert(0, 'tests'); import conftest; " \
+            "print(len(conftest.INSTALLED_POLICY_PLUGINS))"
+    hidden = subprocess.run([sys.executable, "-c", count], cwd=root, env=env, check=True,
+                            capture_output=True, text=True).stdout
+    assert hidden.strip() == "1"  # the example, seen as installed (and so hidden)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+         "tests/policies/test_registry.py", "tests/policies/test_cli.py"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "::test_a_test_that_asks_sees_the_installed_plugins PASSED" in result.stdout
+    assert re.search(r"\b\d+ passed\b", result.stdout.splitlines()[-1]), result.stdout[-2000:]
+
+
 def test_the_example_is_small():
     lines = (EXAMPLE / "strata_coldest_anywhere.py").read_text().splitlines()
     assert len(lines) < 50
@@ -92,41 +116,13 @@ def test_selected_its_decisions_are_used(site):
 
 
 TUTORIAL = EXAMPLE.parents[1] / "docs" / "policies" / "tutorial.md"
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
+TITLED = re.compile(r'^```\w* title="strata-coldest-anywhere/(?P<name>[^"]+)"\n(?P<body>.*?)^```$',
+                    re.M | re.S)
 
 
-def tutorial_blocks():
-    return [(lang, body) for lang, body in FENCE.findall(TUTORIAL.read_text())]
-
-
-def test_the_tutorial_shows_the_example_as_it_is():
-    blocks = tutorial_blocks()
-    plugin = (EXAMPLE / "strata_coldest_anywhere.py").read_text()
-    assert ("python", plugin) in blocks
-    toml = next(body for lang, body in blocks if lang == "toml")
-    example_toml = (EXAMPLE / "pyproject.toml").read_text()
-    for line in toml.splitlines():
-        assert line in example_toml.splitlines(), line
-
-
-def test_the_tutorial_runs_to_the_end_with_the_output_it_shows(site, monkeypatch, capsys):
-    """Its Python blocks, run in order as one script, print what the text blocks after them
-    show; `strata policies coldest-anywhere` prints what it shows."""
-    blocks = tutorial_blocks()
-    plugin = (EXAMPLE / "strata_coldest_anywhere.py").read_text()
-    script, expected = [], []
-    for (lang, body), (next_lang, next_body) in zip(blocks, [*blocks[1:], ("", "")],
-                                                    strict=True):
-        if lang == "python" and body != plugin:
-            script.append(body)
-            script.append("print('--- block ---')\n")
-            expected.append(next_body if next_lang == "text" else "")
-    printed = strata(site, script="\n".join(script)).split("--- block ---\n")
-    assert printed[:-1] == expected
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.delenv("STRATA_LOAD_PLUGINS", raising=False)
-    shown = next(body for lang, body in blocks if body.startswith("coldest-anywhere\nsource:"))
-    from strata import cli
-
-    assert cli.main(["policies", "coldest-anywhere"]) == 0
-    assert capsys.readouterr().out == shown
+def test_the_tutorial_writes_the_example_as_it_is():
+    """The tutorial's package is this one, file for file: its titled blocks are what the docs
+    tests write and install (tests/docs runs the tutorial's commands and checks their output)."""
+    written = {m["name"]: m["body"] for m in TITLED.finditer(TUTORIAL.read_text())}
+    for name in ("pyproject.toml", "strata_coldest_anywhere.py"):
+        assert written[name] == (EXAMPLE / name).read_text(), name

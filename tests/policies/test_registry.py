@@ -45,6 +45,16 @@ def test_built_ins_come_through_the_package_s_entry_points():
         assert entry.cls.__module__ == modules[name]
 
 
+@pytest.mark.installed_plugins
+def test_a_test_that_asks_sees_the_installed_plugins(monkeypatch, installed_policy_plugins):
+    """Every other test sees the built-ins alone (tests/conftest.py); one marked
+    `installed_plugins` sees what the environment holds. test_example_plugin.py runs this module
+    with the policy tutorial's plugin installed, where there is one to see."""
+    monkeypatch.delenv("STRATA_LOAD_PLUGINS", raising=False)
+    where, installed = installed_policy_plugins
+    assert {where(d) for d in importlib.metadata.distributions()} >= installed
+
+
 def test_an_unknown_name_lists_the_known_ones():
     with pytest.raises(UnknownPolicyError) as caught:
         load_registry().get("lru2")

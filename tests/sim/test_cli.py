@@ -1,12 +1,19 @@
 """`strata trace` and `strata simulate`: output, determinism, and one-line errors."""
 
 import json
+import os
+import subprocess
+import sys
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
 
 from strata import cli
-from strata.formats.trace import DECODE, Trace, save_trace
+from strata.formats.trace import DECODE, Trace, load_trace, save_trace
+from strata.policies import load_registry
+from strata.sim.plot import PANELS, hit_rate_figure
+from strata.sim.sweep import sweep
 
 SYNTH = ["--layers", "3", "--experts", "8", "--top-k", "2", "--requests", "3",
          "--prompt-tokens", "4:20", "--decode-tokens", "5:15", "--prompt-chunk", "8"]
@@ -93,13 +100,92 @@ def test_table_output(capsys, trace_path):
         "lru", "belady", "belady-per-layer", "oracle-static"]
 
 
-def test_plot(capsys, tmp_path, trace_path):
+MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-"}
+
+
+@pytest.mark.parametrize("fmt", ["png", "pdf", "svg"])
+def test_plot_writes_the_format_of_its_suffix(capsys, tmp_path, trace_path, fmt):
     pytest.importorskip("matplotlib")
-    png = tmp_path / "hit.png"
+    out_path = tmp_path / f"hit.{fmt}"
     status, out, _ = run(capsys, "simulate", trace_path, "--policy", "static", "--policy",
-                         "lfu", "--slots", "4,8,12", "--plot", png, "--quiet")
-    assert status == 0 and f"wrote {png}" in out
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+                         "lfu", "--slots", "4,8,12", "--plot", out_path, "--quiet")
+    assert status == 0 and f"wrote {out_path}" in out
+    data = out_path.read_bytes()
+    if fmt == "svg":
+        root = ElementTree.fromstring(data)
+        assert root.tag == "{http://www.w3.org/2000/svg}svg"
+        # Text stays text (svg.fonttype none): the title names the trace's shape and settings.
+        text = " ".join(t for t in root.itertext())
+        assert "3 requests" in text and "3 layers x top-2 of 8" in text
+        assert "profile: self" in text and "K/V: fixed" in text
+    else:
+        assert data.startswith(MAGIC[fmt])
+    again = tmp_path / f"again.{fmt}"
+    run(capsys, "simulate", trace_path, "--policy", "static", "--policy", "lfu", "--slots",
+        "4,8,12", "--plot", again, "--quiet")
+    assert again.read_bytes() == data  # no date or version inside: the same bytes
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    ("hit.jpg", "--plot {path} has suffix .jpg; the plot's format comes from it: .png, .pdf, "
+                ".svg"),
+    ("hit", "--plot {path} has no suffix; the plot's format comes from it: .png, .pdf, .svg"),
+])
+def test_a_plot_suffix_without_a_format_is_refused_before_the_replays(capsys, tmp_path,
+                                                                       trace_path, name, says):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / name
+    status, out, err = run(capsys, "simulate", trace_path, "--slots", "4", "--plot", path)
+    assert status == 2 and out == "" and not path.exists()
+    assert err == f"strata simulate: {says.format(path=path)}\n"
+
+
+def test_a_plot_of_a_zero_slot_cache_is_refused_before_the_replays(capsys, tmp_path,
+                                                                   trace_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "hit.png"
+    status, _, err = run(capsys, "simulate", trace_path, "--slots", "0,4", "--plot", path)
+    assert status == 2 and not path.exists()
+    assert err == ("strata simulate: --plot draws cache sizes on a log2 axis, where --slots 0 "
+                   "has no place: leave it out, or drop --plot\n")
+
+
+def test_the_figure_two_panels_log2_bounds_and_lines_told_apart(trace_path):
+    pytest.importorskip("matplotlib")
+    trace = load_trace(trace_path)
+    specs = [("static", []), ("coldest-in-loan", []), ("lru", [])]
+    results = sweep(trace, specs, [4, 8, 16], registry=load_registry())
+    fig = hit_rate_figure(results, "the title", "the settings")
+    assert fig.get_suptitle() == "the title\nthe settings"
+    assert [ax.get_title() for ax in fig.axes] == list(PANELS)
+    labels = ["static", "coldest-in-loan", "lru", "belady", "oracle-static"]
+    for ax, rate in zip(fig.axes, (lambda r: r.hit_rate, decode_rate), strict=True):
+        assert ax.get_xscale() == "log" and ax.xaxis.get_transform().base == 2
+        assert list(ax.get_xticks()) == [4, 8, 16]
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "8", "16"]
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert list(lines) == labels
+        for label, line in lines.items():
+            mine = sorted((r.slots, rate(r)) for r in results if r.policy == label)
+            assert list(line.get_ydata()) == [y for _, y in mine]
+            # Nudged sideways by less than a tenth of a doubling, never onto another line's x.
+            ratios = np.asarray(line.get_xdata()) / [x for x, _ in mine]
+            assert np.allclose(ratios, ratios[0]) and abs(np.log2(ratios[0])) < 0.1
+        # static and coldest-in-loan coincide here (a fixed K/V: the same cache) ...
+        same = lines["static"], lines["coldest-in-loan"]
+        assert list(same[0].get_ydata()) == list(same[1].get_ydata())
+        # ... and stay told apart: their own x, marker and line style.
+        assert same[0].get_xdata()[0] != same[1].get_xdata()[0]
+        assert same[0].get_marker() != same[1].get_marker()
+        assert same[0].get_linestyle() != same[1].get_linestyle()
+        assert lines["belady"].get_linestyle() == "--"
+    legend = fig.axes[1].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == labels
+
+
+def decode_rate(result):
+    accesses, hits = result.phase_counts(DECODE)
+    return hits / accesses
 
 
 def test_cost_model_flags_and_file(capsys, tmp_path, trace_path):
@@ -219,3 +305,82 @@ def test_synth_rejects_a_bad_spec(capsys, tmp_path):
                          "--top-k", "8")
     assert status == 2 and "top_k 8 exceeds n_experts 4" in err
     assert not (tmp_path / "o.npz").exists()
+
+
+# --- the front door's shell manners, for every command (through a real pipe) ---
+
+def strata_argv(*argv):
+    return [sys.executable, "-m", "strata.cli", *map(str, argv)]
+
+
+def quiet_env(tmp_path):
+    return os.environ | {"STRATA_CACHE_DIR": str(tmp_path / "cache"), "STRATA_LOAD_PLUGINS": ""}
+
+
+PIPED = {
+    "policies": ("policies", "--json"),
+    "trace-info": ("trace", "info", "TRACE", "--json"),
+    "simulate": ("simulate", "TRACE", "--slots", "4,8", "--json", "--quiet"),
+    "generate": ("generate", "Hello", "--max-new", "200", "--seed", "1"),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPED))
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path, trace_path, name):
+    """`strata ... | head -c 5`: head exits after 5 bytes; strata exits 0 with no traceback
+    (and no "Exception ignored" from the flush at exit)."""
+    argv = [trace_path if arg == "TRACE" else arg for arg in PIPED[name]]
+    writer = subprocess.Popen(strata_argv(*argv), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=quiet_env(tmp_path))
+    head = subprocess.run(["head", "-c", "5"], stdin=writer.stdout, capture_output=True)
+    writer.stdout.close()
+    err = writer.stderr.read().decode()
+    assert writer.wait(timeout=120) == 0, err
+    assert len(head.stdout) == 5
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.parametrize("name", ["policies", "generate"])
+def test_a_pipe_closed_before_anything_is_written_is_quiet_too(tmp_path, name):
+    """The reader gone before the first write: every write fails, the first one included."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(strata_argv(*PIPED[name]), stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, env=quiet_env(tmp_path),
+                              timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+
+
+def test_a_broken_pipe_elsewhere_keeps_its_traceback(monkeypatch):
+    """Only stdout's own closed reader is quiet: another BrokenPipeError is a bug to see."""
+    def run(args):
+        raise BrokenPipeError("a socket, not stdout")
+
+    monkeypatch.setattr("strata.cli.policies.run", run)
+    with pytest.raises(BrokenPipeError, match="a socket"):
+        cli.main(["policies"])
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["simulate", "TRACE", "--slots", "4", "--polcy", "lru"],
+     "strata simulate: unrecognized arguments: --polcy lru; did you mean --policy? "
+     "(see strata simulate --help)"),
+    (["trace", "synth", "OUT", "--lyers", "3"],
+     "strata trace synth: unrecognized arguments: --lyers 3; did you mean --layers? "
+     "(see strata trace synth --help)"),
+    (["trace", "info", "TRACE", "--frobnicate"],
+     "strata trace info: unrecognized arguments: --frobnicate (see strata trace info --help)"),
+    (["simulat", "TRACE"], "did you mean simulate? (see strata --help)"),
+])
+def test_a_misspelt_flag_is_named_by_its_subcommand_with_the_closest(capsys, tmp_path,
+                                                                     trace_path, argv, line):
+    argv = [{"TRACE": str(trace_path), "OUT": str(tmp_path / "o.npz")}.get(a, a) for a in argv]
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1
+    assert err.rstrip("\n").endswith(line), err

@@ -13,8 +13,13 @@ import argparse
 import sys
 from typing import Any
 
-from strata.cli.cache_options import add_cache_arguments, cache_config_from_args
-from strata.cli.device import parse_device, torch_dtype
+from strata.cli.cache_options import add_cache_arguments
+from strata.cli.engine_options import (
+    add_conversation_arguments,
+    engine_options_from_args,
+    open_engine,
+    with_builtin_cache,
+)
 from strata.cli.errors import UsageError
 
 RESET = "/reset"
@@ -45,12 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     parser.add_argument("--prefill-chunk", type=int, default=512,
                         help="prompt tokens per forward (512)")
-    parser.add_argument("--conversation-cache-mib", type=float, default=0.0, metavar="MIB",
-                        help="park conversations left by /reset in this much host RAM (0: off)")
-    parser.add_argument("--conversation-cache-slots", type=int, default=4, metavar="N",
-                        help="at most this many parked conversations (4)")
     parser.add_argument("--verbose", action="store_true",
                         help="a line of figures per turn on stderr")
+    add_conversation_arguments(parser, mib=0.0, slots=4, what="the conversations /reset leaves")
     add_cache_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -66,34 +68,19 @@ def _options(args: argparse.Namespace) -> Any:
         raise UsageError(str(err)) from None
 
 
-def _engine(args: argparse.Namespace, options: Any) -> tuple[Any, Any]:
-    """(engine, stop ids): the model, its cache and K/V as `strata generate` builds them."""
+def _engine(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(engine, stop ids): the model, its cache and K/V as `strata generate` opens them."""
     from strata.cli.generate import model_dir_from_args, stop_ids_of
-    from strata.engine.model.checkpoint import CheckpointError
-    from strata.engine.model.config import ModelConfig
-    from strata.engine.model.moe import runtime_dtype
     from strata.engine.model.tokenizer import Tokenizer, TokenizerError
-    from strata.engine.runtime.engine import Engine
 
-    if args.conversation_cache_mib < 0 or args.conversation_cache_slots < 0:
-        raise UsageError("--conversation-cache-mib and --conversation-cache-slots must be >= 0")
-    dtype, device = torch_dtype(args.dtype), parse_device(args.device)
+    engine_options = engine_options_from_args(args)
     model_dir = model_dir_from_args(args)
     try:
-        config = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
-        cache = cache_config_from_args(args, config, runtime_dtype(config, dtype), device,
-                                       max_context=options.max_context,
-                                       prefill_chunk=options.prefill_chunk)
-        for note in cache.notes:
-            print(f"strata: {note}", file=sys.stderr)
-        engine = Engine.open(model_dir, device=device, dtype=dtype,
-                             max_context=options.max_context, cache=cache.config,
-                             kv_grow=cache.kv_grow, tokenizer=tokenizer,
-                             conversation_cache_mib=args.conversation_cache_mib,
-                             conversation_cache_slots=args.conversation_cache_slots)
-    except (CheckpointError, TokenizerError, ValueError) as err:
+    except TokenizerError as err:
         raise UsageError(" ".join(str(err).split())) from None
+    engine_options = with_builtin_cache(args, engine_options)
+    engine = open_engine(model_dir, engine_options, tokenizer=tokenizer)
     return engine, stop_ids_of(model_dir, engine.model.config.eos_token_ids, tokenizer)
 
 
@@ -111,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from strata.engine.kv.elastic import KvFullError
 
     options = _options(args)
-    engine, stop_ids = _engine(args, options)
+    engine, stop_ids = _engine(args)
     options = dataclasses.replace(options, stop_ids=stop_ids)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)

@@ -15,29 +15,28 @@ import sys
 import unicodedata
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from strata import settings
-from strata.cli.cache_options import (
-    add_cache_arguments,
-    cache_config_from_args,
-    check_trace_path,
+from strata.cli.cache_options import add_cache_arguments, check_trace_path
+from strata.cli.engine_options import (
+    add_conversation_arguments,
+    engine_options_from_args,
+    open_engine,
+    with_builtin_cache,
 )
-from strata.cli.device import parse_device, torch_dtype
 from strata.cli.errors import UsageError
 from strata.cli.prompt_text import read_prompt
 from strata.formats.jsonfile import read_json
 
 # The engine (and torch) are imported in `run`'s helpers, so that building the parser is quick.
 if TYPE_CHECKING:
-    import torch
-
     from strata.engine.model.tokenizer import Tokenizer
+    from strata.engine.runtime.engine import Engine
     from strata.engine.runtime.generate import GenerateOptions, GenerateResult
 
 __all__ = ["register", "run"]
 
-PROGRESS_BAR_BYTES = 1 << 30  # show a loading bar for checkpoints at least this large
 DUMP_ENV = settings.DUMP_FIRST_LOGITS
 
 
@@ -93,6 +92,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object (text, tokens, stats)"
     )
+    add_conversation_arguments(parser, mib=0.0, slots=4,
+                               what="conversations (one request here: off by default)")
     add_cache_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -182,19 +183,18 @@ def _stats_block(result: GenerateResult) -> str:
     )
 
 
-def _generate(loaded, tokenizer, prompt_ids, options, stream, trace_path) -> GenerateResult:
-    """`generate`, with the routing recorded to `trace_path` (`--trace`) when given."""
-    from strata.engine.runtime.generate import generate
-
-    model = loaded.model
+def _generate(engine: Engine, prompt_ids: list[int], options: GenerateOptions,
+              stream: Callable[[str], None] | None, trace_path: str | None) -> GenerateResult:
+    """The engine's request, with the routing recorded to `trace_path` (`--trace`) if given."""
     if trace_path is None:
-        return generate(model, tokenizer, prompt_ids, options, on_text=stream, kv=loaded.kv)
+        return engine.generate(prompt_ids, options, on_text=stream)
     from strata.engine.runtime.recording import RoutingRecorder, installed, new_trace_writer
 
+    model = engine.model
     writer = new_trace_writer(model, "strata generate")
     recorder = RoutingRecorder(model.experts, writer)
     with installed(model, recorder), recorder.request(len(prompt_ids)):
-        result = generate(model, tokenizer, prompt_ids, options, on_text=stream, kv=loaded.kv)
+        result = engine.generate(prompt_ids, options, on_text=stream)
     try:
         writer.save(trace_path)
     except OSError as err:
@@ -231,22 +231,17 @@ def _generate_options(args: argparse.Namespace) -> GenerateOptions:
         raise UsageError(_as_flags(str(err))) from None
 
 
-def _load(
-    args: argparse.Namespace,
-    text: str,
-    options: GenerateOptions,
-    dtype: torch.dtype | None,
-    device: torch.device,
-) -> tuple[Path, Tokenizer, list[int], Any]:
-    """(model directory, tokenizer, prompt ids, the loaded model and its cache): the prompt is
-    checked against config.json before the (long) load; any bad input is one UsageError."""
+def _open(
+    args: argparse.Namespace, text: str, options: GenerateOptions
+) -> tuple[Path, list[int], Engine]:
+    """(model directory, prompt ids, the engine): the prompt is checked against config.json
+    before the (long) load; any bad input is one UsageError."""
     from strata.engine.model.checkpoint import CheckpointError
     from strata.engine.model.config import ModelConfig
-    from strata.engine.model.moe import runtime_dtype
     from strata.engine.model.tokenizer import Tokenizer, TokenizerError
     from strata.engine.runtime.generate import check_prompt
-    from strata.engine.runtime.load import load
 
+    engine_options = engine_options_from_args(args)
     model_dir = model_dir_from_args(args)
     try:
         config = ModelConfig.from_dir(model_dir)  # the directory's first check
@@ -256,28 +251,14 @@ def _load(
         else:
             prompt_ids = tokenizer.encode(text)
         check_prompt(prompt_ids, options, config.vocab_size)
-        if options.top_k > config.vocab_size:
-            raise UsageError(f"--top-k {options.top_k} is more than the model's vocabulary of "
-                             f"{config.vocab_size} tokens; give at most {config.vocab_size} "
-                             "(0: off)")
-        cache = cache_config_from_args(
-            args, config, runtime_dtype(config, dtype), device,
-            max_context=options.max_context, prefill_chunk=options.prefill_chunk,
-        )
-        for note in cache.notes:
-            print(f"strata: {note}", file=sys.stderr)
-        weights_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-        loaded = load(
-            model_dir,
-            device=device,
-            dtype=dtype,
-            progress=sys.stderr.isatty() and weights_bytes >= PROGRESS_BAR_BYTES,
-            cache=cache.config,
-            kv_grow=cache.kv_grow,
-        )
     except (CheckpointError, TokenizerError, ValueError) as err:
         raise UsageError(" ".join(str(err).split())) from None
-    return model_dir, tokenizer, prompt_ids, loaded
+    if options.top_k > config.vocab_size:
+        raise UsageError(f"--top-k {options.top_k} is more than the model's vocabulary of "
+                         f"{config.vocab_size} tokens; give at most {config.vocab_size} "
+                         "(0: off)")
+    engine_options = with_builtin_cache(args, engine_options)
+    return model_dir, prompt_ids, open_engine(model_dir, engine_options, tokenizer=tokenizer)
 
 
 def _stream(args: argparse.Namespace) -> Callable[[str], None] | None:
@@ -293,8 +274,8 @@ def _stream(args: argparse.Namespace) -> Callable[[str], None] | None:
     return stream
 
 
-def _report(args: argparse.Namespace, result: GenerateResult, loaded: Any, model_dir: Path,
-            device: torch.device) -> None:
+def _report(args: argparse.Namespace, result: GenerateResult, engine: Engine,
+            model_dir: Path) -> None:
     """The JSON object on stdout (--json), else the stats block on stderr."""
     if not args.json:
         if not result.text.endswith("\n"):
@@ -306,39 +287,34 @@ def _report(args: argparse.Namespace, result: GenerateResult, loaded: Any, model
         "tokens": result.tokens,
         **result.stats(),
         "model": str(model_dir),
-        "device": str(device),
-        "dtype": str(loaded.model.dtype).removeprefix("torch."),
+        "device": str(engine.model.device),
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
     }
-    if loaded.cache is not None:
-        document["cache"]["budget"] = loaded.cache.budget.as_dict()
+    if engine.cache is not None:
+        document["cache"]["budget"] = engine.cache.budget.as_dict()
     print(json.dumps(document, ensure_ascii=False))
 
 
 def run(args: argparse.Namespace) -> int:
-    """`strata generate`: check every option, load the model, stream the text, report."""
-    dtype = torch_dtype(args.dtype)
-    device = parse_device(args.device)
+    """`strata generate`: check every option, open the engine, stream the text, report."""
     dump_path = _dump_path()
     check_trace_path(args.trace)
     text = _read_prompt(args)
     options = _generate_options(args)
-    model_dir, tokenizer, prompt_ids, loaded = _load(args, text, options, dtype, device)
-    model, cached = loaded.model, loaded.cache
-    if cached is not None:
-        print(f"strata: {cached.budget.startup_line()}", file=sys.stderr)
-        if args.compile:
-            print("strata: --compile applies to the runtime without an expert cache: ignored",
-                  file=sys.stderr)
-    stop_ids = stop_ids_of(model_dir, model.config.eos_token_ids, tokenizer)
-    options = dataclasses.replace(options, stop_ids=stop_ids)
-    try:
-        result = _generate(loaded, tokenizer, prompt_ids, options, _stream(args), args.trace)
-    finally:
-        loaded.close()
+    model_dir, prompt_ids, engine = _open(args, text, options)
+    with engine:
+        if engine.cache is not None:
+            print(f"strata: {engine.cache.budget.startup_line()}", file=sys.stderr)
+            if args.compile:
+                print("strata: --compile applies to the runtime without an expert cache: "
+                      "ignored", file=sys.stderr)
+        stop_ids = stop_ids_of(model_dir, engine.model.config.eos_token_ids, engine.tokenizer)
+        options = dataclasses.replace(options, stop_ids=stop_ids)
+        result = _generate(engine, prompt_ids, options, _stream(args), args.trace)
     if dump_path is not None:
         try:
             dump_path.write_bytes(result.first_logits.numpy().tobytes())
         except OSError as err:
             raise UsageError(f"{DUMP_ENV}={dump_path}: {err.strerror or err}") from None
-    _report(args, result, loaded, model_dir, device)
+    _report(args, result, engine, model_dir)
     return 0

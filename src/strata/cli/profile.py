@@ -1,9 +1,9 @@
 """`strata profile --model DIR --prompts FILE -o profile.npz`: count which experts a model's
 router picks while it reads some prompts, and write the counts as an expert profile.
 
-The model runs through the real loader (every expert resident, or through the expert cache
-when the cache options ask for it or the experts do not fit the device, as `strata generate`
-decides), with a `RoutingCounter` around its experts: the model code does not change. Each
+The model runs in an `Engine` opened as `strata generate` opens it (every expert resident, or
+through the expert cache when the cache options ask for it or the experts do not fit the
+device), with a `RoutingCounter` around its experts: the model code does not change. Each
 prompt is read in chunks of `--prefill-chunk` tokens, then `--decode N` tokens are generated
 greedily and counted too. `--trace FILE` also records the run as a routing trace, one request
 per prompt. The profile (`strata.formats.profile`) is what `--expert-profile` fills the
@@ -16,22 +16,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from strata.cli.cache_options import (
-    add_cache_arguments,
-    cache_config_from_args,
-    check_trace_path,
-)
-from strata.cli.device import parse_device, torch_dtype
+from strata.cli.cache_options import add_cache_arguments, check_trace_path
+from strata.cli.device import torch_dtype
+from strata.cli.engine_options import engine_options_from_args, open_engine
 from strata.cli.errors import UsageError
 from strata.cli.prompt_text import read_text_file
 
 # The engine (and torch) are imported inside the functions `run` calls, so that building the
 # parser is quick.
-if TYPE_CHECKING:
-    import torch
-
 DTYPES = ("auto", "bf16", "fp32")
 SOURCE = "strata profile"
 
@@ -130,31 +124,24 @@ def _encode_prompts(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -
     return prompts
 
 
-def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, list[list[int]]]:
-    """(the loaded model, with the expert cache if the options ask for it; the prompts' ids)."""
+def _open(args: argparse.Namespace) -> tuple[Any, list[list[int]]]:
+    """(the engine, with the expert cache if the options ask for it; the prompts' ids): its
+    window is the longest prompt and its decoded tokens."""
     from strata.engine.model.checkpoint import CheckpointError
     from strata.engine.model.config import ModelConfig
-    from strata.engine.model.moe import runtime_dtype
     from strata.engine.model.tokenizer import Tokenizer, TokenizerError
-    from strata.engine.runtime.load import load
 
+    torch_dtype(args.dtype, DTYPES)  # this command's choices
     model_dir = Path(args.model)
     try:
         config = ModelConfig.from_dir(model_dir)
-        prompts = _encode_prompts(args, Tokenizer.from_dir(model_dir), config.vocab_size)
-        dtype = torch_dtype(args.dtype, DTYPES)
-        plan = cache_config_from_args(
-            args, config, runtime_dtype(config, dtype), device,
-            max_context=max(len(ids) for ids in prompts) + args.decode + 1,
-            prefill_chunk=args.prefill_chunk,
-        )
-        for note in plan.notes:
-            print(f"strata: {note}", file=sys.stderr)
-        loaded = load(model_dir, device=device, dtype=dtype,
-                      cache=plan.config, kv_grow=plan.kv_grow)
+        tokenizer = Tokenizer.from_dir(model_dir)
     except (CheckpointError, TokenizerError, ValueError) as err:
         raise UsageError(" ".join(str(err).split())) from None
-    return loaded, prompts
+    prompts = _encode_prompts(args, tokenizer, config.vocab_size)
+    window = max(len(ids) for ids in prompts) + args.decode + 1
+    options = engine_options_from_args(args, max_context=window)
+    return open_engine(model_dir, options, tokenizer=None), prompts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,31 +154,27 @@ def run(args: argparse.Namespace) -> int:
                                                             args.prefill_chunk, 1)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
-    device = parse_device(args.device)
     output = Path(args.output)
     if not output.absolute().parent.is_dir():
         raise UsageError(f"-o {output}: its directory does not exist")
     if output.is_dir():
         raise UsageError(f"-o {output} is a directory; give a file path (profile.npz)")
     check_trace_path(args.trace)
-    loaded, prompts = _load(args, device)
-    model, cached = loaded.model, loaded.cache
-    if cached is not None:
-        print(f"strata: {cached.budget.startup_line()}", file=sys.stderr)
+    engine, prompts = _open(args)
+    model = engine.model
+    if engine.cache is not None:
+        print(f"strata: {engine.cache.budget.startup_line()}", file=sys.stderr)
     writer = None if args.trace is None else new_trace_writer(model, SOURCE)
-    try:
-        with _progress(args, len(prompts)) as bar:
-            counts, figures = collect_counts(
-                model, prompts, decode_tokens=args.decode, prefill_chunk=args.prefill_chunk,
-                on_prompt=bar.update, writer=writer, kv=loaded.kv,
-            )
-    finally:
-        loaded.close()
+    with engine, _progress(args, len(prompts)) as bar:
+        counts, figures = collect_counts(
+            model, prompts, decode_tokens=args.decode, prefill_chunk=args.prefill_chunk,
+            on_prompt=bar.update, writer=writer, kv=engine.elastic, cells=engine.fixed,
+        )
     meta = {
         "source": SOURCE,
         "model": str(args.model),
         "prompts_file": str(args.prompts),
-        "device": device.type,
+        "device": model.device.type,
         "dtype": str(model.dtype).removeprefix("torch."),
         "chat": bool(args.chat),
         **figures,

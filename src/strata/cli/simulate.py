@@ -267,8 +267,34 @@ def _table(rows: Sequence[dict[str, Any]], with_cost: bool) -> str:
     return "\n".join([fmt(head), *map(fmt, body)])
 
 
+def _check_plot(args: argparse.Namespace) -> None:
+    """--plot's format (its suffix) and matplotlib, checked before the replays, not after."""
+    from strata.sim.plot import check_plot_target
+
+    try:
+        check_plot_target(args.plot)
+    except ValueError as exc:
+        raise UsageError(f"--plot {exc}") from None
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'strata[plot]'") from None
+    if 0 in args.slots:
+        raise UsageError("--plot draws cache sizes on a log2 axis, where --slots 0 has no "
+                         "place: leave it out, or drop --plot")
+
+
+def _headings(args: argparse.Namespace, trace: Trace, settings: dict) -> tuple[str, str]:
+    """The trace's shape and the settings: the table's first lines, the plot's title."""
+    s = trace.summary()
+    return (f"{args.trace}: {s['requests']} requests, {s['steps']} steps, {s['accesses']} "
+            f"accesses ({s['n_layers']} layers x top-{s['top_k']} of {s['n_experts']})",
+            f"profile: {settings['profile']}; loan slots: {args.loan_slots}; "
+            f"K/V: {'grows' if settings['kv'] else 'fixed'}")
+
+
 def run(args: argparse.Namespace) -> int:
     """`strata simulate`: the sweep the options ask for, as a table or one JSON object."""
+    if args.plot:
+        _check_plot(args)
     trace = read_trace(args.trace)
     cost = _cost_model(args, trace)
     results, settings = simulate(args, trace)
@@ -279,14 +305,12 @@ def run(args: argparse.Namespace) -> int:
             row["cost"] = cost.estimate(result, trace.step_tokens)
         rows.append(row)
     if args.plot:
-        try:
-            from strata.sim.plot import plot_hit_rates
+        from strata.sim.plot import plot_hit_rates
 
-            plot_hit_rates(results, args.plot, title=args.trace)
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+        try:
+            plot_hit_rates(results, args.plot, *_headings(args, trace, settings))
         except OSError as exc:
-            raise UsageError(f"cannot write the plot to {args.plot}: {exc}") from None
+            raise UsageError(f"cannot write the plot to {args.plot}: {exc.strerror}") from None
     if args.json:
         settings["cost"] = None if cost is None else cost.describe()
         summary = trace.summary()
@@ -298,11 +322,8 @@ def run(args: argparse.Namespace) -> int:
             "results": rows,
         }, indent=2, sort_keys=True))
         return 0
-    s = trace.summary()
-    print(f"trace {args.trace}: {s['requests']} requests, {s['steps']} steps, {s['accesses']} "
-          f"accesses ({s['n_layers']} layers x top-{s['top_k']} of {s['n_experts']})")
-    print(f"profile: {settings['profile']}; loan slots: {args.loan_slots}; "
-          f"K/V: {'grows' if settings['kv'] else 'fixed'}")
+    shape, settings_line = _headings(args, trace, settings)
+    print(f"trace {shape}\n{settings_line}")
     print(_table(rows, cost is not None))
     if args.plot:
         print(f"wrote {args.plot}")
@@ -371,5 +392,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="dense weights read every round (0)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
-    out.add_argument("--plot", metavar="PNG", help="draw hit rate against cache size")
+    out.add_argument("--plot", metavar="FILE",
+                     help="draw hit rate and decode hit rate against cache size, the bounds "
+                          "beside; the format from the suffix: .png, .pdf or .svg")
     out.add_argument("--quiet", action="store_true", help="no progress bar")

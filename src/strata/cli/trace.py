@@ -91,7 +91,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "trace",
         help="make synthetic routing traces, and inspect traces",
-        description="Routing traces for `strata simulate` (docs/sim/trace-format.md).",
+        description="Routing traces for `strata simulate`; their format is in "
+                    "docs/sim/reference.md, \"The trace format\".",
     )
     commands = parser.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
     synth = commands.add_parser(

@@ -185,6 +185,22 @@ def test_startup_line_names_every_part():
         assert part in line
 
 
+def test_startup_line_says_what_the_slots_need_when_chunks_map_more():
+    """`--expert-cache 0.2` on a model of 48 KiB experts over 2 MiB chunks: 4 slots, whose
+    arena still maps a whole chunk. The line once read "cache 2.0 MiB (0.2 MiB)"."""
+    small = _budget(budget_bytes=64 * MIB, slot_bytes=48 * 1024, chunk_bytes=2 * MIB,
+                    total_experts=16, expert_cache_mib=0.2)
+    assert small.n_slots == 4 and small.arena_bytes == 2 * MIB
+    assert small.startup_line().endswith(
+        "cache 2.0 MiB (--expert-cache 0.2 MiB): 4 slots of 48.0 KiB, 25.0% of 16 experts; "
+        "the slots need 192.0 KiB, the arena maps whole chunks of 2.0 MiB")
+    # Slots that fill their chunks (less than a slot to spare) need no such note.
+    exact = _budget(budget_bytes=64 * MIB, slot_bytes=MIB, chunk_bytes=2 * MIB,
+                    total_experts=16, expert_cache_mib=4)
+    assert exact.startup_line().endswith(
+        "cache 4.0 MiB (--expert-cache 4 MiB): 4 slots of 1.0 MiB, 25.0% of 16 experts")
+
+
 def test_plan_on_the_host():
     cfg = ModelConfig.from_dir(cached_checkpoint("olmoe", "tiny"))
     common = dict(slot_bytes=49_152, chunk_bytes=65_536, max_context=256, prefill_chunk=64)

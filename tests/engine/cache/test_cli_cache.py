@@ -46,6 +46,16 @@ def test_without_cache_options_every_expert_is_resident(capsys, ckpt):
     assert "cache" not in document and "expert cache:" not in err
 
 
+@pytest.mark.parametrize("policy", [["--policy", "coldest-in-loan"], ["--policy", "static"],
+                                    ["--policy", "lru", "--policy-opt", "max_admits=1"]])
+def test_naming_a_policy_is_no_cache_option(capsys, ckpt, policy):
+    """The policy decides what a cache holds; naming one, the default (as the default does) or
+    another, never switches a cache on where every expert fits: once `--policy static` did and
+    `--policy coldest-in-loan` did not."""
+    document, err = _json(capsys, "--model", str(ckpt), *FAST, *policy)
+    assert "cache" not in document and "expert cache:" not in err
+
+
 def test_a_cache_prints_its_sizing_and_its_stats(capsys, ckpt):
     status, _, err = _run(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "0.5")
     assert status == 0

@@ -231,18 +231,29 @@ class CacheBudget:
         return self.n_slots == self.total_experts
 
     def startup_line(self) -> str:
-        """One line: the budget, each part, and the slots."""
+        """One line: the budget, each part, and the slots.
+
+        The cache's figure is the memory its arena maps, in whole chunks of the memory
+        backend; where that is a slot or more beyond what the slots need (a small cache, or
+        large chunks), the line says what the slots need too, so that `cache 2.0 MiB` beside
+        `--expert-cache 0.2 MiB` does not read as a contradiction."""
         n = self.n_slots
         share = 100.0 * n / self.total_experts
-        mode = "auto" if self.expert_cache_mib is None else f"{self.expert_cache_mib:g} MiB"
+        mode = "auto" if self.expert_cache_mib is None else \
+            f"--expert-cache {self.expert_cache_mib:g} MiB"
         if self.capped:
             mode += ", capped by the budget"
+        slots_bytes = n * self.slot_bytes
+        rounding = ""
+        if self.arena_bytes - slots_bytes >= self.slot_bytes:
+            rounding = (f"; the slots need {size_text(slots_bytes)}, the arena maps whole chunks "
+                        f"of {size_text(self.chunk_bytes)}")
         return (
             f"expert cache: budget {size_text(self.budget_bytes)} ({self.budget_source}) = dense "
             f"{size_text(self.dense_bytes)} + K/V {size_text(self.kv_bytes)} + workspace "
             f"{size_text(self.workspace_bytes)} + reserve {size_text(self.reserve_bytes)} + cache "
             f"{size_text(self.arena_bytes)} ({mode}): {n} slots of {size_text(self.slot_bytes)}, "
-            f"{share:.1f}% of {self.total_experts} experts"
+            f"{share:.1f}% of {self.total_experts} experts{rounding}"
         )
 
     def as_dict(self) -> dict[str, int | float | str | None]:

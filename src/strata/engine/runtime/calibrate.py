@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from strata.engine.kv.elastic import ElasticKV
+from strata.engine.kv.kv_cache import KVCache
 from strata.engine.model import MoEModel
 from strata.engine.runtime.generate import GenerateOptions, generate
 from strata.engine.runtime.recording import RoutingCounter, RoutingRecorder, installed
@@ -29,12 +30,14 @@ def collect_counts(
     on_prompt: Callable[[], None] | None = None,
     writer: TraceWriter | None = None,
     kv: ElasticKV | None = None,
+    cells: KVCache | None = None,
 ) -> tuple[np.ndarray, dict[str, int]]:
     """Run each prompt (token ids) through `model`, then `decode_tokens` greedy tokens, and
     count the routing. Returns (counts int64 [L, E], figures: prompts, prompt_tokens,
     decode_tokens). With a `writer`, each prompt is also recorded as a request of a trace.
-    `kv`: the elastic K/V the requests run in (None: one per prompt). The model's experts are
-    put back as they were."""
+    `kv`: the elastic K/V the requests run in, else `cells`, a fixed one (an engine's: `Engine.
+    elastic`, `Engine.fixed`), else one per prompt. Every prompt is read whole (nothing reused
+    from the one before). The model's experts are put back as they were."""
 
     cfg = model.config
     counter = RoutingCounter(model.experts, cfg.n_layers, cfg.n_experts, model.device)
@@ -55,7 +58,7 @@ def collect_counts(
                 cuda_graphs=False,  # a graph replay would bypass the counter
             )
             with recorder.request(len(ids)) if recorder else contextlib.nullcontext():
-                generate(model, None, ids, options, kv=kv)
+                generate(model, None, ids, options, kv=kv, cells=cells)
             prompt_tokens += len(ids)
             if on_prompt is not None:
                 on_prompt()

@@ -141,15 +141,18 @@ class Engine:
 
     @classmethod
     def from_options(cls, path: str | Path, options: EngineOptions, *,
-                     tokenizer: Tokenizer | None = None, progress: bool = False) -> Engine:
+                     tokenizer: Tokenizer | None = None, progress: bool = False,
+                     on_note: Callable[[str], None] | None = None) -> Engine:
         """Plan the cache `options.cache` asks for (`plan_cache_options`: every value checked,
         the cache sized, before the long load), then `open`. The plan's notes (the profile
-        warning, the elastic K/V's figures) are kept in `notes`. Raises as
-        `plan_cache_options` and `load`."""
+        warning, the elastic K/V's figures) go to `on_note` as soon as they are known, before
+        the load, and are kept in `notes`. Raises as `plan_cache_options` and `load`."""
         config = ModelConfig.from_dir(path)
         plan = plan_cache_options(options.cache, config, runtime_dtype(config, options.dtype),
                                   options.device, max_context=options.max_context,
                                   prefill_chunk=options.prefill_chunk)
+        for note in plan.notes if on_note is not None else ():
+            on_note(note)
         try:
             engine = cls.open(
                 path, device=options.device, dtype=options.dtype,
@@ -284,6 +287,12 @@ class Engine:
     def _emit(self, event: Event) -> None:
         if self.events is not None:
             emit(self.events, event)
+
+    def reset(self) -> None:
+        """Forget the live conversation: the next request reads its whole prompt, writing over
+        the cells. Parked conversations stay. For measurements that must not reuse a prompt
+        (benchmarks repeating one request) and for a user's "new conversation"."""
+        self.live = []
 
     # --- life ---
     def close(self) -> None:

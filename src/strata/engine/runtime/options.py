@@ -67,13 +67,20 @@ class CacheOptions:
         object.__setattr__(self, "policy_options", tuple(self.policy_options))
 
     def asks_for_the_cache(self, kv_grow: bool) -> bool:
-        """Whether an option of the cache (or a policy other than the default, or the elastic
-        K/V) was given: then the cache is used even where every expert would fit."""
+        """Whether an option that sizes or feeds the cache was given (a budget, a reserve, a
+        size, a profile, the loan turned off, the read length, CPU threads, streamed misses),
+        or the elastic K/V: then the cache is used even where every expert would fit.
+
+        The policy is not one of them: it decides what a cache holds, and naming it (the
+        default `coldest-in-loan` or another, with or without options) never switches a
+        cache on. So `--policy coldest-in-loan` is exactly the default, and `--policy lru`
+        on a model whose experts all fit leaves them all resident, as a cache that holds
+        every expert would (nothing is ever evicted there); a cache smaller than the model
+        is what gives a policy something to decide."""
         given = any(v is not None for v in (
             self.vram_budget_mib, self.vram_reserve_mib, self.expert_cache_mib,
             self.expert_profile, self.short_read, self.cpu_threads, self.stream_misses))
-        return given or kv_grow or not self.prefill_loan or self.policy != DEFAULT_POLICY \
-            or bool(self.policy_options)
+        return given or kv_grow or not self.prefill_loan
 
 
 @dataclass
