@@ -68,13 +68,17 @@ def _si(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
-def run_strata(ckpt, device, dtype, prompt, n_new, repeat, compile=False) -> dict:
+def run_strata(ckpt, device, dtype, prompt, n_new, repeat, compile=False,
+               grouped_prefill=None) -> dict:
+    """`grouped_prefill` False: the prompt's experts by the per-expert loop (the baseline of
+    the grouped products, `strata.engine.experts.sorted_grouped`)."""
     options = GenerateOptions(
         max_new=n_new, max_context=len(prompt) + n_new, temperature=0.0, ignore_stop=True,
         compile=compile,
     )
     with Engine.open(ckpt, device=device, dtype=dtype,
                      max_context=options.max_context) as engine:
+        engine.model.experts.grouped_prefill = grouped_prefill
         fresh_request(engine, prompt, options)  # warm-up (the decode graphs captured)
         runs = [fresh_request(engine, prompt, options) for _ in range(repeat)]
         config = engine.model.config
@@ -144,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         "--compile", action="store_true",
         help="also run strata with `--compile` (torch.compile of the decode step, CUDA only)",
     )
+    parser.add_argument(
+        "--loop-prefill", action="store_true",
+        help="also run strata with the prompt's experts by the per-expert loop (strata-loop), "
+        "the baseline of the grouped products",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.prompt_tokens < 1 or args.repeat < 1:
@@ -174,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             compiled.pop("config")
             free_memory(device)
+        loop = None
+        if args.loop_prefill:
+            loop = run_strata(ckpt, device, dtype, prompt, args.new_tokens, args.repeat,
+                              grouped_prefill=False)
+            loop.pop("config")
+            free_memory(device)
         peer = None
         if not args.no_transformers:
             peer = run_transformers(ckpt, device, dtype, prompt, args.new_tokens, args.repeat)
@@ -203,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": peer,
         "ratio": strata["decode_tok_s"] / peer["decode_tok_s"] if peer else None,
         "strata_compiled": compiled,
+        "strata_loop_prefill": loop,
+        "prefill_ratio_loop": strata["prefill_tok_s"] / loop["prefill_tok_s"] if loop else None,
+        "prefill_ratio": strata["prefill_tok_s"] / peer["prefill_tok_s"] if peer else None,
         "ratio_compiled": compiled["decode_tok_s"] / peer["decode_tok_s"]
         if peer and compiled else None,
         "bound_share_compiled": compiled["decode_tok_s"] / bound_tok_s
@@ -222,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.new_tokens} new tokens, greedy; medians of {args.repeat}"
     )
     print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/round':>10}")
-    for name, figures in (("strata", strata), ("strata+compile", compiled), ("transformers", peer)):
+    for name, figures in (("strata", strata), ("strata+compile", compiled),
+                          ("strata-loop", loop), ("transformers", peer)):
         if figures:
             print(
                 f"{name:<14}{figures['prefill_tok_s']:>15.1f}{figures['decode_tok_s']:>14.1f}"

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from strata.engine.experts import sorted_grouped
 from strata.engine.experts.grouped import expert_rows
 from strata.engine.experts.store import ExpertStore
 
@@ -47,17 +48,23 @@ class ResidentExperts:
       no host sync, static shapes. On CUDA with Triton its kernels read the weights in place;
       elsewhere it gathers the K blobs (`index_select`) for two batched matmuls, the most
       workspace this path takes (`strata.engine.cache.budget.workspace_bytes`).
-    - otherwise (a prompt chunk, however short): loop over the experts actually routed, each
-      over its tokens (sorted by expert), reading the weights in place; one host sync for the
-      per-expert counts.
+    - otherwise (a prompt chunk, however short): where `sorted_grouped.available` (bf16 on a
+      Hopper GPU) and `grouped_prefill` is not False, two grouped matrix products over the rows
+      sorted by expert (`strata.engine.experts.sorted_grouped`), no host sync; elsewhere a loop
+      over the experts actually routed, each over its tokens (sorted by expert), reading the
+      weights in place, with one host sync for the per-expert counts.
     Each (token, k) output lands in its own row of a [T, K, D] buffer, then the K rows are summed
     in order: no atomics, a fixed summation order.
     """
 
     def __init__(
-        self, store: ExpertStore, device: str | torch.device, dtype: torch.dtype | None = None
+        self, store: ExpertStore, device: str | torch.device, dtype: torch.dtype | None = None,
+        grouped_prefill: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
+        # None: the grouped products where they are available; False: always the loop (a
+        # benchmark's baseline).
+        self.grouped_prefill = grouped_prefill
         self.dtype = dtype or store.dtype
         self.n_layers = store.n_layers
         self.n_experts = store.n_experts
@@ -85,6 +92,9 @@ class ResidentExperts:
     ) -> torch.Tensor:
         if topk_ids.shape[0] == 1:
             out = self._gathered(layer, x, topk_ids)
+        elif self.grouped_prefill is not False and sorted_grouped.available(x):
+            out = sorted_grouped.sorted_grouped_rows(
+                self._gate_up[layer], self._down[layer], x, topk_ids).view(*topk_ids.shape, -1)
         else:
             out = self._per_expert(layer, x, topk_ids)
         # [T, K, D] -> [T, D]: weight and sum over K in float32, in order.

@@ -1,0 +1,45 @@
+"""A prompt chunk's experts as two grouped matrix products over the rows sorted by expert.
+
+Dimension letters: T tokens, D hidden size, E experts per layer, K experts per token, F expert
+width, R = T*K routed rows.
+
+The rows (token, k) are sorted by their expert; `torch._grouped_mm` then multiplies each
+expert's run of rows by that expert's weights, every expert in one kernel, reading the weights
+in place (the [E, 2F, D] and [E, D, F] views are column-major per expert once transposed, the
+layout it takes). No host sync: the runs' ends are a device tensor. It exists on CUDA for bf16
+on Hopper (sm90) and later; `available` says when this path applies, and `ResidentExperts`
+loops over the experts elsewhere. Deterministic: no atomics, each row written once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["available", "sorted_grouped_rows"]
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the grouped products run for `x` here: bf16 on a CUDA device of compute
+    capability 9.0 or later, with a torch that has `_grouped_mm`."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def sorted_grouped_rows(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """[R, D]: row t*K + k is expert topk_ids[t, k] of layer weights gate_up [E, 2F, D] and
+    down [E, D, F] applied to x[t] (x [T, D], topk_ids [T, K] int64)."""
+    n_experts, two_f, _ = gate_up.shape
+    f = two_f // 2
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1)  # [R]
+    order = torch.argsort(ids, stable=True)  # [R] rows grouped by expert, tokens ascending
+    ends = torch.cumsum(torch.bincount(ids, minlength=n_experts), 0).to(torch.int32)  # [E]
+    x_sorted = x.index_select(0, order // top_k)  # [R, D]
+    h = torch._grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs=ends)  # [R, 2F]
+    act = (F.silu(h[:, :f]) * h[:, f:]).contiguous()  # [R, F]
+    y = torch._grouped_mm(act, down.transpose(-2, -1), offs=ends)  # [R, D]
+    out = torch.empty_like(y)  # [R, D] back in (token, k) order
+    out.index_copy_(0, order, y)
+    return out

@@ -1,0 +1,53 @@
+"""The prompt chunk's grouped expert products (`strata.engine.experts.sorted_grouped`) against
+a per-expert loop in float32: on the GPU machine (marked cuda), and where they do not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.engine.experts import sorted_grouped
+
+E, F_WIDTH, D, K = 16, 128, 256, 4
+
+
+def reference(gate_up, down, x, topk_ids):
+    """[T*K, D] in float32: each (token, k) row through its expert, one at a time."""
+    rows = []
+    for t in range(topk_ids.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            h = F.linear(x[t].float(), gate_up[e].float())
+            rows.append(F.linear(F.silu(h[:F_WIDTH]) * h[F_WIDTH:], down[e].float()))
+    return torch.stack(rows)
+
+
+def inputs(device, n_tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blobs = torch.randn(E, 3 * F_WIDTH * D, generator=g) * 0.05
+    blobs = blobs.to(device=device, dtype=torch.bfloat16)
+    gate_up = blobs[:, : 2 * F_WIDTH * D].view(E, 2 * F_WIDTH, D)  # views, as ResidentExperts'
+    down = blobs[:, 2 * F_WIDTH * D :].view(E, D, F_WIDTH)
+    x = torch.randn(n_tokens, D, generator=g).to(device=device, dtype=torch.bfloat16)
+    # Experts 0..E/2 only: half the experts get no rows at all.
+    ids = torch.stack([torch.randperm(E // 2, generator=g)[:K] for _ in range(n_tokens)])
+    return gate_up, down, x, ids.to(device)
+
+
+def test_not_taken_off_the_gpu_or_outside_bf16():
+    assert not sorted_grouped.available(torch.zeros(2, 2, dtype=torch.bfloat16))
+    if torch.cuda.is_available():
+        assert not sorted_grouped.available(torch.zeros(2, 2, device="cuda"))  # float32
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_tokens", [2, 37, 512])
+def test_grouped_products_match_the_loop_and_repeat_exactly(n_tokens):
+    gate_up, down, x, ids = inputs("cuda", n_tokens)
+    assert sorted_grouped.available(x), "the H200 should take the grouped path"
+    got = sorted_grouped.sorted_grouped_rows(gate_up, down, x, ids)  # [T*K, D]
+    want = reference(gate_up.cpu(), down.cpu(), x.cpu(), ids.cpu())
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+    again = sorted_grouped.sorted_grouped_rows(gate_up, down, x, ids)
+    assert torch.equal(got, again)
