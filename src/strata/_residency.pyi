@@ -244,9 +244,18 @@ class ResidencyTable:
 class ResidencyView:
     """The books as a policy sees them: arrays with the write flag off, regions, geometry.
 
-    Slots [top, n_slots) are the loan region; slots below `floor` are never given up. `top`, when
-    given, is the loan region's first slot as the caller sees it (the elastic K/V asks its
-    give-up with the region the prompt loan would lend, open or not); by default the books'.
+    Every decision and notification is handed one. Units: slots, experts, layers and chunks
+    are counts or indices (ints); `slot_bytes` and `chunk_bytes` are bytes; an expert is
+    (layer, expert), or flat as `layer * n_experts + expert` (how `owner` stores it). The
+    arena is `n_slots` slots back to back, `slot_bytes` each, over `n_chunks` chunks of
+    `chunk_bytes`: a slot may straddle a chunk boundary, and a slot is *backed* (usable) only
+    while every chunk it touches is mapped.
+
+    Regions: slots [top, n_slots) are the loan region (lent to the prompt path; never
+    admitted into, never given up); slots [0, floor) are never given up;
+    0 <= floor <= top <= n_slots. `top`, when given, is the loan region's first slot as the
+    caller sees it (the elastic K/V asks its give-up with the region the prompt loan would
+    lend, open or not); by default the books'.
 
     The view shows the table live and cannot change it: the table is kept where Python cannot
     read it, the view takes no attributes (nor does its class), it cannot be pickled, and every
@@ -264,47 +273,54 @@ class ResidencyView:
     # --- shape and regions ---
     @property
     def n_layers(self) -> int:
-        """L, the MoE layers."""
+        """L, the MoE layers (a count); layers are 0 .. L-1."""
     @property
     def n_experts(self) -> int:
-        """E, the routed experts per layer."""
+        """E, the routed experts of each layer (a count); experts are 0 .. E-1 in each layer,
+        L * E in all."""
     @property
     def n_slots(self) -> int:
-        """S, the slots of the arena."""
+        """S, the arena's slots (a count), each holding at most one expert; slots 0 .. S-1.
+        Fixed for the engine's life: a slot whose memory went to the K/V still counts (it is
+        not `backed`)."""
     @property
     def slot_bytes(self) -> int:
-        """Bytes per slot."""
+        """Bytes of one slot: an expert's blob (gate, up, down) rounded up to 256 bytes."""
     @property
     def chunk_bytes(self) -> int:
-        """Bytes per arena chunk."""
+        """Bytes of one arena chunk: the memory backend's granularity (2 MiB on NVIDIA)."""
     @property
     def n_chunks(self) -> int:
-        """The arena's chunks."""
+        """The arena's chunks (a count): ceil(n_slots * slot_bytes / chunk_bytes)."""
     @property
     def top(self) -> int:
-        """The first slot of the loan region."""
+        """The loan region's first slot: admissions only below it; n_slots when no loan."""
     @property
     def floor(self) -> int:
-        """The fewest slots the cache keeps: slots below it are never given up."""
+        """The fewest slots the cache keeps (a count): slots below it are never given up."""
     @property
     def n_resident(self) -> int:
-        """Slots that hold an expert."""
+        """Slots that hold an expert now (a count)."""
     # --- arrays: the books' own memory, a new read-only array object on every read ---
     @property
     def res(self) -> np.ndarray:
-        """int32 [L, E]: slot of each expert, or -1."""
+        """int32 [L, E]: the slot of each expert, or -1 when it is not resident."""
     @property
     def owner(self) -> np.ndarray:
-        """int32 [S]: flat expert id (`layer * n_experts + expert`) in each slot, or -1."""
+        """int32 [S]: the flat expert id (`layer * n_experts + expert`) in each slot, or -1
+        for an empty slot. `res` and `owner` are always each other's inverse."""
     @property
     def heat(self) -> np.ndarray:
-        """float64 [L, E]: decayed routing counts."""
+        """float64 [L, E]: routed tokens counted per expert (the engine records every routed
+        (token, expert) at every layer step, before `observe`), decayed by the engine's
+        `decay` calls; how hot an expert is now."""
     @property
     def rank(self) -> np.ndarray:
-        """int32 [L, E]: profile rank, 0 = hottest."""
+        """int32 [L, E]: the profile rank, 0 = hottest by the calibration profile; a
+        permutation of 0 .. L*E-1 that breaks heat's ties."""
     @property
     def chunk_mapped(self) -> np.ndarray:
-        """bool [n_chunks]: arena chunks that are mapped."""
+        """bool [n_chunks]: arena chunks whose memory is mapped (not lent to the K/V)."""
     @property
     def backed(self) -> np.ndarray:
         """bool [S]: slots whose every chunk is mapped; only these can hold an expert."""
@@ -355,3 +371,111 @@ def frozen(array: np.ndarray) -> np.ndarray:
     The checker hands policies their array arguments (`slots`, `free_slots`, `missed_experts`,
     and `observe`'s `expert_ids` and `hit_mask`) this way, keeping the arrays it checks against.
     """
+
+
+# --- compiled policy rules (`from strata._residency cimport CacheRule`; _residency.pxd) ---
+
+WHY_NAMES: tuple[str, ...]
+"""Why an expert entered or left the cache, by the code a compiled rule is told (`WHY_FILL` = 0
+.. `WHY_ROLLBACK` = 7 in _residency.pxd): fill, admit, refill, trim, relocate, give_up, loan,
+rollback. The same names as `strata.policies.WHY`."""
+
+def why_code(why: str) -> int:
+    """The code of a reason's name; ValueError for an unknown one."""
+
+class ExpertLists:
+    """`n_lists` doubly linked lists over items 0 .. n_items-1 (flat experts, or slots), each
+    item in at most one list; O(1) push to either end and removal. The building block of
+    LRU-like compiled rules (ARC's T1, T2, B1, B2; 2Q; SLRU): their cdef code reads the fields
+    `which`, `prev`, `next`, `front`, `back`, `size` and calls `push(k, item, at_front=True)`
+    and `remove(item)` (_residency.pxd). From Python, for tests: `py_push`, `py_remove`,
+    `items`, `list_of`.
+
+    Raises:
+        ValueError: n_lists < 1, or n_items outside [0, 2**31 - 1].
+    """
+
+    n_lists: int
+    n_items: int
+    def __init__(self, n_lists: int, n_items: int) -> None: ...
+    def py_push(self, k: int, item: int, at_front: bool = True) -> None:
+        """Put `item` at the front (or back) of list `k`, out of the list it was in."""
+    def py_remove(self, item: int) -> None:
+        """Take `item` out of its list (nothing if it is in none)."""
+    def items(self, k: int) -> list[int]:
+        """List `k`'s items, front to back."""
+    def list_of(self, item: int) -> int:
+        """The list `item` is in, or -1."""
+
+class CacheRule:
+    """Base of a policy's `observe` and `admit` (and its notifications) compiled in C.
+
+    A plugin subclasses it in its own Cython (`cdef class MyRule(CacheRule)`, cimported from
+    _residency.pxd) and overrides the cdef methods it needs: `start()` (make the state, once
+    the shape is known), `step(layer)` (a layer step begins), `routed(flat, slot, n_tokens)`
+    (each distinct routed expert, ascending; `slot` -1 for a miss), `admit(flat) -> slot`
+    (each distinct missed expert, ascending; -1 admits nothing), `entered(flat, slot, why)`,
+    `left(flat, slot, why)`, `moved(flat, src, dst)`. It reads the books through the cdef
+    read-only memoryviews `res` [L, E], `owner` [S], `backed` [S] and the ints `n_layers`,
+    `n_experts`, `n_slots`, `top`; `usable(slot)` and `free_slot()` help choose. `changed` is
+    set by strata when the books changed other than by the rule's own admissions.
+    `strata.policies.RulePolicy` wraps one as a policy; the simulator's kernel path calls the
+    cdef methods from its C step loop (`drive_rule_span`), the engine through the methods below,
+    once per layer step.
+    """
+
+    n_layers: int
+    n_experts: int
+    n_slots: int
+    top: int
+    changed: bool
+    @property
+    def bound(self) -> bool:
+        """Whether the rule has met books (and made its state)."""
+    def bind(self, view: ResidencyView) -> None:
+        """Bind to `view`'s books (`start` for new books) and its `top`."""
+    def observe_step(self, view: ResidencyView, layer: int, expert_ids: np.ndarray) -> None:
+        """`step(layer)`, then `routed` for each distinct expert of `expert_ids` (int [T, K])."""
+    def admit_step(self, view: ResidencyView, layer: int,
+                   missed_experts: np.ndarray) -> np.ndarray:
+        """int64 [n, 3] (slot, layer, expert): `admit` asked for each missed expert, in order."""
+    def notify(self, view: ResidencyView, kind: str, why: str, rows: np.ndarray) -> None:
+        """Tell the rule of a change of the books: `kind` `entered` or `left` with rows
+        (slot, layer, expert), or `moved` with rows (src_slot, dst_slot, layer, expert); `why`
+        one of `WHY_NAMES` (not `admit`: sets `changed`)."""
+
+def admit_answer(view: ResidencyView, layer: int, missed_experts: np.ndarray,
+                 answer: object) -> np.ndarray | None:
+    """The fast check of an `admit` answer: int64 [n, 3] when it surely passes
+    `strata.books.validate.check_admit` (a list or tuple of 3-tuples or 3-lists of plain ints,
+    or an int array [n, 3]: experts of `layer`, each one of `missed_experts` and named once,
+    slots that exist, lie below `top`, are backed and are named once), else None: only the
+    Python checker judges it then. Never accepts what the Python checker refuses (a property
+    test holds it to that)."""
+
+def drive_rule_span(rule: CacheRule, view: ResidencyView, ids_by_layer: np.ndarray,
+                    step_offsets: np.ndarray, s0: int, s1: int, out_hits: np.ndarray,
+                    out_distinct_hits: np.ndarray, out_distinct_misses: np.ndarray,
+                    out_admits: np.ndarray, layer_admits: np.ndarray,
+                    layer_evictions: np.ndarray, reject: object) -> None:
+    """Replay steps [s0, s1) of a trace through a compiled rule on the live books, in C: per
+    step and layer, look up and record the routing (`ids_by_layer` int32 [L, N, K],
+    `step_offsets` int64 [S + 1]), call `step` and `routed`, ask `admit` for each distinct
+    missed expert ascending, check the answers (`reject(layer, missed, answer)` is called for
+    a bad batch and must raise), apply them (evictions first, as `apply_admit`) and tell the
+    rule `left` and `entered` (WHY_ADMIT). The outputs are the simulator's counts: int32
+    [s1 - s0, L] hits, distinct hits, distinct misses (written), admissions (added to); int64
+    [L] admissions and evictions by layer (added to)."""
+
+def drive_policy_span(policy: object, asker: object, view: ResidencyView,
+                      ids_by_layer: np.ndarray, step_offsets: np.ndarray, s0: int, s1: int,
+                      observes: bool, listens: bool, out_hits: np.ndarray,
+                      out_distinct_hits: np.ndarray, out_distinct_misses: np.ndarray,
+                      out_admits: np.ndarray, layer_admits: np.ndarray,
+                      layer_evictions: np.ndarray) -> None:
+    """`drive_rule_span` for any Python policy: its `observe(view, layer, expert_ids,
+    hit_mask)` (when `observes`) and `admit(view, layer, missed_experts)` called once per layer
+    step with new read-only arrays; an answer `admit_answer` cannot pass is judged by
+    `asker.admit_slow(layer, missed, answer)` (int64 [n, 3], or it raises); what the policy
+    raises becomes `asker.fault(method, exc)`; with `listens`, `asker.tell(kind, "admit",
+    rows)` after each applied admission (`left`, then `entered`)."""

@@ -24,7 +24,7 @@ cimport numpy as cnp
 from cpython.number cimport PyNumber_Index
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport PyObject, Py_INCREF
-from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 cnp.import_array()
 
@@ -773,3 +773,6 @@ cdef class ResidencyTable:
 
 
 include "_residency_view.pxi"
+include "_residency_rule.pxi"
+include "_residency_step.pxi"
+include "_residency_drive.pxi"

@@ -31,7 +31,8 @@ def in_code():
                if not name.startswith("_") and callable(getattr(Policy, name))
                and name != "Options"}
     assert set(methods) >= {"kv_params", "kv_target", "give_up", "relocate", "refill",
-                            "observe", "admit"}
+                            "observe", "admit", "entered", "left", "moved", "overrides",
+                            "listens"}
     assert set(hooks) == {"strata_register_policies", "strata_engine_started", "strata_event"}
     return {name: signature_line(name, f) for name, f in (hooks | methods).items()}
 
@@ -59,3 +60,41 @@ def test_the_check_would_see_a_changed_signature():
         """A stand-in with an extra argument."""
 
     assert signature_line("give_up", give_up) != in_docs()["give_up"]
+
+
+def test_the_stateful_example_runs_as_documented():
+    """The reference's `StatefulPolicy` example is a FIFO by entry time: replayed, it keeps
+    its state in step with the books through the notifications, and its answers pass."""
+    import numpy as np
+
+    from strata.sim import ReplayConfig, replay
+    from strata.sim.synth import SynthSpec, synth_trace
+
+    text = REFERENCE.read_text()
+    section = text[text.index("## Stateful policies"):text.index("## Compiled rules")]
+    code = section[section.index("```python\n") + 10:section.index("```\n\n- Options")]
+    namespace: dict = {}
+    exec(compile(code, "reference.md", "exec"), namespace)
+    trace = synth_trace(SynthSpec(kind="markov", n_layers=3, n_experts=16, top_k=2,
+                                  n_requests=2, prompt_tokens=16, decode_tokens=40))
+    policy = namespace["Fifo"]({"max_admits": 2})
+    result = replay(trace, policy, ReplayConfig(slots=12), trace.routing_counts())
+    assert result.path == "generic" and result.layer_admissions.sum() > 0
+    assert (result.layer_admissions <= 2 * trace.n_steps).all()
+    # Entry times: the 12 filled first, then one per admission, each slot's latest.
+    assert policy.clock == 12 + result.layer_admissions.sum()
+    assert np.unique(policy.entered_at).size == 12
+
+
+def test_the_stateful_tutorial_shows_the_example_package_as_it_is():
+    """Each file the stateful tutorial has the reader write under strata-arc/ is, byte for
+    byte, the one in examples/arc-plugin (which tests/policies/test_rule_plugins.py builds and
+    holds to the reference)."""
+    tutorial = REFERENCE.parent / "stateful-tutorial.md"
+    example = REFERENCE.parents[2] / "examples" / "arc-plugin"
+    blocks = re.findall(r'^```\w+ title="strata-arc/([^"]+)"\n(.*?)^```$', tutorial.read_text(),
+                        re.M | re.S)
+    assert sorted(name for name, _ in blocks) == [
+        "pyproject.toml", "setup.py", "strata_arc/__init__.py", "strata_arc/rule.pyx"]
+    for name, body in blocks:
+        assert body == (example / name).read_text(), name

@@ -5,18 +5,33 @@ has done the device side (copies for the moves, unmapping the chunks). Each step
 table call that checks its arguments before changing anything; if a later step still fails
 (the books changed since the plan was checked), the earlier steps are undone, so the books are
 as they were and the error propagates.
+
+Given a `listener` (the `CheckedPolicy` whose answer it is), each function tells it of every
+entry and exit of an expert once the books have changed, in the books' order (`tell`:
+`entered`, `left`, `moved`, each with the reason, `strata.policies.WHY`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
     from strata._residency import ResidencyTable
+
+
+class Listener(Protocol):
+    """What is told of the books' changes: `strata.books.CheckedPolicy.tell`."""
+
+    def tell(self, kind: str, why: str, rows: Any) -> None: ...
+
+
+def _with_experts(slots: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    """int32 [n, 3] (slot, layer, expert) from slots [n] and (layer, expert) rows [n, 2]."""
+    return np.column_stack([slots, experts]).astype(np.int32).reshape(-1, 3)
 
 
 def _frozen(array: np.ndarray, dtype, shape_tail: tuple[int, ...] = ()) -> np.ndarray:
@@ -63,9 +78,12 @@ def _reassign(table: ResidencyTable, slots: np.ndarray, experts: np.ndarray) -> 
         table.assign_many(slots, experts[:, 0].copy(), experts[:, 1].copy())
 
 
-def apply_give_up(table: ResidencyTable, plan: GiveUpPlan) -> np.ndarray:
+def apply_give_up(table: ResidencyTable, plan: GiveUpPlan,
+                  listener: Listener | None = None) -> np.ndarray:
     """Evict the destinations' residents, move, evict the rest of the given-up slots, and mark
-    the freed chunks unmapped. Returns int32 [n, 2] (layer, expert) of every expert evicted."""
+    the freed chunks unmapped. Returns int32 [n, 2] (layer, expert) of every expert evicted.
+    Tells `listener`: `left` (`relocate`) for the destinations' residents, `moved`
+    (`relocate`), `left` (`give_up`) for the rest."""
     src = np.ascontiguousarray(plan.moves[:, 0])
     dst = np.ascontiguousarray(plan.moves[:, 1])
     victims = dst[table.owner[dst] >= 0]
@@ -90,26 +108,39 @@ def apply_give_up(table: ResidencyTable, plan: GiveUpPlan) -> np.ndarray:
         if chunks.size:
             table.mark_chunks(chunks, True)
 
+    movers = table.owner[src].copy()
     evicted_victims, _, evicted_leaving, _ = _run([
         (lambda: _evicted_experts(table, victims), lambda e: _reassign(table, victims, e)),
         (move, unmove),
         (lambda: _evicted_experts(table, leaving), lambda e: _reassign(table, leaving, e)),
         (unmap, remap),
     ])
+    if listener is not None:
+        listener.tell("left", "relocate", _with_experts(victims, evicted_victims))
+        n_experts = table.n_experts
+        listener.tell("moved", "relocate", np.column_stack(
+            [src, dst, movers // n_experts, movers % n_experts]).astype(np.int32))
+        listener.tell("left", "give_up", _with_experts(leaving, evicted_leaving))
     return np.concatenate([evicted_victims, evicted_leaving]).astype(np.int32)
 
 
-def apply_refill(table: ResidencyTable, placements: np.ndarray) -> None:
-    """Assign checked (slot, layer, expert) rows [n, 3] into empty slots: one table call."""
+def apply_refill(table: ResidencyTable, placements: np.ndarray,
+                 listener: Listener | None = None, why: str = "refill") -> None:
+    """Assign checked (slot, layer, expert) rows [n, 3] into empty slots: one table call.
+    Tells `listener` `entered` with `why` (`refill`, `trim`, `fill`)."""
     placements = np.asarray(placements, dtype=np.int32).reshape(-1, 3)
     if placements.size:
         table.assign_many(placements[:, 0].copy(), placements[:, 1].copy(),
                           placements[:, 2].copy())
+        if listener is not None:
+            listener.tell("entered", why, placements)
 
 
-def apply_admit(table: ResidencyTable, placements: np.ndarray) -> np.ndarray:
+def apply_admit(table: ResidencyTable, placements: np.ndarray,
+                listener: Listener | None = None) -> np.ndarray:
     """Evict the residents of the checked admissions' slots, then assign the admitted experts.
-    Returns int32 [n, 2] (layer, expert) of the evicted."""
+    Returns int32 [n, 2] (layer, expert) of the evicted. Tells `listener` `left` then
+    `entered`, both `admit`."""
     placements = np.asarray(placements, dtype=np.int32).reshape(-1, 3)
     slots = placements[:, 0].copy()
     occupied = slots[table.owner[slots] >= 0]
@@ -117,4 +148,7 @@ def apply_admit(table: ResidencyTable, placements: np.ndarray) -> np.ndarray:
         (lambda: _evicted_experts(table, occupied), lambda e: _reassign(table, occupied, e)),
         (lambda: apply_refill(table, placements), lambda _: None),
     ])
+    if listener is not None:
+        listener.tell("left", "admit", _with_experts(occupied, evicted))
+        listener.tell("entered", "admit", placements)
     return evicted

@@ -6,6 +6,10 @@ one is the caller's bug (ValueError), not the policy's. A policy is handed its a
 as `frozen` views (read-only for good), and the checker judges its answer against the arrays it
 kept. `observe` is the hot path: one call of the policy's own method inside a try, and the
 policy's default (which keeps no state) is called bare.
+
+A `CheckedPolicy` is also how the books tell the policy of their changes (`tell`: the
+notifications `entered`, `left`, `moved`), and what the simulator's C step loop asks through
+(`fault`, `admit_slow`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from strata._residency import frozen
+from strata._residency import admit_answer, frozen
 from strata.books import validate
 from strata.books.apply import GiveUpPlan
 from strata.policies.base import Policy
@@ -76,6 +80,30 @@ class CheckedPolicy:
         # Whether `admit` can say anything but "nothing": if not, the engine need not ask.
         answering = type(getattr(policy, "inner", policy))
         self.admits = "admit" in answering.overrides()
+        self.observes = "observe" in answering.overrides()
+        # The notifications the policy implements: the others are not called at all.
+        self.listening: tuple[str, ...] = answering.listens()
+
+    def fault(self, method: str, exc: BaseException) -> BaseException:
+        """The error to raise for `exc`, raised by the policy in `method`: a PolicyError
+        naming the policy (`exc` itself if it is one)."""
+        return exc if isinstance(exc, PolicyError) else _raised(self.name, method, exc)
+
+    def tell(self, kind: str, why: str, rows: Any) -> None:
+        """Tell the policy of a change of the books, after it was made: `kind` is `entered`
+        or `left` with rows (slot, layer, expert), or `moved` with rows (src_slot, dst_slot,
+        layer, expert); `why` one of `strata.policies.WHY`. Nothing for no rows, or for a
+        policy that does not implement `kind`. PolicyError for what the policy raises."""
+        if kind not in self.listening or len(rows) == 0:
+            return
+        array = frozen(np.array(rows, dtype=np.int32).reshape(len(rows), -1))
+        self._ask(kind, lambda: getattr(self.policy, kind)(self.view, why, array))
+
+    def admit_slow(self, layer: int, missed: np.ndarray, answer: Any) -> np.ndarray:
+        """The Python checker's verdict on an `admit` answer the fast check could not pass:
+        int64 [n, 3] C-contiguous, or PolicyError naming what is wrong."""
+        return np.ascontiguousarray(
+            validate.check_admit(self.view, self.name, layer, missed, answer))
 
     def _ask(self, method: str, call: Callable[[], Any]) -> Any:
         try:
@@ -150,4 +178,7 @@ class CheckedPolicy:
                     f"missed_experts {missed.tolist()} must be ascending, distinct, non-resident"
                 )
         answer = self._ask("admit", lambda: self.policy.admit(self.view, layer, frozen(missed)))
-        return validate.check_admit(self.view, self.name, layer, missed, answer)
+        # The fast check only ever accepts; what it cannot pass, the Python checker judges.
+        fast = admit_answer(self.view, layer, missed, answer)
+        return fast if fast is not None else validate.check_admit(
+            self.view, self.name, layer, missed, answer)

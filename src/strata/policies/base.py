@@ -1,9 +1,21 @@
-"""`Policy`: the decisions a policy answers, each with the `coldest-in-loan` default.
+"""`Policy`: the decisions a policy answers, each with the `coldest-in-loan` default, and the
+notifications it may listen to.
 
 A policy overrides only what it changes. It reads the books through a read-only
 `ResidencyView` and returns decisions; the engine (or the simulator) checks each answer with
 `strata.books.validate` and only then acts on it. Slots are ints in [0, n_slots); experts are
 (layer, expert) pairs.
+
+The rules of a layer step (engine and simulator alike): the routed experts are looked up
+(hits and misses) and recorded into the books' heat; `observe` is told the routing; `admit` is
+asked about the step's distinct missed experts, and its answer is checked and applied before
+the next layer step. An admission may name any backed slot below `top` (empty or not): its
+resident is evicted, even one hit in this very step, whose compute has been issued from its
+slot already (on the device, the upload of the new blob is ordered after it). It may not name a
+slot twice, a slot in the loan region [top, n_slots) or one whose memory went to the K/V.
+Between steps, and only there, the K/V's give-ups (slots in [floor, top)), relocations, trims
+and the loan's lending and refill change the cache; each change is told to the policy by the
+notifications `entered`, `left` and `moved`, in the order the books make them.
 """
 
 from __future__ import annotations
@@ -105,6 +117,13 @@ class SieveState:
 
 KernelState = LruState | LfuState | SieveState
 
+# The lifecycle notifications, in the order the docs list them.
+NOTIFICATIONS: tuple[str, ...] = ("entered", "left", "moved")
+
+# Why an expert entered or left the cache: the `why` of the notifications.
+WHY: tuple[str, ...] = ("fill", "admit", "refill", "trim", "relocate", "give_up", "loan",
+                        "rollback")
+
 # The simulator's kernels a policy may declare as its `replay_kernel`, with their states.
 REPLAY_KERNELS: dict[str, type] = {"lru": LruState, "lfu": LfuState, "sieve": SieveState}
 
@@ -114,7 +133,14 @@ class Policy:
 
     Subclasses set `name` (how `--policy` picks it) and, if they take options, `Options`: a
     frozen dataclass whose fields all have defaults (int, float, bool or str). The docstring's
-    first line is the summary `strata policies` prints.
+    first line is the summary `strata policies` prints. A policy that keeps its own state about
+    the books makes it when it first meets them (`strata.policies.StatefulPolicy`) and keeps
+    it in step through `observe`, its `admit` answers and the notifications `entered`, `left`
+    and `moved` (every other entry and exit of an expert). The view (`ResidencyView`) is the
+    books, read-only and live: `n_layers` L, `n_experts` E per layer, `n_slots` S, `top` (the
+    loan region's first slot), `floor`, `res` [L, E], `owner` [S] (flat ids), `heat`, `rank`,
+    `backed` [S]; see its docstrings for units. A policy whose `observe` and `admit` are a
+    compiled rule (`strata.policies.RulePolicy`) replays at the built-ins' speed.
 
     A class whose `observe` and `admit` follow exactly the rule of one of the simulator's
     kernels (`REPLAY_KERNELS`: `lru`, `lfu`, `sieve`, the rules of the built-ins of those
@@ -201,10 +227,40 @@ class Policy:
     ) -> Sequence[tuple[int, int, int]]:
         """(slot, layer, expert): which of this step's missed experts of `layer` enter the cache.
 
-        `missed_experts` is int32 [M], distinct, ascending. A named slot must be backed and
-        below `top`; its resident, if any, is evicted. Default: nothing (a fixed cache).
+        `missed_experts` is int32 [M], distinct, ascending. A named slot must be backed, below
+        `top` and named once; its resident, if any, is evicted, even one hit in this very step
+        (its compute was issued already). The admitted are resident from the next layer step
+        on, and `left` and `entered` (`admit`) are told first. Default: nothing (a fixed
+        cache).
         """
         return []
+
+    def entered(self, view: ResidencyView, why: str, placements: np.ndarray) -> None:
+        """Experts entered the cache: `placements` int32 [n, 3] (slot, layer, expert), read-only.
+
+        `why` is `fill` (the start, from the profile), `admit` (this policy's admissions),
+        `refill` (the loan's slots after a prompt), `trim` (slots a K/V trim completed) or
+        `rollback` (a failed change undone). Told right after the books changed, before
+        anything else is asked, in the books' order; the view shows the books after the change.
+        Default: nothing. An exception is a PolicyError naming the policy.
+        """
+
+    def left(self, view: ResidencyView, why: str, placements: np.ndarray) -> None:
+        """Experts left the cache: `placements` int32 [n, 3] (slot, layer, expert), each the
+        slot it was in, read-only.
+
+        `why` is `admit` (evicted to make room for this policy's admissions), `relocate`
+        (evicted to make room for a relocated expert), `give_up` (its slot's memory went to
+        the K/V), `loan` (its slot was lent to the prompt path) or `rollback`. Told as
+        `entered` is. Default: nothing.
+        """
+
+    def moved(self, view: ResidencyView, why: str, moves: np.ndarray) -> None:
+        """Experts changed slots and stayed resident: `moves` int32 [n, 4] (src_slot,
+        dst_slot, layer, expert), read-only; `why` is `relocate` (before a give-up: the
+        destinations' residents have `left` just before). Told as `entered` is. Default:
+        nothing.
+        """
 
     def kernel_state(self, n_layers: int, n_experts: int) -> KernelState:
         """The state of this policy's `replay_kernel` rule for books of [L, E] experts, as
@@ -227,3 +283,8 @@ class Policy:
     def overrides(cls) -> tuple[str, ...]:
         """The decisions this class answers itself rather than by the defaults."""
         return tuple(m for m in DECISIONS if getattr(cls, m) is not getattr(Policy, m))
+
+    @classmethod
+    def listens(cls) -> tuple[str, ...]:
+        """The notifications this class implements (`entered`, `left`, `moved`)."""
+        return tuple(m for m in NOTIFICATIONS if getattr(cls, m) is not getattr(Policy, m))

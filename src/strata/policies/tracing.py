@@ -1,4 +1,5 @@
-"""`STRATA_TRACE_PLUGINS=1`: every decision printed with its arguments and result.
+"""`STRATA_TRACE_PLUGINS=1`: every decision and notification printed with its arguments and
+result.
 
 The registry wraps each policy it makes in a `TracedPolicy` when the variable is set, so the
 engine, the simulator and the checker see no difference; the plugin manager also prints every
@@ -16,7 +17,7 @@ import numpy as np
 import pluggy
 
 from strata import settings
-from strata.policies.base import DECISIONS, Policy
+from strata.policies.base import DECISIONS, NOTIFICATIONS, Policy
 from strata.policies.view import ResidencyView
 
 ENV_TRACE = settings.TRACE_PLUGINS
@@ -71,7 +72,7 @@ def _traced(method: str):
     return decision
 
 
-for _method in DECISIONS:
+for _method in (*DECISIONS, *NOTIFICATIONS):
     setattr(TracedPolicy, _method, _traced(_method))
 
 

@@ -128,7 +128,7 @@ class KvSim:
                 result.events["kv_shortfalls"] += 1
                 return
             plan = self.checked.give_up(from_cache)
-            evicted = apply_give_up(self.checked.table, plan)
+            evicted = apply_give_up(self.checked.table, plan, self.checked)
             self.free_chunks += plan.chunks.size - from_cache
             result.events["gave_up_slots"] += int(plan.slots.size)
             result.events["relocations"] += int(plan.moves.shape[0])
@@ -152,7 +152,7 @@ class KvSim:
             free_slots = self.checked.view.empty_slots(0, table.n_slots)
             placements = (self.checked.refill(free_slots) if free_slots.size
                           else np.empty((0, 3), np.int64))
-            apply_refill(table, placements)
+            apply_refill(table, placements, self.checked, why="trim")
         except BaseException:
             if holes.size:
                 table.mark_chunks(holes, False)

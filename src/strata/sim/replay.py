@@ -13,11 +13,16 @@ runs it, through the same `CheckedPolicy` and apply functions:
     placements = checked.admit(layer, misses)   # distinct missed experts, ascending
     apply_admit(table, placements)
 
-That is the `generic` path, for any policy. Two faster paths give the same counts:
+That is the `generic` path, for any policy: the sequence runs in C over a span of steps
+(`strata._residency.drive_policy_span`), calling the policy's `observe` and `admit` once per
+layer step; `strata.sim.reference` is the same sequence in plain Python, which the tests hold
+every path to. Two faster paths give the same counts:
 - `kernel`, for a policy whose class declares a simulator kernel (`Policy.replay_kernel`: the
   built-ins `lru`, `lfu` and `sieve` do, and an outside plugin may): its rule in a Cython loop
   (`strata.sim.kernel_path`) on the state the policy hands out and takes back, so that the K/V
-  events between spans still ask the policy object itself;
+  events between spans still ask the policy object itself; and for a plugin's compiled rule
+  (`strata.policies.RulePolicy`), whose cdef methods the C step loop calls directly
+  (`strata._residency.drive_rule_span`);
 - `batched`, for a policy that overrides neither `observe` nor `admit` (`static`,
   `coldest-in-loan`): nothing it decides changes residency between two K/V events, so a span of
   steps is one `lookup`, one `record` and one `observe` per layer.
@@ -34,10 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from strata._residency import ResidencyTable
-from strata.books import CheckedPolicy, apply_admit
+from strata._residency import ResidencyTable, drive_policy_span, drive_rule_span
+from strata.books import CheckedPolicy, apply_refill
+from strata.books.apply import Listener
+from strata.books.checked import POLICY_FAULTS
 from strata.formats.trace import Trace
-from strata.policies import Policy
+from strata.policies import Policy, compiled_rule
 from strata.sim import _kernels
 from strata.sim.kernel_path import declared_kernel, kernel_span
 from strata.sim.kv_sim import KvConfig, KvSim
@@ -74,9 +81,9 @@ class ReplayConfig:
             raise ValueError(f"path must be one of {', '.join(PATH_CHOICES)}, got {self.path!r}")
 
 
-def start_books(trace: Trace, config: ReplayConfig, profile: np.ndarray | None) -> ResidencyTable:
-    """The books at start: regions set, and (given a profile, counts [L, E]) ranked by it and
-    filled hottest first from slot 0 up."""
+def new_books(trace: Trace, config: ReplayConfig, profile: np.ndarray | None) -> ResidencyTable:
+    """The books before the fill: regions set, and (given a profile, counts [L, E]) ranked by
+    it. ValueError for a profile of another shape."""
     kv = config.kv
     table = ResidencyTable(trace.n_layers, trace.n_experts, config.slots,
                            kv.slot_bytes if kv else 1, kv.chunk_bytes if kv else 1)
@@ -87,25 +94,44 @@ def start_books(trace: Trace, config: ReplayConfig, profile: np.ndarray | None) 
             raise ValueError(f"the profile is {profile.shape}; the trace needs "
                              f"[L, E] = [{trace.n_layers}, {trace.n_experts}]")
         table.set_rank_from_counts(profile)
-        n_fill = min(config.slots, trace.n_layers * trace.n_experts)
-        hottest = np.argsort(table.rank.reshape(-1))[:n_fill].astype(np.int32)
-        table.assign_many(np.arange(n_fill, dtype=np.int32), hottest // trace.n_experts,
-                          hottest % trace.n_experts)
+    return table
+
+
+def fill_books(table: ResidencyTable, listener: Listener | None = None) -> None:
+    """Fill slots [0, n) with the n = min(S, L*E) hottest experts by rank, as the engine's
+    start does, telling `listener` (`entered`, `fill`)."""
+    n_fill = min(table.n_slots, table.n_layers * table.n_experts)
+    hottest = np.argsort(table.rank.reshape(-1))[:n_fill].astype(np.int32)
+    placements = np.column_stack([np.arange(n_fill, dtype=np.int32),
+                                  hottest // table.n_experts, hottest % table.n_experts])
+    apply_refill(table, placements, listener, why="fill")
+
+
+def start_books(trace: Trace, config: ReplayConfig, profile: np.ndarray | None) -> ResidencyTable:
+    """The books at start: regions set, and (given a profile, counts [L, E]) ranked by it and
+    filled hottest first from slot 0 up."""
+    table = new_books(trace, config, profile)
+    if profile is not None:
+        fill_books(table)
     return table
 
 
 def choose_path(policy: Policy, requested: str = "auto") -> str:
     """`kernel`, `batched` or `generic`: the fastest path that runs `policy` exactly.
 
-    `kernel` for a policy whose own class declares `replay_kernel`; PolicyError for a kernel
-    the simulator does not have.
+    `kernel` for a policy whose own class declares `replay_kernel` (and listens to no
+    notification: the kernels catch the books up by difference) or whose `observe` and
+    `admit` are a compiled rule (`compiled_rule`); PolicyError for a kernel the simulator does
+    not have.
     """
     if requested == "generic":
         return "generic"
     name = policy.name or type(policy).__name__
-    if declared_kernel(policy, name) is not None:
-        return "kernel"
     cls = type(policy)
+    if declared_kernel(policy, name) is not None and not cls.listens():
+        return "kernel"
+    if compiled_rule(policy) is not None:
+        return "kernel"
     if cls.observe is Policy.observe and cls.admit is Policy.admit:
         return "batched"
     return "generic"
@@ -132,15 +158,19 @@ class Replay:
                  profile: np.ndarray | None = None) -> None:
         path = choose_path(policy, config.path)
         self.trace = trace
-        self.table = start_books(trace, config, profile)
+        self.table = new_books(trace, config, profile)
         self.checked = CheckedPolicy(policy, self.table)
+        if profile is not None:
+            fill_books(self.table, self.checked)
         self.kv = KvSim(config.kv, self.checked) if config.kv else None
         label, options = policy_label(policy)
         self.result = ReplayResult.empty(trace, policy=label, name=policy.name or label,
                                          options=options, path=path, slots=config.slots)
         self.ids_by_layer = np.ascontiguousarray(trace.expert_ids.transpose(1, 0, 2))  # [L,N,K]
         self.path = path
-        self.kernel = declared_kernel(policy, self.checked.name) if path == "kernel" else None
+        self.rule = compiled_rule(policy) if path == "kernel" else None
+        self.kernel = declared_kernel(policy, self.checked.name) \
+            if path == "kernel" and self.rule is None else None
         self._done = False
 
     def run(self, progress: Callable[[int], None] | None = None) -> ReplayResult:
@@ -166,35 +196,46 @@ class Replay:
 
     def run_span(self, s0: int, s1: int) -> None:
         if self.path == "generic":
-            for s in range(s0, s1):
-                self._generic_step(s)
+            self._generic_span(s0, s1)
         elif self.path == "batched":
             self._batched_span(s0, s1)
+        elif self.rule is not None:
+            self._rule_span(s0, s1)
         else:
             self._kernel_span(s0, s1)
 
-    # --- generic: the engine's sequence, step by step ---
-    def _generic_step(self, s: int) -> None:
-        t0, t1 = self.trace.step_offsets[s], self.trace.step_offsets[s + 1]
-        table, checked, steps = self.table, self.checked, self.result.steps
-        n_layers = self.trace.n_layers
-        for layer in range(n_layers):
-            ids = self.ids_by_layer[layer, t0:t1]  # [T, K]
-            _, hit = table.lookup(layer, ids)
-            table.record(layer, ids)
-            checked.observe(checked.view, layer, ids, hit)
-            steps.hits[s, layer] = np.count_nonzero(hit)
-            steps.distinct_hits[s, layer] = np.unique(ids[hit]).size
-            missed = np.unique(ids[~hit])
-            steps.distinct_misses[s, layer] = missed.size
-            if missed.size:
-                placements = checked.admit(layer, missed)
-                if placements.size:
-                    evicted = apply_admit(table, placements)
-                    self.result.layer_admissions[layer] += placements.shape[0]
-                    self.result.layer_evictions += np.bincount(evicted[:, 0],
-                                                               minlength=n_layers)
-                    steps.uploads[s] += placements.shape[0]
+    def _outs(self, s0: int, s1: int) -> tuple[np.ndarray, ...]:
+        """The counts the C step loops write, for steps [s0, s1): per step and layer, hits,
+        distinct hits, distinct misses and admissions; per layer, admissions and evictions."""
+        steps = self.result.steps
+        self._admits = np.zeros((s1 - s0, self.trace.n_layers), np.int32)
+        return (steps.hits[s0:s1], steps.distinct_hits[s0:s1], steps.distinct_misses[s0:s1],
+                self._admits, self.result.layer_admissions, self.result.layer_evictions)
+
+    # --- generic: the engine's sequence, step by step, in C around the policy's Python ---
+    def _generic_span(self, s0: int, s1: int) -> None:
+        checked = self.checked
+        drive_policy_span(checked.policy, checked, checked.view, self.ids_by_layer,
+                          self.trace.step_offsets, s0, s1, checked.observes,
+                          bool(checked.listening), *self._outs(s0, s1))
+        self.result.steps.uploads[s0:s1] += self._admits.sum(axis=1, dtype=np.int32)
+
+    # --- kernel, a compiled rule: its cdef methods called from the C step loop ---
+    def _rule_span(self, s0: int, s1: int) -> None:
+        checked = self.checked
+
+        def reject(layer: int, missed: np.ndarray, answer: np.ndarray) -> None:
+            checked.admit_slow(layer, missed, answer)  # raises the PolicyError
+
+        try:
+            drive_rule_span(self.rule, checked.view, self.ids_by_layer, self.trace.step_offsets,
+                            s0, s1, *self._outs(s0, s1), reject)
+        except POLICY_FAULTS as exc:
+            err = checked.fault("rule", exc)
+            if err is exc:
+                raise
+            raise err from exc
+        self.result.steps.uploads[s0:s1] += self._admits.sum(axis=1, dtype=np.int32)
 
     # --- batched: residency is fixed between K/V events ---
     def _batched_span(self, s0: int, s1: int) -> None:

@@ -109,7 +109,7 @@ class CachedExperts:
         self.phase = "prompt"
         self.stats = CacheStats(slots=arena.n_slots, policy=self.checked.name)
         self.executor = CacheExecutor(store, arena, table, self.device, events=events,
-                                      on_upload=self._count_upload)
+                                      on_upload=self._count_upload, listener=self.checked)
         self.loan = PromptLoan(self.executor, self.checked, loan) if loan is not None else None
         self.cpu = CpuExperts(store, cpu_threads)
         self.stream_misses = stream_misses

@@ -17,6 +17,12 @@ if even that fails, is left empty in the books), so the books never name a slot 
 not there. The mirror is re-uploaded either way, and complete before the block returns or
 raises, so no kernel reads it stale; the events are told only for a change that completed.
 
+The policy (`listener`, the cache's `CheckedPolicy`) is told every entry and exit of an expert
+right after the books make it, in their order (`entered`, `left`, `moved`, with the reason):
+`fill`, `admit`, `refill` (the loan's slots after a prompt), `trim` (a refill in a change
+that mapped arena chunks back: a K/V trim), `relocate`, `give_up`, `loan` (slots lent), and
+`rollback` for the books put back after a change failed.
+
 Units: slots are expert-cache slots; chunks are the memory backend's physical chunks, indexed
 within the arena; bytes are counted as they are uploaded (`on_upload`).
 """
@@ -34,6 +40,7 @@ import torch
 from strata import _vmm
 from strata._residency import ResidencyTable
 from strata.books import GiveUpPlan, apply_admit, apply_give_up, apply_refill
+from strata.books.apply import Listener
 from strata.engine.cache.arena import Arena
 from strata.engine.experts import ExpertStore
 from strata.policies import emit
@@ -97,6 +104,7 @@ class CacheExecutor:
     `store` holds every expert's blob (the source of uploads and of rollbacks); `events` is the
     plugin manager told each completed change's events (None: nobody); `on_upload(n_bytes)` is
     told every upload, for the caller's figures. `mirror` is the books' `res` on `device`.
+    `listener` is told every entry and exit of an expert (None: nobody).
     """
 
     def __init__(
@@ -108,9 +116,11 @@ class CacheExecutor:
         *,
         events: pluggy.PluginManager | None = None,
         on_upload: Callable[[int], None] | None = None,
+        listener: Listener | None = None,
     ) -> None:
         _check_parts(store, arena, table, device)
         self.store, self.arena, self.table = store, arena, table
+        self.listener = listener
         self.device = device
         self.events = events
         self.on_upload = on_upload
@@ -138,11 +148,14 @@ class CacheExecutor:
         change = CacheChange(self)
         try:
             yield change
-        except BaseException:
+        except BaseException as exc:
             try:
                 change.roll_back()
             finally:
                 self.sync_mirror()
+            if change.rollback_error is not None:
+                exc.add_note(f"telling the policy of the rollback raised too: "
+                             f"{change.rollback_error!r}")
             raise
         self.sync_mirror()
         if self.events is not None:
@@ -160,6 +173,13 @@ class CacheChange:
         self._books = _Books.of(executor.table)
         self._undo: list[Callable[[], None]] = []  # memory steps' undos, oldest first
         self._written = np.zeros(executor.table.n_slots, bool)  # slots whose bytes changed
+        self.listener = executor.listener
+        self._mapped_back = False  # arena chunks were marked mapped again: this is a trim
+        self.rollback_error: Exception | None = None  # what telling the rollback raised
+
+    def _tell(self, kind: str, why: str, rows: np.ndarray) -> None:
+        if self.listener is not None:
+            self.listener.tell(kind, why, rows)
 
     # --- steps ---
     def upload(self, slots: np.ndarray, experts: np.ndarray) -> None:
@@ -174,12 +194,13 @@ class CacheChange:
         slots = placements[:, 0].astype(np.int32)
         self.table.assign_many(slots, placements[:, 1].astype(np.int32),
                                placements[:, 2].astype(np.int32))
+        self._tell("entered", "fill", placements)
         self.upload(slots, placements[:, 1:])
 
     def admit(self, layer: int, placements: np.ndarray) -> np.ndarray:
         """A checked admission of `layer`'s misses: the books, then the blobs. Returns int32
         [n, 2] (layer, expert) of the residents it evicted."""
-        evicted = apply_admit(self.table, placements)
+        evicted = apply_admit(self.table, placements, self.listener)
         self.upload(placements[:, 0], placements[:, 1:])
         self.events.append(Admitted(layer=layer, placements=_triples(placements)))
         if evicted.size:
@@ -188,11 +209,13 @@ class CacheChange:
 
     def refill(self, placements: np.ndarray) -> None:
         """A checked refill of empty slots: the blobs first, then the books, so that the books
-        never name a slot whose blob is not there."""
+        never name a slot whose blob is not there. Told as `trim` in a change that mapped arena
+        chunks back (`mark_mapped`), else as `refill`."""
         if not placements.size:
             return
         self.upload(placements[:, 0], placements[:, 1:])
-        apply_refill(self.table, placements)
+        apply_refill(self.table, placements, self.listener,
+                     why="trim" if self._mapped_back else "refill")
         self.events.append(Refilled(placements=_triples(placements)))
 
     def evict(self, slots: np.ndarray) -> np.ndarray:
@@ -202,6 +225,7 @@ class CacheChange:
         if not occupied.size:
             return np.empty((0, 2), np.int32)
         evicted = self.table.evict_many(occupied)
+        self._tell("left", "loan", np.column_stack([occupied, evicted]))
         self.events.append(Evicted(experts=_pairs(evicted)))
         return evicted
 
@@ -214,6 +238,7 @@ class CacheChange:
         they will be); the memory step is `map_chunks`."""
         if chunks.size:
             self.table.mark_chunks(chunks, True)
+            self._mapped_back = True
 
     def give_up(self, plan: GiveUpPlan) -> list[_vmm.Chunk]:
         """A checked give-up: relocations copied (device to device, complete before their
@@ -226,7 +251,7 @@ class CacheChange:
             arena.copy_blobs(plan.moves)
         taken = arena.unmap_chunks(plan.chunks)
         self._undo.append(lambda: arena.map_chunks(plan.chunks, taken))
-        evicted = apply_give_up(self.table, plan)
+        evicted = apply_give_up(self.table, plan, self.listener)
         if plan.moves.size:
             self.events.append(Relocated(moves=_pairs(plan.moves)))
         self.events.append(GaveUp(slots=tuple(int(s) for s in plan.slots),
@@ -251,12 +276,29 @@ class CacheChange:
         self.events.append(event)
 
     # --- rollback ---
+    def _tell_restored(self, before: np.ndarray) -> None:
+        """Tell the policy what putting the books back changed (`rollback`): who left, then
+        who entered again. A policy that raises here does not hide the failure being rolled
+        back: its error is noted on that one."""
+        now, n_experts = self.table.owner, self.table.n_experts
+        changed = np.flatnonzero(now != before)
+        gone, back = changed[before[changed] >= 0], changed[now[changed] >= 0]
+        try:
+            self._tell("left", "rollback", np.column_stack(
+                [gone, before[gone] // n_experts, before[gone] % n_experts]))
+            self._tell("entered", "rollback", np.column_stack(
+                [back, now[back] // n_experts, now[back] % n_experts]))
+        except Exception as exc:  # the change's own error is the one to see
+            self.rollback_error = exc
+
     def roll_back(self) -> None:
         """Undo the memory steps newest first, restore the books, re-upload the blobs of the
         restored residents whose slots were written."""
         for undo in reversed(self._undo):
             undo()
+        before = self.table.owner.copy()
         self._books.restore(self.table)
+        self._tell_restored(before)
         written = np.flatnonzero(self._written & (self.table.owner >= 0)).astype(np.int32)
         if not written.size:
             return
