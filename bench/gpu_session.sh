@@ -11,8 +11,12 @@
 # the reference's proportions, start cells 1/12 of the window), kv-grow-skewed (2.5: the same
 # on a model whose routing favours some experts), kv-grow-32k (3: the 32K prompt, start cells
 # 1/12 too), kv-grow-32k-skewed (4: the same on the skewed model), agents (4: the reference's
-# agent scenario through Engine, bench/agents.py, on the kv-grow checkpoint). A new checkpoint
-# adds about a minute to the first stage that uses it.
+# agent scenario through Engine, bench/agents.py, on the kv-grow checkpoint), serve (6: the same
+# scenario at half its lengths, in-process and through `strata serve` with the openai client,
+# bench/serve.py; the machine has no network, so its packages come from wheels carried in
+# build/serve-wheels: `python -m pip download --only-binary=:all: --python-version 3.12
+# --platform manylinux2014_x86_64 -d build/serve-wheels fastapi uvicorn prometheus-client
+# openai httpx`). A new checkpoint adds about a minute to the first stage that uses it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -60,6 +64,14 @@ for stage in "$@"; do
                --kv-init 4096 --main2-tokens 32768 --json) \
                > "$OUT/agents.json" 2> "$OUT/agents.err"
             grep "bench/" "$OUT/agents.err" ;;
+    serve) python3 -c "import fastapi, uvicorn, prometheus_client, openai, httpx" 2> /dev/null \
+             || python3 -m pip install --no-index --find-links build/serve-wheels fastapi \
+                uvicorn prometheus-client openai httpx > "$OUT/serve-pip.log" 2>&1 \
+             || { echo "gpu_session.sh: serve: no packages (build/serve-wheels?)"; continue; }
+           model=$(checkpoint 0)
+           (cd bench && timeout 540 python3 serve.py --model "$model" --kv-floor 32 \
+              --kv-init 4096 --main-tokens 8192 --side-tokens 2048 --main2-tokens 13824 --json) \
+              > "$OUT/serve.json" 2> "$OUT/serve.err"; grep "bench/" "$OUT/serve.err" ;;
     *) echo "gpu_session.sh: unknown stage $stage" >&2; exit 2 ;;
     esac
 done

@@ -56,6 +56,8 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("strata.books", "strata.engine", "the books lie below the engine"),
     ("strata.books", "strata.sim", "the books lie below the simulator"),
     ("strata.books", "strata.cli", "the books know no command line"),
+    ("strata.serve", "strata.sim", "the server runs the engine, not the simulator"),
+    ("strata.serve", "strata.books", "the server reaches the books only through the engine"),
     # The engine's rooms stack: runtime > kv > cache > model > experts (docs/architecture.md).
     *[(low, high, "the engine's rooms import only the rooms below them")
       for i, high in enumerate(ENGINE_ROOMS) for low in ENGINE_ROOMS[i + 1:]],
@@ -63,6 +65,8 @@ FORBIDDEN: list[tuple[str, str, str]] = [
 # Rooms only the named rooms may import; `strata.cli` is the top, importable by nothing else.
 ONLY_FROM: dict[str, tuple[tuple[str, ...], str]] = {
     "strata.cli": (("strata.cli",), "the command line is the top: nothing imports it"),
+    "strata.serve": (("strata.serve", "strata.cli"),
+                     "the server is a client of the engine, just below the command line"),
     "strata._vmm": (("strata.engine", "strata.cli"),
                     "memory is the engine's alone: the books, policies and simulator never "
                     "touch it"),

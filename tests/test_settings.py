@@ -33,6 +33,7 @@ GOOD = {
                             ("", frozenset())],
     "STRATA_CACHE_DIR": [("/tmp/strata cache", Path("/tmp/strata cache")), ("", None)],
     "STRATA_DUMP_FIRST_LOGITS": [("out/logits.bin", Path("out/logits.bin")), ("", None)],
+    "STRATA_API_KEY": [("sk-local-123", "sk-local-123"), (" key ", "key"), ("", None)],
 }
 
 # variable -> [(text, what the message says after `NAME='text': `)]
@@ -55,7 +56,9 @@ BAD = {
 }
 # Every value is accepted: a switch that anything but 0 turns on, a list of names, paths.
 NO_BAD_VALUES = {"STRATA_TRACE_PLUGINS", "STRATA_LOAD_PLUGINS", "STRATA_CACHE_DIR",
-                 "STRATA_DUMP_FIRST_LOGITS"}
+                 "STRATA_DUMP_FIRST_LOGITS",
+                 # `strata serve` checks the key's characters, without printing the secret.
+                 "STRATA_API_KEY"}
 
 
 def test_every_run_time_variable_is_tested():

@@ -45,6 +45,7 @@ TRACE_PLUGINS = "STRATA_TRACE_PLUGINS"
 LOAD_PLUGINS = "STRATA_LOAD_PLUGINS"
 CACHE_DIR = "STRATA_CACHE_DIR"
 DUMP_FIRST_LOGITS = "STRATA_DUMP_FIRST_LOGITS"
+API_KEY = "STRATA_API_KEY"
 CYTHON_DEBUG = "STRATA_CYTHON_DEBUG"
 BUILD_ONLY = "STRATA_BUILD_ONLY"
 
@@ -86,6 +87,10 @@ def _names(text: str) -> frozenset[str]:
     return frozenset(name.strip() for name in text.split(",") if name.strip())
 
 
+def _optional_text(text: str) -> str | None:
+    return None if text == "" else text
+
+
 def _optional_path(text: str) -> Path | None:
     return None if text == "" else Path(text)
 
@@ -116,6 +121,10 @@ def _names_ok(value: Any) -> bool:
 
 def _path_ok(value: Any) -> bool:
     return value is None or isinstance(value, Path)
+
+
+def _text_ok(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value != "")
 
 
 @dataclass(frozen=True)
@@ -243,6 +252,17 @@ VARIABLES: tuple[Variable, ...] = (
         "dump_first_logits",
         convert=_optional_path, check=_path_ok, strip=False,
     ),
+    # Any text is taken here; `strata serve` checks that it can travel in an HTTP header, in
+    # a message that does not repeat the secret (a SettingError would print the value).
+    Variable(
+        API_KEY,
+        "the key `strata serve` requires of every request to /v1 and /metrics, as "
+        "`Authorization: Bearer KEY` (what `--api-key` sets)",
+        "visible ASCII characters, no spaces",
+        "no key: every request is served",
+        "api_key",
+        convert=_optional_text, check=_text_ok,
+    ),
     Variable(
         CYTHON_DEBUG,
         "build time (setup.py): turn Cython's bounds, wraparound and initialisation checks "
@@ -286,6 +306,7 @@ class Settings:
     load_plugins: frozenset[str] | None = None
     cache_dir: Path | None = None
     dump_first_logits: Path | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret: kept out of reprs
 
     def __post_init__(self) -> None:
         for var in VARIABLES:
