@@ -182,6 +182,57 @@ def test_a_restored_conversation_continues_as_one_never_parked(ckpt, rank):
     assert kept.tokens == restored.tokens
 
 
+def test_the_cache_gets_its_slots_back_whole_after_many_requests(ckpt, rank, monkeypatch):
+    """A give-up frees whole slots, more chunks than a step needs; the rest go to the free
+    budget. Once the K/V is trimmed back to its start, the arena's holes are filled again (from
+    the K/V's chunks, then the free budget): every slot backed, as many chunks alive as at the
+    start, however many requests ran before."""
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "8")
+    rng = np.random.default_rng(0)
+    engine, _ = _engine(ckpt, rank)
+    with engine:
+        table = engine.cache.table
+        backed, alive = int(table.backed.sum()), _vmm.alive_chunks()
+        assert backed == table.n_slots
+        for round_ in range(3):
+            for _ in range(20):
+                prompt = [int(t) for t in rng.integers(3, 250, rng.integers(1, 200))]
+                engine.generate(prompt, options(int(rng.integers(1, 9))))
+            engine.generate([250 - round_] + [5] * 299, options(2))  # grows, gives slots up
+            assert int(table.backed.sum()) < backed
+            engine.generate([9, 8, 7], options(1))  # trimmed back to the start cells
+            assert engine.kv.mapped_cells == 32
+            assert int(table.backed.sum()) == backed, f"round {round_}"
+            assert _vmm.alive_chunks() == alive
+            table.validate()
+
+
+@pytest.mark.parametrize("op", ["create", "map", "access"])
+def test_a_fault_while_the_trim_fills_holes_from_the_budget_changes_nothing(ckpt, rank, op,
+                                                                           monkeypatch):
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "8")
+    engine, _ = _engine(ckpt, rank)
+    with engine:
+        table, backend = engine.cache.table, engine.cache.arena.backend
+        engine.generate([250] + [5] * 299, options(2))  # grown: slots given up
+        mapped, owners = engine.kv.mapped_cells, table.owner.copy()
+        alive, free = _vmm.alive_chunks(), engine.elastic.free_chunks
+        assert free > 0  # the give-up's spare chunks: the trim will draw on them
+        for nth in range(1, 1000):  # a fault at every call of `op` the trim makes, in turn
+            backend.inject_fault(op, nth)
+            engine.elastic.trim(4)  # to the start cells; a fault rolls it back
+            backend.clear_faults()
+            if engine.kv.mapped_cells < mapped:
+                break  # the fault came after the trim's last call of `op`: it completed
+            assert np.array_equal(table.owner, owners) and _vmm.alive_chunks() == alive
+            assert engine.elastic.free_chunks == free and engine.elastic.stats.failures == nth
+            table.validate()
+        else:
+            raise AssertionError(f"the trim never completed past {op} faults")
+        assert int(table.backed.sum()) == table.n_slots
+        table.validate()
+
+
 def test_random_requests_leak_nothing(ckpt, rank, monkeypatch):
     monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "8")
     rng = np.random.default_rng(7)

@@ -222,7 +222,12 @@ class ElasticKV:
         before = kv.mapped_cells
         cells = min(target_cells, kv.max_cells)
         n_back = (kv.mapped_chunks - kv.chunks_for(cells)) * kv.n_segments
-        holes = np.flatnonzero(~table.chunk_mapped)[:n_back].astype(np.int32)  # lowest first
+        all_holes = np.flatnonzero(~table.chunk_mapped)  # lowest first
+        # A give-up that freed more than its step needed released the rest to the free budget
+        # (`_grow`): the holes it left are filled from that budget too, so that the cache
+        # gets its slots back whole once the K/V is back where it was.
+        from_budget = min(max(all_holes.size - n_back, 0), self.free_chunks)
+        holes = all_holes[:n_back + from_budget].astype(np.int32)
         with self.executor.change() as change:
             # The decision first, on the books as they will be: nothing has moved yet.
             change.mark_mapped(holes)
@@ -230,6 +235,9 @@ class ElasticKV:
             placements = self.cache.checked.refill(free) if free.size \
                 else np.empty((0, 3), np.int64)
             back = self._hand_back(change, before, cells, holes)
+            if from_budget:
+                fresh = kv.backend.create_chunks(from_budget)
+                change.map_chunks(holes[len(back):], fresh)
             change.emit(Trimmed(cells_before=before, cells_after=kv.mapped_cells,
                                 chunks_returned=len(back)))
             # Past the memory steps: the blobs overwrite what the K/V left in those chunks.
@@ -237,9 +245,10 @@ class ElasticKV:
         spare = back[holes.size :]
         for chunk in spare:
             chunk.release()
-        self.free_chunks += len(spare)
+        self.free_chunks += len(spare) - from_budget
         stats = self.stats
         stats.trims += 1
+        stats.fresh_chunks += from_budget
         stats.returned_chunks += len(back) - len(spare)
         stats.freed_chunks += len(spare)
         stats.refilled += int(placements.shape[0])
@@ -248,10 +257,10 @@ class ElasticKV:
 
     def _hand_back(self, change: CacheChange, before: int, cells: int,
                    holes: npt.NDArray[np.int32]) -> list[_vmm.Chunk]:
-        """The K/V's chunks above `cells`, the first into the arena's `holes`; undone (the
-        K/V maps them back) if the change fails after."""
+        """The K/V's chunks above `cells`, the first into the arena's `holes` (as many as
+        there are of either); undone (the K/V maps them back) if the change fails after."""
         sync_device(self.cache.device)  # no kernel still reads the cells that leave
         back = self.kv.unmap_cells(cells)
         change.on_undo(lambda: self.kv.remap_cells(before, back))
-        change.map_chunks(holes, back[: holes.size])
+        change.map_chunks(holes[: len(back)], back[: holes.size])
         return back

@@ -2,7 +2,8 @@
 
 Cells are K/V positions; `cells_mapped` is how many leading cells every layer's K and V have
 memory for now, `max_cells` the window (`--max-context`). Chunks are the memory backend's
-physical chunks (2 MiB on CUDA): `fresh_chunks` were created from free budget by growths,
+physical chunks (2 MiB on CUDA): `fresh_chunks` were created from free budget (by growths, and
+by trims for the arena's holes that the K/V's own chunks did not fill),
 `returned_chunks` went back to the arena in trims, `freed_chunks` were released by trims (more
 than the arena had room for). Slots are expert-cache slots.
 """
