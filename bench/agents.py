@@ -106,24 +106,45 @@ def run_variant(name: str, ckpt: Path, cfg: ModelConfig, dtype: torch.dtype,
     return {"notes": notes, "turns": turns}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
+    """The scenario's flags (bench/serve.py runs the same scenario over HTTP)."""
     add_model_arguments(parser, preset="qwen3-30b-a3b")
     add_proportion_arguments(parser)
-    parser.add_argument("--main-tokens", type=int, default=16384)
-    parser.add_argument("--side-tokens", type=int, default=4096)
-    parser.add_argument("--main2-tokens", type=int, default=27648)
-    parser.add_argument("--turn-tokens", type=int, default=64,
-                        help="new tokens a follow-up adds to its conversation")
-    parser.add_argument("--new-tokens", type=int, default=32, help="tokens each turn generates")
-    parser.add_argument("--prefill-chunk", type=int, default=2048)
+    for flag, default, text in (
+            ("--main-tokens", 16384, None), ("--side-tokens", 4096, None),
+            ("--main2-tokens", 27648, None),
+            ("--turn-tokens", 64, "new tokens a follow-up adds to its conversation"),
+            ("--new-tokens", 32, "tokens each turn generates"), ("--prefill-chunk", 2048, None),
+            ("--conversation-cache-slots", 4, None), ("--profile-prompts", 2, None),
+            ("--burn-in", 1, "untimed requests on each engine before its turns (1)")):
+        parser.add_argument(flag, type=int, default=default, help=text)
     parser.add_argument("--conversation-cache-mib", type=float, default=16384.0)
-    parser.add_argument("--conversation-cache-slots", type=int, default=4)
-    parser.add_argument("--profile-prompts", type=int, default=2)
-    parser.add_argument("--burn-in", type=int, default=1,
-                        help="untimed requests on each engine before its turns (1)")
     add_kv_env_arguments(parser)
     parser.add_argument("--no-prefill-loan", action="store_true")
+
+
+def scenario_sizing(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                    cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    """(budget MiB, window cells, the proportions' figures, the cache's sizing) at the
+    reference's proportions; the parser's error when the window cannot hold the longest
+    conversation."""
+    budget_mib, max_context, figures = proportions(cfg, dtype, args)
+    longest = max(args.main_tokens, args.main2_tokens) + 2 * (args.turn_tokens +
+                                                              args.new_tokens) + 16
+    if max_context < longest:
+        parser.error(f"the window of {max_context} cells does not hold the longest "
+                     f"conversation ({longest} cells): raise --budget-mib, --kv-share or "
+                     "--max-context, or shorten the turns")
+    sizing = {"max_context": max_context, "prefill_chunk": args.prefill_chunk,
+              "budget_mib": budget_mib, "reserve_mib": args.reserve_mib,
+              "prefill_loan": not args.no_prefill_loan,
+              "stream_misses": default_stream_misses(cfg, device)}
+    return budget_mib, max_context, figures, sizing
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_scenario_arguments(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
     set_kv_env(args)
@@ -132,17 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="strata-bench-agents-") as tmp:
         ckpt = checkpoint_for(args, Path(tmp), dtype)
         cfg = ModelConfig.from_dir(ckpt)
-        budget_mib, max_context, figures = proportions(cfg, dtype, args)
-        longest = max(args.main_tokens, args.main2_tokens) + 2 * (args.turn_tokens +
-                                                                  args.new_tokens) + 16
-        if max_context < longest:
-            parser.error(f"the window of {max_context} cells does not hold the longest "
-                         f"conversation ({longest} cells): raise --budget-mib, --kv-share or "
-                         "--max-context, or shorten the turns")
-        sizing = {"max_context": max_context, "prefill_chunk": args.prefill_chunk,
-                  "budget_mib": budget_mib, "reserve_mib": args.reserve_mib,
-                  "prefill_loan": not args.no_prefill_loan,
-                  "stream_misses": default_stream_misses(cfg, device)}
+        budget_mib, max_context, figures, sizing = scenario_sizing(parser, args, cfg, dtype,
+                                                                   device)
         first = plan_cache(cfg, dtype, device, rank=uniform_rank(cfg.n_layers, cfg.n_experts),
                            **sizing)
         with load(ckpt, device=device, dtype=dtype, cache=first) as loaded:

@@ -39,38 +39,19 @@ import openai
 import torch
 
 from _common import (
-    add_kv_env_arguments,
-    add_model_arguments,
-    add_proportion_arguments,
     byte_tokens,
     checkpoint_for,
     free_memory,
-    proportions,
     set_kv_env,
 )
-from agents import TURNS, VARIANTS, run_variant
-from strata.engine.cache.build import default_stream_misses, plan_cache
+from agents import TURNS, VARIANTS, add_scenario_arguments, run_variant, scenario_sizing
+from strata.engine.cache.build import plan_cache
 from strata.engine.model.config import ModelConfig
 from strata.engine.runtime.calibrate import collect_counts
 from strata.engine.runtime.load import load
 from strata.formats.profile import Profile, rank_from_counts, save_profile, uniform_rank
 
 MODEL = "bench"
-
-
-def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
-    """bench/agents.py's flags, with its defaults (its `run_variant` reads them)."""
-    add_model_arguments(parser, preset="qwen3-30b-a3b")
-    add_proportion_arguments(parser)
-    for flag, default in (("--main-tokens", 16384), ("--side-tokens", 4096),
-                          ("--main2-tokens", 27648), ("--turn-tokens", 64),
-                          ("--new-tokens", 32), ("--prefill-chunk", 2048),
-                          ("--conversation-cache-slots", 4), ("--profile-prompts", 2),
-                          ("--burn-in", 1)):
-        parser.add_argument(flag, type=int, default=default)
-    parser.add_argument("--conversation-cache-mib", type=float, default=16384.0)
-    add_kv_env_arguments(parser)
-    parser.add_argument("--no-prefill-loan", action="store_true")
 
 
 def turn_prompt(i: int, who: str, held: dict[str, list[int]], args) -> list[int]:
@@ -244,17 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="strata-bench-serve-") as tmp:
         ckpt = checkpoint_for(args, Path(tmp), dtype)
         cfg = ModelConfig.from_dir(ckpt)
-        budget_mib, max_context, figures = proportions(cfg, dtype, args)
-        longest = max(args.main_tokens, args.main2_tokens) + 2 * (args.turn_tokens +
-                                                                  args.new_tokens) + 16
-        if max_context < longest:
-            parser.error(f"the window of {max_context} cells does not hold the longest "
-                         f"conversation ({longest} cells): raise --budget-mib, --kv-share or "
-                         "--max-context, or shorten the turns")
-        sizing = {"max_context": max_context, "prefill_chunk": args.prefill_chunk,
-                  "budget_mib": budget_mib, "reserve_mib": args.reserve_mib,
-                  "prefill_loan": not args.no_prefill_loan,
-                  "stream_misses": default_stream_misses(cfg, device)}
+        budget_mib, max_context, figures, sizing = scenario_sizing(parser, args, cfg, dtype,
+                                                                   device)
         profile = Path(tmp) / "profile.npz"
         rank = make_profile(ckpt, cfg, dtype, device, sizing, args, profile)
         runs = {}
