@@ -142,6 +142,20 @@ def scenario_sizing(parser: argparse.ArgumentParser, args: argparse.Namespace,
     return budget_mib, max_context, figures, sizing
 
 
+def scenario_counts(ckpt: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                    sizing: dict, args: argparse.Namespace):
+    """The profile's counts [L, E]: the routing of `--profile-prompts` prompts of 256 tokens
+    and 16 decoded, through a cache planned with the uniform rank."""
+    first = plan_cache(cfg, dtype, device, rank=uniform_rank(cfg.n_layers, cfg.n_experts),
+                       **sizing)
+    with load(ckpt, device=device, dtype=dtype, cache=first) as loaded:
+        prompts = [byte_tokens(256, 100 + i) for i in range(args.profile_prompts)]
+        counts, _ = collect_counts(loaded.model, prompts, decode_tokens=16,
+                                   prefill_chunk=args.prefill_chunk)
+    free_memory(device)
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_scenario_arguments(parser)
@@ -155,14 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ModelConfig.from_dir(ckpt)
         budget_mib, max_context, figures, sizing = scenario_sizing(parser, args, cfg, dtype,
                                                                    device)
-        first = plan_cache(cfg, dtype, device, rank=uniform_rank(cfg.n_layers, cfg.n_experts),
-                           **sizing)
-        with load(ckpt, device=device, dtype=dtype, cache=first) as loaded:
-            prompts = [byte_tokens(256, 100 + i) for i in range(args.profile_prompts)]
-            counts, _ = collect_counts(loaded.model, prompts, decode_tokens=16,
-                                       prefill_chunk=args.prefill_chunk)
-        rank = rank_from_counts(counts)
-        free_memory(device)
+        rank = rank_from_counts(scenario_counts(ckpt, cfg, dtype, device, sizing, args))
         runs = {name: run_variant(name, ckpt, cfg, dtype, device, rank, sizing, args)
                 for name in VARIANTS}
     result = {

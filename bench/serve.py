@@ -41,15 +41,18 @@ import torch
 from _common import (
     byte_tokens,
     checkpoint_for,
-    free_memory,
     set_kv_env,
 )
-from agents import TURNS, VARIANTS, add_scenario_arguments, run_variant, scenario_sizing
-from strata.engine.cache.build import plan_cache
+from agents import (
+    TURNS,
+    VARIANTS,
+    add_scenario_arguments,
+    run_variant,
+    scenario_counts,
+    scenario_sizing,
+)
 from strata.engine.model.config import ModelConfig
-from strata.engine.runtime.calibrate import collect_counts
-from strata.engine.runtime.load import load
-from strata.formats.profile import Profile, rank_from_counts, save_profile, uniform_rank
+from strata.formats.profile import Profile, rank_from_counts, save_profile
 
 MODEL = "bench"
 
@@ -178,13 +181,7 @@ def make_profile(ckpt: Path, cfg: ModelConfig, dtype, device, sizing: dict, args
                  path: Path):
     """agents.py's profile: the routing of `--profile-prompts` prompts; saved to `path` for
     the server, and its rank for the in-process runs."""
-    first = plan_cache(cfg, dtype, device, rank=uniform_rank(cfg.n_layers, cfg.n_experts),
-                       **sizing)
-    with load(ckpt, device=device, dtype=dtype, cache=first) as loaded:
-        prompts = [byte_tokens(256, 100 + i) for i in range(args.profile_prompts)]
-        counts, _ = collect_counts(loaded.model, prompts, decode_tokens=16,
-                                   prefill_chunk=args.prefill_chunk)
-    free_memory(device)
+    counts = scenario_counts(ckpt, cfg, dtype, device, sizing, args)
     save_profile(Profile.for_model(counts, cfg, {"bench": "serve.py"}), path)
     return rank_from_counts(counts)
 

@@ -79,7 +79,7 @@ def _engine(args: argparse.Namespace) -> tuple[Any, Any]:
         tokenizer = Tokenizer.from_dir(model_dir)
     except TokenizerError as err:
         raise UsageError(" ".join(str(err).split())) from None
-    engine_options = with_builtin_cache(args, engine_options)
+    engine_options = with_builtin_cache(args, engine_options, model_dir)
     engine = open_engine(model_dir, engine_options, tokenizer=tokenizer)
     return engine, stop_ids_of(model_dir, engine.model.config.eos_token_ids, tokenizer)
 

@@ -67,22 +67,23 @@ def engine_options_from_args(args: argparse.Namespace, *,
                          .replace("prefill_chunk", "--prefill-chunk", 1)) from None
 
 
-def with_builtin_cache(args: argparse.Namespace, options: EngineOptions) -> EngineOptions:
-    """`options`, and for the built-in model (no `--model`) with neither `--expert-cache` nor
-    `--vram-budget-mib`, an expert cache of half its experts (`builtin_expert_cache_mib`): as
-    on a GPU too small for it, the cache misses and `--policy` has something to decide."""
+def with_builtin_cache(args: argparse.Namespace, options: EngineOptions,
+                       model_dir: Path) -> EngineOptions:
+    """`options`, and for the built-in model (no `--model`: `model_dir` is its checkpoint) with
+    neither `--expert-cache` nor `--vram-budget-mib`, an expert cache of half its experts
+    (`builtin_expert_cache_mib`): as on a GPU too small for it, the cache misses and
+    `--policy` has something to decide."""
     cache = options.cache
     if args.model is not None or cache.expert_cache_mib is not None or \
             cache.vram_budget_mib is not None:
         return options
     import dataclasses
 
-    from strata.engine.model.builtin import builtin_checkpoint, builtin_expert_cache_mib
+    from strata.engine.model.builtin import builtin_expert_cache_mib
     from strata.engine.model.config import ModelConfig
     from strata.engine.model.moe import runtime_dtype
 
-    path, _ = builtin_checkpoint()
-    mib = builtin_expert_cache_mib(runtime_dtype(ModelConfig.from_dir(path), options.dtype))
+    mib = builtin_expert_cache_mib(runtime_dtype(ModelConfig.from_dir(model_dir), options.dtype))
     return dataclasses.replace(options, cache=dataclasses.replace(cache, expert_cache_mib=mib))
 
 

@@ -257,7 +257,7 @@ def _open(
         raise UsageError(f"--top-k {options.top_k} is more than the model's vocabulary of "
                          f"{config.vocab_size} tokens; give at most {config.vocab_size} "
                          "(0: off)")
-    engine_options = with_builtin_cache(args, engine_options)
+    engine_options = with_builtin_cache(args, engine_options, model_dir)
     return model_dir, prompt_ids, open_engine(model_dir, engine_options, tokenizer=tokenizer)
 
 

@@ -114,7 +114,7 @@ def _options(args: argparse.Namespace, model_dir: Path) -> tuple[Any, Any]:
             default_max_tokens=args.max_new)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    return serve, with_builtin_cache(args, engine_options_from_args(args))
+    return serve, with_builtin_cache(args, engine_options_from_args(args), model_dir)
 
 
 def _check_before_loading(model_dir: Path, engine: Any) -> Any:
