@@ -1,4 +1,4 @@
-"""Builds the two Cython extensions; everything else is in setup.cfg.
+"""Builds the Cython extensions; everything else is in setup.cfg.
 
 Compiler directives are set here, once, for every module. STRATA_CYTHON_DEBUG=1 turns bounds,
 wraparound and initialisation checks back on (then rebuild: `python setup.py build_ext --inplace`).
@@ -37,6 +37,16 @@ extensions = [
         include_dirs=[numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-ffp-contract=off"],
+    ),
+    # The CPU experts' kernel: OpenMP threads over the experts' rows (cython.parallel.prange);
+    # -O3 for its vector loops (src/strata/_cpu_experts_dot.h).
+    Extension(
+        "strata._cpu_experts",
+        ["src/strata/_cpu_experts.pyx"],
+        include_dirs=[numpy.get_include(), "src/strata"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=["-fopenmp", "-O3"],
+        extra_link_args=["-fopenmp"],
     ),
 ]
 

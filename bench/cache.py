@@ -10,9 +10,10 @@ resident, as `strata profile` counts it), then measures, each engine on a fresh 
 - `cache-full`: the cache holding every expert (the target: within 1.1x of `resident`);
 - `cache-budget`: the cache at `--budget-mib` (default: an `--expert-cache` of `--expert-share`
   of the experts), filled by the profile, every miss on the CPU and rounds eager (the baseline,
-  not `strata generate`'s defaults on CUDA, which are `-stream4-piecewise` for a top-8 model);
+  not `strata generate`'s defaults on CUDA, which are `-streamauto-piecewise`);
   decode, and where a round's time goes;
-- `cache-budget-streamN`, for each N of `--stream-misses`: the same with N of each decode
+- `cache-budget-streamN`, for each N of `--stream-misses` (or `auto`: the split from the rates
+  kept for this machine, `strata.engine.cache.kept_rates`): the same with N of each decode
   layer's misses uploaded and computed on the device while the CPU computes the rest;
 - with `--piecewise`, a `-piecewise` twin of each of those: decode replayed as CUDA graphs cut
   at the experts calls (`strata.engine.runtime.piecewise`; CUDA only, eager elsewhere);
@@ -30,7 +31,7 @@ Decode tok/s for strata is its own figure (rounds / decode time); for transforme
 
     python bench/cache.py --preset tiny --device cpu --loan-keep-slots 0    # here, a minute
     python bench/cache.py --preset olmoe-1b-7b --device cuda --budget-mib 4096 \
-        --stream-misses 4 --piecewise                                    # the defaults too
+        --stream-misses auto,4 --piecewise                               # the defaults too
     python bench/cache.py ... --layers 8 --json                             # one JSON object
 """
 
@@ -53,6 +54,7 @@ from _common import add_model_arguments, byte_tokens, free_memory, fresh_request
 from strata.engine.cache.arena import slot_bytes_for
 from strata.engine.cache.budget import MIB
 from strata.engine.cache.build import plan_cache
+from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.cache.loan import KEEP_SLOTS_ENV
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.init_model import write_checkpoint
@@ -79,11 +81,15 @@ def make_profile(ckpt: Path, device, dtype) -> Profile:
 def cached(ckpt, device, dtype, profile, max_context, small, *, loan=True, **options):
     """An engine whose model runs through the cache; `small`: None (every expert), or the
     flags' values {"budget_mib": ...} or {"expert_cache_mib": ...}; `options`: CacheConfig's
-    others."""
+    others, `stream_misses` N or "auto" (resolved from the kept rates, its note on stderr)."""
     config = ModelConfig.from_dir(ckpt)
     rank, _ = fill_rank(profile, config.n_layers, config.n_experts)
+    stream, notes = resolve_stream_misses(options.pop("stream_misses", 0), config, dtype, device)
+    for note in notes:
+        print(f"bench/cache.py: {note}", file=sys.stderr, flush=True)
     cache = plan_cache(config, dtype, device, max_context=max_context, prefill_chunk=512,
-                       rank=rank, prefill_loan=loan, **(small or {}), **options)
+                       rank=rank, prefill_loan=loan, stream_misses=stream, **(small or {}),
+                       **options)
     return Engine.open(ckpt, device=device, dtype=dtype, cache=cache, max_context=max_context)
 
 
@@ -109,9 +115,9 @@ def run_decode(engine, prompt, n_new, repeat, max_context, cuda_graphs=True,
     return out
 
 
-def run_prefill(engine, prompt, repeat, max_context) -> dict:
+def run_prefill(engine, prompt, repeat, max_context, prefill_chunk: int = 512) -> dict:
     options = GenerateOptions(max_new=1, max_context=max_context, temperature=0.0,
-                              ignore_stop=True)
+                              ignore_stop=True, prefill_chunk=prefill_chunk)
     fresh_request(engine, prompt, options)  # warm-up (and the loan's first refill)
     runs = [fresh_request(engine, prompt, options) for _ in range(repeat)]
     best = sorted(runs, key=lambda r: r.prefill_s)[len(runs) // 2]
@@ -198,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine (median)")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers + accelerate")
     parser.add_argument("--stream-misses", default="",
-                        help="comma-separated N: a cache-budget run with --stream-misses N each")
+                        help="comma-separated N or auto: a cache-budget run with "
+                        "--stream-misses N each")
     parser.add_argument("--piecewise", action="store_true",
                         help="a piecewise-graph twin of each cache-budget run")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
@@ -212,9 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     family = args.family or preset.default_family
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     device = torch.device(args.device)
-    streams = [int(n) for n in args.stream_misses.split(",") if n]
-    if any(n < 1 for n in streams):
-        parser.error("--stream-misses takes N >= 1 (cache-budget is the run with 0)")
+    try:
+        streams = [n if n == "auto" else int(n) for n in args.stream_misses.split(",") if n]
+    except ValueError:
+        streams = [0]
+    if any(n != "auto" and n < 1 for n in streams):
+        parser.error("--stream-misses takes auto or N >= 1 (cache-budget is the run with 0)")
     prompt = byte_tokens(args.prompt_tokens, 0)
     long_prompt = byte_tokens(args.prefill_tokens, 1)
     decode_context = args.prompt_tokens + args.new_tokens  # each model is sized for its runs

@@ -9,8 +9,10 @@ CPU's last-level cache and the figures are too good):
 
 - `bare`: the same two matmuls per expert as plain torch calls on the main thread, nothing else
   (the floor for this CPU, threads and dtype);
-- `compute-main`: `CpuExperts.compute` on the main thread, as the cache calls it (adds its
-  per-call overheads);
+- `compute-torch`: `CpuExperts.compute` with `kernel="torch"` (`STRATA_CPU_KERNEL=torch`),
+  on the main thread: each expert as two torch matmuls (the path before strata's kernel);
+- `compute-main`: `CpuExperts.compute` on the main thread, as the cache calls it (bf16: strata's
+  kernel, `strata._cpu_experts`, for experts of up to `KERNEL_MAX_ROWS` rows);
 - `compute-worker`: the same on a worker thread (one `ThreadPoolExecutor` thread), the design
   the cache had before: adds the hand-over and a second intra-op team (the worker's count is
   printed beside the main thread's);
@@ -20,6 +22,9 @@ CPU's last-level cache and the figures are too good):
   cores.
 
 Ratios to `bare` are in the same run, so they compare across machines. Medians of `--repeat`.
+Each column's GB/s is the experts' bytes over its time, and its share of the host's read
+bandwidth, measured in the same run (`host_read_gbps`: a float32 sum over a `--read-mib` buffer
+on torch's threads, the best of 5).
 
 `--memory` picks where the store's blobs live: `pageable` (plain torch memory), `pinned`
 (`pin_memory=True`: CUDA's page-locked allocation, as the cache's store on CUDA), `registered`
@@ -122,6 +127,7 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
     x_rows = torch.randn(routed.n_rows, store.hidden_size, generator=gen).to(store.dtype)
     scratch = torch.zeros(64)
     cpu = CpuExperts(store, threads)
+    cpu_torch = CpuExperts(store, threads, kernel="torch")
     pool = ThreadPoolExecutor(max_workers=1)
     calls = itertools.count()
 
@@ -137,6 +143,8 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
 
         per_expert = {
             "bare": median_us(lambda: bare(store, layer(), x_rows, routed), repeat),
+            "compute-torch": median_us(lambda: cpu_torch.compute(layer(), x_rows, routed),
+                                       repeat),
             "compute-main": median_us(lambda: cpu.compute(layer(), x_rows, routed), repeat),
             "compute-worker": median_us(lambda: on_worker().result(), repeat),
             "worker-main-busy": median_us(lambda: busy_until_done(on_worker(), scratch),
@@ -148,9 +156,24 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
     return {
         "tokens": n_tokens, "experts": routed.n_experts, "rows": routed.n_rows,
         "main_threads": torch.get_num_threads(), "worker_threads": worker_threads,
-        "us_per_expert": per_expert,
+        "kernel": cpu.kernel, "us_per_expert": per_expert,
+        "gbps": {k: store.blob_bytes / (v * 1e3) for k, v in per_expert.items()},
         "ratio_to_bare": {k: v / per_expert["bare"] for k, v in per_expert.items()},
     }
+
+
+def host_read_gbps(n_mib: int) -> float:
+    """GB/s of a float32 sum over `n_mib` MiB on torch's threads: the best of 5 (after one)."""
+    buffer = torch.ones(n_mib << 18, dtype=torch.float32)
+    buffer.sum()
+    best = min(_timed(buffer.sum) for _ in range(5))
+    return buffer.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="layers in the store, read round robin (default 4)")
     parser.add_argument("--memory", default="pageable",
                         help="comma-separated: pageable, pinned, registered")
+    parser.add_argument("--read-mib", type=int, default=2048,
+                        help="MiB the host read bandwidth is measured over (default 2048)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
+    if args.read_mib < 1:
+        parser.error(f"--read-mib must be >= 1, got {args.read_mib}")
     if args.layers < 1:
         parser.error(f"--layers must be >= 1, got {args.layers}")
     memories = args.memory.split(",")
@@ -177,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     preset = get_preset(args.preset)
+    read_gbps = host_read_gbps(args.read_mib)
     runs = []
     for memory in memories:
         for name in args.dtypes.split(","):
@@ -189,22 +217,25 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "bench/cpu_experts.py", *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(), "machine": platform.processor()
         or platform.machine(), "torch": torch.__version__, "preset": args.preset,
-        "runs": runs,
+        "host_read_gbps": read_gbps, "runs": runs,
     }
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"{result['command']}  ({result['machine']}, torch {result['torch']})")
-    print("| memory | dtype | T | experts | threads main/worker | bare us | compute-main | "
-          "compute-worker | worker-main-busy |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"host read bandwidth: {read_gbps:.1f} GB/s (float32 sum over {args.read_mib} MiB)")
+    columns = ("compute-torch", "compute-main", "compute-worker", "worker-main-busy")
+    print("| memory | dtype | T | experts | threads main/worker | bare us (GB/s, share) | "
+          + " | ".join(columns) + " |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(columns))
     for run in runs:
-        us, ratio = run["us_per_expert"], run["ratio_to_bare"]
+        us, ratio, gbps = run["us_per_expert"], run["ratio_to_bare"], run["gbps"]
+        cells = [f"{us[c]:.0f} ({ratio[c]:.2f}x; {gbps[c]:.1f} GB/s, "
+                 f"{gbps[c] / read_gbps:.0%})" for c in columns]
         print(f"| {run['memory']} | {run['dtype']} | {run['tokens']} | {run['experts']} | "
-              f"{run['main_threads']}/{run['worker_threads']} | {us['bare']:.0f} | "
-              f"{us['compute-main']:.0f} ({ratio['compute-main']:.2f}x) | "
-              f"{us['compute-worker']:.0f} ({ratio['compute-worker']:.2f}x) | "
-              f"{us['worker-main-busy']:.0f} ({ratio['worker-main-busy']:.2f}x) |")
+              f"{run['main_threads']}/{run['worker_threads']} | {us['bare']:.0f} "
+              f"({gbps['bare']:.1f} GB/s, {gbps['bare'] / read_gbps:.0%}) | "
+              + " | ".join(cells) + " |")
     return 0
 
 

@@ -9,6 +9,9 @@ bound that strata reaches. Writes nothing else.
   prefill and, on CUDA, after the decode graphs are captured).
 - transformers: decode tok/s = (new - 1) / (time of `generate` for `new` tokens - time for 1
   token), so that its prefill is left out the same way. Medians over `--repeat` runs.
+- MoE share (CUDA): the routed experts of every layer over `--prompt-tokens` random rows, timed
+  alone (`Experts.forward` as a prompt chunk calls it), their FLOPs (2 * T * K * 3 * F * D a
+  layer) against `--matmul-tflops` (default on cuda 790: the H200's measured bf16 rate).
 - bound: the bytes one decode token must read (every dense weight, the K routed experts of each
   layer, the lm_head, the K/V at the mean context; from the config), against `--bandwidth-gbs`
   (on cuda by default 4300 GB/s: the H200's measured device-to-device copy rate).
@@ -36,9 +39,35 @@ from _common import add_model_arguments, free_memory, fresh_request, sync
 from strata.engine.model.init_model import write_checkpoint
 from strata.engine.model.presets import BYTE_TOKENS, get_preset
 from strata.engine.runtime.engine import Engine
-from strata.engine.runtime.generate import GenerateOptions
+from strata.engine.runtime.generate import GenerateOptions, default_prefill_chunk
 
 H200_BANDWIDTH_GBS = 4300.0
+H200_MATMUL_TFLOPS = 790.0
+
+
+def moe_tflops(engine, n_tokens: int, repeat: int) -> tuple[float, float]:
+    """(seconds, TFLOP/s) of the routed experts of every layer over n_tokens random rows with
+    random top-k routing, as one prompt chunk calls them; the median of `repeat` passes."""
+    model, config = engine.model, engine.model.config
+    gen = torch.Generator(device=model.device).manual_seed(0)
+    x = torch.randn(n_tokens, config.hidden_size, device=model.device, dtype=model.dtype,
+                    generator=gen)  # [T, D]
+    logits = torch.randn(n_tokens, config.n_experts, device=model.device, generator=gen)
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), config.top_k, dim=-1)  # [T, K]
+
+    def one_pass() -> float:
+        sync(model.device)
+        start = time.perf_counter()
+        for layer in range(config.n_layers):
+            model.experts.forward(layer, x, ids, weights)
+        sync(model.device)
+        return time.perf_counter() - start
+
+    one_pass()  # warm-up
+    seconds = statistics.median(one_pass() for _ in range(repeat))
+    flops = 2 * n_tokens * config.top_k * 3 * config.expert_width * config.hidden_size \
+        * config.n_layers
+    return seconds, flops / seconds / 1e12
 
 
 def bytes_per_token(config, itemsize: int, mean_context: float) -> float:
@@ -68,21 +97,30 @@ def _si(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
-def run_strata(ckpt, device, dtype, prompt, n_new, repeat, compile=False,
-               grouped_prefill=None) -> dict:
+def run_strata(ckpt, device, dtype, prompt, n_new, repeat, prefill_chunk, compile=False,
+               grouped_prefill=None, moe_share=False) -> dict:
     """`grouped_prefill` False: the prompt's experts by the per-expert loop (the baseline of
-    the grouped products, `strata.engine.experts.sorted_grouped`)."""
+    the grouped products, `strata.engine.experts.sorted_grouped`); `prefill_chunk` None: the
+    engine's default; `moe_share`: time the experts alone too."""
     options = GenerateOptions(
         max_new=n_new, max_context=len(prompt) + n_new, temperature=0.0, ignore_stop=True,
-        compile=compile,
+        compile=compile, prefill_chunk=prefill_chunk,
     )
+    moe = None
     with Engine.open(ckpt, device=device, dtype=dtype,
                      max_context=options.max_context) as engine:
         engine.model.experts.grouped_prefill = grouped_prefill
         fresh_request(engine, prompt, options)  # warm-up (the decode graphs captured)
         runs = [fresh_request(engine, prompt, options) for _ in range(repeat)]
         config = engine.model.config
+        if moe_share:
+            chunk = prefill_chunk or default_prefill_chunk(engine.model)
+            moe = moe_tflops(engine, min(len(prompt), chunk), repeat)
+        chunk_tokens = prefill_chunk or default_prefill_chunk(engine.model)
     return {
+        "prefill_chunk": chunk_tokens,
+        "moe_s": moe[0] if moe else None,
+        "moe_tflops": moe[1] if moe else None,
         "config": config,
         "tokens": runs[0].tokens,
         "prefill_tok_s": statistics.median(r.prefill_tok_s for r in runs),
@@ -153,10 +191,20 @@ def main(argv: list[str] | None = None) -> int:
         help="also run strata with the prompt's experts by the per-expert loop (strata-loop), "
         "the baseline of the grouped products",
     )
+    parser.add_argument("--prefill-chunk", type=int,
+                        help="strata's --prefill-chunk (default: the engine's, "
+                        "default_prefill_chunk)")
+    parser.add_argument(
+        "--matmul-tflops", type=float,
+        help=f"bf16 matrix throughput for the MoE share (default on cuda: "
+        f"{H200_MATMUL_TFLOPS:.0f}, the H200's; on cpu: no share unless given)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
-    if args.new_tokens < 2 or args.prompt_tokens < 1 or args.repeat < 1:
-        parser.error("--new-tokens must be >= 2, --prompt-tokens and --repeat >= 1")
+    if args.new_tokens < 2 or args.prompt_tokens < 1 or args.repeat < 1 \
+            or (args.prefill_chunk is not None and args.prefill_chunk < 1):
+        parser.error("--new-tokens must be >= 2, --prompt-tokens, --repeat and "
+                     "--prefill-chunk >= 1")
 
     preset = get_preset(args.preset)
     family = args.family or preset.default_family
@@ -174,19 +222,19 @@ def main(argv: list[str] | None = None) -> int:
             progress=sys.stderr.isatty() and not args.json, router_skew=args.router_skew,
         )
         write_s = time.perf_counter() - start
-        strata = run_strata(ckpt, device, dtype, prompt, args.new_tokens, args.repeat)
+        matmul_tflops = args.matmul_tflops
+        if matmul_tflops is None and device.type == "cuda":
+            matmul_tflops = H200_MATMUL_TFLOPS
+        run = (ckpt, device, dtype, prompt, args.new_tokens, args.repeat, args.prefill_chunk)
+        strata = run_strata(*run, moe_share=matmul_tflops is not None)
         free_memory(device)
-        compiled = None
+        compiled = loop = None
         if args.compile:
-            compiled = run_strata(
-                ckpt, device, dtype, prompt, args.new_tokens, args.repeat, compile=True
-            )
+            compiled = run_strata(*run, compile=True)
             compiled.pop("config")
             free_memory(device)
-        loop = None
         if args.loop_prefill:
-            loop = run_strata(ckpt, device, dtype, prompt, args.new_tokens, args.repeat,
-                              grouped_prefill=False)
+            loop = run_strata(*run, grouped_prefill=False)
             loop.pop("config")
             free_memory(device)
         peer = None
@@ -219,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": strata["decode_tok_s"] / peer["decode_tok_s"] if peer else None,
         "strata_compiled": compiled,
         "strata_loop_prefill": loop,
+        "prefill_chunk": strata["prefill_chunk"],
+        "matmul_tflops": matmul_tflops,
+        "moe_share": strata["moe_tflops"] / matmul_tflops
+        if matmul_tflops and strata["moe_tflops"] else None,
         "prefill_ratio_loop": strata["prefill_tok_s"] / loop["prefill_tok_s"] if loop else None,
         "prefill_ratio": strata["prefill_tok_s"] / peer["prefill_tok_s"] if peer else None,
         "ratio_compiled": compiled["decode_tok_s"] / peer["decode_tok_s"]
@@ -258,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
             f"greedy tokens equal to transformers' up to token "
             f"{result['tokens_equal_prefix']} of {args.new_tokens}"
         )
+    if result["moe_share"] is not None:
+        print(f"MoE of a {min(args.prompt_tokens, strata['prefill_chunk'])}-token chunk, every "
+              f"layer: {1000 * strata['moe_s']:.2f} ms, {strata['moe_tflops']:.1f} TFLOP/s, "
+              f"{100 * result['moe_share']:.1f}% of {matmul_tflops:.0f}")
+    if peer:
+        print(f"prefill strata / transformers: {result['prefill_ratio']:.2f}x")
     line = f"bytes read per token: {_si(token_bytes)}"
     if bound_tok_s:
         line += (

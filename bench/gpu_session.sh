@@ -4,6 +4,7 @@
 #
 #   bash bench/gpu_session.sh tests kernels cache                        # about 8 minutes
 #   bash bench/gpu_session.sh kv-grow kv-grow-skewed                      # about 6 minutes
+#   bash bench/gpu_session.sh offload                                     # about 7 minutes
 #
 # Stages (minutes, roughly): tests (1: pytest -m cuda), kernels (0.5: bench/grouped_experts.py),
 # host (0.2: bench/cache_host.py, the host's share of a cache layer call, on that machine's
@@ -16,7 +17,18 @@
 # bench/serve.py; the machine has no network, so its packages come from wheels carried in
 # build/serve-wheels: `python -m pip download --only-binary=:all: --python-version 3.12
 # --platform manylinux2014_x86_64 -d build/serve-wheels fastapi uvicorn prometheus-client
-# openai httpx`). A new checkpoint adds about a minute to the first stage that uses it.
+# openai httpx`), cpu-experts (1.5: bench/cpu_experts.py, strata's CPU kernel against torch's
+# matmuls and the host's read bandwidth, olmoe and qwen3 experts), prefill (8: bench/decode.py
+# at 32 to 16,384 prompt tokens on a 4-layer olmoe cut, with the default chunk and the
+# 512-token chunks before it, then qwen3 (4 layers) and mixtral (2) shapes at 4,096), offload (7: issue 17's figures, bench/offload.py, one JSON object a line in
+# offload.jsonl: decode with --stream-misses auto, 0 and 4 beside the bounds, then a 4,096-token
+# prefill with the loan; offload-olmoe (2: olmoe-1b-7b at a 4 GiB budget), offload-qwen3 and
+# offload-qwen3-skewed (2.5 each: qwen3-30b-a3b, 16 layers, 22% of the experts cached, router
+# skew 0 and 0.5, on the kv-grow checkpoints), offload-olmoe-torch (1.5: the olmoe run with
+# STRATA_CPU_KERNEL=torch, the CPU kernel's baseline); `offload` runs the first three; the first
+# `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
+# second or two, and later runs read them). A new checkpoint adds about a minute to the first
+# stage that uses it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -32,12 +44,29 @@ checkpoint() {  # checkpoint SKEW -> prints the directory, writing it when absen
         "$dir" > /dev/null 2>> "$OUT/init-model.log"
     echo "$dir"
 }
+olmoe_checkpoint() {  # prints the olmoe-1b-7b checkpoint's directory, writing it when absent
+    local dir=/tmp/strata-olmoe-1b-7b
+    [ -f "$dir/config.json" ] || python3 -c "import sys; from strata.cli.main import main; \
+        sys.exit(main())" init-model --preset olmoe-1b-7b "$dir" > /dev/null \
+        2>> "$OUT/init-model.log"
+    echo "$dir"
+}
+offload() {  # offload MODEL PRESET ARGS...: a JSON line in offload.jsonl, its progress lines
+    local model=$1 preset=$2
+    shift 2
+    (cd bench && timeout 280 python3 offload.py --model "$model" --preset "$preset" \
+        --stream-misses auto,0,4 --new-tokens 48 --repeat 3 --json "$@") \
+        >> "$OUT/offload.jsonl" 2> /tmp/strata-offload.err
+    grep "bench/" /tmp/strata-offload.err; cat /tmp/strata-offload.err >> "$OUT/offload.err"
+}
 KV="--rounds 3 --chat-new 48 --long-tokens 1024 --long-new 8 --kv-floor 32 --kv-init 4096
     --profile-prompts 2 --json"
 for stage in "$@"; do
     echo "gpu_session.sh: $stage at $(date +%T)"
     case $stage in
-    tests) timeout 200 python3 -m pytest -m cuda tests -q -p no:cacheprovider \
+    tests) # tests/serve needs the serve stage's packages (carried wheels), not there by default.
+           skip=$(python3 -c "import openai" 2> /dev/null || echo "--ignore=tests/serve")
+           timeout 200 python3 -m pytest -m cuda tests -q -p no:cacheprovider $skip \
                > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
     kernels) (cd bench && timeout 100 python3 grouped_experts.py) > "$OUT/kernels.txt" 2>&1
              cat "$OUT/kernels.txt" ;;
@@ -64,6 +93,23 @@ for stage in "$@"; do
                --kv-init 4096 --main2-tokens 32768 --json) \
                > "$OUT/agents.json" 2> "$OUT/agents.err"
             grep "bench/" "$OUT/agents.err" ;;
+    cpu-experts) for preset in olmoe-1b-7b qwen3-30b-a3b; do
+                   (cd bench && timeout 150 python3 cpu_experts.py --preset $preset \
+                      --dtypes bf16 --tokens 1,2,4,16 --repeat 10)
+                 done > "$OUT/cpu-experts.txt" 2>&1; cat "$OUT/cpu-experts.txt" ;;
+    prefill) # One JSON object a line in prefill.jsonl (the machine returns at most 8 files).
+             run_decode() { (cd bench && timeout 150 python3 decode.py --new-tokens 32 \
+                 --repeat 3 --json "$@") >> "$OUT/prefill.jsonl" 2>> "$OUT/prefill.err"; }
+             for n in 32 512 4096 16384; do
+               run_decode --preset olmoe-1b-7b --layers 4 --prompt-tokens $n
+             done
+             for n in 4096 16384; do  # the chunk of 512 the default was before: the baseline
+               run_decode --preset olmoe-1b-7b --layers 4 --prompt-tokens $n \
+                 --prefill-chunk 512 --no-transformers
+             done
+             run_decode --preset qwen3-30b-a3b --layers 4 --prompt-tokens 4096
+             run_decode --preset mixtral-8x7b --layers 2 --prompt-tokens 4096
+             wc -l "$OUT/prefill.jsonl"; grep -i "error" "$OUT/prefill.err" | tail -5 ;;
     serve) python3 -c "import fastapi, uvicorn, prometheus_client, openai, httpx" 2> /dev/null \
              || python3 -m pip install --no-index --find-links build/serve-wheels fastapi \
                 uvicorn prometheus-client openai httpx > "$OUT/serve-pip.log" 2>&1 \
@@ -72,6 +118,19 @@ for stage in "$@"; do
            (cd bench && timeout 540 python3 serve.py --model "$model" --kv-floor 32 \
               --kv-init 4096 --main-tokens 8192 --side-tokens 2048 --main2-tokens 13824 --json) \
               > "$OUT/serve.json" 2> "$OUT/serve.err"; grep "bench/" "$OUT/serve.err" ;;
+    offload-olmoe-torch)  # the same with torch's matmuls for the CPU's experts: the A/B
+           STRATA_CPU_KERNEL=torch offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 \
+               --stream-misses auto,0 ;;
+    offload|offload-olmoe|offload-qwen3|offload-qwen3-skewed)
+           if [ "$stage" = offload ] || [ "$stage" = offload-olmoe ]; then
+               offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096
+           fi
+           if [ "$stage" = offload ] || [ "$stage" = offload-qwen3 ]; then
+               offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22
+           fi
+           if [ "$stage" = offload ] || [ "$stage" = offload-qwen3-skewed ]; then
+               offload "$(checkpoint 0.5)" qwen3-30b-a3b --expert-share 0.22
+           fi ;;
     *) echo "gpu_session.sh: unknown stage $stage" >&2; exit 2 ;;
     esac
 done

@@ -38,7 +38,8 @@ from _common import (
     proportions,
     sync,
 )
-from strata.engine.cache.build import build_cached_experts, default_stream_misses, plan_cache
+from strata.engine.cache.build import build_cached_experts, plan_cache
+from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.model.config import ModelConfig
 from strata.engine.runtime.calibrate import collect_counts
 from strata.engine.runtime.generate import GenerateOptions
@@ -92,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         if max_context < args.prompt_tokens + 2:
             parser.error(f"the window of {max_context} cells does not hold the prompt's "
                          f"{args.prompt_tokens} tokens: raise --budget-mib or --max-context")
+        stream, notes = resolve_stream_misses(None, cfg, dtype, device)  # strata generate's
+        for note in notes:
+            print(f"bench/prefill_chunk.py: {note}", file=sys.stderr, flush=True)
         sizing = {"max_context": max_context, "budget_mib": budget_mib,
-                  "reserve_mib": args.reserve_mib, "prefill_loan": True,
-                  "stream_misses": default_stream_misses(cfg, device)}
+                  "reserve_mib": args.reserve_mib, "prefill_loan": True, "stream_misses": stream}
         first = plan_cache(cfg, dtype, device, rank=uniform_rank(cfg.n_layers, cfg.n_experts),
                            **{**sizing, "prefill_chunk": min(chunks)})
         model = load(ckpt, device=device, dtype=dtype, cache=first).model

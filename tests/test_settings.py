@@ -34,6 +34,7 @@ GOOD = {
     "STRATA_CACHE_DIR": [("/tmp/strata cache", Path("/tmp/strata cache")), ("", None)],
     "STRATA_DUMP_FIRST_LOGITS": [("out/logits.bin", Path("out/logits.bin")), ("", None)],
     "STRATA_API_KEY": [("sk-local-123", "sk-local-123"), (" key ", "key"), ("", None)],
+    "STRATA_CPU_KERNEL": [("strata", "strata"), (" torch ", "torch"), ("", None)],
 }
 
 # variable -> [(text, what the message says after `NAME='text': `)]
@@ -53,6 +54,7 @@ BAD = {
     "STRATA_KV_GROW_FLOOR": [
         (raw, "want an integer >= 0 (slots the cache keeps, for example STRATA_KV_GROW_FLOOR=128)")
         for raw in ("abc", "-8", "1.5", "8k")],
+    "STRATA_CPU_KERNEL": [(raw, "want strata or torch") for raw in ("Torch", "mkl", "1")],
 }
 # Every value is accepted: a switch that anything but 0 turns on, a list of names, paths.
 NO_BAD_VALUES = {"STRATA_TRACE_PLUGINS", "STRATA_LOAD_PLUGINS", "STRATA_CACHE_DIR",

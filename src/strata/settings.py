@@ -46,6 +46,7 @@ LOAD_PLUGINS = "STRATA_LOAD_PLUGINS"
 CACHE_DIR = "STRATA_CACHE_DIR"
 DUMP_FIRST_LOGITS = "STRATA_DUMP_FIRST_LOGITS"
 API_KEY = "STRATA_API_KEY"
+CPU_KERNEL = "STRATA_CPU_KERNEL"
 CYTHON_DEBUG = "STRATA_CYTHON_DEBUG"
 BUILD_ONLY = "STRATA_BUILD_ONLY"
 
@@ -117,6 +118,10 @@ def _names_ok(value: Any) -> bool:
     return value is None or (
         isinstance(value, frozenset) and all(isinstance(n, str) and n for n in value)
     )
+
+
+def _cpu_kernel_ok(value: Any) -> bool:
+    return value in (None, "strata", "torch")
 
 
 def _path_ok(value: Any) -> bool:
@@ -237,7 +242,8 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         CACHE_DIR,
-        "where `strata generate` keeps the built-in tiny model it creates on a first run",
+        "where `strata generate` keeps the built-in tiny model it creates on a first run, and "
+        "the expert cache keeps the rates `--stream-misses auto` measured (rates.json)",
         "a directory path",
         "`$XDG_CACHE_HOME/strata`, else `~/.cache/strata`",
         "cache_dir",
@@ -262,6 +268,17 @@ VARIABLES: tuple[Variable, ...] = (
         "no key: every request is served",
         "api_key",
         convert=_optional_text, check=_text_ok,
+    ),
+    Variable(
+        CPU_KERNEL,
+        "how the CPU computes missed bf16 experts: strata's kernel (every expert of a layer "
+        "call spread over the cores, each weight read once) or torch's matmuls, one expert "
+        "at a time (the path before it, kept to measure against)",
+        "strata or torch",
+        "strata",
+        "cpu_kernel",
+        want="want strata or torch",
+        convert=_optional_text, check=_cpu_kernel_ok,
     ),
     Variable(
         CYTHON_DEBUG,
@@ -307,6 +324,7 @@ class Settings:
     cache_dir: Path | None = None
     dump_first_logits: Path | None = None
     api_key: str | None = field(default=None, repr=False)  # a secret: kept out of reprs
+    cpu_kernel: str | None = None
 
     def __post_init__(self) -> None:
         for var in VARIABLES:

@@ -11,6 +11,7 @@ from strata.engine.kv.kv_cache import new_kv
 from strata.engine.model.moe import load_model
 from strata.engine.model.tokenizer import Tokenizer
 from strata.engine.runtime.generate import GenerateOptions, check_prompt, generate
+from support.bench_scripts import load_bench
 from support.checkpoints import cached_checkpoint
 
 GREEDY = GenerateOptions(max_new=24, temperature=0.0, ignore_stop=True)
@@ -147,13 +148,7 @@ def test_a_vocabulary_beyond_the_tokenizer_streams_replacement_chars(tmp_path):
 
 def test_the_decode_bench_runs_and_reports(capsys):
     pytest.importorskip("transformers")
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "decode.py"
-    spec = importlib.util.spec_from_file_location("bench_decode", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("decode.py")
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "12", "--repeat", "1",
             "--json"]
     assert bench.main(argv) == 0
@@ -166,6 +161,20 @@ def test_the_decode_bench_runs_and_reports(capsys):
     assert report["tokens_equal_prefix"] >= 1  # the first token agrees
     assert report["bound_share"] is None  # no bandwidth given on the CPU
     assert report["bytes_per_token"] > 0
+    assert report["moe_share"] is None
+
+
+def test_the_decode_bench_times_the_moe_of_a_chunk(capsys):
+    bench = load_bench("decode.py")
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--repeat", "1",
+            "--prompt-tokens", "40", "--prefill-chunk", "16", "--matmul-tflops", "1",
+            "--no-transformers"]
+    assert bench.main(argv) == 0
+    assert "MoE of a 16-token chunk, every layer:" in capsys.readouterr().out
+    assert bench.main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prefill_chunk"] == 16
+    assert 0 < report["moe_share"] == report["strata"]["moe_tflops"] / 1.0
 
 
 @pytest.mark.cuda

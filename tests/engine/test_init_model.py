@@ -91,6 +91,8 @@ def test_real_presets_have_the_real_parameter_counts():
     qwen3 = checkpoint_bytes("qwen3_moe", PRESETS["qwen3-30b-a3b"]) / 2
     assert 6.90e9 < olmoe < 6.95e9  # OLMoE-1B-7B: 6.9B parameters
     assert 30.4e9 < qwen3 < 30.6e9  # Qwen3-30B-A3B: 30.5B parameters
+    mixtral = checkpoint_bytes("mixtral", PRESETS["mixtral-8x7b"]) / 2
+    assert 46.6e9 < mixtral < 46.8e9  # Mixtral-8x7B: 46.7B parameters
 
 
 def test_olmoe_family_refuses_a_shape_it_cannot_express():

@@ -23,6 +23,14 @@ def test_qwen3_preset_is_the_published_shape():
     assert (p.rope_theta, p.rms_norm_eps, p.norm_topk_prob) == (1e6, 1e-6, True)
 
 
+def test_mixtral_preset_is_the_published_shape():
+    p = PRESETS["mixtral-8x7b"]
+    assert (p.n_layers, p.hidden_size, p.head_dim, p.default_family) == (32, 4096, 128, "mixtral")
+    assert (p.n_heads, p.n_kv_heads) == (32, 8)
+    assert (p.n_experts, p.top_k, p.expert_width, p.vocab_size) == (8, 2, 14336, 32000)
+    assert (p.rope_theta, p.rms_norm_eps, p.norm_topk_prob) == (1e6, 1e-5, True)
+
+
 def test_toy_presets_use_the_byte_level_vocabulary():
     assert PRESETS["tiny"].vocab_size == PRESETS["small"].vocab_size == BYTE_LEVEL_VOCAB == 260
     assert PRESETS["tiny"].n_layers == 2 and PRESETS["tiny"].hidden_size == 64

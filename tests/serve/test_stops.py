@@ -45,3 +45,14 @@ def test_what_may_begin_a_stop_string_is_held_until_it_is_known():
 def test_an_empty_stop_string_is_refused():
     with pytest.raises(ValueError, match="must not be empty"):
         StopText(["ok", ""])
+
+
+def test_a_stop_string_that_began_earlier_wins_over_one_already_seen():
+    stop_text = StopText(["b", "aba"])
+    assert stop_text.feed("aab") == "a" and not stop_text.hit  # "ab" may yet be "aba"
+    assert stop_text.feed("a") == "" and stop_text.hit
+    assert stop_text.finish() == ""
+    other = StopText(["b", "aba"])
+    assert other.feed("aab") == "a"
+    assert other.finish() == "a" and other.hit  # it ended there: "b" was the first
+    assert StopText([]).feed("text") == "text"

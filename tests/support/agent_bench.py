@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from support.bench_scripts import load_bench
+
 # The STRATA_* variables the benchmarks set from their flags (a test restores them after).
 KV_ENV = ("STRATA_KV_GROW_INIT", "STRATA_KV_GROW_STEP", "STRATA_KV_GROW_FLOOR",
           "STRATA_VMM_CHUNK_BYTES")
@@ -27,8 +26,5 @@ def run_small_scenario(script: str, capsys, monkeypatch) -> dict:
     for name in KV_ENV:
         monkeypatch.setenv(name, "1")
         monkeypatch.delenv(name)
-    spec = importlib.util.spec_from_file_location(f"bench_{Path(script).stem}", BENCH / script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(SMALL_SCENARIO) == 0
+    assert load_bench(script).main(SMALL_SCENARIO) == 0
     return json.loads(capsys.readouterr().out)

@@ -75,10 +75,12 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="threads computing the CPU's experts (default: torch's, the physical cores)",
     )
     group.add_argument(
-        "--stream-misses", type=int, metavar="N",
-        help="of a decode layer's missed experts, upload the first N (at most the model's "
-        "top-k) over PCIe and compute them on the device while the CPU computes the rest "
-        "(default: half the top-k on CUDA, 0 elsewhere; 0: all on the CPU)",
+        "--stream-misses", metavar="auto|N",
+        help="of a decode layer's missed experts, how many to upload over PCIe and compute on "
+        "the device while the CPU computes the rest: N streams the first N (at most the "
+        "model's top-k; default: half of it on CUDA, 0 elsewhere: all on the CPU); auto "
+        "splits them by the rates measured once on this machine and kept in the cache "
+        "directory, so both sides would finish together if each had the host's memory alone",
     )
     group.add_argument(
         "--kv-grow", action="store_true",
@@ -105,6 +107,16 @@ def _expert_cache_mib(text: str | None) -> float | str | None:
     return value
 
 
+def _stream_misses(text: str | None) -> int | str | None:
+    if text is None or text == "auto":
+        return text
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise UsageError(f"--stream-misses must be auto or a number of experts, got "
+                         f"{text!r}") from None
+
+
 def cache_options_from_args(args: argparse.Namespace) -> CacheOptions:
     """The `expert cache` group's flags, `--kv-grow` and `--policy` as one `CacheOptions`;
     UsageError naming the flag for a bad value."""
@@ -116,8 +128,8 @@ def cache_options_from_args(args: argparse.Namespace) -> CacheOptions:
             expert_cache_mib=_expert_cache_mib(args.expert_cache),
             expert_profile=args.expert_profile, prefill_loan=not args.no_prefill_loan,
             short_read=args.short_read, cpu_threads=args.cpu_threads,
-            stream_misses=args.stream_misses, kv_grow=args.kv_grow, policy=args.policy,
-            policy_options=tuple(args.policy_opts or ()))
+            stream_misses=_stream_misses(args.stream_misses), kv_grow=args.kv_grow,
+            policy=args.policy, policy_options=tuple(args.policy_opts or ()))
     except ValueError as err:
         raise UsageError(str(err)) from None
 

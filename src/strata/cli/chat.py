@@ -48,8 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus mass, 1: off (0.95)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest, 0: off (0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
-    parser.add_argument("--prefill-chunk", type=int, default=512,
-                        help="prompt tokens per forward (512)")
+    parser.add_argument("--prefill-chunk", type=int, metavar="N",
+                        help="prompt tokens per forward (default: 4096 with every expert "
+                        "resident, 512 through the expert cache)")
     parser.add_argument("--verbose", action="store_true",
                         help="a line of figures per turn on stderr")
     add_conversation_arguments(parser, mib=0.0, slots=4, what="the conversations /reset leaves")

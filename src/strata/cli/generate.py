@@ -73,9 +73,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--chat", action="store_true", help="wrap the prompt as a user turn (chat template)"
     )
     parser.add_argument(
-        "--prefill-chunk", type=int, default=512,
-        help="prompt tokens per forward (512): each reads its experts once; attention runs in "
-        "pieces of 512 whatever the chunk"
+        "--prefill-chunk", type=int, metavar="N",
+        help="prompt tokens per forward, each reading its experts once (default: 4096 with "
+        "every expert resident, 512 through the expert cache, where it sizes the workspace); "
+        "past the first chunk attention runs in pieces of 512"
     )
     parser.add_argument(
         "--no-cuda-graphs", action="store_true", help="run decode rounds eagerly on CUDA"

@@ -67,8 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--dtype", default="auto",
                         help="auto (the checkpoint's own), bf16, fp16 or fp32")
-    parser.add_argument("--prefill-chunk", type=int, default=512,
-                        help="prompt tokens per forward (512)")
+    parser.add_argument("--prefill-chunk", type=int, metavar="N",
+                        help="prompt tokens per forward (default: 4096 with every expert "
+                        "resident, 512 through the expert cache)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run decode rounds eagerly on CUDA")
     parser.add_argument("--no-piecewise-graphs", action="store_true",
@@ -156,7 +157,7 @@ def _loader(args: argparse.Namespace, model_dir: Path, engine_options: Any,
         try:
             defaults = GenerateOptions(
                 max_context=engine_options.max_context,
-                prefill_chunk=engine_options.prefill_chunk,
+                prefill_chunk=args.prefill_chunk,
                 stop_ids=stop_ids_of(model_dir, engine.model.config.eos_token_ids, tokenizer),
                 cuda_graphs=not args.no_cuda_graphs, compile=args.compile,
                 piecewise_graphs=not args.no_piecewise_graphs)

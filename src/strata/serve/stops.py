@@ -29,15 +29,33 @@ class StopText:
             return ""
         text = self.held + piece
         cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if cuts:
-            self.hit, self.held = True, ""
-            return text[: min(cuts)]
-        keep = max((k for s in self.stops for k in range(1, min(len(s), len(text) + 1))
-                    if text.endswith(s[:k])), default=0)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[: len(text) - keep]
+        first = min(cuts, default=len(text))
+        # A stop string found is the first one only if none that begins before it may still
+        # be completed by the next pieces ("aba" may yet begin before a "b" already seen).
+        pending = self._may_begin(text, first)
+        if pending < first or not cuts:
+            self.held = text[pending:]
+            return text[:pending]
+        self.hit, self.held = True, ""
+        return text[:first]
 
     def finish(self) -> str:
-        """What was held back, once generation ended without completing a stop string."""
-        out, self.held = ("" if self.hit else self.held), ""
-        return out
+        """What was held back, once generation ended: up to the first stop string in it."""
+        if self.hit:
+            return ""
+        text, self.held = self.held, ""
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.hit = True
+            return text[: min(cuts)]
+        return text
+
+    def _may_begin(self, text: str, end: int) -> int:
+        """The first place before `end` from which the rest of `text` begins a stop string
+        without completing it (it could be completed by what comes next); `end` if none."""
+        longest = max((len(s) for s in self.stops), default=0)
+        for start in range(max(0, len(text) - longest + 1), end):
+            tail = text[start:]
+            if any(len(s) > len(tail) and s.startswith(tail) for s in self.stops):
+                return start
+        return end

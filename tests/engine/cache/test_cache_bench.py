@@ -3,18 +3,15 @@ GPU here: no CUDA graphs, no accelerate peer), so a GPU session does not find it
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
+
+from support.bench_scripts import load_bench
 
 
 def test_the_cache_bench_runs_and_reports(capsys, monkeypatch):
     monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
     monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")  # the bench sets it: restored after the test
-    path = Path(__file__).resolve().parents[3] / "bench" / "cache.py"
-    spec = importlib.util.spec_from_file_location("bench_cache", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("cache.py")
     argv = ["--preset", "tiny", "--device", "cpu", "--repeat", "1", "--new-tokens", "4",
             "--prefill-tokens", "96", "--loan-keep-slots", "0", "--stream-misses", "1",
             "--piecewise", "--json"]

@@ -403,5 +403,6 @@ def test_streamed_misses_are_admitted_and_deterministic(small):
     a, b = runs
     assert a.tokens == b.tokens and torch.equal(a.first_logits, b.first_logits)
     assert a.cache.decode.streamed_experts > 0 and a.cache.decode.admitted > 0
-    with pytest.raises(ValueError, match="stream_misses must be an int >= 0, got -1"):
+    with pytest.raises(ValueError,
+                       match="stream_misses must be an int >= 0 or a StreamSplit, got -1"):
         cached_model(ckpt, stream_misses=-1)

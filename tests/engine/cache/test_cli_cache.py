@@ -96,14 +96,20 @@ def test_stream_misses_shows_in_the_stats(capsys, ckpt):
                for line in err.splitlines()), err
 
 
-def test_stream_misses_defaults_to_half_the_top_k_on_cuda_only(capsys, ckpt):
+def test_stream_misses_defaults_to_auto_which_is_0_off_cuda(capsys, ckpt, tmp_path,
+                                                            monkeypatch):
+    # Off CUDA there is no bus: auto, given or the default, streams nothing and measures
+    # nothing (no rates file). The fixed default of callers that do not resolve rates stays.
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
     config = ModelConfig.from_dir(ckpt)
     assert default_stream_misses(config, torch.device("cuda")) == config.top_k // 2 > 0
     assert default_stream_misses(config, torch.device("cpu")) == 0
-    document, _ = _json(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "0.5",
-                        "--no-piecewise-graphs")  # on the CPU: no streaming, rounds eager
-    assert document["cache"]["decode"]["streamed_experts"] == 0
-    assert document["decode_path"] == "eager"
+    for given in ([], ["--stream-misses", "auto"]):
+        document, err = _json(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "0.5",
+                              "--no-piecewise-graphs", *given)  # on the CPU: rounds eager
+        assert document["cache"]["decode"]["streamed_experts"] == 0
+        assert document["decode_path"] == "eager" and "--stream-misses auto" not in err
+    assert not (tmp_path / "rates.json").exists()
 
 
 def test_a_full_cache_gives_the_same_tokens(capsys, ckpt):
@@ -141,9 +147,11 @@ def test_a_profile_fills_hottest_first(capsys, ckpt, tmp_path):
     (["--vram-reserve-mib", "-3"], "--vram-reserve-mib must be a number of MiB >= 0"),
     (["--short-read", "0"], "--short-read must be >= 1, got 0"),
     (["--cpu-threads", "0"], "--cpu-threads must be >= 1, got 0"),
-    (["--stream-misses", "-1"], r"--stream-misses must be in \[0, 2\] .* got -1"),
-    (["--stream-misses", "3"], r"--stream-misses must be in \[0, 2\] \(a decode layer misses "
-     r"at most the model's 2 experts a token\), got 3"),
+    (["--stream-misses", "-1"], r"--stream-misses must be auto or in \[0, 2\] .* got -1"),
+    (["--stream-misses", "3"], r"--stream-misses must be auto or in \[0, 2\] \(a decode layer "
+     r"misses at most the model's 2 experts a token\), got 3"),
+    (["--stream-misses", "half"], "--stream-misses must be auto or a number of experts, got "
+     "'half'"),
     (["--policy", "nope"], "unknown policy 'nope'"),
     (["--policy", "lru", "--policy-opt", "max_admits=-1"], "max_admits"),
     (["--expert-profile", "/nonexistent/p.npz"], "--expert-profile /nonexistent/p.npz: "),

@@ -1,21 +1,22 @@
 """The CPU miss path: each expert once over its rows, the same bytes call after call at the
-set thread count; bench/cpu_experts.py runs and reports its ratios.
+set thread count; bf16 experts of few rows through strata's kernel, the rest through torch;
+bench/cpu_experts.py runs and reports its ratios.
 
-The thread count itself may change the bytes (fp32 at 64 tokens, 1 against 2 threads, here):
-`--cpu-threads` is part of what a run's output depends on."""
+The thread count itself may change torch's bytes (fp32 at 64 tokens, 1 against 2 threads,
+here): `--cpu-threads` is part of what a run's output depends on."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from strata import settings
 from strata.engine.experts import ExpertStore
-from strata.engine.experts.cpu import CpuExperts
+from strata.engine.experts.cpu import KERNEL_MAX_ROWS, CpuExperts
 from strata.engine.experts.routed import Routed
+from support.bench_scripts import load_bench
 
 
 def _store(dtype):
@@ -37,7 +38,7 @@ def test_each_expert_runs_once_over_its_rows_at_the_set_thread_count(dtype, n_to
     caller_threads = torch.get_num_threads()
     f = store.expert_width
     for threads in (None, 1):
-        cpu = CpuExperts(store, threads)
+        cpu = CpuExperts(store, threads, kernel="torch")
         first = cpu.compute(0, x_rows, routed)
         assert torch.get_num_threads() == caller_threads  # the caller's count is given back
         assert torch.equal(cpu.compute(0, x_rows, routed).view(torch.uint8),
@@ -56,6 +57,59 @@ def test_each_expert_runs_once_over_its_rows_at_the_set_thread_count(dtype, n_to
             torch.set_num_threads(caller_threads)
 
 
+def _torch_rows(store, x_rows, routed, i):
+    f = store.expert_width
+    lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
+    gate, up, down = store.weights(0, int(routed.experts[i]))
+    h = F.linear(x_rows[lo:hi], torch.cat((gate, up)))
+    return F.linear(F.silu(h[:, :f]) * h[:, f:], down)
+
+
+def test_bf16_experts_of_few_rows_go_to_the_kernel_and_the_others_to_torch():
+    store = _store(torch.bfloat16)
+    # Expert 1 has KERNEL_MAX_ROWS + 1 rows (torch), experts 2 and 5 fewer (the kernel).
+    n_tokens = KERNEL_MAX_ROWS + 1
+    ids = np.array([[1, 2 if t % 2 else 5] for t in range(n_tokens)])
+    routed = Routed.of(ids)
+    x_rows = torch.randn(routed.n_rows, store.hidden_size,
+                         generator=torch.Generator().manual_seed(1)).bfloat16()
+    cpu = CpuExperts(store)
+    assert cpu.kernel == "strata"
+    out = cpu.compute(0, x_rows, routed)
+    assert torch.equal(cpu.compute(0, x_rows, routed), out)
+    assert routed.experts.tolist() == [1, 2, 5]
+    lo, hi = int(routed.starts[1]), int(routed.starts[1 + 1])
+    assert torch.equal(out[: routed.starts[1]], _torch_rows(store, x_rows, routed, 0))
+    # The kernel's experts alone, through the same call: the same bytes as in the mixed call.
+    kernel_only = Routed.of(ids[:, 1:])
+    alone = cpu.compute(0, x_rows[lo:], kernel_only)
+    assert torch.equal(out[lo:], alone)
+    for i in (1, 2):
+        expected = _torch_rows(store, x_rows, routed, i)
+        got = out[int(routed.starts[i]) : int(routed.starts[i + 1])]
+        assert torch.allclose(got.float(), expected.float(), rtol=2**-5, atol=2**-5)
+    # torch's path, asked for, gives torch's bytes for every expert.
+    torch_out = CpuExperts(store, kernel="torch").compute(0, x_rows, routed)
+    for i in range(3):
+        lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
+        assert torch.equal(torch_out[lo:hi], _torch_rows(store, x_rows, routed, i))
+
+
+def test_the_kernel_is_chosen_by_argument_or_strata_cpu_kernel(monkeypatch):
+    store = _store(torch.bfloat16)
+    assert CpuExperts(store).kernel == "strata"
+    monkeypatch.setenv("STRATA_CPU_KERNEL", "torch")
+    assert CpuExperts(store).kernel == "torch"
+    assert CpuExperts(store, kernel="strata").kernel == "strata"
+    assert CpuExperts(_store(torch.float32), kernel="strata").kernel == "torch"  # bf16 only
+    monkeypatch.setenv("STRATA_CPU_KERNEL", "mkl")
+    with pytest.raises(settings.SettingError, match="STRATA_CPU_KERNEL='mkl': want strata or "
+                                                    "torch"):
+        CpuExperts(store)
+    with pytest.raises(ValueError, match="kernel must be 'strata' or 'torch', got 'fast'"):
+        CpuExperts(store, kernel="fast")
+
+
 def test_a_bad_thread_count_is_refused():
     for bad in (0, -1, True):
         with pytest.raises(ValueError, match="cpu_threads must be None or an int >= 1"):
@@ -63,19 +117,19 @@ def test_a_bad_thread_count_is_refused():
 
 
 def test_the_cpu_experts_bench_runs_and_reports(capsys):
-    path = Path(__file__).resolve().parents[3] / "bench" / "cpu_experts.py"
-    spec = importlib.util.spec_from_file_location("bench_cpu_experts", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--preset", "tiny", "--repeat", "1", "--tokens", "1,4", "--json"]) == 0
+    bench = load_bench("cpu_experts.py")
+    assert bench.main(["--preset", "tiny", "--repeat", "1", "--tokens", "1,4", "--read-mib", "8",
+                       "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [(run["dtype"], run["tokens"]) for run in result["runs"]] == [
         ("bf16", 1), ("bf16", 4), ("fp32", 1), ("fp32", 4)]
     for run in result["runs"]:
         assert run["experts"] >= 1 and run["rows"] == run["tokens"] * 2
         assert run["ratio_to_bare"]["bare"] == 1.0
-        assert set(run["us_per_expert"]) == {"bare", "compute-main", "compute-worker",
-                                             "worker-main-busy"}
+        assert set(run["us_per_expert"]) == set(run["gbps"]) == {
+            "bare", "compute-torch", "compute-main", "compute-worker", "worker-main-busy"}
+        assert run["kernel"] == ("strata" if run["dtype"] == "bf16" else "torch")
+    assert result["host_read_gbps"] > 0
     assert bench.main(["--preset", "tiny", "--repeat", "1", "--dtypes", "fp32",
-                       "--tokens", "1"]) == 0
+                       "--tokens", "1", "--read-mib", "8"]) == 0
     assert "| pageable | fp32 | 1 |" in capsys.readouterr().out

@@ -5,5 +5,7 @@ routing traces (see docs/expert-cache.md and docs/architecture.md, "The expert c
   leaves; `routed`: routed rows grouped by expert; `cpu_experts`: the CPU miss path;
   `cached_experts`: the MoE layer's `Experts` through the cache; `stats`: per-request figures;
   `build`: from a `CacheConfig` to a filled cache; `profile`, `loan`, `routing`: profiles, the
-  prompt loan, routing counters and recorders.
+  prompt loan, routing counters and recorders; `rates`, `kept_rates`: the split of decode
+  misses between the CPU and the bus (`--stream-misses auto`); `host_rows`: decode's host
+  copies.
 """

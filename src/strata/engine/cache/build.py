@@ -23,6 +23,7 @@ from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.cache.defaults import DEFAULT_SHORT_READ
 from strata.engine.cache.loan import LoanOptions
 from strata.engine.experts import ExpertStore
+from strata.engine.experts.streamed import StreamSplit, staging_blobs
 from strata.engine.memory import given_or_own_backend
 from strata.engine.model.config import ModelConfig
 from strata.policies import Policy
@@ -33,8 +34,8 @@ __all__ = [
     "build_cached_experts",
     "default_stream_misses",
     "plan_cache",
+    "staging_blobs",
 ]
-
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,9 @@ class CacheConfig:
     evictions. `prefill_loan` lends the top slots to prompt parts longer than `short_read`
     tokens. `cpu_threads` sets the intra-op threads of the CPU's experts (None: torch's).
     `stream_misses`: of a decode layer call's misses, how many are uploaded to a staging
-    buffer and computed on the device while the CPU computes the others (0: none).
+    buffer and computed on the device while the CPU computes the others: an int N, the first
+    min(N, M) of M misses (0: none), or a `StreamSplit`, M -> streamed
+    (`strata.engine.cache.kept_rates.resolve_stream_misses` makes `--stream-misses auto`'s).
     The elastic K/V is planned beside it (`strata.engine.kv.plan.plan_elastic_cache`).
     """
 
@@ -58,7 +61,7 @@ class CacheConfig:
     policy: Policy | None = None
     rank: np.ndarray | None = field(default=None, compare=False)
     cpu_threads: int | None = None
-    stream_misses: int = 0
+    stream_misses: int | StreamSplit = 0
     prefill_loan: bool = True
     short_read: int = DEFAULT_SHORT_READ
     events: pluggy.PluginManager | None = field(default=None, compare=False)
@@ -76,9 +79,7 @@ class CacheConfig:
                 isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
                 or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be None or an int >= 1, got {self.cpu_threads!r}")
-        if isinstance(self.stream_misses, bool) or not isinstance(self.stream_misses, int) \
-                or self.stream_misses < 0:
-            raise ValueError(f"stream_misses must be an int >= 0, got {self.stream_misses!r}")
+        staging_blobs(self.stream_misses)  # checks it
 
 
 def default_stream_misses(config: ModelConfig, device: torch.device) -> int:
@@ -88,7 +89,12 @@ def default_stream_misses(config: ModelConfig, device: torch.device) -> int:
     cache-h200-2026-11-29.md): an expert uploads in 0.23 ms from pinned memory and computes in
     0.42-0.46 ms on 16 cores, so the two sides take about the same time per layer at N = 3-4
     of 8, and N = 6 was only a few percent faster again. Half the top-k leaves room for a
-    slower bus (PCIe 4 moves about half of that). Off the GPU there is no bus to use."""
+    slower bus (PCIe 4 moves about half of that). Off the GPU there is no bus to use.
+    `auto` (the split from rates measured once per machine, `strata.engine.cache.kept_rates`)
+    was slower than this in the same run, 30.6 against 25.2 ms a round on olmoe at 4 GiB and
+    33.9 against 23.2 on qwen3 (bench/results/offload-h200-2026-12-01.md): the rates are
+    measured with each side alone, while in a round the CPU and the copy engine read the same
+    host memory."""
     return config.top_k // 2 if device.type == "cuda" else 0
 
 
@@ -118,7 +124,7 @@ def plan_cache(
             chunk_bytes=backend.chunk_bytes, max_context=max_context,
             prefill_chunk=prefill_chunk, budget_mib=budget_mib, reserve_mib=reserve_mib,
             expert_cache_mib=expert_cache_mib, kv_cells=kv_cells,
-            stream_blobs=options.get("stream_misses", 0),
+            stream_blobs=staging_blobs(options.get("stream_misses", 0)),
         )
         return CacheConfig(budget=budget, backend=backend, **options)
 

@@ -4,8 +4,9 @@ Dimension letters: T tokens, K experts per token, D hidden size, F expert width,
 layer, L layers, S slots, R routed (token, k) rows.
 
 Per layer call, on the engine's thread:
-1. the routed ids go to the host (the one device-to-host sync of the layer) and the books'
-   `lookup` splits the T*K rows into hits (resident) and misses;
+1. the routed ids go to the host (the one device-to-host sync of the layer; in decode the
+   token's x [1, D] is copied to the host just before, so the misses' inputs need no second
+   one: `HostRows`) and the books' `lookup` splits the T*K rows into hits and misses;
 2. the routing is recorded in the books' heat, then the policy's `observe` is told;
 3. the hits are issued to the device straight from their slots: when T == 1 (decode) at once
    by `strata.engine.experts.grouped.expert_rows` over the slots `lookup` gave (on CUDA with
@@ -15,9 +16,11 @@ Per layer call, on the engine's thread:
    took, the misses go to the loan too;
 4. while the device runs them, the misses are computed on the CPU on this thread
    (`CpuExperts`: each distinct expert once, from the host store), and their rows copied into
-   the [T*K, D] buffer, each row in its own place. With `stream_misses` = N > 0, a decode
-   call's first N missed experts (by id) are instead uploaded into a staging buffer and
-   computed on the device while the CPU computes the others (`StreamedMisses`);
+   the [T*K, D] buffer, each row in its own place (from pinned memory on CUDA). With
+   `stream_misses` (an int N > 0, or a `StreamSplit`: `--stream-misses auto`), a decode call's
+   first min(N, M) of M missed experts (by id; the split's count for M) are instead uploaded
+   into a staging buffer and computed on the device while the CPU computes the others
+   (`StreamedMisses`);
 5. the policy may admit this call's misses (checked, applied to the books and uploaded into
    their slots before the next use, all or nothing);
 6. the K rows of each token are weighted and summed in order in float32.
@@ -56,13 +59,14 @@ from strata.engine.cache.budget import CacheBudget
 from strata.engine.cache.device_heat import DeviceHeat
 from strata.engine.cache.executor import CacheExecutor
 from strata.engine.cache.from_slots import compute_from_slots
+from strata.engine.cache.host_rows import HostRows
 from strata.engine.cache.loan import LoanOptions, PromptLoan
 from strata.engine.cache.stats import PHASES, CacheStats, PhaseStats
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.grouped import expert_rows
 from strata.engine.experts.routed import Routed, rows_to_device
-from strata.engine.experts.streamed import StreamedMisses
+from strata.engine.experts.streamed import StreamedMisses, StreamSplit, staging_blobs
 from strata.policies import DEFAULT_POLICY, load_registry
 
 __all__ = ["CachedExperts"]
@@ -89,7 +93,7 @@ class CachedExperts:
         *,
         events: pluggy.PluginManager | None = None,
         budget: CacheBudget | None = None,
-        stream_misses: int = 0,
+        stream_misses: int | StreamSplit = 0,
         loan: LoanOptions | None = None,
     ) -> None:
         self.device = torch.device(device)
@@ -97,9 +101,6 @@ class CachedExperts:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if policy is not None and policy.table is not table:
             raise ValueError("the policy is bound to other books than `table`")
-        if isinstance(stream_misses, bool) or not isinstance(stream_misses, int) \
-                or stream_misses < 0:
-            raise ValueError(f"stream_misses must be an int >= 0, got {stream_misses!r}")
         self.store, self.arena, self.table = store, arena, table
         self.checked = policy or CheckedPolicy(load_registry().create(DEFAULT_POLICY), table)
         self.events = events
@@ -112,9 +113,10 @@ class CachedExperts:
                                       on_upload=self._count_upload, listener=self.checked)
         self.loan = PromptLoan(self.executor, self.checked, loan) if loan is not None else None
         self.cpu = CpuExperts(store, cpu_threads)
-        self.stream_misses = stream_misses
-        self.streamer = StreamedMisses(store, self.device, stream_misses) \
-            if stream_misses else None
+        self.stream_misses = staging_blobs(stream_misses)  # N; ValueError for a bad value
+        self.stream_split = stream_misses if isinstance(stream_misses, StreamSplit) else None
+        self.streamer = StreamedMisses(store, self.device, self.stream_misses,
+                                       self.stream_split) if self.stream_misses else None
         answering = type(getattr(self.checked.policy, "inner", self.checked.policy))
         self._observes = "observe" in answering.overrides()
         self.heat = DeviceHeat(table, self.device)  # routing counted on the device-only path
@@ -122,6 +124,7 @@ class CachedExperts:
         self._loaned = False
         self._capturing = False  # inside graph_capture: calls run device-only, uncounted
         self._captured_top_k = 0  # K of the captured step, for count_replay
+        self.host_rows = HostRows(self.device)  # decode's x to the host, misses' rows back
 
     # --- the books and the slots ---
     @property
@@ -238,6 +241,7 @@ class CachedExperts:
                         topk_weights: torch.Tensor, stats: PhaseStats) -> torch.Tensor:
         """Steps 1-6 of the module's docstring: the routing read on the host."""
         n_tokens, top_k = topk_ids.shape
+        x_host = self.host_rows.x_to_host(x) if n_tokens == 1 else None  # read with the ids
         started = time.perf_counter()
         ids = np.ascontiguousarray(topk_ids.cpu().numpy(), dtype=np.int64)  # [T, K], the sync
         stats.wait_s += time.perf_counter() - started
@@ -256,8 +260,10 @@ class CachedExperts:
         on_cpu = misses is not None and not self._loaned
         if on_cpu:
             started = time.perf_counter()
+            if x_host is None:
+                x_host = x.cpu()
             # [R, D]: the misses' inputs, picked on the host (one read of x, no index upload).
-            x_rows = x.cpu().index_select(0, torch.from_numpy(misses.tokens()))
+            x_rows = x_host.index_select(0, torch.from_numpy(misses.tokens()))
             stats.wait_s += time.perf_counter() - started
 
         # The device's share is issued first and runs while this thread computes the misses
@@ -275,7 +281,7 @@ class CachedExperts:
             stats.cpu_s += time.perf_counter() - started
             stats.cpu_experts += misses.n_experts
             stats.cpu_tokens += misses.n_rows
-            out.index_copy_(0, miss_index, miss_rows.to(self.device))
+            out.index_copy_(0, miss_index, self.host_rows.to_device(miss_rows))
 
         if self.checked.admits and (misses is not None or streamed is not None):
             missed = [r.experts for r in (streamed, misses) if r is not None]

@@ -1,43 +1,83 @@
 """The miss path: experts computed on the CPU from the host store, on the engine's thread.
 
-Dimension letters: U distinct tokens of the misses, D hidden size, F expert width, R rows.
+Dimension letters: U distinct tokens of the misses, D hidden size, F expert width, R rows,
+M experts of a call.
 
-Each distinct missed expert runs once, over all the tokens routed to it, as two matmuls in the
-store's dtype (torch spreads each over its intra-op threads: few large calls, not many small
-ones). Experts run in ascending order and each output row has its own place, so the result does
-not depend on timing.
+A bf16 store's experts with up to `KERNEL_MAX_ROWS` rows go through `strata._cpu_experts`: every
+expert of the call at once, each weight row read once and the rows of all of them spread over
+all cores, so the call streams the weights at close to the memory's rate (at a few tokens an
+expert, computing it is reading it). The other experts (more rows, where the matmul's arithmetic
+rather than the bytes sets the time, or a store in another dtype) run one at a time as two torch
+matmuls in the store's dtype, each spread by torch over its intra-op threads. `STRATA_CPU_KERNEL
+=torch` sends every expert the second way (the path before the kernel, to measure against).
+
+Experts run in ascending order and each output row has its own place, and the kernel computes
+each output value on one thread in one order, so the result does not depend on timing or on
+the kernel's thread count; torch's matmuls may split their sums by the thread count, so that
+count is fixed for a run.
 
 The calls run on the thread that makes them: the cache issues the device's share first (kernels
 run asynchronously), then computes the misses here, so the two overlap without a second thread.
 A worker thread was measured to cost 1.7-2.8x per expert on the 16-core GPU machine
 (bench/cpu_experts.py, `worker`): its intra-op team and the calling thread's contend for the
-same cores. The thread count is part of what the output bytes depend on (a matmul's split of its
-sums), so it is fixed for a run.
+same cores.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from strata import _cpu_experts, settings
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.routed import Routed
 
-__all__ = ["CpuExperts"]
+__all__ = ["KERNEL_MAX_ROWS", "CpuExperts", "kernel_for"]
+
+# An expert with more rows than this goes to torch's matmul: the kernel converts each weight
+# row once per row it computes, while the matmul's blocked arithmetic (AMX where the CPU has
+# it) does not grow with the rows. At 8 rows an expert the kernel took 1.9x torch's time on the
+# 2-core development machine; at 1-2 rows it took 0.45-0.69x on the H200's 16 cores
+# (bench/results/cpu-experts-kernel-h200-2026-12-01.md). Between 2 and 8 was not measured.
+KERNEL_MAX_ROWS = 2
+
+
+def kernel_for(dtype: torch.dtype, kernel: str | None = None) -> str:
+    """The kernel `CpuExperts` uses for a store of `dtype` when asked for `kernel` (None:
+    `STRATA_CPU_KERNEL`, else "strata"): strata's for bf16, torch's for any other dtype."""
+    if kernel is None:
+        kernel = settings.read().cpu_kernel or "strata"
+    if kernel not in ("strata", "torch"):
+        raise ValueError(f"kernel must be 'strata' or 'torch', got {kernel!r}")
+    return kernel if dtype == torch.bfloat16 else "torch"
+
+
+def _u16(tensor: torch.Tensor) -> np.ndarray:
+    """The same bytes as a uint16 numpy array (a view: bf16 bits, or a uint8 buffer's pairs)."""
+    return tensor.view(torch.int16).numpy().view(np.uint16)
 
 
 class CpuExperts:
     """Computes routed rows of experts from `store` on the CPU, on the calling thread.
 
-    `cpu_threads`: the intra-op threads of these calls (set around each, the caller's count
-    restored after); None: torch's count (by default the physical cores).
+    `cpu_threads`: the threads of these calls (torch's intra-op threads are set around each
+    call, the caller's count restored after); None: torch's count (by default the physical
+    cores). `kernel`: "strata" (the default where `STRATA_CPU_KERNEL` is unset) or "torch",
+    as the module's docstring says; a store in another dtype than bf16 always uses torch.
     """
 
-    def __init__(self, store: ExpertStore, cpu_threads: int | None = None) -> None:
+    def __init__(self, store: ExpertStore, cpu_threads: int | None = None,
+                 kernel: str | None = None) -> None:
         if cpu_threads is not None and (isinstance(cpu_threads, bool) or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be None or an int >= 1, got {cpu_threads!r}")
         self.store = store
         self.cpu_threads = cpu_threads
+        self.kernel = kernel_for(store.dtype, kernel)
+        # Per layer, the blobs as uint16 [E, 3*F*D] (bf16 bits, the store's bytes) for the
+        # kernel.
+        self._blob_bits = [_u16(store.layer_blobs(layer)) for layer in range(store.n_layers)] \
+            if self.kernel == "strata" else []
         # Per layer, views into the store's blobs (no copy), made once: gate and up as one
         # matrix [E, 2F, D] (adjacent in a blob), down [E, D, F].
         f, d = store.expert_width, store.hidden_size
@@ -64,14 +104,52 @@ class CpuExperts:
                 torch.set_num_threads(caller_threads)
 
     def _compute(self, layer: int, x_rows: torch.Tensor, routed: Routed) -> torch.Tensor:
-        f = self.store.expert_width
         out = torch.empty((routed.n_rows, self.store.hidden_size), dtype=self.store.dtype)
         x_rows = x_rows.to(self.store.dtype)
+        matmul = np.arange(routed.n_experts)  # [M]: the experts torch computes
+        if self.kernel == "strata":
+            small = np.diff(routed.starts) <= KERNEL_MAX_ROWS  # [M]
+            if small.all():  # a decode call: every expert, rows already in the kernel's order
+                self._kernel(layer, x_rows, out, routed.experts, routed.starts)
+                return out
+            matmul = np.flatnonzero(~small)
+            self._kernel_some(layer, x_rows, out, routed, np.flatnonzero(small))
+        self._matmuls(layer, x_rows, out, routed, matmul)
+        return out
+
+    def _kernel(self, layer: int, x_rows: torch.Tensor, out: torch.Tensor,
+                experts: np.ndarray, starts: np.ndarray) -> None:
+        """out[starts[0]:starts[-1]] of `experts` [M] over x_rows (rows contiguous by expert)."""
+        lo, hi = int(starts[0]), int(starts[-1])
+        _cpu_experts.experts_bf16(
+            self._blob_bits[layer], np.ascontiguousarray(experts, dtype=np.int64),
+            np.ascontiguousarray(starts - lo, dtype=np.int64),
+            x_rows[lo:hi].float().numpy(), _u16(out[lo:hi]), self.store.expert_width,
+            self.cpu_threads or torch.get_num_threads())
+
+    def _kernel_some(self, layer: int, x_rows: torch.Tensor, out: torch.Tensor,
+                     routed: Routed, chosen: np.ndarray) -> None:
+        """The kernel over the experts `chosen` [m] (indices into routed.experts), their rows
+        gathered into one contiguous block and scattered back."""
+        if not chosen.size:
+            return
+        counts = routed.starts[chosen + 1] - routed.starts[chosen]  # [m]
+        rows = np.concatenate([np.arange(routed.starts[i], routed.starts[i + 1])
+                               for i in chosen])  # [r]: positions in x_rows / out
+        index = torch.from_numpy(rows)
+        block = torch.empty((rows.size, out.shape[1]), dtype=out.dtype)
+        self._kernel(layer, x_rows.index_select(0, index), block, routed.experts[chosen],
+                     np.concatenate(([0], np.cumsum(counts))))
+        out.index_copy_(0, index, block)
+
+    def _matmuls(self, layer: int, x_rows: torch.Tensor, out: torch.Tensor, routed: Routed,
+                 chosen: np.ndarray) -> None:
+        """Each expert `chosen` [m] (indices into routed.experts) as two torch matmuls."""
+        f = self.store.expert_width
         gate_up, down = self._gate_up[layer], self._down[layer]  # [E, 2F, D], [E, D, F]
-        starts = routed.starts.tolist()
-        for i, expert in enumerate(routed.experts.tolist()):
-            lo, hi = starts[i], starts[i + 1]
+        for i in chosen.tolist():
+            lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
+            expert = int(routed.experts[i])
             h = F.linear(x_rows[lo:hi], gate_up[expert])  # [n, 2F]
             act = F.silu(h[:, :f]) * h[:, f:]  # [n, F]
             out[lo:hi] = F.linear(act, down[expert])  # [n, D]
-        return out

@@ -1,23 +1,26 @@
 """The streamed share of a decode call's misses: uploaded over the bus, computed on the device.
 
 Dimension letters: T tokens, K experts per token, D hidden size, F expert width, N staging blobs,
-R rows.
+R rows, M missed experts.
 
-With `stream_misses` = N > 0 the cache keeps a staging buffer of N blobs on the device (counted
-in the budget's workspace). In a decode call (T == 1) the first N missed experts (by id) are
-copied into it from the host store, asynchronously (the store is pinned on CUDA) and in stream
-order before their compute, and computed by `strata.engine.experts.grouped.expert_rows` over
-the staging slots; the CPU computes the other misses meanwhile (`CpuExperts`), so the bus and
-the CPU share the misses. On the H200 an `olmoe-1b-7b` expert uploads in 0.23 ms and computes
-on the CPU in about 0.45 ms: N = 4 of 8 took a 4 GiB decode round from 49 to 38 ms
-(bench/results/cache-h200-2026-11-29.md).
+The cache keeps a staging buffer of N blobs on the device (counted in the budget's workspace).
+In a decode call (T == 1) with M missed experts, the first `split.streamed(M)` of them (by id)
+are copied into it from the host store, asynchronously (the store is pinned on CUDA) and in
+stream order before their compute, and computed by `strata.engine.experts.grouped.expert_rows`
+over the staging slots; the CPU computes the other misses meanwhile (`CpuExperts`), so the bus
+and the CPU share the misses. `StreamSplit` is that rule, a table of M -> streamed experts:
+`StreamSplit.fixed(N, K)` streams min(N, M) (`--stream-misses N`); `--stream-misses auto`
+builds the table from the rates measured once per machine (`strata.engine.cache.rates`), so
+that both sides finish a layer together.
 
-The device and the CPU round differently, so N is part of what the output bytes depend on.
-A call's copies are queued after the previous call's reads of the buffer (one stream), so the
-buffer is reused safely without a sync.
+The device and the CPU round differently, so the table is part of what the output bytes depend
+on: it never depends on timings taken during a run. A call's copies are queued after the
+previous call's reads of the buffer (one stream), so the buffer is reused safely without a sync.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,16 +28,79 @@ from strata.engine.experts import ExpertStore
 from strata.engine.experts.grouped import expert_rows
 from strata.engine.experts.routed import Routed
 
-__all__ = ["StreamedMisses"]
+__all__ = ["StreamSplit", "StreamedMisses", "staging_blobs"]
+
+
+@dataclass(frozen=True)
+class StreamSplit:
+    """Of M missed experts of a decode layer call, `counts[M]` are streamed (M = 0..K).
+
+    counts: ints, counts[0] == 0, 0 <= counts[M] <= M; `n_blobs` (their largest) is the
+    staging buffer's blobs. `source` says where the table came from, for messages (two
+    splits are equal when their tables are). ValueError for a table that breaks these."""
+
+    counts: tuple[int, ...]
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        counts = tuple(self.counts)
+        object.__setattr__(self, "counts", counts)
+        if not counts or any(isinstance(c, bool) or not isinstance(c, int) for c in counts) \
+                or counts[0] != 0 or any(not 0 <= c <= m for m, c in enumerate(counts)):
+            raise ValueError(f"a stream split is [0, s1, ..., sK] with 0 <= s_m <= m, got "
+                             f"{list(counts)}")
+
+    @classmethod
+    def fixed(cls, n_blobs: int, top_k: int) -> StreamSplit:
+        """min(N, M): the first N misses (`--stream-misses N`)."""
+        if isinstance(n_blobs, bool) or not isinstance(n_blobs, int) or n_blobs < 0:
+            raise ValueError(f"n_blobs must be an int >= 0, got {n_blobs!r}")
+        return cls(tuple(min(n_blobs, m) for m in range(top_k + 1)), f"--stream-misses {n_blobs}")
+
+    @property
+    def top_k(self) -> int:
+        return len(self.counts) - 1
+
+    @property
+    def n_blobs(self) -> int:
+        """N, the most experts a call streams: the staging buffer's blobs."""
+        return max(self.counts)
+
+    def streamed(self, n_missed: int) -> int:
+        """How many of `n_missed` experts to stream (beyond K: as many as at K)."""
+        return self.counts[min(n_missed, len(self.counts) - 1)]
+
+    def text(self) -> str:
+        """The table as "0,1,1,2,2", for notes."""
+        return ",".join(str(c) for c in self.counts)
+
+
+def staging_blobs(stream_misses: int | StreamSplit) -> int:
+    """The staging buffer's blobs for `stream_misses` (`CacheConfig`'s, `CachedExperts`');
+    ValueError for a value that is neither an int >= 0 nor a StreamSplit."""
+    if isinstance(stream_misses, StreamSplit):
+        return stream_misses.n_blobs
+    if isinstance(stream_misses, bool) or not isinstance(stream_misses, int) \
+            or stream_misses < 0:
+        raise ValueError(f"stream_misses must be an int >= 0 or a StreamSplit, got "
+                         f"{stream_misses!r}")
+    return stream_misses
 
 
 class StreamedMisses:
-    """A staging buffer of `n_blobs` blobs of `store` on `device`, and the math over it."""
+    """A staging buffer of `n_blobs` blobs of `store` on `device`, and the math over it.
 
-    def __init__(self, store: ExpertStore, device: torch.device, n_blobs: int) -> None:
+    `split` decides how many of a call's misses are streamed (None: the first `n_blobs`);
+    its `n_blobs` must not exceed the buffer's."""
+
+    def __init__(self, store: ExpertStore, device: torch.device, n_blobs: int,
+                 split: StreamSplit | None = None) -> None:
         if isinstance(n_blobs, bool) or not isinstance(n_blobs, int) or n_blobs < 1:
             raise ValueError(f"n_blobs must be an int >= 1, got {n_blobs!r}")
-        self.store, self.n_blobs = store, n_blobs
+        if split is not None and split.n_blobs > n_blobs:
+            raise ValueError(f"the split streams up to {split.n_blobs} experts, the staging "
+                             f"buffer holds {n_blobs}")
+        self.store, self.n_blobs, self.split_rule = store, n_blobs, split
         f, d = store.expert_width, store.hidden_size
         self._staging = torch.empty((n_blobs, store.blob_bytes), dtype=torch.uint8,
                                     device=device)  # [N, blob]
@@ -47,10 +113,14 @@ class StreamedMisses:
     def nbytes(self) -> int:
         return self._staging.numel()
 
-    def split(self, misses: Routed) -> tuple[Routed, Routed | None]:
-        """(the rows of the first `n_blobs` missed experts by id, the other misses' or None)."""
-        n = min(self.n_blobs, misses.n_experts)
-        rest = misses.group(n, misses.n_experts) if n < misses.n_experts else None
+    def split(self, misses: Routed) -> tuple[Routed | None, Routed | None]:
+        """(the rows of the first missed experts by id that the split streams, the other
+        misses'), None for a side with none."""
+        m = misses.n_experts
+        n = min(self.n_blobs, m) if self.split_rule is None else self.split_rule.streamed(m)
+        if n == 0:
+            return None, misses
+        rest = misses.group(n, m) if n < m else None
         return misses.group(0, n), rest
 
     def compute(self, layer: int, x: torch.Tensor, streamed: Routed) -> torch.Tensor:
@@ -63,6 +133,7 @@ class StreamedMisses:
                              f"{streamed.n_rows} rows, {x.shape[0]} tokens")
         if n > self.n_blobs:
             raise ValueError(f"{n} streamed experts do not fit {self.n_blobs} staging blobs")
+        blobs = self.store.layer_blobs(layer)  # [E, blob]
         for i, expert in enumerate(streamed.experts.tolist()):
-            self._staging[i].copy_(self.store.blob(layer, expert), non_blocking=True)
+            self._staging[i].copy_(blobs[expert], non_blocking=True)
         return expert_rows(self._gate_up, self._down, self._index[:n], x.expand(n, -1))

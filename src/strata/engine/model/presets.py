@@ -190,6 +190,26 @@ PRESETS: dict[str, Preset] = {
             rms_norm_eps=1e-6,
             max_position_embeddings=40960,
         ),
+        # mistralai/Mixtral-8x7B-v0.1, config.json: few wide experts (no shared expert; the
+        # width below is what a qwen2_moe checkpoint of this shape would give it).
+        Preset(
+            name="mixtral-8x7b",
+            default_family="mixtral",
+            n_layers=32,
+            hidden_size=4096,
+            n_heads=32,
+            n_kv_heads=8,
+            head_dim=128,
+            n_experts=8,
+            top_k=2,
+            expert_width=14336,
+            vocab_size=32000,
+            shared_expert_width=14336,
+            norm_topk_prob=True,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=32768,
+        ),
     )
 }
 

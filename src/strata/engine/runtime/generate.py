@@ -1,11 +1,11 @@
 """The generation loop: prefill the prompt in chunks, then one token per round.
 
-The prompt is read in chunks of `prefill_chunk` tokens into a K/V of `max_context` cells; the
-last chunk's last logits give the first generated token. Each decode round then runs one token
-through the model and samples the next: replayed from CUDA graphs where it can be, eagerly
-elsewhere (`strata.engine.runtime.decode_steps`; the graphs a run needs are captured before the
-decode clock starts). Rounds run eagerly off CUDA, with `cuda_graphs=False`, or with
-`piecewise_graphs=False` and a cache that misses.
+The prompt is read in chunks of `prefill_chunk` tokens (None: `default_prefill_chunk`) into a
+K/V of `max_context` cells; the last chunk's last logits give the first generated token. Each
+decode round then runs one token through the model and samples the next: replayed from CUDA
+graphs where it can be, eagerly elsewhere (`strata.engine.runtime.decode_steps`; the graphs a
+run needs are captured before the decode clock starts). Rounds run eagerly off CUDA, with
+`cuda_graphs=False`, or with `piecewise_graphs=False` and a cache that misses.
 `--compile` applies to `ResidentExperts` only. The graph path attends through a mask over its
 window, the eager one over exactly the cells written, so the two may differ in the last bits; each
 is deterministic.
@@ -26,12 +26,20 @@ from typing import Any
 import torch
 
 from strata.engine.cache.cached_experts import CachedExperts
+from strata.engine.experts import ResidentExperts
 from strata.engine.kv.elastic import ElasticKV
 from strata.engine.kv.kv_cache import KVCache, new_kv
 from strata.engine.model.tokenizer import Tokenizer
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.sampling import Sampler
 
+# A prompt's chunk when none is asked for. With every expert resident, long: a chunk's MoE is a
+# few grouped products over its tokens and a chunk from position 0 attends in one fused causal
+# call, so on the H200 a 4,096-token prompt read in one chunk ran at 3.0x its 512-token chunks
+# (bench/results/prefill-h200-2026-12-01.md). Through the expert cache, the chunk's workspace
+# is budgeted against the cache's slots (`--prefill-chunk` sizes it), so the smaller one.
+RESIDENT_PREFILL_CHUNK = 4096
+CACHED_PREFILL_CHUNK = 512
 GROW_MARGIN_CELLS = 16  # the elastic K/V grows at a request for its prompt + this many cells
 DETOKENIZER_CONTEXT_IDS = 4  # prompt ids the streaming detokenizer sees before the first token
 
@@ -47,7 +55,7 @@ class GenerateOptions:
     top_p: float = 0.95
     top_k: int = 0
     seed: int = 0
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # None: default_prefill_chunk(model)
     stop_ids: tuple[int, ...] = ()
     ignore_stop: bool = False
     cuda_graphs: bool = True
@@ -60,10 +68,19 @@ class GenerateOptions:
     def __post_init__(self) -> None:
         for name in ("max_new", "max_context", "prefill_chunk"):
             value = getattr(self, name)
+            if name == "prefill_chunk" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         # The sampler validates temperature, top_p, top_k and seed.
         Sampler(self.temperature, self.top_p, self.top_k, self.seed)
+
+
+def default_prefill_chunk(model: Any) -> int:
+    """The prompt chunk of a request that asks for none: `RESIDENT_PREFILL_CHUNK` when every
+    expert is resident (`ResidentExperts`), `CACHED_PREFILL_CHUNK` through the expert cache."""
+    return RESIDENT_PREFILL_CHUNK if isinstance(model.experts, ResidentExperts) \
+        else CACHED_PREFILL_CHUNK
 
 
 @dataclass
@@ -291,8 +308,9 @@ class _Run:
             # it further as they reach the mapped cells. If this fails, the run goes on while
             # the cells last.
             elastic.ensure(min(len(prompt) + GROW_MARGIN_CELLS, elastic.kv.max_cells))
-        for chunk_start in range(reused, len(prompt), options.prefill_chunk):
-            chunk = ids[chunk_start : chunk_start + options.prefill_chunk]  # [C]
+        chunk_tokens = options.prefill_chunk or default_prefill_chunk(model)
+        for chunk_start in range(reused, len(prompt), chunk_tokens):
+            chunk = ids[chunk_start : chunk_start + chunk_tokens]  # [C]
             if elastic is not None:
                 elastic.require(chunk_start + chunk.shape[0])  # KvFullError past the mapped
             logits = model.forward(chunk, chunk_start, self.kv, last_only=True)  # [1, V]

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata.engine.cache.build import CacheConfig, default_stream_misses, plan_cache
+from strata.engine.cache.build import CacheConfig, plan_cache
 from strata.engine.cache.defaults import DEFAULT_SHORT_READ
+from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.kv.plan import KvGrowConfig, kv_grow_requested, plan_elastic_cache
 from strata.engine.model.config import ModelConfig
 from strata.formats.profile import ProfileError, fill_rank, load_profile
@@ -34,9 +35,10 @@ def _positive(value: object) -> bool:
 class CacheOptions:
     """The options of the expert cache (`--vram-budget-mib`, `--vram-reserve-mib`,
     `--expert-cache` in MiB or "auto" (None: not given, auto too), `--expert-profile`, the
-    loan, `--short-read`, `--cpu-threads`, `--stream-misses`), of the elastic K/V
-    (`--kv-grow`) and the policy (`--policy`, `--policy-opt`). ValueError naming the flag for
-    a bad value. A given option (even "auto") turns the cache on."""
+    loan, `--short-read`, `--cpu-threads`, `--stream-misses` "auto" or N (None: not given,
+    auto on CUDA, 0 elsewhere)), of the elastic K/V (`--kv-grow`) and the policy (`--policy`,
+    `--policy-opt`). ValueError naming the flag for a bad value. A given option (even "auto")
+    turns the cache on."""
 
     vram_budget_mib: float | None = None
     vram_reserve_mib: float | None = None
@@ -45,7 +47,7 @@ class CacheOptions:
     prefill_loan: bool = True
     short_read: int | None = None
     cpu_threads: int | None = None
-    stream_misses: int | None = None
+    stream_misses: int | str | None = None
     kv_grow: bool = False
     policy: str = DEFAULT_POLICY
     policy_options: tuple[str, ...] = field(default=())
@@ -60,6 +62,11 @@ class CacheOptions:
                             ("--cpu-threads", self.cpu_threads)):
             if value is not None and not _positive(value):
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        stream = self.stream_misses
+        if stream is not None and stream != "auto" and (
+                isinstance(stream, bool) or not isinstance(stream, int)):
+            raise ValueError(f"--stream-misses must be auto or a number of experts, got "
+                             f"{stream!r}")
         cpus = available_cpus()
         if self.cpu_threads is not None and self.cpu_threads > cpus:
             raise ValueError(f"--cpu-threads {self.cpu_threads} is more than the {cpus} CPUs "
@@ -123,12 +130,19 @@ def plan_cache_options(
     Raises ValueError for a bad value, an unreadable profile or one for another model, and a
     budget too small (saying how much is missing); the registry's UnknownPolicyError /
     OptionError for an unknown policy or option; PolicyError for a wrong `kv_params`;
-    SettingError for a bad `STRATA_KV_GROW*` or `STRATA_LOAN_KEEP_SLOTS`.
+    SettingError for a bad `STRATA_KV_GROW*` or `STRATA_LOAN_KEEP_SLOTS`; RatesError (a
+    ValueError) for a rates file that cannot be read or written (`--stream-misses auto`).
+
+    `--stream-misses auto` (the default on CUDA) reads the split from the rates kept for this
+    machine, measuring them first where there are none (`strata.engine.cache.kept_rates`), and says
+    so in the notes; not when the cache turns out unused (checked first with the largest
+    staging buffer any split could ask for, K blobs).
     """
-    if options.stream_misses is not None and not 0 <= options.stream_misses <= config.top_k:
-        raise ValueError(f"--stream-misses must be in [0, {config.top_k}] (a decode layer "
-                         f"misses at most the model's {config.top_k} experts a token), got "
-                         f"{options.stream_misses}")
+    stream = options.stream_misses
+    if stream is not None and stream != "auto" and not 0 <= stream <= config.top_k:
+        raise ValueError(f"--stream-misses must be auto or in [0, {config.top_k}] (a decode "
+                         f"layer misses at most the model's {config.top_k} experts a token), "
+                         f"got {stream}")
     kv_grow = kv_grow_requested(options.kv_grow)
     rank, notes = _profile_rank(options.expert_profile, config)
     registry = load_registry()
@@ -139,18 +153,29 @@ def plan_cache_options(
         expert_cache_mib=None if options.expert_cache_mib == "auto" else options.expert_cache_mib,
         policy=policy, rank=rank,
         cpu_threads=options.cpu_threads,
-        stream_misses=default_stream_misses(config, device) if options.stream_misses is None
-        else options.stream_misses,
         prefill_loan=options.prefill_loan,
         short_read=options.short_read or DEFAULT_SHORT_READ, events=registry.pm,
     )
+    asked = options.asks_for_the_cache(kv_grow)
+    if not asked and torch.device(device).type == "cuda":  # the default: auto
+        try:
+            widest = plan_cache(config, dtype, device, stream_misses=config.top_k, **sizing)
+        except ValueError:
+            widest = None  # too small with K blobs: the real plan says whether it fits
+        if widest is not None:
+            widest.backend.close()
+            if widest.budget.holds_every_expert:  # no cache: no rates needed
+                return CachePlan(None)
+    sizing["stream_misses"], stream_notes = resolve_stream_misses(
+        stream, config, dtype, device, cpu_threads=options.cpu_threads)
+    notes += stream_notes
     if kv_grow:
         cache, kv_grow_config, kv_notes = plan_elastic_cache(
             config, dtype, device, profile=options.expert_profile is not None, **sizing)
         notes += kv_notes
     else:
         cache, kv_grow_config = plan_cache(config, dtype, device, **sizing), None
-    if not options.asks_for_the_cache(kv_grow) and cache.budget.holds_every_expert:
+    if not asked and cache.budget.holds_every_expert:
         cache.backend.close()
         return CachePlan(None)
     return CachePlan(cache, notes, kv_grow_config)

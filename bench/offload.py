@@ -1,0 +1,381 @@
+"""Benchmark issue 17's figures: decode and prefill with the experts mostly in host RAM, beside
+the bounds the machine sets, all measured in one run.
+
+One checkpoint (`--preset`, `--layers`, `--router-skew`; or `--model`) is loaded once; its host
+store is shared by every run, each building a fresh cache around it (as bench/prefill_chunk.py
+and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Measured, in order:
+
+- the machine: the host's read bandwidth (a torch sum over `--host-read-mib` on all threads,
+  the best of a few) and the copy rate of pinned host memory to the device (one large copy,
+  CUDA events; none off CUDA: no bus);
+- `device round`: a decode round with every expert resident on the device (CUDA graphs where
+  there are): the device's own compute of a round, the part no offloading removes;
+- a decode round at the small cache (`--budget-mib`, or an `--expert-cache` of
+  `--expert-share` of the experts; `--stream-misses`, default `auto`, and any others given,
+  comma-separated, each a run), rounds as `strata generate` runs them (piecewise CUDA graphs;
+  `--eager` for eager rounds). For each: the round's time; its misses split between the CPU
+  and the copy engine (experts and shares); the bound, max(CPU's miss bytes / host read
+  bandwidth, streamed bytes / copy rate) + the device round (summed over the round, so a lower
+  bound); the CPU experts' GB/s and its share of the host read bandwidth; the host-side time
+  of a round: the round less the CPU experts' time and the cache's time waiting for the device
+  (`CacheStats`: `cpu_s`, `wait_s`), i.e. issuing, booking and everything around the kernels
+  (a wait outside the cache, such as sampling's read of the token, counts as host-side);
+- prefill of a `--prefill-tokens` prompt at the same cache with the prompt loan: its time, the
+  expert bytes it uploaded and the upload bound (bytes / copy rate) beside it.
+
+Per-layer figures and tok/s scaled to the preset's full depth (`--full-layers`, default the
+preset's) are printed beside the measured ones for a shortened model, saying so.
+
+    python bench/offload.py --preset tiny --device cpu --new-tokens 8 --prefill-tokens 128 \\
+        --host-read-mib 64 --loan-keep-slots 0                           # here, in seconds
+    python bench/offload.py --preset olmoe-1b-7b --budget-mib 4096      # the GPU machine
+    python bench/offload.py --preset qwen3-30b-a3b --layers 16 --expert-share 0.22 \\
+        --router-skew 0.5 --stream-misses auto,0,4                       # bench/gpu_session.sh
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from _common import (
+    add_kv_env_arguments,
+    add_model_arguments,
+    byte_tokens,
+    checkpoint_for,
+    engine_around,
+    free_memory,
+    set_kv_env,
+    sync,
+)
+from cache import cache_mib_for_share, run_decode, run_prefill
+from strata.engine.cache.build import build_cached_experts, plan_cache
+from strata.engine.cache.kept_rates import resolve_stream_misses
+from strata.engine.experts import ResidentExperts
+from strata.engine.model.config import ModelConfig
+from strata.engine.model.presets import get_preset
+from strata.engine.runtime.calibrate import collect_counts
+from strata.engine.runtime.engine import Engine
+from strata.engine.runtime.generate import CACHED_PREFILL_CHUNK
+from strata.engine.runtime.load import Loaded, load
+from strata.formats.profile import rank_from_counts, uniform_rank
+
+GB = 1e9
+
+
+def best_seconds(fn, repeat: int) -> float:
+    """The least wall seconds of `repeat` calls of `fn` after an untimed one."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def host_read_bytes_per_s(mib: int, repeat: int = 5) -> float:
+    """Bytes a second a torch sum reads from a `mib` MiB fp32 buffer, on torch's threads."""
+    buffer = torch.ones((mib << 20) // 4, dtype=torch.float32)
+    return buffer.numel() * 4 / best_seconds(buffer.sum, repeat)
+
+
+def copy_bytes_per_s(device: torch.device, mib: int, repeat: int = 5) -> float | None:
+    """Bytes a second of one large copy from pinned host memory to `device` (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    host = torch.ones(mib << 20, dtype=torch.uint8, pin_memory=True)
+    dest = torch.empty_like(host, device=device)
+    times = []
+    for _ in range(repeat + 1):
+        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        begin.record()
+        dest.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1000)
+    del host, dest
+    if hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()  # the pinned buffer back to the system, not kept by torch
+    return (mib << 20) / min(times[1:])
+
+
+def round_figures(run: dict, blob_bytes: int, machine: dict, device_round_ms: float | None,
+                  n_layers: int, full_layers: int) -> dict:
+    """The decode round's figures from `run_decode`'s result (see the module)."""
+    d = run["cache"]["decode"]
+    rounds = max(d["passes"], 1)
+    round_ms = run["decode_ms_per_round"]
+    cpu_ms, wait_ms = 1000 * d["cpu_s"] / rounds, 1000 * d["wait_s"] / rounds
+    cpu_experts, streamed = d["cpu_experts"] / rounds, d["streamed_experts"] / rounds
+    misses = cpu_experts + streamed
+    cpu_bytes, copy_bytes = cpu_experts * blob_bytes, streamed * blob_bytes
+    cpu_bound = 1000 * cpu_bytes / machine["host_read_bytes_per_s"]
+    copy_rate = machine["copy_bytes_per_s"]
+    copy_bound = 1000 * copy_bytes / copy_rate if copy_rate else 0.0
+    bound = max(cpu_bound, copy_bound) + (device_round_ms or 0.0)
+    cpu_rate = cpu_bytes / (d["cpu_s"] / rounds) if d["cpu_s"] else None
+    return {
+        "round_ms": round_ms, "tok_s": run["decode_tok_s"], "decode_path": run["decode_path"],
+        "hit_rate": d["hit_rate"], "deterministic": run["deterministic"],
+        "misses_per_round": misses, "cpu_experts_per_round": cpu_experts,
+        "streamed_experts_per_round": streamed,
+        "cpu_share": cpu_experts / misses if misses else None,
+        "copy_share": streamed / misses if misses else None,
+        "cpu_bound_ms": cpu_bound, "copy_bound_ms": copy_bound,
+        "device_round_ms": device_round_ms, "bound_ms": bound,
+        "over_bound": round_ms / bound if bound else None,
+        "cpu_ms": cpu_ms, "wait_ms": wait_ms, "device_issue_ms": 1000 * d["device_s"] / rounds,
+        "in_cache_ms": 1000 * d["forward_s"] / rounds,
+        "host_ms": round_ms - cpu_ms - wait_ms,
+        "host_share": (round_ms - cpu_ms - wait_ms) / round_ms,
+        "cpu_gb_s": cpu_rate / GB if cpu_rate else None,
+        "cpu_share_of_host_read": cpu_rate / machine["host_read_bytes_per_s"]
+        if cpu_rate else None,
+        "ms_per_layer": round_ms / n_layers,
+        "scaled_tok_s": 1000 / (round_ms / n_layers * full_layers),
+    }
+
+
+def device_round(model, store, device, prompt, args, max_context: int, say) -> float | None:
+    """Ms of a decode round with every expert resident on the device (CUDA graphs where there
+    are): the device's own compute of a round. None, said, where the device cannot hold them."""
+    def resident_run() -> dict:  # its engine (and graphs) gone when it returns
+        model.experts = ResidentExperts(store, device)
+        with Engine(Loaded(model), None, max_context=max_context) as engine:
+            return run_decode(engine, prompt, args.new_tokens, args.repeat, max_context)
+
+    try:
+        resident = resident_run()
+        say(f"device round (every expert resident, {resident['decode_path']}): "
+            f"{resident['decode_ms_per_round']:.2f} ms")
+        return resident["decode_ms_per_round"]
+    except torch.OutOfMemoryError:
+        say("device round: the device cannot hold every expert: the bound leaves out the "
+            "device's compute")
+        return None
+    finally:
+        model.experts = None
+        free_memory(device)
+
+
+def stream_values(text: str) -> list[int | str]:
+    """`--stream-misses`' comma-separated values: auto or ints."""
+    values: list[int | str] = []
+    for part in text.split(","):
+        part = part.strip()
+        values.append(part if part == "auto" else int(part))
+    if not values or len(set(values)) != len(values):
+        raise ValueError(text)
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser, preset="olmoe-1b-7b")
+    parser.add_argument("--model", help="a checkpoint directory to use instead of writing one")
+    parser.add_argument("--budget-mib", type=float,
+                        help="--vram-budget-mib of the small cache (default: an --expert-cache "
+                        "of --expert-share of the experts, the budget the device's free memory)")
+    parser.add_argument("--expert-share", type=float, default=0.22)
+    parser.add_argument("--stream-misses", default="auto",
+                        help="comma-separated: auto and/or N, a decode run each (default auto)")
+    parser.add_argument("--cpu-threads", type=int, help="the cache's --cpu-threads")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=int, default=4096,
+                        help="the long prompt (0: no prefill run)")
+    parser.add_argument("--prefill-chunk", type=int, default=CACHED_PREFILL_CHUNK,
+                        help="the prompt's chunk (default: 512, strata generate's through the "
+                        "cache)")
+    parser.add_argument("--profile-prompts", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs (the median)")
+    parser.add_argument("--eager", action="store_true",
+                        help="eager decode rounds (default: piecewise CUDA graphs on CUDA)")
+    parser.add_argument("--host-read-mib", type=int, default=2048)
+    parser.add_argument("--copy-mib", type=int, default=1024)
+    parser.add_argument("--full-layers", type=int,
+                        help="scale per-layer figures to this depth (default: the preset's)")
+    add_kv_env_arguments(parser)  # --loan-keep-slots, --chunk-bytes for tiny models
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        streams = stream_values(args.stream_misses)
+    except ValueError:
+        parser.error(f"--stream-misses takes distinct comma-separated auto or N, got "
+                     f"{args.stream_misses!r}")
+    if args.new_tokens < 2 or args.repeat < 1:
+        parser.error("--new-tokens must be >= 2, --repeat >= 1")
+    set_kv_env(args)
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    full_layers = args.full_layers or get_preset(args.preset).n_layers
+    prompt, long_prompt = byte_tokens(args.prompt_tokens, 0), byte_tokens(args.prefill_tokens, 1)
+    decode_context = args.prompt_tokens + args.new_tokens
+    prefill_context = args.prefill_tokens + 1
+
+    def say(text: str) -> None:
+        print(f"bench/offload.py: {text}", file=sys.stderr, flush=True)
+
+    machine = {"host_read_bytes_per_s": host_read_bytes_per_s(args.host_read_mib),
+               "copy_bytes_per_s": copy_bytes_per_s(device, args.copy_mib),
+               "threads": torch.get_num_threads()}
+    copy_text = f"{machine['copy_bytes_per_s'] / GB:.1f} GB/s" if machine["copy_bytes_per_s"] \
+        else "none (no bus)"
+    say(f"host read {machine['host_read_bytes_per_s'] / GB:.1f} GB/s on {machine['threads']} "
+        f"threads, pinned copies {copy_text}")
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="strata-bench-offload-") as tmp:
+        ckpt = checkpoint_for(args, Path(tmp), dtype,
+                              progress=sys.stderr.isatty() and not args.json)
+        cfg = ModelConfig.from_dir(ckpt)
+        router_skew = json.loads((ckpt / "config.json").read_text()).get(
+            "strata_router_skew", args.router_skew)  # --model's own
+        small = ({"budget_mib": args.budget_mib} if args.budget_mib else
+                 {"expert_cache_mib": cache_mib_for_share(ckpt, dtype, args.expert_share)})
+        common = {"cpu_threads": args.cpu_threads, **small}
+        first = plan_cache(cfg, dtype, device, rank=uniform_rank(cfg.n_layers, cfg.n_experts),
+                           max_context=decode_context, prefill_chunk=args.prefill_chunk,
+                           prefill_loan=False, **common)
+        model = load(ckpt, device=device, dtype=dtype, cache=first).model
+        store = model.experts.store
+        counts, _ = collect_counts(model, [byte_tokens(256, 100 + i)
+                                           for i in range(args.profile_prompts)],
+                                   decode_tokens=16, prefill_chunk=args.prefill_chunk)
+        rank = rank_from_counts(counts)
+        model.experts.close()
+        first.backend.close()
+        model.experts = None
+        free_memory(device)
+
+        device_round_ms = device_round(model, store, device, prompt, args, decode_context, say)
+
+        def cached_engine(stream, max_context: int, loan: bool):
+            value, notes = resolve_stream_misses(stream, cfg, dtype, device,
+                                                 cpu_threads=args.cpu_threads)
+            config = plan_cache(cfg, dtype, device, rank=rank, max_context=max_context,
+                                prefill_chunk=args.prefill_chunk, prefill_loan=loan,
+                                stream_misses=value, **common)
+            model.experts = build_cached_experts(config, store, device)
+            return engine_around(model, None, max_context), notes
+
+        for stream in streams:
+            name = f"decode-stream-{stream}"
+            engine, notes = cached_engine(stream, decode_context, loan=False)
+            with engine:
+                for note in notes:
+                    say(note)
+                run = run_decode(engine, prompt, args.new_tokens, args.repeat, decode_context,
+                                 cuda_graphs=not args.eager, piecewise=not args.eager)
+                run["startup"] = engine.cache.budget.startup_line()
+                run["notes"] = notes
+                run["slots"] = engine.cache.arena.n_slots
+            del engine  # and its graphs
+            model.experts = None
+            free_memory(device)
+            run["round"] = round_figures(run, store.blob_bytes, machine, device_round_ms,
+                                         cfg.n_layers, full_layers)
+            runs[name] = run
+            r = run["round"]
+            say(f"{name}: {r['round_ms']:.2f} ms a round (bound {r['bound_ms']:.2f}), host-side "
+                f"{r['host_ms']:.2f} ms")
+        if args.prefill_tokens:
+            engine, notes = cached_engine(streams[0], prefill_context, loan=True)
+            with engine:
+                run = run_prefill(engine, long_prompt, args.repeat, prefill_context,
+                                  prefill_chunk=args.prefill_chunk)
+                run["startup"] = engine.cache.budget.startup_line()
+            del engine
+            model.experts = None
+            free_memory(device)
+            uploaded = run["cache"]["prompt"]["uploaded_bytes"]
+            copy_rate = machine["copy_bytes_per_s"]
+            run["upload_bound_s"] = uploaded / copy_rate if copy_rate else None
+            run["over_bound"] = run["prefill_s"] / run["upload_bound_s"] \
+                if run["upload_bound_s"] else None
+            run["scaled_tok_s"] = run["prefill_tok_s"] * cfg.n_layers / full_layers
+            runs["prefill-loan"] = run
+            say(f"prefill-loan: {run['prefill_s']:.3f} s, {uploaded / GB:.3f} GB uploaded")
+        sync(device)
+
+    result = {
+        "command": " ".join(["python", "bench/offload.py", *(argv if argv is not None
+                                                              else sys.argv[1:])]),
+        "model": str(args.model or args.preset), "layers": cfg.n_layers,
+        "full_layers": full_layers, "router_skew": router_skew, "dtype": args.dtype,
+        "device": str(device), "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda" else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+        "blob_bytes": store.blob_bytes, "small_cache": small, "machine": machine,
+        "device_round_ms": device_round_ms, "prefill_chunk": args.prefill_chunk,
+        "runs": runs,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print_report(result, args)
+    return 0
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def print_report(result: dict, args) -> None:
+    machine = result["machine"]
+    copy = machine["copy_bytes_per_s"]
+    scaled = result["layers"] != result["full_layers"]
+    print(f"{result['command']}")
+    print(f"{result['model']} ({result['layers']} layers, {result['dtype']}, router skew "
+          f"{result['router_skew']:g}) on {result['device_name']} ({result['device']}), "
+          f"{result['date']}; host read {machine['host_read_bytes_per_s'] / GB:.1f} GB/s on "
+          f"{machine['threads']} threads, pinned copies "
+          f"{'-' if copy is None else f'{copy / GB:.1f}'} GB/s; device round (every expert "
+          f"resident) {_ms(result['device_round_ms'])} ms; medians of {args.repeat}")
+    for name, run in result["runs"].items():
+        if not name.startswith("decode"):
+            continue
+        r = run["round"]
+        print(f"{name}: {run['startup']}")
+        for note in run["notes"]:
+            print(f"  {note}")
+        print(f"  a round {r['round_ms']:.2f} ms ({r['tok_s']:.1f} tok/s, {r['decode_path']}, "
+              f"hit rate {100 * r['hit_rate']:.1f}%, deterministic {r['deterministic']}); bound "
+              f"{r['bound_ms']:.2f} ms = max(CPU {r['cpu_bound_ms']:.2f}, copies "
+              f"{r['copy_bound_ms']:.2f}) + device {_ms(r['device_round_ms'])}: "
+              f"{_ms(r['over_bound'])}x the bound")
+        shares = "-" if r["cpu_share"] is None else \
+            f"{100 * r['cpu_share']:.0f}% / {100 * r['copy_share']:.0f}%"
+        cpu_rate = "-" if r["cpu_gb_s"] is None else \
+            f"{r['cpu_gb_s']:.1f} GB/s, {100 * r['cpu_share_of_host_read']:.0f}% of host read"
+        print(f"  misses a round {r['misses_per_round']:.2f}: CPU {r['cpu_experts_per_round']:.2f}"
+              f", copies {r['streamed_experts_per_round']:.2f} (CPU / copy {shares}); CPU "
+              f"experts {r['cpu_ms']:.2f} ms ({cpu_rate}); waiting {r['wait_ms']:.2f} ms; "
+              f"host-side {r['host_ms']:.2f} ms ({100 * r['host_share']:.0f}% of the round)")
+        if scaled:
+            print(f"  {r['ms_per_layer']:.3f} ms a layer: {r['scaled_tok_s']:.1f} tok/s scaled to "
+                  f"{result['full_layers']} layers")
+    prefill = result["runs"].get("prefill-loan")
+    if prefill:
+        bound = prefill["upload_bound_s"]
+        print(f"prefill-loan, {args.prefill_tokens} tokens in chunks of "
+              f"{result['prefill_chunk']}: {prefill['prefill_s']:.3f} s "
+              f"({prefill['prefill_tok_s']:.0f} tok/s); uploaded "
+              f"{prefill['cache']['prompt']['uploaded_bytes'] / GB:.3f} GB, upload bound "
+              f"{'-' if bound is None else f'{bound:.3f} s'} "
+              f"({_ms(prefill['over_bound'])}x)")
+        if scaled:
+            print(f"  {prefill['scaled_tok_s']:.0f} tok/s scaled to {result['full_layers']} "
+                  "layers")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

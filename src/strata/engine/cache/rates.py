@@ -1,0 +1,277 @@
+"""Times of the two sides of a decode layer's misses, measured, and the split they give.
+
+Dimension letters: K experts per token, M missed experts of a layer call, D hidden size,
+F expert width, B blob bytes.
+
+In a decode call (one token) the cache's misses go two ways at once: the CPU computes some from
+the host store (`CpuExperts`), the copy engine uploads the others into a staging buffer where
+the device computes them (`StreamedMisses`). A layer is done when both are, so the best split
+of M misses streams the s that minimizes max(stream_s[s], cpu_s[M - s]): `stream_s[k]` the
+seconds to upload and compute k blobs, `cpu_s[k]` the seconds the CPU takes for k experts, both
+measured here for k = 0..K (`MissRates`, `balanced_split`). With times proportional to k (no
+fixed costs) that is s = M * stream_rate / (stream_rate + cpu_rate), rounded; the table also
+carries each side's fixed cost per call. The hits' compute, which runs on the device before the
+streamed copies in stream order, is left out: on the GPU it is a few tens of microseconds
+against the copies' fraction of a millisecond an expert. So is the two sides' contention for
+the host's memory while both read it.
+
+The times depend on the machine and the configuration (`RatesKey`: the GPU's name, the CPU's
+model, the CPU experts' threads, the dtype and the expert's shape), not on the weights, and the
+split made from them is part of what the output bytes depend on: they are measured once and
+kept (`strata.engine.cache.kept_rates`), never taken during a run.
+
+`measure_rates` uses a synthetic store of the model's expert shape (the checkpoint is not loaded
+yet when the budget is planned, and the staging buffer is part of the budget): a few layers of K
+experts each, pinned on CUDA as the real store is, read round robin so that each call reads
+weights no recent call read (a CPU's last-level cache would flatter one layer), as the engine's
+misses do. The medians of `REPEAT` timed rounds after an untimed one; each table made
+non-decreasing in k. Off CUDA the same code runs as the host twin (a host-to-host copy for the
+upload, `perf_counter` for the clock), which is what the tests exercise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import math
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from strata.engine.experts import ExpertStore
+from strata.engine.experts.cpu import CpuExperts, kernel_for
+from strata.engine.experts.routed import Routed
+from strata.engine.experts.streamed import StreamedMisses, StreamSplit
+from strata.engine.model.config import ModelConfig
+
+__all__ = ["MissRates", "RatesKey", "balanced_split", "cpu_model", "measure_rates"]
+
+REPEAT = 7  # timed rounds of every k, after one untimed
+TARGET_BYTES = 512 << 20  # the synthetic store: at least this many bytes, read round robin
+MAX_LAYERS = 64
+
+
+@dataclass(frozen=True)
+class RatesKey:
+    """What the times depend on: the device (a GPU's name; "cpu" for the host twin), the CPU's
+    model, the CPU experts' threads and kernel (`CpuExperts.kernel`), the dtype, and the
+    expert's shape and K."""
+
+    device: str
+    cpu: str
+    threads: int
+    kernel: str
+    dtype: str
+    hidden_size: int
+    expert_width: int
+    top_k: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+           cpu_threads: int | None = None) -> RatesKey:
+        device = torch.device(device)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        return cls(device=name, cpu=cpu_model(), threads=cpu_threads or torch.get_num_threads(),
+                   kernel=kernel_for(dtype), dtype=str(dtype).removeprefix("torch."),
+                   hidden_size=config.hidden_size, expert_width=config.expert_width,
+                   top_k=config.top_k)
+
+    @property
+    def blob_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return 3 * self.expert_width * self.hidden_size * itemsize
+
+    def text(self) -> str:
+        """The key of its entry in the file: readable, one line."""
+        return (f"{self.device} | {self.cpu} | {self.threads} threads, {self.kernel} kernel | "
+                f"{self.dtype} | "
+                f"D {self.hidden_size} F {self.expert_width} K {self.top_k}")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def balanced_split(stream_s: tuple[float, ...], cpu_s: tuple[float, ...]) -> tuple[int, ...]:
+    """counts[M] for M = 0..K: the s in [0, M] that minimizes max(stream_s[s], cpu_s[M - s]),
+    the smaller s on a tie (fewer uploads)."""
+    if len(stream_s) != len(cpu_s) or not stream_s:
+        raise ValueError(f"the two tables must be [K + 1] alike, got {len(stream_s)} and "
+                         f"{len(cpu_s)}")
+    return tuple(min(range(m + 1), key=lambda s, m=m: (max(stream_s[s], cpu_s[m - s]), s))
+                 for m in range(len(cpu_s)))
+
+
+@dataclass(frozen=True)
+class MissRates:
+    """Seconds for k of a decode layer call's missed experts, k = 0..K (index 0 is 0.0):
+    `stream_s[k]` uploading k blobs from the pinned store and computing them on the device
+    (`StreamedMisses.compute`), `cpu_s[k]` computing k experts on the CPU
+    (`CpuExperts.compute`). `measured` is the date; `source` says where they came from."""
+
+    stream_s: tuple[float, ...]
+    cpu_s: tuple[float, ...]
+    blob_bytes: int
+    measured: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("stream_s", "cpu_s"):
+            table = tuple(getattr(self, name))
+            object.__setattr__(self, name, table)
+            if len(table) < 2 or table[0] != 0.0 or not all(
+                    isinstance(t, float) and math.isfinite(t) and t >= 0 for t in table):
+                raise ValueError(f"{name} must be [0.0, t1, ..., tK] of finite seconds >= 0, "
+                                 f"got {list(table)}")
+        if len(self.stream_s) != len(self.cpu_s):
+            raise ValueError(f"stream_s and cpu_s must both be [K + 1], got "
+                             f"{len(self.stream_s)} and {len(self.cpu_s)}")
+        if isinstance(self.blob_bytes, bool) or not isinstance(self.blob_bytes, int) \
+                or self.blob_bytes < 1:
+            raise ValueError(f"blob_bytes must be an int >= 1, got {self.blob_bytes!r}")
+
+    @property
+    def top_k(self) -> int:
+        return len(self.cpu_s) - 1
+
+    def _rate(self, table: tuple[float, ...]) -> float:
+        k = self.top_k
+        return k * self.blob_bytes / table[k] if table[k] > 0 else math.inf
+
+    @property
+    def stream_bytes_per_s(self) -> float:
+        """Blob bytes a second through the bus and the device's compute, at K blobs."""
+        return self._rate(self.stream_s)
+
+    @property
+    def cpu_bytes_per_s(self) -> float:
+        """Expert bytes a second the CPU reads computing K experts."""
+        return self._rate(self.cpu_s)
+
+    def split(self) -> StreamSplit:
+        """The split that makes both sides finish together (`balanced_split`)."""
+        return StreamSplit(balanced_split(self.stream_s, self.cpu_s),
+                           f"--stream-misses auto ({self.source})")
+
+    def as_entry(self) -> dict:
+        """The file's entry (JSON floats round-trip exactly, so a run that measured splits as
+        every later run that reads them)."""
+        return {"stream_s": list(self.stream_s), "cpu_s": list(self.cpu_s),
+                "blob_bytes": self.blob_bytes, "measured": self.measured,
+                "stream_gb_s": self.stream_bytes_per_s / 1e9,
+                "cpu_gb_s": self.cpu_bytes_per_s / 1e9}
+
+    @classmethod
+    def from_entry(cls, entry: object, source: str) -> MissRates:
+        """ValueError for an entry that is not one `as_entry` wrote."""
+        if not isinstance(entry, dict):
+            raise ValueError(f"an entry is an object, got {type(entry).__name__}")
+        try:
+            return cls(stream_s=tuple(entry["stream_s"]), cpu_s=tuple(entry["cpu_s"]),
+                       blob_bytes=entry["blob_bytes"], measured=str(entry.get("measured", "")),
+                       source=source)
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"an entry lacks or mistypes {err}") from None
+
+    def note(self, split: StreamSplit, threads: int) -> str:
+        """One line for the startup notes: the split, the rates, where they came from."""
+        return (f"--stream-misses auto: of M = 0..{self.top_k} missed experts a decode layer "
+                f"streams {split.text()} to the device ({split.n_blobs} staging blobs), the CPU "
+                f"the rest; rates: upload and compute {self.stream_bytes_per_s / 1e9:.1f} GB/s, "
+                f"CPU experts {self.cpu_bytes_per_s / 1e9:.1f} GB/s on {threads} threads (at "
+                f"{self.top_k} experts), {self.source}")
+
+
+def _synthetic_store(key: RatesKey, dtype: torch.dtype, pin: bool,
+                     target_bytes: int) -> ExpertStore:
+    """Layers of K experts of the key's shape, at least `target_bytes` in all (at most
+    MAX_LAYERS layers), filled with small values, pinned when `pin`."""
+    k, blob = key.top_k, key.blob_bytes
+    n_layers = max(1, min(MAX_LAYERS, -(-target_bytes // (k * blob))))
+    buffer = torch.empty((n_layers, k, blob), dtype=torch.uint8, pin_memory=pin)
+    gen = torch.Generator().manual_seed(0)
+    numel = blob // torch.empty((), dtype=dtype).element_size()
+    pattern = (torch.randn(numel, generator=gen) * key.hidden_size ** -0.5).to(dtype)
+    buffer.copy_(pattern.view(torch.uint8).expand_as(buffer))
+    return ExpertStore(list(buffer.unbind(0)), key.hidden_size, key.expert_width, dtype)
+
+
+def _samples(store: ExpertStore, key: RatesKey, dtype: torch.dtype, device: torch.device,
+             cpu_threads: int | None, repeat: int) -> tuple[list[list[float]], ...]:
+    """(stream, cpu): `repeat` timings in seconds of each side for each k (index 0 empty)."""
+    cuda = device.type == "cuda"
+    cpu = CpuExperts(store, cpu_threads)
+    streamer = StreamedMisses(store, device, key.top_k)
+    x_host = torch.full((key.top_k, key.hidden_size), 0.01, dtype=dtype)  # [K, D]
+    x_dev = x_host[:1].to(device)  # [1, D]
+    # routed[k]: experts 0..k-1, one row each (routed[0] unused).
+    routed = [Routed.of(np.arange(max(k, 1))[None, :]) for k in range(key.top_k + 1)]
+    layers = itertools.count()
+    stream_t: list[list[float]] = [[] for _ in routed]
+    cpu_t: list[list[float]] = [[] for _ in routed]
+
+    def stream(k: int) -> float:
+        layer = next(layers) % store.n_layers
+        if not cuda:
+            start = time.perf_counter()
+            streamer.compute(layer, x_dev, routed[k])
+            return time.perf_counter() - start
+        torch.cuda.synchronize(device)
+        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        begin.record()
+        streamer.compute(layer, x_dev, routed[k])
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1000
+
+    def on_cpu(k: int) -> float:
+        layer = next(layers) % store.n_layers
+        start = time.perf_counter()
+        cpu.compute(layer, x_host[:k], routed[k])
+        return time.perf_counter() - start
+
+    for round_ in range(repeat + 1):  # the first untimed
+        for k in range(1, key.top_k + 1):
+            t_stream, t_cpu = stream(k), on_cpu(k)
+            if round_:
+                stream_t[k].append(t_stream)
+                cpu_t[k].append(t_cpu)
+    return stream_t, cpu_t
+
+
+def _table(samples: list[list[float]]) -> tuple[float, ...]:
+    """[0.0, median of k = 1, ...], made non-decreasing."""
+    out = [0.0]
+    for k in range(1, len(samples)):
+        out.append(max(out[-1], float(statistics.median(samples[k]))))
+    return tuple(out)
+
+
+def measure_rates(key: RatesKey, dtype: torch.dtype, device: torch.device, *,
+                  cpu_threads: int | None = None, repeat: int = REPEAT,
+                  target_bytes: int = TARGET_BYTES) -> MissRates:
+    """Time both sides for k = 1..K on `device` (see the module); `source` left empty."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    store = _synthetic_store(key, dtype, device.type == "cuda", target_bytes)
+    try:
+        stream_t, cpu_t = _samples(store, key, dtype, device, cpu_threads, repeat)
+    finally:
+        del store
+        if device.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # give the pinned buffer back to the system
+    return MissRates(_table(stream_t), _table(cpu_t), key.blob_bytes,
+                     measured=datetime.date.today().isoformat())

@@ -1,0 +1,37 @@
+"""bench/offload.py runs its docstring's CPU example and reports every figure it names (no GPU
+here: no copy rate, so no streamed misses and no upload bound), so a GPU session does not find
+it broken."""
+
+from __future__ import annotations
+
+import json
+
+from support.bench_scripts import BENCH, load_bench
+
+
+def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
+    monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")  # the bench sets it: restored after the test
+    monkeypatch.syspath_prepend(str(BENCH))  # it imports _common and cache as a script does
+    bench = load_bench("offload.py")
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "6", "--prefill-tokens",
+            "160", "--prefill-chunk", "80", "--host-read-mib", "16", "--loan-keep-slots", "0",
+            "--repeat", "1", "--stream-misses", "auto,1", "--expert-share", "0.25", "--json"]
+    assert bench.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["machine"]["host_read_bytes_per_s"] > 0
+    assert report["machine"]["copy_bytes_per_s"] is None  # no bus off CUDA
+    assert report["device_round_ms"] > 0
+    runs = report["runs"]
+    assert set(runs) == {"decode-stream-auto", "decode-stream-1", "prefill-loan"}
+    auto, one = runs["decode-stream-auto"]["round"], runs["decode-stream-1"]["round"]
+    assert auto["streamed_experts_per_round"] == 0 < auto["cpu_experts_per_round"]  # auto: 0
+    assert one["streamed_experts_per_round"] > 0 and 0 < one["copy_share"] < 1
+    for r in (auto, one):
+        assert r["deterministic"]
+        assert r["bound_ms"] >= r["device_round_ms"] and r["over_bound"] > 0
+        assert r["host_ms"] == r["round_ms"] - r["cpu_ms"] - r["wait_ms"]
+        assert r["cpu_gb_s"] > 0 and r["cpu_share_of_host_read"] > 0
+    prefill = runs["prefill-loan"]
+    assert prefill["cache"]["lent_slots"] > 0 and prefill["upload_bound_s"] is None
+    assert prefill["scaled_tok_s"] == prefill["prefill_tok_s"]  # the preset's own depth

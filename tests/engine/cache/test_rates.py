@@ -1,0 +1,315 @@
+"""`--stream-misses auto`: the split arithmetic, the rates measured on the host twin and kept in
+the rates file, reading them back, a bad file, and the split's determinism through the cache."""
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from strata.engine.cache.build import staging_blobs
+from strata.engine.cache.kept_rates import (
+    FORMAT,
+    RatesError,
+    auto_split,
+    kept_rates,
+    rates_path,
+    resolve_stream_misses,
+)
+from strata.engine.cache.rates import MissRates, RatesKey, balanced_split, measure_rates
+from strata.engine.experts.routed import Routed
+from strata.engine.experts.streamed import StreamedMisses, StreamSplit
+from strata.engine.model.config import ModelConfig
+from strata.engine.runtime.generate import GenerateOptions, generate
+from support.cache_models import cached_model
+from support.checkpoints import cached_checkpoint
+
+CPU = torch.device("cpu")
+SMALL_BYTES = 1 << 20  # the synthetic store of a measurement here: a MiB, a few layers
+PROMPT = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+OPTIONS = GenerateOptions(max_new=8, max_context=128, temperature=0.0, ignore_stop=True,
+                          prefill_chunk=48)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """(checkpoint, config): qwen3_moe small, fp32: L=4, E=16, K=4."""
+    ckpt = cached_checkpoint("qwen3_moe", "small", dtype=torch.float32)
+    return ckpt, ModelConfig.from_dir(ckpt)
+
+
+def _rates(stream, cpu, blob=1000):
+    return MissRates(tuple(float(t) for t in stream), tuple(float(t) for t in cpu), blob)
+
+
+# --- the split's arithmetic ---
+def test_proportional_times_split_by_the_rates():
+    # Streaming an expert takes 2 units, computing one on the CPU 3: the stream's rate is 1.5x
+    # the CPU's, so of M misses about M * 3/5 stream: s = round(M * c / (c + p)).
+    rates = _rates([2 * k for k in range(9)], [3 * k for k in range(9)])
+    split = rates.split()
+    assert split.counts == (0, 1, 1, 2, 2, 3, 4, 4, 5)
+    for m, s in enumerate(split.counts):
+        assert abs(s - m * 3 / 5) <= 0.5 + 1e-9
+    assert split.n_blobs == 5 and split.top_k == 8
+    assert rates.stream_bytes_per_s == pytest.approx(1000 / 2)
+    assert rates.cpu_bytes_per_s == pytest.approx(1000 / 3)
+
+
+def test_a_tie_streams_fewer_and_fixed_costs_count():
+    # Equal rates: one miss could go either way; the CPU keeps it (no upload).
+    assert balanced_split((0.0, 1.0, 2.0), (0.0, 1.0, 2.0)) == (0, 0, 1)
+    # A stream with a large fixed cost per call: one miss stays on the CPU, many share.
+    stream = (0.0, *(10.0 + k for k in range(1, 9)))
+    cpu = tuple(3.0 * k for k in range(9))
+    counts = balanced_split(stream, cpu)
+    assert counts[:4] == (0, 0, 0, 0) and counts[8] > 0
+    for m, s in enumerate(counts):  # nothing better exists
+        assert max(stream[s], cpu[m - s]) == min(max(stream[t], cpu[m - t])
+                                                 for t in range(m + 1))
+    # The CPU never finishes (a kernel far slower than the bus): everything streams.
+    assert balanced_split((0.0, 1.0, 2.0), (0.0, 100.0, 200.0)) == (0, 1, 2)
+
+
+def test_the_split_table_checks_itself():
+    assert StreamSplit.fixed(2, 4).counts == (0, 1, 2, 2, 2)
+    assert StreamSplit.fixed(0, 2).n_blobs == 0
+    split = StreamSplit((0, 1, 1))
+    assert split.streamed(2) == 1 and split.streamed(7) == 1  # beyond K: as at K
+    for bad in [(), (1, 1), (0, 2), (0, 1, -1), (0, True)]:
+        with pytest.raises(ValueError, match="a stream split is"):
+            StreamSplit(bad)
+    with pytest.raises(ValueError, match="n_blobs must be an int >= 0"):
+        StreamSplit.fixed(-1, 4)
+    assert staging_blobs(split) == 1 and staging_blobs(3) == 3
+    with pytest.raises(ValueError, match="an int >= 0 or a StreamSplit"):
+        staging_blobs("auto")
+
+
+def test_the_rates_check_their_tables():
+    for stream, cpu in [((0.0,), (0.0,)), ((0.0, 1.0), (0.0, 1.0, 2.0)),
+                        ((1.0, 1.0), (0.0, 1.0)), ((0.0, math.nan), (0.0, 1.0)),
+                        ((0.0, -1.0), (0.0, 1.0))]:
+        with pytest.raises(ValueError):
+            MissRates(stream, cpu, 100)
+
+
+def test_the_streamer_follows_the_split(small):
+    from strata.engine.model.checkpoint import Checkpoint, expert_store
+    ckpt = Checkpoint.open(small[0])
+    try:
+        store = expert_store(ckpt)
+    finally:
+        ckpt.close()
+    streamer = StreamedMisses(store, CPU, 2, StreamSplit((0, 0, 1, 2, 2)))
+    one = Routed.of(np.array([[5, 1, 3, 9]]), np.array([[True, False, False, False]]))
+    streamed, rest = streamer.split(one)
+    assert streamed is None and rest is one  # one miss: the CPU's
+    three = Routed.of(np.array([[5, 1, 3, 9]]), np.array([[True, True, False, True]]))
+    streamed, rest = streamer.split(three)
+    assert streamed.experts.tolist() == [1, 5] and rest.experts.tolist() == [9]
+    with pytest.raises(ValueError, match="the split streams up to 2 experts, the staging "
+                                         "buffer holds 1"):
+        StreamedMisses(store, CPU, 1, StreamSplit((0, 1, 2)))
+
+
+# --- measuring and keeping ---
+def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path):
+    _, config = small
+    path = tmp_path / "rates.json"
+    calls = []
+    key = RatesKey.of(config, torch.float32, CPU, cpu_threads=1)
+
+    def measure():
+        calls.append(1)
+        return measure_rates(key, torch.float32, CPU, cpu_threads=1, repeat=2,
+                             target_bytes=SMALL_BYTES)
+
+    first = kept_rates(key, measure, path)
+    assert calls == [1] and first.source == f"measured now, kept in {path}"
+    assert first.top_k == config.top_k and first.blob_bytes == key.blob_bytes
+    for table in (first.stream_s, first.cpu_s):
+        assert table[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(table))
+        assert table[-1] > 0
+    again = kept_rates(key, measure, path)
+    assert calls == [1]  # read, not measured again
+    assert again.source.startswith(f"read from {path} (measured ")
+    assert (again.stream_s, again.cpu_s) == (first.stream_s, first.cpu_s)
+    assert again.split().counts == first.split().counts
+    document = json.loads(path.read_text())
+    assert document["format"] == FORMAT and list(document["entries"]) == [key.text()]
+    assert "cpu" in key.text() and "1 threads, torch kernel" in key.text() \
+        and "float32" in key.text()
+    # Another key (another thread count) is another entry beside it.
+    other = RatesKey.of(config, torch.float32, CPU, cpu_threads=2)
+    kept_rates(other, lambda: first, path)
+    assert set(json.loads(path.read_text())["entries"]) == {key.text(), other.text()}
+
+
+def test_auto_split_reads_the_cache_dir(small, tmp_path, monkeypatch):
+    _, config = small
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path / "cache"))
+    assert rates_path() == tmp_path / "cache" / "rates.json"
+    split, rates = auto_split(config, torch.float32, CPU, cpu_threads=1,
+                              target_bytes=SMALL_BYTES)
+    assert (tmp_path / "cache" / "rates.json").is_file() and "measured now" in rates.source
+    again, rates2 = auto_split(config, torch.float32, CPU, cpu_threads=1)
+    assert again.counts == split.counts and "read from" in rates2.source
+    note = rates2.note(again, 1)
+    assert note.startswith(f"--stream-misses auto: of M = 0..{config.top_k} missed experts")
+    assert "GB/s" in note and "read from" in note
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    ("{not json", "not JSON"),
+    ('["a list"]', 'not an object with "entries"'),
+    ('{"format": 99, "entries": {}}', "format 99, this strata reads 1"),
+])
+def test_a_bad_file_is_an_error_not_measured_over(small, tmp_path, content, why):
+    # Measuring again would quietly change the split, and so the output bytes, against the
+    # runs that read the file before: the error says so and how to measure again.
+    _, config = small
+    path = tmp_path / "rates.json"
+    path.write_text(content)
+    key = RatesKey.of(config, torch.float32, CPU, cpu_threads=1)
+    with pytest.raises(RatesError) as err:
+        kept_rates(key, lambda: pytest.fail("measured over a bad file"), path)
+    message = str(err.value)
+    assert str(path) in message and why in message
+    assert "delete it to measure the rates again" in message and "--stream-misses N" in message
+    assert path.read_text() == content  # left as it was
+
+
+def test_a_bad_entry_is_an_error(small, tmp_path):
+    _, config = small
+    path = tmp_path / "rates.json"
+    key = RatesKey.of(config, torch.float32, CPU, cpu_threads=1)
+    entry = _rates([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], key.blob_bytes).as_entry()
+    for broken in [{**entry, "cpu_s": [0.0, -1.0, 2.0, 3.0, 4.0]}, {"stream_s": [0.0]},
+                   {**entry, "blob_bytes": key.blob_bytes + 1}, "text"]:
+        path.write_text(json.dumps({"format": FORMAT, "entries": {key.text(): broken}}))
+        with pytest.raises(RatesError, match=r"the entry .* delete it"):
+            kept_rates(key, lambda: pytest.fail("measured over a bad entry"), path)
+
+
+def test_an_unwritable_cache_dir_is_an_error_unless_it_holds_the_rates(small, tmp_path):
+    # Rates measured but not kept would be measured again, and split otherwise, next run.
+    _, config = small
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    key = RatesKey.of(config, torch.float32, CPU, cpu_threads=1)
+    with pytest.raises(RatesError, match=r"cannot keep the measured miss rates in .*; set "
+                                         r"STRATA_CACHE_DIR to a writable directory"):
+        kept_rates(key, lambda: pytest.fail("measured"), blocker / "rates.json")
+    # A directory that holds them but takes no lock (read-only: an image made on the
+    # machine; here the lock's name is a directory, which even root cannot open) is read.
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    rates = _rates([0, 1, 2, 3, 4], [0, 2, 4, 6, 8], key.blob_bytes)
+    kept_rates(key, lambda: rates, shipped / "rates.json")
+    (shipped / "rates.json.lock").unlink()
+    (shipped / "rates.json.lock").mkdir()
+    got = kept_rates(key, lambda: pytest.fail("measured"), shipped / "rates.json")
+    assert got.split() == rates.split() and "read from" in got.source
+    other = RatesKey.of(config, torch.float32, CPU, cpu_threads=2)
+    with pytest.raises(RatesError, match="cannot keep the measured miss rates"):
+        kept_rates(other, lambda: pytest.fail("measured"), shipped / "rates.json")
+
+
+# --- the option ---
+def test_the_option_resolves(small, tmp_path):
+    _, config = small
+    path = tmp_path / "rates.json"  # never written: nothing here measures
+    k = config.top_k
+    assert resolve_stream_misses(None, config, torch.float32, CPU, path=path) == (0, [])
+    assert resolve_stream_misses("auto", config, torch.float32, CPU, path=path) == (0, [])
+    assert resolve_stream_misses(2, config, torch.float32, CPU, path=path) == (2, [])
+    assert resolve_stream_misses(k, config, torch.float32, CPU, path=path) == (k, [])
+    for bad in (-1, k + 1, "half", 1.5, True):
+        with pytest.raises(ValueError, match=rf"--stream-misses must be auto or in \[0, {k}\]"):
+            resolve_stream_misses(bad, config, torch.float32, CPU, path=path)
+    assert not path.exists()
+
+
+def test_the_kept_split_gives_the_same_bytes_run_to_run(small, tmp_path):
+    # The host twin's split, through the cache: a split from the same file is the same split,
+    # so two runs give the same tokens and logits; and it streams what the table says.
+    ckpt, config = small
+    path = tmp_path / "rates.json"
+    # A stream as fast as the CPU, plus a fixed cost: one miss stays on the CPU, more share.
+    key = RatesKey.of(config, torch.float32, CPU)
+    k = config.top_k
+    fixed = _rates([0.0, *(0.5 + t for t in range(1, k + 1))], list(range(k + 1)),
+                   key.blob_bytes)
+    kept_rates(key, lambda: fixed, path)
+    runs = []
+    for _ in range(2):
+        split, _ = auto_split(config, torch.float32, CPU, path=path)
+        assert split.counts == balanced_split(fixed.stream_s, fixed.cpu_s)
+        assert split.counts[1] == 0 and split.n_blobs > 0
+        model = cached_model(ckpt, expert_cache_mib=12, stream_misses=split)
+        try:
+            assert model.experts.stream_misses == split.n_blobs
+            runs.append(generate(model, None, PROMPT, OPTIONS))
+        finally:
+            model.experts.close()
+    a, b = runs
+    assert a.tokens == b.tokens and torch.equal(a.first_logits, b.first_logits)
+    decode = a.cache.decode
+    assert decode.streamed_experts > 0 and decode.cpu_experts > 0
+    assert decode.uploaded_bytes >= decode.streamed_experts * fixed.blob_bytes
+
+
+@pytest.mark.cuda
+def test_auto_on_cuda_measures_once_and_repeats(small, tmp_path):
+    _, config = small
+    path = tmp_path / "rates.json"
+    cuda = torch.device("cuda")
+    split, notes = resolve_stream_misses("auto", config, torch.float32, cuda, path=path)
+    assert isinstance(split, StreamSplit) and "measured now" in notes[0]
+    again, notes = resolve_stream_misses("auto", config, torch.float32, cuda, path=path)
+    assert again == split and "read from" in notes[0]
+    rates = MissRates.from_entry(next(iter(json.loads(path.read_text())["entries"].values())),
+                                 "")
+    assert rates.stream_bytes_per_s > 0 and rates.cpu_bytes_per_s > 0
+    # Not given, it is the fixed half of the top-k (faster than auto on the H200), no file read.
+    assert resolve_stream_misses(None, config, torch.float32, cuda, path=tmp_path / "none") \
+        == (config.top_k // 2, [])
+
+
+def test_the_engine_options_take_auto(small, tmp_path, monkeypatch):
+    from strata.engine.runtime.options import CacheOptions, plan_cache_options
+    _, config = small
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="--stream-misses must be auto or a number of experts, "
+                                         "got 'half'"):
+        CacheOptions(stream_misses="half")
+    for given in (None, "auto"):
+        plan = plan_cache_options(CacheOptions(stream_misses=given, expert_cache_mib=12), config,
+                                  torch.float32, CPU, max_context=128, prefill_chunk=48)
+        try:
+            assert plan.config.stream_misses == 0  # off CUDA: no bus
+            assert not any("--stream-misses" in note for note in plan.notes)
+        finally:
+            plan.config.backend.close()
+    assert not (tmp_path / "rates.json").exists()
+
+
+@pytest.mark.cuda
+def test_auto_on_cuda_is_the_kept_split(small, tmp_path, monkeypatch):
+    from strata.engine.runtime.options import CacheOptions, plan_cache_options
+    _, config = small
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    plans = [plan_cache_options(CacheOptions(expert_cache_mib=12, stream_misses="auto"), config,
+                                torch.float32, torch.device("cuda"), max_context=128,
+                                prefill_chunk=48)
+             for _ in range(2)]
+    try:
+        first, second = (plan.config.stream_misses for plan in plans)
+        assert isinstance(first, StreamSplit) and first == second
+        assert "measured now" in plans[0].notes[-1] and "read from" in plans[1].notes[-1]
+    finally:
+        for plan in plans:
+            plan.config.backend.close()
