@@ -13,6 +13,10 @@ CPU's last-level cache and the figures are too good):
   on the main thread: each expert as two torch matmuls (the path before strata's kernel);
 - `compute-main`: `CpuExperts.compute` on the main thread, as the cache calls it (bf16: strata's
   kernel, `strata._cpu_experts`, for experts of up to `KERNEL_MAX_ROWS` rows);
+- `kernel-int8`, `kernel-int4` (bf16 stores): strata's kernel over the same experts quantized
+  to int8 (per output channel, a little over half the bytes) and to int4 (groups of 32 along
+  the input, 0.31x the bytes; `strata.engine.experts.quant`), called directly on the main
+  thread: what quantized experts would read;
 - `compute-worker`: the same on a worker thread (one `ThreadPoolExecutor` thread), the design
   the cache had before: adds the hand-over and a second intra-op team (the worker's count is
   printed beside the main thread's);
@@ -52,8 +56,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from strata import _cpu_experts
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.cpu import CpuExperts
+from strata.engine.experts.quant import int4_blob, int8_blob
 from strata.engine.experts.routed import Routed
 from strata.engine.model.presets import get_preset
 
@@ -120,8 +126,32 @@ def median_us(fn, repeat: int) -> float:
     return statistics.median(times) * 1e6
 
 
+# The quantized columns: (the kernel's format, how a blob is made from gate, up, down).
+QUANTIZED = {
+    "kernel-int8": (_cpu_experts.FORMAT_INT8, int8_blob),
+    "kernel-int4": (_cpu_experts.FORMAT_INT4_G32, lambda *w: int4_blob(*w, group=32)),
+}
+
+
+def quantized_layers(store: ExpertStore, make_blob) -> list[np.ndarray]:
+    """Each layer's experts as quantized blobs: uint8 [E, blob bytes] per layer."""
+    layers = []
+    for layer in range(store.n_layers):
+        blobs = [make_blob(*(w.float() for w in store.weights(layer, e)))
+                 for e in range(store.n_experts)]
+        layers.append(torch.stack(blobs).numpy())
+    return layers
+
+
+def kernel_call(blobs: np.ndarray, fmt: int, x_rows: torch.Tensor, routed: Routed,
+                expert_width: int, threads: int) -> None:
+    out = np.empty((routed.n_rows, x_rows.shape[1]), dtype=np.uint16)
+    _cpu_experts.compute(blobs, fmt, routed.experts, routed.starts, x_rows.float().numpy(),
+                         out, expert_width, threads)
+
+
 def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
-            repeat: int) -> dict:
+            repeat: int, quantized: dict[str, list[np.ndarray]] | None = None) -> dict:
     routed = routing(n_tokens, top_k, store.n_experts)
     gen = torch.Generator().manual_seed(1)
     x_rows = torch.randn(routed.n_rows, store.hidden_size, generator=gen).to(store.dtype)
@@ -143,6 +173,10 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
 
         per_expert = {
             "bare": median_us(lambda: bare(store, layer(), x_rows, routed), repeat),
+            **{name: median_us(lambda name=name: kernel_call(
+                quantized[name][layer()], QUANTIZED[name][0], x_rows, routed,
+                store.expert_width, threads or torch.get_num_threads()), repeat)
+               for name in quantized or {}},
             "compute-torch": median_us(lambda: cpu_torch.compute(layer(), x_rows, routed),
                                        repeat),
             "compute-main": median_us(lambda: cpu.compute(layer(), x_rows, routed), repeat),
@@ -157,7 +191,8 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
         "tokens": n_tokens, "experts": routed.n_experts, "rows": routed.n_rows,
         "main_threads": torch.get_num_threads(), "worker_threads": worker_threads,
         "kernel": cpu.kernel, "us_per_expert": per_expert,
-        "gbps": {k: store.blob_bytes / (v * 1e3) for k, v in per_expert.items()},
+        "gbps": {k: (quantized[k][0].shape[1] if k in (quantized or {}) else store.blob_bytes)
+                 / (v * 1e3) for k, v in per_expert.items()},
         "ratio_to_bare": {k: v / per_expert["bare"] for k, v in per_expert.items()},
     }
 
@@ -210,9 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.dtypes.split(","):
             store = random_store(preset.hidden_size, preset.expert_width, preset.n_experts,
                                  DTYPES[name], memory, args.layers)
+            quantized = {column: quantized_layers(store, make_blob)
+                         for column, (_, make_blob) in QUANTIZED.items()} \
+                if name == "bf16" else None
             for n_tokens in (int(t) for t in args.tokens.split(",")):
                 runs.append({"memory": memory, "dtype": name, **measure(
-                    store, n_tokens, preset.top_k, args.threads, args.repeat)})
+                    store, n_tokens, preset.top_k, args.threads, args.repeat, quantized)})
     result = {
         "command": " ".join(["python", "bench/cpu_experts.py", *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(), "machine": platform.processor()
@@ -224,14 +262,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{result['command']}  ({result['machine']}, torch {result['torch']})")
     print(f"host read bandwidth: {read_gbps:.1f} GB/s (float32 sum over {args.read_mib} MiB)")
-    columns = ("compute-torch", "compute-main", "compute-worker", "worker-main-busy")
+    columns = ("compute-torch", "compute-main", *QUANTIZED, "compute-worker",
+               "worker-main-busy")
     print("| memory | dtype | T | experts | threads main/worker | bare us (GB/s, share) | "
           + " | ".join(columns) + " |")
     print("| --- | --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(columns))
     for run in runs:
         us, ratio, gbps = run["us_per_expert"], run["ratio_to_bare"], run["gbps"]
         cells = [f"{us[c]:.0f} ({ratio[c]:.2f}x; {gbps[c]:.1f} GB/s, "
-                 f"{gbps[c] / read_gbps:.0%})" for c in columns]
+                 f"{gbps[c] / read_gbps:.0%})" if c in us else "-" for c in columns]
         print(f"| {run['memory']} | {run['dtype']} | {run['tokens']} | {run['experts']} | "
               f"{run['main_threads']}/{run['worker_threads']} | {us['bare']:.0f} "
               f"({gbps['bare']:.1f} GB/s, {gbps['bare'] / read_gbps:.0%}) | "

@@ -1,4 +1,5 @@
-"""strata._cpu_experts against a plain torch reference with the same roundings (hypothesis).
+"""strata._cpu_experts against a plain torch reference with the same roundings (hypothesis),
+for bf16 blobs and int8 ones (`strata.engine.experts.quant`).
 
 The kernel adds its sums in another order than torch's matmul, so it is compared within a
 bound, and bit for bit with itself across thread counts (each output value is one thread's, in
@@ -14,6 +15,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata import _cpu_experts
+from strata.engine.experts.quant import (
+    INT4_MAX,
+    INT8_MAX,
+    WEIGHT_FORMATS,
+    dequantize_int4,
+    dequantize_int8,
+    fake_quantize,
+    int4_blob,
+    int4_blob_bytes,
+    int8_blob,
+    int8_blob_bytes,
+    int8_parts,
+    quantize_int4,
+    quantize_int8,
+)
 
 
 def _u16(tensor: torch.Tensor) -> np.ndarray:
@@ -25,16 +41,31 @@ def _blobs(n_experts: int, f: int, d: int, seed: int) -> torch.Tensor:
     return (torch.randn(n_experts, 3 * f * d, generator=gen) * d**-0.5).bfloat16()
 
 
-def _run(blobs, experts, starts, x, f, threads):
+def _run(blobs, experts, starts, x, f, threads, fmt=_cpu_experts.FORMAT_BF16):
+    """blobs: bf16 [E, 3*F*D] (FORMAT_BF16) or uint8 [E, int8 blob bytes] (FORMAT_INT8)."""
     out = torch.full((x.shape[0], x.shape[1]), 7.0, dtype=torch.bfloat16)
-    _cpu_experts.experts_bf16(_u16(blobs), np.asarray(experts, dtype=np.int64),
-                              np.asarray(starts, dtype=np.int64), x.float().numpy(), _u16(out),
-                              f, threads)
+    _cpu_experts.compute(blobs.contiguous().view(torch.uint8).numpy(), fmt,
+                         np.asarray(experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
+                         x.float().numpy(), _u16(out), f, threads)
     return out
 
 
+def _int8_blobs(blobs: torch.Tensor, f: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 [E, int8 blob bytes], the weights they stand for: float32 [E, 3*F*D])."""
+    packed, weights = [], []
+    for typed in blobs.float():
+        gate, up, down = typed[: f * d].view(f, d), typed[f * d : 2 * f * d].view(f, d), \
+            typed[2 * f * d :].view(d, f)
+        blob = int8_blob(gate, up, down)
+        packed.append(blob)
+        weights.append(torch.cat([dequantize_int8(q, s).reshape(-1)
+                                  for q, s in int8_parts(blob, f, d)]))
+    return torch.stack(packed), torch.stack(weights)
+
+
 def _reference(blobs, experts, starts, x, f):
-    """The torch bf16 path's roundings over fp32 sums: h, silu(g) and the product in bf16."""
+    """The torch bf16 path's roundings over fp32 sums: h, silu(g) and the product in bf16.
+    blobs: each expert's weights [E, 3*F*D] in any float dtype."""
     d = x.shape[1]
     out = []
     for i, expert in enumerate(experts):
@@ -86,8 +117,121 @@ def test_almost_every_value_is_torch_s_bf16_path_bit_for_bit():
     assert (out == torch.cat(torch_path)).float().mean() > 0.97
 
 
+@settings(max_examples=100, deadline=None)
+@given(calls(), st.integers(2, 5))
+def test_int8_blobs_are_their_dequantized_weights_within_bf16_roundings(call, threads):
+    bf16_blobs, experts, starts, x, f = call
+    blobs, weights = _int8_blobs(bf16_blobs, f, x.shape[1])
+    assert blobs.shape[1] == int8_blob_bytes(f, x.shape[1]) == _cpu_experts.blob_bytes(
+        _cpu_experts.FORMAT_INT8, f, x.shape[1])
+    one = _run(blobs, experts, starts, x, f, 1, _cpu_experts.FORMAT_INT8)
+    assert torch.equal(_run(blobs, experts, starts, x, f, threads, _cpu_experts.FORMAT_INT8)
+                       .view(torch.int16), one.view(torch.int16))
+    expected = _reference(weights, experts, starts, x, f)
+    scale = expected.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-3)
+    assert ((one.float() - expected.float()).abs() <= scale * 2**-5).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([32, 64]), st.integers(1, 3), st.integers(1, 2), st.integers(0, 2**16),
+       st.integers(2, 4))
+def test_int4_blobs_are_their_dequantized_weights_within_bf16_roundings(group, fd, dd, seed,
+                                                                      threads):
+    # F and D multiples of the group; a few experts and rows, as the bf16 property test.
+    f, d = group * fd, group * dd
+    rng = np.random.default_rng(seed)
+    experts = rng.integers(0, 3, size=rng.integers(0, 4)).tolist()
+    starts = np.concatenate(([0], np.cumsum(rng.integers(0, 3, size=len(experts)))))
+    x = torch.randn(int(starts[-1]), d, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    bf16 = _blobs(3, f, d, seed)
+    fmt = {32: _cpu_experts.FORMAT_INT4_G32, 64: _cpu_experts.FORMAT_INT4_G64}[group]
+    blobs, weights = [], []
+    for typed in bf16.float():
+        gate, up, down = typed[: f * d].view(f, d), typed[f * d : 2 * f * d].view(f, d), \
+            typed[2 * f * d :].view(d, f)
+        blobs.append(int4_blob(gate, up, down, group))
+        weights.append(torch.cat([fake_quantize(w, f"int4-g{group}").reshape(-1)
+                                  for w in (gate, up, down)]))
+    blobs = torch.stack(blobs)
+    assert blobs.shape[1] == int4_blob_bytes(f, d, group) == _cpu_experts.blob_bytes(fmt, f, d)
+    one = _run(blobs, experts, starts, x, f, 1, fmt)
+    assert torch.equal(_run(blobs, experts, starts, x, f, threads, fmt).view(torch.int16),
+                       one.view(torch.int16))
+    expected = _reference(torch.stack(weights), experts, starts, x, f)
+    scale = expected.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-3)
+    assert ((one.float() - expected.float()).abs() <= scale * 2**-5).all()
+
+
+def test_an_int4_blob_needs_f_and_d_multiples_of_its_group():
+    with pytest.raises(ValueError, match=r"groups of 64 needs F and D multiples of 64, got "
+                                         r"F = 32, D = 64"):
+        _cpu_experts.blob_bytes(_cpu_experts.FORMAT_INT4_G64, 32, 64)
+    assert _cpu_experts.blob_bytes(_cpu_experts.FORMAT_INT4_G32, 32, 64) == \
+        int4_blob_bytes(32, 64, 32) == 3 * 32 * 64 // 2 + 4 * 3 * 32 * 64 // 32
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 40), st.integers(0, 2**16),
+       st.sampled_from([1e-6, 1.0, 1e4]))
+def test_int8_quantization_is_within_half_a_step_of_every_weight(rows, cols, seed, magnitude):
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * magnitude
+    w[0] = 0.0  # a row of zeros stays zeros
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (rows,)
+    assert q.abs().max() <= INT8_MAX and scale[0] == 0 and (q[0] == 0).all()
+    assert (q.abs().amax(dim=1)[1:] == INT8_MAX).all()  # each row's largest weight uses the range
+    error = (dequantize_int8(q, scale) - w).abs()
+    assert (error <= scale[:, None] * (0.5 + 1e-5) + 1e-30).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.sampled_from([32, 64]), st.integers(0, 2**16),
+       st.sampled_from([1e-6, 1.0, 1e4]))
+def test_int4_quantization_is_within_half_a_step_of_its_group(rows, groups, group, seed,
+                                                             magnitude):
+    w = torch.randn(rows, groups * group, generator=torch.Generator().manual_seed(seed))
+    w *= magnitude
+    w[0, :group] = 0.0  # a group of zeros stays zeros
+    q, scale = quantize_int4(w, group)
+    assert q.dtype == torch.int8 and q.abs().max() <= INT4_MAX and scale.shape == (rows, groups)
+    assert scale[0, 0] == 0 and (q[0, :group] == 0).all()
+    step = scale.repeat_interleave(group, dim=1)  # [R, C]: each weight's group scale
+    assert ((dequantize_int4(q, scale) - w).abs() <= step * (0.5 + 1e-5) + 1e-30).all()
+    assert torch.equal(fake_quantize(w, f"int4-g{group}"), dequantize_int4(q, scale))
+
+
+def test_fake_quantize_knows_its_formats_and_int4_its_groups():
+    w = torch.randn(2, 64)
+    assert WEIGHT_FORMATS == ("int8", "int4-g32", "int4-g64")
+    assert torch.equal(fake_quantize(w, "int8"), dequantize_int8(*quantize_int8(w)))
+    with pytest.raises(ValueError, match=r"fmt must be one of \('int8', 'int4-g32', "):
+        fake_quantize(w, "int3")
+    with pytest.raises(ValueError, match=r"group must be one of \(32, 64\), got 16"):
+        quantize_int4(w, 16)
+    with pytest.raises(ValueError, match=r"C a multiple of 64"):
+        quantize_int4(torch.randn(2, 96), 64)
+
+
+def test_an_int8_blob_is_its_parts_and_refuses_bad_shapes():
+    f, d = 3, 5
+    gate, up, down = torch.randn(f, d), torch.randn(f, d), torch.randn(d, f)
+    blob = int8_blob(gate, up, down)
+    assert blob.dtype == torch.uint8 and blob.shape == (int8_blob_bytes(f, d),)
+    for (q, s), w in zip(int8_parts(blob, f, d), (gate, up, down), strict=True):
+        expected_q, expected_s = quantize_int8(w)
+        assert torch.equal(q, expected_q) and torch.equal(s, expected_s)
+    with pytest.raises(ValueError, match=r"gate and up must be \[F, D\] and down \[D, F\]"):
+        int8_blob(gate, up, down.T)
+    with pytest.raises(ValueError, match=r"an int8 blob of F = 3, D = 5 is uint8 \["):
+        int8_parts(blob[:-1], f, d)
+    with pytest.raises(ValueError, match=r"weight must be a float matrix \[R, C\]"):
+        quantize_int8(torch.ones(3, dtype=torch.int32))
+
+
 @pytest.mark.parametrize(("change", "message"), [
-    (dict(f=7), r"blobs must be \[E, 3\*F\*D\]"),
+    (dict(f=7), r"blobs must be \[E, blob_bytes\]"),
+    (dict(fmt=9), r"fmt must be FORMAT_BF16 \(0\), FORMAT_INT8 \(1\), FORMAT_INT4_G32 \(2\) "
+                  r"or FORMAT_INT4_G64 \(3\), got 9"),
     (dict(out_rows=2), r"out must be \[R, D\] = \[3, 16\]"),
     (dict(starts=[0, 2, 2]), r"row_starts must be \[M\+1\] = \[3\] from 0 to R = 3"),
     (dict(starts=[0, 1]), r"row_starts must be \[M\+1\] = \[3\]"),
@@ -103,11 +247,11 @@ def test_bad_arguments_are_refused_before_anything_is_written(change, message):
     out = torch.full((change.get("out_rows", 3), d), 7.0, dtype=torch.bfloat16)
     before = out.clone()
     with pytest.raises(ValueError, match=message):
-        _cpu_experts.experts_bf16(_u16(blobs), np.asarray(change.get("experts", [0, 1]),
-                                                          dtype=np.int64),
-                                  np.asarray(change.get("starts", [0, 1, 3]), dtype=np.int64),
-                                  x.float().numpy(), _u16(out), change.get("f", f),
-                                  change.get("threads", 2))
+        _cpu_experts.compute(blobs.view(torch.uint8).numpy(), change.get("fmt", 0),
+                             np.asarray(change.get("experts", [0, 1]), dtype=np.int64),
+                             np.asarray(change.get("starts", [0, 1, 3]), dtype=np.int64),
+                             x.float().numpy(), _u16(out), change.get("f", f),
+                             change.get("threads", 2))
     assert torch.equal(out, before)
 
 

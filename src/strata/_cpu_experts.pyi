@@ -1,13 +1,26 @@
-"""The CPU miss path's kernel: bf16 experts read in place from the host store, on all cores.
+"""The CPU miss path's kernel: a layer call's experts read in place from the host store.
 
-Each output value is computed by one thread in one fixed order (the result does not depend on
-the thread count); the roundings to bf16 are where torch's bf16 matmul path has them.
+A blob is bf16 (gate [F, D] | up [F, D] | down [D, F]), int8 (the same matrices in int8, then
+their fp32 row scales) or int4 (two weights a byte, then an fp32 scale per group of 32 or 64
+along a row): `strata.engine.experts.quant` has the layouts. Each output value is computed by one
+thread in one fixed order (the result does not depend on the thread count); the roundings to
+bf16 are where torch's bf16 matmul path has them.
 """
 
 import numpy as np
 
-def experts_bf16(
+FORMAT_BF16: int
+FORMAT_INT8: int
+FORMAT_INT4_G32: int
+FORMAT_INT4_G64: int
+
+def blob_bytes(fmt: int, expert_width: int, hidden_size: int) -> int:
+    """Bytes of one blob of format `fmt` for F and D; ValueError for an unknown format, or an
+    int4 one whose group does not divide F and D."""
+
+def compute(
     blobs: np.ndarray,
+    fmt: int,
     experts: np.ndarray,
     row_starts: np.ndarray,
     x: np.ndarray,
@@ -18,8 +31,9 @@ def experts_bf16(
     """Compute `experts` of one layer over their rows, into `out`.
 
     Args:
-        blobs: uint16 [E, 3*F*D], C-contiguous: the layer's blobs (gate [F, D] | up [F, D] |
-            down [D, F]) as bf16 bits, the store's bytes, not a copy.
+        blobs: uint8 [E, blob_bytes(fmt, F, D)], C-contiguous: the layer's blobs, the store's
+            bytes, not a copy.
+        fmt: FORMAT_BF16, FORMAT_INT8, FORMAT_INT4_G32 or FORMAT_INT4_G64.
         experts: int64 [M]: the blob row of each expert of the call.
         row_starts: int64 [M+1] from 0 to R, not decreasing: expert i owns rows
             [row_starts[i], row_starts[i+1]) of `x` and `out`.
@@ -29,6 +43,6 @@ def experts_bf16(
         n_threads: the OpenMP threads of both passes, >= 1.
 
     Raises:
-        ValueError: shapes that disagree, an expert out of range, bad row_starts or
-            n_threads < 1, before anything is written.
+        ValueError: an unknown format, shapes that disagree, an expert out of range, bad
+            row_starts or n_threads < 1, before anything is written.
     """

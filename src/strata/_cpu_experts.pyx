@@ -3,15 +3,18 @@
 Dimension letters: M experts of the call, R rows (a row is one token routed to one expert),
 D hidden size, F expert width.
 
-A blob is gate [F, D] | up [F, D] | down [D, F] in bf16 (`strata.engine.experts.store`). At a
-few tokens an expert, computing one is reading it: 3*F*D*2 bytes for 3*F*D multiply-adds per
-token. torch's bf16 matmul reads a decode round's experts at 30-50% of the host's bandwidth
+A blob is gate [F, D] | up [F, D] | down [D, F] in bf16 (`strata.engine.experts.store`), or
+the same matrices in int8 followed by their fp32 scales, one per row: gate [F] | up [F] | down
+[D], or in int4, two weights a byte, followed by one fp32 scale per group of 32 or 64 weights
+along a row (`strata.engine.experts.quant`). At a few tokens an expert, computing one is
+reading it: 3*F*D*2 bytes (bf16), about 3*F*D (int8) or 3*F*D*0.56-0.63 (int4) for 3*F*D
+multiply-adds per token. torch's bf16 matmul reads a decode round's experts at 30-50% of the host's bandwidth
 (bench/results/cpu-experts-h200-2026-11-29.md); these loops read each weight row once per call
 and spread every expert of the call over the cores, so the whole call streams at the memory's
 rate:
 
 1. act[r, f] = bf16(silu(bf16(gate[f] . x[r])) * bf16(up[f] . x[r])) for each row r of each
-   expert, the expert's F split in blocks over the threads (the gate and up rows of one f are
+   expert (an int8 row's dot product times its scale), the expert's F split in blocks over the threads (the gate and up rows of one f are
    read by the same thread);
 2. out[r, d] = bf16(down[d] . act[r]), the expert's D split in blocks over the threads.
 
@@ -23,12 +26,18 @@ are added in another order).
 
 from cython.parallel cimport prange
 from libc.math cimport expf
-from libc.stdint cimport int64_t, uint16_t
+from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t
+from libc.string cimport memcpy
 
 import numpy as np
 
 cdef extern from "_cpu_experts_dot.h" nogil:
     float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n)
+    float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n)
+    float strata_dot_i4_g32_f32(const uint8_t *w, const float *scales, const float *x,
+                                int64_t n)
+    float strata_dot_i4_g64_f32(const uint8_t *w, const float *scales, const float *x,
+                                int64_t n)
     float strata_bf16_to_f32(uint16_t h)
     uint16_t strata_f32_to_bf16(float f)
 
@@ -37,18 +46,77 @@ cdef extern from "_cpu_experts_dot.h" nogil:
 cdef enum:
     BLOCK_ROWS = 16
 
+# The blobs' formats (`blob_bytes` of each: the layout above).
+cdef enum:
+    _BF16 = 0
+    _INT8 = 1
+    _INT4_G32 = 2
+    _INT4_G64 = 3
+FORMAT_BF16 = _BF16
+FORMAT_INT8 = _INT8
+FORMAT_INT4_G32 = _INT4_G32
+FORMAT_INT4_G64 = _INT4_G64
+
+
+cdef inline int64_t _group(int fmt) noexcept nogil:
+    return 32 if fmt == _INT4_G32 else 64
+
+
+def blob_bytes(int fmt, int64_t expert_width, int64_t hidden_size):
+    """Bytes of one blob of format `fmt` (a FORMAT_*) for F and D; ValueError for an unknown
+    format, or an int4 one whose group does not divide F and D."""
+    cdef int64_t n = 3 * expert_width * hidden_size
+    if fmt == _BF16:
+        return 2 * n
+    if fmt == _INT8:
+        return n + 4 * (2 * expert_width + hidden_size)
+    if fmt == _INT4_G32 or fmt == _INT4_G64:
+        if expert_width % _group(fmt) or hidden_size % _group(fmt):
+            raise ValueError(f"an int4 blob in groups of {_group(fmt)} needs F and D multiples "
+                             f"of {_group(fmt)}, got F = {expert_width}, D = {hidden_size}")
+        return n // 2 + 4 * (n // _group(fmt))
+    raise ValueError(f"fmt must be FORMAT_BF16 ({FORMAT_BF16}), FORMAT_INT8 ({FORMAT_INT8}), "
+                     f"FORMAT_INT4_G32 ({FORMAT_INT4_G32}) or FORMAT_INT4_G64 "
+                     f"({FORMAT_INT4_G64}), got {fmt}")
+
 
 cdef inline float _round(float v) noexcept nogil:
     return strata_bf16_to_f32(strata_f32_to_bf16(v))
 
 
-cdef void _activations(const uint16_t[:, ::1] blobs, const int64_t[::1] experts,
+cdef inline int64_t _scales_at(int fmt, int64_t f_width, int64_t d_hidden) noexcept nogil:
+    """The byte where a quantized blob's scales begin (after its 3*F*D weights)."""
+    if fmt == _INT8:
+        return 3 * f_width * d_hidden
+    return 3 * f_width * d_hidden // 2
+
+
+cdef inline float _dot(const uint8_t *blob, int fmt, int64_t start, int64_t row,
+                       int64_t scales_at, int64_t n, const float *x) noexcept nogil:
+    """Row `row` of the blob's rows (gate 0..F-1, up F..2F-1, down 2F..2F+D-1), its n elements
+    from element `start`, dotted with x: an int8 row times its scale, an int4 row's groups
+    each times theirs (the scales from byte scales_at on)."""
+    cdef float scale
+    cdef const float *scales = <const float *>(blob + scales_at)
+    if fmt == _BF16:
+        return strata_dot_bf16_f32(<const uint16_t *>blob + start, x, n)
+    if fmt == _INT8:
+        memcpy(&scale, blob + scales_at + 4 * row, 4)  # a blob's scales need not be aligned
+        return strata_dot_i8_f32(<const int8_t *>blob + start, x, n) * scale
+    # int4: F and D are multiples of the group, so every row starts on a group and a byte.
+    if fmt == _INT4_G32:
+        return strata_dot_i4_g32_f32(blob + start // 2, scales + start // 32, x, n)
+    return strata_dot_i4_g64_f32(blob + start // 2, scales + start // 64, x, n)
+
+
+cdef void _activations(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
                        const int64_t[::1] row_starts, const float[:, ::1] x,
                        float[:, ::1] act, int64_t f_width, int64_t d_hidden,
                        int n_threads) noexcept nogil:
     cdef int64_t n_blocks = (f_width + BLOCK_ROWS - 1) // BLOCK_ROWS
+    cdef int64_t scales_at = _scales_at(fmt, f_width, d_hidden)
     cdef int64_t task, i, f, f_end, r
-    cdef const uint16_t *blob
+    cdef const uint8_t *blob
     cdef float g, u
     for task in prange(experts.shape[0] * n_blocks, num_threads=n_threads, schedule="static"):
         i = task // n_blocks
@@ -57,38 +125,42 @@ cdef void _activations(const uint16_t[:, ::1] blobs, const int64_t[::1] experts,
         f_end = min(f + BLOCK_ROWS, f_width)
         while f < f_end:
             for r in range(row_starts[i], row_starts[i + 1]):
-                g = _round(strata_dot_bf16_f32(blob + f * d_hidden, &x[r, 0], d_hidden))
-                u = _round(strata_dot_bf16_f32(blob + (f_width + f) * d_hidden, &x[r, 0],
-                                               d_hidden))
+                g = _round(_dot(blob, fmt, f * d_hidden, f, scales_at, d_hidden, &x[r, 0]))
+                u = _round(_dot(blob, fmt, (f_width + f) * d_hidden, f_width + f, scales_at,
+                                d_hidden, &x[r, 0]))
                 act[r, f] = _round(_round(g / (1.0 + expf(-g))) * u)
             f = f + 1
 
 
-cdef void _outputs(const uint16_t[:, ::1] blobs, const int64_t[::1] experts,
+cdef void _outputs(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
                    const int64_t[::1] row_starts, const float[:, ::1] act,
                    uint16_t[:, ::1] out, int64_t f_width, int64_t d_hidden,
                    int n_threads) noexcept nogil:
     cdef int64_t n_blocks = (d_hidden + BLOCK_ROWS - 1) // BLOCK_ROWS
+    cdef int64_t scales_at = _scales_at(fmt, f_width, d_hidden)
+    cdef int64_t down_at = 2 * f_width * d_hidden  # elements before down's first row
     cdef int64_t task, i, d, d_end, r
-    cdef const uint16_t *down
+    cdef const uint8_t *blob
     for task in prange(experts.shape[0] * n_blocks, num_threads=n_threads, schedule="static"):
         i = task // n_blocks
-        down = &blobs[experts[i], 2 * f_width * d_hidden]
+        blob = &blobs[experts[i], 0]
         d = (task % n_blocks) * BLOCK_ROWS
         d_end = min(d + BLOCK_ROWS, d_hidden)
         while d < d_end:
             for r in range(row_starts[i], row_starts[i + 1]):
-                out[r, d] = strata_f32_to_bf16(
-                    strata_dot_bf16_f32(down + d * f_width, &act[r, 0], f_width))
+                out[r, d] = strata_f32_to_bf16(_dot(blob, fmt, down_at + d * f_width,
+                                                    2 * f_width + d, scales_at, f_width,
+                                                    &act[r, 0]))
             d = d + 1
 
 
-def experts_bf16(const uint16_t[:, ::1] blobs, const int64_t[::1] experts,
-                 const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
-                 int64_t expert_width, int n_threads):
+def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
+            const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
+            int64_t expert_width, int n_threads):
     """Compute `experts` of one layer over their rows, into `out`.
 
-    blobs uint16 [E, 3*F*D]: the layer's blobs as bf16 bits (the store's bytes, not a copy);
+    blobs uint8 [E, blob_bytes(fmt, F, D)]: the layer's blobs (the store's bytes, not a copy);
+    fmt: a FORMAT_*;
     experts int64 [M]: the blob row of each expert of the call; row_starts int64 [M+1]: expert
     i owns rows [row_starts[i], row_starts[i+1]) of `x` and `out`; x float32 [R, D]: each
     row's input; out uint16 [R, D]: each row's output as bf16 bits (written, not read);
@@ -99,8 +171,9 @@ def experts_bf16(const uint16_t[:, ::1] blobs, const int64_t[::1] experts,
     cdef int64_t d_hidden = x.shape[1]
     cdef int64_t n_rows = x.shape[0]
     cdef Py_ssize_t i
-    if expert_width < 1 or blobs.shape[1] != 3 * expert_width * d_hidden:
-        raise ValueError(f"blobs must be [E, 3*F*D] = [E, {3 * expert_width * d_hidden}] for "
+    if expert_width < 1 or blobs.shape[1] != blob_bytes(fmt, expert_width, d_hidden):
+        raise ValueError(f"blobs must be [E, blob_bytes] = [E, "
+                         f"{blob_bytes(fmt, expert_width, d_hidden)}] for format {fmt}, "
                          f"F = {expert_width}, D = {d_hidden}, got [{blobs.shape[0]}, "
                          f"{blobs.shape[1]}]")
     if out.shape[0] != n_rows or out.shape[1] != d_hidden:
@@ -123,5 +196,7 @@ def experts_bf16(const uint16_t[:, ::1] blobs, const int64_t[::1] experts,
     act = np.empty((n_rows, expert_width), dtype=np.float32)  # [R, F]
     cdef float[:, ::1] act_view = act
     with nogil:
-        _activations(blobs, experts, row_starts, x, act_view, expert_width, d_hidden, n_threads)
-        _outputs(blobs, experts, row_starts, act_view, out, expert_width, d_hidden, n_threads)
+        _activations(blobs, fmt, experts, row_starts, x, act_view, expert_width, d_hidden,
+                     n_threads)
+        _outputs(blobs, fmt, experts, row_starts, act_view, out, expert_width, d_hidden,
+                 n_threads)

@@ -1,13 +1,14 @@
-/* The inner loops of strata._cpu_experts: bf16 <-> fp32 and a dot product of a bf16 weight row
- * with an fp32 vector.
+/* The inner loops of strata._cpu_experts: bf16 <-> fp32, and dot products of a bf16, an int8 or
+ * an int4 weight row with an fp32 vector.
  *
  * A bf16 value is the upper half of an fp32 one, so widening is a 16-bit shift. The dot product
  * keeps 32 partial sums (two vectors of 16 lanes) and adds them up in one fixed order, so its
  * result depends only on its inputs and on the instruction set it was compiled for (fused or
  * separate multiply-add), never on threads or timing.
  *
- * The vector code uses GCC's generic vector extensions; on x86-64 with GCC it is compiled three
- * times (AVX-512, AVX2, baseline SSE2) and the loader picks the widest the CPU has (an ifunc,
+ * The vector code uses GCC's generic vector extensions, or plain loops over lanes that GCC turns
+ * into vector code; on x86-64 with GCC it is compiled three times (x86-64-v4: AVX-512,
+ * x86-64-v3: AVX2, and baseline SSE2) and the loader picks the widest the CPU has (an ifunc,
  * resolved once). Elsewhere it is compiled once for the build's target.
  */
 #ifndef STRATA_CPU_EXPERTS_DOT_H
@@ -17,7 +18,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+/* The x86-64 levels: v4 brings AVX-512's byte and word instructions too, without which GCC
+ * leaves the int4 loops scalar. */
+#define STRATA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define STRATA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define STRATA_CLONES
@@ -64,5 +69,50 @@ static float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n) {
     for (; k < n; k++) sum += strata_bf16_to_f32(w[k]) * x[k];
     return sum;
 }
+
+/* sum_k w[k] * x[k] over n elements: w int8 (a quantized row, its scale applied by the
+ * caller), x fp32. Written as lanes of a plain array, the form GCC turns into the vector
+ * sign-extension and conversion instructions (its generic vectors widen int8 lane by lane). */
+STRATA_CLONES
+static float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n) {
+    float acc[32] = {0};
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32)
+        for (int lane = 0; lane < 32; lane++) acc[lane] += (float)w[k + lane] * x[k + lane];
+    for (int lane = 0; lane < 16; lane++) acc[lane] += acc[lane + 16];
+    float sum = 0.0f;
+    for (int lane = 0; lane < 16; lane++) sum += acc[lane];
+    for (; k < n; k++) sum += (float)w[k] * x[k];
+    return sum;
+}
+
+/* sum over the groups of a row of n int4 weights (n a multiple of GROUP) of scale[g] * sum_k
+ * q[k] * x[k]: each group of GROUP weights is GROUP / 2 bytes, the low nibbles its first half and
+ * the high nibbles its second (so both halves read x contiguously), values -8..7 in two's
+ * complement. */
+#define STRATA_DOT_I4(GROUP)                                                                    \
+    STRATA_CLONES                                                                               \
+    static float strata_dot_i4_g##GROUP##_f32(const uint8_t *w, const float *scales,          \
+                                              const float *x, int64_t n) {                     \
+        /* One partial sum a lane across the groups: independent lanes, vector code. The       \
+         * nibbles are sign-extended with 32-bit shifts, which vector units have (byte shifts  \
+         * they do not). */                                                                     \
+        float acc[GROUP / 2] = {0};                                                             \
+        for (int64_t g = 0; g < n / GROUP; g++) {                                               \
+            const uint8_t *b = w + g * (GROUP / 2);                                             \
+            const float *xg = x + g * GROUP;                                                    \
+            const float scale = scales[g];                                                      \
+            for (int lane = 0; lane < GROUP / 2; lane++)                                        \
+                acc[lane] += scale * ((float)((int32_t)((uint32_t)b[lane] << 28) >> 28)         \
+                                      * xg[lane]                                                \
+                                      + (float)((int32_t)((uint32_t)b[lane] << 24) >> 28)       \
+                                      * xg[GROUP / 2 + lane]);                                  \
+        }                                                                                       \
+        float sum = 0.0f;                                                                       \
+        for (int lane = 0; lane < GROUP / 2; lane++) sum += acc[lane];                          \
+        return sum;                                                                             \
+    }
+STRATA_DOT_I4(32)
+STRATA_DOT_I4(64)
 
 #endif

@@ -5,10 +5,7 @@ GPU with `pytest -m cuda`."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ from strata.engine.experts.grouped import (
     expert_rows_gathered,
     expert_rows_triton,
 )
+from support.interpreted import run_interpreted
 
 
 def _stack(n_experts, f, d, dtype, seed, pad=24):
@@ -95,12 +93,7 @@ print(json.dumps(results))
 
 def test_the_triton_kernels_under_the_interpreter_match_the_reference():
     pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
-    here = os.path.dirname(__file__)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED, here], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
     expected = [([4, 80], "torch.float32", 1e-5), ([1, 256], "torch.float32", 1e-5),
                 ([6, 300], "torch.float16", 2e-3), ([0, 16], "torch.float32", 0.0)]
     for result, (shape, dtype, tolerance) in zip(results, expected, strict=True):

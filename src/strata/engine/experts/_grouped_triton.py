@@ -29,7 +29,13 @@ def gate_up_act(w_ptr, index_ptr, x_ptr, act_ptr, slot_stride, row_stride, D, F,
                      other=0.0)
         gate_sum += tl.sum(gate.to(tl.float32) * x[None, :], axis=1)
         up_sum += tl.sum(up.to(tl.float32) * x[None, :], axis=1)
-    # Round as the batched matmul and silu of the gathered path do, then multiply.
+    store_act(gate_sum, up_sum, act_ptr, r, act_stride, f, f_in)
+
+
+@triton.jit
+def store_act(gate_sum, up_sum, act_ptr, r, act_stride, f, f_in):
+    # act[r, f] from the fp32 gate and up sums [BF], rounded as the batched matmul and silu of
+    # the gathered path do, then multiplied.
     dtype = act_ptr.dtype.element_ty
     gate = gate_sum.to(dtype).to(tl.float32)
     up = up_sum.to(dtype).to(tl.float32)

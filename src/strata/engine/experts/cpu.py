@@ -54,7 +54,7 @@ def kernel_for(dtype: torch.dtype, kernel: str | None = None) -> str:
 
 
 def _u16(tensor: torch.Tensor) -> np.ndarray:
-    """The same bytes as a uint16 numpy array (a view: bf16 bits, or a uint8 buffer's pairs)."""
+    """The same bytes as a uint16 numpy array (a view: bf16 bits)."""
     return tensor.view(torch.int16).numpy().view(np.uint16)
 
 
@@ -74,9 +74,9 @@ class CpuExperts:
         self.store = store
         self.cpu_threads = cpu_threads
         self.kernel = kernel_for(store.dtype, kernel)
-        # Per layer, the blobs as uint16 [E, 3*F*D] (bf16 bits, the store's bytes) for the
+        # Per layer, the blobs uint8 [E, blob_bytes] (the store's bytes, not a copy) for the
         # kernel.
-        self._blob_bits = [_u16(store.layer_blobs(layer)) for layer in range(store.n_layers)] \
+        self._blobs = [store.layer_blobs(layer).numpy() for layer in range(store.n_layers)] \
             if self.kernel == "strata" else []
         # Per layer, views into the store's blobs (no copy), made once: gate and up as one
         # matrix [E, 2F, D] (adjacent in a blob), down [E, D, F].
@@ -121,8 +121,9 @@ class CpuExperts:
                 experts: np.ndarray, starts: np.ndarray) -> None:
         """out[starts[0]:starts[-1]] of `experts` [M] over x_rows (rows contiguous by expert)."""
         lo, hi = int(starts[0]), int(starts[-1])
-        _cpu_experts.experts_bf16(
-            self._blob_bits[layer], np.ascontiguousarray(experts, dtype=np.int64),
+        _cpu_experts.compute(
+            self._blobs[layer], _cpu_experts.FORMAT_BF16,
+            np.ascontiguousarray(experts, dtype=np.int64),
             np.ascontiguousarray(starts - lo, dtype=np.int64),
             x_rows[lo:hi].float().numpy(), _u16(out[lo:hi]), self.store.expert_width,
             self.cpu_threads or torch.get_num_threads())

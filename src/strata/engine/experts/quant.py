@@ -1,0 +1,210 @@
+"""Int8 expert blobs: weight-only quantization per output channel, scales in the same blob.
+
+Dimension letters: D hidden size, F expert width, R rows of a matrix, C its columns.
+
+An int8 blob holds the same three matrices as a bf16 one (`strata.engine.experts.store`), each
+row as int8 with one fp32 scale:
+
+    gate q [F, D] | up q [F, D] | down q [D, F]   int8, 3*F*D bytes
+    gate s [F]    | up s [F]    | down s [D]      fp32, 4*(2F + D) bytes
+
+so a slot still holds one contiguous blob of `int8_blob_bytes(F, D)` (a little over half of
+bf16's), and a row's weights are q * s. The scale of a row is its largest magnitude / 127, so
+every weight is within half a step (s / 2) of its value, and a row of zeros stays zeros.
+`strata._cpu_experts` reads these blobs in place (FORMAT_INT8).
+
+An int4 blob quantizes per group of `group` (32 or 64) weights along a row (the input), one
+fp32 scale a group, symmetric in -7..7, two weights a byte:
+
+    gate q [F, D/2] | up q [F, D/2] | down q [D, F/2]          3*F*D/2 bytes
+    gate s [F, D/G] | up s [F, D/G] | down s [D, F/G]          fp32, 12*F*D/G bytes
+
+where each group's G/2 bytes hold its first G/2 weights in their low nibbles and its last G/2
+in their high nibbles (so a kernel reads both halves' inputs contiguously); F and D must be
+multiples of G. `fake_quantize` gives the weights any format stands for, to measure what it
+costs in accuracy (bench/quant_accuracy.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["INT4_GROUPS", "INT4_MAX", "INT8_MAX", "WEIGHT_FORMATS", "blob_bytes",
+           "dequantize_blobs", "dequantize_int4", "dequantize_int8", "fake_quantize",
+           "format_group", "int4_blob", "int4_blob_bytes", "int8_blob", "int8_blob_bytes",
+           "int8_parts", "make_blob", "quantize_int4", "quantize_int8"]
+
+INT8_MAX = 127  # symmetric: -127..127, so that -q is always representable
+INT4_MAX = 7  # symmetric: -7..7
+INT4_GROUPS = (32, 64)  # weights a scale covers along a row
+# The formats `fake_quantize` knows: int8 per row, int4 per group of 32 or 64.
+WEIGHT_FORMATS = ("int8", "int4-g32", "int4-g64")
+
+
+def int8_blob_bytes(expert_width: int, hidden_size: int) -> int:
+    """Bytes of one int8 blob of an expert of width F and hidden size D."""
+    return 3 * expert_width * hidden_size + 4 * (2 * expert_width + hidden_size)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [R, C] (any float dtype) -> (q int8 [R, C], scale float32 [R]) with weight ~ q *
+    scale[:, None], each row's scale its largest magnitude / 127 (0 for a row of zeros)."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a float matrix [R, C], got {weight.dtype} "
+                         f"{list(weight.shape)}")
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / INT8_MAX  # [R]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q int8 [R, C], scale [R] -> float32 [R, C]."""
+    return q.float() * scale.float()[:, None]
+
+
+def int8_blob(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The int8 blob (uint8 [int8_blob_bytes(F, D)]) of gate [F, D], up [F, D], down [D, F]."""
+    f, d = gate.shape
+    if up.shape != (f, d) or down.shape != (d, f):
+        raise ValueError(f"gate and up must be [F, D] and down [D, F], got {list(gate.shape)}, "
+                         f"{list(up.shape)}, {list(down.shape)}")
+    parts = [quantize_int8(w) for w in (gate, up, down)]
+    q = torch.cat([p[0].reshape(-1) for p in parts]).view(torch.uint8)  # [3*F*D]
+    scales = torch.cat([p[1] for p in parts]).view(torch.uint8)  # [4*(2F + D)]
+    return torch.cat((q, scales))
+
+
+def int8_parts(blob: torch.Tensor, expert_width: int, hidden_size: int
+               ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """Views ((gate q, s), (up q, s), (down q, s)) into an int8 blob uint8 [int8_blob_bytes]."""
+    f, d = expert_width, hidden_size
+    if blob.dtype != torch.uint8 or blob.shape != (int8_blob_bytes(f, d),):
+        raise ValueError(f"an int8 blob of F = {f}, D = {d} is uint8 [{int8_blob_bytes(f, d)}], "
+                         f"got {blob.dtype} {list(blob.shape)}")
+    q = blob[: 3 * f * d].view(torch.int8)
+    scales = blob[3 * f * d :].clone().view(torch.float32)  # a copy: the view may be unaligned
+    return ((q[: f * d].view(f, d), scales[:f]),
+            (q[f * d : 2 * f * d].view(f, d), scales[f : 2 * f]),
+            (q[2 * f * d :].view(d, f), scales[2 * f :]))
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [R, C] -> (q int8 [R, C] in -7..7, scale float32 [R, C / group]) with weight ~
+    q * scale of its group; C must be a multiple of `group` (32 or 64)."""
+    if group not in INT4_GROUPS:
+        raise ValueError(f"group must be one of {INT4_GROUPS}, got {group!r}")
+    if weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] % group:
+        raise ValueError(f"weight must be a float matrix [R, C] with C a multiple of {group}, "
+                         f"got {weight.dtype} {list(weight.shape)}")
+    rows, cols = weight.shape
+    w = weight.float().view(rows, cols // group, group)  # [R, G, group]
+    scale = w.abs().amax(dim=2) / INT4_MAX  # [R, G]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[..., None]).clamp_(-INT4_MAX, INT4_MAX).to(torch.int8)
+    return q.view(rows, cols), scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q int8 [R, C] (values -7..7), scale [R, G] -> float32 [R, C]."""
+    rows, cols = q.shape
+    group = cols // scale.shape[1]
+    return (q.float().view(rows, -1, group) * scale.float()[..., None]).view(rows, cols)
+
+
+def fake_quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The float32 weights [R, C] a matrix stands for once stored in `fmt` (WEIGHT_FORMATS)."""
+    if fmt == "int8":
+        return dequantize_int8(*quantize_int8(weight))
+    if fmt in ("int4-g32", "int4-g64"):
+        return dequantize_int4(*quantize_int4(weight, int(fmt.removeprefix("int4-g"))))
+    raise ValueError(f"fmt must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+
+
+def int4_blob_bytes(expert_width: int, hidden_size: int, group: int) -> int:
+    """Bytes of one int4 blob in groups of `group` (F and D multiples of it)."""
+    n = 3 * expert_width * hidden_size
+    return n // 2 + 4 * (n // group)
+
+
+def _pack_int4(q: torch.Tensor, group: int) -> torch.Tensor:
+    """q int8 [R, C] in -7..7 -> uint8 [R * C / 2]: per group, the first half's nibbles low."""
+    rows, cols = q.shape
+    halves = q.view(rows, cols // group, 2, group // 2).to(torch.int32) & 0xF  # [R, G, 2, g/2]
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).to(torch.uint8).reshape(-1)
+
+
+def int4_blob(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, group: int
+              ) -> torch.Tensor:
+    """The int4 blob (uint8 [int4_blob_bytes(F, D, group)]) of gate [F, D], up [F, D],
+    down [D, F]."""
+    f, d = gate.shape
+    if up.shape != (f, d) or down.shape != (d, f):
+        raise ValueError(f"gate and up must be [F, D] and down [D, F], got {list(gate.shape)}, "
+                         f"{list(up.shape)}, {list(down.shape)}")
+    parts = [quantize_int4(w, group) for w in (gate, up, down)]
+    packed = torch.cat([_pack_int4(q, group) for q, _ in parts])
+    scales = torch.cat([scale.reshape(-1) for _, scale in parts]).view(torch.uint8)
+    return torch.cat((packed, scales))
+
+
+def format_group(fmt: str) -> int:
+    """The int4 group of `fmt` ("int4-g32": 32); 0 for int8. ValueError for another format."""
+    if fmt == "int8":
+        return 0
+    if fmt in ("int4-g32", "int4-g64"):
+        return int(fmt.removeprefix("int4-g"))
+    raise ValueError(f"fmt must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+
+
+def blob_bytes(fmt: str, expert_width: int, hidden_size: int) -> int:
+    """Bytes of one blob of the quantized format `fmt` (WEIGHT_FORMATS)."""
+    group = format_group(fmt)
+    if not group:
+        return int8_blob_bytes(expert_width, hidden_size)
+    if expert_width % group or hidden_size % group:
+        raise ValueError(f"{fmt} needs F and D multiples of {group}, got F = {expert_width}, "
+                         f"D = {hidden_size}")
+    return int4_blob_bytes(expert_width, hidden_size, group)
+
+
+def make_blob(fmt: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+              ) -> torch.Tensor:
+    """The blob of `fmt` (WEIGHT_FORMATS) of gate [F, D], up [F, D], down [D, F]."""
+    group = format_group(fmt)
+    return int4_blob(gate, up, down, group) if group else int8_blob(gate, up, down)
+
+
+def _unpack_int4(packed: torch.Tensor, n_rows: int, cols: int, group: int) -> torch.Tensor:
+    """uint8 [B, n_rows * cols / 2] -> int8 [B, n_rows, cols] in -8..7 (`_pack_int4`'s inverse)."""
+    b = packed.shape[0]
+    byte = packed.view(b, n_rows, cols // group, group // 2).to(torch.int32)
+    lo = ((byte << 28) >> 28).to(torch.int8)  # two's complement nibbles, sign-extended
+    hi = ((byte << 24) >> 28).to(torch.int8)
+    return torch.stack((lo, hi), dim=3).view(b, n_rows, cols)
+
+
+def dequantize_blobs(blobs: torch.Tensor, fmt: str, expert_width: int, hidden_size: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """blobs uint8 [B, >= blob_bytes] of `fmt` -> (gate_up [B, 2F, D], down [B, D, F]) in
+    `dtype`: the weights they stand for, computed in float32 then cast."""
+    f, d = expert_width, hidden_size
+    b, n = blobs.shape[0], 3 * f * d
+    blobs = blobs[:, : blob_bytes(fmt, f, d)]
+    group = format_group(fmt)
+    if not group:
+        q = blobs[:, :n].contiguous().view(torch.int8).float()  # [B, 3FD]
+        scales = blobs[:, n:].contiguous().view(torch.float32)  # [B, 2F + D]
+        gate_up = q[:, : 2 * f * d].view(b, 2 * f, d) * scales[:, : 2 * f, None]
+        down = q[:, 2 * f * d :].view(b, d, f) * scales[:, 2 * f :, None]
+        return gate_up.to(dtype), down.to(dtype)
+    packed = blobs[:, : n // 2].contiguous()
+    scales = blobs[:, n // 2 :].contiguous().view(torch.float32)  # [B, 3FD / G]
+    gate_up_q = _unpack_int4(packed[:, : f * d], 2 * f, d, group).float()  # [B, 2F, D]
+    down_q = _unpack_int4(packed[:, f * d :], d, f, group).float()  # [B, D, F]
+    gate_up_s = scales[:, : 2 * f * d // group].view(b, 2 * f, d // group)
+    down_s = scales[:, 2 * f * d // group :].view(b, d, f // group)
+    gate_up = (gate_up_q.view(b, 2 * f, d // group, group) * gate_up_s[..., None])
+    down = (down_q.view(b, d, f // group, group) * down_s[..., None])
+    return gate_up.view(b, 2 * f, d).to(dtype), down.view(b, d, f).to(dtype)

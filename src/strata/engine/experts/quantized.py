@@ -1,0 +1,119 @@
+"""The decode path's experts from quantized blobs: `expert_rows` for int8 and int4 slots.
+
+Legend: S blobs in the stack (a layer's, or the cache's slots), R routed rows, D hidden size,
+F expert width.
+
+As `strata.engine.experts.grouped.expert_rows` does for bf16 blobs, `quantized_rows` computes R
+routed experts over one input row each, from blobs picked by an index on the device (no host
+read, static shapes), but the blobs hold one of the quantized formats of
+`strata.engine.experts.quant`. Two implementations, chosen by where the tensors are:
+- CUDA with Triton: kernels that read each routed blob in place, the int8 or int4 weights
+  widened and scaled as they are loaded (`strata.engine.experts._quantized_triton`): a routed
+  expert costs its quantized bytes, about half (int8) or a third (int4) of bf16's;
+- elsewhere: the R blobs dequantized (`dequantize_blobs`, a copy in x's dtype) and two batched
+  matmuls, as the bf16 gathered path.
+Both round the gate and up sums, silu and the product to x's dtype like the bf16 paths; the two
+sum in other orders, so the device's choice is part of what the output bytes depend on.
+
+Not wired into the engine yet: the resident experts, the cache's arena and the loan still hold
+bf16 blobs (`--experts-dtype` is the step after this one).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from strata.engine.experts.quant import blob_bytes, dequantize_blobs, format_group
+
+__all__ = ["quantized_rows", "quantized_rows_gathered", "quantized_rows_triton"]
+
+# As the bf16 kernels' (measured there on the H200); the D and F steps are multiples of every
+# int4 group.
+ACT_BLOCK_F, ACT_BLOCK_D = 16, 256
+DOWN_BLOCK_D, DOWN_BLOCK_F = 16, 256
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernels module, or None without Triton."""
+    try:
+        from strata.engine.experts import _quantized_triton
+    except ImportError:
+        return None
+    return _quantized_triton
+
+
+def _check(blobs: torch.Tensor, fmt: str, x_rows: torch.Tensor, expert_width: int) -> None:
+    need = blob_bytes(fmt, expert_width, x_rows.shape[1])  # ValueError for a bad format
+    if blobs.dtype != torch.uint8 or blobs.dim() != 2 or blobs.shape[1] < need \
+            or blobs.stride(1) != 1:
+        raise ValueError(f"blobs must be uint8 [S, >= {need}] (one {fmt} blob of F = "
+                         f"{expert_width}, D = {x_rows.shape[1]}), bytes contiguous, got "
+                         f"{blobs.dtype} {list(blobs.shape)}")
+
+
+def quantized_rows(blobs: torch.Tensor, fmt: str, index: torch.Tensor, x_rows: torch.Tensor,
+                   expert_width: int) -> torch.Tensor:
+    """[R, D] in x_rows' dtype: row r is the expert in blob index[r] applied to x_rows[r].
+
+    blobs uint8 [S, >= blob_bytes]: one blob of `fmt` (a quant.WEIGHT_FORMATS) a row, any
+    stride from one to the next; index [R] int64 on their device; x_rows [R, D]. The Triton
+    kernels on CUDA when Triton is there, the dequantizing path elsewhere (see the module)."""
+    if x_rows.is_cuda and _kernels() is not None and not torch.compiler.is_compiling():
+        return quantized_rows_triton(blobs, fmt, index, x_rows, expert_width)
+    return quantized_rows_gathered(blobs, fmt, index, x_rows, expert_width)
+
+
+def quantized_rows_gathered(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
+                            x_rows: torch.Tensor, expert_width: int) -> torch.Tensor:
+    """`quantized_rows` by dequantizing the R blobs and two batched matmuls."""
+    _check(blobs, fmt, x_rows, expert_width)
+    f = expert_width
+    gate_up, down = dequantize_blobs(blobs.index_select(0, index), fmt, f, x_rows.shape[1],
+                                     x_rows.dtype)  # [R, 2F, D], [R, D, F]
+    h = torch.bmm(gate_up, x_rows.unsqueeze(-1)).squeeze(-1)  # [R, 2F]
+    act = F.silu(h[:, :f]) * h[:, f:]  # [R, F]
+    return torch.bmm(down, act.unsqueeze(-1)).squeeze(-1)  # [R, D]
+
+
+def quantized_rows_triton(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
+                          x_rows: torch.Tensor, expert_width: int) -> torch.Tensor:
+    """`quantized_rows` with the Triton kernels, reading the blobs in place. Runs wherever
+    Triton does (its interpreter on the CPU, with TRITON_INTERPRET=1 set before import, is how
+    the tests check it without a GPU). RuntimeError without Triton; ValueError for blobs whose
+    scales would not be 4-byte aligned (a slot stride or 3*F*D not a multiple of 4)."""
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("quantized_rows_triton needs Triton (pip install triton)")
+    _check(blobs, fmt, x_rows, expert_width)
+    n_rows, d = x_rows.shape
+    f = expert_width
+    group = format_group(fmt)
+    scales_at = 3 * f * d // 2 if group else 3 * f * d  # bytes before the scales
+    if blobs.stride(0) % 4 or scales_at % 4 or blobs.data_ptr() % 4:
+        raise ValueError(f"the kernels read a {fmt} blob's scales as float32: the slot stride "
+                         f"({blobs.stride(0)}) and 3*F*D ({3 * f * d}) must keep them 4-byte "
+                         f"aligned")
+    x_rows = x_rows.contiguous()
+    act = x_rows.new_empty((n_rows, f))  # [R, F]
+    y = x_rows.new_empty((n_rows, d))  # [R, D]
+    if n_rows == 0:
+        return y
+    act_grid = (n_rows, -(-f // ACT_BLOCK_F))
+    down_grid = (n_rows, -(-d // DOWN_BLOCK_D))
+    common = (blobs.stride(0), scales_at, d, f)
+    if group:
+        kernels.int4_act[act_grid](blobs, index, x_rows, act, *common, x_rows.stride(0),
+                                   act.stride(0), GROUP=group, BLOCK_F=ACT_BLOCK_F,
+                                   BLOCK_D=ACT_BLOCK_D)
+        kernels.int4_down[down_grid](blobs, index, act, y, *common, act.stride(0), y.stride(0),
+                                     GROUP=group, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F)
+    else:
+        kernels.int8_act[act_grid](blobs, index, x_rows, act, *common, x_rows.stride(0),
+                                   act.stride(0), BLOCK_F=ACT_BLOCK_F, BLOCK_D=ACT_BLOCK_D)
+        kernels.int8_down[down_grid](blobs, index, act, y, *common, act.stride(0), y.stride(0),
+                                     BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F)
+    return y

@@ -1,0 +1,149 @@
+"""`strata.engine.experts.quantized`: the decode experts from int8 and int4 blobs, against a
+float64 reference over the weights the blobs stand for; the Triton kernels under Triton's
+interpreter on the CPU (a fresh interpreter: TRITON_INTERPRET must be set before Triton is
+imported), and on the GPU with `pytest -m cuda`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.engine.experts.quant import (
+    WEIGHT_FORMATS,
+    blob_bytes,
+    dequantize_blobs,
+    fake_quantize,
+    make_blob,
+)
+from strata.engine.experts.quantized import (
+    quantized_rows,
+    quantized_rows_gathered,
+    quantized_rows_triton,
+)
+from support.interpreted import run_interpreted
+
+
+def _blobs(fmt, n_experts, f, d, seed, pad=28):
+    """uint8 [S, blob + pad] of `fmt` (slots further apart than a blob, as the arena's), and
+    the float32 weights each stands for: [(gate_up [2F, D], down [D, F])]."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, weights = [], []
+    for _ in range(n_experts):
+        gate, up = torch.randn(f, d, generator=gen) / d**0.5, torch.randn(f, d, generator=gen)
+        down = torch.randn(d, f, generator=gen) / f**0.5
+        rows.append(torch.cat((make_blob(fmt, gate, up / d**0.5, down),
+                               torch.zeros(pad, dtype=torch.uint8))))
+        weights.append((torch.cat([fake_quantize(w, fmt) for w in (gate, up / d**0.5)]),
+                        fake_quantize(down, fmt)))
+    return torch.stack(rows), weights
+
+
+def _reference(weights, index, x_rows):
+    """[R, D] in float64, one expert at a time."""
+    rows = []
+    for e, x in zip(index.tolist(), x_rows.double(), strict=True):
+        gate_up, down = (w.double() for w in weights[e])
+        h = gate_up @ x
+        f = down.shape[1]
+        rows.append(down @ (F.silu(h[:f]) * h[f:]))
+    return torch.stack(rows) if rows else x_rows.new_zeros((0, x_rows.shape[1])).double()
+
+
+def _relative(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+def test_the_blobs_dequantize_to_the_weights_they_stand_for(fmt):
+    blobs, weights = _blobs(fmt, 3, 64, 128, seed=1)
+    gate_up, down = dequantize_blobs(blobs, fmt, 64, 128, torch.float32)
+    for e, (w_gate_up, w_down) in enumerate(weights):
+        assert torch.equal(gate_up[e], w_gate_up) and torch.equal(down[e], w_down)
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+def test_the_gathered_path_matches_the_reference(fmt):
+    blobs, weights = _blobs(fmt, 5, 64, 192, seed=2)
+    index = torch.tensor([4, 0, 4, 2])  # a repeat, out of order
+    x_rows = torch.randn(4, 192, generator=torch.Generator().manual_seed(3))
+    out = quantized_rows_gathered(blobs, fmt, index, x_rows, 64)
+    assert out.shape == (4, 192) and out.dtype == torch.float32
+    assert _relative(out, _reference(weights, index, x_rows)) < 1e-5
+    assert torch.equal(quantized_rows(blobs, fmt, index, x_rows, 64), out)  # off CUDA
+
+
+def test_bad_blobs_and_formats_are_refused():
+    blobs, _ = _blobs("int8", 2, 32, 64, seed=4, pad=0)
+    x_rows, index = torch.randn(1, 64), torch.tensor([0])
+    with pytest.raises(ValueError, match=r"blobs must be uint8 \[S, >= 6656\]"):
+        quantized_rows(blobs[:, :-1], "int8", index, x_rows, 32)
+    with pytest.raises(ValueError, match=r"blobs must be uint8"):
+        quantized_rows(blobs.view(torch.int8), "int8", index, x_rows, 32)
+    with pytest.raises(ValueError, match=r"fmt must be one of"):
+        quantized_rows(blobs, "int2", index, x_rows, 32)
+    with pytest.raises(ValueError, match=r"int4-g64 needs F and D multiples of 64, got F = 32"):
+        blob_bytes("int4-g64", 32, 64)
+
+
+# The kernels on CPU tensors: every format, shapes off the blocks' multiples, a repeat, no
+# rows, dtypes numpy has (the interpreter has no bfloat16).
+_INTERPRETED = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_quantized_experts import _blobs, _reference, _relative
+from strata.engine.experts.quantized import quantized_rows_triton
+results = []
+for seed, (fmt, s, f, d, index, dtype) in enumerate([
+        ("int8", 5, 48, 80, [3, 0, 3, 4], torch.float32),    # F, D not multiples of blocks
+        ("int4-g32", 4, 96, 320, [1, 2, 0, 1], torch.float32),
+        ("int4-g64", 3, 64, 384, [2, 0], torch.float16),
+        ("int8", 2, 16, 256, [], torch.float32)]):           # no rows
+    blobs, weights = _blobs(fmt, s, f, d, seed)
+    index = torch.tensor(index, dtype=torch.int64)
+    x_rows = torch.randn(len(index), d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    out = quantized_rows_triton(blobs, fmt, index, x_rows, f)
+    again = quantized_rows_triton(blobs, fmt, index, x_rows, f)
+    ref = _reference(weights, index, x_rows)
+    results.append({"shape": list(out.shape), "dtype": str(out.dtype),
+                    "error": _relative(out, ref) if len(index) else 0.0,
+                    "same_bytes": bool(torch.equal(out, again))})
+print(json.dumps(results))
+"""
+
+
+def test_the_triton_kernels_under_the_interpreter_match_the_reference():
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
+    expected = [([4, 80], "torch.float32", 1e-5), ([4, 320], "torch.float32", 1e-5),
+                ([2, 384], "torch.float16", 2e-3), ([0, 256], "torch.float32", 0.0)]
+    for result, (shape, dtype, tolerance) in zip(results, expected, strict=True):
+        assert result["shape"] == shape and result["dtype"] == dtype
+        assert result["error"] <= tolerance and result["same_bytes"]
+
+
+def test_the_triton_path_refuses_scales_it_cannot_read_aligned():
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    blobs, _ = _blobs("int8", 2, 32, 64, seed=5, pad=2)  # a stride of 4*k + 2 bytes
+    with pytest.raises(ValueError, match="must keep them 4-byte aligned"):
+        quantized_rows_triton(blobs, "int8", torch.tensor([0]), torch.randn(1, 64), 32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+def test_on_cuda_the_kernels_match_and_repeat(fmt):
+    pytest.importorskip("triton")
+    cuda = torch.device("cuda")
+    f, d = 768, 2048  # qwen3-30b-a3b's expert
+    blobs, weights = _blobs(fmt, 10, f, d, seed=6)
+    index = torch.tensor([7, 2, 9, 0, 2, 5, 1, 3])
+    x_rows = torch.randn(8, d, generator=torch.Generator().manual_seed(7))
+    ref = _reference(weights, index, x_rows)
+    for dtype, tolerance in ((torch.bfloat16, 1e-2), (torch.float32, 3e-4)):
+        out = quantized_rows(blobs.to(cuda), fmt, index.to(cuda), x_rows.to(cuda, dtype), f)
+        assert _relative(out.cpu(), ref) < tolerance
+        again = quantized_rows(blobs.to(cuda), fmt, index.to(cuda), x_rows.to(cuda, dtype), f)
+        assert torch.equal(out, again)
