@@ -6,7 +6,7 @@
 #   bash bench/gpu_session.sh kv-grow kv-grow-skewed                      # about 6 minutes
 #   bash bench/gpu_session.sh offload                                     # about 7 minutes
 #
-# Stages (minutes, roughly): tests (1: pytest -m cuda), kernels (0.5: bench/grouped_experts.py),
+# Stages (minutes, roughly): tests (1: pytest -m cuda), kernels (1: bench/grouped_experts.py, bf16 and quantized),
 # host (0.2: bench/cache_host.py, the host's share of a cache layer call, on that machine's
 # CPU), cache (3: bench/cache.py at 4 GiB against accelerate), kv-grow (2: the short chat at
 # the reference's proportions, start cells 1/12 of the window), kv-grow-skewed (2.5: the same
@@ -68,7 +68,7 @@ for stage in "$@"; do
            skip=$(python3 -c "import openai" 2> /dev/null || echo "--ignore=tests/serve")
            timeout 200 python3 -m pytest -m cuda tests -q -p no:cacheprovider $skip \
                > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
-    kernels) (cd bench && timeout 100 python3 grouped_experts.py) > "$OUT/kernels.txt" 2>&1
+    kernels) (cd bench && timeout 150 python3 grouped_experts.py) > "$OUT/kernels.txt" 2>&1
              cat "$OUT/kernels.txt" ;;
     host) (cd bench && timeout 120 python3 cache_host.py) > "$OUT/host.txt" 2>&1
           cat "$OUT/host.txt" ;;

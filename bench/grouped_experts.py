@@ -11,7 +11,10 @@ with fresh random routing per stack; each call is captured in a CUDA graph and i
 with CUDA events (median of `--repeat`), so launch gaps stay out of the numbers; `eager ms`
 times the same calls launched one by one, launches included. Variants: the
 gathered path, and the Triton kernels at several block sizes (the first is the default). A
-check against the gathered path runs before timing.
+check against the gathered path runs before timing. Then the same experts quantized
+(`strata.engine.experts.quant`: int8, int4 in groups of 32) through their Triton kernels
+(`strata.engine.experts.quantized`): GB/s of the bytes each format reads, time against the
+bf16 gathered path, and the error against it (quantization included).
 
     python bench/grouped_experts.py                     # CUDA only
     python bench/grouped_experts.py --json
@@ -36,7 +39,11 @@ from strata.engine.experts.grouped import (
     expert_rows_gathered,
     expert_rows_triton,
 )
+from strata.engine.experts.quant import make_blob
+from strata.engine.experts.quantized import quantized_rows_triton
 from strata.engine.model.presets import get_preset
+
+QUANTIZED = ("int8", "int4-g32")
 
 BLOCKS = [((GATE_UP_BLOCK_F, GATE_UP_BLOCK_D), (DOWN_BLOCK_D, DOWN_BLOCK_F)),
           ((8, 256), (8, 256)), ((32, 128), (32, 128)), ((16, 512), (16, 512)),
@@ -93,9 +100,9 @@ def measure(preset_name: str, n_stacks: int, repeat: int, dtype: torch.dtype) ->
                        blobs[:, 2 * f * d :].unflatten(1, (d, f)), index, x_rows))
     floor_bytes = k * 3 * f * d * dtype.itemsize
 
-    def rotated(run):
+    def rotated(run, over=stacks):
         def call():
-            for stack in stacks:
+            for stack in over:
                 run(*stack)
         return call
 
@@ -113,6 +120,23 @@ def measure(preset_name: str, n_stacks: int, repeat: int, dtype: torch.dtype) ->
         rows.append({"variant": name, "ms_per_call": ms, "relative_error": error,
                      "gb_per_s": floor_bytes / ms / 1e6,
                      "eager_ms_per_call": time_eager(rotated(run), repeat) / n_stacks})
+    for fmt in QUANTIZED:
+        quantized = []  # per stack (blobs uint8 [E, bytes], index, x_rows)
+        for gate_up, down, index, x_rows in stacks:
+            blobs = torch.stack([make_blob(fmt, g[:f], g[f:], dn)
+                                 for g, dn in zip(gate_up, down, strict=True)])
+            quantized.append((blobs, index, x_rows))
+
+        def run(blobs, index, x_rows, fmt=fmt):
+            return quantized_rows_triton(blobs, fmt, index, x_rows, f)
+
+        error = max(((run(*stack).float() - ref).norm() / ref.norm()).item()
+                    for stack, ref in zip(quantized, reference, strict=True))
+        ms = time_graph(rotated(run, quantized), repeat) / n_stacks
+        read = k * quantized[0][0].shape[1]
+        rows.append({"variant": f"{fmt} triton", "ms_per_call": ms, "relative_error": error,
+                     "gb_per_s": read / ms / 1e6,
+                     "eager_ms_per_call": time_eager(rotated(run, quantized), repeat) / n_stacks})
     gathered = rows[0]["ms_per_call"]
     for row in rows:
         row["speedup_over_gathered"] = gathered / row["ms_per_call"]
