@@ -6,7 +6,8 @@
 #   bash bench/gpu_session.sh kv-grow kv-grow-skewed                      # about 6 minutes
 #   bash bench/gpu_session.sh offload                                     # about 7 minutes
 #
-# Stages (minutes, roughly): tests (1: pytest -m cuda), kernels (1: bench/grouped_experts.py, bf16 and quantized),
+# Stages (minutes, roughly): tests (1: pytest -m cuda), kernels (1: bench/grouped_experts.py,
+# the bf16 and the quantized decode kernels),
 # host (0.2: bench/cache_host.py, the host's share of a cache layer call, on that machine's
 # CPU), cache (3: bench/cache.py at 4 GiB against accelerate), kv-grow (2: the short chat at
 # the reference's proportions, start cells 1/12 of the window), kv-grow-skewed (2.5: the same
