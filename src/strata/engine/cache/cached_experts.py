@@ -96,6 +96,7 @@ class CachedExperts:
         stream_misses: int | StreamSplit = 0,
         loan: LoanOptions | None = None,
     ) -> None:
+        store.require_unquantized("the expert cache")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())

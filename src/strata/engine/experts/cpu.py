@@ -33,7 +33,11 @@ from strata import _cpu_experts, settings
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.routed import Routed
 
-__all__ = ["KERNEL_MAX_ROWS", "CpuExperts", "kernel_for"]
+__all__ = ["KERNEL_FORMATS", "KERNEL_MAX_ROWS", "CpuExperts", "kernel_for"]
+
+# The kernel's format of each quantized store (`ExpertStore.quant`).
+KERNEL_FORMATS = {"int8": _cpu_experts.FORMAT_INT8, "int4-g32": _cpu_experts.FORMAT_INT4_G32,
+                  "int4-g64": _cpu_experts.FORMAT_INT4_G64}
 
 # An expert with more rows than this goes to torch's matmul: the kernel converts each weight
 # row once per row it computes, while the matmul's blocked arithmetic (AMX where the CPU has
@@ -64,7 +68,9 @@ class CpuExperts:
     `cpu_threads`: the threads of these calls (torch's intra-op threads are set around each
     call, the caller's count restored after); None: torch's count (by default the physical
     cores). `kernel`: "strata" (the default where `STRATA_CPU_KERNEL` is unset) or "torch",
-    as the module's docstring says; a store in another dtype than bf16 always uses torch.
+    as the module's docstring says; a store in another dtype than bf16 always uses torch, and a
+    quantized store (`ExpertStore.quant`) strata's kernel for every expert, whatever its rows
+    (torch has no matmul that reads the blobs).
     """
 
     def __init__(self, store: ExpertStore, cpu_threads: int | None = None,
@@ -73,17 +79,24 @@ class CpuExperts:
             raise ValueError(f"cpu_threads must be None or an int >= 1, got {cpu_threads!r}")
         self.store = store
         self.cpu_threads = cpu_threads
-        self.kernel = kernel_for(store.dtype, kernel)
+        if store.quant is not None:
+            if store.dtype != torch.bfloat16:
+                raise ValueError(f"quantized experts compute in bfloat16 on the CPU, the "
+                                 f"store's dtype is {store.dtype}")
+            kernel_for(store.dtype, kernel)  # a bad name is still an error
+            self.kernel, self._format = "strata", KERNEL_FORMATS[store.quant]
+        else:
+            self.kernel, self._format = kernel_for(store.dtype, kernel), _cpu_experts.FORMAT_BF16
         # Per layer, the blobs uint8 [E, blob_bytes] (the store's bytes, not a copy) for the
         # kernel.
         self._blobs = [store.layer_blobs(layer).numpy() for layer in range(store.n_layers)] \
             if self.kernel == "strata" else []
         # Per layer, views into the store's blobs (no copy), made once: gate and up as one
-        # matrix [E, 2F, D] (adjacent in a blob), down [E, D, F].
+        # matrix [E, 2F, D] (adjacent in a blob), down [E, D, F]; none for quantized blobs.
         f, d = store.expert_width, store.hidden_size
         self._gate_up: list[torch.Tensor] = []
         self._down: list[torch.Tensor] = []
-        for layer in range(store.n_layers):
+        for layer in range(store.n_layers if store.quant is None else 0):
             typed = store.layer_blobs(layer).view(store.dtype)  # [E, 3*F*D]
             self._gate_up.append(typed[:, : 2 * f * d].unflatten(1, (2 * f, d)))
             self._down.append(typed[:, 2 * f * d : 3 * f * d].unflatten(1, (d, f)))
@@ -106,6 +119,9 @@ class CpuExperts:
     def _compute(self, layer: int, x_rows: torch.Tensor, routed: Routed) -> torch.Tensor:
         out = torch.empty((routed.n_rows, self.store.hidden_size), dtype=self.store.dtype)
         x_rows = x_rows.to(self.store.dtype)
+        if self.store.quant is not None:  # every expert through the kernel
+            self._kernel(layer, x_rows, out, routed.experts, routed.starts)
+            return out
         matmul = np.arange(routed.n_experts)  # [M]: the experts torch computes
         if self.kernel == "strata":
             small = np.diff(routed.starts) <= KERNEL_MAX_ROWS  # [M]
@@ -122,7 +138,7 @@ class CpuExperts:
         """out[starts[0]:starts[-1]] of `experts` [M] over x_rows (rows contiguous by expert)."""
         lo, hi = int(starts[0]), int(starts[-1])
         _cpu_experts.compute(
-            self._blobs[layer], _cpu_experts.FORMAT_BF16,
+            self._blobs[layer], self._format,
             np.ascontiguousarray(experts, dtype=np.int64),
             np.ascontiguousarray(starts - lo, dtype=np.int64),
             x_rows[lo:hi].float().numpy(), _u16(out[lo:hi]), self.store.expert_width,

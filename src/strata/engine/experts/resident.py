@@ -61,6 +61,7 @@ class ResidentExperts:
         self, store: ExpertStore, device: str | torch.device, dtype: torch.dtype | None = None,
         grouped_prefill: bool | None = None,
     ) -> None:
+        store.require_unquantized("ResidentExperts")
         self.device = torch.device(device)
         # None: the grouped products where they are available; False: always the loop (a
         # benchmark's baseline).

@@ -6,11 +6,19 @@ A *blob* is one expert's bytes laid out contiguously: gate [F, D] | up [F, D] | 
 the model dtype. It is the unit a VRAM expert cache copies into a slot. Because gate and up are
 adjacent, the first 2*F*D elements of a blob are the fused gate_up matrix [2F, D].
 `strata.engine.model.checkpoint.expert_store` reads one from a checkpoint.
+
+A store may instead hold quantized blobs (`quant`: one of `strata.engine.experts.quant`'s
+WEIGHT_FORMATS, its layout there); `dtype` is then the dtype the experts compute in. So far only
+the CPU's miss path reads them (`CpuExperts`); the resident experts and the expert cache refuse
+such a store.
 """
 
 from __future__ import annotations
 
 import torch
+
+from strata.engine.experts.quant import blob_bytes as quant_blob_bytes
+from strata.engine.experts.quant import dequantize_blobs
 
 __all__ = ["ExpertStore"]
 
@@ -23,13 +31,18 @@ class ExpertStore:
     """
 
     def __init__(
-        self, layers: list[torch.Tensor], hidden_size: int, expert_width: int, dtype: torch.dtype
+        self, layers: list[torch.Tensor], hidden_size: int, expert_width: int, dtype: torch.dtype,
+        quant: str | None = None,
     ) -> None:
         self.hidden_size = hidden_size
         self.expert_width = expert_width
         self.dtype = dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.blob_bytes = 3 * expert_width * hidden_size * itemsize
+        self.quant = quant
+        if quant is not None:
+            self.blob_bytes = quant_blob_bytes(quant, expert_width, hidden_size)  # ValueError
+        else:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            self.blob_bytes = 3 * expert_width * hidden_size * itemsize
         if not layers:
             raise ValueError("an ExpertStore needs at least one layer")
         for i, buf in enumerate(layers):
@@ -62,10 +75,22 @@ class ExpertStore:
         self._check(layer, expert)
         return self._layers[layer][expert]
 
+    def require_unquantized(self, reader: str) -> None:
+        """ValueError naming `reader` if the blobs are quantized (a reader of dtype views)."""
+        if self.quant is not None:
+            raise ValueError(f"{reader} reads {self.dtype} blobs, and this store's experts are "
+                             f"quantized ({self.quant}); only the CPU's miss path reads "
+                             f"quantized experts so far")
+
     def weights(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views (gate [F, D], up [F, D], down [D, F]) into the blob of expert (layer, expert)."""
-        typed = self.blob(layer, expert).view(self.dtype)
+        """(gate [F, D], up [F, D], down [D, F]) of expert (layer, expert): views into its blob,
+        or, for a quantized store, the weights it stands for (float32 copies)."""
         f, d = self.expert_width, self.hidden_size
+        if self.quant is not None:
+            gate_up, down = dequantize_blobs(self.blob(layer, expert)[None], self.quant, f, d,
+                                             torch.float32)
+            return gate_up[0, :f], gate_up[0, f:], down[0]
+        typed = self.blob(layer, expert).view(self.dtype)
         return (
             typed[: f * d].view(f, d),
             typed[f * d : 2 * f * d].view(f, d),

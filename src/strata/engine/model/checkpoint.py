@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from strata.engine.experts.quant import blob_bytes as quant_blob_bytes
+from strata.engine.experts.quant import make_blob
 from strata.engine.experts.store import ExpertStore
 from strata.engine.model import families
 from strata.engine.model.config import CheckpointError, ModelConfig, read_config_json
@@ -101,27 +103,31 @@ def expert_store(
     *,
     pin_memory: bool = False,
     on_tensor: Callable[[], None] | None = None,
+    quant: str | None = None,
 ) -> ExpertStore:
-    """Gather every expert of `ckpt` into blobs of `dtype` (default: the checkpoint's)."""
+    """Gather every expert of `ckpt` into blobs of `dtype` (default: the checkpoint's), or,
+    with `quant` (a `strata.engine.experts.quant.WEIGHT_FORMATS`), into blobs of that format,
+    quantized here from the checkpoint's weights (`dtype` is then what they compute in)."""
     cfg = ckpt.config
     dtype = dtype or cfg.dtype
     fam = families.family(cfg.family)
     f, d = cfg.expert_width, cfg.hidden_size
     itemsize = torch.empty((), dtype=dtype).element_size()
+    blob_bytes = 3 * f * d * itemsize if quant is None else quant_blob_bytes(quant, f, d)
     layers = []
     for layer in range(cfg.n_layers):
-        buf = torch.empty(
-            (cfg.n_experts, 3 * f * d * itemsize), dtype=torch.uint8, pin_memory=pin_memory
-        )
-        typed = buf.view(dtype)  # [E, 3*F*D]
+        buf = torch.empty((cfg.n_experts, blob_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+        typed = buf.view(dtype) if quant is None else None  # [E, 3*F*D]
         for expert in range(cfg.n_experts):
-            gate_name, up_name, down_name = fam.expert_names(layer, expert)
-            # copy_ converts the stored dtype to the blob's dtype.
-            typed[expert, : f * d].view(f, d).copy_(ckpt.tensor(gate_name))
-            typed[expert, f * d : 2 * f * d].view(f, d).copy_(ckpt.tensor(up_name))
-            typed[expert, 2 * f * d :].view(d, f).copy_(ckpt.tensor(down_name))
+            gate, up, down = (ckpt.tensor(name) for name in fam.expert_names(layer, expert))
+            if typed is None:
+                buf[expert].copy_(make_blob(quant, gate, up, down))
+            else:  # copy_ converts the stored dtype to the blob's dtype
+                typed[expert, : f * d].view(f, d).copy_(gate)
+                typed[expert, f * d : 2 * f * d].view(f, d).copy_(up)
+                typed[expert, 2 * f * d :].view(d, f).copy_(down)
             if on_tensor is not None:
                 for _ in range(3):
                     on_tensor()
         layers.append(buf)
-    return ExpertStore(layers, d, f, dtype)
+    return ExpertStore(layers, d, f, dtype, quant)
