@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +21,20 @@ def sync(device: torch.device) -> None:
     """Wait for the device, so that a host clock read after it covers the device's work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def host_read_bytes_per_s(mib: int, repeat: int = 5) -> float:
+    """Bytes a second a torch float32 sum reads from a `mib` MiB buffer on torch's threads:
+    the host's read bandwidth as the benchmarks compare the CPU's experts with it (the best of
+    `repeat`, after an untimed one)."""
+    buffer = torch.ones((mib << 20) // 4, dtype=torch.float32)
+    buffer.sum()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * 4 / min(times)
 
 
 def free_memory(device: torch.device) -> None:

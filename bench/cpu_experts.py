@@ -56,6 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from _common import host_read_bytes_per_s
 from strata import _cpu_experts
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.cpu import CpuExperts
@@ -197,20 +198,6 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
     }
 
 
-def host_read_gbps(n_mib: int) -> float:
-    """GB/s of a float32 sum over `n_mib` MiB on torch's threads: the best of 5 (after one)."""
-    buffer = torch.ones(n_mib << 18, dtype=torch.float32)
-    buffer.sum()
-    best = min(_timed(buffer.sum) for _ in range(5))
-    return buffer.numel() * 4 / best / 1e9
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="olmoe-1b-7b")
@@ -239,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     preset = get_preset(args.preset)
-    read_gbps = host_read_gbps(args.read_mib)
+    read_gbps = host_read_bytes_per_s(args.read_mib) / 1e9
     runs = []
     for memory in memories:
         for name in args.dtypes.split(","):

@@ -113,10 +113,9 @@ def run_strata(ckpt, device, dtype, prompt, n_new, repeat, prefill_chunk, compil
         fresh_request(engine, prompt, options)  # warm-up (the decode graphs captured)
         runs = [fresh_request(engine, prompt, options) for _ in range(repeat)]
         config = engine.model.config
-        if moe_share:
-            chunk = prefill_chunk or default_prefill_chunk(engine.model)
-            moe = moe_tflops(engine, min(len(prompt), chunk), repeat)
         chunk_tokens = prefill_chunk or default_prefill_chunk(engine.model)
+        if moe_share:
+            moe = moe_tflops(engine, min(len(prompt), chunk_tokens), repeat)
     return {
         "prefill_chunk": chunk_tokens,
         "moe_s": moe[0] if moe else None,

@@ -41,7 +41,6 @@ import json
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -53,6 +52,7 @@ from _common import (
     checkpoint_for,
     engine_around,
     free_memory,
+    host_read_bytes_per_s,
     set_kv_env,
     sync,
 )
@@ -69,23 +69,6 @@ from strata.engine.runtime.load import Loaded, load
 from strata.formats.profile import rank_from_counts, uniform_rank
 
 GB = 1e9
-
-
-def best_seconds(fn, repeat: int) -> float:
-    """The least wall seconds of `repeat` calls of `fn` after an untimed one."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def host_read_bytes_per_s(mib: int, repeat: int = 5) -> float:
-    """Bytes a second a torch sum reads from a `mib` MiB fp32 buffer, on torch's threads."""
-    buffer = torch.ones((mib << 20) // 4, dtype=torch.float32)
-    return buffer.numel() * 4 / best_seconds(buffer.sum, repeat)
 
 
 def copy_bytes_per_s(device: torch.device, mib: int, repeat: int = 5) -> float | None:

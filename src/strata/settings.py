@@ -26,6 +26,7 @@ __all__ = [
     "SettingError",
     "Settings",
     "Variable",
+    "cache_dir",
     "read",
     "variable",
 ]
@@ -333,6 +334,16 @@ class Settings:
             value = getattr(self, var.attribute)
             if not var.check(value):
                 raise SettingError(var.name, value, var.want or f"want {var.accepted}")
+
+
+def cache_dir() -> Path:
+    """strata's cache directory (the built-in model, the kept rates): `$STRATA_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`."""
+    if (chosen := read().cache_dir) is not None:
+        return chosen
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "strata"
+    return Path.home() / ".cache" / "strata"
 
 
 def read(environ: Mapping[str, str] | None = None) -> Settings:

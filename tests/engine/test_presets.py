@@ -1,6 +1,7 @@
 """Presets: the real models' published shapes, and their validation."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,18 @@ def test_unknown_preset_lists_the_known_ones():
 def test_bad_shapes_are_rejected(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(PRESETS["tiny"], **change)
+
+
+def test_the_docs_table_of_presets_is_the_code_s():
+    """docs/reference/engine-tooling.md lists every preset with its shape, as the code has it."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "engine-tooling.md")
+    rows = {}
+    for line in page.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 12 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells[1:11]
+    assert set(rows) == set(PRESETS)
+    for name, p in PRESETS.items():
+        assert rows[name] == [p.default_family, *map(str, (
+            p.n_layers, p.hidden_size, p.n_heads, p.n_kv_heads, p.head_dim, p.n_experts,
+            p.top_k, p.expert_width, p.vocab_size))], name

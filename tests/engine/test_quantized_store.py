@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from strata.engine.cache.build import build_cached_experts, plan_cache
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.experts import ResidentExperts
 from strata.engine.experts.cpu import CpuExperts
@@ -20,7 +21,9 @@ from support.checkpoints import cached_checkpoint
 
 @pytest.fixture(scope="module")
 def ckpt():
-    return Checkpoint.open(cached_checkpoint("qwen3_moe"))  # tiny: D 64, F 128
+    opened = Checkpoint.open(cached_checkpoint("qwen3_moe"))  # tiny: D 64, F 128
+    yield opened
+    opened.close()
 
 
 @pytest.mark.parametrize("quant", WEIGHT_FORMATS)
@@ -65,6 +68,14 @@ def test_readers_of_bf16_blobs_refuse_a_quantized_store(ckpt):
         ResidentExperts(store, "cpu")
     with pytest.raises(ValueError, match=r"the expert cache reads torch.bfloat16 blobs"):
         CachedExperts(store, None, None, None, "cpu")  # refused before anything else is read
+    config = plan_cache(ckpt.config, torch.bfloat16, torch.device("cpu"), max_context=64,
+                        prefill_chunk=16, expert_cache_mib=1)
+    try:
+        with pytest.raises(ValueError, match=r"the expert cache reads torch.bfloat16 blobs"):
+            build_cached_experts(config, store, "cpu")  # before the arena is made
+        assert config.backend.alive_chunks == 0
+    finally:
+        config.backend.close()
     float_store = expert_store(ckpt, torch.float32, quant="int8")
     with pytest.raises(ValueError, match="quantized experts compute in bfloat16 on the CPU"):
         CpuExperts(float_store)

@@ -72,6 +72,18 @@ def cached_checkpoint(
     return _CACHE[key]
 
 
+def store_of(ckpt_dir: Path, **options: Any):
+    """The `ExpertStore` of the checkpoint at `ckpt_dir` (`expert_store`'s `options`), the
+    checkpoint closed after."""
+    from strata.engine.model.checkpoint import Checkpoint, expert_store
+
+    ckpt = Checkpoint.open(ckpt_dir)
+    try:
+        return expert_store(ckpt, **options)
+    finally:
+        ckpt.close()
+
+
 def shard_files(ckpt: Path) -> list[Path]:
     return sorted(Path(ckpt).glob("*.safetensors"))
 

@@ -7,19 +7,15 @@ import torch
 from strata import _vmm
 from strata.engine.cache.arena import SLOT_ALIGN_BYTES, Arena, slot_bytes_for
 from strata.engine.experts import ExpertStore
-from strata.engine.model.checkpoint import Checkpoint, expert_store
-from support.checkpoints import cached_checkpoint
+from support.checkpoints import cached_checkpoint, store_of
 
 CHUNK_BYTES = 65536
 
 
 @pytest.fixture(scope="module")
 def store():
-    ckpt = Checkpoint.open(cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32))
-    try:
-        return expert_store(ckpt)  # L=2, E=8, D=64, F=128: 96 KiB blobs
-    finally:
-        ckpt.close()
+    # L=2, E=8, D=64, F=128: 96 KiB blobs
+    return store_of(cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32))
 
 
 def _arena(store, n_slots, backend=None, slot_bytes=None):

@@ -12,7 +12,6 @@ from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.experts import ResidentExperts
 from strata.engine.kv.kv_cache import new_kv
-from strata.engine.model.checkpoint import Checkpoint, expert_store
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.layers import route
 from strata.engine.model.moe import load_model
@@ -21,7 +20,7 @@ from strata.policies import Policy, PolicyError, plugin_manager
 from strata.policies.builtin.lru import Lru
 from strata.policies.events import Admitted, Evicted
 from support.cache_models import CHUNK_BYTES, cached_model
-from support.checkpoints import cached_checkpoint
+from support.checkpoints import cached_checkpoint, store_of
 from support.events import EventLog
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -36,11 +35,7 @@ OPTIONS = GenerateOptions(max_new=8, max_context=128, temperature=0.0, ignore_st
 
 
 def _store(ckpt_dir):
-    ckpt = Checkpoint.open(ckpt_dir)
-    try:
-        return expert_store(ckpt)
-    finally:
-        ckpt.close()
+    return store_of(ckpt_dir)
 
 
 def _cache(store, n_slots, policy=None, events=None, stream_misses=0):

@@ -19,10 +19,9 @@ from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.cache.loan import LoanOptions
 from strata.engine.kv.elastic import ElasticKV, KvFullError, loan_top
 from strata.engine.kv.kv_cache import KVCache
-from strata.engine.model.checkpoint import Checkpoint, expert_store
 from strata.policies import KvParams, PolicyError, plugin_manager
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
-from support.checkpoints import cached_checkpoint
+from support.checkpoints import cached_checkpoint, store_of
 from support.events import EventLog
 
 CHUNK = 65536
@@ -33,11 +32,7 @@ PARAMS = KvParams(init_cells=512, step_cells=512, floor_slots=2)
 
 @pytest.fixture(scope="module")
 def store():
-    ckpt = Checkpoint.open(cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32))
-    try:
-        return expert_store(ckpt)
-    finally:
-        ckpt.close()
+    return store_of(cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32))
 
 
 class Recorder(ColdestInLoan):

@@ -12,9 +12,8 @@ from strata._residency import ResidencyTable
 from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.executor import CacheExecutor
-from strata.engine.model.checkpoint import Checkpoint, expert_store
 from strata.policies import load_registry, plugin_manager
-from support.checkpoints import cached_checkpoint
+from support.checkpoints import cached_checkpoint, store_of
 from support.events import EventLog
 
 CHUNK = 65536
@@ -22,11 +21,7 @@ CHUNK = 65536
 
 @pytest.fixture(scope="module")
 def store():
-    ckpt = Checkpoint.open(cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32))
-    try:
-        return expert_store(ckpt)
-    finally:
-        ckpt.close()
+    return store_of(cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32))
 
 
 @pytest.fixture

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 
-from support.bench_scripts import BENCH, load_bench
+from support.bench_scripts import load_bench
 
 
 def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
     monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")  # the bench sets it: restored after the test
-    monkeypatch.syspath_prepend(str(BENCH))  # it imports _common and cache as a script does
     bench = load_bench("offload.py")
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "6", "--prefill-tokens",
             "160", "--prefill-chunk", "80", "--host-read-mib", "16", "--loan-keep-slots", "0",

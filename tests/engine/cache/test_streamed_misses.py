@@ -8,17 +8,12 @@ import torch.nn.functional as F
 
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.streamed import StreamedMisses
-from strata.engine.model.checkpoint import Checkpoint, expert_store
-from support.checkpoints import cached_checkpoint
+from support.checkpoints import cached_checkpoint, store_of
 
 
 @pytest.fixture(scope="module")
 def store():
-    ckpt = Checkpoint.open(cached_checkpoint("qwen3_moe", "small", dtype=torch.float32))
-    try:
-        return expert_store(ckpt)  # L=4, E=16, K=4
-    finally:
-        ckpt.close()
+    return store_of(cached_checkpoint("qwen3_moe", "small", dtype=torch.float32))  # L=4, E=16, K=4
 
 
 def test_it_takes_the_first_missed_experts_by_id(store):

@@ -134,9 +134,11 @@ def build_cached_experts(
 ) -> CachedExperts:
     """The cache for `store` on `device`, filled hottest first, with the loan if asked for.
 
-    Raises ValueError when the budget's slot size does not hold the store's blobs, or the
-    rank is not a permutation [L, E] of the store's experts.
+    Raises ValueError when the budget's slot size does not hold the store's blobs, the rank is
+    not a permutation [L, E] of the store's experts, or the store's blobs are quantized (the
+    slots do not read them yet), before anything is allocated.
     """
+    store.require_unquantized("the expert cache")
     budget = config.budget
     shape = (store.n_layers, store.n_experts)
     if budget.total_experts != shape[0] * shape[1]:

@@ -13,8 +13,9 @@ output bytes, against the earlier runs; deleting the file is the way to measure 
 kernel, a changed machine), and `--stream-misses N` needs no file. A directory that cannot be
 written is an error too, for the same reason: every run would measure anew.
 
-`resolve_stream_misses` turns the option's value into what the cache takes: "auto" (the default
-on CUDA) the balanced split, 0 off CUDA (no bus), an int N the first min(N, M) misses.
+`resolve_stream_misses` turns the option's value into what the cache takes: "auto" the balanced
+split (0 off CUDA: no bus), an int N the first min(N, M) misses, None (not given) the fixed half
+of the top-k on CUDA, `default_stream_misses`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from strata import settings
 from strata.engine.cache.build import default_stream_misses
 from strata.engine.cache.rates import TARGET_BYTES, MissRates, RatesKey, measure_rates
 from strata.engine.experts.streamed import StreamSplit
@@ -56,8 +58,7 @@ class RatesError(ValueError):
 def rates_path() -> Path:
     """`rates.json` in strata's cache directory (`$STRATA_CACHE_DIR`, checked by
     `strata.settings`)."""
-    from strata.engine.model.builtin import cache_dir
-    return cache_dir() / RATES_FILE
+    return settings.cache_dir() / RATES_FILE
 
 
 @contextlib.contextmanager

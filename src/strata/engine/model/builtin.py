@@ -7,34 +7,24 @@ has something to decide on the first model a user tries."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from strata.engine.model.init_model import write_checkpoint_atomic
 from strata.engine.model.presets import get_preset
+from strata.settings import cache_dir
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["BUILTIN_CACHE_SHARE", "BUILTIN_FAMILY", "BUILTIN_NAME", "BUILTIN_PRESET",
-           "builtin_checkpoint", "builtin_expert_cache_mib", "cache_dir"]
+           "builtin_checkpoint", "builtin_expert_cache_mib"]
 
 BUILTIN_FAMILY = "qwen3_moe"
 BUILTIN_PRESET = "tiny"
 BUILTIN_NAME = f"builtin-{BUILTIN_PRESET}-{BUILTIN_FAMILY}-seed0-v1"  # bump v on format changes
 # The share of the built-in model's experts its cache holds when no size or budget is given.
 BUILTIN_CACHE_SHARE = 0.5
-
-
-def cache_dir() -> Path:
-    """`$STRATA_CACHE_DIR`, else `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`."""
-    from strata.settings import read  # STRATA_* are read and checked there, and only there
-    if (chosen := read().cache_dir) is not None:
-        return chosen
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "strata"
-    return Path.home() / ".cache" / "strata"
 
 
 def builtin_checkpoint() -> tuple[Path, bool]:

@@ -36,9 +36,9 @@ class CacheOptions:
     """The options of the expert cache (`--vram-budget-mib`, `--vram-reserve-mib`,
     `--expert-cache` in MiB or "auto" (None: not given, auto too), `--expert-profile`, the
     loan, `--short-read`, `--cpu-threads`, `--stream-misses` "auto" or N (None: not given,
-    auto on CUDA, 0 elsewhere)), of the elastic K/V (`--kv-grow`) and the policy (`--policy`,
-    `--policy-opt`). ValueError naming the flag for a bad value. A given option (even "auto")
-    turns the cache on."""
+    half the top-k on CUDA, 0 elsewhere)), of the elastic K/V (`--kv-grow`) and the policy
+    (`--policy`, `--policy-opt`). ValueError naming the flag for a bad value. A given option
+    (even "auto") turns the cache on."""
 
     vram_budget_mib: float | None = None
     vram_reserve_mib: float | None = None
@@ -133,10 +133,9 @@ def plan_cache_options(
     SettingError for a bad `STRATA_KV_GROW*` or `STRATA_LOAN_KEEP_SLOTS`; RatesError (a
     ValueError) for a rates file that cannot be read or written (`--stream-misses auto`).
 
-    `--stream-misses auto` (the default on CUDA) reads the split from the rates kept for this
-    machine, measuring them first where there are none (`strata.engine.cache.kept_rates`), and says
-    so in the notes; not when the cache turns out unused (checked first with the largest
-    staging buffer any split could ask for, K blobs).
+    `--stream-misses auto` reads the split from the rates kept for this machine, measuring
+    them first where there are none (`strata.engine.cache.kept_rates`), and says so in the
+    notes (a given `--stream-misses` turns the cache on, so they are always used).
     """
     stream = options.stream_misses
     if stream is not None and stream != "auto" and not 0 <= stream <= config.top_k:
@@ -156,16 +155,6 @@ def plan_cache_options(
         prefill_loan=options.prefill_loan,
         short_read=options.short_read or DEFAULT_SHORT_READ, events=registry.pm,
     )
-    asked = options.asks_for_the_cache(kv_grow)
-    if not asked and torch.device(device).type == "cuda":  # the default: auto
-        try:
-            widest = plan_cache(config, dtype, device, stream_misses=config.top_k, **sizing)
-        except ValueError:
-            widest = None  # too small with K blobs: the real plan says whether it fits
-        if widest is not None:
-            widest.backend.close()
-            if widest.budget.holds_every_expert:  # no cache: no rates needed
-                return CachePlan(None)
     sizing["stream_misses"], stream_notes = resolve_stream_misses(
         stream, config, dtype, device, cpu_threads=options.cpu_threads)
     notes += stream_notes
@@ -175,7 +164,7 @@ def plan_cache_options(
         notes += kv_notes
     else:
         cache, kv_grow_config = plan_cache(config, dtype, device, **sizing), None
-    if not asked and cache.budget.holds_every_expert:
+    if not options.asks_for_the_cache(kv_grow) and cache.budget.holds_every_expert:
         cache.backend.close()
         return CachePlan(None)
     return CachePlan(cache, notes, kv_grow_config)
