@@ -19,6 +19,7 @@ bound that strata reaches. Writes nothing else.
     python bench/decode.py --preset tiny --device cpu          # here, in a minute
     python bench/decode.py --preset olmoe-1b-7b --device cuda  # the GPU machine (~14 GB on disk)
     python bench/decode.py ... --layers 8 --json               # shorter; one JSON object
+    python bench/decode.py ... --experts-dtype int8,int4       # + quantized experts' runs
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 
 from _common import add_model_arguments, free_memory, fresh_request, sync
+from strata.engine.experts.quant import EXPERTS_DTYPES, expert_blob_bytes, experts_quant_for
 from strata.engine.model.init_model import write_checkpoint
 from strata.engine.model.presets import BYTE_TOKENS, get_preset
 from strata.engine.runtime.engine import Engine
@@ -70,9 +72,11 @@ def moe_tflops(engine, n_tokens: int, repeat: int) -> tuple[float, float]:
     return seconds, flops / seconds / 1e12
 
 
-def bytes_per_token(config, itemsize: int, mean_context: float) -> float:
-    """The bytes one decode token reads at least: dense weights, K experts a layer, lm_head,
-    one embedding row, and the K/V of `mean_context` cells."""
+def bytes_per_token(config, itemsize: int, mean_context: float,
+                    expert_bytes: int | None = None) -> float:
+    """The bytes one decode token reads at least: dense weights, K experts a layer (each
+    `expert_bytes`, a quantized blob's; None: its three matrices in `itemsize`), lm_head, one
+    embedding row, and the K/V of `mean_context` cells."""
     d, qw, kvw = config.hidden_size, config.q_width, config.kv_width
     attention = d * qw * 2 + d * kvw * 2 + 2 * d  # q, o, k, v; the two layer norms
     if config.qkv_bias:
@@ -82,12 +86,13 @@ def bytes_per_token(config, itemsize: int, mean_context: float) -> float:
     elif config.qk_norm == "head":
         attention += 2 * config.head_dim
     router = config.n_experts * d
-    experts = config.top_k * 3 * config.expert_width * d
+    if expert_bytes is None:
+        expert_bytes = 3 * config.expert_width * d * itemsize
     shared = 3 * config.shared_expert_width * d + d if config.shared_expert_width else 0
-    per_layer = attention + router + experts + shared
+    per_layer = attention + router + shared
     weights = config.n_layers * per_layer + config.vocab_size * d + 2 * d  # + lm_head, norm, row
     kv = config.n_layers * 2 * mean_context * kvw  # K and V
-    return (weights + kv) * itemsize
+    return (weights + kv) * itemsize + config.n_layers * config.top_k * expert_bytes
 
 
 def _si(n_bytes: float) -> str:
@@ -98,17 +103,18 @@ def _si(n_bytes: float) -> str:
 
 
 def run_strata(ckpt, device, dtype, prompt, n_new, repeat, prefill_chunk, compile=False,
-               grouped_prefill=None, moe_share=False) -> dict:
+               grouped_prefill=None, moe_share=False, experts_quant=None) -> dict:
     """`grouped_prefill` False: the prompt's experts by the per-expert loop (the baseline of
     the grouped products, `strata.engine.experts.sorted_grouped`); `prefill_chunk` None: the
-    engine's default; `moe_share`: time the experts alone too."""
+    engine's default; `moe_share`: time the experts alone too; `experts_quant`: the experts
+    quantized at load (`--experts-dtype`)."""
     options = GenerateOptions(
         max_new=n_new, max_context=len(prompt) + n_new, temperature=0.0, ignore_stop=True,
         compile=compile, prefill_chunk=prefill_chunk,
     )
     moe = None
-    with Engine.open(ckpt, device=device, dtype=dtype,
-                     max_context=options.max_context) as engine:
+    with Engine.open(ckpt, device=device, dtype=dtype, max_context=options.max_context,
+                     experts_quant=experts_quant) as engine:
         engine.model.experts.grouped_prefill = grouped_prefill
         fresh_request(engine, prompt, options)  # warm-up (the decode graphs captured)
         runs = [fresh_request(engine, prompt, options) for _ in range(repeat)]
@@ -118,6 +124,8 @@ def run_strata(ckpt, device, dtype, prompt, n_new, repeat, prefill_chunk, compil
             moe = moe_tflops(engine, min(len(prompt), chunk_tokens), repeat)
     return {
         "prefill_chunk": chunk_tokens,
+        "blob_bytes": expert_blob_bytes(config.expert_width, config.hidden_size, dtype,
+                                        experts_quant),
         "moe_s": moe[0] if moe else None,
         "moe_tflops": moe[1] if moe else None,
         "config": config,
@@ -198,8 +206,16 @@ def main(argv: list[str] | None = None) -> int:
         help=f"bf16 matrix throughput for the MoE share (default on cuda: "
         f"{H200_MATMUL_TFLOPS:.0f}, the H200's; on cpu: no share unless given)",
     )
+    parser.add_argument("--experts-dtype", default="",
+                        help="comma-separated quantized --experts-dtype values (int8, int4, ...):"
+                        " strata runs with the experts quantized at load, each against the bound "
+                        "at its bytes")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
+    formats = [f for f in args.experts_dtype.split(",") if f]
+    if any(f not in EXPERTS_DTYPES or f in ("auto", "bf16") for f in formats):
+        parser.error(f"--experts-dtype takes comma-separated quantized values of "
+                     f"{', '.join(EXPERTS_DTYPES[2:])}, got {args.experts_dtype!r}")
     if args.new_tokens < 2 or args.prompt_tokens < 1 or args.repeat < 1 \
             or (args.prefill_chunk is not None and args.prefill_chunk < 1):
         parser.error("--new-tokens must be >= 2, --prompt-tokens, --repeat and "
@@ -235,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.loop_prefill:
             loop = run_strata(*run, grouped_prefill=False)
             loop.pop("config")
+            free_memory(device)
+        quantized = {}
+        for fmt in formats:
+            quantized[fmt] = run_strata(*run, experts_quant=experts_quant_for(fmt, dtype))
+            quantized[fmt].pop("config")
             free_memory(device)
         peer = None
         if not args.no_transformers:
@@ -281,7 +302,17 @@ def main(argv: list[str] | None = None) -> int:
         "bound_tok_s": bound_tok_s,
         "bound_share": strata["decode_tok_s"] / bound_tok_s if bound_tok_s else None,
         "tokens_equal_prefix": _common_prefix(strata["tokens"], peer["tokens"]) if peer else None,
+        "quantized": quantized,
     }
+    for figures in quantized.values():
+        figures["bytes_per_token"] = bytes_per_token(
+            config, itemsize, args.prompt_tokens + args.new_tokens / 2, figures["blob_bytes"])
+        figures["bound_tok_s"] = bandwidth_gbs * 1e9 / figures["bytes_per_token"] \
+            if bandwidth_gbs else None
+        figures["bound_share"] = figures["decode_tok_s"] / figures["bound_tok_s"] \
+            if bandwidth_gbs else None
+        figures["speedup"] = figures["decode_tok_s"] / strata["decode_tok_s"]
+        figures["tokens_equal_prefix"] = _common_prefix(figures["tokens"], strata["tokens"])
     if args.json:
         print(json.dumps(result))
         return 0
@@ -315,6 +346,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * result['moe_share']:.1f}% of {matmul_tflops:.0f}")
     if peer:
         print(f"prefill strata / transformers: {result['prefill_ratio']:.2f}x")
+    for fmt, figures in quantized.items():
+        share = "" if figures["bound_share"] is None else (
+            f"; bound {figures['bound_tok_s']:.0f} tok/s at {_si(figures['bytes_per_token'])} a "
+            f"token: {100 * figures['bound_share']:.1f}%")
+        print(f"experts {fmt}: prefill {figures['prefill_tok_s']:.1f} tok/s, decode "
+              f"{figures['decode_tok_s']:.1f} tok/s ({figures['speedup']:.2f}x {args.dtype}'s, "
+              f"{figures['decode_path']}, repeat runs identical: {figures['deterministic']})"
+              f"{share}; greedy tokens equal to {args.dtype}'s up to token "
+              f"{figures['tokens_equal_prefix']}")
     line = f"bytes read per token: {_si(token_bytes)}"
     if bound_tok_s:
         line += (

@@ -9,12 +9,19 @@
 # Stages (minutes, roughly): tests (1: pytest -m cuda), kernels (1: bench/grouped_experts.py,
 # the bf16 and the quantized decode kernels),
 # host (0.2: bench/cache_host.py, the host's share of a cache layer call, on that machine's
-# CPU), cache (3: bench/cache.py at 4 GiB against accelerate), kv-grow (2: the short chat at
-# the reference's proportions, start cells 1/12 of the window), kv-grow-skewed (2.5: the same
-# on a model whose routing favours some experts), kv-grow-32k (3: the 32K prompt, start cells
-# 1/12 too), kv-grow-32k-skewed (4: the same on the skewed model), agents (4: the reference's
-# agent scenario through Engine, bench/agents.py, on the kv-grow checkpoint), serve (6: the same
-# scenario at half its lengths, in-process and through `strata serve` with the openai client,
+# CPU), layer-call (1: bench/layer_call.py on the GPU, one-token calls through the decode path
+# and the general one, split into the CPU kernel, the hits' launches, the wait and the rest:
+# tiny widths, then olmoe-1b-7b's widths cut to 2 layers, half the experts cached, one JSON
+# object a line in layer-call.jsonl), cache (3: bench/cache.py at 4 GiB against accelerate),
+# kv-grow (2: the short chat at the reference's proportions, start cells 1/12 of the window),
+# kv-grow-skewed (2.5: the same on a model whose routing favours some experts), kv-grow-32k
+# (3: the 32K prompt, start cells 1/12 too), kv-grow-32k-skewed (4: the same on the skewed
+# model), kv-int8 (4: the kv-grow stage's runs with the K/V's cells in bf16 and in int8, on
+# the skewed model, 2 rounds: decode and prefill tok/s and slots, int8 against bf16),
+# kv-int8-32k (4: the elastic K/V alone, bf16 and int8, the 32K prompt's prefill and the
+# decode after it), agents (4: the reference's agent scenario through Engine, bench/agents.py,
+# on the kv-grow checkpoint), serve (6: the same scenario at half its lengths, in-process and
+# through `strata serve` with the openai client,
 # bench/serve.py; the machine has no network, so its packages come from wheels carried in
 # build/serve-wheels: `python -m pip download --only-binary=:all: --python-version 3.12
 # --platform manylinux2014_x86_64 -d build/serve-wheels fastapi uvicorn prometheus-client
@@ -26,7 +33,11 @@
 # prefill with the loan; offload-olmoe (2: olmoe-1b-7b at a 4 GiB budget), offload-qwen3 and
 # offload-qwen3-skewed (2.5 each: qwen3-30b-a3b, 16 layers, 22% of the experts cached, router
 # skew 0 and 0.5, on the kv-grow checkpoints), offload-olmoe-torch (1.5: the olmoe run with
-# STRATA_CPU_KERNEL=torch, the CPU kernel's baseline); `offload` runs the first three; the first
+# STRATA_CPU_KERNEL=torch, the CPU kernel's baseline), quant-offload-olmoe (5: the olmoe run at
+# --stream-misses 4 with the experts as they are, in int8 and in int4, the same cache MiB),
+# quant-offload-qwen3 (6: the same on qwen3's 16 layers, as they are and int8), quant-decode (3:
+# bench/decode.py with every expert resident, bf16 against int8 and int4 experts, each against
+# the bandwidth bound at its bytes, an 8-layer olmoe cut); `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # second or two, and later runs read them). A new checkpoint adds about a minute to the first
 # stage that uses it.
@@ -55,7 +66,8 @@ olmoe_checkpoint() {  # prints the olmoe-1b-7b checkpoint's directory, writing i
 offload() {  # offload MODEL PRESET ARGS...: a JSON line in offload.jsonl, its progress lines
     local model=$1 preset=$2
     shift 2
-    (cd bench && timeout 280 python3 offload.py --model "$model" --preset "$preset" \
+    (cd bench && timeout "${OFFLOAD_TIMEOUT:-280}" python3 offload.py --model "$model" \
+        --preset "$preset" \
         --stream-misses auto,0,4 --new-tokens 48 --repeat 3 --json "$@") \
         >> "$OUT/offload.jsonl" 2> /tmp/strata-offload.err
     grep "bench/" /tmp/strata-offload.err; cat /tmp/strata-offload.err >> "$OUT/offload.err"
@@ -73,6 +85,12 @@ for stage in "$@"; do
              cat "$OUT/kernels.txt" ;;
     host) (cd bench && timeout 120 python3 cache_host.py) > "$OUT/host.txt" 2>&1
           cat "$OUT/host.txt" ;;
+    layer-call) # Real widths: the CPU's experts on every core, as the engine runs them.
+                for run in "--widths tiny" "--widths real --threads 16 --calls 100 --repeat 3"; do
+                  (cd bench && timeout 100 python3 layer_call.py --device cuda $run \
+                     --paths token,general --stream 0,4 --json)
+                done > "$OUT/layer-call.jsonl" 2> "$OUT/layer-call.err"
+                wc -l < "$OUT/layer-call.jsonl"; tail -3 "$OUT/layer-call.err" ;;
     cache) (cd bench && timeout 420 python3 cache.py --preset olmoe-1b-7b --device cuda \
                --budget-mib 4096 --repeat 3 --peer-new-tokens 8 --stream-misses 4 --piecewise \
                --json) > "$OUT/cache.json" 2> "$OUT/cache.err"; grep "bench/" "$OUT/cache.err" ;;
@@ -83,6 +101,15 @@ for stage in "$@"; do
                (cd bench && timeout 290 python3 kv_grow.py --model "$model" $KV) \
                > "$OUT/kv-grow-skewed.json" 2> "$OUT/kv-grow-skewed.err"
                grep "bench/" "$OUT/kv-grow-skewed.err" ;;
+    kv-int8) model=$(checkpoint 0.5)  # int8 K/V cells against bf16's, both variants, one run
+             (cd bench && timeout 560 python3 kv_grow.py --model "$model" $KV --rounds 2 \
+               --kv-dtype bf16,int8) > "$OUT/kv-int8.json" 2> "$OUT/kv-int8.err"
+             grep "bench/" "$OUT/kv-int8.err" ;;
+    kv-int8-32k) model=$(checkpoint 0.5)  # the 32K prompt's prefill and decode after it
+             (cd bench && timeout 560 python3 kv_grow.py --model "$model" --rounds 1 \
+               --chat-new 32 --long-new 16 --kv-floor 32 --kv-init 4096 --variants kv-grow \
+               --kv-dtype bf16,int8 --json) > "$OUT/kv-int8-32k.json" 2> "$OUT/kv-int8-32k.err"
+             grep "bench/" "$OUT/kv-int8-32k.err" ;;
     kv-grow-32k|kv-grow-32k-skewed)
                [ "$stage" = kv-grow-32k ] && model=$(checkpoint 0) || model=$(checkpoint 0.5)
                (cd bench && timeout 540 python3 kv_grow.py --model "$model" --rounds 1 \
@@ -132,6 +159,16 @@ for stage in "$@"; do
            if [ "$stage" = offload ] || [ "$stage" = offload-qwen3-skewed ]; then
                offload "$(checkpoint 0.5)" qwen3-30b-a3b --expert-share 0.22
            fi ;;
+    quant-offload-olmoe)
+           OFFLOAD_TIMEOUT=400 offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 \
+               --stream-misses 4 --experts-dtype auto,int8,int4 ;;
+    quant-offload-qwen3)
+           OFFLOAD_TIMEOUT=480 offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 \
+               --stream-misses 4 --experts-dtype auto,int8 ;;
+    quant-decode) (cd bench && timeout 300 python3 decode.py --preset olmoe-1b-7b --layers 8 \
+                     --new-tokens 64 --repeat 3 --no-transformers --experts-dtype int8,int4 \
+                     --json) > "$OUT/quant-decode.json" 2> "$OUT/quant-decode.err"
+                  tail -2 "$OUT/quant-decode.err" ;;
     *) echo "gpu_session.sh: unknown stage $stage" >&2; exit 2 ;;
     esac
 done

@@ -44,6 +44,10 @@ from strata.engine.experts.quantized import quantized_rows_triton
 from strata.engine.model.presets import get_preset
 
 QUANTIZED = ("int8", "int4-g32")
+# The quantized kernels' (act, down) blocks tried: the default first; steps of at least 64 (an
+# int4 group).
+QUANT_BLOCKS = [((8, 512), (8, 512)), ((16, 256), (16, 256)), ((32, 256), (32, 256)),
+                ((16, 512), (16, 512)), ((4, 1024), (4, 1024)), ((32, 128), (32, 128))]
 
 BLOCKS = [((GATE_UP_BLOCK_F, GATE_UP_BLOCK_D), (DOWN_BLOCK_D, DOWN_BLOCK_F)),
           ((8, 256), (8, 256)), ((32, 128), (32, 128)), ((16, 512), (16, 512)),
@@ -127,16 +131,21 @@ def measure(preset_name: str, n_stacks: int, repeat: int, dtype: torch.dtype) ->
                                  for g, dn in zip(gate_up, down, strict=True)])
             quantized.append((blobs, index, x_rows))
 
-        def run(blobs, index, x_rows, fmt=fmt):
-            return quantized_rows_triton(blobs, fmt, index, x_rows, f)
-
-        error = max(((run(*stack).float() - ref).norm() / ref.norm()).item()
-                    for stack, ref in zip(quantized, reference, strict=True))
-        ms = time_graph(rotated(run, quantized), repeat) / n_stacks
         read = k * quantized[0][0].shape[1]
-        rows.append({"variant": f"{fmt} triton", "ms_per_call": ms, "relative_error": error,
-                     "gb_per_s": read / ms / 1e6,
-                     "eager_ms_per_call": time_eager(rotated(run, quantized), repeat) / n_stacks})
+        for act_blocks, down_blocks in QUANT_BLOCKS:
+            def run(blobs, index, x_rows, fmt=fmt, ab=act_blocks, db=down_blocks):
+                return quantized_rows_triton(blobs, fmt, index, x_rows, f, act_blocks=ab,
+                                             down_blocks=db)
+
+            error = max(((run(*stack).float() - ref).norm() / ref.norm()).item()
+                        for stack, ref in zip(quantized, reference, strict=True))
+            ms = time_graph(rotated(run, quantized), repeat) / n_stacks
+            rows.append({"variant": f"{fmt} {act_blocks[0]}x{act_blocks[1]} / "
+                                    f"{down_blocks[0]}x{down_blocks[1]}",
+                         "ms_per_call": ms, "relative_error": error,
+                         "gb_per_s": read / ms / 1e6,
+                         "eager_ms_per_call": time_eager(rotated(run, quantized), repeat)
+                         / n_stacks})
     gathered = rows[0]["ms_per_call"]
     for row in rows:
         row["speedup_over_gathered"] = gathered / row["ms_per_call"]

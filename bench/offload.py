@@ -23,6 +23,12 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
 - prefill of a `--prefill-tokens` prompt at the same cache with the prompt loan: its time, the
   expert bytes it uploaded and the upload bound (bytes / copy rate) beside it.
 
+With `--experts-dtype` (comma-separated, e.g. `auto,int8,int4`) all of it is measured for each
+format, the experts quantized at load into a store of their own, at the same cache MiB (so a
+quantized cache holds more slots) and beside the same machine figures: the device round, the
+decode runs (their names end in the format) and the prefill, each bound counted at the format's
+bytes.
+
 Per-layer figures and tok/s scaled to the preset's full depth (`--full-layers`, default the
 preset's) are printed beside the measured ones for a shortened model, saying so.
 
@@ -60,6 +66,8 @@ from cache import cache_mib_for_share, run_decode, run_prefill
 from strata.engine.cache.build import build_cached_experts, plan_cache
 from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.experts import ResidentExperts
+from strata.engine.experts.quant import EXPERTS_DTYPES, experts_quant_for
+from strata.engine.model.checkpoint import Checkpoint, expert_store
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.presets import get_preset
 from strata.engine.runtime.calibrate import collect_counts
@@ -150,6 +158,15 @@ def device_round(model, store, device, prompt, args, max_context: int, say) -> f
         free_memory(device)
 
 
+def store_of_format(ckpt: Path, dtype: torch.dtype, device: torch.device, quant: str):
+    """The checkpoint's experts quantized into `quant`, pinned on CUDA."""
+    opened = Checkpoint.open(ckpt)
+    try:
+        return expert_store(opened, dtype, pin_memory=device.type == "cuda", quant=quant)
+    finally:
+        opened.close()
+
+
 def stream_values(text: str) -> list[int | str]:
     """`--stream-misses`' comma-separated values: auto or ints."""
     values: list[int | str] = []
@@ -185,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="eager decode rounds (default: piecewise CUDA graphs on CUDA)")
     parser.add_argument("--host-read-mib", type=int, default=2048)
     parser.add_argument("--copy-mib", type=int, default=1024)
+    parser.add_argument("--experts-dtype", default="auto",
+                        help="comma-separated --experts-dtype values, the runs of each (auto)")
     parser.add_argument("--full-layers", type=int,
                         help="scale per-layer figures to this depth (default: the preset's)")
     add_kv_env_arguments(parser)  # --loan-keep-slots, --chunk-bytes for tiny models
@@ -197,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{args.stream_misses!r}")
     if args.new_tokens < 2 or args.repeat < 1:
         parser.error("--new-tokens must be >= 2, --repeat >= 1")
+    formats = args.experts_dtype.split(",")
+    if len(set(formats)) != len(formats) or any(f not in EXPERTS_DTYPES for f in formats):
+        parser.error(f"--experts-dtype takes distinct comma-separated values of "
+                     f"{', '.join(EXPERTS_DTYPES)}, got {args.experts_dtype!r}")
     set_kv_env(args)
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
@@ -239,54 +262,72 @@ def main(argv: list[str] | None = None) -> int:
         model.experts = None
         free_memory(device)
 
-        device_round_ms = device_round(model, store, device, prompt, args, decode_context, say)
+        base_store = store
+        device_rounds, blob_bytes = {}, {}
+        for fmt in formats:
+            quant = experts_quant_for(fmt, dtype)
+            suffix = "" if fmt == formats[0] and len(formats) == 1 else f"-{fmt}"
+            if quant is not None:
+                say(f"quantizing the experts into {quant}")
+                store = store_of_format(ckpt, dtype, device, quant)
+            else:
+                store = base_store
+            blob_bytes[fmt] = store.blob_bytes
+            device_round_ms = device_round(model, store, device, prompt, args, decode_context,
+                                           say)
+            device_rounds[fmt] = device_round_ms
 
-        def cached_engine(stream, max_context: int, loan: bool):
-            value, notes = resolve_stream_misses(stream, cfg, dtype, device,
-                                                 cpu_threads=args.cpu_threads)
-            config = plan_cache(cfg, dtype, device, rank=rank, max_context=max_context,
-                                prefill_chunk=args.prefill_chunk, prefill_loan=loan,
-                                stream_misses=value, **common)
-            model.experts = build_cached_experts(config, store, device)
-            return engine_around(model, None, max_context), notes
+            def cached_engine(stream, max_context: int, loan: bool, store=store, quant=quant):
+                value, notes = resolve_stream_misses(stream, cfg, dtype, device,
+                                                     cpu_threads=args.cpu_threads)
+                config = plan_cache(cfg, dtype, device, rank=rank, max_context=max_context,
+                                    prefill_chunk=args.prefill_chunk, prefill_loan=loan,
+                                    stream_misses=value, experts_quant=quant, **common)
+                model.experts = build_cached_experts(config, store, device)
+                return engine_around(model, None, max_context), notes
 
-        for stream in streams:
-            name = f"decode-stream-{stream}"
-            engine, notes = cached_engine(stream, decode_context, loan=False)
-            with engine:
-                for note in notes:
-                    say(note)
-                run = run_decode(engine, prompt, args.new_tokens, args.repeat, decode_context,
-                                 cuda_graphs=not args.eager, piecewise=not args.eager)
-                run["startup"] = engine.cache.budget.startup_line()
-                run["notes"] = notes
-                run["slots"] = engine.cache.arena.n_slots
-            del engine  # and its graphs
-            model.experts = None
-            free_memory(device)
-            run["round"] = round_figures(run, store.blob_bytes, machine, device_round_ms,
-                                         cfg.n_layers, full_layers)
-            runs[name] = run
-            r = run["round"]
-            say(f"{name}: {r['round_ms']:.2f} ms a round (bound {r['bound_ms']:.2f}), host-side "
-                f"{r['host_ms']:.2f} ms")
-        if args.prefill_tokens:
-            engine, notes = cached_engine(streams[0], prefill_context, loan=True)
-            with engine:
-                run = run_prefill(engine, long_prompt, args.repeat, prefill_context,
-                                  prefill_chunk=args.prefill_chunk)
-                run["startup"] = engine.cache.budget.startup_line()
-            del engine
-            model.experts = None
-            free_memory(device)
-            uploaded = run["cache"]["prompt"]["uploaded_bytes"]
-            copy_rate = machine["copy_bytes_per_s"]
-            run["upload_bound_s"] = uploaded / copy_rate if copy_rate else None
-            run["over_bound"] = run["prefill_s"] / run["upload_bound_s"] \
-                if run["upload_bound_s"] else None
-            run["scaled_tok_s"] = run["prefill_tok_s"] * cfg.n_layers / full_layers
-            runs["prefill-loan"] = run
-            say(f"prefill-loan: {run['prefill_s']:.3f} s, {uploaded / GB:.3f} GB uploaded")
+            for stream in streams:
+                name = f"decode-stream-{stream}{suffix}"
+                engine, notes = cached_engine(stream, decode_context, loan=False)
+                with engine:
+                    for note in notes:
+                        say(note)
+                    run = run_decode(engine, prompt, args.new_tokens, args.repeat,
+                                     decode_context, cuda_graphs=not args.eager,
+                                     piecewise=not args.eager)
+                    run["startup"] = engine.cache.budget.startup_line()
+                    run["notes"] = notes
+                    run["slots"] = engine.cache.arena.n_slots
+                    run["experts_dtype"] = fmt
+                del engine  # and its graphs
+                model.experts = None
+                free_memory(device)
+                run["round"] = round_figures(run, store.blob_bytes, machine, device_round_ms,
+                                             cfg.n_layers, full_layers)
+                runs[name] = run
+                r = run["round"]
+                say(f"{name}: {r['round_ms']:.2f} ms a round (bound {r['bound_ms']:.2f}), "
+                    f"host-side {r['host_ms']:.2f} ms")
+            if args.prefill_tokens:
+                engine, notes = cached_engine(streams[0], prefill_context, loan=True)
+                with engine:
+                    run = run_prefill(engine, long_prompt, args.repeat, prefill_context,
+                                      prefill_chunk=args.prefill_chunk)
+                    run["startup"] = engine.cache.budget.startup_line()
+                    run["experts_dtype"] = fmt
+                del engine
+                model.experts = None
+                free_memory(device)
+                uploaded = run["cache"]["prompt"]["uploaded_bytes"]
+                copy_rate = machine["copy_bytes_per_s"]
+                run["upload_bound_s"] = uploaded / copy_rate if copy_rate else None
+                run["over_bound"] = run["prefill_s"] / run["upload_bound_s"] \
+                    if run["upload_bound_s"] else None
+                run["scaled_tok_s"] = run["prefill_tok_s"] * cfg.n_layers / full_layers
+                runs[f"prefill-loan{suffix}"] = run
+                say(f"prefill-loan{suffix}: {run['prefill_s']:.3f} s, {uploaded / GB:.3f} GB "
+                    "uploaded")
+            store = None  # a quantized store's pinned memory goes before the next one's
         sync(device)
 
     result = {
@@ -297,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(device), "device_name": torch.cuda.get_device_name(device)
         if device.type == "cuda" else platform.processor() or platform.machine(),
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-        "blob_bytes": store.blob_bytes, "small_cache": small, "machine": machine,
-        "device_round_ms": device_round_ms, "prefill_chunk": args.prefill_chunk,
+        "blob_bytes": blob_bytes[formats[0]], "small_cache": small, "machine": machine,
+        "device_round_ms": device_rounds[formats[0]], "prefill_chunk": args.prefill_chunk,
+        "experts_dtypes": formats, "blob_bytes_by_format": blob_bytes,
+        "device_round_ms_by_format": device_rounds,
         "runs": runs,
     }
     if args.json:
@@ -316,13 +359,15 @@ def print_report(result: dict, args) -> None:
     machine = result["machine"]
     copy = machine["copy_bytes_per_s"]
     scaled = result["layers"] != result["full_layers"]
+    rounds = ", ".join(f"{fmt} {_ms(ms)}" for fmt, ms in
+                       result["device_round_ms_by_format"].items())
     print(f"{result['command']}")
     print(f"{result['model']} ({result['layers']} layers, {result['dtype']}, router skew "
           f"{result['router_skew']:g}) on {result['device_name']} ({result['device']}), "
           f"{result['date']}; host read {machine['host_read_bytes_per_s'] / GB:.1f} GB/s on "
           f"{machine['threads']} threads, pinned copies "
           f"{'-' if copy is None else f'{copy / GB:.1f}'} GB/s; device round (every expert "
-          f"resident) {_ms(result['device_round_ms'])} ms; medians of {args.repeat}")
+          f"resident) {rounds} ms; medians of {args.repeat}")
     for name, run in result["runs"].items():
         if not name.startswith("decode"):
             continue
@@ -346,10 +391,11 @@ def print_report(result: dict, args) -> None:
         if scaled:
             print(f"  {r['ms_per_layer']:.3f} ms a layer: {r['scaled_tok_s']:.1f} tok/s scaled to "
                   f"{result['full_layers']} layers")
-    prefill = result["runs"].get("prefill-loan")
-    if prefill:
+    for name, prefill in result["runs"].items():
+        if not name.startswith("prefill"):
+            continue
         bound = prefill["upload_bound_s"]
-        print(f"prefill-loan, {args.prefill_tokens} tokens in chunks of "
+        print(f"{name}, {args.prefill_tokens} tokens in chunks of "
               f"{result['prefill_chunk']}: {prefill['prefill_s']:.3f} s "
               f"({prefill['prefill_tok_s']:.0f} tok/s); uploaded "
               f"{prefill['cache']['prompt']['uploaded_bytes'] / GB:.3f} GB, upload bound "

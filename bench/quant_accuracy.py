@@ -54,16 +54,19 @@ def quantize_experts(model: MoEModel, fmt: str) -> None:
                 matrix.copy_(fake_quantize(matrix, fmt))
 
 
-def prompt_logits(model: MoEModel, prompt: list[int]) -> torch.Tensor:
-    """float32 [T, V]: the next-token logits after each prompt position."""
+def prompt_logits(model: MoEModel, prompt: list[int],
+                  cell_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """float32 [T, V]: the next-token logits after each prompt position (the K/V's cells in
+    `cell_dtype`, None: the model's dtype)."""
     ids = torch.tensor(prompt, device=model.device)
-    with new_kv(model, len(prompt)) as kv:
+    with new_kv(model, len(prompt), cell_dtype) as kv:
         return model.forward(ids, 0, kv).float().cpu()
 
 
-def greedy(model: MoEModel, prompt: list[int], n_new: int) -> list[int]:
+def greedy(model: MoEModel, prompt: list[int], n_new: int,
+           cell_dtype: torch.dtype | None = None) -> list[int]:
     tokens = list(prompt)
-    with new_kv(model, len(prompt) + n_new) as kv:
+    with new_kv(model, len(prompt) + n_new, cell_dtype) as kv:
         logits = model.forward(torch.tensor(tokens, device=model.device), 0, kv, last_only=True)
         for _ in range(n_new):
             tokens.append(int(logits[-1].argmax()))
@@ -109,47 +112,75 @@ def measure(path: Path, device: torch.device, formats: list[str], positions: int
             "top_k": config.top_k, "formats": results}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_comparison_arguments(parser: argparse.ArgumentParser, what: str, default: str,
+                             choices: tuple[str, ...]) -> None:
+    """The flags every accuracy comparison takes: the model, `--<what>` (comma-separated of
+    `choices`), the positions, the greedy tokens, `--json`."""
     add_model_arguments(parser, preset="tiny")
     parser.add_argument("--model", help="a checkpoint directory instead of a written preset")
-    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS),
-                        help=f"comma-separated, of {', '.join(WEIGHT_FORMATS)}")
+    parser.add_argument(f"--{what}", default=default,
+                        help=f"comma-separated, of {', '.join(choices)} ({default})")
     parser.add_argument("--positions", type=int, default=256,
                         help="prompt tokens, each a next-token distribution compared (256)")
     parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    args = parser.parse_args(argv)
-    formats = [f for f in args.formats.split(",") if f]
-    unknown = sorted(set(formats) - set(WEIGHT_FORMATS))
-    if unknown or not formats:
-        parser.error(f"--formats takes {', '.join(WEIGHT_FORMATS)}; got {args.formats!r}")
+
+
+def compared(parser: argparse.ArgumentParser, args: argparse.Namespace, what: str,
+             choices: tuple[str, ...]) -> list[str]:
+    """`--<what>`'s values, every other flag checked (the parser's error otherwise)."""
+    given = getattr(args, what.replace("-", "_"))
+    values = [v for v in given.split(",") if v]
+    if not values or set(values) - set(choices):
+        parser.error(f"--{what} takes {', '.join(choices)}; got {given!r}")
     if args.positions < GREEDY_PROMPT_TOKENS or args.greedy_tokens < 1:
         parser.error(f"--positions must be >= {GREEDY_PROMPT_TOKENS} and --greedy-tokens >= 1")
-    device = torch.device(args.device)
-    with tempfile.TemporaryDirectory(prefix="strata-bench-quant-") as tmp:
-        if args.model:
-            path, source = Path(args.model), args.model
-        else:
-            preset = get_preset(args.preset)
-            path = write_checkpoint(Path(tmp) / "ckpt", args.family or preset.default_family,
-                                    preset, n_layers=args.layers, router_skew=args.router_skew)
-            source = f"preset {args.preset}" + (f", {args.layers} layers" if args.layers else "")
-        result = measure(path, device, formats, args.positions, args.greedy_tokens)
-    result = {"model": source, "device": str(device), "torch": torch.__version__,
+    return values
+
+
+def comparison_checkpoint(args: argparse.Namespace, tmp: Path) -> tuple[Path, str]:
+    """(the checkpoint, how the report names it): `--model`, or the preset written in `tmp`."""
+    if args.model:
+        return Path(args.model), args.model
+    preset = get_preset(args.preset)
+    path = write_checkpoint(tmp / "ckpt", args.family or preset.default_family, preset,
+                            n_layers=args.layers, router_skew=args.router_skew)
+    return path, f"preset {args.preset}" + (f", {args.layers} layers" if args.layers else "")
+
+
+def report(result: dict, args: argparse.Namespace, source: str, title: str, column: str,
+           key: str) -> dict:
+    """`result` with the run's context; printed as one JSON line or as a table titled `title`
+    (rows `result[key]`, named in a column `column`)."""
+    result = {"model": source, "device": args.device, "torch": torch.__version__,
               "machine": platform.processor() or platform.machine(),
               "date": datetime.date.today().isoformat(), "positions": args.positions,
               "greedy_tokens": args.greedy_tokens, **result}
     if args.json:
         print(json.dumps(result))
-        return 0
-    print(f"quantized experts against the original: {source} ({result['family']}, "
-          f"{result['layers']} layers, {result['experts']} experts, top-{result['top_k']}), "
-          f"float32, {args.positions} positions, {args.greedy_tokens} greedy tokens")
-    print(f"{'format':<10}{'top-1 agree':>12}{'KL mean':>12}{'KL max':>12}{'greedy equal':>14}")
-    for fmt, r in result["formats"].items():
-        print(f"{fmt:<10}{r['top1_agreement']:>12.4f}{r['kl_mean']:>12.2e}{r['kl_max']:>12.2e}"
+        return result
+    print(title)
+    print(f"{column:<10}{'top-1 agree':>12}{'KL mean':>12}{'KL max':>12}{'greedy equal':>14}")
+    for name, r in result[key].items():
+        print(f"{name:<10}{r['top1_agreement']:>12.4f}{r['kl_mean']:>12.2e}{r['kl_max']:>12.2e}"
               f"{r['greedy_equal_prefix']:>9} / {args.greedy_tokens}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_comparison_arguments(parser, "formats", ",".join(WEIGHT_FORMATS), WEIGHT_FORMATS)
+    args = parser.parse_args(argv)
+    formats = compared(parser, args, "formats", WEIGHT_FORMATS)
+    with tempfile.TemporaryDirectory(prefix="strata-bench-quant-") as tmp:
+        path, source = comparison_checkpoint(args, Path(tmp))
+        result = measure(path, torch.device(args.device), formats, args.positions,
+                         args.greedy_tokens)
+    report(result, args, source,
+           f"quantized experts against the original: {source} ({result['family']}, "
+           f"{result['layers']} layers, {result['experts']} experts, top-{result['top_k']}), "
+           f"float32, {args.positions} positions, {args.greedy_tokens} greedy tokens",
+           "format", "formats")
     return 0
 
 

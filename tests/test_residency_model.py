@@ -225,6 +225,31 @@ class ResidencyModel(RuleBasedStateMachine):
         else:
             assert snapshot(self.table) == before
 
+    @rule(k=st.integers(0, 5), dtype=st.sampled_from([np.int64, np.int32]),
+          two_d=st.booleans(), spare=st.integers(0, 2), bad_out=st.integers(0, 19))
+    def split_token(self, k, dtype, two_d, spare, bad_out):
+        ids = np.array(self.ids(k), dtype).reshape((1, k) if two_d else (k,))
+        layer = self.layer()
+        size = 5 * k + 1 + spare  # a longer buffer is fine: only the sections are written
+        # One time in twenty a buffer one element short: refused.
+        outs = [np.full(size - (bad_out == 0) * (spare + 1), -7, np.int64) for _ in range(2)]
+        before = snapshot(self.table)
+        try:
+            expected = self.ref.split_token(layer, ids, outs[0])
+        except (IndexError, ValueError) as e:
+            event(f"split_token: refused ({type(e).__name__})")
+            with pytest.raises(type(e)):
+                self.table.split_token(layer, ids, outs[1])
+            assert snapshot(self.table) == before, "split_token failed but changed the table"
+            return
+        event(f"split_token: done, {expected[0]} hits")
+        got = self.table.split_token(layer, ids, outs[1])
+        assert got == expected
+        h, m = expected
+        r = k - h
+        for lo, n in ((0, h + k), (2 * k, r), (3 * k, m), (4 * k, m + 1)):
+            np.testing.assert_array_equal(outs[1][lo:lo + n], outs[0][lo:lo + n])
+
     @rule()
     def reset_counters(self):
         self.both("reset_counters")

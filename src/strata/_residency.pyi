@@ -175,6 +175,30 @@ class ResidencyTable:
         with the GIL released. If an id is out of range, the IndexError names its position, the
         counters are unchanged and the contents of the output arrays are unspecified.
         """
+    def split_token(self, layer: int, expert_ids: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        """One token's routing (a decode call): `lookup` and `record` of its K ids in one pass,
+        and its K rows split into hits and misses, written into `out`.
+
+        `expert_ids` int [K] or [1, K]; row k is the k-th id. `out` int64 [>= 5K + 1],
+        C-contiguous and writeable, receives, for H hit rows, R = K - H missed rows and M
+        distinct missed experts (the first two sections back to back, the last three at 2K,
+        3K and 4K):
+
+        - out[0:H]: the slot of each hit row, rows ascending;
+        - out[H:H+K]: each row's position in [hit rows ascending; missed rows in the order
+          below], so out[0:H+K] is every index a call uploads, contiguous;
+        - out[2K:2K+R]: the missed rows, by expert ascending, rows ascending within;
+        - out[3K:3K+M]: the missed experts, ascending and distinct;
+        - out[4K:4K+M+1]: where each expert's rows begin in out[2K:], then R.
+
+        The last three are `Routed.of(ids, ~hit)`'s rows, experts and starts. The books change
+        as `lookup` followed by `record` change them (the counters, then heat in id order);
+        the other elements of `out` are unspecified. Returns (H, M).
+
+        Raises:
+            IndexError: layer out of range, or an id out of range (nothing changes).
+            ValueError: ids not one token's integer array, or `out` not as above.
+        """
     @property
     def hits(self) -> int:
         """Routed ids found resident by `lookup` since the last `reset_counters`."""

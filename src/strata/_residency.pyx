@@ -130,6 +130,20 @@ cdef tuple _at(object flat_index, object shape):
     return tuple(int(i) for i in np.unravel_index(flat_index, shape))
 
 
+cdef int _check_ids(cnp.ndarray a, Py_ssize_t n_experts) except -1:
+    """IndexError naming the first id of `a` (an `_id_array`) outside [0, n_experts)."""
+    cdef Py_ssize_t bad, n = cnp.PyArray_SIZE(a)
+    cdef void* p = cnp.PyArray_DATA(a)
+    if cnp.PyArray_TYPE(a) == cnp.NPY_INT64:
+        bad = _first_out_of_range(<const int64_t*>p, n, n_experts)
+    else:
+        bad = _first_out_of_range(<const int32_t*>p, n, n_experts)
+    if bad >= 0:
+        raise IndexError(f"expert_ids{_at(bad, np.shape(a))} = "
+                         f"{a.reshape(-1)[bad]} is out of range [0, {n_experts})")
+    return 0
+
+
 # ---------------------------------------------------------------- nogil kernels
 
 cdef Py_ssize_t _lookup_kernel(const int32_t[::1] res_row, const id_t* ids, Py_ssize_t n,
@@ -157,6 +171,49 @@ cdef Py_ssize_t _first_out_of_range(const id_t* ids, Py_ssize_t n, Py_ssize_t bo
         if <uint64_t>ids[i] >= <uint64_t>bound:
             return i
     return -1
+
+
+cdef Py_ssize_t _split_token_kernel(const int32_t* res_row, double* heat_row, const id_t* ids,
+                                    Py_ssize_t k, int64_t* out, Py_ssize_t* n_experts
+                                    ) noexcept nogil:
+    """`split_token`'s pass over one token's k ids, already checked to be in range: heat
+    counted, `out` filled (the layout is the .pyi's). Returns the hits H."""
+    cdef Py_ssize_t i, j, h = 0, r = 0, m = 0
+    cdef int32_t s
+    cdef int64_t* rows = out + 2 * k       # [R] missed rows by (expert, row)
+    cdef int64_t* experts = out + 3 * k    # [M]
+    cdef int64_t* starts = out + 4 * k     # [M + 1]
+    cdef int64_t* perm
+    for i in range(k):
+        heat_row[ids[i]] += 1.0  # in id order, as `record` adds
+        s = res_row[ids[i]]
+        if s >= 0:
+            out[h] = s
+            h += 1
+        else:
+            # Insertion by expert: rows come ascending, so equal experts keep row order (the
+            # stable sort `Routed.of` does); k is a handful.
+            j = r
+            while j > 0 and ids[rows[j - 1]] > ids[i]:
+                rows[j] = rows[j - 1]
+                j -= 1
+            rows[j] = i
+            r += 1
+    perm = out + h  # [k]: where each row's output sits in [hit outputs; missed outputs]
+    j = 0
+    for i in range(k):
+        if res_row[ids[i]] >= 0:
+            perm[i] = j
+            j += 1
+    for j in range(r):
+        perm[rows[j]] = h + j
+        if j == 0 or ids[rows[j]] != ids[rows[j - 1]]:
+            experts[m] = ids[rows[j]]
+            starts[m] = j
+            m += 1
+    starts[m] = r
+    n_experts[0] = m
+    return h
 
 
 cdef void _add_counts(double[::1] heat_row, const id_t* ids, Py_ssize_t n) noexcept nogil:
@@ -459,17 +516,11 @@ cdef class ResidencyTable:
     def record(self, layer, expert_ids):
         cdef Py_ssize_t l = _index(layer, self.n_layers, "layer")
         cdef cnp.ndarray a = _id_array(expert_ids, "expert_ids")
-        cdef Py_ssize_t n = cnp.PyArray_SIZE(a), bad
+        cdef Py_ssize_t n = cnp.PyArray_SIZE(a)
         cdef void* p = cnp.PyArray_DATA(a)
         cdef bint wide = cnp.PyArray_TYPE(a) == cnp.NPY_INT64
         # Check every id before adding any: a float addition cannot be undone exactly.
-        if wide:
-            bad = _first_out_of_range(<const int64_t*>p, n, self.n_experts)
-        else:
-            bad = _first_out_of_range(<const int32_t*>p, n, self.n_experts)
-        if bad >= 0:
-            raise IndexError(f"expert_ids{_at(bad, np.shape(a))} = "
-                             f"{a.reshape(-1)[bad]} is out of range [0, {self.n_experts})")
+        _check_ids(a, self.n_experts)
         if wide:
             _add_counts(self._heat[l], <const int64_t*>p, n)
         else:
@@ -545,6 +596,42 @@ cdef class ResidencyTable:
         self.hits += n_hits
         self.lookups += n
         return out_slots, out_hit
+
+    def split_token(self, layer, expert_ids, out):
+        cdef Py_ssize_t l = _index(layer, self.n_layers, "layer")
+        cdef cnp.ndarray ids = _id_array(expert_ids, "expert_ids")
+        cdef int nd = cnp.PyArray_NDIM(ids)
+        if not (nd == 1 or (nd == 2 and cnp.PyArray_DIM(ids, 0) == 1)):
+            raise ValueError(f"expert_ids must be one token's [K] or [1, K], got shape "
+                             f"{np.shape(ids)}")
+        cdef Py_ssize_t k = cnp.PyArray_SIZE(ids)
+        cdef cnp.ndarray o
+        if not cnp.PyArray_Check(out):
+            raise ValueError(f"out must be a numpy array, got {type(out).__name__}")
+        o = <cnp.ndarray>out
+        if (cnp.PyArray_TYPE(o) != cnp.NPY_INT64 or cnp.PyArray_NDIM(o) != 1
+                or cnp.PyArray_DIM(o, 0) < 5 * k + 1 or not cnp.PyArray_IS_C_CONTIGUOUS(o)
+                or not cnp.PyArray_ISNOTSWAPPED(o) or not cnp.PyArray_ISALIGNED(o)
+                or not cnp.PyArray_ISWRITEABLE(o)):
+            raise ValueError(f"out must be a writeable C-contiguous int64 array of at least "
+                             f"5K + 1 = {5 * k + 1} elements, got {o.dtype} {np.shape(o)}")
+        cdef void* p = cnp.PyArray_DATA(ids)
+        cdef bint wide = cnp.PyArray_TYPE(ids) == cnp.NPY_INT64
+        # Check every id before counting any: a float addition cannot be undone exactly.
+        _check_ids(ids, self.n_experts)
+        cdef Py_ssize_t n_hits, n_experts = 0
+        cdef const int32_t* res_row = &self._res_flat[l * self.n_experts]
+        cdef double* heat_row = &self._heat_flat[l * self.n_experts]
+        cdef int64_t* o_data = <int64_t*>cnp.PyArray_DATA(o)
+        if wide:
+            n_hits = _split_token_kernel(res_row, heat_row, <const int64_t*>p, k, o_data,
+                                         &n_experts)
+        else:
+            n_hits = _split_token_kernel(res_row, heat_row, <const int32_t*>p, k, o_data,
+                                         &n_experts)
+        self.hits += n_hits
+        self.lookups += k
+        return n_hits, n_experts
 
     def reset_counters(self):
         self.hits = self.lookups = 0

@@ -231,3 +231,27 @@ def test_a_bad_setting_is_one_line(cache, capsys, monkeypatch):
     assert status == 2 and out == ""
     assert err == ("strata generate: STRATA_LOAN_KEEP_SLOTS='lots': want an integer >= 0 "
                    "(slots a loan leaves)\n")
+
+
+def test_experts_dtype_quantizes_the_experts_and_the_json_says_so(ckpt, capsys):
+    base = ["Hi", "--model", str(ckpt), *FAST, "--temperature", "0", "--json"]
+    documents = {}
+    for experts_dtype in ("auto", "int8", "int4", "int4-g64"):
+        status, out, _ = _run(capsys, *base, "--experts-dtype", experts_dtype)
+        assert status == 0
+        documents[experts_dtype] = json.loads(out)
+    assert documents["auto"]["experts_dtype"] == documents["auto"]["dtype"] == "bfloat16"
+    assert documents["int8"]["experts_dtype"] == "int8"
+    assert documents["int4"]["experts_dtype"] == "int4-g32"
+    assert documents["int4-g64"]["experts_dtype"] == "int4-g64"
+    # Through the cache, its slots hold the quantized blobs: more of them in the same MiB.
+    slots = {}
+    for experts_dtype in ("auto", "int8"):
+        status, out, _ = _run(capsys, *base, "--experts-dtype", experts_dtype,
+                              "--expert-cache", "0.2")
+        slots[experts_dtype] = json.loads(out)["cache"]["budget"]["n_slots"]
+    assert slots["int8"] > slots["auto"]
+    err = _error(capsys, *base, "--experts-dtype", "int3")
+    assert "--experts-dtype must be one of auto, bf16, int8, int4, int4-g32, int4-g64" in err
+    err = _error(capsys, *base, "--dtype", "fp32", "--experts-dtype", "bf16")
+    assert "--experts-dtype bf16 keeps the experts in the model's dtype" in err

@@ -177,6 +177,21 @@ def test_the_decode_bench_times_the_moe_of_a_chunk(capsys):
     assert 0 < report["moe_share"] == report["strata"]["moe_tflops"] / 1.0
 
 
+def test_the_decode_bench_runs_quantized_experts_against_their_bound(capsys):
+    bench = load_bench("decode.py")
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--repeat", "1",
+            "--no-transformers", "--experts-dtype", "int8,int4", "--bandwidth-gbs", "10"]
+    assert bench.main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    int8, int4 = report["quantized"]["int8"], report["quantized"]["int4"]
+    assert report["bytes_per_token"] > int8["bytes_per_token"] > int4["bytes_per_token"]
+    for figures in (int8, int4):
+        assert figures["decode_tok_s"] > 0 and figures["deterministic"]
+        assert figures["bound_share"] == figures["decode_tok_s"] / figures["bound_tok_s"]
+    assert bench.main(argv) == 0
+    assert "experts int8: prefill" in capsys.readouterr().out
+
+
 @pytest.mark.cuda
 def test_cuda_graph_rounds_match_eager_rounds_across_windows():
     ckpt = cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32)

@@ -1,5 +1,5 @@
 """A store of quantized experts read from a checkpoint, and the CPU's miss path over it (the
-only reader of quantized blobs so far; the resident experts and the cache refuse them)."""
+resident experts and the cache's slots: tests/engine/test_quantized_engine.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.engine.cache.build import build_cached_experts, plan_cache
-from strata.engine.cache.cached_experts import CachedExperts
-from strata.engine.experts import ResidentExperts
 from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.quant import WEIGHT_FORMATS, blob_bytes, fake_quantize, make_blob
 from strata.engine.experts.routed import Routed
@@ -61,23 +58,20 @@ def test_the_cpu_computes_quantized_experts_as_their_weights(ckpt, quant):
         assert ((out[lo:hi].float() - expected).abs() <= magnitude * 2**-5 + 1e-6).all()
 
 
-def test_readers_of_bf16_blobs_refuse_a_quantized_store(ckpt):
-    store = expert_store(ckpt, torch.bfloat16, quant="int8")
-    with pytest.raises(ValueError, match=r"ResidentExperts reads torch.bfloat16 blobs, and this "
-                                         r"store's experts are quantized \(int8\)"):
-        ResidentExperts(store, "cpu")
-    with pytest.raises(ValueError, match=r"the expert cache reads torch.bfloat16 blobs"):
-        CachedExperts(store, None, None, None, "cpu")  # refused before anything else is read
-    config = plan_cache(ckpt.config, torch.bfloat16, torch.device("cpu"), max_context=64,
-                        prefill_chunk=16, expert_cache_mib=1)
-    try:
-        with pytest.raises(ValueError, match=r"the expert cache reads torch.bfloat16 blobs"):
-            build_cached_experts(config, store, "cpu")  # before the arena is made
-        assert config.backend.alive_chunks == 0
-    finally:
-        config.backend.close()
-    float_store = expert_store(ckpt, torch.float32, quant="int8")
-    with pytest.raises(ValueError, match="quantized experts compute in bfloat16 on the CPU"):
-        CpuExperts(float_store)
+def test_a_float32_quantized_store_computes_on_the_cpu_through_torch(ckpt):
+    """The reference numerics: each expert dequantized to float32, then torch's matmuls."""
+    store = expert_store(ckpt, torch.float32, quant="int8")
+    cpu = CpuExperts(store)
+    assert cpu.kernel == "torch"
+    routed = Routed.of(np.array([[0, 3], [3, 5]]))
+    x_rows = torch.randn(routed.n_rows, store.hidden_size,
+                         generator=torch.Generator().manual_seed(2))
+    out = cpu.compute(0, x_rows, routed)
+    f = store.expert_width
+    for i, expert in enumerate(routed.experts.tolist()):
+        lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
+        gate, up, down = store.weights(0, expert)
+        h = x_rows[lo:hi] @ torch.cat((gate, up)).T
+        assert torch.allclose(out[lo:hi], (F.silu(h[:, :f]) * h[:, f:]) @ down.T, atol=1e-5)
     with pytest.raises(ValueError, match=r"fmt must be one of"):
         expert_store(ckpt, torch.bfloat16, quant="int2")

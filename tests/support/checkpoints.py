@@ -133,3 +133,23 @@ def edit_config(ckpt: Path, **fields: Any) -> dict[str, Any]:
             config[key] = value
     path.write_text(json.dumps(config, indent=2))
     return config
+
+
+def fake_quantize_experts(ckpt: Path, fmt: str) -> Path:
+    """Rewrite every expert weight of the checkpoint at `ckpt` in place as the weights `fmt`
+    (`strata.engine.experts.quant.WEIGHT_FORMATS`) stands for, in the checkpoint's dtype: what
+    a model quantized at load computes with, as a plain checkpoint to compare against."""
+    from strata.engine.experts.quant import fake_quantize
+    from strata.engine.model import families
+    from strata.engine.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(ckpt)
+    fam = families.family(cfg.family)
+    names = {name for layer in range(cfg.n_layers) for expert in range(cfg.n_experts)
+             for name in fam.expert_names(layer, expert)}
+    for path in shard_files(ckpt):
+        tensors = load_file(str(path))
+        for name in names & tensors.keys():
+            tensors[name] = fake_quantize(tensors[name], fmt).to(tensors[name].dtype)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return Path(ckpt)

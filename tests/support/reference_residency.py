@@ -291,5 +291,35 @@ class ReferenceResidency:
         self.hits += int(out_hit.sum())
         return out_slots, out_hit
 
+    def split_token(self, layer, expert_ids, out):
+        """`lookup` then `record` of one token's ids, its rows split into `out` (the layout of
+        `ResidencyTable.split_token`), row by row."""
+        layer = _in_range(layer, self.n_layers, "layer")
+        a = np.asarray(expert_ids)
+        if a.size and a.dtype.kind not in "iu":
+            raise ValueError(f"expert_ids must be integers, got {a.dtype}")
+        if not (a.ndim == 1 or (a.ndim == 2 and a.shape[0] == 1)):
+            raise ValueError(f"expert_ids must be one token's [K] or [1, K], got {a.shape}")
+        k = a.size
+        if (not isinstance(out, np.ndarray) or out.dtype != np.int64 or out.ndim != 1
+                or out.size < 5 * k + 1 or not out.flags.c_contiguous
+                or not out.flags.writeable):
+            raise ValueError("out must be a writeable C-contiguous int64 [>= 5K + 1]")
+        ids = _ints(a, "expert_ids")
+        slots, hit = self.lookup(layer, np.array(ids, dtype=np.int64).reshape(1, k))
+        self.record(layer, ids)
+        hit_rows = [r for r in range(k) if hit[0, r]]
+        missed = sorted((ids[r], r) for r in range(k) if not hit[0, r])  # by expert, then row
+        order = hit_rows + [r for _, r in missed]  # the outputs' order: hits, then misses
+        experts = sorted({e for e, _ in missed})
+        h, m = len(hit_rows), len(experts)
+        out[:h] = [slots[0, r] for r in hit_rows]
+        out[h:h + k] = [order.index(r) for r in range(k)]
+        out[2 * k:2 * k + len(missed)] = [r for _, r in missed]
+        out[3 * k:3 * k + m] = experts
+        out[4 * k:4 * k + m + 1] = [[e for e, _ in missed].index(e) for e in experts] + [
+            len(missed)]
+        return h, m
+
     def reset_counters(self):
         self.hits = self.lookups = 0

@@ -87,6 +87,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="the elastic K/V: map K/V cells as requests reach them and give the cache the rest "
         "(also STRATA_KV_GROW=1; needs --expert-profile; STRATA_KV_GROW_INIT/_STEP/_FLOOR)",
     )
+    # Checked by `EngineOptions` (its names are `strata.engine.model.kv_cells.KV_DTYPES`,
+    # which imports torch), whether or not the cache is used.
+    group.add_argument(
+        "--kv-dtype", default="auto", metavar="DTYPE",
+        help="the K/V cells' dtype: auto (the model's), bf16, or int8 (a float32 scale per "
+        "cell and kv head: about half of bf16's memory, so more cells or slots fit)",
+    )
     parser.add_argument(
         "--trace", metavar="FILE",
         help="record the routing (per token, per layer, the top-k ids) to FILE (.npz) for "

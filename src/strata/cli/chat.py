@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from strata.cli.cache_options import add_cache_arguments
+from strata.cli.device import add_experts_dtype_argument
 from strata.cli.engine_options import (
     add_conversation_arguments,
     engine_options_from_args,
@@ -44,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--dtype", default="auto",
                         help="auto (the checkpoint's own), bf16, fp16 or fp32")
+    add_experts_dtype_argument(parser)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (0.8)")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus mass, 1: off (0.95)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest, 0: off (0)")

@@ -1,4 +1,5 @@
-"""`--device` and `--dtype`: named as text in the parsers, resolved to torch's only in `run`.
+"""`--device`, `--dtype` and `--experts-dtype`: named as text in the parsers, resolved to
+torch's only in `run`.
 
 Building a parser must not import torch (`strata --help` would take seconds), so the dtype
 choices are names here and torch is imported by the functions that resolve them.
@@ -6,6 +7,7 @@ choices are names here and torch is imported by the functions that resolve them.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -35,6 +37,16 @@ def torch_dtype(name: str, allowed: Sequence[str] = tuple(DTYPE_NAMES)) -> torch
     import torch
 
     return getattr(torch, attribute)
+
+
+def add_experts_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """`--experts-dtype`, checked by `EngineOptions` (its names are
+    `strata.engine.experts.quant.EXPERTS_DTYPES`, which imports torch)."""
+    parser.add_argument(
+        "--experts-dtype", default="auto", metavar="DTYPE",
+        help="how the experts are kept, in host RAM and on the device: auto (the model's "
+        "dtype), bf16, or quantized at load: int8 (a scale per output row), int4 (groups of "
+        "32 along the input; int4-g64: of 64); the dense weights stay in --dtype (auto)")
 
 
 def parse_device(name: str | None) -> torch.device:

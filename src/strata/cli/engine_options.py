@@ -60,6 +60,8 @@ def engine_options_from_args(args: argparse.Namespace, *,
     try:
         return EngineOptions(
             device=parse_device(args.device), dtype=torch_dtype(args.dtype),
+            experts_dtype=getattr(args, "experts_dtype", "auto"),
+            kv_dtype=getattr(args, "kv_dtype", "auto"),
             max_context=args.max_context if max_context is None else max_context,
             # Without a flag, the cache's workspace is sized for the chunk a request through
             # the cache reads (a resident engine has no workspace to size).
@@ -84,11 +86,17 @@ def with_builtin_cache(args: argparse.Namespace, options: EngineOptions,
         return options
     import dataclasses
 
+    from strata.engine.experts.quant import experts_quant_for
     from strata.engine.model.builtin import builtin_expert_cache_mib
     from strata.engine.model.config import ModelConfig
     from strata.engine.model.moe import runtime_dtype
 
-    mib = builtin_expert_cache_mib(runtime_dtype(ModelConfig.from_dir(model_dir), options.dtype))
+    dtype = runtime_dtype(ModelConfig.from_dir(model_dir), options.dtype)
+    try:
+        quant = experts_quant_for(options.experts_dtype, dtype)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    mib = builtin_expert_cache_mib(dtype, quant)
     return dataclasses.replace(options, cache=dataclasses.replace(cache, expert_cache_mib=mib))
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from strata import settings
 from strata.cli.cache_options import add_cache_arguments, check_trace_path
+from strata.cli.device import add_experts_dtype_argument
 from strata.cli.engine_options import (
     add_conversation_arguments,
     engine_options_from_args,
@@ -65,6 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype", default="auto", help="auto (the checkpoint's own), bf16, fp16 or fp32"
     )
+    add_experts_dtype_argument(parser)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (0.8)")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus mass, 1: off (0.95)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest, 0: off (0)")
@@ -192,7 +194,7 @@ def _generate(engine: Engine, prompt_ids: list[int], options: GenerateOptions,
     from strata.engine.runtime.recording import RoutingRecorder, installed, new_trace_writer
 
     model = engine.model
-    writer = new_trace_writer(model, "strata generate")
+    writer = new_trace_writer(model, "strata generate", kv_dtype=engine.kv.cell_dtype)
     recorder = RoutingRecorder(model.experts, writer)
     with installed(model, recorder), recorder.request(len(prompt_ids)):
         result = engine.generate(prompt_ids, options, on_text=stream)
@@ -290,6 +292,8 @@ def _report(args: argparse.Namespace, result: GenerateResult, engine: Engine,
         "model": str(model_dir),
         "device": str(engine.model.device),
         "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "experts_dtype": engine.model.experts_dtype,
+        "kv_dtype": engine.kv.layout.name,
     }
     if engine.cache is not None:
         document["cache"]["budget"] = engine.cache.budget.as_dict()

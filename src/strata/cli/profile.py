@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     model = engine.model
     if engine.cache is not None:
         print(f"strata: {engine.cache.budget.startup_line()}", file=sys.stderr)
-    writer = None if args.trace is None else new_trace_writer(model, SOURCE)
+    writer = None if args.trace is None else new_trace_writer(model, SOURCE,
+                                                              kv_dtype=engine.kv.cell_dtype)
     with engine, _progress(args, len(prompts)) as bar:
         counts, figures = collect_counts(
             model, prompts, decode_tokens=args.decode, prefill_chunk=args.prefill_chunk,

@@ -16,6 +16,7 @@ from typing import Any
 
 from strata import settings
 from strata.cli.cache_options import add_cache_arguments
+from strata.cli.device import add_experts_dtype_argument
 from strata.cli.engine_options import (
     add_conversation_arguments,
     engine_options_from_args,
@@ -67,6 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--dtype", default="auto",
                         help="auto (the checkpoint's own), bf16, fp16 or fp32")
+    add_experts_dtype_argument(parser)
     parser.add_argument("--prefill-chunk", type=int, metavar="N",
                         help="prompt tokens per forward (default: 4096 with every expert "
                         "resident, 512 through the expert cache)")
@@ -124,17 +126,14 @@ def _check_before_loading(model_dir: Path, engine: Any) -> Any:
     again on the engine thread). UsageError for bad input."""
     from strata.engine.model.checkpoint import CheckpointError
     from strata.engine.model.config import ModelConfig
-    from strata.engine.model.moe import runtime_dtype
     from strata.engine.model.tokenizer import Tokenizer, TokenizerError
-    from strata.engine.runtime.options import plan_cache_options
+    from strata.engine.runtime.options import plan_engine_cache
     from strata.policies import OptionError, PolicyError, UnknownPolicyError
 
     try:
         config = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
-        plan = plan_cache_options(engine.cache, config, runtime_dtype(config, engine.dtype),
-                                  engine.device, max_context=engine.max_context,
-                                  prefill_chunk=engine.prefill_chunk)
+        plan, _ = plan_engine_cache(engine, config)
     except (CheckpointError, TokenizerError, ValueError, UnknownPolicyError,
             OptionError) as err:
         if isinstance(err, PolicyError) and not isinstance(err, ValueError):

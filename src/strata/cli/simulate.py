@@ -381,7 +381,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--slot-bytes", type=int, metavar="BYTES", help="bytes of one expert")
     model.add_argument("--kv-segment-cell-bytes", type=int, metavar="BYTES",
                        help="bytes of one cell of one layer's K (or V)")
-    model.add_argument("--kv-segments", type=int, metavar="N", help="K/V segments (2 a layer)")
+    model.add_argument("--kv-segments", type=int, metavar="N",
+                       help="K/V segments (2 a layer, and int8 cells' scale segments)")
     cost = parser.add_argument_group("cost model (estimated tok/s)")
     cost.add_argument("--bandwidths", metavar="JSON",
                       help="device_gbps, host_gbps, pcie_gbps from a file (flags override)")

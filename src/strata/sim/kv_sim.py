@@ -8,9 +8,13 @@ first, and the policy's `refill` fills every empty backed slot. Each request sta
 empty K/V: version 1 traces carry no parked conversations.
 
 Units: the arena and the K/V share the device's chunk size. The K/V is `kv_segments` segments
-(each layer's K and V), each `kv_segment_cell_bytes` per cell, so one chunk of a segment holds
+(each layer's K and V, and for int8 cells the segments of their scales), each
+`kv_segment_cell_bytes` per cell, so one chunk of a segment holds
 `chunk_bytes // kv_segment_cell_bytes` cells, and mapping `c` cells takes
-`kv_segments * c / cells_per_chunk` chunks.
+`kv_segments * c / cells_per_chunk` chunks. These are the engine's `KvLayout` figures
+(`cell_bytes`, `n_segments`), which a trace's meta carries (`kv_dtype` names the cells): int8
+cells of a model with head dim Dh are half of bf16's `kv_segment_cell_bytes`, with
+ceil(2L / (Dh / 4)) more segments.
 """
 
 from __future__ import annotations

@@ -139,3 +139,34 @@ def test_piecewise_graphs_call_the_cache_between_the_pieces(small):
     if ModelConfig.from_dir(ckpt).dtype == torch.float32:
         assert first.tokens == eager.tokens
         assert first.cache.decode.hits == eager.cache.decode.hits
+
+
+def test_prompt_experts_from_slots_run_as_grouped_products_on_hopper(small):
+    """bf16 on Hopper: a prompt's hits (and the loan's batches) by two grouped products over
+    the rows sorted by slot, agreeing with the per-expert loop and repeating its bytes."""
+    import numpy as np
+
+    from strata.engine.cache.from_slots import compute_from_slots
+    from strata.engine.experts import sorted_grouped
+    from strata.engine.experts.routed import Routed
+
+    ckpt, _ = small
+    model = _cached(ckpt)
+    try:
+        cache = model.experts
+        x = torch.randn(40, cache.hidden_size, device="cuda", dtype=cache.arena.dtype,
+                        generator=torch.Generator("cuda").manual_seed(0))
+        if not sorted_grouped.available(x):
+            pytest.skip("the grouped products run for bf16 on Hopper and later")
+        rng = np.random.default_rng(0)
+        ids = np.stack([rng.choice(cache.n_experts, 4, replace=False) for _ in range(40)])
+        routed = Routed.of(ids)
+        slots = cache.table.lookup(1, routed.experts[None, :])[0][0]  # every expert resident
+        grouped = compute_from_slots(cache.arena, x, routed, slots)
+        again = compute_from_slots(cache.arena, x, routed, slots)
+        loop = compute_from_slots(cache.arena, x, routed, slots, grouped=False)
+        assert torch.equal(grouped, again)
+        scale = loop.float().abs().max()
+        assert (grouped.float() - loop.float()).abs().max() <= scale * 2.0**-7
+    finally:
+        cache.close()

@@ -21,6 +21,7 @@ from strata.engine.kv.elastic import ElasticKV, KvFullError, loan_top
 from strata.engine.kv.kv_cache import KVCache
 from strata.policies import KvParams, PolicyError, plugin_manager
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
+from support.cache_state import assert_resident_blobs, assert_same_state
 from support.checkpoints import cached_checkpoint, store_of
 from support.events import EventLog
 
@@ -105,31 +106,6 @@ def _state(elastic, cached):
     }
 
 
-def _assert_same(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, list):
-            assert all(torch.equal(p, q) for p, q in zip(x, y, strict=True)), key
-        elif isinstance(x, torch.Tensor):
-            assert torch.equal(x, y), key
-        elif isinstance(x, np.ndarray):
-            assert np.array_equal(x, y), key
-        else:
-            assert x == y, key
-
-
-def _assert_resident_blobs(cached):
-    """Every resident slot holds its expert's blob; the mirror is the books."""
-    table, slots = cached.table, cached.arena.slots_view()
-    table.validate()
-    for slot in np.flatnonzero(table.owner >= 0):
-        layer, expert = table.expert_in(int(slot))
-        blob = cached.store.blob(layer, expert)
-        assert torch.equal(slots[slot, : blob.numel()], blob), (slot, layer, expert)
-    assert np.array_equal(cached.mirror.numpy(), table.res)
-
-
 def test_growth_from_free_budget_takes_no_slot(store):
     elastic, cached, events = _setup(store, free_chunks=20)
     owner = cached.table.owner.copy()
@@ -168,7 +144,7 @@ def test_growth_gives_up_the_slots_below_the_loan_and_moves_hot_experts_first(st
     for src, dst in moves:
         assert table.owner[dst] == before_owner[src]
     assert elastic.stats.slots_given_up == 3 and elastic.stats.relocated == 3
-    _assert_resident_blobs(cached)
+    assert_resident_blobs(cached)
     kinds = [type(e).__name__ for e in events.seen]
     assert kinds == ["Relocated", "GaveUp", "Grown"]
     gave_up = events.seen[1]
@@ -187,7 +163,7 @@ def test_growth_takes_free_budget_first_then_slots(store):
     assert cached.checked.policy.given_up == [[4, 5]]
     assert stats.slots_given_up == 2 and int((~cached.table.chunk_mapped).sum()) == 3
     assert stats.fresh_chunks == 1 and elastic.free_chunks == 1
-    _assert_resident_blobs(cached)
+    assert_resident_blobs(cached)
     _close(elastic, cached)
 
 
@@ -196,7 +172,7 @@ def test_a_growth_the_cache_cannot_give_is_refused_and_the_run_goes_on(store):
     before = _state(elastic, cached)
     # [5, 6) is one slot, bytes [480, 576) KiB: it frees chunk 8 alone, the step needs 4.
     assert not elastic.ensure(600)
-    _assert_same(_state(elastic, cached), before)
+    assert_same_state(_state(elastic, cached), before)
     failure = elastic.stats.last_failure
     assert "needs 4 chunks from the expert cache, which can give 1" in failure
     assert elastic.stats.failures == 1
@@ -216,8 +192,8 @@ def test_a_fault_at_every_chunk_of_a_growth_rolls_everything_back(store, op):
         cached.arena.backend.inject_fault(op, nth)
         if not elastic.ensure(1536):  # 8 chunks: 2 created, 6 from the cache
             assert f"injected fault in {op}" in elastic.stats.last_failure
-            _assert_same(_state(elastic, cached), before)
-            _assert_resident_blobs(cached)
+            assert_same_state(_state(elastic, cached), before)
+            assert_resident_blobs(cached)
             nth += 1
             continue
         cached.arena.backend.clear_faults()
@@ -225,7 +201,7 @@ def test_a_fault_at_every_chunk_of_a_growth_rolls_everything_back(store, op):
     # create: 2 chunks; unmap: the arena's runs; map: 8 chunks; access: one per segment.
     assert nth > 1 and (op != "map" or nth - 1 == 8) and (op != "access" or nth - 1 == 4)
     assert elastic.kv.mapped_cells == 1536 and elastic.stats.failures == nth - 1
-    _assert_resident_blobs(cached)
+    assert_resident_blobs(cached)
     _close(elastic, cached)
 
 
@@ -253,7 +229,7 @@ def test_trim_returns_chunks_and_refills_the_slots_they_complete(store):
     assert sorted(p[1:] for p in refilled.placements) == sorted(evicted)
     assert [type(e).__name__ for e in events.seen] == ["Trimmed", "Refilled"]
     assert table.n_resident == table.n_slots
-    _assert_resident_blobs(cached)
+    assert_resident_blobs(cached)
     assert elastic.trim(0) == 0  # the start cells stay
     _close(elastic, cached)
 
@@ -271,7 +247,7 @@ def test_a_fault_at_every_chunk_of_a_trim_rolls_everything_back(store, op):
         cached.arena.backend.inject_fault(op, nth)
         if elastic.trim(0) == 0:
             assert f"injected fault in {op}" in elastic.stats.last_failure
-            _assert_same(_state(elastic, cached), before)
+            assert_same_state(_state(elastic, cached), before)
             nth += 1
             continue
         cached.arena.backend.clear_faults()
@@ -279,7 +255,7 @@ def test_a_fault_at_every_chunk_of_a_trim_rolls_everything_back(store, op):
     # unmap: one run per K/V segment; map: one per arena hole; access: the holes are one run.
     assert nth - 1 == {"unmap": 4, "map": 6, "access": 1}[op]
     assert elastic.kv.mapped_cells == 512
-    _assert_resident_blobs(cached)
+    assert_resident_blobs(cached)
     _close(elastic, cached)
 
 
@@ -296,7 +272,7 @@ def test_a_wrong_refill_leaves_the_trim_undone(store):
     before = _state(elastic, cached)
     with pytest.raises(PolicyError, match="bad-refill"):
         elastic.trim(0)
-    _assert_same(_state(elastic, cached), before)
+    assert_same_state(_state(elastic, cached), before)
     _close(elastic, cached)
 
 

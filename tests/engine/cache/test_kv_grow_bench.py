@@ -69,3 +69,24 @@ def test_a_skewed_checkpoint_with_a_burn_in(run_bench, tmp_path, capsys):
     kv = report["runs"]["kv-grow"][0]["kv"]
     assert kv["grows"] == 1 and kv["slots_given_up"] > 0
     assert report["runs"]["without"][0]["kv"] is None
+
+
+
+def test_int8_cells_against_bf16_in_one_run(run_bench):
+    report = run_bench(["--preset", "tiny", "--budget-mib", "2.875", "--max-context", "2048",
+                        "--chunk-bytes", "4096", "--kv-init", "64", "--kv-step", "64",
+                        "--kv-floor", "2", "--long-tokens", "300", "--prefill-chunk", "32",
+                        "--burn-in", "0", "--kv-dtype", "bf16,int8"])
+    table = report["table"]
+    assert list(table) == ["without bf16", "kv-grow bf16", "without int8", "kv-grow int8"]
+    assert report["kv_dtypes"] == ["bf16", "int8"]
+    assert [report["runs"][name][0]["kv_dtype"] for name in table] == [
+        "bf16", "bf16", "int8", "int8"]
+    kv = report["runs"]["kv-grow int8"][0]["kv"]
+    # int8 cells are 32 bytes: a 4 KiB chunk holds 128 of a segment, the policy's grid.
+    assert kv["init_cells"] == 128 and kv["cells_mapped"] == 384 and kv["grows"] == 1
+    assert set(report["ratios"]) >= {"slots", "chat_decode_tok_s"}  # bf16's, as before
+    ratios = report["kv_dtype_ratios"]
+    assert list(ratios) == ["without int8", "kv-grow int8"]
+    assert all(r["long_prefill_tok_s"] > 0 and r["chat_decode_tok_s"] > 0
+               for r in ratios.values())

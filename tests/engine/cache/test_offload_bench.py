@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from support.bench_scripts import load_bench
 
 
@@ -34,3 +36,30 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     prefill = runs["prefill-loan"]
     assert prefill["cache"]["lent_slots"] > 0 and prefill["upload_bound_s"] is None
     assert prefill["scaled_tok_s"] == prefill["prefill_tok_s"]  # the preset's own depth
+
+
+def test_the_offload_bench_measures_each_experts_dtype(capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
+    monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")
+    bench = load_bench("offload.py")
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--prefill-tokens",
+            "96", "--prefill-chunk", "48", "--host-read-mib", "16", "--loan-keep-slots", "0",
+            "--repeat", "1", "--stream-misses", "1", "--expert-share", "0.25",
+            "--experts-dtype", "auto,int8"]
+    assert bench.main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    runs = report["runs"]
+    assert set(runs) == {"decode-stream-1-auto", "prefill-loan-auto", "decode-stream-1-int8",
+                         "prefill-loan-int8"}
+    blob = report["blob_bytes_by_format"]
+    assert blob["int8"] < 0.6 * blob["auto"]
+    # The same cache MiB holds about twice the quantized experts.
+    assert runs["decode-stream-1-int8"]["slots"] > 1.5 * runs["decode-stream-1-auto"]["slots"]
+    assert "(int8)" in runs["decode-stream-1-int8"]["startup"]
+    assert all(ms > 0 for ms in report["device_round_ms_by_format"].values())
+    assert bench.main(argv) == 0  # the table
+    table = capsys.readouterr().out
+    assert "decode-stream-1-int8:" in table and "prefill-loan-int8," in table
+    with pytest.raises(SystemExit):  # argparse's error: a usage line naming the values
+        bench.main([*argv[:-1], "auto,int3"])
+    assert "--experts-dtype takes distinct comma-separated values" in capsys.readouterr().err

@@ -3,11 +3,12 @@
 Dimension letters: S slots, D hidden size, F expert width.
 
 Slot `s` occupies bytes [s * slot_bytes, (s + 1) * slot_bytes) of the range; its first
-`blob_bytes` hold one expert's blob (gate [F, D] | up [F, D] | down [D, F], see
-`strata.engine.experts.resident`), the rest is padding up to a multiple of `SLOT_ALIGN_BYTES`.
+`blob_bytes` hold one expert's blob (gate [F, D] | up [F, D] | down [D, F] in the model dtype,
+see `strata.engine.experts.store`, or one of the quantized formats of
+`strata.engine.experts.quant`), the rest is padding up to a multiple of `SLOT_ALIGN_BYTES`.
 Tensors over the slots are zero-copy views of the range, so a kernel reads an expert straight from
-its slot. The arena knows nothing of which expert is where: that is the books'
-(`strata._residency.ResidencyTable`).
+its slot (`stack`, a `BlobStack`, is the math over them). The arena knows nothing of which expert
+is where: that is the books' (`strata._residency.ResidencyTable`).
 
 Uploads on CUDA run on a copy stream that first waits for the compute stream (a slot being
 overwritten may still be read by a kernel already queued), asynchronously from a pinned store,
@@ -16,13 +17,15 @@ and are complete when `upload` returns (one sync per batch).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from strata import _vmm
 from strata.engine.experts import ExpertStore
+from strata.engine.experts.blobs import BlobStack
+from strata.engine.experts.quant import expert_blob_bytes
 
 __all__ = ["SLOT_ALIGN_BYTES", "Arena", "slot_bytes_for"]
 
@@ -39,8 +42,9 @@ def slot_bytes_for(blob_bytes: int) -> int:
 class Arena:
     """`n_slots` slots of `slot_bytes` in one range of `backend`, mapped whole at construction.
 
-    The blobs it holds are experts of `hidden_size` D and `expert_width` F in `dtype`. With
-    `n_slots` 0 the arena holds nothing and reserves nothing. `close()` releases the memory.
+    The blobs it holds are experts of `hidden_size` D and `expert_width` F computing in
+    `dtype`, stored in `dtype` or, with `quant`, in that quantized format. With `n_slots` 0 the
+    arena holds nothing and reserves nothing. `close()` releases the memory.
     """
 
     def __init__(
@@ -52,9 +56,9 @@ class Arena:
         hidden_size: int,
         expert_width: int,
         dtype: torch.dtype,
+        quant: str | None = None,
     ) -> None:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        blob_bytes = 3 * expert_width * hidden_size * itemsize
+        blob_bytes = expert_blob_bytes(expert_width, hidden_size, dtype, quant)  # ValueError
         if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 0:
             raise ValueError(f"n_slots must be an int >= 0, got {n_slots!r}")
         if slot_bytes < blob_bytes or slot_bytes % SLOT_ALIGN_BYTES:
@@ -68,6 +72,7 @@ class Arena:
         self.slot_bytes = slot_bytes
         self.blob_bytes = blob_bytes
         self.hidden_size, self.expert_width, self.dtype = hidden_size, expert_width, dtype
+        self.quant = quant
         self.device = torch.device(
             "cpu" if backend.kind == "host" else f"cuda:{backend.device}"  # type: ignore[attr-defined]
         )
@@ -99,29 +104,25 @@ class Arena:
     # --- views ---
     def refresh_views(self) -> None:
         """Re-make the views over the slots; call after the range's mapping changes."""
-        s, f, d = self.n_slots, self.expert_width, self.hidden_size
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
         if self._range is None:
             self._slots = torch.empty((0, self.slot_bytes), dtype=torch.uint8, device=self.device)
         else:
-            self._slots = self._range.view(0, (s, self.slot_bytes), torch.uint8)  # [S, slot]
-        typed = self._slots.view(self.dtype)  # [S, slot_bytes / itemsize]
-        assert typed.shape[1] * itemsize == self.slot_bytes
-        # Strided views: slot s's gate_up [2F, D] and down [D, F] at their offsets in the slot.
-        self._gate_up = typed[:, : 2 * f * d].view(s, 2 * f, d)  # [S, 2F, D]
-        self._down = typed[:, 2 * f * d : 3 * f * d].view(s, d, f)  # [S, D, F]
+            self._slots = self._range.view(0, (self.n_slots, self.slot_bytes), torch.uint8)
+        self.stack = BlobStack(self._slots, self.dtype, self.quant, self.expert_width,
+                               self.hidden_size)  # [S, slot_bytes]
 
     def slots_view(self) -> torch.Tensor:
         """uint8 [S, slot_bytes]: every slot's bytes."""
         return self._slots
 
     def gate_up_all(self) -> torch.Tensor:
-        """[S, 2F, D]: every slot's gate rows then up rows (strided by slot_bytes)."""
-        return self._gate_up
+        """[S, 2F, D]: every slot's gate rows then up rows (strided by slot_bytes; unquantized
+        slots only)."""
+        return self.stack.gate_up_all()
 
     def down_all(self) -> torch.Tensor:
-        """[S, D, F]: every slot's down matrix (strided by slot_bytes)."""
-        return self._down
+        """[S, D, F]: every slot's down matrix (strided by slot_bytes; unquantized slots only)."""
+        return self.stack.down_all()
 
     def _check_slot(self, slot: int) -> int:
         slot = int(slot)
@@ -130,12 +131,29 @@ class Arena:
         return slot
 
     def gate_up(self, slot: int) -> torch.Tensor:
-        """[2F, D]: the gate and up rows of the blob in `slot`, a contiguous view."""
-        return self._gate_up[self._check_slot(slot)]
+        """[2F, D]: the gate and up rows of the blob in `slot`, a contiguous view (unquantized
+        slots only)."""
+        return self.gate_up_all()[self._check_slot(slot)]
 
     def down(self, slot: int) -> torch.Tensor:
-        """[D, F]: the down matrix of the blob in `slot`, a contiguous view."""
-        return self._down[self._check_slot(slot)]
+        """[D, F]: the down matrix of the blob in `slot`, a contiguous view (unquantized slots
+        only)."""
+        return self.down_all()[self._check_slot(slot)]
+
+    def weights(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2F, D], down [D, F]) of the blob in `slot` in the compute dtype: views, or
+        the dequantized weights of a quantized blob (`BlobStack.weights`)."""
+        return self.stack.weights(self._check_slot(slot))
+
+    def each_weights(self, slots: Sequence[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """`weights(slot)` for each of `slots` in order (`BlobStack.each_weights`: quantized
+        blobs dequantized a batch at a time)."""
+        return self.stack.each_weights([self._check_slot(slot) for slot in slots])
+
+    def expert_rows(self, slot_index: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
+        """[R, D]: row r is the expert in slot slot_index[r] over x_rows[r] (the decode path,
+        `BlobStack.expert_rows`); slot_index int64 [R] on the arena's device."""
+        return self.stack.expert_rows(slot_index, x_rows)
 
     # --- copies ---
     def upload(self, slots: Sequence[int] | np.ndarray, experts: np.ndarray, store: ExpertStore
@@ -269,7 +287,7 @@ class Arena:
     def close(self) -> None:
         """Unmap and release the slots; the views must not be used afterwards. Idempotent."""
         if self._range is not None:
-            empty = torch.empty(0, dtype=self.dtype, device=self.device)
             self._slots = torch.empty((0, self.slot_bytes), dtype=torch.uint8, device=self.device)
-            self._gate_up = self._down = empty
+            self.stack = BlobStack(self._slots, self.dtype, self.quant, self.expert_width,
+                                   self.hidden_size)
             self._range.close()

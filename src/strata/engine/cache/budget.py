@@ -20,10 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.engine.experts.blobs import dequant_batch
 from strata.engine.experts.grouped import copies_weights
+from strata.engine.experts.quant import expert_blob_bytes
 from strata.engine.memory import memory_limit
 from strata.engine.model import families
 from strata.engine.model.config import ModelConfig
+from strata.engine.model.kv_cells import KvLayout, kv_dtype_name, read_copy_bytes
 from strata.engine.model.layers import ATTENTION_PIECE_TOKENS
 from strata.machine import bytes_text
 
@@ -58,21 +61,27 @@ def dense_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def kv_bytes(cfg: ModelConfig, max_cells: int, dtype: torch.dtype, chunk_bytes: int) -> int:
-    """Bytes the K/V maps for `max_cells` cells: as `KVCache` lays it out, 2 * L segments of
-    whole chunks."""
-    cell_bytes = cfg.n_kv_heads * cfg.head_dim * _itemsize(dtype)
-    segment_chunks = -(-max_cells * cell_bytes // chunk_bytes)
-    return 2 * cfg.n_layers * segment_chunks * chunk_bytes
+    """Bytes the K/V maps for `max_cells` cells of `dtype` (the cells': bf16, fp32 or int8):
+    as `KVCache` lays it out (`KvLayout`), 2 * L segments (and int8's scale segments) of whole
+    chunks."""
+    return KvLayout.of(cfg, dtype).mapped_bytes(max_cells, chunk_bytes)
 
 
-def gathered_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """The weights the decode path (T == 1) gathers in one layer call: K blobs."""
-    return cfg.top_k * 3 * cfg.expert_width * cfg.hidden_size * _itemsize(dtype)
+def gathered_bytes(cfg: ModelConfig, dtype: torch.dtype, experts_quant: str | None = None
+                   ) -> int:
+    """The weights the decode path (T == 1) gathers in one layer call: K blobs, and for
+    quantized blobs their K dequantized copies in `dtype` too."""
+    f, d = cfg.expert_width, cfg.hidden_size
+    gathered = cfg.top_k * expert_blob_bytes(f, d, dtype)
+    if experts_quant is not None:
+        gathered += cfg.top_k * expert_blob_bytes(f, d, dtype, experts_quant)
+    return gathered
 
 
 def workspace_bytes(
     cfg: ModelConfig, prefill_chunk: int, max_cells: int, dtype: torch.dtype,
-    stream_blobs: int = 0, gathers: bool = True,
+    stream_blobs: int = 0, gathers: bool = True, experts_quant: str | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """An upper estimate of the transient tensors of one forward, rounded up to whole MiB.
 
@@ -85,16 +94,21 @@ def workspace_bytes(
       `scaled_dot_product_attention` runs its memory-efficient kernel there;
     - the decode path's gathered weights (T == 1 only, when `gathers`: where
       `strata.engine.experts.grouped.copies_weights`, i.e. off CUDA or without Triton): the K
-      routed experts' blobs; a prompt chunk of any length reads its experts in place;
+      routed experts' blobs (`experts_quant`: and their dequantized copies); a prompt chunk of
+      any length reads its experts in place (quantized: `dequant_batch` experts dequantized at
+      a time, through float32);
     - the routed rows [C*K, 2F + D] in fp32, twice; the activations, 16 x [C, width];
     - the logits [V] in fp32, twice;
-    - the staging buffer of `--stream-misses` (`stream_blobs` blobs), when there is one.
+    - the staging buffer of `--stream-misses` (`stream_blobs` blobs), when there is one;
+    - K/V cells of `kv_dtype` other than `dtype` (None: `dtype`): one layer's attended cells
+      read into `dtype` (`strata.engine.model.kv_cells.read_copy_bytes`: K and V),
+      2*N*G*Dh*itemsize bytes.
 
-    Only the attention term grows with the window: 2 KiB a cell for olmoe-1b-7b (R = 1) and
-    12.5 KiB for qwen3-30b-a3b (R = 8) in bf16 at C = 512. Measured on the H200 with
-    bench/workspace.py (bench/results/workspace-h200-2026-11-29.md): a chunk at the end of a
-    65,536-cell window peaked at 118 MiB (olmoe) and 822 MiB (qwen3, 12.5 KiB a cell of
-    slope) above what was allocated, under this estimate's 449 and 1,066 MiB; the
+    Only the attention term (and the K/V's read) grows with the window: 2 KiB a cell for
+    olmoe-1b-7b (R = 1) and 12.5 KiB for qwen3-30b-a3b (R = 8) in bf16 at C = 512. Measured on
+    the H200 with bench/workspace.py (bench/results/workspace-h200-2026-11-29.md): a chunk at
+    the end of a 65,536-cell window peaked at 118 MiB (olmoe) and 822 MiB (qwen3, 12.5 KiB a
+    cell of slope) above what was allocated, under this estimate's 449 and 1,066 MiB; the
     `cuda`-marked test in tests/engine/cache/test_budget_cuda.py keeps it an upper bound.
     """
     c, n = min(prefill_chunk, max_cells), max_cells
@@ -103,13 +117,17 @@ def workspace_bytes(
     itemsize = _itemsize(dtype)
     heads_per_kv = cfg.n_heads // cfg.n_kv_heads
     attention = c * n + piece * n * heads_per_kv * (1 + itemsize)
-    gathered = gathered_bytes(cfg, dtype) if gathers else 0
+    gathered = gathered_bytes(cfg, dtype, experts_quant) if gathers else 0
+    if experts_quant is not None:  # a prompt chunk's experts, dequantized a batch at a time
+        batch = min(dequant_batch(f, d), cfg.n_experts)  # a layer call's experts at most
+        gathered = max(gathered, batch * 3 * f * d * (4 + itemsize))
     rows = 2 * c * k * (2 * f + d) * 4
     width = max(d, cfg.q_width + 2 * cfg.kv_width, cfg.shared_expert_width or 0)
     activations = 16 * c * width * itemsize
     logits = 2 * cfg.vocab_size * 4
-    staging = stream_blobs * 3 * f * d * itemsize
-    total = attention + gathered + rows + activations + logits + staging
+    staging = stream_blobs * expert_blob_bytes(f, d, dtype, experts_quant)
+    kv_read = 0 if kv_dtype is None else read_copy_bytes(KvLayout.of(cfg, kv_dtype), n, dtype)
+    total = attention + gathered + rows + activations + logits + staging + kv_read
     return -(-total // MIB) * MIB
 
 
@@ -133,7 +151,10 @@ class CacheBudget:
     """The parts of the device budget, in bytes, and the slots they leave.
 
     `expert_cache_mib` None is `--expert-cache auto`. `total_experts` is L * E, the most slots
-    a cache needs. `budget_source` says where `budget_bytes` came from (for the startup line).
+    a cache needs. `budget_source` says where `budget_bytes` came from (for the startup line),
+    `slot_format` what a slot's blob holds: None, the model dtype; else the experts' quantized
+    format (`--experts-dtype`); `kv_format` what the K/V's cells hold: None, the model dtype;
+    else their dtype's name (`--kv-dtype`: "int8", or "bfloat16" under an fp32 model).
     Raises ValueError for a negative or non-integer part, and for a budget too small for the
     fixed parts and the minimum cache (one slot; none with `--expert-cache 0`), naming how much
     is missing.
@@ -149,6 +170,8 @@ class CacheBudget:
     total_experts: int
     expert_cache_mib: float | None = None
     budget_source: str = "--vram-budget-mib"
+    slot_format: str | None = None
+    kv_format: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("budget_bytes", "reserve_bytes", "dense_bytes", "kv_bytes",
@@ -250,9 +273,11 @@ class CacheBudget:
                         f"of {size_text(self.chunk_bytes)}")
         return (
             f"expert cache: budget {size_text(self.budget_bytes)} ({self.budget_source}) = dense "
-            f"{size_text(self.dense_bytes)} + K/V {size_text(self.kv_bytes)} + workspace "
+            f"{size_text(self.dense_bytes)} + K/V {size_text(self.kv_bytes)}"
+            f"{f' ({self.kv_format})' if self.kv_format else ''} + workspace "
             f"{size_text(self.workspace_bytes)} + reserve {size_text(self.reserve_bytes)} + cache "
-            f"{size_text(self.arena_bytes)} ({mode}): {n} slots of {size_text(self.slot_bytes)}, "
+            f"{size_text(self.arena_bytes)} ({mode}): {n} slots of {size_text(self.slot_bytes)}"
+            f"{f' ({self.slot_format})' if self.slot_format else ''}, "
             f"{share:.1f}% of {self.total_experts} experts{rounding}"
         )
 
@@ -264,9 +289,11 @@ class CacheBudget:
             "reserve_bytes": self.reserve_bytes,
             "dense_bytes": self.dense_bytes,
             "kv_bytes": self.kv_bytes,
+            "kv_format": self.kv_format,
             "workspace_bytes": self.workspace_bytes,
             "arena_bytes": self.arena_bytes,
             "slot_bytes": self.slot_bytes,
+            "slot_format": self.slot_format,
             "n_slots": self.n_slots,
             "total_experts": self.total_experts,
             "expert_cache_mib": self.expert_cache_mib,
@@ -287,29 +314,36 @@ def plan_budget(
     expert_cache_mib: float | None = None,
     kv_cells: int | None = None,
     stream_blobs: int = 0,
+    experts_quant: str | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> CacheBudget:
     """The budget for `cfg` in `dtype` on `device`, from the flags' values (None: default).
 
     `kv_cells` is the K/V cells mapped at start (None: the whole window, `max_context`; the
     elastic K/V maps fewer and the cache gets the rest). Raises ValueError for a negative or
     non-finite MiB value (naming its flag) and for a budget too small (see `CacheBudget`).
-    `stream_blobs` is the staging buffer of `--stream-misses`, counted in the workspace.
+    `stream_blobs` is the staging buffer of `--stream-misses`, counted in the workspace;
+    `experts_quant` the experts' quantized format (None: `dtype`), which sizes the staging
+    blobs and the decode path's gathered weights (`slot_bytes` is the caller's); `kv_dtype`
+    the K/V cells' dtype (None: `dtype`; `--kv-dtype`), which sizes the K/V and its reads.
     """
     for flag, value in (("--vram-budget-mib", budget_mib), ("--vram-reserve-mib", reserve_mib),
                         ("--expert-cache", expert_cache_mib)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{flag} must be a number of MiB >= 0, got {value!r}")
     check_machine(cfg, dtype, device, chunk_bytes=chunk_bytes, max_context=max_context,
-                  budget_mib=budget_mib, reserve_mib=reserve_mib)
+                  budget_mib=budget_mib, reserve_mib=reserve_mib, kv_dtype=kv_dtype)
+    cells = dtype if kv_dtype is None else kv_dtype
     if reserve_mib is None:
         reserve_mib = DEFAULT_RESERVE_MIB.get(device.type, 0.0)
     parts = {
         "reserve_bytes": int(reserve_mib * MIB),
         "dense_bytes": dense_bytes(cfg, dtype),
-        "kv_bytes": kv_bytes(cfg, max_context if kv_cells is None else kv_cells, dtype,
+        "kv_bytes": kv_bytes(cfg, max_context if kv_cells is None else kv_cells, cells,
                              chunk_bytes),
         "workspace_bytes": workspace_bytes(cfg, prefill_chunk, max_context, dtype,
-                                           stream_blobs, gathers=copies_weights(device)),
+                                           stream_blobs, gathers=copies_weights(device),
+                                           experts_quant=experts_quant, kv_dtype=cells),
     }
     total_experts = cfg.n_layers * cfg.n_experts
     if budget_mib is not None:
@@ -322,6 +356,7 @@ def plan_budget(
     return CacheBudget(
         budget_bytes=budget, slot_bytes=slot_bytes, chunk_bytes=chunk_bytes,
         total_experts=total_experts, expert_cache_mib=expert_cache_mib, budget_source=source,
+        slot_format=experts_quant, kv_format=None if cells == dtype else kv_dtype_name(cells),
         **parts,
     )
 
@@ -335,20 +370,23 @@ def check_machine(
     max_context: int,
     budget_mib: float | None = None,
     reserve_mib: float | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> None:
     """ValueError, with the figure and the machine's limit, for what could never fit `device`
-    (`memory_limit`: the GPU's memory, or the host's RAM on the CPU): a K/V window whose every
-    cell could not be mapped, or a budget or reserve larger than the device. Checked before
-    anything is sized from them."""
+    (`memory_limit`: the GPU's memory, or the host's RAM on the CPU): a K/V window (of cells
+    of `kv_dtype`, None: `dtype`) whose every cell could not be mapped, or a budget or reserve
+    larger than the device. Checked before anything is sized from them."""
     limit = memory_limit(device)
-    cell_bytes = cfg.n_kv_heads * cfg.head_dim * _itemsize(dtype)
-    window = kv_bytes(cfg, max_context, dtype, chunk_bytes)
+    layout = KvLayout.of(cfg, dtype if kv_dtype is None else kv_dtype)
+    cell_bytes = layout.cell_bytes
+    window = kv_bytes(cfg, max_context, layout.cell_dtype, chunk_bytes)
     if window > limit.nbytes:
-        fit = limit.nbytes // (2 * cfg.n_layers) // chunk_bytes * chunk_bytes // cell_bytes
+        fit = limit.nbytes // layout.n_segments // chunk_bytes * chunk_bytes // cell_bytes
+        scales = f" + {layout.scale_segments} of int8 scales" if layout.quantized else ""
         raise ValueError(
             f"the K/V window of {max_context:,} cells needs {bytes_text(window)} "
-            f"({cfg.n_layers} layers x K and V x {cell_bytes} bytes a cell), more than {limit}; "
-            f"at most {fit:,} cells fit"
+            f"({cfg.n_layers} layers x K and V{scales} x {cell_bytes} bytes a cell), more than "
+            f"{limit}; at most {fit:,} cells fit"
         )
     for flag, mib in (("--vram-budget-mib", budget_mib), ("--vram-reserve-mib", reserve_mib)):
         if mib is not None and mib * MIB > limit.nbytes:

@@ -23,6 +23,7 @@ from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.cache.defaults import DEFAULT_SHORT_READ
 from strata.engine.cache.loan import LoanOptions
 from strata.engine.experts import ExpertStore
+from strata.engine.experts.quant import WEIGHT_FORMATS, expert_blob_bytes
 from strata.engine.experts.streamed import StreamSplit, staging_blobs
 from strata.engine.memory import given_or_own_backend
 from strata.engine.model.config import ModelConfig
@@ -53,7 +54,9 @@ class CacheConfig:
     buffer and computed on the device while the CPU computes the others: an int N, the first
     min(N, M) of M misses (0: none), or a `StreamSplit`, M -> streamed
     (`strata.engine.cache.kept_rates.resolve_stream_misses` makes `--stream-misses auto`'s).
-    The elastic K/V is planned beside it (`strata.engine.kv.plan.plan_elastic_cache`).
+    `experts_quant`: the format of the slots' blobs (`--experts-dtype`; None: the model's
+    dtype), which the store's must be. The elastic K/V is planned beside it
+    (`strata.engine.kv.plan.plan_elastic_cache`).
     """
 
     budget: CacheBudget
@@ -65,6 +68,7 @@ class CacheConfig:
     prefill_loan: bool = True
     short_read: int = DEFAULT_SHORT_READ
     events: pluggy.PluginManager | None = field(default=None, compare=False)
+    experts_quant: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend.chunk_bytes != self.budget.chunk_bytes:
@@ -80,6 +84,9 @@ class CacheConfig:
                 or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be None or an int >= 1, got {self.cpu_threads!r}")
         staging_blobs(self.stream_misses)  # checks it
+        if self.experts_quant is not None and self.experts_quant not in WEIGHT_FORMATS:
+            raise ValueError(f"experts_quant must be None or one of {WEIGHT_FORMATS}, got "
+                             f"{self.experts_quant!r}")
 
 
 def default_stream_misses(config: ModelConfig, device: torch.device) -> int:
@@ -110,21 +117,24 @@ def plan_cache(
     expert_cache_mib: float | None = None,
     backend: _vmm.Backend | None = None,
     kv_cells: int | None = None,
+    kv_dtype: torch.dtype | None = None,
     **options,
 ) -> CacheConfig:
     """The CacheConfig for a model of `config` computing in `dtype` on `device`, sized from the
-    flags' values (see `plan_budget`); `options` are CacheConfig's other fields. `backend`
+    flags' values (see `plan_budget`; `kv_dtype`: the K/V cells', None: `dtype`); `options`
+    are CacheConfig's other fields. `backend`
     defaults to a new one for `device` (`strata.engine.memory.device_backend`). Raises
     ValueError for a bad value or a budget too small; the backend made here is closed again then."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    quant = options.get("experts_quant")
+    blob_bytes = expert_blob_bytes(config.expert_width, config.hidden_size, dtype, quant)
     with given_or_own_backend(backend, device) as backend:
         budget = plan_budget(
             config, dtype, device,
-            slot_bytes=slot_bytes_for(3 * config.expert_width * config.hidden_size * itemsize),
+            slot_bytes=slot_bytes_for(blob_bytes),
             chunk_bytes=backend.chunk_bytes, max_context=max_context,
             prefill_chunk=prefill_chunk, budget_mib=budget_mib, reserve_mib=reserve_mib,
-            expert_cache_mib=expert_cache_mib, kv_cells=kv_cells,
-            stream_blobs=staging_blobs(options.get("stream_misses", 0)),
+            expert_cache_mib=expert_cache_mib, kv_cells=kv_cells, kv_dtype=kv_dtype,
+            stream_blobs=staging_blobs(options.get("stream_misses", 0)), experts_quant=quant,
         )
         return CacheConfig(budget=budget, backend=backend, **options)
 
@@ -134,11 +144,14 @@ def build_cached_experts(
 ) -> CachedExperts:
     """The cache for `store` on `device`, filled hottest first, with the loan if asked for.
 
-    Raises ValueError when the budget's slot size does not hold the store's blobs, the rank is
-    not a permutation [L, E] of the store's experts, or the store's blobs are quantized (the
-    slots do not read them yet), before anything is allocated.
+    Raises ValueError when the store's blobs are not in the format the cache was planned for,
+    the budget's slot size does not hold them, or the rank is not a permutation [L, E] of the
+    store's experts, before anything is allocated.
     """
-    store.require_unquantized("the expert cache")
+    if store.quant != config.experts_quant:
+        raise ValueError(f"the cache was planned for experts in "
+                         f"{config.experts_quant or 'the model dtype'}, the store holds "
+                         f"{store.quant or store.dtype}")
     budget = config.budget
     shape = (store.n_layers, store.n_experts)
     if budget.total_experts != shape[0] * shape[1]:
@@ -153,7 +166,7 @@ def build_cached_experts(
         table.set_rank(rank)
     arena = Arena(config.backend, budget.n_slots, budget.slot_bytes,
                   hidden_size=store.hidden_size, expert_width=store.expert_width,
-                  dtype=store.dtype)
+                  dtype=store.dtype, quant=store.quant)
     try:
         checked = CheckedPolicy(config.policy, table) if config.policy is not None else None
         loan = LoanOptions(short_read=config.short_read) if config.prefill_loan else None

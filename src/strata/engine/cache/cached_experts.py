@@ -9,21 +9,19 @@ Per layer call, on the engine's thread:
    one: `HostRows`) and the books' `lookup` splits the T*K rows into hits and misses;
 2. the routing is recorded in the books' heat, then the policy's `observe` is told;
 3. the hits are issued to the device straight from their slots: when T == 1 (decode) at once
-   by `strata.engine.experts.grouped.expert_rows` over the slots `lookup` gave (on CUDA with
-   Triton, kernels that read the slots in place; elsewhere a gather of the hit rows' blobs
-   and two bmm), every index the call needs uploaded in one copy; otherwise each distinct hit
-   expert over its tokens, from its slot's views (no weight copy); in a pass the prompt loan
-   took, the misses go to the loan too;
+   by the arena's `expert_rows` (on CUDA with Triton, kernels that read the slots in place;
+   elsewhere a gather and two bmm), every index uploaded in one copy; otherwise by
+   `compute_from_slots` (no weight copy); in a pass the prompt loan took, the misses go to the
+   loan too;
 4. while the device runs them, the misses are computed on the CPU on this thread
-   (`CpuExperts`: each distinct expert once, from the host store), and their rows copied into
-   the [T*K, D] buffer, each row in its own place (from pinned memory on CUDA). With
-   `stream_misses` (an int N > 0, or a `StreamSplit`: `--stream-misses auto`), a decode call's
-   first min(N, M) of M missed experts (by id; the split's count for M) are instead uploaded
-   into a staging buffer and computed on the device while the CPU computes the others
-   (`StreamedMisses`);
+   (`CpuExperts`: each distinct expert once, from the host store), their rows copied back
+   (from pinned memory on CUDA). With `stream_misses` (an int N > 0, or a `StreamSplit`), a
+   decode call's first min(N, M) of M missed experts (by id; the split's count for M) are
+   uploaded and computed on the device instead, while the CPU computes the others;
 5. the policy may admit this call's misses (checked, applied to the books and uploaded into
    their slots before the next use, all or nothing);
 6. the K rows of each token are weighted and summed in order in float32.
+A decode call takes these steps with less host work between them (`token_call`), the same bytes.
 Steps 3 and 6 are `ResidentExperts`' own math and choice of path, so a cache that holds every
 expert gives byte-identical output.
 
@@ -62,12 +60,12 @@ from strata.engine.cache.from_slots import compute_from_slots
 from strata.engine.cache.host_rows import HostRows
 from strata.engine.cache.loan import LoanOptions, PromptLoan
 from strata.engine.cache.stats import PHASES, CacheStats, PhaseStats
+from strata.engine.cache.token_call import token_forward, weighted_sum
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.cpu import CpuExperts
-from strata.engine.experts.grouped import expert_rows
 from strata.engine.experts.routed import Routed, rows_to_device
 from strata.engine.experts.streamed import StreamedMisses, StreamSplit, staging_blobs
-from strata.policies import DEFAULT_POLICY, load_registry
+from strata.policies import DEFAULT_POLICY, Policy, load_registry
 
 __all__ = ["CachedExperts"]
 
@@ -96,7 +94,6 @@ class CachedExperts:
         stream_misses: int | StreamSplit = 0,
         loan: LoanOptions | None = None,
     ) -> None:
-        store.require_unquantized("the expert cache")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -120,6 +117,13 @@ class CachedExperts:
                                        self.stream_split) if self.stream_misses else None
         answering = type(getattr(self.checked.policy, "inner", self.checked.policy))
         self._observes = "observe" in answering.overrides()
+        # The policy's checked `observe`, None where it is the default, which does nothing (a
+        # wrapper such as a tracer has an `observe` of its own even when its inner does not).
+        self.observer = (None if type(self.checked.policy).observe is Policy.observe
+                         else self.checked.observe)
+        # Decode calls go through `token_forward`; False sends them through `_routed_forward`,
+        # which gives the same bytes (the tests compare the two).
+        self._token_path = True
         self.heat = DeviceHeat(table, self.device)  # routing counted on the device-only path
         self._last_layer = -1  # the layer of the open pass's latest call; -1: no pass is open
         self._loaned = False
@@ -232,7 +236,10 @@ class CachedExperts:
             stats.hits += n_tokens * top_k
         else:
             self.flush_heat()
-            result = self._routed_forward(layer, x, topk_ids, topk_weights, stats)
+            if n_tokens == 1 and not self._loaned and self._token_path:
+                result = token_forward(self, layer, x, topk_ids, topk_weights, stats)
+            else:
+                result = self._routed_forward(layer, x, topk_ids, topk_weights, stats)
         stats.forward_s += time.perf_counter() - entered
         if layer == self.n_layers - 1:
             self._close_pass()
@@ -286,11 +293,8 @@ class CachedExperts:
 
         if self.checked.admits and (misses is not None or streamed is not None):
             missed = [r.experts for r in (streamed, misses) if r is not None]
-            self._admit(layer, np.sort(np.concatenate(missed)))
-
-        # [T, K, D] -> [T, D]: weight and sum over K in float32, in order (as ResidentExperts).
-        weighted = out.view(n_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
-        return weighted.sum(dim=1).to(x.dtype)
+            self.admit_misses(layer, np.sort(np.concatenate(missed)))
+        return weighted_sum(out, topk_weights, n_tokens, top_k, x.dtype)
 
     def _issue_device_share(self, layer: int, x: torch.Tensor, ids: np.ndarray,
                             slots: np.ndarray, hit: np.ndarray, n_hits: int,
@@ -313,8 +317,7 @@ class CachedExperts:
             misses.rows if misses is not None else None)
         if hit_slots is not None:
             # T == 1: every hit row reads the one token; all of them in one call.
-            y = expert_rows(self.arena.gate_up_all(), self.arena.down_all(), slot_index,
-                            x.expand(hit_slots.size, -1))  # [R, D]
+            y = self.arena.expert_rows(slot_index, x.expand(hit_slots.size, -1))  # [R, D]
             out.index_copy_(0, hit_index, y)
         elif hits is not None:
             # Each hit expert's slot: that of its first row (one slot per expert).
@@ -341,9 +344,8 @@ class CachedExperts:
         # Every row a hit: the slots by the mirror, on the device (no host read).
         slot_ids = self.mirror[layer].index_select(0, topk_ids.reshape(-1))  # [T*K]
         x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1)
-        out = expert_rows(self.arena.gate_up_all(), self.arena.down_all(), slot_ids, x_rows)
-        weighted = out.view(n_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
-        return weighted.sum(dim=1).to(x.dtype)
+        out = self.arena.expert_rows(slot_ids, x_rows)  # [T*K, D]
+        return weighted_sum(out, topk_weights, n_tokens, top_k, x.dtype)
 
     # --- decode steps replayed from CUDA graphs ---
     @contextmanager
@@ -381,7 +383,7 @@ class CachedExperts:
         stats.hits += self.n_layers * self._captured_top_k
         self.heat.mark_pending()
 
-    def _admit(self, layer: int, missed: np.ndarray) -> None:
+    def admit_misses(self, layer: int, missed: np.ndarray) -> None:
         """Ask the policy which misses enter; carried out all or nothing."""
         placements = self.checked.admit(layer, missed)  # int64 [n, 3] (slot, layer, expert)
         if not placements.size:
@@ -395,5 +397,4 @@ class CachedExperts:
     def close(self) -> None:
         """Release the arena. Idempotent."""
         self.arena.close()
-
 

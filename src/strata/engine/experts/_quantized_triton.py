@@ -63,9 +63,10 @@ def int8_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F,
 
 @triton.jit
 def _int4_rows(blob, scales, starts, rows_in, v_ptr, k0, K, GROUP: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    # sum over a step of BLOCK_K inputs [k0, k0 + BLOCK_K) of rows whose first element is
-    # starts [B] (elements from the blob's first), each group's weights times its scale: [B].
+               BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    # sum over a step of BLOCK_K inputs [k0, k0 + BLOCK_K) of BLOCK_R rows whose first element
+    # is starts [BR] (elements from the blob's first): each group's products summed, then
+    # times the group's scale (one scale load a group, not a byte): [BR].
     j = tl.arange(0, BLOCK_K // 2)  # byte of the step
     group = j // (GROUP // 2)
     lo_k = k0 + group * GROUP + j % (GROUP // 2)  # [BK/2] the input a low nibble multiplies
@@ -77,9 +78,13 @@ def _int4_rows(blob, scales, starts, rows_in, v_ptr, k0, K, GROUP: tl.constexpr,
     byte = byte.to(tl.int32)
     lo = ((byte << 28) >> 28).to(tl.float32)  # two's complement nibbles, sign-extended
     hi = ((byte << 24) >> 28).to(tl.float32)
-    scale = tl.load(scales + (starts[:, None] + k0) // GROUP + group[None, :], mask=both,
-                    other=0.0)
-    return tl.sum((lo * v_lo[None, :] + hi * v_hi[None, :]) * scale, axis=1)
+    products = lo * v_lo[None, :] + hi * v_hi[None, :]  # [BR, BK/2]
+    per_group = tl.sum(tl.reshape(products, (BLOCK_R, BLOCK_K // GROUP, GROUP // 2)), axis=2)
+    g = tl.arange(0, BLOCK_K // GROUP)  # [BK/G] the step's groups
+    g_in = k0 + g * GROUP < K
+    scale = tl.load(scales + (starts[:, None] + k0) // GROUP + g[None, :],
+                    mask=rows_in[:, None] & g_in[None, :], other=0.0)  # [BR, BK/G]
+    return tl.sum(per_group * scale, axis=1)
 
 
 @triton.jit
@@ -94,8 +99,9 @@ def int4_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, 
     gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
     up_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
-        gate_sum += _int4_rows(blob, scales, f * D, f_in, x, d0, D, GROUP, BLOCK_D)
-        up_sum += _int4_rows(blob, scales, (f + F) * D, f_in, x, d0, D, GROUP, BLOCK_D)
+        gate_sum += _int4_rows(blob, scales, f * D, f_in, x, d0, D, GROUP, BLOCK_D, BLOCK_F)
+        up_sum += _int4_rows(blob, scales, (f + F) * D, f_in, x, d0, D, GROUP, BLOCK_D,
+                             BLOCK_F)
     store_act(gate_sum, up_sum, act_ptr, r, act_stride, f, f_in)
 
 
@@ -110,5 +116,6 @@ def int4_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F,
     act = act_ptr + r * act_stride
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
-        total += _int4_rows(blob, scales, 2 * F * D + d * F, d_in, act, f0, F, GROUP, BLOCK_F)
+        total += _int4_rows(blob, scales, 2 * F * D + d * F, d_in, act, f0, F, GROUP, BLOCK_F,
+                            BLOCK_D)
     tl.store(y_ptr + r * y_stride + d, total.to(y_ptr.dtype.element_ty), mask=d_in)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from strata import _cpu_experts, settings
 from strata.engine.experts import ExpertStore
+from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.routed import Routed
 
 __all__ = ["KERNEL_FORMATS", "KERNEL_MAX_ROWS", "CpuExperts", "kernel_for"]
@@ -68,9 +69,11 @@ class CpuExperts:
     `cpu_threads`: the threads of these calls (torch's intra-op threads are set around each
     call, the caller's count restored after); None: torch's count (by default the physical
     cores). `kernel`: "strata" (the default where `STRATA_CPU_KERNEL` is unset) or "torch",
-    as the module's docstring says; a store in another dtype than bf16 always uses torch, and a
-    quantized store (`ExpertStore.quant`) strata's kernel for every expert, whatever its rows
-    (torch has no matmul that reads the blobs).
+    as the module's docstring says; a store in another dtype than bf16 always uses torch. A
+    quantized store (`ExpertStore.quant`) computing in bf16 goes through strata's kernel for
+    every expert, whatever its rows (torch has no matmul that reads the blobs); one computing
+    in another dtype (float32, the reference numerics) through torch, each expert dequantized
+    once for its rows.
     """
 
     def __init__(self, store: ExpertStore, cpu_threads: int | None = None,
@@ -79,10 +82,7 @@ class CpuExperts:
             raise ValueError(f"cpu_threads must be None or an int >= 1, got {cpu_threads!r}")
         self.store = store
         self.cpu_threads = cpu_threads
-        if store.quant is not None:
-            if store.dtype != torch.bfloat16:
-                raise ValueError(f"quantized experts compute in bfloat16 on the CPU, the "
-                                 f"store's dtype is {store.dtype}")
+        if store.quant is not None and store.dtype == torch.bfloat16:
             kernel_for(store.dtype, kernel)  # a bad name is still an error
             self.kernel, self._format = "strata", KERNEL_FORMATS[store.quant]
         else:
@@ -91,15 +91,11 @@ class CpuExperts:
         # kernel.
         self._blobs = [store.layer_blobs(layer).numpy() for layer in range(store.n_layers)] \
             if self.kernel == "strata" else []
-        # Per layer, views into the store's blobs (no copy), made once: gate and up as one
-        # matrix [E, 2F, D] (adjacent in a blob), down [E, D, F]; none for quantized blobs.
-        f, d = store.expert_width, store.hidden_size
-        self._gate_up: list[torch.Tensor] = []
-        self._down: list[torch.Tensor] = []
-        for layer in range(store.n_layers if store.quant is None else 0):
-            typed = store.layer_blobs(layer).view(store.dtype)  # [E, 3*F*D]
-            self._gate_up.append(typed[:, : 2 * f * d].unflatten(1, (2 * f, d)))
-            self._down.append(typed[:, 2 * f * d : 3 * f * d].unflatten(1, (d, f)))
+        # Per layer, the store's blobs as torch's matmuls read them (views, no copy; a
+        # quantized blob dequantized when an expert is computed).
+        self._stacks = [BlobStack(store.layer_blobs(layer), store.dtype, store.quant,
+                                  store.expert_width, store.hidden_size)
+                        for layer in range(store.n_layers)]
 
     def compute(self, layer: int, x_rows: torch.Tensor, routed: Routed) -> torch.Tensor:
         """Outputs [R, D] in the store's dtype, rows in `routed.rows` order.
@@ -119,7 +115,7 @@ class CpuExperts:
     def _compute(self, layer: int, x_rows: torch.Tensor, routed: Routed) -> torch.Tensor:
         out = torch.empty((routed.n_rows, self.store.hidden_size), dtype=self.store.dtype)
         x_rows = x_rows.to(self.store.dtype)
-        if self.store.quant is not None:  # every expert through the kernel
+        if self.store.quant is not None and self.kernel == "strata":  # every expert
             self._kernel(layer, x_rows, out, routed.experts, routed.starts)
             return out
         matmul = np.arange(routed.n_experts)  # [M]: the experts torch computes
@@ -163,10 +159,10 @@ class CpuExperts:
                  chosen: np.ndarray) -> None:
         """Each expert `chosen` [m] (indices into routed.experts) as two torch matmuls."""
         f = self.store.expert_width
-        gate_up, down = self._gate_up[layer], self._down[layer]  # [E, 2F, D], [E, D, F]
-        for i in chosen.tolist():
+        # [2F, D], [D, F] each: views, or dequantized in batches for a quantized store.
+        weights = self._stacks[layer].each_weights(routed.experts[chosen].tolist())
+        for i, (gate_up, down) in zip(chosen.tolist(), weights, strict=True):
             lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
-            expert = int(routed.experts[i])
-            h = F.linear(x_rows[lo:hi], gate_up[expert])  # [n, 2F]
+            h = F.linear(x_rows[lo:hi], gate_up)  # [n, 2F]
             act = F.silu(h[:, :f]) * h[:, f:]  # [n, F]
-            out[lo:hi] = F.linear(act, down[expert])  # [n, D]
+            out[lo:hi] = F.linear(act, down)  # [n, D]

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["INT4_GROUPS", "INT4_MAX", "INT8_MAX", "WEIGHT_FORMATS", "blob_bytes",
-           "dequantize_blobs", "dequantize_int4", "dequantize_int8", "fake_quantize",
+__all__ = ["EXPERTS_DTYPES", "INT4_GROUPS", "INT4_MAX", "INT8_MAX", "WEIGHT_FORMATS", "blob_bytes",
+           "dequantize_blobs", "dequantize_int4", "dequantize_int8", "expert_blob_bytes",
+           "experts_quant_for", "fake_quantize",
            "format_group", "int4_blob", "int4_blob_bytes", "int8_blob", "int8_blob_bytes",
            "int8_parts", "make_blob", "quantize_int4", "quantize_int8"]
 
@@ -39,6 +40,28 @@ INT4_MAX = 7  # symmetric: -7..7
 INT4_GROUPS = (32, 64)  # weights a scale covers along a row
 # The formats `fake_quantize` knows: int8 per row, int4 per group of 32 or 64.
 WEIGHT_FORMATS = ("int8", "int4-g32", "int4-g64")
+# `--experts-dtype`: auto (the model's dtype, unquantized), bf16 (the same, for a bf16 model),
+# or a quantized format; int4 is int4-g32, the more accurate group.
+EXPERTS_DTYPES = ("auto", "bf16", "int8", "int4", "int4-g32", "int4-g64")
+
+
+def experts_quant_for(experts_dtype: str | None, dtype: torch.dtype) -> str | None:
+    """The store's `quant` for `--experts-dtype` `experts_dtype` (None: auto) on a model that
+    computes in `dtype`: None for unquantized experts, else one of WEIGHT_FORMATS. ValueError
+    naming the flag for a name not in EXPERTS_DTYPES, and for bf16 on a model in another dtype
+    (the experts compute in the model's dtype; only their storage is chosen here)."""
+    if experts_dtype is None or experts_dtype == "auto":
+        return None
+    if experts_dtype not in EXPERTS_DTYPES:
+        raise ValueError(f"--experts-dtype must be one of {', '.join(EXPERTS_DTYPES)}, got "
+                         f"{experts_dtype!r}")
+    if experts_dtype == "bf16":
+        if dtype != torch.bfloat16:
+            raise ValueError(f"--experts-dtype bf16 keeps the experts in the model's dtype, and "
+                             f"this model computes in {str(dtype).removeprefix('torch.')}; give "
+                             f"--dtype bf16, or --experts-dtype auto, int8 or int4")
+        return None
+    return "int4-g32" if experts_dtype == "int4" else experts_dtype
 
 
 def int8_blob_bytes(expert_width: int, hidden_size: int) -> int:
@@ -167,6 +190,16 @@ def blob_bytes(fmt: str, expert_width: int, hidden_size: int) -> int:
         raise ValueError(f"{fmt} needs F and D multiples of {group}, got F = {expert_width}, "
                          f"D = {hidden_size}")
     return int4_blob_bytes(expert_width, hidden_size, group)
+
+
+def expert_blob_bytes(expert_width: int, hidden_size: int, dtype: torch.dtype,
+                      quant: str | None = None) -> int:
+    """Bytes of one expert's blob: its three matrices in `dtype`, or with `quant` in that
+    format (WEIGHT_FORMATS). Every size of the experts' memory (the store, a slot, the budget,
+    the simulator's trace) is counted from this."""
+    if quant is None:
+        return 3 * expert_width * hidden_size * dtype.itemsize
+    return blob_bytes(quant, expert_width, hidden_size)
 
 
 def make_blob(fmt: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor

@@ -15,8 +15,8 @@ read, static shapes), but the blobs hold one of the quantized formats of
 Both round the gate and up sums, silu and the product to x's dtype like the bf16 paths; the two
 sum in other orders, so the device's choice is part of what the output bytes depend on.
 
-Not wired into the engine yet: the resident experts, the cache's arena and the loan still hold
-bf16 blobs (`--experts-dtype` is the step after this one).
+Every holder of quantized blobs on a device calls it through its
+`strata.engine.experts.blobs.BlobStack` (`--experts-dtype`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ from strata.engine.experts.quant import blob_bytes, dequantize_blobs, format_gro
 
 __all__ = ["quantized_rows", "quantized_rows_gathered", "quantized_rows_triton"]
 
-# As the bf16 kernels' (measured there on the H200); the D and F steps are multiples of every
-# int4 group.
-ACT_BLOCK_F, ACT_BLOCK_D = 16, 256
-DOWN_BLOCK_D, DOWN_BLOCK_F = 16, 256
+# Measured on the H200 (bench/grouped_experts.py; bench/results/
+# quantized-experts-h200-2026-12-01.md): 8 rows a program and steps of 512 took 0.58x (int8)
+# and 0.62x (int4) the bf16 kernels' time on olmoe's layer call, against 0.70x and 0.78x at
+# the bf16 kernels' 16 x 256; the steps are multiples of every int4 group.
+ACT_BLOCK_F, ACT_BLOCK_D = 8, 512
+DOWN_BLOCK_D, DOWN_BLOCK_F = 8, 512
 
 
 @functools.cache
@@ -80,10 +82,15 @@ def quantized_rows_gathered(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
 
 
 def quantized_rows_triton(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
-                          x_rows: torch.Tensor, expert_width: int) -> torch.Tensor:
+                          x_rows: torch.Tensor, expert_width: int, *,
+                          act_blocks: tuple[int, int] = (ACT_BLOCK_F, ACT_BLOCK_D),
+                          down_blocks: tuple[int, int] = (DOWN_BLOCK_D, DOWN_BLOCK_F),
+                          ) -> torch.Tensor:
     """`quantized_rows` with the Triton kernels, reading the blobs in place. Runs wherever
     Triton does (its interpreter on the CPU, with TRITON_INTERPRET=1 set before import, is how
-    the tests check it without a GPU). RuntimeError without Triton; ValueError for blobs whose
+    the tests check it without a GPU). `act_blocks` (F rows, D step) and `down_blocks` (D
+    rows, F step) are the kernels' block sizes, powers of two, the steps at least the int4
+    group (the benchmark tries others). RuntimeError without Triton; ValueError for blobs whose
     scales would not be 4-byte aligned (a slot stride or 3*F*D not a multiple of 4)."""
     kernels = _kernels()
     if kernels is None:
@@ -102,18 +109,18 @@ def quantized_rows_triton(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
     y = x_rows.new_empty((n_rows, d))  # [R, D]
     if n_rows == 0:
         return y
-    act_grid = (n_rows, -(-f // ACT_BLOCK_F))
-    down_grid = (n_rows, -(-d // DOWN_BLOCK_D))
+    (act_f, act_d), (down_d, down_f) = act_blocks, down_blocks
+    act_grid = (n_rows, -(-f // act_f))
+    down_grid = (n_rows, -(-d // down_d))
     common = (blobs.stride(0), scales_at, d, f)
     if group:
         kernels.int4_act[act_grid](blobs, index, x_rows, act, *common, x_rows.stride(0),
-                                   act.stride(0), GROUP=group, BLOCK_F=ACT_BLOCK_F,
-                                   BLOCK_D=ACT_BLOCK_D)
+                                   act.stride(0), GROUP=group, BLOCK_F=act_f, BLOCK_D=act_d)
         kernels.int4_down[down_grid](blobs, index, act, y, *common, act.stride(0), y.stride(0),
-                                     GROUP=group, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F)
+                                     GROUP=group, BLOCK_D=down_d, BLOCK_F=down_f)
     else:
         kernels.int8_act[act_grid](blobs, index, x_rows, act, *common, x_rows.stride(0),
-                                   act.stride(0), BLOCK_F=ACT_BLOCK_F, BLOCK_D=ACT_BLOCK_D)
+                                   act.stride(0), BLOCK_F=act_f, BLOCK_D=act_d)
         kernels.int8_down[down_grid](blobs, index, act, y, *common, act.stride(0), y.stride(0),
-                                     BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F)
+                                     BLOCK_D=down_d, BLOCK_F=down_f)
     return y

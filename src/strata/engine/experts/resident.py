@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from strata.engine.experts import sorted_grouped
-from strata.engine.experts.grouped import expert_rows
+from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.store import ExpertStore
 
 __all__ = ["Experts", "ResidentExperts"]
@@ -40,7 +41,10 @@ class ResidentExperts:
     """Every expert of every layer resident on one device, stacked per layer.
 
     Per layer, gate_up [E, 2F, D] and down [E, D, F] are strided views into one [E, blob]
-    buffer (on the CPU with the store's dtype, the store's own memory: no copy).
+    buffer (on the CPU with the store's dtype, the store's own memory: no copy). A store of
+    quantized blobs (`ExpertStore.quant`) stays quantized on the device, read through its
+    `BlobStack`: decode by the quantized kernels, a prompt chunk expert by expert, each
+    dequantized once for its tokens (the grouped products read only unquantized views).
 
     Two paths, chosen by T alone (never by routed data, so capture-safe for decode):
     - T == 1 (decode, what a CUDA graph captures): the K routed experts by
@@ -61,7 +65,6 @@ class ResidentExperts:
         self, store: ExpertStore, device: str | torch.device, dtype: torch.dtype | None = None,
         grouped_prefill: bool | None = None,
     ) -> None:
-        store.require_unquantized("ResidentExperts")
         self.device = torch.device(device)
         # None: the grouped products where they are available; False: always the loop (a
         # benchmark's baseline).
@@ -71,31 +74,37 @@ class ResidentExperts:
         self.n_experts = store.n_experts
         f, d = store.expert_width, store.hidden_size
         self.expert_width, self.hidden_size = f, d
-        self._gate_up: list[torch.Tensor] = []  # per layer [E, 2F, D]
-        self._down: list[torch.Tensor] = []  # per layer [E, D, F]
+        self.quant = store.quant
+        self._stacks: list[BlobStack] = []  # per layer, over [E, blob]
         for layer in range(store.n_layers):
-            typed = store.layer_blobs(layer).view(store.dtype)  # [E, 3*F*D]
-            typed = typed.to(device=self.device, dtype=self.dtype)
-            e = typed.shape[0]
-            self._gate_up.append(typed[:, : 2 * f * d].view(e, 2 * f, d))
-            self._down.append(typed[:, 2 * f * d :].view(e, d, f))
+            blobs = store.layer_blobs(layer)  # [E, blob] uint8
+            if self.quant is None:
+                # Converted to the compute dtype as whole blobs: [E, 3*F*D] in `dtype`.
+                blobs = blobs.view(store.dtype).to(device=self.device, dtype=self.dtype)
+                blobs = blobs.view(torch.uint8)
+            else:
+                blobs = blobs.to(device=self.device)
+            self._stacks.append(BlobStack(blobs, self.dtype, self.quant, f, d))
 
     def gate_up(self, layer: int) -> torch.Tensor:
-        """[E, 2F, D]: every expert's gate rows then up rows, a view into the layer's blobs."""
-        return self._gate_up[layer]
+        """[E, 2F, D]: every expert's gate rows then up rows, a view into the layer's blobs
+        (unquantized experts only)."""
+        return self._stacks[layer].gate_up_all()
 
     def down(self, layer: int) -> torch.Tensor:
-        """[E, D, F]: every expert's down matrix, a view into the layer's blobs."""
-        return self._down[layer]
+        """[E, D, F]: every expert's down matrix, a view into the layer's blobs (unquantized
+        experts only)."""
+        return self._stacks[layer].down_all()
 
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         if topk_ids.shape[0] == 1:
             out = self._gathered(layer, x, topk_ids)
-        elif self.grouped_prefill is not False and sorted_grouped.available(x):
+        elif self.grouped_prefill is not False and self.quant is None and \
+                sorted_grouped.available(x):
             out = sorted_grouped.sorted_grouped_rows(
-                self._gate_up[layer], self._down[layer], x, topk_ids).view(*topk_ids.shape, -1)
+                self.gate_up(layer), self.down(layer), x, topk_ids).view(*topk_ids.shape, -1)
         else:
             out = self._per_expert(layer, x, topk_ids)
         # [T, K, D] -> [T, D]: weight and sum over K in float32, in order.
@@ -106,7 +115,7 @@ class ResidentExperts:
         n_tokens, top_k = topk_ids.shape
         ids = topk_ids.reshape(-1)  # [T*K]
         x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1)
-        y = expert_rows(self._gate_up[layer], self._down[layer], ids, x_rows)  # [T*K, D]
+        y = self._stacks[layer].expert_rows(ids, x_rows)  # [T*K, D]
         return y.view(n_tokens, top_k, -1)
 
     def _per_expert(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -116,13 +125,13 @@ class ResidentExperts:
         order = torch.argsort(ids, stable=True)  # [T*K] rows grouped by expert, tokens ascending
         counts = torch.bincount(ids, minlength=self.n_experts).tolist()  # the one host sync
         out = x.new_empty(n_tokens * top_k, x.shape[1])  # [T*K, D]
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = order[start : start + count]  # [n] flat (token, k) rows routed to `expert`
-            start += count
-            h = F.linear(x.index_select(0, rows // top_k), self._gate_up[layer][expert])  # [n, 2F]
+        routed = [expert for expert, count in enumerate(counts) if count]
+        ends = np.cumsum([counts[expert] for expert in routed]).tolist()
+        weights = self._stacks[layer].each_weights(routed)  # dequantized in batches if need be
+        for expert, end, (gate_up, down) in zip(routed, ends, weights, strict=True):
+            count = counts[expert]
+            rows = order[end - count : end]  # [n] flat (token, k) rows routed to `expert`
+            h = F.linear(x.index_select(0, rows // top_k), gate_up)  # [n, 2F]
             act = F.silu(h[:, :f]) * h[:, f:]  # [n, F]
-            out.index_copy_(0, rows, F.linear(act, self._down[layer][expert]))  # [n, D]
+            out.index_copy_(0, rows, F.linear(act, down))  # [n, D]
         return out.view(n_tokens, top_k, -1)

@@ -64,6 +64,14 @@ class Routed:
         starts = np.append(first, chosen.size).astype(np.int64)
         return cls(chosen[first], starts, rows, int(ids.shape[1]))
 
+    @classmethod
+    def of_split(cls, split: np.ndarray, top_k: int, n_hits: int, n_experts: int) -> Routed:
+        """The missed rows of one token as `ResidencyTable.split_token` wrote them into `split`
+        int64 (it returned `n_hits`, `n_experts`): views of `split`, made read-only."""
+        k2, k3, k4 = 2 * top_k, 3 * top_k, 4 * top_k
+        return cls(split[k3:k3 + n_experts], split[k4:k4 + n_experts + 1],
+                   split[k2:k2 + top_k - n_hits], top_k)
+
     def group(self, lo: int, hi: int) -> Routed:
         """The rows of experts[lo:hi] (0 <= lo <= hi <= M) as a Routed of their own."""
         if not 0 <= lo <= hi <= self.n_experts:

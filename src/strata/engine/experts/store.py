@@ -8,17 +8,16 @@ adjacent, the first 2*F*D elements of a blob are the fused gate_up matrix [2F, D
 `strata.engine.model.checkpoint.expert_store` reads one from a checkpoint.
 
 A store may instead hold quantized blobs (`quant`: one of `strata.engine.experts.quant`'s
-WEIGHT_FORMATS, its layout there); `dtype` is then the dtype the experts compute in. So far only
-the CPU's miss path reads them (`CpuExperts`); the resident experts and the expert cache refuse
-such a store.
+WEIGHT_FORMATS, its layout there); `dtype` is then the dtype the experts compute in. Every reader
+takes them as they are: the resident experts and the cache's slots keep them quantized on the
+device (`strata.engine.experts.blobs.BlobStack`), the CPU reads them in place (`CpuExperts`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from strata.engine.experts.quant import blob_bytes as quant_blob_bytes
-from strata.engine.experts.quant import dequantize_blobs
+from strata.engine.experts.quant import dequantize_blobs, expert_blob_bytes
 
 __all__ = ["ExpertStore"]
 
@@ -38,11 +37,7 @@ class ExpertStore:
         self.expert_width = expert_width
         self.dtype = dtype
         self.quant = quant
-        if quant is not None:
-            self.blob_bytes = quant_blob_bytes(quant, expert_width, hidden_size)  # ValueError
-        else:
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            self.blob_bytes = 3 * expert_width * hidden_size * itemsize
+        self.blob_bytes = expert_blob_bytes(expert_width, hidden_size, dtype, quant)  # ValueError
         if not layers:
             raise ValueError("an ExpertStore needs at least one layer")
         for i, buf in enumerate(layers):
@@ -74,13 +69,6 @@ class ExpertStore:
         """uint8 [blob_bytes]: a view of the blob of expert (layer, expert)."""
         self._check(layer, expert)
         return self._layers[layer][expert]
-
-    def require_unquantized(self, reader: str) -> None:
-        """ValueError naming `reader` if the blobs are quantized (a reader of dtype views)."""
-        if self.quant is not None:
-            raise ValueError(f"{reader} reads {self.dtype} blobs, and this store's experts are "
-                             f"quantized ({self.quant}); only the CPU's miss path reads "
-                             f"quantized experts so far")
 
     def weights(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [F, D], up [F, D], down [D, F]) of expert (layer, expert): views into its blob,

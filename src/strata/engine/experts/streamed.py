@@ -6,12 +6,12 @@ R rows, M missed experts.
 The cache keeps a staging buffer of N blobs on the device (counted in the budget's workspace).
 In a decode call (T == 1) with M missed experts, the first `split.streamed(M)` of them (by id)
 are copied into it from the host store, asynchronously (the store is pinned on CUDA) and in
-stream order before their compute, and computed by `strata.engine.experts.grouped.expert_rows`
-over the staging slots; the CPU computes the other misses meanwhile (`CpuExperts`), so the bus
-and the CPU share the misses. `StreamSplit` is that rule, a table of M -> streamed experts:
-`StreamSplit.fixed(N, K)` streams min(N, M) (`--stream-misses N`); `--stream-misses auto`
-builds the table from the rates measured once per machine (`strata.engine.cache.rates`), so
-that both sides finish a layer together.
+stream order before their compute, and computed over the staging slots by the decode path of
+their format (`strata.engine.experts.blobs.BlobStack.expert_rows`); the CPU computes the other
+misses meanwhile (`CpuExperts`), so the bus and the CPU share the misses. `StreamSplit` is that
+rule, a table of M -> streamed experts: `StreamSplit.fixed(N, K)` streams min(N, M)
+(`--stream-misses N`); `--stream-misses auto` builds the table from the rates measured once per
+machine (`strata.engine.cache.rates`), so that both sides finish a layer together.
 
 The device and the CPU round differently, so the table is part of what the output bytes depend
 on: it never depends on timings taken during a run. A call's copies are queued after the
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.engine.experts import ExpertStore
-from strata.engine.experts.grouped import expert_rows
+from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.routed import Routed
 
 __all__ = ["StreamSplit", "StreamedMisses", "staging_blobs"]
@@ -101,12 +101,10 @@ class StreamedMisses:
             raise ValueError(f"the split streams up to {split.n_blobs} experts, the staging "
                              f"buffer holds {n_blobs}")
         self.store, self.n_blobs, self.split_rule = store, n_blobs, split
-        f, d = store.expert_width, store.hidden_size
         self._staging = torch.empty((n_blobs, store.blob_bytes), dtype=torch.uint8,
                                     device=device)  # [N, blob]
-        typed = self._staging.view(store.dtype)  # [N, 3*F*D]
-        self._gate_up = typed[:, : 2 * f * d].unflatten(1, (2 * f, d))  # [N, 2F, D]
-        self._down = typed[:, 2 * f * d : 3 * f * d].unflatten(1, (d, f))  # [N, D, F]
+        self._stack = BlobStack(self._staging, store.dtype, store.quant, store.expert_width,
+                                store.hidden_size)
         self._index = torch.arange(n_blobs, device=device)  # [N]: staging slot of each
 
     @property
@@ -136,4 +134,4 @@ class StreamedMisses:
         blobs = self.store.layer_blobs(layer)  # [E, blob]
         for i, expert in enumerate(streamed.experts.tolist()):
             self._staging[i].copy_(blobs[expert], non_blocking=True)
-        return expert_rows(self._gate_up, self._down, self._index[:n], x.expand(n, -1))
+        return self._stack.expert_rows(self._index[:n], x.expand(n, -1))

@@ -1,13 +1,13 @@
 """The conversation cache: finished conversations' K/V cells parked in host RAM.
 
-Dimension letters: N cells, G kv heads, Dh head dim, L layers.
+Dimension letters: N cells, G kv heads, Dh head dim, L layers, P scale pairs a scale cell holds.
 
 A conversation is its token ids and the K/V cells they wrote: cell i holds token i's keys and
 values in every layer. When a request shares more with a parked conversation than with the
 live one, the engine parks the live one here (its cells copied to host RAM, pinned on CUDA so
 that the copies back are fast) and restores the parked one with the longest common prefix
 (its cells copied back, the K/V grown for them first). A restored conversation continues
-exactly as one never parked: the bytes are the same.
+exactly as one never parked: the bytes are the same (int8 cells with their scales).
 
 Bounded by bytes (`max_bytes`) and entries (`max_entries`); the least recently used goes
 first, and a conversation larger than the whole cache is dropped, not parked.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,12 +40,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 @dataclass
 class ParkedConversation:
     """One parked conversation: `tokens` and, per layer, their K and V cells [N, G, Dh] in
-    host RAM. `name` is its handle in events."""
+    host RAM as the K/V holds them, with int8's scale segments' cells [N, P, G] (else none).
+    `name` is its handle in events."""
 
     name: str
     tokens: tuple[int, ...]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    scales: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def n_cells(self) -> int:
@@ -53,7 +55,8 @@ class ParkedConversation:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.keys, *self.values, *self.scales))
 
 
 class ConversationCache:
@@ -81,8 +84,8 @@ class ConversationCache:
         return list(self._parked.values())
 
     def cell_bytes(self, kv: KVCache) -> int:
-        """Bytes one cell of `kv` takes parked (K and V of every layer)."""
-        return 2 * kv.n_layers * kv.cell_bytes
+        """Bytes one cell of `kv` takes parked (K and V of every layer, int8's scales)."""
+        return kv.layout.bytes_per_cell
 
     def park(self, tokens: Sequence[int], kv: KVCache) -> tuple[ParkedConversation | None,
                                                                 list[ParkedConversation]]:
@@ -104,13 +107,15 @@ class ConversationCache:
             dropped.append(self._parked.popitem(last=False)[1])
         keys = [self._host_copy(kv.k(layer)[:n]) for layer in range(kv.n_layers)]
         values = [self._host_copy(kv.v(layer)[:n]) for layer in range(kv.n_layers)]
-        entry = ParkedConversation(next(self._names), tuple(int(t) for t in tokens), keys, values)
+        scales = [self._host_copy(cells[:n]) for cells in kv.scales()]
+        entry = ParkedConversation(next(self._names), tuple(int(t) for t in tokens), keys, values,
+                                   scales)
         self._parked[entry.name] = entry
         return entry, dropped
 
     def _host_copy(self, cells: torch.Tensor) -> torch.Tensor:
         out = torch.empty(cells.shape, dtype=cells.dtype, device="cpu",
-                          pin_memory=self.pin and cells.is_cuda)  # [N, G, Dh]
+                          pin_memory=self.pin and cells.is_cuda)  # [N, G, Dh] or [N, P, G]
         out.copy_(cells)  # blocking: the K/V's cells may be overwritten after this returns
         return out
 
@@ -139,8 +144,13 @@ class ConversationCache:
         if not 0 <= n_cells <= min(entry.n_cells, kv.mapped_cells):
             raise ValueError(f"cannot restore {n_cells} cells: the conversation holds "
                              f"{entry.n_cells}, the K/V maps {kv.mapped_cells}")
+        if entry.keys[0].dtype != kv.cell_dtype or len(entry.scales) != len(kv.scales()):
+            raise ValueError(f"cannot restore {entry.keys[0].dtype} cells into a K/V of "
+                             f"{kv.cell_dtype} cells")
         for layer in range(kv.n_layers):
             kv.k(layer)[:n_cells].copy_(entry.keys[layer][:n_cells])
             kv.v(layer)[:n_cells].copy_(entry.values[layer][:n_cells])
+        for cells, parked in zip(kv.scales(), entry.scales, strict=True):
+            cells[:n_cells].copy_(parked[:n_cells])
         if kv.k(0).is_cuda:
             torch.cuda.synchronize(kv.k(0).device)

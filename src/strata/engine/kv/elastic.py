@@ -3,8 +3,9 @@ back, each step all or nothing.
 
 Units: cells are K/V positions; chunks are the memory backend's physical chunks, shared by the
 K/V's range and the arena's (one backend), so a chunk moves between them with its bytes and
-without a copy; slots are expert-cache slots. The K/V maps whole chunks of each of its 2*L
-segments, so `cells_per_chunk` cells of every segment take `n_segments` chunks.
+without a copy; slots are expert-cache slots. The K/V maps whole chunks of each of its
+`n_segments` segments (2*L, and int8's scale segments: `KvLayout`), all of one cell size, so
+`cells_per_chunk` cells of every segment take `n_segments` chunks.
 
 A growth (`ensure`, before a step needs cells past the mapped ones):
 1. the policy's `kv_target` says how many cells to map (whole steps);

@@ -1,12 +1,17 @@
-"""The K/V cache: one `_vmm` range, one segment per layer's K and per layer's V.
+"""The K/V cache: one `_vmm` range, one segment per layer's K and per layer's V (and, for int8
+cells, segments of their scales).
 
-Dimension letters: N K/V cells (positions), G kv heads, Dh head dim, L layers.
+Dimension letters: N K/V cells (positions), G kv heads, Dh head dim, L layers, P scale pairs a
+scale cell holds.
 
-Layout (design.md, "the elastic K/V"): the range holds 2*L segments, K of layer 0, V of layer 0,
-K of layer 1, ... Each segment is reserved for the whole window (`max_cells` cells of G*Dh
-elements) and rounded up to whole chunks, so growing maps the next chunks of *every* segment, and
-each layer's K and V stay plain contiguous [N, G, Dh] tensors whose addresses never move.
-Mapping is by whole chunks; `mapped_cells` is how many leading cells every segment covers.
+Layout (design.md, "the elastic K/V"; `strata.engine.model.kv_cells.KvLayout`): the range holds
+`n_segments` segments of equal cells: K of layer 0, V of layer 0, K of layer 1, ... and, for
+int8 cells (`--kv-dtype int8`), the scale segments after them ([N, P, G] float32: the scales of
+P (layer, K|V) pairs a cell). Each segment is reserved for the whole window (`max_cells` cells
+of `cell_bytes`) and rounded up to whole chunks, so growing maps the next chunks of *every*
+segment, and each layer's K and V stay plain contiguous [N, G, Dh] tensors whose addresses
+never move. Mapping is by whole chunks; `mapped_cells` is how many leading cells every segment
+covers.
 
 The elastic K/V (`strata.engine.kv.elastic`) moves physical chunks between this range and the
 expert cache's arena: `map_cells(n, chunks=...)` maps given chunks first (their bytes are then
@@ -23,6 +28,7 @@ import torch
 
 from strata import _vmm
 from strata.engine.memory import backend_limit, device_backend
+from strata.engine.model.kv_cells import KvLayout, LayerCells
 from strata.machine import bytes_text
 
 __all__ = ["KVCache", "new_kv"]
@@ -31,10 +37,12 @@ __all__ = ["KVCache", "new_kv"]
 class KVCache:
     """Per-layer K and V tensors [N, G, Dh] living in one virtual-memory range.
 
+    `dtype` is the model's (what attention reads the cells into); `cell_dtype` what the cells
+    hold (None: `dtype`; bf16, fp32, or int8 with a float32 scale per cell and kv head).
     `mapped_cells=None` maps the whole window at construction; a smaller value maps just enough
     chunks for that many cells, `map_cells` maps more later and `unmap_cells` gives chunks back
-    (the elastic K/V). Newly mapped cells are zeroed, so masked-out cells never hold NaN bit
-    patterns.
+    (the elastic K/V). Newly mapped cells are zeroed (scales too), so masked-out cells never
+    hold NaN bit patterns.
     """
 
     def __init__(
@@ -47,6 +55,7 @@ class KVCache:
         dtype: torch.dtype,
         *,
         mapped_cells: int | None = None,
+        cell_dtype: torch.dtype | None = None,
     ) -> None:
         for name, value in (("n_layers", n_layers), ("max_cells", max_cells),
                             ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
@@ -58,23 +67,28 @@ class KVCache:
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.layout = KvLayout(n_layers, n_kv_heads, head_dim,
+                               dtype if cell_dtype is None else cell_dtype)
+        self.cell_dtype = self.layout.cell_dtype
         self.chunk_bytes = backend.chunk_bytes
-        self.cell_bytes = n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        self.cell_bytes = self.layout.cell_bytes
         # Each segment spans whole chunks so that it starts on a chunk boundary.
-        self.segment_chunks = -(-max_cells * self.cell_bytes // self.chunk_bytes)
+        self.segment_chunks = self.layout.segment_chunks(max_cells, self.chunk_bytes)
         self.segment_bytes = self.segment_chunks * self.chunk_bytes
+        window_bytes = self.n_segments * self.segment_bytes
         limit = backend_limit(backend)
-        if 2 * n_layers * self.segment_bytes > limit.nbytes:
+        if window_bytes > limit.nbytes:
             # Every cell of the window may be mapped: one that could never be is refused
             # before anything is reserved.
             raise ValueError(
-                f"a K/V of {max_cells:,} cells needs "
-                f"{bytes_text(2 * n_layers * self.segment_bytes)}, more than {limit}"
+                f"a K/V of {max_cells:,} cells needs {bytes_text(window_bytes)}, more than "
+                f"{limit}"
             )
-        self._range = backend.reserve(2 * n_layers * self.segment_bytes)
+        self._range = backend.reserve(window_bytes)
         self._mapped_chunks = 0  # per segment: chunks [0, _mapped_chunks) are mapped
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
+        self._scales: list[torch.Tensor] = []  # per scale segment [N, P, G] float32
         try:
             self.map_cells(max_cells if mapped_cells is None else mapped_cells)
         except BaseException:
@@ -93,8 +107,8 @@ class KVCache:
 
     @property
     def n_segments(self) -> int:
-        """2 * L: the K and the V of every layer."""
-        return 2 * self.n_layers
+        """2 * L (the K and the V of every layer), and int8's scale segments after them."""
+        return self.layout.n_segments
 
     @property
     def bytes_mapped(self) -> int:
@@ -110,10 +124,11 @@ class KVCache:
         """Map the chunks that cells [0, n_cells) need in every segment; zero the new cells.
 
         `chunks` (unmapped chunks of this K/V's backend) are used first, segment by segment in
-        order (K of layer 0, V of layer 0, ...), then new ones are created. Returns how many
-        chunks were mapped over all segments. All or nothing: if a mapping fails, the chunks this
-        call mapped are unmapped again, those it created are released, and the given ones are
-        unmapped and the caller's again (bytes intact). Cells already mapped are left as they are.
+        order (K of layer 0, V of layer 0, ..., then int8's scale segments), then new ones are
+        created. Returns how many chunks were mapped over all segments. All or nothing: if a
+        mapping fails, the chunks this call mapped are unmapped again, those it created are
+        released, and the given ones are unmapped and the caller's again (bytes intact). Cells
+        already mapped are left as they are.
         """
         return self._map(n_cells, list(chunks) if chunks is not None else [], zero=True)
 
@@ -157,9 +172,8 @@ class KVCache:
         self._mapped_chunks = need
         self._rebuild_views()
         if zero:
-            for layer in range(self.n_layers):
-                self._k[layer][old_cells:].zero_()
-                self._v[layer][old_cells:].zero_()
+            for cells in (*self._k, *self._v, *self._scales):
+                cells[old_cells:].zero_()
         return grow * self.n_segments
 
     def unmap_cells(self, n_cells: int) -> list[_vmm.Chunk]:
@@ -189,14 +203,20 @@ class KVCache:
         return [chunk for segment in taken for chunk in segment]
 
     def _rebuild_views(self) -> None:
-        shape = (self.mapped_cells, self.n_kv_heads, self.head_dim)
-        self._k, self._v = [], []
-        if not self.mapped_cells:
+        n, layout = self.mapped_cells, self.layout
+        shape = (n, self.n_kv_heads, self.head_dim)
+        self._k, self._v, self._scales = [], [], []
+        if not n:
             return
         for layer in range(self.n_layers):
             k_offset = 2 * layer * self.segment_bytes
-            self._k.append(self._range.view(k_offset, shape, self.dtype))
-            self._v.append(self._range.view(k_offset + self.segment_bytes, shape, self.dtype))
+            self._k.append(self._range.view(k_offset, shape, self.cell_dtype))
+            self._v.append(self._range.view(k_offset + self.segment_bytes, shape,
+                                            self.cell_dtype))
+        for segment in range(layout.value_segments, layout.n_segments):
+            self._scales.append(self._range.view(
+                segment * self.segment_bytes, (n, layout.scale_pairs, self.n_kv_heads),
+                torch.float32))
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.n_layers:
@@ -205,14 +225,34 @@ class KVCache:
             raise ValueError("no K/V cells are mapped (closed, or call map_cells first)")
 
     def k(self, layer: int) -> torch.Tensor:
-        """Keys of `layer`: a view [mapped_cells, G, Dh] whose address never moves."""
+        """Keys of `layer` as the cells hold them (`cell_dtype`, int8: without their scales): a
+        view [mapped_cells, G, Dh] whose address never moves."""
         self._check_layer(layer)
         return self._k[layer]
 
     def v(self, layer: int) -> torch.Tensor:
-        """Values of `layer`: a view [mapped_cells, G, Dh] whose address never moves."""
+        """Values of `layer`, as `k`."""
         self._check_layer(layer)
         return self._v[layer]
+
+    def scales(self) -> list[torch.Tensor]:
+        """The scale segments' views [mapped_cells, P, G] float32 (int8 cells; else none)."""
+        if self.layout.quantized:
+            self._check_layer(0)
+        return list(self._scales)
+
+    def layer(self, layer: int) -> LayerCells:
+        """What attention reads and writes of `layer`: its K and V, and int8's scales
+        ([mapped_cells, G] float32 views, row `layout.scale_row` of a scale segment)."""
+        self._check_layer(layer)
+        if not self.layout.quantized:
+            return LayerCells(self._k[layer], self._v[layer])
+        first = self.layout.value_segments
+        (k_segment, k_row), (v_segment, v_row) = (self.layout.scale_row(layer, kv)
+                                                  for kv in (0, 1))
+        return LayerCells(self._k[layer], self._v[layer],
+                          self._scales[k_segment - first][:, k_row],
+                          self._scales[v_segment - first][:, v_row])
 
     @property
     def closed(self) -> bool:
@@ -220,7 +260,7 @@ class KVCache:
 
     def close(self) -> None:
         """Unmap and release everything; the views must not be used afterwards. Idempotent."""
-        self._k, self._v = [], []
+        self._k, self._v, self._scales = [], [], []
         self._range.close()
 
     def __enter__(self) -> KVCache:
@@ -230,8 +270,9 @@ class KVCache:
         self.close()
 
 
-def new_kv(model, max_cells: int) -> KVCache:
-    """A K/V of `max_cells` cells for `model` (a `MoEModel`), mapped whole, on its device."""
+def new_kv(model, max_cells: int, cell_dtype: torch.dtype | None = None) -> KVCache:
+    """A K/V of `max_cells` cells for `model` (a `MoEModel`), mapped whole, on its device, its
+    cells in `cell_dtype` (None: the model's dtype)."""
     cfg = model.config
     return KVCache(device_backend(model.device), cfg.n_layers, max_cells, cfg.n_kv_heads,
-                   cfg.head_dim, model.dtype)
+                   cfg.head_dim, model.dtype, cell_dtype=cell_dtype)

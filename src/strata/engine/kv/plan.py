@@ -1,7 +1,8 @@
 """`--kv-grow`: whether the elastic K/V applies, its figures, and starting it beside the cache.
 
 Units: cells are K/V positions; chunks are the memory backend's physical chunks; slots are
-expert-cache slots. A K/V segment (one layer's K or V) holds `cells_per_chunk` cells a chunk.
+expert-cache slots. A K/V segment (one layer's K or V, or int8's scales: `KvLayout`) holds
+`cells_per_chunk` cells a chunk, the same in every segment.
 
 Planning (before the model loads, `plan_kv_grow`):
 - asked for by `--kv-grow` or `STRATA_KV_GROW=1`; it applies with one device, a profile, and the
@@ -45,6 +46,7 @@ from strata.engine.kv.elastic import ElasticKV
 from strata.engine.kv.kv_cache import KVCache
 from strata.engine.memory import given_or_own_backend
 from strata.engine.model.config import ModelConfig
+from strata.engine.model.kv_cells import KvLayout
 from strata.policies import (
     DEFAULT_POLICY,
     KvContext,
@@ -77,10 +79,10 @@ def kv_grow_requested(flag: bool, environ: Mapping[str, str] | None = None) -> b
     return settings.read(environ).kv_grow or bool(flag)
 
 
-def cells_per_chunk(config: ModelConfig, dtype: torch.dtype, chunk_bytes: int) -> int:
-    """Cells of one K/V segment in a chunk; 0 when cells do not tile chunks."""
-    cell_bytes = config.n_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
-    return chunk_bytes // cell_bytes if chunk_bytes % cell_bytes == 0 else 0
+def cells_per_chunk(config: ModelConfig, cell_dtype: torch.dtype, chunk_bytes: int) -> int:
+    """Cells of one K/V segment in a chunk, for cells of `cell_dtype`; 0 when cells do not
+    tile chunks."""
+    return KvLayout.of(config, cell_dtype).cells_per_chunk(chunk_bytes)
 
 
 def ask_kv_params(policy: Policy, ctx: KvContext) -> KvParams:
@@ -97,8 +99,9 @@ def ask_kv_params(policy: Policy, ctx: KvContext) -> KvParams:
 
 @dataclass(frozen=True)
 class KvGrowConfig:
-    """The elastic K/V to start beside the cache: the model's K/V shape, the window
-    (`max_cells`) and the policy's figures."""
+    """The elastic K/V to start beside the cache: the model's K/V shape, its dtype (`dtype`)
+    and the cells' (`cell_dtype`, None: `dtype`), the window (`max_cells`) and the policy's
+    figures."""
 
     n_layers: int
     max_cells: int
@@ -106,6 +109,7 @@ class KvGrowConfig:
     head_dim: int
     dtype: torch.dtype
     params: KvParams
+    cell_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "max_cells", "n_kv_heads", "head_dim"):
@@ -114,6 +118,8 @@ class KvGrowConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.params, KvParams):
             raise ValueError(f"params must be a KvParams, got {type(self.params).__name__}")
+        KvLayout(self.n_layers, self.n_kv_heads, self.head_dim,
+                 self.dtype if self.cell_dtype is None else self.cell_dtype)  # ValueError
 
     @property
     def init_cells(self) -> int:
@@ -142,8 +148,10 @@ def plan_kv_grow(
     loan_region: Callable[[int], int],
     profile: bool,
     environ: Mapping[str, str] | None = None,
+    cell_dtype: torch.dtype | None = None,
 ) -> KvGrowPlan:
-    """Plan the elastic K/V for `--kv-grow` (asked for: check `kv_grow_requested` first).
+    """Plan the elastic K/V for `--kv-grow` (asked for: check `kv_grow_requested` first), its
+    cells in `cell_dtype` (None: `dtype`, the model's).
 
     `make_budget(kv_cells)` sizes the cache with that many K/V cells mapped (ValueError saying
     how much is missing when too small); `loan_region(n_slots)` is how many top slots the prompt
@@ -151,7 +159,8 @@ def plan_kv_grow(
     `STRATA_KV_GROW_*` value or a budget too small, PolicyError for a wrong `kv_params`.
     """
     policy = policy or load_registry().create(DEFAULT_POLICY)
-    per_chunk = cells_per_chunk(config, dtype, chunk_bytes)
+    layout = KvLayout.of(config, dtype if cell_dtype is None else cell_dtype)
+    per_chunk = layout.cells_per_chunk(chunk_bytes)
     ignored = None
     if not profile:
         ignored = "it needs --expert-profile (the refill after a trim comes from the profile)"
@@ -175,14 +184,14 @@ def plan_kv_grow(
         raise PolicyError(name, "kv_params", params,
                           f"init_cells {params.init_cells} differs from the {init} it gave "
                           "before the cache was sized: it must not depend on the cache's size")
-    window = _Window(2 * config.n_layers, max_context, chunk_bytes // per_chunk, chunk_bytes,
+    window = _Window(layout.n_segments, max_context, layout.cell_bytes, chunk_bytes,
                      params.floor_slots, loan_region)
     start, start_budget = window.start(init, budget, params.step_cells, make_budget)
     if start < max_context or init == max_context:
         if start != init:
             params = KvParams(start, params.step_cells, params.floor_slots)
         shape = KvGrowConfig(config.n_layers, max_context, config.n_kv_heads,
-                             config.head_dim, dtype, params)
+                             config.head_dim, dtype, params, cell_dtype)
         return KvGrowPlan(start_budget, shape, window.notes(start, init, start_budget, params))
     top = window.top_of(budget)
     floor = params.floor_slots
@@ -283,13 +292,15 @@ def plan_elastic_cache(
     expert_cache_mib: float | None = None,
     backend: _vmm.Backend | None = None,
     environ: Mapping[str, str] | None = None,
+    kv_dtype: torch.dtype | None = None,
     **options: Any,
 ) -> tuple[CacheConfig, KvGrowConfig | None, list[str]]:
     """`strata.engine.cache.build.plan_cache` for `--kv-grow`: the CacheConfig, the elastic
     K/V to start beside it (None when the flag is ignored or the window is mapped up front)
     and the notes to print. `profile` says whether the fill comes from a profile
-    (`--expert-profile`); `options` are CacheConfig's other fields. Raises as `plan_kv_grow`;
-    a backend made here is closed again then."""
+    (`--expert-profile`); `kv_dtype` is the K/V cells' dtype (None: `dtype`); `options` are
+    CacheConfig's other fields. Raises as `plan_kv_grow`; a backend made here is closed again
+    then."""
     with given_or_own_backend(backend, device) as backend:
         keep_slots = _keep_slots_from_env()
         lends = options.get("prefill_loan", True)
@@ -298,8 +309,9 @@ def plan_elastic_cache(
             return plan_cache(config, dtype, device, max_context=max_context,
                               prefill_chunk=prefill_chunk, budget_mib=budget_mib,
                               reserve_mib=reserve_mib, expert_cache_mib=expert_cache_mib,
-                              backend=backend, kv_cells=kv_cells,
-                              stream_misses=options.get("stream_misses", 0)).budget
+                              backend=backend, kv_cells=kv_cells, kv_dtype=kv_dtype,
+                              stream_misses=options.get("stream_misses", 0),
+                              experts_quant=options.get("experts_quant")).budget
 
         def loan_region(n_slots: int) -> int:
             if not lends:
@@ -309,7 +321,7 @@ def plan_elastic_cache(
         plan = plan_kv_grow(config, dtype, policy=options.get("policy"),
                             max_context=max_context, chunk_bytes=backend.chunk_bytes,
                             make_budget=make_budget, loan_region=loan_region, profile=profile,
-                            environ=environ)
+                            environ=environ, cell_dtype=kv_dtype)
         cache = CacheConfig(budget=plan.budget, backend=backend, **options)
     return cache, plan.kv_grow, plan.notes
 
@@ -331,7 +343,8 @@ def start_elastic(
     backend = cached.arena.backend
     table = cached.table
     kv = KVCache(backend, config.n_layers, config.max_cells, config.n_kv_heads,
-                 config.head_dim, config.dtype, mapped_cells=config.init_cells)
+                 config.head_dim, config.dtype, mapped_cells=config.init_cells,
+                 cell_dtype=config.cell_dtype)
     try:
         if free_chunks is None:
             budget = cached.budget

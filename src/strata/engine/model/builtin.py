@@ -45,13 +45,17 @@ def builtin_checkpoint() -> tuple[Path, bool]:
     return path, True
 
 
-def builtin_expert_cache_mib(dtype: torch.dtype) -> float:
+def builtin_expert_cache_mib(dtype: torch.dtype, experts_quant: str | None = None) -> float:
     """The `--expert-cache`, in MiB, that the built-in model runs with when neither
     `--expert-cache` nor `--vram-budget-mib` is given: BUILTIN_CACHE_SHARE of its experts (8 of
-    16) in `dtype` (the dtype it runs in). Its blob, 3 x 128 x 64 elements, is a whole number of
-    the cache's 256-byte slot alignment in every dtype, so the MiB are exactly that many slots.
-    """
+    16) in `dtype` (the dtype it runs in), or in `experts_quant` (`--experts-dtype`'s format).
+    Its blob is a whole number of the cache's 256-byte slot alignment in every dtype and
+    format (3 x 128 x 64 weights, scales a row or a group), so the MiB are exactly that many
+    slots."""
+    from strata.engine.experts.quant import expert_blob_bytes
+
     preset = get_preset(BUILTIN_PRESET)
-    blob_bytes = 3 * preset.expert_width * preset.hidden_size * dtype.itemsize
+    blob_bytes = expert_blob_bytes(preset.expert_width, preset.hidden_size, dtype,
+                                   experts_quant)
     slots = int(preset.n_layers * preset.n_experts * BUILTIN_CACHE_SHARE)
     return slots * blob_bytes / (1 << 20)

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from strata.engine.experts.quant import blob_bytes as quant_blob_bytes
-from strata.engine.experts.quant import make_blob
+from strata.engine.experts.quant import expert_blob_bytes, make_blob
 from strata.engine.experts.store import ExpertStore
 from strata.engine.model import families
 from strata.engine.model.config import CheckpointError, ModelConfig, read_config_json
@@ -112,8 +111,7 @@ def expert_store(
     dtype = dtype or cfg.dtype
     fam = families.family(cfg.family)
     f, d = cfg.expert_width, cfg.hidden_size
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    blob_bytes = 3 * f * d * itemsize if quant is None else quant_blob_bytes(quant, f, d)
+    blob_bytes = expert_blob_bytes(f, d, dtype, quant)
     layers = []
     for layer in range(cfg.n_layers):
         buf = torch.empty((cfg.n_experts, blob_bytes), dtype=torch.uint8, pin_memory=pin_memory)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from strata.engine.experts import Experts
 from strata.engine.model.config import ModelConfig
+from strata.engine.model.kv_cells import LayerCells
 
 Weights = dict[str, torch.Tensor]
 
@@ -116,14 +117,15 @@ class Attention:
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cells: LayerCells,
         n_ctx: int,
         mask: torch.Tensor | None,
         causal: bool,
     ) -> torch.Tensor:
         """x [T, D] -> [T, D]. Writes K/V at `positions`, attends over cells [0, n_ctx).
 
+        `cells` is the layer's K/V (bf16, fp32 or int8 cells: int8 rows are quantized as they
+        are written, and the attended cells dequantized to x's dtype as they are read).
         mask bool [T, N] or None; None with `causal` means cells [0, T) causally (a prompt from
         position 0), None without `causal` means every cell (one token: decode).
         """
@@ -141,11 +143,9 @@ class Attention:
         if self.qk_norm == "head":
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Positions are distinct, so index_copy_ writes each cell once: deterministic.
-        k_cache.index_copy_(0, positions, k)
-        v_cache.index_copy_(0, positions, v)
-        keys = k_cache[:n_ctx].transpose(0, 1)  # [G, N, Dh]
-        values = v_cache[:n_ctx].transpose(0, 1)  # [G, N, Dh]
+        cells.write(positions, k, v)
+        keys, values = cells.read(n_ctx, q.dtype)  # [N, G, Dh] each
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [G, N, Dh] each
         if causal and mask is None:
             out = self._prompt(q, keys, values)
         else:
@@ -248,16 +248,15 @@ class DecoderLayer:
         self,
         x: torch.Tensor,
         spans: list[AttentionSpan],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cells: LayerCells,
         experts: Experts,
     ) -> torch.Tensor:
         """x [T, D] -> [T, D]. Attention span by span, in order (a span attends the K/V the
         spans before it wrote), then the MoE over all T tokens at once."""
         normed = rms_norm(x, self.attn_norm, self.eps)  # [T, D]
         attended = [
-            self.attn.forward(normed[span.rows], span.cos, span.sin, span.positions, k_cache,
-                              v_cache, span.n_ctx, span.mask, span.causal)
+            self.attn.forward(normed[span.rows], span.cos, span.sin, span.positions, cells,
+                              span.n_ctx, span.mask, span.causal)
             for span in spans
         ]  # [b - a, D] each
         h = x + (attended[0] if len(attended) == 1 else torch.cat(attended))  # [T, D]

@@ -20,6 +20,7 @@ from strata.engine.experts import Experts, ExpertStore, ResidentExperts
 from strata.engine.model import families
 from strata.engine.model.checkpoint import Checkpoint, expert_store
 from strata.engine.model.config import ModelConfig
+from strata.engine.model.kv_cells import LayerCells
 from strata.engine.model.layers import (
     ATTENTION_PIECE_TOKENS,
     AttentionSpan,
@@ -38,7 +39,8 @@ RUNTIME_DTYPES = (torch.bfloat16, torch.float32)
 
 class KVCells(Protocol):
     """The K/V as the model reads and writes it (`strata.engine.kv.KVCache` is one): per layer
-    K and V tensors [N, G, Dh] over the window, of which cells [0, mapped_cells) are mapped."""
+    its cells (`LayerCells`: K and V [N, G, Dh] over the mapped cells [0, mapped_cells), and
+    int8's scales); `dtype` is the model's, what the cells are read into."""
 
     n_layers: int
     n_kv_heads: int
@@ -47,12 +49,13 @@ class KVCells(Protocol):
 
     @property
     def mapped_cells(self) -> int: ...
-    def k(self, layer: int) -> torch.Tensor: ...
-    def v(self, layer: int) -> torch.Tensor: ...
+    def layer(self, layer: int) -> LayerCells: ...
 
 
 class MoEModel:
-    """A loaded model: plain weight tensors on `device`, experts behind `experts`."""
+    """A loaded model: plain weight tensors on `device`, experts behind `experts`.
+
+    `experts_dtype` names how the experts are kept: `experts_quant` or else `dtype`."""
 
     def __init__(
         self,
@@ -62,16 +65,25 @@ class MoEModel:
         global_weights: dict[str, torch.Tensor],
         layers: list[DecoderLayer],
         experts: Experts,
+        experts_quant: str | None = None,
     ) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
         self.experts = experts
+        # The experts' stored format (`strata.engine.experts.quant.WEIGHT_FORMATS`), None: in
+        # `dtype`; they compute in `dtype` either way.
+        self.experts_quant = experts_quant
         self.layers = layers
         self.embed = global_weights["embed"]  # [V, D]
         self.final_norm = global_weights["final_norm"]  # [D]
         self.lm_head = global_weights.get("lm_head", self.embed)  # [V, D] (tied: the embedding)
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, device)  # [Dh/2]
+
+    @property
+    def experts_dtype(self) -> str:
+        """How the experts are kept: their quantized format, or the model's dtype ("bfloat16")."""
+        return self.experts_quant or str(self.dtype).removeprefix("torch.")
 
     def forward(
         self, token_ids: torch.Tensor, start_pos: int, kv: KVCells, *, last_only: bool = False
@@ -158,7 +170,7 @@ class MoEModel:
     ) -> torch.Tensor:
         x = F.embedding(token_ids, self.embed)  # [T, D]
         for layer in self.layers:
-            x = layer.forward(x, spans, kv.k(layer.layer), kv.v(layer.layer), self.experts)
+            x = layer.forward(x, spans, kv.layer(layer.layer), self.experts)
             # [T, D]
         if last_only:
             x = x[-1:]  # [1, D]
@@ -183,8 +195,11 @@ def load_model(
     dtype: torch.dtype | None = None,
     progress: bool = False,
     make_experts: Callable[[ExpertStore], Experts] | None = None,
+    experts_quant: str | None = None,
 ) -> MoEModel:
-    """Load a checkpoint directory onto `device` in `dtype` (None: the checkpoint's own).
+    """Load a checkpoint directory onto `device` in `dtype` (None: the checkpoint's own), its
+    experts quantized at load into `experts_quant` (one of
+    `strata.engine.experts.quant.WEIGHT_FORMATS`; None: kept in `dtype`).
 
     Without `make_experts`, every expert is resident on `device` (`ResidentExperts`); with it,
     the experts are what it makes of the host store (pinned on CUDA), e.g. the expert cache
@@ -222,7 +237,7 @@ def load_model(
             layers.append(DecoderLayer(cfg, layer, weights))
         store = expert_store(
             ckpt, dtype, pin_memory=make_experts is not None and device.type == "cuda",
-            on_tensor=bar.update if bar is not None else None,
+            on_tensor=bar.update if bar is not None else None, quant=experts_quant,
         )
         if make_experts is None:
             experts: Experts = ResidentExperts(store, device, dtype)
@@ -232,4 +247,4 @@ def load_model(
         if bar is not None:
             bar.close()
         ckpt.close()
-    return MoEModel(cfg, device, dtype, global_weights, layers, experts)
+    return MoEModel(cfg, device, dtype, global_weights, layers, experts, experts_quant)

@@ -40,7 +40,6 @@ from strata.engine.kv.conversations import ConversationCache, common_prefix
 from strata.engine.kv.kv_cache import KVCache, new_kv
 from strata.engine.kv.plan import KvGrowConfig
 from strata.engine.model.config import ModelConfig
-from strata.engine.model.moe import runtime_dtype
 from strata.engine.model.tokenizer import Tokenizer
 from strata.engine.runtime.generate import (
     GROW_MARGIN_CELLS,
@@ -50,7 +49,7 @@ from strata.engine.runtime.generate import (
     generate,
 )
 from strata.engine.runtime.load import Loaded, load
-from strata.engine.runtime.options import EngineOptions, plan_cache_options
+from strata.engine.runtime.options import EngineOptions, kv_cell_dtype, plan_engine_cache
 from strata.policies import EngineInfo, announce_start, emit
 from strata.policies.events import Event, Parked, RequestFinished, RequestStarted, Restored
 
@@ -81,6 +80,7 @@ class Engine:
         name: str = "model",
         conversations: ConversationCache | None = None,
         events: pluggy.PluginManager | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, tokenizer
         self.elastic, self.cache = loaded.kv, loaded.cache
@@ -88,9 +88,13 @@ class Engine:
             raise ValueError(f"max_context {max_context} is past the elastic K/V's window of "
                              f"{self.elastic.kv.max_cells} cells")
         self.max_context = max_context
-        # Without the elastic K/V, one K/V of the whole window for the engine's life.
+        if self.elastic is not None and kv_dtype not in (None, self.elastic.kv.cell_dtype):
+            raise ValueError(f"kv_dtype {kv_dtype} differs from the elastic K/V's cells, "
+                             f"{self.elastic.kv.cell_dtype}: plan it with kv_dtype")
+        # Without the elastic K/V, one K/V of the whole window for the engine's life, its
+        # cells in `kv_dtype` (None: the model's dtype).
         self.fixed: KVCache | None = None if self.elastic is not None else \
-            new_kv(self.model, max_context)
+            new_kv(self.model, max_context, kv_dtype)
         self.conversations = conversations
         self.events = events
         self.notes: list[str] = []  # what planning had to say (from_options)
@@ -116,15 +120,19 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         events: pluggy.PluginManager | None = None,
         progress: bool = False,
+        experts_quant: str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> Engine:
-        """Load the checkpoint at `path` (see `load`) and start an engine on it, with a
-        conversation cache of `conversation_cache_mib` MiB and `conversation_cache_slots`
-        entries (either 0: none). `events` defaults to the cache's plugin manager."""
+        """Load the checkpoint at `path` (see `load`; `experts_quant`: the experts quantized
+        at load) and start an engine on it, with a conversation cache of
+        `conversation_cache_mib` MiB and `conversation_cache_slots` entries (either 0: none).
+        `kv_dtype` is the K/V cells' dtype (None: the model's; with `kv_grow`, the one it was
+        planned with). `events` defaults to the cache's plugin manager."""
         if conversation_cache_mib < 0 or conversation_cache_slots < 0:
             raise ValueError("conversation_cache_mib and conversation_cache_slots must be >= 0, "
                              f"got {conversation_cache_mib} and {conversation_cache_slots}")
         loaded = load(path, device=device, dtype=dtype, progress=progress, cache=cache,
-                      kv_grow=kv_grow)
+                      kv_grow=kv_grow, experts_quant=experts_quant)
         try:
             conversations = None
             if conversation_cache_mib > 0 and conversation_cache_slots > 0:
@@ -134,7 +142,7 @@ class Engine:
             if events is None and cache is not None:
                 events = cache.events
             return cls(loaded, tokenizer, max_context=max_context, name=str(path),
-                       conversations=conversations, events=events)
+                       conversations=conversations, events=events, kv_dtype=kv_dtype)
         except BaseException:
             loaded.close()
             raise
@@ -148,9 +156,7 @@ class Engine:
         warning, the elastic K/V's figures) go to `on_note` as soon as they are known, before
         the load, and are kept in `notes`. Raises as `plan_cache_options` and `load`."""
         config = ModelConfig.from_dir(path)
-        plan = plan_cache_options(options.cache, config, runtime_dtype(config, options.dtype),
-                                  options.device, max_context=options.max_context,
-                                  prefill_chunk=options.prefill_chunk)
+        plan, quant = plan_engine_cache(options, config)
         for note in plan.notes if on_note is not None else ():
             on_note(note)
         try:
@@ -159,7 +165,8 @@ class Engine:
                 max_context=options.max_context, cache=plan.config, kv_grow=plan.kv_grow,
                 conversation_cache_mib=options.conversation_cache_mib,
                 conversation_cache_slots=options.conversation_cache_slots,
-                tokenizer=tokenizer, progress=progress)
+                tokenizer=tokenizer, progress=progress, experts_quant=quant,
+                kv_dtype=kv_cell_dtype(options, config))
         except BaseException:
             if plan.config is not None:
                 plan.config.backend.close()

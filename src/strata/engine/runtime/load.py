@@ -58,15 +58,22 @@ def load(
     progress: bool = False,
     cache: CacheConfig | None = None,
     kv_grow: KvGrowConfig | None = None,
+    experts_quant: str | None = None,
 ) -> Loaded:
-    """Load the checkpoint at `path` (see `load_model`); with `cache`, its experts run through
-    the expert cache it configures, and with `kv_grow` (`plan_elastic_cache`'s) the elastic
-    K/V is started beside it. Raises as `load_model`; anything made before a failure is
-    released again."""
+    """Load the checkpoint at `path` (see `load_model`, which quantizes the experts into
+    `experts_quant` if given); with `cache`, its experts run through the expert cache it
+    configures (whose slots must be sized for that format: `CacheConfig.experts_quant`), and
+    with `kv_grow` (`plan_elastic_cache`'s) the elastic K/V is started beside it. Raises as
+    `load_model`; anything made before a failure is released again."""
     if kv_grow is not None and cache is None:
         raise ValueError("the elastic K/V grows into the expert cache: give `cache` too")
+    if cache is not None and cache.experts_quant != experts_quant:
+        raise ValueError(f"the cache was planned for experts in {cache.experts_quant or dtype}, "
+                         f"the load asks for {experts_quant or dtype}; plan it with "
+                         f"experts_quant={experts_quant!r}")
     if cache is None:
-        return Loaded(load_model(path, device=device, dtype=dtype, progress=progress))
+        return Loaded(load_model(path, device=device, dtype=dtype, progress=progress,
+                                 experts_quant=experts_quant))
     made: list[CachedExperts] = []
 
     def make_experts(store: ExpertStore) -> CachedExperts:
@@ -75,7 +82,7 @@ def load(
 
     try:
         model = load_model(path, device=device, dtype=dtype, progress=progress,
-                           make_experts=make_experts)
+                           make_experts=make_experts, experts_quant=experts_quant)
         cached = made[0]
         kv = start_elastic(cached, kv_grow) if kv_grow is not None else None
     except BaseException:

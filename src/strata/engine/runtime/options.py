@@ -18,13 +18,17 @@ import torch
 from strata.engine.cache.build import CacheConfig, plan_cache
 from strata.engine.cache.defaults import DEFAULT_SHORT_READ
 from strata.engine.cache.kept_rates import resolve_stream_misses
+from strata.engine.experts.quant import EXPERTS_DTYPES, experts_quant_for
 from strata.engine.kv.plan import KvGrowConfig, kv_grow_requested, plan_elastic_cache
 from strata.engine.model.config import ModelConfig
+from strata.engine.model.kv_cells import KV_DTYPES, cell_dtype_of
+from strata.engine.model.moe import runtime_dtype
 from strata.formats.profile import ProfileError, fill_rank, load_profile
 from strata.machine import available_cpus
 from strata.policies import DEFAULT_POLICY, load_registry
 
-__all__ = ["CacheOptions", "CachePlan", "EngineOptions", "plan_cache_options"]
+__all__ = ["CacheOptions", "CachePlan", "EngineOptions", "kv_cell_dtype", "plan_cache_options",
+           "plan_engine_cache"]
 
 
 def _positive(value: object) -> bool:
@@ -124,8 +128,12 @@ def plan_cache_options(
     *,
     max_context: int,
     prefill_chunk: int,
+    experts_quant: str | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> CachePlan:
-    """The cache `options` ask for, sized for `config` in `dtype` on `device`.
+    """The cache `options` ask for, sized for `config` in `dtype` on `device`, its slots for
+    experts in `experts_quant` (`--experts-dtype`'s format, `experts_quant`; None: `dtype`),
+    beside K/V cells of `kv_dtype` (`--kv-dtype`'s, `kv_cell_dtype`; None: `dtype`).
 
     Raises ValueError for a bad value, an unreadable profile or one for another model, and a
     budget too small (saying how much is missing); the registry's UnknownPolicyError /
@@ -154,6 +162,7 @@ def plan_cache_options(
         cpu_threads=options.cpu_threads,
         prefill_loan=options.prefill_loan,
         short_read=options.short_read or DEFAULT_SHORT_READ, events=registry.pm,
+        experts_quant=experts_quant, kv_dtype=kv_dtype,
     )
     sizing["stream_misses"], stream_notes = resolve_stream_misses(
         stream, config, dtype, device, cpu_threads=options.cpu_threads)
@@ -173,12 +182,17 @@ def plan_cache_options(
 @dataclass(frozen=True)
 class EngineOptions:
     """Everything `Engine.from_options` needs besides the model directory: the device
-    (`torch.device` or its name), the dtype (None: the checkpoint's own), the window
-    (`max_context` cells), the prompt's chunk, the cache's options and the conversation cache's
-    size (either 0: none). ValueError for a bad value."""
+    (`torch.device` or its name), the dtype (None: the checkpoint's own), the experts' storage
+    (`experts_dtype`, one of `strata.engine.experts.quant.EXPERTS_DTYPES`: `auto`, the model's
+    dtype, or quantized at load), the K/V cells' (`kv_dtype`, one of
+    `strata.engine.model.kv_cells.KV_DTYPES`: `auto`, the model's dtype, `bf16` or `int8`), the
+    window (`max_context` cells), the prompt's chunk, the cache's options and the conversation
+    cache's size (either 0: none). ValueError for a bad value."""
 
     device: str | torch.device = "cpu"
     dtype: torch.dtype | None = None
+    experts_dtype: str = "auto"
+    kv_dtype: str = "auto"
     max_context: int = 4096
     prefill_chunk: int = 512
     cache: CacheOptions = field(default_factory=CacheOptions)
@@ -194,6 +208,32 @@ class EngineOptions:
                 isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
             raise ValueError("conversation_cache_mib and conversation_cache_slots must be >= 0, "
                              f"got {mib!r} and {slots!r}")
+        if self.experts_dtype not in EXPERTS_DTYPES:
+            raise ValueError(f"--experts-dtype must be one of {', '.join(EXPERTS_DTYPES)}, got "
+                             f"{self.experts_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got "
+                             f"{self.kv_dtype!r}")
         if not isinstance(self.cache, CacheOptions):
             raise ValueError(f"cache must be CacheOptions, got {type(self.cache).__name__}")
         object.__setattr__(self, "device", torch.device(self.device))
+
+
+def plan_engine_cache(options: EngineOptions, config: ModelConfig) -> tuple[CachePlan, str | None]:
+    """(the cache plan, the experts' quantized format or None) for a model of `config` opened
+    with `options`: the model's dtype and `--experts-dtype` resolved, then
+    `plan_cache_options`. Raises as it, and ValueError for an `--experts-dtype` the model
+    cannot take."""
+    dtype = runtime_dtype(config, options.dtype)
+    quant = experts_quant_for(options.experts_dtype, dtype)
+    plan = plan_cache_options(options.cache, config, dtype, options.device,
+                              max_context=options.max_context,
+                              prefill_chunk=options.prefill_chunk, experts_quant=quant,
+                              kv_dtype=kv_cell_dtype(options, config))
+    return plan, quant
+
+
+def kv_cell_dtype(options: EngineOptions, config: ModelConfig) -> torch.dtype:
+    """The K/V cells' dtype for a model of `config` opened with `options` (`--kv-dtype`
+    resolved against the model's dtype)."""
+    return cell_dtype_of(options.kv_dtype, runtime_dtype(config, options.dtype))

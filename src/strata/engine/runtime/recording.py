@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from strata.engine.cache.arena import slot_bytes_for
+from strata.engine.experts.quant import expert_blob_bytes
+from strata.engine.model.kv_cells import KvLayout
 from strata.formats.trace import DECODE, PROMPT, TraceWriter
 
 if TYPE_CHECKING:
@@ -154,12 +156,15 @@ def installed(model: Any, wrapper: Any) -> Iterator[Any]:
         model.experts = wrapper.inner
 
 
-def trace_meta(model: Any, source: str, **extra: Any) -> dict[str, Any]:
+def trace_meta(model: Any, source: str, *, kv_dtype: torch.dtype | None = None,
+               **extra: Any) -> dict[str, Any]:
     """A trace's `meta` for `model`: the source, and under `model` the geometry the simulator
-    reads (`slot_bytes`, `kv_segment_cell_bytes`, `kv_segments`) and the config hash."""
+    reads (`slot_bytes`, `kv_segment_cell_bytes`, `kv_segments`: the K/V's `KvLayout`, its
+    cells in `kv_dtype`, None: the model's dtype) and the config hash."""
     cfg = model.config
-    itemsize = torch.empty((), dtype=model.dtype).element_size()
-    slot_bytes = slot_bytes_for(3 * cfg.expert_width * cfg.hidden_size * itemsize)
+    kv = KvLayout.of(cfg, model.dtype if kv_dtype is None else kv_dtype)
+    slot_bytes = slot_bytes_for(expert_blob_bytes(
+        cfg.expert_width, cfg.hidden_size, model.dtype, getattr(model, "experts_quant", None)))
     return {
         "source": source,
         "model": {
@@ -167,15 +172,18 @@ def trace_meta(model: Any, source: str, **extra: Any) -> dict[str, Any]:
             "config_hash": cfg.config_hash(),
             "dtype": str(model.dtype).removeprefix("torch."),
             "slot_bytes": slot_bytes,
-            "kv_segment_cell_bytes": cfg.n_kv_heads * cfg.head_dim * itemsize,
-            "kv_segments": 2 * cfg.n_layers,
+            "kv_dtype": kv.name,
+            "kv_segment_cell_bytes": kv.cell_bytes,
+            "kv_segments": kv.n_segments,
         },
         **extra,
     }
 
 
-def new_trace_writer(model: Any, source: str, **extra: Any) -> TraceWriter:
-    """A `TraceWriter` shaped for `model`, with `trace_meta` as its meta."""
+def new_trace_writer(model: Any, source: str, *, kv_dtype: torch.dtype | None = None,
+                     **extra: Any) -> TraceWriter:
+    """A `TraceWriter` shaped for `model`, with `trace_meta` as its meta (`kv_dtype`: the
+    K/V cells', None: the model's dtype)."""
     cfg = model.config
     return TraceWriter(cfg.n_layers, cfg.n_experts, cfg.top_k,
-                       meta=trace_meta(model, source, **extra))
+                       meta=trace_meta(model, source, kv_dtype=kv_dtype, **extra))

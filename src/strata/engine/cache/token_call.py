@@ -1,0 +1,95 @@
+"""The decode call through the expert cache: one token's K rows with little host work between
+the kernels.
+
+Dimension letters: K experts per token, D hidden size, R rows.
+
+`CachedExperts.forward` sends a one-token call outside a loaned pass (decode) here. Its steps
+are those of `strata.engine.cache.cached_experts`, with less host work between the kernels: one
+call of the books (`ResidencyTable.split_token`: lookup, record and the split of the K rows)
+writes every index the call uploads into one buffer (pinned on CUDA: one copy that does not wait
+for the stream) and the misses' grouping beside them; the hits, the streamed misses and the
+CPU's rows are computed as blocks and put into row order by one gather; the policy's `observe`
+is skipped where it is the default. It gives the general path's bytes
+(tests/engine/cache/test_token_path.py compares the two), and on the H200 it took 0.84-0.90x
+its time per call (bench/results/layer-call-cpu-2026-12-01.md).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from strata.engine.cache.stats import PhaseStats
+from strata.engine.experts.routed import Routed
+
+__all__ = ["token_forward", "weighted_sum"]
+
+
+def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, stats: PhaseStats) -> torch.Tensor:
+    """[1, D]: `cache`'s layer call (a `CachedExperts`, not imported here: it imports this) for
+    one token x [1, D] routed to topk_ids [1, K] with topk_weights [1, K], outside a loaned
+    pass; counts into `stats` (the phase's)."""
+    top_k = topk_ids.shape[1]
+    x_host = cache.host_rows.x_on_host(x)  # read with the ids
+    started = time.perf_counter()
+    ids = np.ascontiguousarray(topk_ids.cpu().numpy(), dtype=np.int64)  # [1, K], the sync
+    stats.wait_s += time.perf_counter() - started
+    buffer, split = cache.host_rows.index_buffer(5 * top_k + 1)  # `split_token`'s layout
+    n_hits, n_missed = cache.table.split_token(layer, ids, split)
+    if cache.observer is not None:
+        hit = (split[n_hits:n_hits + top_k] < n_hits).reshape(1, top_k)  # [1, K]
+        cache.observer(cache.checked.view, layer, ids, hit)
+    stats.layer_calls += 1
+    stats.lookups += top_k
+    stats.hits += n_hits
+    misses = streamed = None
+    if n_missed:
+        misses = Routed.of_split(split, top_k, n_hits, n_missed)
+        if cache.streamer is not None:
+            streamed, misses = cache.streamer.split(misses)
+
+    # The device's share is issued first and runs while this thread computes the misses
+    # on the CPU; the next host read (the next layer's routing) waits for it.
+    started = time.perf_counter()
+    parts = []  # [R_i, D] each: the hits', the streamed misses', the CPU's rows
+    try:
+        index = cache.host_rows.indices_to_device(buffer[:n_hits + top_k])  # slots; order
+        if n_hits:
+            parts.append(cache.arena.expert_rows(index[:n_hits], x.expand(n_hits, -1)))
+        if streamed is not None:
+            assert cache.streamer is not None  # only it splits streamed rows off
+            parts.append(cache.streamer.compute(layer, x, streamed))
+            stats.streamed_experts += streamed.n_experts
+            stats.uploaded_bytes += streamed.n_experts * cache.store.blob_bytes
+    finally:
+        stats.device_s += time.perf_counter() - started
+    if misses is not None:
+        started = time.perf_counter()
+        # [R, D]: every row's input is the one token's (a copy, as a gather would make).
+        x_rows = x_host.expand(misses.n_rows, -1).contiguous()
+        miss_rows = cache.cpu.compute(layer, x_rows, misses)  # [R, D]
+        stats.cpu_s += time.perf_counter() - started
+        stats.cpu_experts += misses.n_experts
+        stats.cpu_tokens += misses.n_rows
+        parts.append(cache.host_rows.to_device(miss_rows))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [K, D]
+    if n_hits < top_k:  # the hit rows alone are in row order already
+        out = out.index_select(0, index[n_hits:])
+
+    if cache.checked.admits and n_missed:  # every missed expert, ascending
+        cache.admit_misses(layer, split[3 * top_k:3 * top_k + n_missed].copy())
+    return weighted_sum(out, topk_weights, 1, top_k, x.dtype)
+
+
+def weighted_sum(out: torch.Tensor, weights: torch.Tensor, n_tokens: int, top_k: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """[T*K, D] rows -> [T, D] in `dtype`: the K rows of each token weighted by weights [T, K]
+    and summed over K in float32, in order: ResidentExperts' `(out.float() * weights.float())`,
+    with the rows' widening done inside the multiplication (type promotion widens each value
+    exactly, as `.float()` does) rather than by an op of its own."""
+    weighted = torch.mul(out.view(n_tokens, top_k, -1), weights.float().unsqueeze(-1))
+    return weighted.sum(dim=1).to(dtype)

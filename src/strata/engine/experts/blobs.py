@@ -1,0 +1,121 @@
+"""`BlobStack`: blobs of one format side by side, and the math that reads them in place.
+
+Legend: S blobs in the stack, R routed rows, D hidden size, F expert width.
+
+Three holders keep experts on the device as blobs in a uint8 [S, >= blob_bytes] tensor: the
+resident experts (a layer's E blobs), the expert cache's arena (S slots, `slot_bytes` apart)
+and the staging buffer of streamed misses. A `BlobStack` over such a tensor is how each of them
+computes, whatever the blobs' format (`ExpertStore.quant`):
+- `expert_rows(index, x_rows)`, the decode path (one routed expert a row, blobs picked by an
+  index on the device, no host read): over the dtype's views by
+  `strata.engine.experts.grouped.expert_rows`, over quantized blobs by
+  `strata.engine.experts.quantized.quantized_rows`; on CUDA with Triton both read the blobs in
+  place, so a routed expert costs its stored bytes;
+- `weights(i)`, one blob's (gate_up [2F, D], down [D, F]) in the compute dtype for the prompt
+  paths (T tokens over one expert): views for unquantized blobs, a dequantized copy otherwise,
+  which the chunk's tokens share; `each_weights(indices)` the same for many, quantized blobs
+  dequantized `dequant_batch` at a time (one set of launches a batch, not an expert);
+- `gate_up_all()` / `down_all()`: [S, 2F, D] / [S, D, F] views, unquantized stacks only (the
+  grouped prefill products read them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from strata.engine.experts.grouped import expert_rows
+from strata.engine.experts.quant import dequantize_blobs
+from strata.engine.experts.quantized import quantized_rows
+
+__all__ = ["DEQUANT_BATCH_BYTES", "BlobStack", "dequant_batch"]
+
+# `each_weights` dequantizes at most this many bytes of float32 weights at once (the
+# dequantization's intermediate; its output in the compute dtype is another itemsize / 4 of it).
+DEQUANT_BATCH_BYTES = 128 << 20
+
+
+def dequant_batch(expert_width: int, hidden_size: int) -> int:
+    """Experts `each_weights` dequantizes at once: DEQUANT_BATCH_BYTES of float32, at least 1."""
+    return max(1, DEQUANT_BATCH_BYTES // (3 * expert_width * hidden_size * 4))
+
+
+class BlobStack:
+    """The blobs in `blobs` uint8 [S, >= blob_bytes] (bytes contiguous, any stride between
+    blobs) of experts of width F = `expert_width` and hidden size D = `hidden_size`, computing
+    in `dtype`: blobs of `dtype` when `quant` is None, else of that quantized format
+    (`strata.engine.experts.quant.WEIGHT_FORMATS`). It holds views, not copies: the stack is
+    as valid as the tensor under it."""
+
+    def __init__(self, blobs: torch.Tensor, dtype: torch.dtype, quant: str | None,
+                 expert_width: int, hidden_size: int) -> None:
+        if blobs.dtype != torch.uint8 or blobs.dim() != 2 or \
+                (blobs.numel() and blobs.stride(1) != 1):
+            raise ValueError(f"blobs must be uint8 [S, bytes] with each blob's bytes contiguous, "
+                             f"got {blobs.dtype} {list(blobs.shape)}")
+        self.blobs, self.dtype, self.quant = blobs, dtype, quant
+        self.expert_width, self.hidden_size = expert_width, hidden_size
+        f, d = expert_width, hidden_size
+        self._gate_up = self._down = None
+        if quant is None:
+            typed = blobs.view(dtype)  # [S, bytes / itemsize]
+            if typed.shape[1] < 3 * f * d:
+                raise ValueError(f"blobs of {blobs.shape[1]} bytes do not hold an expert of "
+                                 f"F = {f}, D = {d} in {dtype}")
+            # Strided views: blob s's gate_up [2F, D] and down [D, F] at their offsets.
+            self._gate_up = typed[:, : 2 * f * d].unflatten(1, (2 * f, d))  # [S, 2F, D]
+            self._down = typed[:, 2 * f * d : 3 * f * d].unflatten(1, (d, f))  # [S, D, F]
+
+    @property
+    def n_blobs(self) -> int:
+        return self.blobs.shape[0]
+
+    def expert_rows(self, index: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
+        """[R, D] in x_rows' dtype: row r is the expert in blob index[r] applied to x_rows[r]
+        (index [R] int64 on the blobs' device, x_rows [R, D])."""
+        if self.quant is None:
+            return expert_rows(self._gate_up, self._down, index, x_rows)
+        return quantized_rows(self.blobs, self.quant, index, x_rows, self.expert_width)
+
+    def weights(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2F, D], down [D, F]) of blob `i` in the compute dtype: views of its bytes,
+        or for quantized blobs the weights they stand for (a copy)."""
+        if self.quant is None:
+            return self._gate_up[i], self._down[i]
+        gate_up, down = dequantize_blobs(self.blobs[i : i + 1], self.quant, self.expert_width,
+                                         self.hidden_size, self.dtype)  # [1, 2F, D], [1, D, F]
+        return gate_up[0], down[0]
+
+    def each_weights(self, indices: Sequence[int]
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """`weights(i)` for each i of `indices`, in order; quantized blobs dequantized
+        `dequant_batch(F, D)` at a time (the same values as one by one)."""
+        if self.quant is None:
+            for i in indices:
+                yield self._gate_up[i], self._down[i]
+            return
+        batch = dequant_batch(self.expert_width, self.hidden_size)
+        indices = list(indices)
+        for lo in range(0, len(indices), batch):
+            # Stacked from views, not gathered by an index tensor: an index made on the host
+            # and copied to the device would wait for the work queued before it.
+            chosen = torch.stack([self.blobs[i] for i in indices[lo : lo + batch]])
+            gate_up, down = dequantize_blobs(chosen, self.quant, self.expert_width,
+                                             self.hidden_size, self.dtype)
+            yield from zip(gate_up, down, strict=True)  # [2F, D], [D, F] each
+
+    def _unquantized(self, what: str) -> None:
+        if self.quant is not None:
+            raise ValueError(f"{what}: the blobs are quantized ({self.quant}); they have no "
+                             f"{self.dtype} views (use expert_rows or weights)")
+
+    def gate_up_all(self) -> torch.Tensor:
+        """[S, 2F, D]: every blob's gate rows then up rows (unquantized blobs only)."""
+        self._unquantized("gate_up_all")
+        return self._gate_up
+
+    def down_all(self) -> torch.Tensor:
+        """[S, D, F]: every blob's down matrix (unquantized blobs only)."""
+        self._unquantized("down_all")
+        return self._down

@@ -1,0 +1,38 @@
+"""Checks shared by the tests of the expert cache's changes: two snapshots of state are equal,
+and every resident slot holds its expert's blob.
+
+    from support.cache_state import assert_resident_blobs, assert_same_state
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """Two snapshots (dicts of lists of tensors, tensors, arrays or plain values) are equal,
+    key by key; the failing key is named."""
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, list):
+            assert all(torch.equal(p, q) for p, q in zip(x, y, strict=True)), key
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), key
+        elif isinstance(x, np.ndarray):
+            assert np.array_equal(x, y), key
+        else:
+            assert x == y, key
+
+
+def assert_resident_blobs(cached) -> None:
+    """Every resident slot of `cached` (a CachedExperts) holds its expert's blob, the books
+    validate, and the mirror is the books."""
+    table, slots = cached.table, cached.arena.slots_view()
+    table.validate()
+    for slot in np.flatnonzero(table.owner >= 0):
+        layer, expert = table.expert_in(int(slot))
+        blob = cached.store.blob(layer, expert)
+        assert torch.equal(slots[slot, : blob.numel()], blob), (slot, layer, expert)
+    assert np.array_equal(cached.mirror.numpy(), table.res)
