@@ -16,7 +16,9 @@ CPU's last-level cache and the figures are too good):
 - `kernel-int8`, `kernel-int4` (bf16 stores): strata's kernel over the same experts quantized
   to int8 (per output channel, a little over half the bytes) and to int4 (groups of 32 along
   the input, 0.31x the bytes; `strata.engine.experts.quant`), called directly on the main
-  thread: what quantized experts would read;
+  thread: what quantized experts would read; `compute-int8`, `compute-int4`: `CpuExperts` over
+  stores of those blobs, as the cache calls it (the kernel up to `KERNEL_MAX_ROWS` rows an
+  expert, dequantized torch matmuls beyond);
 - `compute-worker`: the same on a worker thread (one `ThreadPoolExecutor` thread), the design
   the cache had before: adds the hand-over and a second intra-op team (the worker's count is
   printed beside the main thread's);
@@ -127,10 +129,12 @@ def median_us(fn, repeat: int) -> float:
     return statistics.median(times) * 1e6
 
 
-# The quantized columns: (the kernel's format, how a blob is made from gate, up, down).
+# The quantized columns: (the kernel's format, how a blob is made from gate, up, down, the
+# store's format).
 QUANTIZED = {
-    "kernel-int8": (_cpu_experts.FORMAT_INT8, int8_blob),
-    "kernel-int4": (_cpu_experts.FORMAT_INT4_G32, lambda *w: int4_blob(*w, group=32)),
+    "kernel-int8": (_cpu_experts.FORMAT_INT8, int8_blob, "int8"),
+    "kernel-int4": (_cpu_experts.FORMAT_INT4_G32, lambda *w: int4_blob(*w, group=32),
+                    "int4-g32"),
 }
 
 
@@ -151,6 +155,12 @@ def kernel_call(blobs: np.ndarray, fmt: int, x_rows: torch.Tensor, routed: Route
                          out, expert_width, threads)
 
 
+def _blob_bytes(column: str, store: ExpertStore, quantized: dict | None) -> int:
+    """The bytes an expert of `column` reads: its quantized blob's, else the store's."""
+    name = column.replace("compute", "kernel")
+    return quantized[name][0].shape[1] if name in (quantized or {}) else store.blob_bytes
+
+
 def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             repeat: int, quantized: dict[str, list[np.ndarray]] | None = None) -> dict:
     routed = routing(n_tokens, top_k, store.n_experts)
@@ -159,6 +169,13 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
     scratch = torch.zeros(64)
     cpu = CpuExperts(store, threads)
     cpu_torch = CpuExperts(store, threads, kernel="torch")
+    # `compute-int8`, `compute-int4`: CpuExperts over a store of those blobs, as the cache
+    # calls it (the kernel up to KERNEL_MAX_ROWS rows an expert, dequantized matmuls beyond).
+    quantized_cpu = {
+        name.replace("kernel", "compute"): CpuExperts(ExpertStore(
+            [torch.from_numpy(blobs) for blobs in layers], store.hidden_size,
+            store.expert_width, store.dtype, QUANTIZED[name][2]), threads)
+        for name, layers in (quantized or {}).items()}
     pool = ThreadPoolExecutor(max_workers=1)
     calls = itertools.count()
 
@@ -178,6 +195,8 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
                 quantized[name][layer()], QUANTIZED[name][0], x_rows, routed,
                 store.expert_width, threads or torch.get_num_threads()), repeat)
                for name in quantized or {}},
+            **{name: median_us(lambda q=q: q.compute(layer(), x_rows, routed), repeat)
+               for name, q in quantized_cpu.items()},
             "compute-torch": median_us(lambda: cpu_torch.compute(layer(), x_rows, routed),
                                        repeat),
             "compute-main": median_us(lambda: cpu.compute(layer(), x_rows, routed), repeat),
@@ -192,8 +211,7 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
         "tokens": n_tokens, "experts": routed.n_experts, "rows": routed.n_rows,
         "main_threads": torch.get_num_threads(), "worker_threads": worker_threads,
         "kernel": cpu.kernel, "us_per_expert": per_expert,
-        "gbps": {k: (quantized[k][0].shape[1] if k in (quantized or {}) else store.blob_bytes)
-                 / (v * 1e3) for k, v in per_expert.items()},
+        "gbps": {k: _blob_bytes(k, store, quantized) / (v * 1e3) for k, v in per_expert.items()},
         "ratio_to_bare": {k: v / per_expert["bare"] for k, v in per_expert.items()},
     }
 
@@ -233,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             store = random_store(preset.hidden_size, preset.expert_width, preset.n_experts,
                                  DTYPES[name], memory, args.layers)
             quantized = {column: quantized_layers(store, make_blob)
-                         for column, (_, make_blob) in QUANTIZED.items()} \
+                         for column, (_, make_blob, _) in QUANTIZED.items()} \
                 if name == "bf16" else None
             for n_tokens in (int(t) for t in args.tokens.split(",")):
                 runs.append({"memory": memory, "dtype": name, **measure(
@@ -249,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{result['command']}  ({result['machine']}, torch {result['torch']})")
     print(f"host read bandwidth: {read_gbps:.1f} GB/s (float32 sum over {args.read_mib} MiB)")
-    columns = ("compute-torch", "compute-main", *QUANTIZED, "compute-worker",
+    columns = ("compute-torch", "compute-main", *QUANTIZED,
+               *(name.replace("kernel", "compute") for name in QUANTIZED), "compute-worker",
                "worker-main-busy")
     print("| memory | dtype | T | experts | threads main/worker | bare us (GB/s, share) | "
           + " | ".join(columns) + " |")

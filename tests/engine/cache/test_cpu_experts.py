@@ -126,7 +126,8 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
     for run in result["runs"]:
         assert run["experts"] >= 1 and run["rows"] == run["tokens"] * 2
         assert run["ratio_to_bare"]["bare"] == 1.0
-        quantized = {"kernel-int8", "kernel-int4"} if run["dtype"] == "bf16" else set()
+        quantized = {"kernel-int8", "kernel-int4", "compute-int8", "compute-int4"} \
+            if run["dtype"] == "bf16" else set()
         assert set(run["us_per_expert"]) == set(run["gbps"]) == {
             "bare", "compute-torch", "compute-main", "compute-worker", "worker-main-busy",
             *quantized}

@@ -71,9 +71,12 @@ class CpuExperts:
     cores). `kernel`: "strata" (the default where `STRATA_CPU_KERNEL` is unset) or "torch",
     as the module's docstring says; a store in another dtype than bf16 always uses torch. A
     quantized store (`ExpertStore.quant`) computing in bf16 goes through strata's kernel for
-    every expert, whatever its rows (torch has no matmul that reads the blobs); one computing
-    in another dtype (float32, the reference numerics) through torch, each expert dequantized
-    once for its rows.
+    every expert, whatever its rows: torch has no matmul that reads the blobs, and dequantizing
+    an expert for torch's matmuls took 5.5x the kernel's time at 64 rows an expert (int8, the
+    2-core development VM, `compute-int8` in bench/cpu_experts.py), though the kernel's own
+    time grows with the rows (1.6x bf16's matmuls there). One computing in another dtype
+    (float32, the reference numerics) goes through torch, each expert dequantized once for its
+    rows.
     """
 
     def __init__(self, store: ExpertStore, cpu_threads: int | None = None,
