@@ -316,7 +316,8 @@ def test_budget_plan_trace_and_simulator_count_what_the_kv_maps(preset, cell_dty
                  mapped_cells=1, cell_dtype=cell_dtype) as kv:
         per_chunk = cells_per_chunk(cfg, cell_dtype, chunk)
         assert per_chunk == chunk // kv.cell_bytes and chunk % kv.cell_bytes == 0
-        model = type("M", (), {"config": cfg, "dtype": torch.bfloat16})()
+        model = type("M", (), {"config": cfg, "dtype": torch.bfloat16, "experts_quant": None,
+                               "experts_dtype": "bfloat16"})()
         meta = trace_meta(model, "t", kv_dtype=cell_dtype)["model"]
         assert (meta["kv_segment_cell_bytes"], meta["kv_segments"]) == (
             kv.cell_bytes, kv.n_segments)

@@ -204,3 +204,17 @@ def test_the_builtin_model_s_cache_is_whole_slots_in_every_format(quant):
         slot = slot_bytes_for(expert_blob_bytes(preset.expert_width, preset.hidden_size, dtype,
                                                 quant))
         assert builtin_expert_cache_mib(dtype, quant) * MIB == 8 * slot
+
+
+def test_a_trace_carries_the_quantized_slot_bytes_to_the_simulator():
+    from strata.engine.model.moe import load_model
+    from strata.engine.runtime.recording import trace_meta
+
+    ckpt = cached_checkpoint("qwen3_moe", "tiny")
+    cfg = ModelConfig.from_dir(ckpt)
+    for quant in (None, "int8", "int4-g64"):
+        model = load_model(ckpt, experts_quant=quant)
+        meta = trace_meta(model, "test")["model"]
+        assert meta["experts_dtype"] == (quant or "bfloat16")
+        assert meta["slot_bytes"] == slot_bytes_for(expert_blob_bytes(
+            cfg.expert_width, cfg.hidden_size, torch.bfloat16, quant))

@@ -159,12 +159,13 @@ def installed(model: Any, wrapper: Any) -> Iterator[Any]:
 def trace_meta(model: Any, source: str, *, kv_dtype: torch.dtype | None = None,
                **extra: Any) -> dict[str, Any]:
     """A trace's `meta` for `model`: the source, and under `model` the geometry the simulator
-    reads (`slot_bytes`, `kv_segment_cell_bytes`, `kv_segments`: the K/V's `KvLayout`, its
-    cells in `kv_dtype`, None: the model's dtype) and the config hash."""
+    reads (`slot_bytes`, at the experts' stored format, `experts_dtype`;
+    `kv_segment_cell_bytes`, `kv_segments`: the K/V's `KvLayout`, its cells in `kv_dtype`,
+    None: the model's dtype) and the config hash."""
     cfg = model.config
     kv = KvLayout.of(cfg, model.dtype if kv_dtype is None else kv_dtype)
     slot_bytes = slot_bytes_for(expert_blob_bytes(
-        cfg.expert_width, cfg.hidden_size, model.dtype, getattr(model, "experts_quant", None)))
+        cfg.expert_width, cfg.hidden_size, model.dtype, model.experts_quant))
     return {
         "source": source,
         "model": {
@@ -172,6 +173,7 @@ def trace_meta(model: Any, source: str, *, kv_dtype: torch.dtype | None = None,
             "config_hash": cfg.config_hash(),
             "dtype": str(model.dtype).removeprefix("torch."),
             "slot_bytes": slot_bytes,
+            "experts_dtype": model.experts_dtype,
             "kv_dtype": kv.name,
             "kv_segment_cell_bytes": kv.cell_bytes,
             "kv_segments": kv.n_segments,
