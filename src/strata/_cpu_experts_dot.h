@@ -123,6 +123,50 @@ static inline float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n
     return strata_dot_i8_f32_lanes(w, x, n);
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+/* strata_dot_i8_f32_avx512 of one weight row with four inputs x[0..3] at once: each weight
+ * vector is loaded and widened once for the four. Each input's partial sums take exactly the
+ * single product's steps in its order, so out[j] is bit for bit strata_dot_i8_f32(w, x[j], n). */
+__attribute__((target("avx512f")))
+static void strata_dot4_i8_f32_avx512(const int8_t *w, const float *const *x, int64_t n,
+                                      float *out) {
+    __m512 acc0[4], acc1[4];
+    for (int j = 0; j < 4; j++) acc0[j] = acc1[j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(w + k))));
+        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(w + k + 16))));
+        for (int j = 0; j < 4; j++) {
+            acc0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + k), acc0[j]);
+            acc1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[j] + k + 16), acc1[j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, _mm512_add_ps(acc0[j], acc1[j]));
+        float sum = 0.0f;
+        for (int lane = 0; lane < 16; lane++) sum += lanes[lane];
+        for (int64_t t = k; t < n; t++) sum += (float)w[t] * x[j][t];
+        out[j] = sum;
+    }
+}
+#endif
+
+/* out[j] = strata_dot_i8_f32(w, x[j], n) for j = 0..3, the weights read once where AVX-512 is
+ * there (a prompt's expert of many rows: the widening, not the memory, set its time). */
+static inline void strata_dot4_i8_f32(const int8_t *w, const float *const *x, int64_t n,
+                                      float *out) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx512f")) {
+        strata_dot4_i8_f32_avx512(w, x, n, out);
+        return;
+    }
+#endif
+    for (int j = 0; j < 4; j++) out[j] = strata_dot_i8_f32_lanes(w, x[j], n);
+}
+
 /* sum over the groups of a row of n int4 weights (n a multiple of GROUP) of scale[g] * sum_k
  * q[k] * x[k]: each group of GROUP weights is GROUP / 2 bytes, the low nibbles its first half and
  * the high nibbles its second (so both halves read x contiguously), values -8..7 in two's
