@@ -94,65 +94,50 @@ static float strata_dot_i8_f32_lanes(const int8_t *w, const float *x, int64_t n)
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 /* 16 int8 weights widened to 16 fp32 lanes in one instruction each, 32 a step; the same fixed
- * order of partial sums as the other dot products. */
-__attribute__((target("avx512f")))
-static float strata_dot_i8_f32_avx512(const int8_t *w, const float *x, int64_t n) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= n; k += 32) {
-        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i *)(w + k))));
-        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i *)(w + k + 16))));
-        acc0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), acc0);
-        acc1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), acc1);
+ * order of partial sums as the other dot products. One weight row with ROWS inputs x[0..ROWS-1]
+ * at once (out[j] for x[j]): each weight vector is loaded and widened once for all of them, and
+ * each input's sums take the same steps in the same order whatever ROWS, so four at a time (a
+ * prompt's expert of many rows) gives bit for bit what one at a time gives. */
+#define STRATA_DOT_I8_AVX512(ROWS)                                                              \
+    __attribute__((target("avx512f")))                                                          \
+    static void strata_dot##ROWS##_i8_f32_avx512(const int8_t *w, const float *const *x,       \
+                                                 int64_t n, float *out) {                       \
+        __m512 acc0[ROWS], acc1[ROWS];                                                          \
+        for (int j = 0; j < ROWS; j++) acc0[j] = acc1[j] = _mm512_setzero_ps();                 \
+        int64_t k = 0;                                                                          \
+        for (; k + 32 <= n; k += 32) {                                                          \
+            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                \
+                _mm_loadu_si128((const __m128i *)(w + k))));                                    \
+            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                \
+                _mm_loadu_si128((const __m128i *)(w + k + 16))));                               \
+            for (int j = 0; j < ROWS; j++) {                                                    \
+                acc0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + k), acc0[j]);              \
+                acc1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[j] + k + 16), acc1[j]);         \
+            }                                                                                   \
+        }                                                                                       \
+        for (int j = 0; j < ROWS; j++) {                                                        \
+            float lanes[16];                                                                    \
+            _mm512_storeu_ps(lanes, _mm512_add_ps(acc0[j], acc1[j]));                           \
+            float sum = 0.0f;                                                                   \
+            for (int lane = 0; lane < 16; lane++) sum += lanes[lane];                           \
+            for (int64_t t = k; t < n; t++) sum += (float)w[t] * x[j][t];                       \
+            out[j] = sum;                                                                       \
+        }                                                                                       \
     }
-    float lanes[16];
-    _mm512_storeu_ps(lanes, _mm512_add_ps(acc0, acc1));
-    float sum = 0.0f;
-    for (int lane = 0; lane < 16; lane++) sum += lanes[lane];
-    for (; k < n; k++) sum += (float)w[k] * x[k];
-    return sum;
-}
+STRATA_DOT_I8_AVX512(1)
+STRATA_DOT_I8_AVX512(4)
 #endif
 
 static inline float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx512f")) return strata_dot_i8_f32_avx512(w, x, n);
+    if (__builtin_cpu_supports("avx512f")) {
+        float out;
+        strata_dot1_i8_f32_avx512(w, &x, n, &out);
+        return out;
+    }
 #endif
     return strata_dot_i8_f32_lanes(w, x, n);
 }
-
-#if defined(__x86_64__) && defined(__GNUC__)
-/* strata_dot_i8_f32_avx512 of one weight row with four inputs x[0..3] at once: each weight
- * vector is loaded and widened once for the four. Each input's partial sums take exactly the
- * single product's steps in its order, so out[j] is bit for bit strata_dot_i8_f32(w, x[j], n). */
-__attribute__((target("avx512f")))
-static void strata_dot4_i8_f32_avx512(const int8_t *w, const float *const *x, int64_t n,
-                                      float *out) {
-    __m512 acc0[4], acc1[4];
-    for (int j = 0; j < 4; j++) acc0[j] = acc1[j] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= n; k += 32) {
-        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i *)(w + k))));
-        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i *)(w + k + 16))));
-        for (int j = 0; j < 4; j++) {
-            acc0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + k), acc0[j]);
-            acc1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[j] + k + 16), acc1[j]);
-        }
-    }
-    for (int j = 0; j < 4; j++) {
-        float lanes[16];
-        _mm512_storeu_ps(lanes, _mm512_add_ps(acc0[j], acc1[j]));
-        float sum = 0.0f;
-        for (int lane = 0; lane < 16; lane++) sum += lanes[lane];
-        for (int64_t t = k; t < n; t++) sum += (float)w[t] * x[j][t];
-        out[j] = sum;
-    }
-}
-#endif
 
 /* out[j] = strata_dot_i8_f32(w, x[j], n) for j = 0..3, the weights read once where AVX-512 is
  * there (a prompt's expert of many rows: the widening, not the memory, set its time). */
