@@ -27,6 +27,7 @@ from strata.engine.experts.quant import (
     int8_blob,
     int8_blob_bytes,
     int8_parts,
+    make_blob,
     quantize_int4,
     quantize_int8,
 )
@@ -146,16 +147,22 @@ def test_int8_blobs_are_their_dequantized_weights_within_bf16_roundings(call, th
     assert _within_roundings(one, weights, experts, starts, x, f)
 
 
-@settings(max_examples=50, deadline=None)
-@given(st.integers(1, 70), st.integers(1, 40), st.integers(1, 11), st.integers(0, 2**16))
-def test_int8_rows_taken_four_at_a_time_are_each_row_alone_bit_for_bit(d, f, n_rows, seed):
-    """A prompt's int8 expert of many rows (four at a time on AVX-512) gives each row the bytes
-    a call of that row alone gives."""
-    blobs, _ = _int8_blobs(_blobs(2, f, d, seed), f, d)
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["int8", "int4-g32", "int4-g64"]), st.integers(1, 3), st.integers(1, 2),
+       st.integers(1, 11), st.integers(0, 2**16))
+def test_rows_taken_four_at_a_time_are_each_row_alone_bit_for_bit(fmt, fd, dd, n_rows, seed):
+    """A prompt's quantized expert of many rows (four at a time) gives each row the bytes a
+    call of that row alone gives. int8 also at shapes off the vector width."""
+    group = 32 if fmt == "int8" else int(fmt.removeprefix("int4-g"))
+    f, d = group * fd - (3 if fmt == "int8" else 0), group * dd + (5 if fmt == "int8" else 0)
+    bf16 = _blobs(2, f, d, seed).float()
+    blobs = torch.stack([make_blob(fmt, t[: f * d].view(f, d), t[f * d : 2 * f * d].view(f, d),
+                                   t[2 * f * d :].view(d, f)) for t in bf16])
     x = torch.randn(n_rows, d, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
-    fmt = _cpu_experts.FORMAT_INT8
-    together = _run(blobs, [1], [0, n_rows], x, f, 2, fmt)
-    alone = torch.cat([_run(blobs, [1], [0, 1], x[r : r + 1], f, 1, fmt)
+    kernel_fmt = {"int8": _cpu_experts.FORMAT_INT8, "int4-g32": _cpu_experts.FORMAT_INT4_G32,
+                  "int4-g64": _cpu_experts.FORMAT_INT4_G64}[fmt]
+    together = _run(blobs, [1], [0, n_rows], x, f, 2, kernel_fmt)
+    alone = torch.cat([_run(blobs, [1], [0, 1], x[r : r + 1], f, 1, kernel_fmt)
                        for r in range(n_rows)])
     assert torch.equal(together.view(torch.int16), alone.view(torch.int16))
 

@@ -18,9 +18,9 @@ rate:
    read by the same thread);
 2. out[r, d] = bf16(down[d] . act[r]), the expert's D split in blocks over the threads.
 
-An int8 expert's rows are taken four at a time where the CPU has AVX-512: each weight vector is
-loaded and widened once for the four rows (a prompt's expert of many rows; the four products
-are bit for bit the single ones).
+A quantized expert's rows are taken four at a time (on AVX-512: each weight vector loaded and
+widened once for the four rows; a prompt's expert of many rows), the four products bit for bit
+the single ones.
 
 Each output value is computed by one thread in one fixed order, so the result does not depend
 on the thread count or the schedule; the roundings to bf16 are torch's (the matmul's output,
@@ -39,6 +39,8 @@ cdef extern from "_cpu_experts_dot.h" nogil:
     float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n)
     float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n)
     void strata_dot4_i8_f32(const int8_t *w, const float *const *x, int64_t n, float *out)
+    void strata_dot4_i4_f32(const uint8_t *w, const float *scales, const float *const *x,
+                            int64_t n, int group, float *out)
     float strata_dot_i4_g32_f32(const uint8_t *w, const float *scales, const float *x,
                                 int64_t n)
     float strata_dot_i4_g64_f32(const uint8_t *w, const float *scales, const float *x,
@@ -114,45 +116,50 @@ cdef inline float _dot(const uint8_t *blob, int fmt, int64_t start, int64_t row,
     return strata_dot_i4_g64_f32(blob + start // 2, scales + start // 64, x, n)
 
 
-cdef inline void _dot4_i8(const uint8_t *blob, int64_t start, int64_t row, int64_t scales_at,
-                         int64_t n, const float[:, ::1] x, int64_t r, float *out) noexcept nogil:
-    """out[j] = `_dot` of an int8 row with x[r + j], j = 0..3, the row read once (the same
+cdef inline void _dot4(const uint8_t *blob, int fmt, int64_t start, int64_t row,
+                       int64_t scales_at, int64_t n, const float[:, ::1] x, int64_t r,
+                       float *out) noexcept nogil:
+    """out[j] = `_dot` of a quantized row with x[r + j], j = 0..3, the row read once (the same
     bytes as four `_dot`s)."""
     cdef float scale
     cdef const float *rows[4]
     cdef int j
-    memcpy(&scale, blob + scales_at + 4 * row, 4)
     for j in range(4):
         rows[j] = &x[r + j, 0]
-    strata_dot4_i8_f32(<const int8_t *>blob + start, rows, n, out)
-    for j in range(4):
-        out[j] = out[j] * scale
+    if fmt == _INT8:
+        memcpy(&scale, blob + scales_at + 4 * row, 4)  # a blob's scales need not be aligned
+        strata_dot4_i8_f32(<const int8_t *>blob + start, rows, n, out)
+        for j in range(4):
+            out[j] = out[j] * scale
+    else:
+        strata_dot4_i4_f32(blob + start // 2, <const float *>(blob + scales_at)
+                           + start // _group(fmt), rows, n, _group(fmt), out)
 
 
-cdef inline void _activations4_i8(const uint8_t *blob, int64_t f, int64_t f_width,
-                                  int64_t d_hidden, int64_t scales_at, const float[:, ::1] x,
-                                  float[:, ::1] act, int64_t r) noexcept nogil:
-    """act[r..r+3, f] of an int8 expert, its gate and up rows f read once for the four (the
+cdef inline void _activations4(const uint8_t *blob, int fmt, int64_t f, int64_t f_width,
+                                int64_t d_hidden, int64_t scales_at, const float[:, ::1] x,
+                                float[:, ::1] act, int64_t r) noexcept nogil:
+    """act[r..r+3, f] of a quantized expert, its gate and up rows f read once for the four (the
     sums on this call's stack: a thread's own)."""
     cdef float gs[4]
     cdef float us[4]
     cdef float g, u
     cdef int j
-    _dot4_i8(blob, f * d_hidden, f, scales_at, d_hidden, x, r, gs)
-    _dot4_i8(blob, (f_width + f) * d_hidden, f_width + f, scales_at, d_hidden, x, r, us)
+    _dot4(blob, fmt, f * d_hidden, f, scales_at, d_hidden, x, r, gs)
+    _dot4(blob, fmt, (f_width + f) * d_hidden, f_width + f, scales_at, d_hidden, x, r, us)
     for j in range(4):
         g = _round(gs[j])
         u = _round(us[j])
         act[r + j, f] = _round(_round(g / (1.0 + expf(-g))) * u)
 
 
-cdef inline void _outputs4_i8(const uint8_t *blob, int64_t d, int64_t f_width, int64_t down_at,
-                              int64_t scales_at, const float[:, ::1] act, uint16_t[:, ::1] out,
-                              int64_t r) noexcept nogil:
-    """out[r..r+3, d] of an int8 expert, its down row d read once for the four."""
+cdef inline void _outputs4(const uint8_t *blob, int fmt, int64_t d, int64_t f_width,
+                           int64_t down_at, int64_t scales_at, const float[:, ::1] act,
+                           uint16_t[:, ::1] out, int64_t r) noexcept nogil:
+    """out[r..r+3, d] of a quantized expert, its down row d read once for the four."""
     cdef float ys[4]
     cdef int j
-    _dot4_i8(blob, down_at + d * f_width, 2 * f_width + d, scales_at, f_width, act, r, ys)
+    _dot4(blob, fmt, down_at + d * f_width, 2 * f_width + d, scales_at, f_width, act, r, ys)
     for j in range(4):
         out[r + j, d] = strata_f32_to_bf16(ys[j])
 
@@ -174,8 +181,8 @@ cdef void _activations(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] 
         while f < f_end:
             r = row_starts[i]
             r_end = row_starts[i + 1]
-            while fmt == _INT8 and r + 4 <= r_end:  # four rows a weight row read
-                _activations4_i8(blob, f, f_width, d_hidden, scales_at, x, act, r)
+            while fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
+                _activations4(blob, fmt, f, f_width, d_hidden, scales_at, x, act, r)
                 r = r + 4
             for r in range(r, r_end):
                 g = _round(_dot(blob, fmt, f * d_hidden, f, scales_at, d_hidden, &x[r, 0]))
@@ -202,8 +209,8 @@ cdef void _outputs(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] expe
         while d < d_end:
             r = row_starts[i]
             r_end = row_starts[i + 1]
-            while fmt == _INT8 and r + 4 <= r_end:  # four rows a weight row read
-                _outputs4_i8(blob, d, f_width, down_at, scales_at, act, out, r)
+            while fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
+                _outputs4(blob, fmt, d, f_width, down_at, scales_at, act, out, r)
                 r = r + 4
             for r in range(r, r_end):
                 out[r, d] = strata_f32_to_bf16(_dot(blob, fmt, down_at + d * f_width,

@@ -183,31 +183,50 @@ STRATA_DOT_I4(64)
 
 #if defined(__x86_64__) && defined(__GNUC__)
 /* The int4 dot product on AVX-512: a group's bytes 16 at a time, zero-extended to 32-bit lanes,
- * their nibbles sign-extended by shifts; each group's sum times its scale. */
-__attribute__((target("avx512f")))
-static float strata_dot_i4_f32_avx512(const uint8_t *w, const float *scales, const float *x,
-                                      int64_t n, int group) {
-    const int half = group / 2;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < n / group; g++) {
-        __m512 part = _mm512_setzero_ps();
-        for (int c = 0; c < half; c += 16) {
-            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + g * half + c)));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 28));
-            part = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + g * group + c), part);
-            part = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + g * group + half + c), part);
-        }
-        acc = _mm512_fmadd_ps(part, _mm512_set1_ps(scales[g]), acc);
+ * their nibbles sign-extended by shifts; each group's sum times its scale. As the int8 one, of
+ * ROWS inputs at once, each input's sums in the same steps whatever ROWS. */
+#define STRATA_DOT_I4_AVX512(ROWS)                                                              \
+    __attribute__((target("avx512f")))                                                          \
+    static void strata_dot##ROWS##_i4_f32_avx512(const uint8_t *w, const float *scales,         \
+                                                 const float *const *x, int64_t n, int group,   \
+                                                 float *out) {                                  \
+        const int half = group / 2;                                                             \
+        __m512 acc[ROWS];                                                                       \
+        for (int j = 0; j < ROWS; j++) acc[j] = _mm512_setzero_ps();                            \
+        for (int64_t g = 0; g < n / group; g++) {                                               \
+            __m512 part[ROWS];                                                                  \
+            for (int j = 0; j < ROWS; j++) part[j] = _mm512_setzero_ps();                       \
+            for (int c = 0; c < half; c += 16) {                                                \
+                __m512i v = _mm512_cvtepu8_epi32(                                               \
+                    _mm_loadu_si128((const __m128i *)(w + g * half + c)));                      \
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28)); \
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 28)); \
+                for (int j = 0; j < ROWS; j++) {                                                \
+                    part[j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x[j] + g * group + c),        \
+                                              part[j]);                                         \
+                    part[j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x[j] + g * group + half + c), \
+                                              part[j]);                                         \
+                }                                                                               \
+            }                                                                                   \
+            for (int j = 0; j < ROWS; j++)                                                      \
+                acc[j] = _mm512_fmadd_ps(part[j], _mm512_set1_ps(scales[g]), acc[j]);           \
+        }                                                                                       \
+        for (int j = 0; j < ROWS; j++) {                                                        \
+            float lanes[16];                                                                    \
+            _mm512_storeu_ps(lanes, acc[j]);                                                    \
+            float sum = 0.0f;                                                                   \
+            for (int lane = 0; lane < 16; lane++) sum += lanes[lane];                           \
+            out[j] = sum;                                                                       \
+        }                                                                                       \
     }
-    float lanes[16];
-    _mm512_storeu_ps(lanes, acc);
-    float sum = 0.0f;
-    for (int lane = 0; lane < 16; lane++) sum += lanes[lane];
-    return sum;
-}
+STRATA_DOT_I4_AVX512(1)
+STRATA_DOT_I4_AVX512(4)
 #define STRATA_I4_AVX512(GROUP)                                                                 \
-    if (__builtin_cpu_supports("avx512f")) return strata_dot_i4_f32_avx512(w, scales, x, n, GROUP);
+    if (__builtin_cpu_supports("avx512f")) {                                                    \
+        float out;                                                                              \
+        strata_dot1_i4_f32_avx512(w, scales, &x, n, GROUP, &out);                               \
+        return out;                                                                             \
+    }
 #else
 #define STRATA_I4_AVX512(GROUP)
 #endif
@@ -222,6 +241,21 @@ static inline float strata_dot_i4_g64_f32(const uint8_t *w, const float *scales,
                                           int64_t n) {
     STRATA_I4_AVX512(64)
     return strata_dot_i4_g64_lanes(w, scales, x, n);
+}
+
+/* out[j] = the int4 dot product of a row (groups of `group`) with x[j], j = 0..3, the weights
+ * read once where AVX-512 is there. */
+static inline void strata_dot4_i4_f32(const uint8_t *w, const float *scales,
+                                      const float *const *x, int64_t n, int group, float *out) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx512f")) {
+        strata_dot4_i4_f32_avx512(w, scales, x, n, group, out);
+        return;
+    }
+#endif
+    for (int j = 0; j < 4; j++)
+        out[j] = group == 32 ? strata_dot_i4_g32_lanes(w, scales, x[j], n)
+                             : strata_dot_i4_g64_lanes(w, scales, x[j], n);
 }
 
 #endif

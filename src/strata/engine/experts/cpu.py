@@ -73,8 +73,9 @@ class CpuExperts:
     quantized store (`ExpertStore.quant`) computing in bf16 goes through strata's kernel for
     every expert, whatever its rows: torch has no matmul that reads the blobs, and dequantizing
     an expert for torch's matmuls took 5.5x the kernel's time at 64 rows an expert (int8, the
-    2-core development VM, `compute-int8` in bench/cpu_experts.py); there the kernel takes
-    int8 rows four at a time, at 1.12x bf16's matmuls (int4: 2.0x). One computing in another dtype
+    2-core development VM, `compute-int8` in bench/cpu_experts.py); there the kernel takes a
+    quantized expert's rows four at a time, at 1.1-1.3x bf16's matmuls (int8) and 1.3-1.5x
+    (int4) for 64 rows. One computing in another dtype
     (float32, the reference numerics) goes through torch, each expert dequantized once for its
     rows.
     """
