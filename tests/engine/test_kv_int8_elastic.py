@@ -24,7 +24,7 @@ from strata.engine.kv.elastic import ElasticKV
 from strata.engine.kv.kv_cache import KVCache
 from strata.policies import KvParams, plugin_manager
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
-from support.cache_state import assert_resident_blobs, assert_same_state
+from support.cache_state import assert_resident_blobs, faults_until_done
 from support.checkpoints import cached_checkpoint, store_of
 
 CHUNK = 65536
@@ -97,21 +97,13 @@ def test_int8_growth_and_trim_move_every_segments_chunks(store):
 @pytest.mark.parametrize("op", ["create", "unmap", "map", "access"])
 def test_a_fault_at_every_chunk_of_an_int8_growth_rolls_everything_back(store, op):
     elastic, cached = _setup(store, free_chunks=4)  # 4 fresh chunks, 6 from slots [2, 6)
-    nth = 1
-    while True:
-        before = _state(elastic, cached)
-        cached.arena.backend.inject_fault(op, nth)
-        if not elastic.ensure(3 * STEP):
-            assert f"injected fault in {op}" in elastic.stats.last_failure
-            assert_same_state(_state(elastic, cached), before)
-            assert_resident_blobs(cached)
-            nth += 1
-            continue
-        cached.arena.backend.clear_faults()
-        break
+    failed = faults_until_done(cached.arena.backend, op, lambda: elastic.ensure(3 * STEP),
+                               lambda: _state(elastic, cached),
+                               lambda: elastic.stats.last_failure,
+                               lambda: assert_resident_blobs(cached))
     # create: 4 chunks; unmap: the arena's runs; map: 10 chunks (2 a segment); access: one
     # run a segment.
-    assert nth - 1 == {"create": 4, "map": 10, "access": 5}.get(op, nth - 1) and nth > 1
+    assert failed == {"create": 4, "map": 10, "access": 5}.get(op, failed) and failed > 0
     assert elastic.kv.mapped_cells == 3 * STEP
     assert_resident_blobs(cached)
     elastic.close()

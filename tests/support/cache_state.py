@@ -36,3 +36,23 @@ def assert_resident_blobs(cached) -> None:
         blob = cached.store.blob(layer, expert)
         assert torch.equal(slots[slot, : blob.numel()], blob), (slot, layer, expert)
     assert np.array_equal(cached.mirror.numpy(), table.res)
+
+
+def faults_until_done(backend, op: str, attempt, state, failure, check=None) -> int:
+    """Inject a fault at `backend`'s 1st `op`, then its 2nd, ... and call `attempt()` each
+    time until it succeeds (returns something true), clearing the fault then. After each
+    failed attempt, `failure()` (the message recorded) names the injected fault, `state()` is
+    what it was before the attempt and `check()` (if given) holds. Returns how many attempts
+    failed."""
+    nth = 1
+    while True:
+        before = state()
+        backend.inject_fault(op, nth)
+        if attempt():
+            backend.clear_faults()
+            return nth - 1
+        assert f"injected fault in {op}" in failure()
+        assert_same_state(state(), before)
+        if check is not None:
+            check()
+        nth += 1

@@ -21,7 +21,7 @@ from strata.engine.kv.elastic import ElasticKV, KvFullError, loan_top
 from strata.engine.kv.kv_cache import KVCache
 from strata.policies import KvParams, PolicyError, plugin_manager
 from strata.policies.builtin.coldest_in_loan import ColdestInLoan
-from support.cache_state import assert_resident_blobs, assert_same_state
+from support.cache_state import assert_resident_blobs, assert_same_state, faults_until_done
 from support.checkpoints import cached_checkpoint, store_of
 from support.events import EventLog
 
@@ -186,21 +186,14 @@ def test_a_growth_the_cache_cannot_give_is_refused_and_the_run_goes_on(store):
 @pytest.mark.parametrize("op", ["create", "unmap", "map", "access"])
 def test_a_fault_at_every_chunk_of_a_growth_rolls_everything_back(store, op):
     elastic, cached, _ = _setup(store, free_chunks=2)  # 2 fresh chunks, the rest from slots
-    nth = 1
-    while True:
-        before = _state(elastic, cached)
-        cached.arena.backend.inject_fault(op, nth)
-        if not elastic.ensure(1536):  # 8 chunks: 2 created, 6 from the cache
-            assert f"injected fault in {op}" in elastic.stats.last_failure
-            assert_same_state(_state(elastic, cached), before)
-            assert_resident_blobs(cached)
-            nth += 1
-            continue
-        cached.arena.backend.clear_faults()
-        break
+    failed = faults_until_done(cached.arena.backend, op,
+                               lambda: elastic.ensure(1536),  # 8 chunks: 2 created, 6 cached
+                               lambda: _state(elastic, cached),
+                               lambda: elastic.stats.last_failure,
+                               lambda: assert_resident_blobs(cached))
     # create: 2 chunks; unmap: the arena's runs; map: 8 chunks; access: one per segment.
-    assert nth > 1 and (op != "map" or nth - 1 == 8) and (op != "access" or nth - 1 == 4)
-    assert elastic.kv.mapped_cells == 1536 and elastic.stats.failures == nth - 1
+    assert failed > 0 and (op != "map" or failed == 8) and (op != "access" or failed == 4)
+    assert elastic.kv.mapped_cells == 1536 and elastic.stats.failures == failed
     assert_resident_blobs(cached)
     _close(elastic, cached)
 
@@ -241,19 +234,11 @@ def test_a_fault_at_every_chunk_of_a_trim_rolls_everything_back(store, op):
     for layer in range(elastic.kv.n_layers):  # stamps in every cell, the grown ones too
         elastic.kv.k(layer).copy_(torch.randn(1536, 2, 16, generator=torch.Generator()
                                               .manual_seed(layer)))
-    nth = 1
-    while True:
-        before = _state(elastic, cached)
-        cached.arena.backend.inject_fault(op, nth)
-        if elastic.trim(0) == 0:
-            assert f"injected fault in {op}" in elastic.stats.last_failure
-            assert_same_state(_state(elastic, cached), before)
-            nth += 1
-            continue
-        cached.arena.backend.clear_faults()
-        break
+    failed = faults_until_done(cached.arena.backend, op, lambda: elastic.trim(0) != 0,
+                               lambda: _state(elastic, cached),
+                               lambda: elastic.stats.last_failure)
     # unmap: one run per K/V segment; map: one per arena hole; access: the holes are one run.
-    assert nth - 1 == {"unmap": 4, "map": 6, "access": 1}[op]
+    assert failed == {"unmap": 4, "map": 6, "access": 1}[op]
     assert elastic.kv.mapped_cells == 512
     assert_resident_blobs(cached)
     _close(elastic, cached)

@@ -10,8 +10,8 @@ writes every index the call uploads into one buffer (pinned on CUDA: one copy th
 for the stream) and the misses' grouping beside them; the hits, the streamed misses and the
 CPU's rows are computed as blocks and put into row order by one gather; the policy's `observe`
 is skipped where it is the default. It gives the general path's bytes
-(tests/engine/cache/test_token_path.py compares the two), and on the H200 it took 0.84-0.90x
-its time per call (bench/results/layer-call-cpu-2026-12-01.md).
+(tests/engine/cache/test_token_path.py compares the two), and on the H200 a call took 0.68-0.90x
+the general path's time (bench/results/layer-call-cpu-2026-12-01.md, its H200 section).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Legend: R routed rows, D hidden size, F expert width, G an int4 group; BF, BD the block sizes.
 Each kernel reads one expert's quantized blob in place, at `blob_ptr + index[r] * slot_stride`
 bytes (the layouts of `strata.engine.experts.quant`): `*_act` its gate and up rows, `*_down`
-its down rows; the scales from byte `scales_at` of the blob on. The sums, their scaling and the
-roundings to the output dtype are those of the bf16 kernels (`_grouped_triton`).
+its down rows; the scales from byte `scales_at` of the blob on. An int8 row's sum is scaled
+once; an int4 row sums each group's products, then scales the group's sum (one scale load a
+group). The roundings to the output dtype are those of the bf16 kernels (`_grouped_triton`).
 """
 
 import triton
