@@ -116,7 +116,9 @@ def run_strata(ckpt, device, dtype, prompt, n_new, repeat, prefill_chunk, compil
     with Engine.open(ckpt, device=device, dtype=dtype, max_context=options.max_context,
                      experts_quant=experts_quant) as engine:
         engine.model.experts.grouped_prefill = grouped_prefill
+        start = time.perf_counter()
         fresh_request(engine, prompt, options)  # warm-up (the decode graphs captured)
+        first_request_s = time.perf_counter() - start  # with compiling, where it compiles
         runs = [fresh_request(engine, prompt, options) for _ in range(repeat)]
         config = engine.model.config
         chunk_tokens = prefill_chunk or default_prefill_chunk(engine.model)
@@ -124,6 +126,7 @@ def run_strata(ckpt, device, dtype, prompt, n_new, repeat, prefill_chunk, compil
             moe = moe_tflops(engine, min(len(prompt), chunk_tokens), repeat)
     return {
         "prefill_chunk": chunk_tokens,
+        "first_request_s": first_request_s,
         "blob_bytes": expert_blob_bytes(config.expert_width, config.hidden_size, dtype,
                                         experts_quant),
         "moe_s": moe[0] if moe else None,
@@ -180,6 +183,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, preset="olmoe-1b-7b")
+    parser.add_argument("--model", help="a checkpoint directory to use instead of writing one "
+                        "(--preset and --layers then only name it)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine (median)")
@@ -191,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-transformers", action="store_true", help="strata alone")
     parser.add_argument(
         "--compile", action="store_true",
-        help="also run strata with `--compile` (torch.compile of the decode step, CUDA only)",
+        help="also run strata with `--compile` (torch.compile of the decode step, CUDA only; "
+        "`strata serve`'s default)",
     )
     parser.add_argument(
         "--loop-prefill", action="store_true",
@@ -232,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="strata-bench-decode-") as tmp:
         start = time.perf_counter()
-        ckpt = write_checkpoint(
+        ckpt = Path(args.model) if args.model else write_checkpoint(
             Path(tmp) / "ckpt", family, preset, n_layers=args.layers, dtype=dtype,
             progress=sys.stderr.isatty() and not args.json, router_skew=args.router_skew,
         )

@@ -37,7 +37,9 @@
 # --stream-misses 4 with the experts as they are, in int8 and in int4, the same cache MiB),
 # quant-offload-qwen3 (6: the same on qwen3's 16 layers, as they are and int8), quant-decode (3:
 # bench/decode.py with every expert resident, bf16 against int8 and int4 experts, each against
-# the bandwidth bound at its bytes, an 8-layer olmoe cut); `offload` runs the first three; the first
+# the bandwidth bound at its bytes, an 8-layer olmoe cut), profile (4: bench/decode_profile.py,
+# the kernels of prompt chunks of 32, 512 and 4,096 tokens and of a decode round, eager, graph
+# and compiled, on a 4-layer olmoe cut); `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # second or two, and later runs read them). A new checkpoint adds about a minute to the first
 # stage that uses it.
@@ -81,7 +83,7 @@ for stage in "$@"; do
            skip=$(python3 -c "import openai" 2> /dev/null || echo "--ignore=tests/serve")
            timeout 200 python3 -m pytest -m cuda tests -q -p no:cacheprovider $skip \
                > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
-    kernels) (cd bench && timeout 150 python3 grouped_experts.py) > "$OUT/kernels.txt" 2>&1
+    kernels) (cd bench && timeout 300 python3 grouped_experts.py) > "$OUT/kernels.txt" 2>&1
              cat "$OUT/kernels.txt" ;;
     host) (cd bench && timeout 120 python3 cache_host.py) > "$OUT/host.txt" 2>&1
           cat "$OUT/host.txt" ;;
@@ -169,6 +171,9 @@ for stage in "$@"; do
                      --new-tokens 64 --repeat 3 --no-transformers --experts-dtype int8,int4 \
                      --json) > "$OUT/quant-decode.json" 2> "$OUT/quant-decode.err"
                   tail -2 "$OUT/quant-decode.err" ;;
+    profile) (cd bench && timeout 420 python3 decode_profile.py --preset olmoe-1b-7b --layers 4 \
+                --prompt-tokens 32,512,4096 --gathered-compile --json "$OUT/profile.json") \
+                > "$OUT/profile.txt" 2> "$OUT/profile.err"; tail -3 "$OUT/profile.err" ;;
     *) echo "gpu_session.sh: unknown stage $stage" >&2; exit 2 ;;
     esac
 done

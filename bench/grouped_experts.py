@@ -36,6 +36,7 @@ from strata.engine.experts.grouped import (
     DOWN_BLOCK_F,
     GATE_UP_BLOCK_D,
     GATE_UP_BLOCK_F,
+    NUM_WARPS,
     expert_rows_gathered,
     expert_rows_triton,
 )
@@ -49,9 +50,15 @@ QUANTIZED = ("int8", "int4-g32")
 QUANT_BLOCKS = [((8, 512), (8, 512)), ((16, 256), (16, 256)), ((32, 256), (32, 256)),
                 ((16, 512), (16, 512)), ((4, 1024), (4, 1024)), ((32, 128), (32, 128))]
 
-BLOCKS = [((GATE_UP_BLOCK_F, GATE_UP_BLOCK_D), (DOWN_BLOCK_D, DOWN_BLOCK_F)),
-          ((8, 256), (8, 256)), ((32, 128), (32, 128)), ((16, 512), (16, 512)),
-          ((8, 512), (8, 512)), ((32, 256), (32, 256))]
+# The bf16 kernels' variants tried, the default first: (gate_up blocks, down blocks, warps of
+# a gate_up and of a down program).
+BLOCKS = [((GATE_UP_BLOCK_F, GATE_UP_BLOCK_D), (DOWN_BLOCK_D, DOWN_BLOCK_F), NUM_WARPS)]
+BLOCKS += [(gate_up, down, warps)
+           for warps in ((4, 4), (8, 8))
+           for gate_up, down in (((16, 256), (16, 256)), ((8, 256), (8, 256)),
+                                 ((32, 128), (32, 128)), ((8, 512), (8, 512)),
+                                 ((32, 256), (32, 256)), ((16, 512), (32, 128)))
+           if (gate_up, down, warps) != BLOCKS[0]]
 
 
 def time_graph(call, repeat: int) -> float:
@@ -111,10 +118,12 @@ def measure(preset_name: str, n_stacks: int, repeat: int, dtype: torch.dtype) ->
         return call
 
     variants = {"gathered": expert_rows_gathered}
-    for gate_up_blocks, down_blocks in BLOCKS:
-        name = f"triton {gate_up_blocks[0]}x{gate_up_blocks[1]} / {down_blocks[0]}x{down_blocks[1]}"
-        variants[name] = (lambda g, dn, i, x, gb=gate_up_blocks, db=down_blocks:
-                          expert_rows_triton(g, dn, i, x, gate_up_blocks=gb, down_blocks=db))
+    for gate_up_blocks, down_blocks, warps in BLOCKS:
+        name = (f"triton {gate_up_blocks[0]}x{gate_up_blocks[1]} / {down_blocks[0]}x"
+                f"{down_blocks[1]} w{warps[0]},{warps[1]}")
+        variants[name] = (lambda g, dn, i, x, gb=gate_up_blocks, db=down_blocks, nw=warps:
+                          expert_rows_triton(g, dn, i, x, gate_up_blocks=gb, down_blocks=db,
+                                             num_warps=nw))
     reference = [expert_rows_gathered(*stack).float() for stack in stacks]
     rows = []
     for name, run in variants.items():
@@ -175,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     for result in results:
         print(f"{result['preset']}: K={result['K']} of E={result['E']}, F={result['F']}, "
               f"D={result['D']}: floor {result['floor_bytes'] / 2**20:.0f} MiB read")
-        print(f"  {'variant':<28}{'ms/call':>9}{'GB/s':>8}{'x gathered':>12}{'rel err':>10}"
+        print(f"  {'variant':<40}{'ms/call':>9}{'GB/s':>8}{'x gathered':>12}{'rel err':>10}"
               f"{'eager ms':>10}")
         for row in result["variants"]:
-            print(f"  {row['variant']:<28}{row['ms_per_call']:>9.4f}{row['gb_per_s']:>8.0f}"
+            print(f"  {row['variant']:<40}{row['ms_per_call']:>9.4f}{row['gb_per_s']:>8.0f}"
                   f"{row['speedup_over_gathered']:>12.2f}{row['relative_error']:>10.1e}"
                   f"{row['eager_ms_per_call']:>10.4f}")
     return 0

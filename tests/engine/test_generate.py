@@ -177,6 +177,20 @@ def test_the_decode_bench_times_the_moe_of_a_chunk(capsys):
     assert 0 < report["moe_share"] == report["strata"]["moe_tflops"] / 1.0
 
 
+def test_the_decode_profile_times_chunks_and_rounds(tmp_path, capsys):
+    bench = load_bench("decode_profile.py")
+    out = tmp_path / "profile.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--prompt-tokens", "8,24", "--repeat", "2",
+            "--no-compile", "--host-profile", "--json", str(out)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "host time of prompt chunk of 24" in printed and "decode, eager:" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["label"] for row in rows] == ["prompt chunk of 8", "prompt chunk of 24",
+                                              "decode, eager"]
+    assert all(row["ms"] > 0 and row["n_kernels"] == 0 for row in rows)  # no CUDA kernels
+
+
 def test_the_decode_bench_runs_quantized_experts_against_their_bound(capsys):
     bench = load_bench("decode.py")
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--repeat", "1",

@@ -138,3 +138,33 @@ def test_the_triton_kernels_on_cuda_match_and_repeat(f, d):
         x_rows.copy_(torch.randn(8, d, device=cuda).to(dtype))
         graph.replay()
         assert torch.equal(captured, expert_rows(gate_up, down, index, x_rows))
+
+
+@pytest.mark.cuda
+def test_under_torch_compile_the_experts_are_the_same_kernels():
+    # The custom operator runs the eager path's kernels: the same bytes, not inductor's own
+    # reductions over gathered weights.
+    pytest.importorskip("triton")
+    cuda = torch.device("cuda")
+    gate_up, down = (t.to(cuda) for t in _stack(12, 1024, 2048, torch.bfloat16, seed=3))
+    index = torch.tensor([7, 2, 11, 0, 2, 5, 9, 3], device=cuda)
+    x_rows = torch.randn(8, 2048, device=cuda).to(torch.bfloat16)
+
+    def layer(x_rows: torch.Tensor) -> torch.Tensor:
+        return expert_rows(gate_up, down, index, -x_rows) * 2
+
+    from strata.engine.experts import grouped
+
+    grouped.define_compiled_op()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x_rows), layer(x_rows))
+
+
+def test_the_compiled_operators_are_made_once():
+    from strata.engine.experts import grouped, quantized
+
+    for module, name in ((grouped, "expert_rows"), (quantized, "quantized_rows")):
+        module.define_compiled_op()
+        made = module._compiled[name]
+        module.define_compiled_op()
+        assert module._compiled[name] is made and hasattr(torch.ops.strata, name)

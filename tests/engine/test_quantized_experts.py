@@ -147,3 +147,24 @@ def test_on_cuda_the_kernels_match_and_repeat(fmt):
         assert _relative(out.cpu(), ref) < tolerance
         again = quantized_rows(blobs.to(cuda), fmt, index.to(cuda), x_rows.to(cuda, dtype), f)
         assert torch.equal(out, again)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
+def test_under_torch_compile_the_quantized_experts_are_the_same_kernels(fmt):
+    pytest.importorskip("triton")
+    cuda = torch.device("cuda")
+    f, d = 768, 2048
+    blobs, _ = _blobs(fmt, 10, f, d, seed=8)
+    blobs = blobs.to(cuda)
+    index = torch.tensor([7, 2, 9, 0], device=cuda)
+    x_rows = torch.randn(4, d, device=cuda).to(torch.bfloat16)
+
+    def layer(x_rows: torch.Tensor) -> torch.Tensor:
+        return quantized_rows(blobs, fmt, index, -x_rows, f) * 2
+
+    from strata.engine.experts import quantized
+
+    quantized.define_compiled_op()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x_rows), layer(x_rows))

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from strata.cli.cache_options import add_cache_arguments
-from strata.cli.device import add_experts_dtype_argument
+from strata.cli.device import add_compile_argument, add_experts_dtype_argument
 from strata.cli.engine_options import (
     add_conversation_arguments,
     engine_options_from_args,
@@ -53,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefill-chunk", type=int, metavar="N",
                         help="prompt tokens per forward (default: 4096 with every expert "
                         "resident, 512 through the expert cache)")
+    add_compile_argument(parser)
     parser.add_argument("--verbose", action="store_true",
                         help="a line of figures per turn on stderr")
     add_conversation_arguments(parser, mib=0.0, slots=4, what="the conversations /reset leaves")
@@ -66,7 +67,8 @@ def _options(args: argparse.Namespace) -> Any:
     try:
         return GenerateOptions(max_new=args.max_new, max_context=args.max_context,
                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                               seed=args.seed, prefill_chunk=args.prefill_chunk)
+                               seed=args.seed, prefill_chunk=args.prefill_chunk,
+                               compile=args.compile)
     except ValueError as err:
         raise UsageError(str(err)) from None
 

@@ -49,6 +49,17 @@ def add_experts_dtype_argument(parser: argparse.ArgumentParser) -> None:
         "32 along the input; int4-g64: of 64); the dense weights stay in --dtype (auto)")
 
 
+def add_compile_argument(parser: argparse.ArgumentParser) -> None:
+    """`--compile` (`GenerateOptions.compile`). Off by default: each 256-cell window a run
+    reaches compiles once (tens of seconds), which a later process partly reuses
+    (bench/results/decode-profile-h200-2026-12-01.md)."""
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="torch.compile the CUDA-graph decode step of resident experts: a faster decode "
+        "round after tens of seconds of compiling for each 256-cell window reached, which "
+        "later runs partly reuse")
+
+
 def parse_device(name: str | None) -> torch.device:
     """--device: cuda or cpu (default: cuda when present); a UsageError names a bad one."""
     import torch

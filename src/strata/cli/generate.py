@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from strata import settings
 from strata.cli.cache_options import add_cache_arguments, check_trace_path
-from strata.cli.device import add_experts_dtype_argument
+from strata.cli.device import add_compile_argument, add_experts_dtype_argument
 from strata.cli.engine_options import (
     add_conversation_arguments,
     engine_options_from_args,
@@ -88,10 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with an expert cache that misses, on CUDA: run decode rounds eagerly instead of "
         "as CUDA graphs cut at the experts' host calls",
     )
-    parser.add_argument(
-        "--compile", action="store_true",
-        help="torch.compile the CUDA-graph decode step (a minute or two of compiling first)",
-    )
+    add_compile_argument(parser)
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object (text, tokens, stats)"
     )

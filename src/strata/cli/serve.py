@@ -16,7 +16,7 @@ from typing import Any
 
 from strata import settings
 from strata.cli.cache_options import add_cache_arguments
-from strata.cli.device import add_experts_dtype_argument
+from strata.cli.device import add_compile_argument, add_experts_dtype_argument
 from strata.cli.engine_options import (
     add_conversation_arguments,
     engine_options_from_args,
@@ -76,8 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="run decode rounds eagerly on CUDA")
     parser.add_argument("--no-piecewise-graphs", action="store_true",
                         help="with an expert cache that misses, on CUDA: eager decode rounds")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the CUDA-graph decode step")
+    add_compile_argument(parser)
     add_conversation_arguments(parser, mib=_default_conversation_cache_mib(), slots=8,
                                what="the conversations that requests leave")
     add_cache_arguments(parser)

@@ -177,22 +177,3 @@ def test_a_tracing_wrapper_still_sees_observe():
     finally:
         cached.close()
 
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_weighted_sum_is_resident_experts_arithmetic(dtype):
-    """`weighted_sum` against the expression ResidentExperts uses, over many random inputs
-    (values across magnitudes, zeros, negative weights), byte for byte."""
-    from strata.engine.cache.token_call import weighted_sum
-
-    gen = torch.Generator().manual_seed(7)
-    for n_tokens, top_k, d in [(1, 8, 2048), (1, 2, 64), (5, 4, 96), (1, 1, 7)]:
-        for _ in range(50):
-            scale = torch.exp(torch.randn(n_tokens * top_k, 1, generator=gen) * 6)
-            out = (torch.randn(n_tokens * top_k, d, generator=gen) * scale).to(dtype)
-            out[0, :3] = 0.0
-            weights = torch.randn(n_tokens, top_k, generator=gen)  # float32, as `route` gives
-            expected = (out.view(n_tokens, top_k, -1).float()
-                        * weights.float().unsqueeze(-1)).sum(dim=1).to(dtype)
-            got = weighted_sum(out, weights, n_tokens, top_k, dtype)
-            assert got.dtype == dtype and _bytes(got) == _bytes(expected)
-

@@ -60,8 +60,8 @@ from strata.engine.cache.from_slots import compute_from_slots
 from strata.engine.cache.host_rows import HostRows
 from strata.engine.cache.loan import LoanOptions, PromptLoan
 from strata.engine.cache.stats import PHASES, CacheStats, PhaseStats
-from strata.engine.cache.token_call import token_forward, weighted_sum
-from strata.engine.experts import ExpertStore
+from strata.engine.cache.token_call import token_forward
+from strata.engine.experts import ExpertStore, weighted_sum
 from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.routed import Routed, rows_to_device
 from strata.engine.experts.streamed import StreamedMisses, StreamSplit, staging_blobs
@@ -294,7 +294,7 @@ class CachedExperts:
         if self.checked.admits and (misses is not None or streamed is not None):
             missed = [r.experts for r in (streamed, misses) if r is not None]
             self.admit_misses(layer, np.sort(np.concatenate(missed)))
-        return weighted_sum(out, topk_weights, n_tokens, top_k, x.dtype)
+        return weighted_sum(out, topk_weights, x.dtype)
 
     def _issue_device_share(self, layer: int, x: torch.Tensor, ids: np.ndarray,
                             slots: np.ndarray, hit: np.ndarray, n_hits: int,
@@ -345,7 +345,7 @@ class CachedExperts:
         slot_ids = self.mirror[layer].index_select(0, topk_ids.reshape(-1))  # [T*K]
         x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1)
         out = self.arena.expert_rows(slot_ids, x_rows)  # [T*K, D]
-        return weighted_sum(out, topk_weights, n_tokens, top_k, x.dtype)
+        return weighted_sum(out, topk_weights, x.dtype)
 
     # --- decode steps replayed from CUDA graphs ---
     @contextmanager

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from strata.engine.cache.stats import PhaseStats
+from strata.engine.experts.combine import weighted_sum
 from strata.engine.experts.routed import Routed
 
-__all__ = ["token_forward", "weighted_sum"]
+__all__ = ["token_forward"]
 
 
 def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -82,14 +83,4 @@ def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tenso
 
     if cache.checked.admits and n_missed:  # every missed expert, ascending
         cache.admit_misses(layer, split[3 * top_k:3 * top_k + n_missed].copy())
-    return weighted_sum(out, topk_weights, 1, top_k, x.dtype)
-
-
-def weighted_sum(out: torch.Tensor, weights: torch.Tensor, n_tokens: int, top_k: int,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """[T*K, D] rows -> [T, D] in `dtype`: the K rows of each token weighted by weights [T, K]
-    and summed over K in float32, in order: ResidentExperts' `(out.float() * weights.float())`,
-    with the rows' widening done inside the multiplication (type promotion widens each value
-    exactly, as `.float()` does) rather than by an op of its own."""
-    weighted = torch.mul(out.view(n_tokens, top_k, -1), weights.float().unsqueeze(-1))
-    return weighted.sum(dim=1).to(dtype)
+    return weighted_sum(out, topk_weights, x.dtype)

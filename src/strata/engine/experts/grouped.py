@@ -15,8 +15,10 @@ Two implementations, one chosen by where the tensors are, never by routed data:
   in a fixed order, so results are deterministic. Every expert's weights are read once, the
   least any version can move: K blobs a layer (96 MiB for `olmoe-1b-7b`).
 - elsewhere (the CPU, or no Triton): `index_select` the R experts' weights (a copy, counted in
-  the workspace: `copies_weights`) and two batched matmuls. Under `torch.compile` too:
-  inductor fuses that gather into its matmuls, reading the weights in place itself.
+  the workspace: `copies_weights`) and two batched matmuls.
+Under `torch.compile` (`strata.engine.runtime.compile`) the same kernels run as one custom
+operator, `strata::expert_rows` (`torch.library.triton_op`): inductor compiles the step around
+them instead of breaking its graph at a plain kernel launch.
 
 The two round differently (the kernels round the gate and up sums to the model's dtype like a
 matmul's output, but sum in another order), so a device's choice is part of what its output
@@ -33,10 +35,12 @@ import torch.nn.functional as F
 
 __all__ = ["copies_weights", "expert_rows", "expert_rows_gathered", "expert_rows_triton"]
 
-# Rows of one expert each program reduces, and the width of a step along the reduced axis.
-# Measured on the H200 at the olmoe-1b-7b shape (bench/grouped_experts.py).
-GATE_UP_BLOCK_F, GATE_UP_BLOCK_D = 16, 256
-DOWN_BLOCK_D, DOWN_BLOCK_F = 16, 256
+# Rows of one expert each program reduces, the width of a step along the reduced axis, and
+# the warps of a gate_up and of a down program. Measured on the H200 at the olmoe-1b-7b and
+# qwen3-30b-a3b shapes (bench/grouped_experts.py): the fastest of 16 for both.
+GATE_UP_BLOCK_F, GATE_UP_BLOCK_D = 32, 128
+DOWN_BLOCK_D, DOWN_BLOCK_F = 32, 128
+NUM_WARPS = (8, 8)
 
 
 @functools.cache
@@ -65,9 +69,33 @@ def expert_rows(
     gate_up [S, 2F, D] and down [S, D, F]: per-expert views, rows contiguous, any stride from
     one expert to the next; index [R] int64 on their device; x_rows [R, D]. The Triton kernels
     on CUDA when Triton is there, the gathered path elsewhere (see the module)."""
-    if x_rows.is_cuda and _kernels() is not None and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # first: what torch.compile traces reads no module cache
+        if x_rows.is_cuda and _compiled["expert_rows"] is not None:
+            return _compiled["expert_rows"](gate_up, down, index, x_rows)
+    elif x_rows.is_cuda and _kernels() is not None:
         return expert_rows_triton(gate_up, down, index, x_rows)
     return expert_rows_gathered(gate_up, down, index, x_rows)
+
+
+# The custom operator, once `define_compiled_op` made it (None: torch.compile traces the
+# gathered path). Not made at import: defining one imports inductor (about a second).
+_compiled = {"expert_rows": None}
+
+
+def define_compiled_op() -> None:
+    """Make `expert_rows_triton` the custom operator `strata::expert_rows`, which
+    `torch.compile` then traces as its two kernels; before compiling (it cannot be made while
+    tracing). Idempotent; nothing without Triton."""
+    if _compiled["expert_rows"] is not None or _kernels() is None:
+        return
+
+    @torch.library.triton_op("strata::expert_rows", mutates_args=())
+    def compiled_expert_rows(gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor,
+                             x_rows: torch.Tensor) -> torch.Tensor:
+        return expert_rows_triton(gate_up, down, index, x_rows,
+                                  launch=torch.library.wrap_triton)
+
+    _compiled["expert_rows"] = compiled_expert_rows
 
 
 def expert_rows_gathered(
@@ -85,13 +113,16 @@ def expert_rows_triton(
     gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor, x_rows: torch.Tensor,
     *, gate_up_blocks: tuple[int, int] = (GATE_UP_BLOCK_F, GATE_UP_BLOCK_D),
     down_blocks: tuple[int, int] = (DOWN_BLOCK_D, DOWN_BLOCK_F),
+    num_warps: tuple[int, int] = NUM_WARPS, launch=lambda kernel: kernel,
 ) -> torch.Tensor:
     """`expert_rows` with the Triton kernels, reading the weights in place. Runs wherever
     Triton does (its interpreter on the CPU, with TRITON_INTERPRET=1 set before import, is
     how the tests check it without a GPU). `gate_up_blocks` (F rows, D step) and
     `down_blocks` (D rows, F step) are the kernels' block sizes, powers of two (the benchmark
-    tries others). RuntimeError without Triton."""
+    tries others). `launch` wraps each kernel before its launch (`torch.library.wrap_triton`
+    under the custom operator). RuntimeError without Triton."""
     kernels = _kernels()
+    (gate_up_f, gate_up_d), (down_d, down_f) = gate_up_blocks, down_blocks
     if kernels is None:
         raise RuntimeError("expert_rows_triton needs Triton (pip install triton)")
     n_rows, d = x_rows.shape
@@ -106,10 +137,11 @@ def expert_rows_triton(
     y = x_rows.new_empty((n_rows, d))  # [R, D]
     if n_rows == 0:
         return y
-    kernels.gate_up_act[(n_rows, -(-f // GATE_UP_BLOCK_F))](
+    launch(kernels.gate_up_act)[(n_rows, -(-f // gate_up_f))](
         gate_up, index, x_rows, act, gate_up.stride(0), gate_up.stride(1), d, f,
-        x_rows.stride(0), act.stride(0), BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=GATE_UP_BLOCK_D)
-    kernels.down[(n_rows, -(-d // DOWN_BLOCK_D))](
+        x_rows.stride(0), act.stride(0), BLOCK_F=gate_up_f, BLOCK_D=gate_up_d,
+        num_warps=num_warps[0])
+    launch(kernels.down)[(n_rows, -(-d // down_d))](
         down, index, act, y, down.stride(0), down.stride(1), d, f, act.stride(0), y.stride(0),
-        BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F)
+        BLOCK_D=down_d, BLOCK_F=down_f, num_warps=num_warps[1])
     return y

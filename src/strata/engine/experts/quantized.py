@@ -12,6 +12,8 @@ read, static shapes), but the blobs hold one of the quantized formats of
   expert costs its quantized bytes, about half (int8) or a third (int4) of bf16's;
 - elsewhere: the R blobs dequantized (`dequantize_blobs`, a copy in x's dtype) and two batched
   matmuls, as the bf16 gathered path.
+Under `torch.compile` the kernels run as the custom operator `strata::quantized_rows`, as the
+bf16 ones do (`strata.engine.experts.grouped`).
 Both round the gate and up sums, silu and the product to x's dtype like the bf16 paths; the two
 sum in other orders, so the device's choice is part of what the output bytes depend on.
 
@@ -64,9 +66,31 @@ def quantized_rows(blobs: torch.Tensor, fmt: str, index: torch.Tensor, x_rows: t
     blobs uint8 [S, >= blob_bytes]: one blob of `fmt` (a quant.WEIGHT_FORMATS) a row, any
     stride from one to the next; index [R] int64 on their device; x_rows [R, D]. The Triton
     kernels on CUDA when Triton is there, the dequantizing path elsewhere (see the module)."""
-    if x_rows.is_cuda and _kernels() is not None and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # as in `grouped.expert_rows`
+        if x_rows.is_cuda and _compiled["quantized_rows"] is not None:
+            return _compiled["quantized_rows"](blobs, fmt, index, x_rows, expert_width)
+    elif x_rows.is_cuda and _kernels() is not None:
         return quantized_rows_triton(blobs, fmt, index, x_rows, expert_width)
     return quantized_rows_gathered(blobs, fmt, index, x_rows, expert_width)
+
+
+# As `grouped._compiled`: made by `define_compiled_op`.
+_compiled = {"quantized_rows": None}
+
+
+def define_compiled_op() -> None:
+    """Make `quantized_rows_triton` the custom operator `strata::quantized_rows`, as
+    `grouped.define_compiled_op` does for bf16. Idempotent; nothing without Triton."""
+    if _compiled["quantized_rows"] is not None or _kernels() is None:
+        return
+
+    @torch.library.triton_op("strata::quantized_rows", mutates_args=())
+    def compiled_quantized_rows(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
+                                x_rows: torch.Tensor, expert_width: int) -> torch.Tensor:
+        return quantized_rows_triton(blobs, fmt, index, x_rows, expert_width,
+                                     launch=torch.library.wrap_triton)
+
+    _compiled["quantized_rows"] = compiled_quantized_rows
 
 
 def quantized_rows_gathered(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
@@ -85,13 +109,15 @@ def quantized_rows_triton(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
                           x_rows: torch.Tensor, expert_width: int, *,
                           act_blocks: tuple[int, int] = (ACT_BLOCK_F, ACT_BLOCK_D),
                           down_blocks: tuple[int, int] = (DOWN_BLOCK_D, DOWN_BLOCK_F),
-                          ) -> torch.Tensor:
+                          launch=lambda kernel: kernel) -> torch.Tensor:
     """`quantized_rows` with the Triton kernels, reading the blobs in place. Runs wherever
     Triton does (its interpreter on the CPU, with TRITON_INTERPRET=1 set before import, is how
     the tests check it without a GPU). `act_blocks` (F rows, D step) and `down_blocks` (D
     rows, F step) are the kernels' block sizes, powers of two, the steps at least the int4
-    group (the benchmark tries others). RuntimeError without Triton; ValueError for blobs whose
-    scales would not be 4-byte aligned (a slot stride or 3*F*D not a multiple of 4)."""
+    group (the benchmark tries others). `launch` wraps each kernel before its launch
+    (`torch.library.wrap_triton` under the custom operator). RuntimeError without Triton;
+    ValueError for blobs whose scales would not be 4-byte aligned (a slot stride, 3*F*D or
+    the storage offset not a multiple of 4)."""
     kernels = _kernels()
     if kernels is None:
         raise RuntimeError("quantized_rows_triton needs Triton (pip install triton)")
@@ -100,7 +126,9 @@ def quantized_rows_triton(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
     f = expert_width
     group = format_group(fmt)
     scales_at = 3 * f * d // 2 if group else 3 * f * d  # bytes before the scales
-    if blobs.stride(0) % 4 or scales_at % 4 or blobs.data_ptr() % 4:
+    # The storage's own address is aligned by every allocator; its offset is known when
+    # traced too (no data pointer then).
+    if blobs.stride(0) % 4 or scales_at % 4 or blobs.storage_offset() % 4:
         raise ValueError(f"the kernels read a {fmt} blob's scales as float32: the slot stride "
                          f"({blobs.stride(0)}) and 3*F*D ({3 * f * d}) must keep them 4-byte "
                          f"aligned")
@@ -114,13 +142,17 @@ def quantized_rows_triton(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
     down_grid = (n_rows, -(-d // down_d))
     common = (blobs.stride(0), scales_at, d, f)
     if group:
-        kernels.int4_act[act_grid](blobs, index, x_rows, act, *common, x_rows.stride(0),
-                                   act.stride(0), GROUP=group, BLOCK_F=act_f, BLOCK_D=act_d)
-        kernels.int4_down[down_grid](blobs, index, act, y, *common, act.stride(0), y.stride(0),
-                                     GROUP=group, BLOCK_D=down_d, BLOCK_F=down_f)
+        launch(kernels.int4_act)[act_grid](
+            blobs, index, x_rows, act, *common, x_rows.stride(0),
+            act.stride(0), GROUP=group, BLOCK_F=act_f, BLOCK_D=act_d)
+        launch(kernels.int4_down)[down_grid](
+            blobs, index, act, y, *common, act.stride(0), y.stride(0),
+            GROUP=group, BLOCK_D=down_d, BLOCK_F=down_f)
     else:
-        kernels.int8_act[act_grid](blobs, index, x_rows, act, *common, x_rows.stride(0),
-                                   act.stride(0), BLOCK_F=act_f, BLOCK_D=act_d)
-        kernels.int8_down[down_grid](blobs, index, act, y, *common, act.stride(0), y.stride(0),
-                                     BLOCK_D=down_d, BLOCK_F=down_f)
+        launch(kernels.int8_act)[act_grid](
+            blobs, index, x_rows, act, *common, x_rows.stride(0),
+            act.stride(0), BLOCK_F=act_f, BLOCK_D=act_d)
+        launch(kernels.int8_down)[down_grid](
+            blobs, index, act, y, *common, act.stride(0), y.stride(0),
+            BLOCK_D=down_d, BLOCK_F=down_f)
     return y

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from strata.engine.experts import sorted_grouped
 from strata.engine.experts.blobs import BlobStack
+from strata.engine.experts.combine import weighted_sum
 from strata.engine.experts.store import ExpertStore
 
 __all__ = ["Experts", "ResidentExperts"]
@@ -57,8 +58,9 @@ class ResidentExperts:
       sorted by expert (`strata.engine.experts.sorted_grouped`), no host sync; elsewhere a loop
       over the experts actually routed, each over its tokens (sorted by expert), reading the
       weights in place, with one host sync for the per-expert counts.
-    Each (token, k) output lands in its own row of a [T, K, D] buffer, then the K rows are summed
-    in order: no atomics, a fixed summation order.
+    Each (token, k) output lands in its own row of a [T*K, D] buffer (the grouped products' rows
+    stay sorted by expert), then the K rows are weighted and summed in order
+    (`strata.engine.experts.combine.weighted_sum`): no atomics, a fixed summation order.
     """
 
     def __init__(
@@ -103,20 +105,18 @@ class ResidentExperts:
             out = self._gathered(layer, x, topk_ids)
         elif self.grouped_prefill is not False and self.quant is None and \
                 sorted_grouped.available(x):
-            out = sorted_grouped.sorted_grouped_rows(
-                self.gate_up(layer), self.down(layer), x, topk_ids).view(*topk_ids.shape, -1)
+            return sorted_grouped.sorted_grouped_sum(
+                self.gate_up(layer), self.down(layer), x, topk_ids, topk_weights)  # [T, D]
         else:
             out = self._per_expert(layer, x, topk_ids)
-        # [T, K, D] -> [T, D]: weight and sum over K in float32, in order.
-        weighted = out.float() * topk_weights.float().unsqueeze(-1)
-        return weighted.sum(dim=1).to(x.dtype)
+        # [T*K, D] -> [T, D]: weight and sum over K in float32, in order.
+        return weighted_sum(out, topk_weights, x.dtype)
 
     def _gathered(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         n_tokens, top_k = topk_ids.shape
         ids = topk_ids.reshape(-1)  # [T*K]
         x_rows = x.unsqueeze(1).expand(n_tokens, top_k, -1).reshape(n_tokens * top_k, -1)
-        y = self._stacks[layer].expert_rows(ids, x_rows)  # [T*K, D]
-        return y.view(n_tokens, top_k, -1)
+        return self._stacks[layer].expert_rows(ids, x_rows)  # [T*K, D]
 
     def _per_expert(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         n_tokens, top_k = topk_ids.shape
@@ -134,4 +134,4 @@ class ResidentExperts:
             h = F.linear(x.index_select(0, rows // top_k), gate_up)  # [n, 2F]
             act = F.silu(h[:, :f]) * h[:, f:]  # [n, F]
             out.index_copy_(0, rows, F.linear(act, down))  # [n, D]
-        return out.view(n_tokens, top_k, -1)
+        return out

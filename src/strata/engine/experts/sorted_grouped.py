@@ -9,6 +9,9 @@ in place (the [E, 2F, D] and [E, D, F] views are column-major per expert once tr
 layout it takes). No host sync: the runs' ends are a device tensor. It exists on CUDA for bf16
 on Hopper (sm90) and later; `available` says when this path applies, and `ResidentExperts`
 loops over the experts elsewhere. Deterministic: no atomics, each row written once.
+`sorted_grouped_rows` puts the rows back in (token, k) order (the expert cache's calls take
+them so); `sorted_grouped_sum` leaves them sorted and weights and sums each token's K rows
+straight from there (`strata.engine.experts.combine`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["available", "sorted_grouped_rows"]
+from strata.engine.experts.combine import weighted_sum
+
+__all__ = ["available", "sorted_grouped_rows", "sorted_grouped_sum"]
 
 
 def available(x: torch.Tensor) -> bool:
@@ -30,6 +35,25 @@ def sorted_grouped_rows(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tens
                         topk_ids: torch.Tensor) -> torch.Tensor:
     """[R, D]: row t*K + k is expert topk_ids[t, k] of layer weights gate_up [E, 2F, D] and
     down [E, D, F] applied to x[t] (x [T, D], topk_ids [T, K] int64)."""
+    y, order = _sorted_products(gate_up, down, x, topk_ids)
+    out = torch.empty_like(y)  # [R, D] back in (token, k) order
+    out.index_copy_(0, order, y)
+    return out
+
+
+def sorted_grouped_sum(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
+                       topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """[T, D] in x's dtype: `sorted_grouped_rows`' rows weighted by topk_weights [T, K] and
+    summed over k (`combine.weighted_sum`), read where the products left them."""
+    y, order = _sorted_products(gate_up, down, x, topk_ids)
+    positions = torch.empty_like(order)  # [R]: row t*K + k is y[positions[t*K + k]]
+    positions[order] = torch.arange(order.shape[0], device=order.device)
+    return weighted_sum(y, topk_weights, x.dtype, positions)
+
+
+def _sorted_products(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
+                     topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [R, D] sorted by expert, order [R]): y[j] is row order[j] = t*K + k."""
     n_experts, two_f, _ = gate_up.shape
     f = two_f // 2
     top_k = topk_ids.shape[1]
@@ -39,7 +63,4 @@ def sorted_grouped_rows(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tens
     x_sorted = x.index_select(0, order // top_k)  # [R, D]
     h = torch._grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs=ends)  # [R, 2F]
     act = (F.silu(h[:, :f]) * h[:, f:]).contiguous()  # [R, F]
-    y = torch._grouped_mm(act, down.transpose(-2, -1), offs=ends)  # [R, D]
-    out = torch.empty_like(y)  # [R, D] back in (token, k) order
-    out.index_copy_(0, order, y)
-    return out
+    return torch._grouped_mm(act, down.transpose(-2, -1), offs=ends), order  # [R, D], [R]

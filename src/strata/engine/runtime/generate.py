@@ -6,9 +6,9 @@ decode round then runs one token through the model and samples the next: replaye
 graphs where it can be, eagerly elsewhere (`strata.engine.runtime.decode_steps`; the graphs a
 run needs are captured before the decode clock starts). Rounds run eagerly off CUDA, with
 `cuda_graphs=False`, or with `piecewise_graphs=False` and a cache that misses.
-`--compile` applies to `ResidentExperts` only. The graph path attends through a mask over its
-window, the eager one over exactly the cells written, so the two may differ in the last bits; each
-is deterministic.
+`compile` applies to `ResidentExperts` only. The graph path
+attends through a mask over its window, the eager one over exactly the cells written, so the two
+may differ in the last bits; each is deterministic.
 
 Timing: prefill is measured from the first chunk to the first token sampled; decode from the
 first round to the last token sampled. Both end on a host read of the token, which waits for the

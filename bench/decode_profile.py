@@ -1,0 +1,201 @@
+"""Where the device time of a prompt chunk and of a decode round goes, every expert resident.
+
+Issue 16's question: which kernels a prompt and a decode round launch, how long each kind
+takes, and how much of the wall time is kernels at all (the rest is launching them). For
+each `--prompt-tokens` length it times `MoEModel.forward` over one chunk from position 0, and
+for decode one round at `--position` in each of strata's decode steps: eager, replayed from
+a CUDA graph (the default), and `--compile`'s (compiled with the experts' Triton kernels as a
+custom operator; `--gathered-compile` adds the gathered path under inductor, the code before
+that operator). Each is timed (median of `--repeat`, wall clock around a device sync) and
+profiled once (torch.profiler): the kernels, their total, and the largest kinds by time.
+
+    python bench/decode_profile.py --preset olmoe-1b-7b --layers 4 --device cuda
+    python bench/decode_profile.py --preset tiny --device cpu --no-compile   # the script's check
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from _common import add_model_arguments, byte_tokens, checkpoint_for, sync
+from strata.engine.experts import grouped
+from strata.engine.runtime.decode_steps import _EagerDecode, _GraphDecode
+from strata.engine.runtime.engine import Engine
+
+# Kernel names -> the kind they are counted under, first match wins (lower-case substrings).
+KINDS = (
+    ("experts (triton)", ("gate_up_act", "down_", "int8_", "int4_")),
+    ("grouped mm", ("grouped", "group_gemm")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "cublas", "xmma", "splitk")),
+    ("inductor fused", ("triton_",)),
+    ("sort / top-k", ("sort", "topk", "radix", "bitonic")),
+    ("copy / index", ("copy", "index", "gather", "scatter", "cat")),
+)
+
+
+def kind_of(name: str) -> str:
+    lower = name.lower()
+    for kind, needles in KINDS:
+        if any(needle in lower for needle in needles):
+            return kind
+    return "elementwise / other"
+
+
+def timed(fn, device: torch.device, repeat: int) -> float:
+    """Median wall seconds of `fn()` with the device synced around it."""
+    times = []
+    for _ in range(repeat):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def kernels_of(fn, device: torch.device) -> list[tuple[str, float]]:
+    """(name, µs) of each device kernel `fn()` ran, from one profiled call."""
+    if device.type != "cuda":
+        return []
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    return [(event.name, event.time_range.elapsed_us()) for event in prof.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def host_profile(fn, device: torch.device, lines: int = 14) -> str:
+    """The Python functions and torch calls `fn()` spends its host time in (cProfile, by
+    own time), as text."""
+    profiler = cProfile.Profile()
+    sync(device)
+    profiler.enable()
+    fn()
+    sync(device)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(lines)
+    return text.getvalue()
+
+
+def summary(label: str, fn, device: torch.device, repeat: int, tokens: int,
+            host: bool = False) -> dict:
+    fn()  # warm-up (and, for a compiled step, its compilation)
+    if host:
+        print(f"\nhost time of {label}:\n" + host_profile(fn, device).split("Ordered by")[-1])
+    seconds = timed(fn, device, repeat)
+    kernels = kernels_of(fn, device)
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, us in kernels:
+        for table, key in ((by_kind, kind_of(name)), (by_name, name)):
+            table[key][0] += 1
+            table[key][1] += us
+    kernel_us = sum(us for _, us in kernels)
+    return {
+        "label": label, "tokens": tokens, "ms": 1e3 * seconds,
+        "tok_s": tokens / seconds, "n_kernels": len(kernels), "kernel_ms": kernel_us / 1e3,
+        "kernel_share": kernel_us / 1e6 / seconds if kernels else None,
+        "kinds": sorted(([k, n, us / 1e3] for k, (n, us) in by_kind.items()),
+                        key=lambda row: -row[2]),
+        "top": sorted(([k[:90], n, us / 1e3] for k, (n, us) in by_name.items()),
+                      key=lambda row: -row[2])[:10],
+    }
+
+
+def print_summary(row: dict) -> None:
+    share = f"{100 * row['kernel_share']:.0f}%" if row["kernel_share"] is not None else "-"
+    print(f"\n{row['label']}: {row['ms']:.3f} ms ({row['tok_s']:,.0f} tok/s); "
+          f"{row['n_kernels']} kernels, {row['kernel_ms']:.3f} ms of them ({share} of the wall)")
+    for kind, n, ms in row["kinds"]:
+        print(f"  {kind:<22}{n:>6} kernels {ms:>9.3f} ms")
+    for name, n, ms in row["top"][:6]:
+        print(f"    {ms:>8.3f} ms {n:>5}x  {name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser, preset="olmoe-1b-7b")
+    parser.add_argument("--model", help="a checkpoint directory to use instead of writing one")
+    parser.add_argument("--prompt-tokens", default="32,4096",
+                        help="comma-separated chunk lengths to profile (default 32,4096)")
+    parser.add_argument("--position", type=int, default=64, help="the decode round's cell")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--no-compile", action="store_true", help="leave --compile's step out")
+    parser.add_argument("--gathered-compile", action="store_true",
+                        help="also compile with the experts gathered (inductor's own code)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also print where the host time of the prompt chunks and of an "
+                        "eager decode round goes (cProfile)")
+    parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
+    args = parser.parse_args(argv)
+    lengths = [int(n) for n in args.prompt_tokens.split(",") if n]
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    on_cuda = device.type == "cuda"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = checkpoint_for(args, Path(tmp), dtype)
+        max_context = max([*lengths, args.position + 1])
+        with Engine.open(ckpt, device=device, dtype=dtype, max_context=max_context) as engine:
+            model, kv = engine.model, engine.kv
+            config = model.config
+            for n in lengths:
+                ids = torch.tensor(byte_tokens(n, seed=n), dtype=torch.int64, device=device)
+                rows.append(summary(f"prompt chunk of {n}",
+                                    lambda ids=ids: model.forward(ids, 0, kv, last_only=True),
+                                    device, max(3, args.repeat // 4), n, args.host_profile))
+                print_summary(rows[-1])
+            steps = [("decode, eager", _EagerDecode(model, kv))]
+            if on_cuda:
+                steps.append(("decode, CUDA graph (default)", _GraphDecode(model, kv)))
+                if not args.no_compile:
+                    steps.append(("decode, --compile", _GraphDecode(model, kv, compile=True)))
+            for label, step in steps:
+                step.prepare(1, args.position, args.position)
+                rows.append(summary(label, lambda step=step: step(1, args.position), device,
+                                    args.repeat, 1, args.host_profile and step.path == "eager"))
+                print_summary(rows[-1])
+            if on_cuda and args.gathered_compile:
+                # The experts as inductor compiles the gathered path (no custom operator).
+                made = grouped._compiled["expert_rows"]
+                grouped._compiled["expert_rows"] = None  # traced: the gathered path
+                define, grouped.define_compiled_op = grouped.define_compiled_op, lambda: None
+                torch._dynamo.reset()
+                step = _GraphDecode(model, kv, compile=True)
+                step.prepare(1, args.position, args.position)
+                rows.append(summary("decode, --compile, experts gathered",
+                                    lambda: step(1, args.position), device, args.repeat, 1))
+                print_summary(rows[-1])
+                grouped._compiled["expert_rows"], grouped.define_compiled_op = made, define
+    meta = {
+        "preset": args.preset, "layers": config.n_layers, "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if on_cuda else platform.processor(),
+        "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+        "command": "python bench/decode_profile.py " + " ".join(sys.argv[1:] if argv is None
+                                                                  else argv),
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
