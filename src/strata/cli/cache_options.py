@@ -148,7 +148,7 @@ def cache_config_from_args(
     device: torch.device,
     *,
     max_context: int,
-    prefill_chunk: int,
+    prefill_chunk: int | None,
 ) -> CachePlan:
     """The cache the options ask for (`strata.engine.runtime.options.plan_cache_options`),
     sized for `config` in `dtype` on `device`.

@@ -14,7 +14,11 @@ import sys
 from typing import Any
 
 from strata.cli.cache_options import add_cache_arguments
-from strata.cli.device import add_compile_argument, add_experts_dtype_argument
+from strata.cli.device import (
+    add_compile_argument,
+    add_experts_dtype_argument,
+    add_prefill_chunk_argument,
+)
 from strata.cli.engine_options import (
     add_conversation_arguments,
     engine_options_from_args,
@@ -50,9 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus mass, 1: off (0.95)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest, 0: off (0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
-    parser.add_argument("--prefill-chunk", type=int, metavar="N",
-                        help="prompt tokens per forward (default: 4096 with every expert "
-                        "resident, 512 through the expert cache)")
+    add_prefill_chunk_argument(parser)
     add_compile_argument(parser)
     parser.add_argument("--verbose", action="store_true",
                         help="a line of figures per turn on stderr")

@@ -49,6 +49,16 @@ def add_experts_dtype_argument(parser: argparse.ArgumentParser) -> None:
         "32 along the input; int4-g64: of 64); the dense weights stay in --dtype (auto)")
 
 
+def add_prefill_chunk_argument(parser: argparse.ArgumentParser) -> None:
+    """`--prefill-chunk` (`GenerateOptions.prefill_chunk`, `EngineOptions.prefill_chunk`)."""
+    parser.add_argument(
+        "--prefill-chunk", type=int, metavar="N",
+        help="prompt tokens per forward, each reading its experts once (default: 4096 with "
+        "every expert resident; through the expert cache, where it sizes the workspace, the "
+        "longest of 512-4096 whose workspace costs at most 10%% of the cache's slots); past "
+        "the first chunk attention runs in pieces of 512")
+
+
 def add_compile_argument(parser: argparse.ArgumentParser) -> None:
     """`--compile` (`GenerateOptions.compile`). Off by default: each 256-cell window a run
     reaches compiles once (tens of seconds), which a later process partly reuses

@@ -49,7 +49,6 @@ def engine_options_from_args(args: argparse.Namespace, *,
                              max_context: int | None = None) -> EngineOptions:
     """The flags as one `EngineOptions` (`max_context`: instead of `--max-context`, for a
     command that sizes the window itself); UsageError naming the flag of a bad value."""
-    from strata.engine.runtime.generate import CACHED_PREFILL_CHUNK
     from strata.engine.runtime.options import EngineOptions
 
     mib = getattr(args, "conversation_cache_mib", 0.0)
@@ -63,10 +62,8 @@ def engine_options_from_args(args: argparse.Namespace, *,
             experts_dtype=getattr(args, "experts_dtype", "auto"),
             kv_dtype=getattr(args, "kv_dtype", "auto"),
             max_context=args.max_context if max_context is None else max_context,
-            # Without a flag, the cache's workspace is sized for the chunk a request through
-            # the cache reads (a resident engine has no workspace to size).
-            prefill_chunk=CACHED_PREFILL_CHUNK if args.prefill_chunk is None
-            else args.prefill_chunk,
+            # Without a flag, a cache chooses its chunk from its budget.
+            prefill_chunk=args.prefill_chunk,
             cache=cache_options_from_args(args),
             conversation_cache_mib=mib, conversation_cache_slots=slots)
     except ValueError as err:

@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING
 
 from strata import settings
 from strata.cli.cache_options import add_cache_arguments, check_trace_path
-from strata.cli.device import add_compile_argument, add_experts_dtype_argument
+from strata.cli.device import (
+    add_compile_argument,
+    add_experts_dtype_argument,
+    add_prefill_chunk_argument,
+)
 from strata.cli.engine_options import (
     add_conversation_arguments,
     engine_options_from_args,
@@ -74,12 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user turn (chat template)"
     )
-    parser.add_argument(
-        "--prefill-chunk", type=int, metavar="N",
-        help="prompt tokens per forward, each reading its experts once (default: 4096 with "
-        "every expert resident, 512 through the expert cache, where it sizes the workspace); "
-        "past the first chunk attention runs in pieces of 512"
-    )
+    add_prefill_chunk_argument(parser)
     parser.add_argument(
         "--no-cuda-graphs", action="store_true", help="run decode rounds eagerly on CUDA"
     )

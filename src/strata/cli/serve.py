@@ -16,7 +16,11 @@ from typing import Any
 
 from strata import settings
 from strata.cli.cache_options import add_cache_arguments
-from strata.cli.device import add_compile_argument, add_experts_dtype_argument
+from strata.cli.device import (
+    add_compile_argument,
+    add_experts_dtype_argument,
+    add_prefill_chunk_argument,
+)
 from strata.cli.engine_options import (
     add_conversation_arguments,
     engine_options_from_args,
@@ -69,9 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto",
                         help="auto (the checkpoint's own), bf16, fp16 or fp32")
     add_experts_dtype_argument(parser)
-    parser.add_argument("--prefill-chunk", type=int, metavar="N",
-                        help="prompt tokens per forward (default: 4096 with every expert "
-                        "resident, 512 through the expert cache)")
+    add_prefill_chunk_argument(parser)
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run decode rounds eagerly on CUDA")
     parser.add_argument("--no-piecewise-graphs", action="store_true",

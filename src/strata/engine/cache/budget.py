@@ -46,6 +46,7 @@ __all__ = [
 
 MIB = 1 << 20
 DEFAULT_RESERVE_MIB = {"cuda": 256.0, "cpu": 0.0}  # by device type
+HOST_DEFAULT_SOURCE = "host default: every expert"  # a budget no flag or device gave
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -154,10 +155,11 @@ class CacheBudget:
     a cache needs. `budget_source` says where `budget_bytes` came from (for the startup line),
     `slot_format` what a slot's blob holds: None, the model dtype; else the experts' quantized
     format (`--experts-dtype`); `kv_format` what the K/V's cells hold: None, the model dtype;
-    else their dtype's name (`--kv-dtype`: "int8", or "bfloat16" under an fp32 model).
-    Raises ValueError for a negative or non-integer part, and for a budget too small for the
-    fixed parts and the minimum cache (one slot; none with `--expert-cache 0`), naming how much
-    is missing.
+    else their dtype's name (`--kv-dtype`: "int8", or "bfloat16" under an fp32 model);
+    `prefill_chunk` the prompt chunk the workspace is sized for (a request through the cache
+    reads its prompt in chunks of it unless it asks for others). Raises ValueError for a
+    negative or non-integer part, and for a budget too small for the fixed parts and the
+    minimum cache (one slot; none with `--expert-cache 0`), naming how much is missing.
     """
 
     budget_bytes: int
@@ -172,6 +174,7 @@ class CacheBudget:
     budget_source: str = "--vram-budget-mib"
     slot_format: str | None = None
     kv_format: str | None = None
+    prefill_chunk: int = 512
 
     def __post_init__(self) -> None:
         for name in ("budget_bytes", "reserve_bytes", "dense_bytes", "kv_bytes",
@@ -297,6 +300,7 @@ class CacheBudget:
             "n_slots": self.n_slots,
             "total_experts": self.total_experts,
             "expert_cache_mib": self.expert_cache_mib,
+            "prefill_chunk": self.prefill_chunk,
         }
 
 
@@ -352,12 +356,12 @@ def plan_budget(
         budget, source = free, "free device memory"
     else:
         every = -(-total_experts * slot_bytes // chunk_bytes) * chunk_bytes
-        budget, source = sum(parts.values()) + every, "host default: every expert"
+        budget, source = sum(parts.values()) + every, HOST_DEFAULT_SOURCE
     return CacheBudget(
         budget_bytes=budget, slot_bytes=slot_bytes, chunk_bytes=chunk_bytes,
         total_experts=total_experts, expert_cache_mib=expert_cache_mib, budget_source=source,
         slot_format=experts_quant, kv_format=None if cells == dtype else kv_dtype_name(cells),
-        **parts,
+        prefill_chunk=prefill_chunk, **parts,
     )
 
 

@@ -22,6 +22,7 @@ from strata.engine.cache.budget import CacheBudget, plan_budget
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.cache.defaults import DEFAULT_SHORT_READ
 from strata.engine.cache.loan import LoanOptions
+from strata.engine.cache.prompt_chunk import choose_prefill_chunk
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.quant import WEIGHT_FORMATS, expert_blob_bytes
 from strata.engine.experts.streamed import StreamSplit, staging_blobs
@@ -111,7 +112,7 @@ def plan_cache(
     device: torch.device,
     *,
     max_context: int,
-    prefill_chunk: int,
+    prefill_chunk: int | None,
     budget_mib: float | None = None,
     reserve_mib: float | None = None,
     expert_cache_mib: float | None = None,
@@ -121,22 +122,28 @@ def plan_cache(
     **options,
 ) -> CacheConfig:
     """The CacheConfig for a model of `config` computing in `dtype` on `device`, sized from the
-    flags' values (see `plan_budget`; `kv_dtype`: the K/V cells', None: `dtype`); `options`
-    are CacheConfig's other fields. `backend`
+    flags' values (see `plan_budget`; `kv_dtype`: the K/V cells', None: `dtype`;
+    `prefill_chunk` None: `choose_prefill_chunk`'s); `options` are CacheConfig's other fields.
+    `backend`
     defaults to a new one for `device` (`strata.engine.memory.device_backend`). Raises
     ValueError for a bad value or a budget too small; the backend made here is closed again then."""
     quant = options.get("experts_quant")
     blob_bytes = expert_blob_bytes(config.expert_width, config.hidden_size, dtype, quant)
     with given_or_own_backend(backend, device) as backend:
-        budget = plan_budget(
-            config, dtype, device,
-            slot_bytes=slot_bytes_for(blob_bytes),
-            chunk_bytes=backend.chunk_bytes, max_context=max_context,
-            prefill_chunk=prefill_chunk, budget_mib=budget_mib, reserve_mib=reserve_mib,
-            expert_cache_mib=expert_cache_mib, kv_cells=kv_cells, kv_dtype=kv_dtype,
-            stream_blobs=staging_blobs(options.get("stream_misses", 0)), experts_quant=quant,
-        )
-        return CacheConfig(budget=budget, backend=backend, **options)
+        def budget_at(chunk: int) -> CacheBudget:
+            return plan_budget(
+                config, dtype, device,
+                slot_bytes=slot_bytes_for(blob_bytes),
+                chunk_bytes=backend.chunk_bytes, max_context=max_context,
+                prefill_chunk=chunk, budget_mib=budget_mib, reserve_mib=reserve_mib,
+                expert_cache_mib=expert_cache_mib, kv_cells=kv_cells, kv_dtype=kv_dtype,
+                stream_blobs=staging_blobs(options.get("stream_misses", 0)),
+                experts_quant=quant,
+            )
+
+        if prefill_chunk is None:
+            prefill_chunk = choose_prefill_chunk(budget_at)
+        return CacheConfig(budget=budget_at(prefill_chunk), backend=backend, **options)
 
 
 def build_cached_experts(

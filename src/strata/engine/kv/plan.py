@@ -286,7 +286,7 @@ def plan_elastic_cache(
     *,
     profile: bool,
     max_context: int,
-    prefill_chunk: int,
+    prefill_chunk: int | None,
     budget_mib: float | None = None,
     reserve_mib: float | None = None,
     expert_cache_mib: float | None = None,

@@ -36,8 +36,9 @@ from strata.engine.runtime.sampling import Sampler
 # A prompt's chunk when none is asked for. With every expert resident, long: a chunk's MoE is a
 # few grouped products over its tokens and a chunk from position 0 attends in one fused causal
 # call, so on the H200 a 4,096-token prompt read in one chunk ran at 3.0x its 512-token chunks
-# (bench/results/prefill-h200-2026-12-01.md). Through the expert cache, the chunk's workspace
-# is budgeted against the cache's slots (`--prefill-chunk` sizes it), so the smaller one.
+# (bench/results/prefill-h200-2026-12-01.md). Through the expert cache, the chunk the cache's
+# workspace was planned for (`CacheBudget.prefill_chunk`: `--prefill-chunk`, or chosen from the
+# budget), else CACHED_PREFILL_CHUNK.
 RESIDENT_PREFILL_CHUNK = 4096
 CACHED_PREFILL_CHUNK = 512
 GROW_MARGIN_CELLS = 16  # the elastic K/V grows at a request for its prompt + this many cells
@@ -78,9 +79,12 @@ class GenerateOptions:
 
 def default_prefill_chunk(model: Any) -> int:
     """The prompt chunk of a request that asks for none: `RESIDENT_PREFILL_CHUNK` when every
-    expert is resident (`ResidentExperts`), `CACHED_PREFILL_CHUNK` through the expert cache."""
-    return RESIDENT_PREFILL_CHUNK if isinstance(model.experts, ResidentExperts) \
-        else CACHED_PREFILL_CHUNK
+    expert is resident (`ResidentExperts`); through the expert cache the chunk its budget was
+    planned for; `CACHED_PREFILL_CHUNK` for other experts (a recorder's wrapper)."""
+    if isinstance(model.experts, ResidentExperts):
+        return RESIDENT_PREFILL_CHUNK
+    budget = getattr(model.experts, "budget", None)
+    return budget.prefill_chunk if budget is not None else CACHED_PREFILL_CHUNK
 
 
 @dataclass

@@ -127,13 +127,15 @@ def plan_cache_options(
     device: torch.device,
     *,
     max_context: int,
-    prefill_chunk: int,
+    prefill_chunk: int | None,
     experts_quant: str | None = None,
     kv_dtype: torch.dtype | None = None,
 ) -> CachePlan:
     """The cache `options` ask for, sized for `config` in `dtype` on `device`, its slots for
     experts in `experts_quant` (`--experts-dtype`'s format, `experts_quant`; None: `dtype`),
-    beside K/V cells of `kv_dtype` (`--kv-dtype`'s, `kv_cell_dtype`; None: `dtype`).
+    beside K/V cells of `kv_dtype` (`--kv-dtype`'s, `kv_cell_dtype`; None: `dtype`), its
+    workspace for prompt chunks of `prefill_chunk` (None: chosen from the budget,
+    `strata.engine.cache.budget.choose_prefill_chunk`).
 
     Raises ValueError for a bad value, an unreadable profile or one for another model, and a
     budget too small (saying how much is missing); the registry's UnknownPolicyError /
@@ -186,22 +188,24 @@ class EngineOptions:
     (`experts_dtype`, one of `strata.engine.experts.quant.EXPERTS_DTYPES`: `auto`, the model's
     dtype, or quantized at load), the K/V cells' (`kv_dtype`, one of
     `strata.engine.model.kv_cells.KV_DTYPES`: `auto`, the model's dtype, `bf16` or `int8`), the
-    window (`max_context` cells), the prompt's chunk, the cache's options and the conversation
-    cache's size (either 0: none). ValueError for a bad value."""
+    window (`max_context` cells), the prompt's chunk (None: the engine's default, for a cache
+    chosen from its budget), the cache's options and the conversation cache's size (either 0:
+    none). ValueError for a bad value."""
 
     device: str | torch.device = "cpu"
     dtype: torch.dtype | None = None
     experts_dtype: str = "auto"
     kv_dtype: str = "auto"
     max_context: int = 4096
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None
     cache: CacheOptions = field(default_factory=CacheOptions)
     conversation_cache_mib: float = 0.0
     conversation_cache_slots: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_context", "prefill_chunk"):
-            if not _positive(getattr(self, name)):
+            if not _positive(getattr(self, name)) and \
+                    (name == "max_context" or self.prefill_chunk is not None):
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         mib, slots = self.conversation_cache_mib, self.conversation_cache_slots
         if not (isinstance(mib, int | float) and math.isfinite(mib) and mib >= 0) or \
