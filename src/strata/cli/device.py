@@ -60,14 +60,14 @@ def add_prefill_chunk_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_compile_argument(parser: argparse.ArgumentParser) -> None:
-    """`--compile` (`GenerateOptions.compile`). Off by default: each 256-cell window a run
-    reaches compiles once (tens of seconds), which a later process partly reuses
+    """`--compile` (`GenerateOptions.compile`). Off by default: it costs tens of seconds of
+    compiling, which a later process partly reuses
     (bench/results/decode-profile-h200-2026-12-01.md)."""
     parser.add_argument(
         "--compile", action="store_true",
         help="torch.compile the CUDA-graph decode step of resident experts: a faster decode "
-        "round after tens of seconds of compiling for each 256-cell window reached, which "
-        "later runs partly reuse")
+        "round after tens of seconds of compiling (twice in a run past its first 256-cell "
+        "window), which later runs partly reuse")
 
 
 def parse_device(name: str | None) -> torch.device:

@@ -15,14 +15,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from strata.settings import cache_dir
 
 
-def compile_decode_step(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`fn` compiled for static shapes (one compilation per decode window), not yet run.
+def compile_decode_step(fn: Callable[..., torch.Tensor],
+                        backend: str | Callable[..., Any] = "inductor",
+                        ) -> Callable[..., torch.Tensor]:
+    """`fn` (`MoEModel.forward_at`) compiled by `backend`, not yet run.
+
+    Two compilations at most, however many windows a run reaches: the first window's, with
+    every shape static; then, at the second window, one in which the window (`n_ctx`, the
+    only argument that changes) is a dynamic size (torch's automatic dynamic shapes), which
+    every later window reuses. A compilation per window would cost each new 256-cell window
+    its tens of seconds, and pass dynamo's recompile limit after eight.
 
     CUDA graphs are left to the caller (the generate loop captures its own), so the compiled
     function is plain kernels that a graph can capture.
@@ -40,4 +49,4 @@ def compile_decode_step(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.
     # one does, reading each routed expert in place.
     grouped.define_compiled_op()
     quantized.define_compiled_op()
-    return torch.compile(fn, dynamic=False, fullgraph=False)
+    return torch.compile(fn, backend=backend, dynamic=None, fullgraph=False)
