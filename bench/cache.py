@@ -115,7 +115,8 @@ def run_decode(engine, prompt, n_new, repeat, max_context, cuda_graphs=True,
     return out
 
 
-def run_prefill(engine, prompt, repeat, max_context, prefill_chunk: int = 512) -> dict:
+def run_prefill(engine, prompt, repeat, max_context, prefill_chunk: int | None = 512) -> dict:
+    """`prefill_chunk` None: the engine's default (through a cache, the chunk it planned)."""
     options = GenerateOptions(max_new=1, max_context=max_context, temperature=0.0,
                               ignore_stop=True, prefill_chunk=prefill_chunk)
     fresh_request(engine, prompt, options)  # warm-up (and the loan's first refill)

@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=4096,
                         help="the long prompt (0: no prefill run)")
-    parser.add_argument("--prefill-chunk", type=int, default=CACHED_PREFILL_CHUNK,
-                        help="the prompt's chunk (default: 512, strata generate's through the "
-                        "cache)")
+    parser.add_argument("--prefill-chunk", type=int,
+                        help="the prompt's chunk (default: the one the cache chooses from its "
+                        "budget, as strata generate's)")
     parser.add_argument("--profile-prompts", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs (the median)")
     parser.add_argument("--eager", action="store_true",
@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         store = model.experts.store
         counts, _ = collect_counts(model, [byte_tokens(256, 100 + i)
                                            for i in range(args.profile_prompts)],
-                                   decode_tokens=16, prefill_chunk=args.prefill_chunk)
+                                   decode_tokens=16,
+                                   prefill_chunk=args.prefill_chunk or CACHED_PREFILL_CHUNK)
         rank = rank_from_counts(counts)
         model.experts.close()
         first.backend.close()
@@ -314,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                     run = run_prefill(engine, long_prompt, args.repeat, prefill_context,
                                       prefill_chunk=args.prefill_chunk)
                     run["startup"] = engine.cache.budget.startup_line()
+                    run["prefill_chunk"] = args.prefill_chunk or \
+                        engine.cache.budget.prefill_chunk
                     run["experts_dtype"] = fmt
                 del engine
                 model.experts = None
@@ -396,7 +399,7 @@ def print_report(result: dict, args) -> None:
             continue
         bound = prefill["upload_bound_s"]
         print(f"{name}, {args.prefill_tokens} tokens in chunks of "
-              f"{result['prefill_chunk']}: {prefill['prefill_s']:.3f} s "
+              f"{prefill['prefill_chunk']}: {prefill['prefill_s']:.3f} s "
               f"({prefill['prefill_tok_s']:.0f} tok/s); uploaded "
               f"{prefill['cache']['prompt']['uploaded_bytes'] / GB:.3f} GB, upload bound "
               f"{'-' if bound is None else f'{bound:.3f} s'} "

@@ -87,6 +87,13 @@ for seed, (s, f, d, index, dtype) in enumerate([
                     "error": _relative(out, ref) if len(index) else 0.0,
                     "finite": bool(torch.isfinite(out).all()),
                     "same_bytes": bool(torch.equal(out, again))})
+# One token's row repeated for its K experts: a stride of 0 between rows, read as it is.
+gate_up, down = _stack(5, 48, 80, torch.float32, 9)
+index = torch.tensor([3, 0, 3, 4])
+row = torch.randn(1, 80, generator=torch.Generator().manual_seed(9))
+repeated = expert_rows_triton(gate_up, down, index, row.expand(4, 80))
+results.append({"repeated_rows_as_copied": bool(torch.equal(
+    repeated, expert_rows_triton(gate_up, down, index, row.expand(4, 80).contiguous())))})
 print(json.dumps(results))
 """
 
@@ -96,9 +103,10 @@ def test_the_triton_kernels_under_the_interpreter_match_the_reference():
     results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
     expected = [([4, 80], "torch.float32", 1e-5), ([1, 256], "torch.float32", 1e-5),
                 ([6, 300], "torch.float16", 2e-3), ([0, 16], "torch.float32", 0.0)]
-    for result, (shape, dtype, tolerance) in zip(results, expected, strict=True):
+    for result, (shape, dtype, tolerance) in zip(results[:-1], expected, strict=True):
         assert result["shape"] == shape and result["dtype"] == dtype
         assert result["error"] <= tolerance and result["finite"] and result["same_bytes"]
+    assert results[len(expected)] == {"repeated_rows_as_copied": True}
 
 
 def test_the_triton_path_refuses_weights_it_cannot_read_in_place():

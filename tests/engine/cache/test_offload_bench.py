@@ -35,6 +35,7 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
         assert r["cpu_gb_s"] > 0 and r["cpu_share_of_host_read"] > 0
     prefill = runs["prefill-loan"]
     assert prefill["cache"]["lent_slots"] > 0 and prefill["upload_bound_s"] is None
+    assert prefill["prefill_chunk"] == 80  # the asked chunk, reported with the run
     assert prefill["scaled_tok_s"] == prefill["prefill_tok_s"]  # the preset's own depth
 
 

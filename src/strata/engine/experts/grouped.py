@@ -132,7 +132,8 @@ def expert_rows_triton(
     if gate_up.shape[1:] != (2 * f, d) or down.shape[1:] != (d, f):
         raise ValueError(f"gate_up {list(gate_up.shape)} and down {list(down.shape)} are not "
                          f"[S, 2F, D] and [S, D, F] for D = {d}, F = {f}")
-    x_rows = x_rows.contiguous()
+    if x_rows.stride(1) != 1:  # any stride between rows: 0 repeats one token's row
+        x_rows = x_rows.contiguous()
     act = x_rows.new_empty((n_rows, f))  # [R, F]
     y = x_rows.new_empty((n_rows, d))  # [R, D]
     if n_rows == 0:

@@ -132,7 +132,8 @@ def quantized_rows_triton(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
         raise ValueError(f"the kernels read a {fmt} blob's scales as float32: the slot stride "
                          f"({blobs.stride(0)}) and 3*F*D ({3 * f * d}) must keep them 4-byte "
                          f"aligned")
-    x_rows = x_rows.contiguous()
+    if x_rows.stride(1) != 1:  # any stride between rows: 0 repeats one token's row
+        x_rows = x_rows.contiguous()
     act = x_rows.new_empty((n_rows, f))  # [R, F]
     y = x_rows.new_empty((n_rows, d))  # [R, D]
     if n_rows == 0:
