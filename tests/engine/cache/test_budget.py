@@ -180,8 +180,8 @@ def test_startup_line_names_every_part():
     line = _budget(budget_bytes=3 * MIB, dense_bytes=MIB, slot_bytes=256 * 1024,
                    total_experts=8).startup_line()
     assert line.startswith("expert cache: budget 3.0 MiB (--vram-budget-mib) = dense 1.0 MiB")
-    for part in ("K/V 8.0 KiB", "workspace 4.0 KiB", "reserve 1.0 KiB", "(auto): 7 slots of "
-                 "256.0 KiB, 87.5% of 8 experts"):
+    for part in ("K/V 8.0 KiB", "workspace 4.0 KiB (prompt chunks of 512)", "reserve 1.0 KiB",
+                 "(auto): 7 slots of 256.0 KiB, 87.5% of 8 experts"):
         assert part in line
 
 
