@@ -37,7 +37,7 @@ __all__ = ["copies_weights", "expert_rows", "expert_rows_gathered", "expert_rows
 
 # Rows of one expert each program reduces, the width of a step along the reduced axis, and
 # the warps of a gate_up and of a down program. Measured on the H200 at the olmoe-1b-7b and
-# qwen3-30b-a3b shapes (bench/grouped_experts.py): the fastest of 16 for both.
+# qwen3-30b-a3b shapes (bench/grouped_experts.py): the fastest of the 32 tried for both.
 GATE_UP_BLOCK_F, GATE_UP_BLOCK_D = 32, 128
 DOWN_BLOCK_D, DOWN_BLOCK_F = 32, 128
 NUM_WARPS = (8, 8)
@@ -118,9 +118,10 @@ def expert_rows_triton(
     """`expert_rows` with the Triton kernels, reading the weights in place. Runs wherever
     Triton does (its interpreter on the CPU, with TRITON_INTERPRET=1 set before import, is
     how the tests check it without a GPU). `gate_up_blocks` (F rows, D step) and
-    `down_blocks` (D rows, F step) are the kernels' block sizes, powers of two (the benchmark
-    tries others). `launch` wraps each kernel before its launch (`torch.library.wrap_triton`
-    under the custom operator). RuntimeError without Triton."""
+    `down_blocks` (D rows, F step) are the kernels' block sizes, powers of two, and
+    `num_warps` their programs' warps (the benchmark tries others). `launch` wraps each
+    kernel before its launch (`torch.library.wrap_triton` under the custom operator).
+    RuntimeError without Triton."""
     kernels = _kernels()
     (gate_up_f, gate_up_d), (down_d, down_f) = gate_up_blocks, down_blocks
     if kernels is None:
