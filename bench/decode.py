@@ -12,6 +12,9 @@ bound that strata reaches. Writes nothing else.
 - MoE share (CUDA): the routed experts of every layer over `--prompt-tokens` random rows, timed
   alone (`Experts.forward` as a prompt chunk calls it), their FLOPs (2 * T * K * 3 * F * D a
   layer) against `--matmul-tflops` (default on cuda 790: the H200's measured bf16 rate).
+- `--prefill-lengths`: more prompt lengths whose prefill alone is measured in the same run
+  (strata's, with the MoE share of its chunk, and transformers'; 2 new tokens each), so that
+  one run prints issue 16's table of prefill at every length beside the decode figures.
 - bound: the bytes one decode token must read (every dense weight, the K routed experts of each
   layer, the lm_head, the K/V at the mean context; from the config), against `--bandwidth-gbs`
   (on cuda by default 4300 GB/s: the H200's measured device-to-device copy rate).
@@ -20,6 +23,7 @@ bound that strata reaches. Writes nothing else.
     python bench/decode.py --preset olmoe-1b-7b --device cuda  # the GPU machine (~14 GB on disk)
     python bench/decode.py ... --layers 8 --json               # shorter; one JSON object
     python bench/decode.py ... --experts-dtype int8,int4       # + quantized experts' runs
+    python bench/decode.py ... --prefill-lengths 512,4096,16384  # + prefill at those lengths
 """
 
 from __future__ import annotations
@@ -173,6 +177,30 @@ def run_transformers(ckpt, device, dtype, prompt, n_new, repeat) -> dict:
     }
 
 
+def prefill_at(n_tokens: int, ckpt, device, dtype, args, matmul_tflops) -> dict:
+    """Prefill of an `n_tokens` prompt (byte ids seeded by its length), strata's and, unless
+    --no-transformers, transformers', each the median of --repeat after a warm-up; with the
+    MoE share of strata's chunk where there is a matrix rate."""
+    prompt = torch.randint(0, BYTE_TOKENS, (n_tokens,),
+                           generator=torch.Generator().manual_seed(n_tokens)).tolist()
+    ours = run_strata(ckpt, device, dtype, prompt, 2, args.repeat, args.prefill_chunk,
+                      moe_share=matmul_tflops is not None)
+    free_memory(device)
+    theirs = None
+    if not args.no_transformers:
+        theirs = run_transformers(ckpt, device, dtype, prompt, 2, args.repeat)["prefill_tok_s"]
+        free_memory(device)
+    return {
+        "prompt_tokens": n_tokens, "prefill_chunk": ours["prefill_chunk"],
+        "strata_tok_s": ours["prefill_tok_s"], "transformers_tok_s": theirs,
+        "ratio": ours["prefill_tok_s"] / theirs if theirs else None,
+        "moe_tokens": min(n_tokens, ours["prefill_chunk"]), "moe_tflops": ours["moe_tflops"],
+        "moe_share": ours["moe_tflops"] / matmul_tflops
+        if matmul_tflops and ours["moe_tflops"] else None,
+        "deterministic": ours["deterministic"],
+    }
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -216,8 +244,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated quantized --experts-dtype values (int8, int4, ...):"
                         " strata runs with the experts quantized at load, each against the bound "
                         "at its bytes")
+    parser.add_argument("--prefill-lengths", default="",
+                        help="comma-separated prompt lengths whose prefill alone is measured "
+                        "too (strata and transformers, the MoE share of each chunk)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
+    try:
+        lengths = [int(n) for n in args.prefill_lengths.split(",") if n]
+    except ValueError:
+        lengths = [0]
+    if any(n < 1 for n in lengths):
+        parser.error(f"--prefill-lengths takes comma-separated token counts >= 1, got "
+                     f"{args.prefill_lengths!r}")
     formats = [f for f in args.experts_dtype.split(",") if f]
     if any(f not in EXPERTS_DTYPES or f in ("auto", "bf16") for f in formats):
         parser.error(f"--experts-dtype takes comma-separated quantized values of "
@@ -267,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_transformers:
             peer = run_transformers(ckpt, device, dtype, prompt, args.new_tokens, args.repeat)
             free_memory(device)
+        prefills = [prefill_at(n, ckpt, device, dtype, args, matmul_tflops) for n in lengths]
 
     config = strata.pop("config")
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -309,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         "bound_share": strata["decode_tok_s"] / bound_tok_s if bound_tok_s else None,
         "tokens_equal_prefix": _common_prefix(strata["tokens"], peer["tokens"]) if peer else None,
         "quantized": quantized,
+        "prefill_lengths": prefills,
     }
     for figures in quantized.values():
         figures["bytes_per_token"] = bytes_per_token(
@@ -352,6 +392,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * result['moe_share']:.1f}% of {matmul_tflops:.0f}")
     if peer:
         print(f"prefill strata / transformers: {result['prefill_ratio']:.2f}x")
+    for row in prefills:
+        versus = "" if row["transformers_tok_s"] is None else (
+            f", transformers {row['transformers_tok_s']:,.0f} tok/s: {row['ratio']:.2f}x")
+        moe = "" if row["moe_share"] is None else (
+            f"; MoE of its {row['moe_tokens']}-token chunk {row['moe_tflops']:.1f} TFLOP/s, "
+            f"{100 * row['moe_share']:.1f}% of {matmul_tflops:.0f}")
+        print(f"prefill of {row['prompt_tokens']:,} tokens (chunks of {row['prefill_chunk']}): "
+              f"strata {row['strata_tok_s']:,.0f} tok/s{versus}{moe}")
     for fmt, figures in quantized.items():
         share = "" if figures["bound_share"] is None else (
             f"; bound {figures['bound_tok_s']:.0f} tok/s at {_si(figures['bytes_per_token'])} a "

@@ -39,9 +39,10 @@
 # bench/decode.py with every expert resident, bf16 against int8 and int4 experts, each against
 # the bandwidth bound at its bytes, an 8-layer olmoe cut), profile (4: bench/decode_profile.py,
 # the kernels of prompt chunks of 32, 512 and 4,096 tokens and of a decode round, eager, graph
-# and compiled, on a 4-layer olmoe cut), decode16 (5: bench/decode.py on the whole olmoe-1b-7b,
+# and compiled, on a 4-layer olmoe cut), decode16 (7: bench/decode.py on the whole olmoe-1b-7b,
 # the plain graphs, --compile and transformers, decode against the bound, the first request's
-# seconds); `offload` runs the first three; the first
+# seconds, then prefill at 512, 4,096 and 16,384 tokens against transformers with the MoE's
+# share); `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # second or two, and later runs read them). A new checkpoint adds about a minute to the first
 # stage that uses it.
@@ -173,8 +174,9 @@ for stage in "$@"; do
                      --new-tokens 64 --repeat 3 --no-transformers --experts-dtype int8,int4 \
                      --json) > "$OUT/quant-decode.json" 2> "$OUT/quant-decode.err"
                   tail -2 "$OUT/quant-decode.err" ;;
-    decode16) (cd bench && timeout 420 python3 decode.py --model "$(olmoe_checkpoint)" \
-                 --compile --new-tokens 64 --repeat 3 --json) > "$OUT/decode16.json" \
+    decode16) (cd bench && timeout 540 python3 decode.py --model "$(olmoe_checkpoint)" \
+                 --compile --new-tokens 64 --repeat 3 --prefill-lengths 512,4096,16384 \
+                 --json) > "$OUT/decode16.json" \
                  2> "$OUT/decode16.err"; tail -2 "$OUT/decode16.err" ;;
     profile) (cd bench && timeout 420 python3 decode_profile.py --preset olmoe-1b-7b --layers 4 \
                 --prompt-tokens 32,512,4096 --gathered-compile --json "$OUT/profile.json") \

@@ -150,9 +150,13 @@ def test_the_decode_bench_runs_and_reports(capsys):
     pytest.importorskip("transformers")
     bench = load_bench("decode.py")
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "12", "--repeat", "1",
-            "--json"]
+            "--prefill-lengths", "20", "--json"]
     assert bench.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
+    (row,) = report["prefill_lengths"]
+    assert row["prompt_tokens"] == 20 and row["strata_tok_s"] > 0 and row["deterministic"]
+    assert row["ratio"] == row["strata_tok_s"] / row["transformers_tok_s"]
+    assert row["moe_share"] is None  # no matrix rate given on the CPU
     # transformers' decode is the difference of two timed runs: on a busy machine a run this
     # short can leave none, which the bench reports as nan rather than a made-up rate.
     peer = report["transformers"]["decode_tok_s"]
@@ -169,12 +173,24 @@ def test_the_decode_bench_times_the_moe_of_a_chunk(capsys):
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--repeat", "1",
             "--prompt-tokens", "40", "--prefill-chunk", "16", "--matmul-tflops", "1",
             "--no-transformers"]
-    assert bench.main(argv) == 0
-    assert "MoE of a 16-token chunk, every layer:" in capsys.readouterr().out
+    assert bench.main([*argv, "--prefill-lengths", "24,40"]) == 0
+    printed = capsys.readouterr().out
+    assert "MoE of a 16-token chunk, every layer:" in printed
+    assert "prefill of 40 tokens (chunks of 16): strata" in printed
     assert bench.main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["prefill_chunk"] == 16
     assert 0 < report["moe_share"] == report["strata"]["moe_tflops"] / 1.0
+    assert report["prefill_lengths"] == []
+
+
+def test_the_decode_bench_refuses_bad_prefill_lengths(capsys):
+    bench = load_bench("decode.py")
+    for bad in ("0", "12,x", "-5"):
+        with pytest.raises(SystemExit):
+            bench.main(["--preset", "tiny", "--device", "cpu", "--prefill-lengths", bad])
+        assert "--prefill-lengths takes comma-separated token counts >= 1" in \
+            capsys.readouterr().err
 
 
 def test_the_decode_profile_times_chunks_and_rounds(tmp_path, capsys):
