@@ -39,7 +39,8 @@
 # bench/decode.py with every expert resident, bf16 against int8 and int4 experts, each against
 # the bandwidth bound at its bytes, an 8-layer olmoe cut), profile (4: bench/decode_profile.py,
 # the kernels of prompt chunks of 32, 512 and 4,096 tokens and of a decode round, eager, graph
-# and compiled, on a 4-layer olmoe cut), decode16 (7: bench/decode.py on the whole olmoe-1b-7b,
+# and compiled, on a 4-layer olmoe cut), profile-shapes (6: the same for qwen3-30b-a3b cut to
+# 4 layers and mixtral-8x7b cut to 2, prompt chunks of 32 and 4,096), decode16 (7: bench/decode.py on the whole olmoe-1b-7b,
 # the plain graphs, --compile and transformers, decode against the bound, the first request's
 # seconds, then prefill at 512, 4,096 and 16,384 tokens against transformers with the MoE's
 # share); `offload` runs the first three; the first
@@ -174,6 +175,11 @@ for stage in "$@"; do
                      --new-tokens 64 --repeat 3 --no-transformers --experts-dtype int8,int4 \
                      --json) > "$OUT/quant-decode.json" 2> "$OUT/quant-decode.err"
                   tail -2 "$OUT/quant-decode.err" ;;
+    profile-shapes) for shape in "qwen3-30b-a3b --layers 4" "mixtral-8x7b --layers 2"; do
+                      (cd bench && timeout 240 python3 decode_profile.py --preset $shape \
+                         --prompt-tokens 32,4096 --json "$OUT/profile-${shape%% *}.json") \
+                         >> "$OUT/profile-shapes.txt" 2>> "$OUT/profile-shapes.err"
+                    done; grep -E "^(prompt|decode)" "$OUT/profile-shapes.txt" ;;
     decode16) (cd bench && timeout 540 python3 decode.py --model "$(olmoe_checkpoint)" \
                  --compile --new-tokens 64 --repeat 3 --prefill-lengths 512,4096,16384 \
                  --json) > "$OUT/decode16.json" \
