@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from _common import add_model_arguments, byte_tokens, checkpoint_for, sync
 from strata.engine.experts import grouped
-from strata.engine.runtime.decode_steps import _EagerDecode, _GraphDecode
+from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 
 # Kernel names -> the kind they are counted under, first match wins (lower-case substrings).
@@ -163,11 +163,16 @@ def main(argv: list[str] | None = None) -> int:
                                     lambda ids=ids: model.forward(ids, 0, kv, last_only=True),
                                     device, max(3, args.repeat // 4), n, args.host_profile))
                 print_summary(rows[-1])
-            steps = [("decode, eager", _EagerDecode(model, kv))]
+
+            def step_of(graphs: bool, compile: bool = False):
+                return decode_step(model, kv, None, cuda_graphs=graphs, piecewise_graphs=False,
+                                   compile=compile)
+
+            steps = [("decode, eager", step_of(False))]
             if on_cuda:
-                steps.append(("decode, CUDA graph (default)", _GraphDecode(model, kv)))
+                steps.append(("decode, CUDA graph (default)", step_of(True)))
                 if not args.no_compile:
-                    steps.append(("decode, --compile", _GraphDecode(model, kv, compile=True)))
+                    steps.append(("decode, --compile", step_of(True, True)))
             for label, step in steps:
                 step.prepare(1, args.position, args.position)
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 grouped._compiled["expert_rows"] = None  # traced: the gathered path
                 define, grouped.define_compiled_op = grouped.define_compiled_op, lambda: None
                 torch._dynamo.reset()
-                step = _GraphDecode(model, kv, compile=True)
+                step = step_of(True, True)
                 step.prepare(1, args.position, args.position)
                 rows.append(summary("decode, --compile, experts gathered",
                                     lambda: step(1, args.position), device, args.repeat, 1))

@@ -169,6 +169,7 @@ def test_under_torch_compile_the_experts_are_the_same_kernels():
 
 
 def test_the_compiled_operators_are_made_once():
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
     from strata.engine.experts import grouped, quantized
 
     for module, name in ((grouped, "expert_rows"), (quantized, "quantized_rows")):

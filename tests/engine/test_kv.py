@@ -7,15 +7,9 @@ import torch
 
 from strata import _vmm
 from strata.engine.kv.kv_cache import KVCache, device_backend
+from support.host_backend import HOST_CHUNK
 
-CHUNK = 65536
-
-
-@pytest.fixture
-def backend():
-    backend = _vmm.HostBackend(CHUNK)
-    yield backend
-    backend.close()
+CHUNK = HOST_CHUNK  # tests/engine/conftest.py's backend
 
 
 def test_segments_are_whole_chunks_and_contiguous(backend):

@@ -8,16 +8,11 @@ import torch
 
 from strata import _vmm
 from strata.engine.kv.kv_cache import KVCache
+from support.cache_state import raising_faults_until_done
+from support.host_backend import HOST_CHUNK
 
-CHUNK = 65536
+CHUNK = HOST_CHUNK  # tests/engine/conftest.py's backend
 CELLS_PER_CHUNK = 1024  # 1 kv head * 32 dims * 2 bytes (bf16) = 64-byte cells
-
-
-@pytest.fixture
-def backend():
-    backend = _vmm.HostBackend(CHUNK)
-    yield backend
-    backend.close()
 
 
 def _kv(backend, mapped_cells=1024):
@@ -49,6 +44,11 @@ def _chunk_bytes(backend, chunks):
 
 def _contents(kv):
     return [(kv.k(i).clone(), kv.v(i).clone()) for i in range(kv.n_layers)]
+
+
+def _state(kv, backend):
+    return {"contents": [t for pair in _contents(kv) for t in pair], "chunks": kv.mapped_chunks,
+            "mapped": backend.bytes_mapped, "alive": backend.alive_chunks}
 
 
 def test_given_chunks_are_mapped_first_in_segment_order_and_zeroed(backend):
@@ -129,28 +129,20 @@ def test_a_fault_at_every_chunk_of_a_growth_leaves_everything_as_it_was(backend,
     for layer in range(2):
         kv.k(layer).fill_(layer + 1.0)
         kv.v(layer).fill_(layer + 5.0)
-    nth = 1
-    while True:
-        given = _stamped_chunks(backend, 5)  # 3 of the 8 chunks are created
-        before = (_contents(kv), kv.mapped_chunks, backend.bytes_mapped, backend.alive_chunks)
-        backend.inject_fault(op, nth)
-        try:
-            kv.map_cells(2500, chunks=given)
-        except _vmm.VmmError:
-            contents, chunks, mapped, alive = before
-            assert (kv.mapped_chunks, backend.bytes_mapped, backend.alive_chunks) == (
-                chunks, mapped, alive)
-            assert all(torch.equal(a, b) for pair, old in zip(_contents(kv), contents,
-                                                               strict=True)
-                       for a, b in zip(pair, old, strict=True))
-            stamps = _chunk_bytes(backend, given)  # the given chunks: the caller's, bytes intact
-            assert all(s.eq(0x10 + i).all() for i, s in enumerate(stamps))
-            nth += 1
-            continue
-        backend.clear_faults()
-        break
+    given = []
+
+    def give():
+        given[:] = _stamped_chunks(backend, 5)  # 3 of the 8 chunks are created
+
+    def given_intact():  # the given chunks: the caller's, bytes intact
+        stamps = _chunk_bytes(backend, given)
+        assert all(s.eq(0x10 + i).all() for i, s in enumerate(stamps))
+
+    failed, _ = raising_faults_until_done(
+        backend, op, lambda: kv.map_cells(2500, chunks=given), lambda: _state(kv, backend),
+        check=given_intact, prepare=give)
     # One fault a chunk (create: 3 new chunks; map: 8; access: one per segment run, 4).
-    assert nth - 1 == {"create": 3, "map": 8, "access": 4}[op]
+    assert failed == {"create": 3, "map": 8, "access": 4}[op]
     assert kv.mapped_chunks == 3
     kv.close()
 
@@ -160,24 +152,9 @@ def test_a_fault_at_every_segment_of_an_unmap_leaves_everything_as_it_was(backen
     for layer in range(2):
         kv.k(layer).copy_(torch.arange(4096 * 32).view(4096, 1, 32).to(torch.bfloat16))
         kv.v(layer).fill_(-layer)
-    nth = 1
-    while True:
-        before = (_contents(kv), kv.mapped_chunks, backend.bytes_mapped, backend.alive_chunks)
-        backend.inject_fault("unmap", nth)
-        try:
-            chunks = kv.unmap_cells(1024)
-        except _vmm.VmmError:
-            contents, n_chunks, mapped, alive = before
-            assert (kv.mapped_chunks, backend.bytes_mapped, backend.alive_chunks) == (
-                n_chunks, mapped, alive)
-            assert all(torch.equal(a, b) for pair, old in zip(_contents(kv), contents,
-                                                               strict=True)
-                       for a, b in zip(pair, old, strict=True))
-            nth += 1
-            continue
-        backend.clear_faults()
-        break
-    assert nth - 1 == 4  # one unmap call (one run) per segment
+    failed, chunks = raising_faults_until_done(backend, "unmap", lambda: kv.unmap_cells(1024),
+                                               lambda: _state(kv, backend))
+    assert failed == 4  # one unmap call (one run) per segment
     assert len(chunks) == 12 and kv.mapped_cells == 1024
     kv.close()
 

@@ -29,16 +29,11 @@ from strata.engine.model.moe import load_model
 from strata.engine.model.presets import get_preset
 from strata.engine.runtime.recording import trace_meta
 from strata.sim.kv_sim import KvConfig
+from support.cache_state import raising_faults_until_done
 from support.checkpoints import cached_checkpoint
+from support.host_backend import HOST_CHUNK
 
-CHUNK = 65536
-
-
-@pytest.fixture
-def backend():
-    backend = _vmm.HostBackend(CHUNK)
-    yield backend
-    backend.close()
+CHUNK = HOST_CHUNK  # tests/engine/conftest.py's backend
 
 
 # --- the round trip ---
@@ -215,6 +210,11 @@ def _contents(kv):
     return [t.clone() for t in (*kv._k, *kv._v, *kv.scales())]
 
 
+def _state(kv, backend):
+    return {"contents": _contents(kv), "chunks": kv.mapped_chunks,
+            "mapped": backend.bytes_mapped, "alive": backend.alive_chunks}
+
+
 def _stamp(kv):
     gen = torch.Generator().manual_seed(0)
     for layer in range(kv.n_layers):
@@ -227,25 +227,19 @@ def _stamp(kv):
 def test_a_fault_at_every_chunk_of_an_int8_growth_leaves_everything_as_it_was(backend, op):
     kv = _int8_kv(backend)
     _stamp(kv)
-    nth = 1
-    while True:
-        given = backend.create_chunks(5)  # 8 chunks a step: 5 given, 3 created
-        before = (_contents(kv), kv.mapped_chunks, backend.bytes_mapped, backend.alive_chunks)
-        backend.inject_fault(op, nth)
-        try:
-            kv.map_cells(4096, chunks=given)
-        except _vmm.VmmError:
-            contents, chunks, mapped, alive = before
-            assert (kv.mapped_chunks, backend.bytes_mapped, backend.alive_chunks) == (
-                chunks, mapped, alive)
-            assert all(torch.equal(a, b) for a, b in zip(_contents(kv), contents, strict=True))
-            assert not any(c.mapped for c in given)
-            nth += 1
-            continue
-        backend.clear_faults()
-        break
+    given = []
+
+    def give():
+        given[:] = backend.create_chunks(5)  # 8 chunks a step: 5 given, 3 created
+
+    def given_unmapped():
+        assert not any(c.mapped for c in given)
+
+    failed, _ = raising_faults_until_done(
+        backend, op, lambda: kv.map_cells(4096, chunks=given), lambda: _state(kv, backend),
+        check=given_unmapped, prepare=give)
     # One fault a chunk: 3 created, 8 mapped (one a segment), one access run a segment.
-    assert nth - 1 == {"create": 3, "map": 8, "access": 8}[op]
+    assert failed == {"create": 3, "map": 8, "access": 8}[op]
     assert kv.mapped_cells == 4096 and not kv.scales()[1][2048:].any()
     kv.close()
 
@@ -254,19 +248,9 @@ def test_an_int8_unmap_under_faults_then_remap_keeps_every_byte(backend):
     kv = _int8_kv(backend, mapped_cells=8192)
     _stamp(kv)
     before = _contents(kv)
-    nth = 1
-    while True:
-        backend.inject_fault("unmap", nth)
-        try:
-            chunks = kv.unmap_cells(2048)
-        except _vmm.VmmError:
-            assert kv.mapped_chunks == 4
-            assert all(torch.equal(a, b) for a, b in zip(_contents(kv), before, strict=True))
-            nth += 1
-            continue
-        backend.clear_faults()
-        break
-    assert nth - 1 == 8 and len(chunks) == 24 and kv.mapped_cells == 2048
+    failed, chunks = raising_faults_until_done(backend, "unmap", lambda: kv.unmap_cells(2048),
+                                               lambda: _state(kv, backend))
+    assert failed == 8 and len(chunks) == 24 and kv.mapped_cells == 2048
     kv.remap_cells(8192, chunks)
     assert all(torch.equal(a, b) for a, b in zip(_contents(kv), before, strict=True))
     kv.close()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from strata import _vmm
+
 
 def assert_same_state(a: dict, b: dict) -> None:
     """Two snapshots (dicts of lists of tensors, tensors, arrays or plain values) are equal,
@@ -56,3 +58,27 @@ def faults_until_done(backend, op: str, attempt, state, failure, check=None) -> 
         if check is not None:
             check()
         nth += 1
+
+
+def raising_faults_until_done(backend, op: str, attempt, state, check=None, prepare=None):
+    """`faults_until_done` for an `attempt()` that raises the injected `VmmError` (the K/V's
+    own calls): after each failure `state()` is what it was before and `check()` (if given)
+    holds; `prepare()` (if given) runs before each attempt, before the state is taken and the
+    fault injected. Returns (how many attempts failed, what the successful one returned)."""
+    nth = 1
+    while True:
+        if prepare is not None:
+            prepare()
+        before = state()
+        backend.inject_fault(op, nth)
+        try:
+            result = attempt()
+        except _vmm.VmmError as err:
+            assert f"injected fault in {op}" in str(err)
+            assert_same_state(state(), before)
+            if check is not None:
+                check()
+            nth += 1
+            continue
+        backend.clear_faults()
+        return nth - 1, result

@@ -10,14 +10,21 @@ import dataclasses
 import pytest
 import torch
 
+from strata import _vmm
 from strata.engine.cache.build import plan_cache
 from strata.engine.cache.prompt_chunk import PREFILL_CHUNKS, PREFILL_SLOT_SHARE
+from strata.engine.kv.plan import plan_elastic_cache
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.init_model import hf_config
 from strata.engine.model.presets import PRESETS
 from strata.engine.runtime.engine import Engine
-from strata.engine.runtime.generate import CACHED_PREFILL_CHUNK, GenerateOptions
+from strata.engine.runtime.generate import (
+    CACHED_PREFILL_CHUNK,
+    GenerateOptions,
+    default_prefill_chunk,
+)
 from strata.engine.runtime.options import CacheOptions, EngineOptions
+from strata.engine.runtime.recording import RoutingCounter
 from support.checkpoints import cached_checkpoint
 
 CPU = torch.device("cpu")
@@ -89,6 +96,12 @@ def test_a_request_through_the_cache_reads_its_prompt_in_the_planned_chunks(monk
     seen = []
     with Engine.from_options(ckpt, options) as engine:
         assert engine.cache.budget.prefill_chunk == PREFILL_CHUNKS[-1]
+        # A routing recorder around the cache (--trace) reads the prompt as the cache alone.
+        inner = engine.model.experts
+        config = engine.model.config
+        engine.model.experts = RoutingCounter(inner, config.n_layers, config.n_experts, "cpu")
+        assert default_prefill_chunk(engine.model) == PREFILL_CHUNKS[-1]
+        engine.model.experts = inner
         forward = engine.model.forward
 
         def counting(ids, start, kv, **kw):
@@ -99,3 +112,20 @@ def test_a_request_through_the_cache_reads_its_prompt_in_the_planned_chunks(monk
         engine.generate([3 + i % 250 for i in range(1100)], GenerateOptions(
             max_new=2, max_context=2048, temperature=0.0, ignore_stop=True, cuda_graphs=False))
     assert seen[0] == 1100 > CACHED_PREFILL_CHUNK  # one chunk, where 512 made three
+
+
+def test_an_elastic_plan_compares_its_budgets_at_one_chunk():
+    # The chunk is chosen once, with the whole window mapped, then every budget the elastic
+    # plan weighs (as its start cells vary) is sized for it: the plain plan's. At 9,500 MiB
+    # the half window the K/V starts with would afford 2,048 where the whole one affords 1,024.
+    config = _config(16)
+    assert _plan(config, 9_500.0, kv_cells=16_384).prefill_chunk == 2048
+    backend = _vmm.HostBackend(2 << 20)
+    try:
+        cache, kv_grow, _ = plan_elastic_cache(
+            config, torch.bfloat16, CPU, profile=True, max_context=32_768, prefill_chunk=None,
+            budget_mib=9_500.0, backend=backend, environ={})
+        assert kv_grow is not None and kv_grow.params.init_cells == 16_384
+        assert cache.budget.prefill_chunk == _plan(config, 9_500.0).prefill_chunk == 1024
+    finally:
+        backend.close()

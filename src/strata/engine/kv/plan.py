@@ -42,6 +42,7 @@ from strata.engine.cache.budget import CacheBudget, size_text
 from strata.engine.cache.build import CacheConfig, plan_cache
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.cache.loan import DEFAULT_MAX_FRACTION, _keep_slots_from_env, loan_slots
+from strata.engine.cache.prompt_chunk import PREFILL_CHUNKS
 from strata.engine.kv.elastic import ElasticKV
 from strata.engine.kv.kv_cache import KVCache
 from strata.engine.memory import given_or_own_backend
@@ -305,13 +306,25 @@ def plan_elastic_cache(
         keep_slots = _keep_slots_from_env()
         lends = options.get("prefill_loan", True)
 
-        def make_budget(kv_cells: int) -> CacheBudget:
+        def budget_at(kv_cells: int, chunk: int | None) -> CacheBudget:
             return plan_cache(config, dtype, device, max_context=max_context,
-                              prefill_chunk=prefill_chunk, budget_mib=budget_mib,
+                              prefill_chunk=chunk, budget_mib=budget_mib,
                               reserve_mib=reserve_mib, expert_cache_mib=expert_cache_mib,
                               backend=backend, kv_cells=kv_cells, kv_dtype=kv_dtype,
                               stream_misses=options.get("stream_misses", 0),
                               experts_quant=options.get("experts_quant")).budget
+
+        if prefill_chunk is None:
+            # One chunk for every budget the plan compares (their slots may differ by the
+            # cells mapped only): chosen with the whole window mapped, the cache's least room;
+            # the smallest where even that does not fit.
+            try:
+                prefill_chunk = budget_at(max_context, None).prefill_chunk
+            except ValueError:
+                prefill_chunk = PREFILL_CHUNKS[0]
+
+        def make_budget(kv_cells: int) -> CacheBudget:
+            return budget_at(kv_cells, prefill_chunk)
 
         def loan_region(n_slots: int) -> int:
             if not lends:

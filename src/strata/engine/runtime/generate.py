@@ -79,12 +79,13 @@ class GenerateOptions:
 
 def default_prefill_chunk(model: Any) -> int:
     """The prompt chunk of a request that asks for none: `RESIDENT_PREFILL_CHUNK` when every
-    expert is resident (`ResidentExperts`); through the expert cache the chunk its budget was
-    planned for; `CACHED_PREFILL_CHUNK` for other experts (a recorder's wrapper)."""
+    expert is resident (`ResidentExperts`); through the expert cache, wrapped (a routing
+    recorder) or not, the chunk its budget was planned for; `CACHED_PREFILL_CHUNK` for other
+    experts."""
     if isinstance(model.experts, ResidentExperts):
         return RESIDENT_PREFILL_CHUNK
-    budget = getattr(model.experts, "budget", None)
-    return budget.prefill_chunk if budget is not None else CACHED_PREFILL_CHUNK
+    cached = expert_cache(model.experts)
+    return cached.budget.prefill_chunk if cached is not None else CACHED_PREFILL_CHUNK
 
 
 @dataclass

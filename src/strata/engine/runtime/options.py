@@ -135,7 +135,7 @@ def plan_cache_options(
     experts in `experts_quant` (`--experts-dtype`'s format, `experts_quant`; None: `dtype`),
     beside K/V cells of `kv_dtype` (`--kv-dtype`'s, `kv_cell_dtype`; None: `dtype`), its
     workspace for prompt chunks of `prefill_chunk` (None: chosen from the budget,
-    `strata.engine.cache.budget.choose_prefill_chunk`).
+    `strata.engine.cache.prompt_chunk.choose_prefill_chunk`).
 
     Raises ValueError for a bad value, an unreadable profile or one for another model, and a
     budget too small (saying how much is missing); the registry's UnknownPolicyError /
@@ -203,10 +203,10 @@ class EngineOptions:
     conversation_cache_slots: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_context", "prefill_chunk"):
-            if not _positive(getattr(self, name)) and \
-                    (name == "max_context" or self.prefill_chunk is not None):
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        chunk = 1 if self.prefill_chunk is None else self.prefill_chunk  # None: the default
+        for name, value in (("max_context", self.max_context), ("prefill_chunk", chunk)):
+            if not _positive(value):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         mib, slots = self.conversation_cache_mib, self.conversation_cache_slots
         if not (isinstance(mib, int | float) and math.isfinite(mib) and mib >= 0) or \
                 isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
