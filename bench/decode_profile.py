@@ -36,6 +36,7 @@ from _common import add_model_arguments, byte_tokens, checkpoint_for, sync
 from strata.engine.experts import grouped
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
+from strata.engine.runtime.prompt_graphs import PromptGraphs
 
 # Kernel names -> the kind they are counted under, first match wins (lower-case substrings).
 KINDS = (
@@ -163,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
                                     lambda ids=ids: model.forward(ids, 0, kv, last_only=True),
                                     device, max(3, args.repeat // 4), n, args.host_profile))
                 print_summary(rows[-1])
+                graphs = PromptGraphs(model, kv) if on_cuda else None
+                if graphs is not None and model.experts.prompt_capturable \
+                        and graphs(ids, 0) is not None:
+                    # What an engine's requests replay (the graph captured by the call above).
+                    rows.append(summary(f"prompt chunk of {n}, CUDA graph (default)",
+                                        lambda ids=ids, graphs=graphs: graphs(ids, 0),
+                                        device, max(3, args.repeat // 4), n))
+                    print_summary(rows[-1])
 
             def step_of(graphs: bool, compile: bool = False):
                 return decode_step(model, kv, None, cuda_graphs=graphs, piecewise_graphs=False,

@@ -26,9 +26,9 @@
 # build/serve-wheels: `python -m pip download --only-binary=:all: --python-version 3.12
 # --platform manylinux2014_x86_64 -d build/serve-wheels fastapi uvicorn prometheus-client
 # openai httpx`), cpu-experts (1.5: bench/cpu_experts.py, strata's CPU kernel against torch's
-# matmuls and the host's read bandwidth, olmoe and qwen3 experts), prefill (8: bench/decode.py
-# at 32 to 16,384 prompt tokens on a 4-layer olmoe cut, with the default chunk and the
-# 512-token chunks before it, then qwen3 (4 layers) and mixtral (2) shapes at 4,096), offload (7: issue 17's figures, bench/offload.py, one JSON object a line in
+# matmuls and the host's read bandwidth, olmoe and qwen3 experts), prefill (7: bench/decode.py
+# at 32, 512, 4,096 and 16,384 prompt tokens against transformers, on olmoe and qwen3 cut to 4
+# layers and mixtral cut to 2), offload (7: issue 17's figures, bench/offload.py, one JSON object a line in
 # offload.jsonl: decode with --stream-misses auto, 0 and 4 beside the bounds, then a 4,096-token
 # prefill with the loan; offload-olmoe (2: olmoe-1b-7b at a 4 GiB budget), offload-qwen3 and
 # offload-qwen3-skewed (2.5 each: qwen3-30b-a3b, 16 layers, 22% of the experts cached, router
@@ -131,18 +131,14 @@ for stage in "$@"; do
                    (cd bench && timeout 150 python3 cpu_experts.py --preset $preset \
                       --dtypes bf16 --tokens 1,2,4,16 --repeat 10)
                  done > "$OUT/cpu-experts.txt" 2>&1; cat "$OUT/cpu-experts.txt" ;;
-    prefill) # One JSON object a line in prefill.jsonl (the machine returns at most 8 files).
-             run_decode() { (cd bench && timeout 150 python3 decode.py --new-tokens 32 \
-                 --repeat 3 --json "$@") >> "$OUT/prefill.jsonl" 2>> "$OUT/prefill.err"; }
-             for n in 32 512 4096 16384; do
-               run_decode --preset olmoe-1b-7b --layers 4 --prompt-tokens $n
+    prefill) # One JSON object a line in prefill.jsonl (the machine returns at most 8 files):
+             # each shape's prefill at 32 (its own prompt), 512, 4,096 and 16,384 tokens.
+             for shape in "olmoe-1b-7b --layers 4" "qwen3-30b-a3b --layers 4" \
+                          "mixtral-8x7b --layers 2"; do
+               (cd bench && timeout 240 python3 decode.py --preset $shape --prompt-tokens 32 \
+                  --prefill-lengths 512,4096,16384 --new-tokens 32 --repeat 3 --json) \
+                  >> "$OUT/prefill.jsonl" 2>> "$OUT/prefill.err"
              done
-             for n in 4096 16384; do  # the chunk of 512 the default was before: the baseline
-               run_decode --preset olmoe-1b-7b --layers 4 --prompt-tokens $n \
-                 --prefill-chunk 512 --no-transformers
-             done
-             run_decode --preset qwen3-30b-a3b --layers 4 --prompt-tokens 4096
-             run_decode --preset mixtral-8x7b --layers 2 --prompt-tokens 4096
              wc -l "$OUT/prefill.jsonl"; grep -i "error" "$OUT/prefill.err" | tail -5 ;;
     serve) python3 -c "import fastapi, uvicorn, prometheus_client, openai, httpx" 2> /dev/null \
              || python3 -m pip install --no-index --find-links build/serve-wheels fastapi \

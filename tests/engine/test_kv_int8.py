@@ -48,7 +48,7 @@ def test_each_value_comes_back_within_half_a_step_of_its_scale(n, g, dh, data):
     q, scale = quantize(x)
     assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (n, g)
     assert q.abs().max() <= 127
-    assert torch.equal(scale, x.abs().amax(dim=-1) / 127)
+    assert torch.equal(scale, x.abs().amax(dim=-1) * (1.0 / 127))
     back = dequantize(q, scale, torch.float32)
     # Half a step, and float32's rounding of x / s and q * s on top.
     bound = scale.unsqueeze(-1) * (0.5 + 1e-5) + 1e-30

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -142,13 +144,15 @@ class _Recorder:
 
     def __init__(self, model, monkeypatch):
         self.attention_rows: list[int] = []
+        self.masked: list[bool] = []  # per attention call: through a mask (not the causal call)
         self.expert_rows: list[int] = []
         inner, recorder = model.experts, self
         original = layers.Attention.forward
 
-        def attention(self_, x, *args):
+        def attention(self_, x, cos, sin, positions, cells, n_ctx, mask, causal):
             recorder.attention_rows.append(x.shape[0])
-            return original(self_, x, *args)
+            recorder.masked.append(mask is not None)
+            return original(self_, x, cos, sin, positions, cells, n_ctx, mask, causal)
 
         monkeypatch.setattr(layers.Attention, "forward", attention)
 
@@ -160,26 +164,55 @@ class _Recorder:
         model.experts = Experts()
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
-def test_a_chunk_attends_in_pieces_and_reads_its_experts_once(family, monkeypatch):
+def _one_by_one(model, prompt, start, kv):
+    """[T, V]: the tokens of `prompt` fed one forward each from `start` (a reference)."""
+    return torch.cat([model.forward(prompt[i : i + 1], start + i, kv)
+                      for i in range(prompt.shape[0])])
+
+
+@pytest.mark.parametrize(("family", "piece", "calls"), [
+    ("olmoe", 3, [(15, False)]),  # longer than a piece: one causal call, no mask
+    ("qwen3_moe", 3, [(15, False)]),
+    ("olmoe", 15, [(15, True)]),  # at most a piece: one masked piece
+    ("qwen3_moe", 16, [(15, True)]),
+])
+def test_a_later_chunk_attends_in_one_call_and_reads_its_experts_once(family, piece, calls,
+                                                                      monkeypatch):
     model = load_model(cached_checkpoint(family), dtype=torch.float32)
+    monkeypatch.setattr("strata.engine.model.moe.ATTENTION_PIECE_TOKENS", piece)
+    prompt = torch.arange(1, 20) % model.config.vocab_size  # [19]
+    with new_kv(model, 32) as kv_chunk, new_kv(model, 32) as kv_ref:
+        model.forward(prompt[:4], 0, kv_chunk)  # a first chunk
+        model.forward(prompt[:4], 0, kv_ref)
+        recorder = _Recorder(model, monkeypatch)
+        chunk = model.forward(prompt[4:], 4, kv_chunk)  # 15 tokens at cell 4: no window
+        seen = (list(zip(recorder.attention_rows, recorder.masked, strict=True)),
+                list(recorder.expert_rows))
+        ref = _one_by_one(model, prompt[4:], 4, kv_ref)
+        n_layers = model.config.n_layers
+        assert seen == (calls * n_layers, [15] * n_layers)
+        # Causal from cell 4: row t attends cells [0, 4 + t], as one token at a time does.
+        torch.testing.assert_close(chunk, ref, rtol=1e-5, atol=1e-5)
+        for layer in range(n_layers):
+            torch.testing.assert_close(kv_chunk.k(layer)[:19], kv_ref.k(layer)[:19])
+            torch.testing.assert_close(kv_chunk.v(layer)[:19], kv_ref.v(layer)[:19])
+
+
+def test_past_a_sliding_window_a_chunk_attends_in_masked_pieces(monkeypatch):
+    model = load_model(cached_checkpoint("olmoe"), dtype=torch.float32)
+    model.config = dataclasses.replace(model.config, sliding_window=6)
     monkeypatch.setattr("strata.engine.model.moe.ATTENTION_PIECE_TOKENS", 3)
     prompt = torch.arange(1, 20) % model.config.vocab_size  # [19]
-    with new_kv(model, 32) as kv_pieces, new_kv(model, 32) as kv_one:
-        model.forward(prompt[:4], 0, kv_pieces)  # a first chunk: causal, in one piece
-        model.forward(prompt[:4], 0, kv_one)
+    with new_kv(model, 32) as kv_chunk, new_kv(model, 32) as kv_ref:
+        model.forward(prompt[:4], 0, kv_chunk)  # within the window: one causal call
+        model.forward(prompt[:4], 0, kv_ref)
         recorder = _Recorder(model, monkeypatch)
-        pieces = model.forward(prompt[4:], 4, kv_pieces)  # 15 tokens: pieces of 3
+        chunk = model.forward(prompt[4:], 4, kv_chunk)  # reaches cell 19, past the window
         seen = (list(recorder.attention_rows), list(recorder.expert_rows))
-        monkeypatch.setattr("strata.engine.model.moe.ATTENTION_PIECE_TOKENS", 512)
-        one = model.forward(prompt[4:], 4, kv_one)
-        n_layers = model.config.n_layers
-        assert seen == ([3] * 5 * n_layers, [15] * n_layers)
-        # The same math: a piece attends what the pieces before it wrote in its layer.
-        torch.testing.assert_close(pieces, one, rtol=1e-5, atol=1e-5)
-        for layer in range(n_layers):
-            torch.testing.assert_close(kv_pieces.k(layer)[:19], kv_one.k(layer)[:19])
-            torch.testing.assert_close(kv_pieces.v(layer)[:19], kv_one.v(layer)[:19])
+        ref = _one_by_one(model, prompt[4:], 4, kv_ref)
+    n_layers = model.config.n_layers
+    assert seen == ([3] * 5 * n_layers, [15] * n_layers)
+    torch.testing.assert_close(chunk, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_a_first_chunk_attends_causally_in_one_piece(monkeypatch):
@@ -189,3 +222,13 @@ def test_a_first_chunk_attends_causally_in_one_piece(monkeypatch):
         recorder = _Recorder(model, monkeypatch)
         model.forward(PROMPT, 0, kv)
     assert recorder.attention_rows == [len(PROMPT)] * model.config.n_layers
+
+
+def test_the_mask_is_added_to_the_scores_in_the_models_dtype():
+    positions = torch.tensor([3, 4])
+    for window, allowed in ((None, [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]),
+                            (2, [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0]])):
+        mask = layers.attention_mask(positions, 6, window, torch.bfloat16)
+        assert mask.dtype == torch.bfloat16 and mask.shape == (2, 6)
+        assert torch.equal(mask == 0, torch.tensor(allowed, dtype=torch.bool))
+        assert torch.isneginf(mask[mask != 0]).all()

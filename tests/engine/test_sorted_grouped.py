@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from strata.engine.experts import sorted_grouped
 
@@ -51,3 +53,15 @@ def test_grouped_products_match_the_loop_and_repeat_exactly(n_tokens):
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
     again = sorted_grouped.sorted_grouped_rows(gate_up, down, x, ids)
     assert torch.equal(got, again)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9).flatmap(
+    lambda e: st.tuples(st.just(e), st.lists(st.integers(0, e - 1), min_size=1, max_size=64))))
+def test_expert_runs_group_the_rows_by_expert_as_counting_does(case):
+    n_experts, routed = case
+    ids = torch.tensor(routed, dtype=torch.int64)
+    order, ends = sorted_grouped.expert_runs(ids, n_experts)
+    assert ends.dtype == torch.int32 and ends.shape == (n_experts,)
+    assert torch.equal(ends.long(), torch.cumsum(torch.bincount(ids, minlength=n_experts), 0))
+    assert torch.equal(order, torch.argsort(ids, stable=True))  # ascending within an expert

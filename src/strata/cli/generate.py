@@ -80,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_prefill_chunk_argument(parser)
     parser.add_argument(
-        "--no-cuda-graphs", action="store_true", help="run decode rounds eagerly on CUDA"
+        "--no-cuda-graphs", action="store_true",
+        help="run decode rounds and prompt chunks eagerly on CUDA",
     )
     parser.add_argument(
         "--no-piecewise-graphs", action="store_true",

@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_experts_dtype_argument(parser)
     add_prefill_chunk_argument(parser)
     parser.add_argument("--no-cuda-graphs", action="store_true",
-                        help="run decode rounds eagerly on CUDA")
+                        help="run decode rounds and prompt chunks eagerly on CUDA")
     parser.add_argument("--no-piecewise-graphs", action="store_true",
                         help="with an expert cache that misses, on CUDA: eager decode rounds")
     add_compile_argument(parser)

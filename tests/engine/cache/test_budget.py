@@ -1,5 +1,6 @@
 """Sizing: each part from the config against the real thing, and the slots the budget leaves."""
 
+import dataclasses
 import math
 
 import pytest
@@ -64,20 +65,26 @@ def test_workspace_grows_with_the_window_and_the_chunk():
         cfg, 512, 1024, torch.float32) > workspace_bytes(cfg, 16, 1024, torch.float32)
 
 
-def test_a_chunk_past_the_attention_piece_costs_its_masks_not_their_copies():
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_cell_costs_a_pieces_masks_or_a_longer_chunks_repeated_cells(grouped):
     cfg = ModelConfig.from_dir(cached_checkpoint("qwen3_moe", "tiny"))
+    if not grouped:  # a kv head for each query head: nothing to repeat
+        cfg = dataclasses.replace(cfg, n_kv_heads=cfg.n_heads)
     r = cfg.n_heads // cfg.n_kv_heads
-    assert r > 1  # the copies per query head are what the pieces bound
+    assert (r > 1) == grouped
     extra_cells = MIB  # a multiple of MiB a cell apart: the whole-MiB rounding cancels
 
     def per_cell(chunk: int) -> int:
         return (workspace_bytes(cfg, chunk, chunk + extra_cells, torch.float32)
                 - workspace_bytes(cfg, chunk, chunk, torch.float32)) // extra_cells
 
-    # A cell costs each token's mask bit (bool) and one piece's copies in fp32 (1 + 4 bytes).
-    assert per_cell(ATTENTION_PIECE_TOKENS) == ATTENTION_PIECE_TOKENS * (1 + r * 5)
-    assert per_cell(4 * ATTENTION_PIECE_TOKENS) == 4 * ATTENTION_PIECE_TOKENS + (
-        ATTENTION_PIECE_TOKENS * r * 5)
+    # Up to a piece: each token's mask entry in fp32, and its copy per query head of a kv
+    # head when R > 1.
+    copies = r if r > 1 else 0
+    assert per_cell(ATTENTION_PIECE_TOKENS) == ATTENTION_PIECE_TOKENS * 4 * (1 + copies)
+    # Longer: one causal call, no mask; K and V repeated to the query heads when R > 1.
+    repeated = 2 * cfg.n_heads * cfg.head_dim * 4 if r > 1 else 0
+    assert per_cell(4 * ATTENTION_PIECE_TOKENS) == repeated
 
 
 def _index_select_bytes(experts, layer, x, ids, weights):

@@ -116,16 +116,16 @@ def test_a_request_through_the_cache_reads_its_prompt_in_the_planned_chunks(monk
 
 def test_an_elastic_plan_compares_its_budgets_at_one_chunk():
     # The chunk is chosen once, with the whole window mapped, then every budget the elastic
-    # plan weighs (as its start cells vary) is sized for it: the plain plan's. At 9,500 MiB
-    # the half window the K/V starts with would afford 2,048 where the whole one affords 1,024.
+    # plan weighs (as its start cells vary) is sized for it: the plain plan's. At 7,000 MiB
+    # the half window the K/V starts with would afford 1,024 where the whole one affords 512.
     config = _config(16)
-    assert _plan(config, 9_500.0, kv_cells=16_384).prefill_chunk == 2048
+    assert _plan(config, 7_000.0, kv_cells=16_384).prefill_chunk == 1024
     backend = _vmm.HostBackend(2 << 20)
     try:
         cache, kv_grow, _ = plan_elastic_cache(
             config, torch.bfloat16, CPU, profile=True, max_context=32_768, prefill_chunk=None,
-            budget_mib=9_500.0, backend=backend, environ={})
+            budget_mib=7_000.0, backend=backend, environ={})
         assert kv_grow is not None and kv_grow.params.init_cells == 16_384
-        assert cache.budget.prefill_chunk == _plan(config, 9_500.0).prefill_chunk == 1024
+        assert cache.budget.prefill_chunk == _plan(config, 7_000.0).prefill_chunk == 512
     finally:
         backend.close()

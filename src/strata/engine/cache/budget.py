@@ -30,19 +30,9 @@ from strata.engine.model.kv_cells import KvLayout, kv_dtype_name, read_copy_byte
 from strata.engine.model.layers import ATTENTION_PIECE_TOKENS
 from strata.machine import bytes_text
 
-__all__ = [
-    "DEFAULT_RESERVE_MIB",
-    "MIB",
-    "CacheBudget",
-    "check_machine",
-    "dense_bytes",
-    "device_free_bytes",
-    "gathered_bytes",
-    "kv_bytes",
-    "plan_budget",
-    "size_text",
-    "workspace_bytes",
-]
+__all__ = ["DEFAULT_RESERVE_MIB", "MIB", "CacheBudget", "check_machine", "dense_bytes",
+           "device_free_bytes", "gathered_bytes", "kv_bytes", "plan_budget", "size_text",
+           "workspace_bytes"]
 
 MIB = 1 << 20
 DEFAULT_RESERVE_MIB = {"cuda": 256.0, "cpu": 0.0}  # by device type
@@ -86,13 +76,14 @@ def workspace_bytes(
 ) -> int:
     """An upper estimate of the transient tensors of one forward, rounded up to whole MiB.
 
-    C = min(prefill_chunk, max_cells) tokens attending over N = max_cells cells, in pieces of
-    P = min(C, ATTENTION_PIECE_TOKENS):
-    - attention: a prompt chunk after the first attends the window through bool masks [C, N]
-      (one a piece, made together), each piece's copied once per query head of a kv head
-      ([R*P, N], R = H/G, when R > 1) and converted by the fused kernel to the query's dtype:
-      C*N + P*N*R*(1 + itemsize) bytes. The scores are not materialized:
-      `scaled_dot_product_attention` runs its memory-efficient kernel there;
+    C = min(prefill_chunk, max_cells) tokens attending over N = max_cells cells
+    (`MoEModel.forward`), R = H/G query heads a kv head:
+    - attention, C <= ATTENTION_PIECE_TOKENS (or past a sliding window, in pieces of P = 512):
+      a later chunk attends the window through masks [C, N] in `dtype` (made together), a
+      piece's copied per query head of a kv head ([R*P, N], when R > 1):
+      C*N*itemsize + P*N*R*itemsize bytes (the fused kernel materializes no scores); a longer
+      chunk, in one causal call with no mask, over K and V repeated to the H query heads when
+      R > 1: 2*N*H*Dh*itemsize bytes (none when R = 1);
     - the decode path's gathered weights (T == 1 only, when `gathers`: where
       `strata.engine.experts.grouped.copies_weights`, i.e. off CUDA or without Triton): the K
       routed experts' blobs (`experts_quant`: and their dequantized copies); a prompt chunk of
@@ -105,19 +96,24 @@ def workspace_bytes(
       read into `dtype` (`strata.engine.model.kv_cells.read_copy_bytes`: K and V),
       2*N*G*Dh*itemsize bytes.
 
-    Only the attention term (and the K/V's read) grows with the window: 2 KiB a cell for
-    olmoe-1b-7b (R = 1) and 12.5 KiB for qwen3-30b-a3b (R = 8) in bf16 at C = 512. Measured on
-    the H200 with bench/workspace.py (bench/results/workspace-h200-2026-11-29.md): a chunk at
+    Only the attention term (and the K/V's read) grows with the window: 1 KiB a cell for
+    olmoe-1b-7b (R = 1) and 9 KiB for qwen3-30b-a3b (R = 8) in bf16 at C = 512 (longer
+    chunks: none and 16 KiB). Measured on the H200 with bench/workspace.py
+    (bench/results/workspace-h200-2026-11-29.md, chunks of 512, boolean masks then): a chunk at
     the end of a 65,536-cell window peaked at 118 MiB (olmoe) and 822 MiB (qwen3, 12.5 KiB a
     cell of slope) above what was allocated, under this estimate's 449 and 1,066 MiB; the
     `cuda`-marked test in tests/engine/cache/test_budget_cuda.py keeps it an upper bound.
     """
     c, n = min(prefill_chunk, max_cells), max_cells
-    piece = min(c, ATTENTION_PIECE_TOKENS)
     k, f, d = cfg.top_k, cfg.expert_width, cfg.hidden_size
     itemsize = _itemsize(dtype)
     heads_per_kv = cfg.n_heads // cfg.n_kv_heads
-    attention = c * n + piece * n * heads_per_kv * (1 + itemsize)
+    copies = heads_per_kv if heads_per_kv > 1 else 0  # of a piece's mask, or of the K/V
+    window = cfg.sliding_window
+    if c <= ATTENTION_PIECE_TOKENS or (window is not None and window < n):
+        attention = (c + min(c, ATTENTION_PIECE_TOKENS) * copies) * n * itemsize
+    else:
+        attention = 2 * n * copies * cfg.n_kv_heads * cfg.head_dim * itemsize
     gathered = gathered_bytes(cfg, dtype, experts_quant) if gathers else 0
     if experts_quant is not None:  # a prompt chunk's experts, dequantized a batch at a time
         batch = min(dequant_batch(f, d), cfg.n_experts)  # a layer call's experts at most

@@ -8,7 +8,8 @@ are those of `strata.engine.cache.cached_experts`, with less host work between t
 call of the books (`ResidencyTable.split_token`: lookup, record and the split of the K rows)
 writes every index the call uploads into one buffer (pinned on CUDA: one copy that does not wait
 for the stream) and the misses' grouping beside them; the hits, the streamed misses and the
-CPU's rows are computed as blocks and put into row order by one gather; the policy's `observe`
+CPU's rows are computed as blocks, which the weighted sum reads in row order through the uploaded
+positions (no gather); the policy's `observe`
 is skipped where it is the default. It gives the general path's bytes
 (tests/engine/cache/test_token_path.py compares the two), and on the H200 a call took 0.68-0.90x
 the general path's time (bench/results/layer-call-cpu-2026-12-01.md, its H200 section).
@@ -78,9 +79,10 @@ def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tenso
         stats.cpu_tokens += misses.n_rows
         parts.append(cache.host_rows.to_device(miss_rows))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [K, D]
-    if n_hits < top_k:  # the hit rows alone are in row order already
-        out = out.index_select(0, index[n_hits:])
+    # The hit rows alone are in row order already; else the sum reads row k at index[n_hits + k]
+    # (no gather back first).
+    positions = index[n_hits:] if n_hits < top_k else None
 
     if cache.checked.admits and n_missed:  # every missed expert, ascending
         cache.admit_misses(layer, split[3 * top_k:3 * top_k + n_missed].copy())
-    return weighted_sum(out, topk_weights, x.dtype)
+    return weighted_sum(out, topk_weights, x.dtype, positions)

@@ -98,13 +98,19 @@ class ResidentExperts:
         experts only)."""
         return self._stacks[layer].down_all()
 
+    @property
+    def prompt_capturable(self) -> bool:
+        """Whether a prompt chunk's call syncs nothing with the host, so a CUDA graph can hold
+        it: the grouped products' path (the loop over experts reads its counts on the host)."""
+        return (self.grouped_prefill is not False and self.quant is None
+                and sorted_grouped.available_for(self.device, self.dtype))
+
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         if topk_ids.shape[0] == 1:
             out = self._gathered(layer, x, topk_ids)
-        elif self.grouped_prefill is not False and self.quant is None and \
-                sorted_grouped.available(x):
+        elif self.prompt_capturable:
             return sorted_grouped.sorted_grouped_sum(
                 self.gate_up(layer), self.down(layer), x, topk_ids, topk_weights)  # [T, D]
         else:

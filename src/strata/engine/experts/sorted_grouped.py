@@ -6,7 +6,8 @@ width, R = T*K routed rows.
 The rows (token, k) are sorted by their expert; `torch._grouped_mm` then multiplies each
 expert's run of rows by that expert's weights, every expert in one kernel, reading the weights
 in place (the [E, 2F, D] and [E, D, F] views are column-major per expert once transposed, the
-layout it takes). No host sync: the runs' ends are a device tensor. It exists on CUDA for bf16
+layout it takes). No host sync: the runs' ends are a device tensor, so a CUDA graph can hold a
+chunk's call (`strata.engine.runtime.prompt_graphs`). It exists on CUDA for bf16
 on Hopper (sm90) and later; `available` says when this path applies, and `ResidentExperts`
 loops over the experts elsewhere. Deterministic: no atomics, each row written once.
 `sorted_grouped_rows` puts the rows back in (token, k) order (the expert cache's calls take
@@ -21,14 +22,20 @@ import torch.nn.functional as F
 
 from strata.engine.experts.combine import weighted_sum
 
-__all__ = ["available", "sorted_grouped_rows", "sorted_grouped_sum"]
+__all__ = ["available", "available_for", "expert_runs", "sorted_grouped_rows",
+           "sorted_grouped_sum"]
 
 
 def available(x: torch.Tensor) -> bool:
-    """Whether the grouped products run for `x` here: bf16 on a CUDA device of compute
-    capability 9.0 or later, with a torch that has `_grouped_mm`."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    """Whether the grouped products run for `x` here: `available_for` its device and dtype."""
+    return available_for(x.device, x.dtype)
+
+
+def available_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the grouped products run for rows in `dtype` on `device`: bf16 on a CUDA device
+    of compute capability 9.0 or later, with a torch that has `_grouped_mm`."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 def sorted_grouped_rows(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
@@ -51,15 +58,23 @@ def sorted_grouped_sum(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tenso
     return weighted_sum(y, topk_weights, x.dtype, positions)
 
 
+def expert_runs(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [R] int64, ends [E] int32) of routed ids [R]: `order` lists the rows grouped by
+    expert, ascending within an expert (stable); expert e's rows are order[ends[e-1]:ends[e]].
+    The ends are searched, not counted: CUDA's bincount reads its largest id on the host,
+    which a CUDA graph cannot hold."""
+    sorted_ids, order = torch.sort(ids, stable=True)  # [R] each
+    experts = torch.arange(n_experts, device=ids.device)  # [E]
+    return order, torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
+
+
 def _sorted_products(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
                      topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [R, D] sorted by expert, order [R]): y[j] is row order[j] = t*K + k."""
     n_experts, two_f, _ = gate_up.shape
     f = two_f // 2
     top_k = topk_ids.shape[1]
-    ids = topk_ids.reshape(-1)  # [R]
-    order = torch.argsort(ids, stable=True)  # [R] rows grouped by expert, tokens ascending
-    ends = torch.cumsum(torch.bincount(ids, minlength=n_experts), 0).to(torch.int32)  # [E]
+    order, ends = expert_runs(topk_ids.reshape(-1), n_experts)  # [R], [E]
     x_sorted = x.index_select(0, order // top_k)  # [R, D]
     h = torch._grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs=ends)  # [R, 2F]
     act = (F.silu(h[:, :f]) * h[:, f:]).contiguous()  # [R, F]

@@ -171,7 +171,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., Dh] -> (q int8 [..., Dh], scale float32 [...]): per row, s = absmax / 127 and
     q = round(x / s), so |x - q * s| <= s / 2 (a zero row: s = 0, q = 0)."""
     x = x.float()
-    scale = x.abs().amax(dim=-1) / QMAX  # [...]
+    # Times the float32 reciprocal, not divided by QMAX: CUDA divides a tensor by a scalar that
+    # way, the CPU does not, and the two would differ in the last bit of some scales.
+    scale = x.abs().amax(dim=-1) * (1.0 / QMAX)  # [...]
     # A zero row divides by 1 instead of 0: its q is 0 all the same, and no NaN is made.
     step = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
     q = torch.round(x / step).clamp_(-QMAX, QMAX).to(torch.int8)

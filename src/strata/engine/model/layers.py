@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from strata.engine.experts import Experts
 from strata.engine.model.config import ModelConfig
@@ -24,11 +25,12 @@ from strata.engine.model.kv_cells import LayerCells
 
 Weights = dict[str, torch.Tensor]
 
-# A forward's tokens attend in pieces of at most this many (`MoEModel.forward`), except a
-# prompt's first chunk, whose causal kernel holds no mask: a piece's mask is [piece, N] bools,
-# converted per query head, and would otherwise grow with the chunk. The experts still see the
-# whole chunk at once, so a long prompt read in larger chunks reads (or uploads) each expert
-# fewer times for the same attention memory.
+# A later chunk of at most this many tokens, or a chunk past a sliding window, attends in pieces
+# of at most this many (`MoEModel.forward`): a piece's mask is [piece, N] in the model's dtype,
+# copied per query head of a kv head, and would otherwise grow with the chunk. A longer chunk,
+# or one from position 0, attends in one causal call, no mask. The experts see the whole chunk
+# at once either way, so a long prompt read in larger chunks reads (or uploads) each expert
+# fewer times.
 ATTENTION_PIECE_TOKENS = 512
 
 
@@ -72,26 +74,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention_mask(
-    positions: torch.Tensor, n_ctx: int, sliding_window: int | None
+    positions: torch.Tensor, n_ctx: int, sliding_window: int | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """bool [T, N]: token t (at positions[t]) may attend cell n (True = attend).
+    """[T, N] in `dtype`, added to the scores: 0 where token t (at positions[t]) may attend
+    cell n, -inf elsewhere. Causal (n <= position) and, with a window, n > position - window
+    (as Hugging Face's).
 
-    Causal (n <= position) and, with a window, n > position - window (as Hugging Face's).
-    """
+    Made once a forward for every layer: given a boolean mask, the fused attention kernels
+    would convert it to this one in each call (two more kernels a layer)."""
     cells = torch.arange(n_ctx, device=positions.device)  # [N]
     pos = positions.unsqueeze(1)  # [T, 1]
     allowed = cells.unsqueeze(0) <= pos  # [T, N]
     if sliding_window is not None:
         allowed &= cells.unsqueeze(0) > pos - sliding_window
-    return allowed
+    zero = torch.zeros((), dtype=dtype, device=positions.device)
+    return torch.where(allowed, zero, float("-inf"))
 
 
 class AttentionSpan(NamedTuple):
     """The tokens of one attention call: rows [a, b) of a forward's T tokens.
 
     `cos`, `sin` [b - a, Dh] and `positions` [b - a] are those rows'; the call attends over
-    cells [0, n_ctx) through `mask` bool [b - a, n_ctx], or (None) causally over [0, b - a)
-    when `causal` (a prompt from position 0), or (None, not causal) every cell (decode).
+    cells [0, n_ctx) through `mask` [b - a, n_ctx] (`attention_mask`), or (None) causally when
+    `causal` (the
+    rows are the last b - a cells of [0, n_ctx): row i attends cells [0, n_ctx - (b - a) + i]),
+    or (None, not causal) every cell (decode).
     """
 
     rows: slice
@@ -117,8 +124,15 @@ class Attention:
         self.bqkv = torch.cat((w["q_bias"], w["k_bias"], w["v_bias"])) if cfg.qkv_bias else None
         self.wo = w["o"]  # [D, H*Dh]
         self.bo = w.get("o_bias")  # [D] or None
-        self.q_norm = w.get("q_norm")  # [H*Dh] ("full") or [Dh] ("head") or None
-        self.k_norm = w.get("k_norm")
+        # q's and k's norm weights side by side, as q's and k's rows sit in the projection:
+        # [(H+G)*Dh] ("full"), [H+G, Dh] ("head": each head's), or None.
+        self.qk_weight = None
+        if cfg.qk_norm == "full":
+            self.qk_weight = torch.cat((w["q_norm"], w["k_norm"]))
+        elif cfg.qk_norm == "head":
+            q_norm, k_norm = w["q_norm"], w["k_norm"]  # [Dh] each
+            self.qk_weight = torch.cat((q_norm.expand(self.n_heads, -1),
+                                        k_norm.expand(self.n_kv_heads, -1)))
 
     def forward(
         self,
@@ -135,23 +149,30 @@ class Attention:
 
         `cells` is the layer's K/V (bf16, fp32 or int8 cells: int8 rows are quantized as they
         are written, and the attended cells dequantized to x's dtype as they are read).
-        mask bool [T, N] or None; None with `causal` means cells [0, T) causally (a prompt from
-        position 0), None without `causal` means every cell (one token: decode).
+        mask [T, N] (`attention_mask`: added to the scores) or None; None with `causal` means
+        causally, the T tokens being the last
+        T of the N cells (a prompt chunk), None without `causal` means every cell (one token:
+        decode).
         """
         n_tokens = x.shape[0]
         h, g, dh = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = F.linear(x, self.wqkv, self.bqkv)  # [T, H*Dh + 2*G*Dh]
-        q, k, v = qkv.split((self.q_width, self.kv_width, self.kv_width), dim=-1)
-        if self.qk_norm == "full":
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        # q's and k's heads stay side by side, [T, (H+G)*Dh], through the norms and the
+        # rotation: one kernel each for both (the same products as q's and k's apart).
+        qk, v = qkv.split((self.q_width + self.kv_width, self.kv_width), dim=-1)
+        if self.qk_norm == "full":  # q over its H*Dh, k over its G*Dh
+            q, k = qk.split((self.q_width, self.kv_width), dim=-1)
+            normed = torch.cat((F.rms_norm(q, (self.q_width,), eps=self.eps),
+                                F.rms_norm(k, (self.kv_width,), eps=self.eps)), dim=-1)
+            qk = self.qk_weight * normed  # rms_norm's order: the weight after the cast back
         if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q = q.reshape(n_tokens, h, dh)  # [T, H, Dh]
-        k = k.reshape(n_tokens, g, dh)  # [T, G, Dh]
+            qk, v = qk.clamp(-self.clip_qkv, self.clip_qkv), v.clamp(-self.clip_qkv, self.clip_qkv)
+        qk = qk.reshape(n_tokens, h + g, dh)  # [T, H+G, Dh]: q's heads, then k's
         v = v.reshape(n_tokens, g, dh)  # [T, G, Dh]
         if self.qk_norm == "head":
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = rms_norm(qk, self.qk_weight, self.eps)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :h], qk[:, h:]  # [T, H, Dh], [T, G, Dh]
         cells.write(positions, k, v)
         keys, values = cells.read(n_ctx, q.dtype)  # [N, G, Dh] each
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [G, N, Dh] each
@@ -162,16 +183,21 @@ class Attention:
         return F.linear(out, self.wo, self.bo)  # [T, D]
 
     def _prompt(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """A prompt from position 0: causal over [0, T), kv heads repeated to H."""
+        """A prompt chunk, the last T of the N cells: causal, aligned at the last cell (row t
+        attends cells [0, N - T + t]); kv heads repeated to H."""
         n_tokens, h, _ = q.shape
+        n_ctx = keys.shape[1]
         r = h // self.n_kv_heads
         if r > 1:
             keys = keys.repeat_interleave(r, dim=0)  # [H, N, Dh]: query head i reads kv head i // R
             values = values.repeat_interleave(r, dim=0)  # [H, N, Dh]
+        # From position 0 (N == T) `is_causal`; a later chunk a lower-right causal bias, which
+        # the fused kernels take without a mask in memory (`torch.nn.attention.bias`).
+        bias = None if n_ctx == n_tokens else causal_lower_right(n_tokens, n_ctx)
         # 4-D [1, heads, length, Dh] operands: the layout the fused kernels take.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            is_causal=True, scale=self.scale,
+            attn_mask=bias, is_causal=bias is None, scale=self.scale,
         )[0]  # [H, T, Dh]
         return out.transpose(0, 1).reshape(n_tokens, h * self.head_dim)
 

@@ -90,10 +90,12 @@ class MoEModel:
     ) -> torch.Tensor:
         """Logits float32 [T, V] for token_ids [T] at positions [start_pos, start_pos + T).
 
-        Writes K/V for those positions and attends causally over cells [0, start_pos + T), in
-        pieces of `ATTENTION_PIECE_TOKENS` (one causal piece from position 0); each layer's MoE
-        sees all T tokens at once. `last_only` returns [1, V] for the last token only (a long
-        prompt's [T, V] is large).
+        Writes K/V for those positions and attends causally over cells [0, start_pos + T): a
+        chunk from position 0, or one longer than `ATTENTION_PIECE_TOKENS`, in one causal
+        call (row t attends cells [0, start_pos + t]); otherwise, and past a sliding window,
+        in pieces of at most `ATTENTION_PIECE_TOKENS` through masks; one token over every
+        cell before it. Each layer's MoE sees all T tokens at once. `last_only` returns
+        [1, V] for the last token only (a long prompt's [T, V] is large).
         """
         n_tokens = self._check_call(token_ids, kv)
         if start_pos < 0 or start_pos + n_tokens > kv.mapped_cells:
@@ -104,9 +106,15 @@ class MoEModel:
         positions = torch.arange(start_pos, start_pos + n_tokens, device=self.device)  # [T]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [T, Dh]
         window = self.config.sliding_window
-        if start_pos == 0 and n_tokens > 1 and (window is None or n_tokens <= window):
-            # The fast causal kernel over [0, T): no mask, so no pieces.
-            spans = [AttentionSpan(slice(0, n_tokens), cos, sin, positions, n_tokens, None, True)]
+        end = start_pos + n_tokens
+        # The fused causal kernel over [0, end), aligned at the last cell: no mask, so no
+        # pieces. A later chunk of at most a piece attends through its mask instead: on the
+        # H200 the aligned call was the slower there (0.65x for chunks of 512), the faster for
+        # chunks of 4,096 (1.8x the pieces' prefill at 16,384 tokens; bench/results/
+        # prefill-h200-2026-12-01.md, prefill-graphs-h200-2026-12-02.md).
+        causal = start_pos == 0 or n_tokens > ATTENTION_PIECE_TOKENS
+        if n_tokens > 1 and causal and (window is None or end <= window):
+            spans = [AttentionSpan(slice(0, n_tokens), cos, sin, positions, end, None, True)]
         else:
             spans = []
             for a in range(0, n_tokens, ATTENTION_PIECE_TOKENS):
@@ -114,7 +122,8 @@ class MoEModel:
                 n_ctx = start_pos + rows.stop
                 mask = None  # one token attends every cell before it
                 if (window is not None and n_ctx > window) or rows.stop - a > 1:
-                    mask = attention_mask(positions[rows], n_ctx, window)  # [b - a, N]
+                    mask = attention_mask(positions[rows], n_ctx, window, self.dtype)
+                    # [b - a, N]
                 spans.append(AttentionSpan(rows, cos[rows], sin[rows], positions[rows], n_ctx,
                                            mask, False))
         return self._run(token_ids, spans, kv, last_only)
@@ -127,13 +136,16 @@ class MoEModel:
         n_ctx: int,
         *,
         last_only: bool = False,
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Like `forward`, with positions [T] int64 given as a tensor and a fixed window.
 
         Attends over cells [0, n_ctx) through a mask built from `positions` on the device, so
-        the shapes depend only on T and n_ctx: a decode step (T = 1) can be captured in a CUDA
-        graph and replayed with new values written into `token_ids` and `positions`. The caller
-        guarantees positions < n_ctx <= kv.mapped_cells (not checked: that would sync).
+        the shapes depend only on T and n_ctx: a decode step (T = 1), or a prompt chunk, can be
+        captured in a CUDA graph and replayed with new values written into `token_ids` and
+        `positions`. The caller guarantees positions < n_ctx <= kv.mapped_cells (not checked:
+        that would sync). `logit_rows` [R] int64 on the device returns [R, V] for those rows
+        only (a padded chunk's real last token); else `last_only` as in `forward`.
         """
         n_tokens = self._check_call(token_ids, kv)
         if positions.shape != (n_tokens,) or not 0 < n_ctx <= kv.mapped_cells:
@@ -141,10 +153,11 @@ class MoEModel:
                 f"positions must be [{n_tokens}] and n_ctx in [1, {kv.mapped_cells}], got "
                 f"{list(positions.shape)} and {n_ctx}"
             )
-        mask = attention_mask(positions, n_ctx, self.config.sliding_window)  # [T, N]
+        mask = attention_mask(positions, n_ctx, self.config.sliding_window, self.dtype)
+        # [T, N]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [T, Dh]
         span = AttentionSpan(slice(0, n_tokens), cos, sin, positions, n_ctx, mask, False)
-        return self._run(token_ids, [span], kv, last_only)
+        return self._run(token_ids, [span], kv, last_only, logit_rows)
 
     def _check_call(self, token_ids: torch.Tensor, kv: KVCells) -> int:
         cfg = self.config
@@ -166,13 +179,16 @@ class MoEModel:
         return token_ids.shape[0]
 
     def _run(
-        self, token_ids: torch.Tensor, spans: list[AttentionSpan], kv: KVCells, last_only: bool
+        self, token_ids: torch.Tensor, spans: list[AttentionSpan], kv: KVCells, last_only: bool,
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = F.embedding(token_ids, self.embed)  # [T, D]
         for layer in self.layers:
             x = layer.forward(x, spans, kv.layer(layer.layer), self.experts)
             # [T, D]
-        if last_only:
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)  # [R, D]
+        elif last_only:
             x = x[-1:]  # [1, D]
         x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()  # [T, V]

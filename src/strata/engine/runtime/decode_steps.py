@@ -10,6 +10,7 @@ eagerly between them (`strata.engine.runtime.piecewise`). `decode_step` picks on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -18,9 +19,27 @@ import torch
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.experts import ResidentExperts
 
-__all__ = ["GRAPH_WINDOW_CELLS", "decode_step"]
+__all__ = ["GRAPH_WINDOW_CELLS", "capture_graph", "decode_step"]
 
 GRAPH_WINDOW_CELLS = 256  # decode graphs attend over windows of a multiple of this many cells
+
+
+def capture_graph(step: Callable[[], torch.Tensor], device: torch.device,
+                  pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """(a CUDA graph of `step`, the tensor it returns, refreshed by each replay), captured into
+    memory `pool`. `step` first runs twice on a side stream (warm-up: lazy initialisations and
+    kernel compilations must not happen during capture), so it must be safe to run again: the
+    graphs here write the same K/V cells with the same values each time."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out
 
 
 class _EagerDecode:
@@ -81,17 +100,8 @@ class _GraphDecode:
         def step() -> torch.Tensor:
             return self.forward_at(self.token, self.position, self.kv, n_ctx)[-1]  # [V]
 
-        side = torch.cuda.Stream(device=self.model.device)
         with self.cache.graph_capture() if self.cache is not None else nullcontext():
-            side.wait_stream(torch.cuda.current_stream(self.model.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream(self.model.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = step()
-        return graph, logits
+            return capture_graph(step, self.model.device, self.pool)
 
     def prepare(self, token: int, first: int, last: int) -> None:
         """Capture the graphs of the rounds at positions [first, last]; `token` is round 1's."""

@@ -5,7 +5,9 @@ K/V of `max_context` cells; the last chunk's last logits give the first generate
 decode round then runs one token through the model and samples the next: replayed from CUDA
 graphs where it can be, eagerly elsewhere (`strata.engine.runtime.decode_steps`; the graphs a
 run needs are captured before the decode clock starts). Rounds run eagerly off CUDA, with
-`cuda_graphs=False`, or with `piecewise_graphs=False` and a cache that misses.
+`cuda_graphs=False`, or with `piecewise_graphs=False` and a cache that misses. With every expert
+resident on CUDA, an engine's short prompt chunks replay graphs too
+(`strata.engine.runtime.prompt_graphs`), captured the first time a chunk's shape is met.
 `compile` applies to `ResidentExperts` only. The graph path
 attends through a mask over its window, the eager one over exactly the cells written, so the two
 may differ in the last bits; each is deterministic.
@@ -31,6 +33,7 @@ from strata.engine.kv.elastic import ElasticKV
 from strata.engine.kv.kv_cache import KVCache, new_kv
 from strata.engine.model.tokenizer import Tokenizer
 from strata.engine.runtime.decode_steps import decode_step
+from strata.engine.runtime.prompt_graphs import PromptGraphs
 from strata.engine.runtime.sampling import Sampler
 
 # A prompt's chunk when none is asked for. With every expert resident, long: a chunk's MoE is a
@@ -301,6 +304,21 @@ class _Run:
         self.path = step.path
         return step
 
+    def _prompt_graphs(self) -> PromptGraphs | None:
+        """The short chunks' graphs (`strata.engine.runtime.prompt_graphs`) where they can be
+        captured (every expert resident, on CUDA, graphs on) and kept: only with `warm`, the
+        steps an engine keeps across requests (a capture costs a few eager chunks; one request
+        alone would not win it back)."""
+        model, warm = self.model, self.warm
+        experts = model.experts
+        if (warm is None or not self.options.cuda_graphs or model.device.type != "cuda"
+                or not isinstance(experts, ResidentExperts) or not experts.prompt_capturable):
+            return None
+        key = ("prompt", id(self.kv))
+        if key not in warm:
+            warm[key] = PromptGraphs(model, self.kv)
+        return warm[key]
+
     def prefill(self, prompt: list[int], reused: int) -> None:
         """Read the prompt past its `reused` tokens in chunks and sample the first token
         (`first_logits` kept)."""
@@ -314,11 +332,14 @@ class _Run:
             # the cells last.
             elastic.ensure(min(len(prompt) + GROW_MARGIN_CELLS, elastic.kv.max_cells))
         chunk_tokens = options.prefill_chunk or default_prefill_chunk(model)
+        graphs = self._prompt_graphs()
         for chunk_start in range(reused, len(prompt), chunk_tokens):
             chunk = ids[chunk_start : chunk_start + chunk_tokens]  # [C]
             if elastic is not None:
                 elastic.require(chunk_start + chunk.shape[0])  # KvFullError past the mapped
-            logits = model.forward(chunk, chunk_start, self.kv, last_only=True)  # [1, V]
+            logits = graphs(chunk, chunk_start) if graphs is not None else None  # [1, V]
+            if logits is None:  # no graph for this chunk (or none at all): eagerly
+                logits = model.forward(chunk, chunk_start, self.kv, last_only=True)  # [1, V]
         first_logits = logits[-1]  # [V]
         self.tokens.append(self.sampler.sample(first_logits))
         if self.cached is not None:

@@ -1,0 +1,118 @@
+"""Short prompt chunks replayed from CUDA graphs (strata.engine.runtime.prompt_graphs).
+
+CI runs the host twin: the same padded chunk run eagerly (`capture=False`), against the plain
+forward and one token at a time; the CUDA tests check the replays against it and an engine's
+requests through them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.engine.kv.kv_cache import new_kv
+from strata.engine.model.moe import load_model
+from strata.engine.runtime.generate import GenerateOptions, _Run
+from strata.engine.runtime.prompt_graphs import PromptGraphs, padded_chunk
+from support.checkpoints import cached_checkpoint
+
+
+@pytest.mark.parametrize(("n_tokens", "start", "mapped", "shape"), [
+    (32, 0, 4096, (32, 256)),  # a power of two: no padding, the least window
+    (33, 0, 4096, (64, 256)),
+    (1, 0, 4096, (16, 256)),  # the least bucket
+    (512, 0, 4096, (512, 512)),
+    (513, 0, 4096, None),  # past the longest bucket: eagerly
+    (100, 1000, 4096, (128, 2048)),  # a later turn: the window from its last padded cell
+    (100, 3969, 4096, None),  # the padded cells [3969, 4097) pass the mapped cells
+    (100, 3968, 4096, (128, 4096)),
+    (16, 0, 100, (16, 100)),  # the window never passes the mapped cells
+])
+def test_buckets_and_windows(n_tokens, start, mapped, shape):
+    assert padded_chunk(n_tokens, start, mapped) == shape
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+def test_a_padded_chunk_gives_the_plain_forwards_logits_and_cells(family):
+    model = load_model(cached_checkpoint(family), dtype=torch.float32)
+    vocab = model.config.vocab_size
+    prompt = (torch.arange(3, 3 + 45) * 7) % vocab  # [45]: chunks of 20, 20, 5 below
+    with new_kv(model, 300) as kv_graph, new_kv(model, 300) as kv_ref:
+        graphs = PromptGraphs(model, kv_graph, capture=False)
+        for start in (0, 20, 40):  # buckets of 32, 32, 16, the later ones at cells 20 and 40
+            chunk = prompt[start : start + 20]
+            padded = graphs(chunk, start)
+            plain = model.forward(chunk, start, kv_ref, last_only=True)
+            assert padded.shape == plain.shape == (1, vocab)
+            torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+        for layer in range(model.config.n_layers):  # the prompt's cells; the padding's after
+            torch.testing.assert_close(kv_graph.k(layer)[:45], kv_ref.k(layer)[:45])
+            torch.testing.assert_close(kv_graph.v(layer)[:45], kv_ref.v(layer)[:45])
+        assert kv_graph.k(0)[45:56].abs().sum() > 0 and not kv_ref.k(0)[45:56].any()
+        # The padding's cells are written again by the tokens that reach them before any
+        # forward attends them: decode rounds after the prompt match.
+        for position, token in enumerate((5, 9, 11), start=45):
+            ids = torch.tensor([token])
+            torch.testing.assert_close(model.forward(ids, position, kv_graph),
+                                       model.forward(ids, position, kv_ref),
+                                       rtol=1e-5, atol=1e-5)
+        assert len(graphs.buckets) == 2 and not graphs.graphs  # nothing captured off CUDA
+
+
+def test_a_chunk_without_a_graph_runs_nothing():
+    model = load_model(cached_checkpoint("olmoe"), dtype=torch.float32)
+    with new_kv(model, 64) as kv:
+        graphs = PromptGraphs(model, kv, capture=False)
+        assert graphs(torch.zeros(60, dtype=torch.int64), 8) is None  # cells [8, 72) > 64
+        assert not kv.k(0).any()
+
+
+def test_only_an_engines_resident_cuda_requests_use_them():
+    model = load_model(cached_checkpoint("olmoe"), dtype=torch.float32)
+    with new_kv(model, 64) as kv:
+        options = GenerateOptions(max_new=2)
+        for warm in (None, {}):  # off CUDA: never; one request alone (no warm): never
+            run = _Run(model, kv, None, None, options, frozenset(), warm)
+            assert run._prompt_graphs() is None
+            assert not warm
+
+
+# --- the CUDA twins ---
+def _cuda_model(family: str = "olmoe"):
+    from strata.engine.experts import sorted_grouped
+
+    if not sorted_grouped.available_for(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("prompt graphs need the grouped products: bf16 on Hopper and later")
+    return load_model(cached_checkpoint(family), device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+def test_cuda_replays_equal_the_eager_padded_chunk(family):
+    model = _cuda_model(family)
+    prompt = (torch.arange(3, 3 + 45, device="cuda") * 7) % model.config.vocab_size
+    with new_kv(model, 300) as kv_graph, new_kv(model, 300) as kv_eager:
+        graphs = PromptGraphs(model, kv_graph)
+        eager = PromptGraphs(model, kv_eager, capture=False)
+        for start in (0, 20, 40, 0, 20):  # the last two replay graphs captured before
+            chunk = prompt[start : start + 20]
+            assert torch.equal(graphs(chunk, start), eager(chunk, start)), start
+        assert sorted(graphs.graphs) == [(16, 256), (32, 256)]
+        assert torch.equal(kv_graph.k(1)[:45], kv_eager.k(1)[:45])
+
+
+@pytest.mark.cuda
+def test_cuda_engine_requests_replay_prompt_graphs_deterministically():
+    from strata.engine.runtime.engine import Engine
+
+    ckpt = cached_checkpoint("olmoe")
+    _cuda_model()
+    options = GenerateOptions(max_new=6, temperature=0.0, max_context=512)
+    with Engine.open(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512) as engine:
+        first = engine.generate([5, 6, 7, 8, 9], options)
+        engine.reset()  # the second reads its whole prompt again, through the graph
+        second = engine.generate([5, 6, 7, 8, 9], options)
+        graphs = [step for key, step in engine.warm.items() if key[0] == "prompt"]
+    assert len(graphs) == 1 and list(graphs[0].graphs) == [(16, 256)]
+    assert first.tokens == second.tokens
+    assert torch.equal(first.first_logits, second.first_logits)
