@@ -6,7 +6,8 @@ F expert width, Fs shared-expert width.
 
 Weights are plain tensors held by small classes built from a role -> tensor dict (roles are
 listed in `strata.engine.model.families`). Nothing here reads a tensor's values on the host: no
-`.item()`, no data-dependent branching, so decode (T = 1) can be captured in a CUDA graph.
+`.item()`, no data-dependent branching, so decode (T = 1), or a short prompt chunk, can be
+captured in a CUDA graph.
 Numerics follow the Hugging Face implementations: RMSNorm and softmax in float32, RoPE tables in
 float32 cast to the model dtype.
 """
@@ -96,9 +97,8 @@ class AttentionSpan(NamedTuple):
 
     `cos`, `sin` [b - a, Dh] and `positions` [b - a] are those rows'; the call attends over
     cells [0, n_ctx) through `mask` [b - a, n_ctx] (`attention_mask`), or (None) causally when
-    `causal` (the
-    rows are the last b - a cells of [0, n_ctx): row i attends cells [0, n_ctx - (b - a) + i]),
-    or (None, not causal) every cell (decode).
+    `causal` (the rows are the last b - a cells of [0, n_ctx): row i attends cells
+    [0, n_ctx - (b - a) + i]), or (None, not causal) every cell (decode).
     """
 
     rows: slice
@@ -150,9 +150,8 @@ class Attention:
         `cells` is the layer's K/V (bf16, fp32 or int8 cells: int8 rows are quantized as they
         are written, and the attended cells dequantized to x's dtype as they are read).
         mask [T, N] (`attention_mask`: added to the scores) or None; None with `causal` means
-        causally, the T tokens being the last
-        T of the N cells (a prompt chunk), None without `causal` means every cell (one token:
-        decode).
+        causally, the T tokens being the last T of the N cells (a prompt chunk); None without
+        `causal` means every cell (one token: decode).
         """
         n_tokens = x.shape[0]
         h, g, dh = self.n_heads, self.n_kv_heads, self.head_dim
