@@ -21,7 +21,9 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   (`CacheStats`: `cpu_s`, `wait_s`), i.e. issuing, booking and everything around the kernels
   (a wait outside the cache, such as sampling's read of the token, counts as host-side);
 - prefill of a `--prefill-tokens` prompt at the same cache with the prompt loan: its time, the
-  expert bytes it uploaded and the upload bound (bytes / copy rate) beside it.
+  expert bytes it uploaded and the upload bound (bytes / copy rate) beside it, and where the
+  time went: the cache's blocking uploads (`upload_s`: their rate), the rest of the cache (of
+  it, the routing's reads), and outside the cache (attention, the dense layers).
 
 With `--experts-dtype` (comma-separated, e.g. `auto,int8,int4`) all of it is measured for each
 format, the experts quantized at load into a store of their own, at the same cache MiB (so a
@@ -404,6 +406,13 @@ def print_report(result: dict, args) -> None:
               f"{prefill['cache']['prompt']['uploaded_bytes'] / GB:.3f} GB, upload bound "
               f"{'-' if bound is None else f'{bound:.3f} s'} "
               f"({_ms(prefill['over_bound'])}x)")
+        prompt = prefill["cache"]["prompt"]
+        upload_s = prompt["upload_s"]
+        rate = f"{prompt['uploaded_bytes'] / upload_s / GB:.1f} GB/s" if upload_s else "-"
+        print(f"  where it went: the cache's uploads {upload_s:.3f} s ({rate}), the rest of the "
+              f"cache {prompt['forward_s'] - upload_s:.3f} s (of it waiting for the routing "
+              f"{prompt['wait_s']:.3f} s), outside the cache "
+              f"{prefill['prefill_s'] - prompt['forward_s']:.3f} s")
         if scaled:
             print(f"  {prefill['scaled_tok_s']:.0f} tok/s scaled to {result['full_layers']} "
                   "layers")

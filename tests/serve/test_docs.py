@@ -135,8 +135,11 @@ class Reader:
                                 cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT)
         self.server = (step, proc)
-        # curl retries on 503 (loading) and on a refused connection (not listening yet).
-        health = (f"curl -s -o /dev/null -w '%{{http_code}}' --retry 60 --retry-connrefused "
+        # curl retries on 503 (loading) and on a refused connection (not listening yet). The
+        # body goes to a file: before a retry curl truncates its output, which fails on
+        # /dev/null (exit status 23, curl 7.88) once a 503 came with a body.
+        body = self.cwd.parent / "health.out"  # beside the page's folder, not in it
+        health = (f"curl -s -o {body} -w '%{{http_code}}' --retry 60 --retry-connrefused "
                   f"--retry-delay 1 {ADDRESS}/health")
         assert self.run(health) == ["200"], self.server_lines()
 

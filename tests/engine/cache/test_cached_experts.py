@@ -171,13 +171,13 @@ def test_stats_count_what_happened(small):
         assert p.cpu_tokens == p.lookups - p.hits
         assert p.cpu_experts == sum(np.unique(ids[~h]).size
                                     for (_, ids), h in zip(chosen, hit, strict=True))
-        assert p.admitted == p.evicted == p.uploaded_bytes == 0
+        assert p.admitted == p.evicted == p.uploaded_bytes == 0 and p.upload_s == 0.0
     assert stats.hit_rate == stats.hits / stats.lookups
     assert stats.cpu_experts_per_layer == stats.total.cpu_experts / len(calls)
     d = result.stats()["cache"]
     assert d["slots"] == stats.slots and d["lent_slots"] == 0
     for key in ("hits", "lookups", "hit_rate", "cpu_experts_per_layer", "cpu_tokens_per_layer",
-                "uploaded_bytes", "device_s", "cpu_s", "wait_s"):
+                "uploaded_bytes", "device_s", "upload_s", "cpu_s", "wait_s"):
         assert key in d and key in d["prompt"] and key in d["decode"], key
 
 
@@ -200,6 +200,7 @@ def test_admissions_keep_books_slots_mirror_and_events_in_step(small):
         stats = result.cache.total
         assert stats.admitted > 0 and stats.evicted > 0
         assert stats.uploaded_bytes == stats.admitted * cached.store.blob_bytes
+        assert stats.upload_s > 0  # each admission's upload, timed
         cached.table.validate()
         _blobs_match_books(cached)
         assert np.array_equal(cached.mirror.numpy(), cached.table.res)

@@ -107,6 +107,9 @@ def test_the_loan_path_agrees_with_the_cpu_path_and_the_resident_model(setup):
     stats, cpu_stats = lent.stats.prompt, cpu.stats.prompt
     assert lent.stats.lent_slots == 8 and lent.loan.loans == 1
     assert stats.cpu_experts == 0 and stats.loan_experts > 8  # streamed in batches of 8
+    # Every batch's upload is timed (the host waits for it): seconds where bytes went up.
+    assert stats.uploaded_bytes > 0 and stats.upload_s > 0
+    assert (cpu_stats.upload_s > 0) == (cpu_stats.uploaded_bytes > 0)
     assert cpu_stats.loan_experts == 0 and cpu_stats.lookups == stats.lookups
     # The lent slots' residents are misses during the loan: more misses, fewer hits.
     assert stats.loan_experts > cpu_stats.cpu_experts and stats.hits < cpu_stats.hits

@@ -35,6 +35,8 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
         assert r["cpu_gb_s"] > 0 and r["cpu_share_of_host_read"] > 0
     prefill = runs["prefill-loan"]
     assert prefill["cache"]["lent_slots"] > 0 and prefill["upload_bound_s"] is None
+    prompt = prefill["cache"]["prompt"]
+    assert prompt["uploaded_bytes"] > 0 and 0 < prompt["upload_s"] < prompt["forward_s"]
     assert prefill["prefill_chunk"] == 80  # the asked chunk, reported with the run
     assert prefill["scaled_tok_s"] == prefill["prefill_tok_s"]  # the preset's own depth
 
@@ -61,6 +63,7 @@ def test_the_offload_bench_measures_each_experts_dtype(capsys, monkeypatch):
     assert bench.main(argv) == 0  # the table
     table = capsys.readouterr().out
     assert "decode-stream-1-int8:" in table and "prefill-loan-int8," in table
+    assert "where it went: the cache's uploads" in table
     with pytest.raises(SystemExit):  # argparse's error: a usage line naming the values
         bench.main([*argv[:-1], "auto,int3"])
     assert "--experts-dtype takes distinct comma-separated values" in capsys.readouterr().err

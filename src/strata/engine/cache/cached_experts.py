@@ -108,7 +108,9 @@ class CachedExperts:
         self.phase = "prompt"
         self.stats = CacheStats(slots=arena.n_slots, policy=self.checked.name)
         self.executor = CacheExecutor(store, arena, table, self.device, events=events,
-                                      on_upload=self._count_upload, listener=self.checked)
+                                      on_upload=lambda n_bytes, seconds: self.stats.phase(
+                                          self.phase).count_upload(n_bytes, seconds),
+                                      listener=self.checked)
         self.loan = PromptLoan(self.executor, self.checked, loan) if loan is not None else None
         self.cpu = CpuExperts(store, cpu_threads)
         self.stream_misses = staging_blobs(stream_misses)  # N; ValueError for a bad value
@@ -140,9 +142,6 @@ class CachedExperts:
     def sync_mirror(self) -> None:
         """Upload the books' `res` to the device mirror; complete when it returns."""
         self.executor.sync_mirror()
-
-    def _count_upload(self, n_bytes: int) -> None:
-        self.stats.phase(self.phase).uploaded_bytes += n_bytes
 
     def flush_heat(self) -> None:
         """Fold the routing counted on the device into the books' heat (one host read)."""

@@ -29,6 +29,7 @@ within the arena; bytes are counted as they are uploaded (`on_upload`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,9 +103,10 @@ class CacheExecutor:
     (ValueError unless the three describe one cache on `device`).
 
     `store` holds every expert's blob (the source of uploads and of rollbacks); `events` is the
-    plugin manager told each completed change's events (None: nobody); `on_upload(n_bytes)` is
-    told every upload, for the caller's figures. `mirror` is the books' `res` on `device`.
-    `listener` is told every entry and exit of an expert (None: nobody).
+    plugin manager told each completed change's events (None: nobody); `on_upload(n_bytes,
+    seconds)` is told every upload and how long it took, for the caller's figures. `mirror` is
+    the books' `res` on `device`. `listener` is told every entry and exit of an expert (None:
+    nobody).
     """
 
     def __init__(
@@ -115,7 +117,7 @@ class CacheExecutor:
         device: torch.device,
         *,
         events: pluggy.PluginManager | None = None,
-        on_upload: Callable[[int], None] | None = None,
+        on_upload: Callable[[int, float], None] | None = None,
         listener: Listener | None = None,
     ) -> None:
         _check_parts(store, arena, table, device)
@@ -137,9 +139,10 @@ class CacheExecutor:
         """Copy (layer, expert) blobs int [n, 2] from the store into `slots`, complete when it
         returns. Bytes only: the books are the caller's (inside a change, `CacheChange.upload`
         also marks the slots written, for a rollback)."""
+        started = time.perf_counter()
         n_bytes = self.arena.upload(slots, experts, self.store)
         if self.on_upload is not None:
-            self.on_upload(n_bytes)
+            self.on_upload(n_bytes, time.perf_counter() - started)
         return n_bytes
 
     @contextmanager

@@ -4,8 +4,10 @@ A *layer call* is one MoE layer of one forward pass. Lookups count routed (token
 `cpu_experts` counts distinct experts computed on the CPU per layer call, `cpu_tokens` the rows
 they computed. Times are wall seconds on the engine's thread, summed over the layer calls:
 `wait_s` waiting for the device (reading each layer's routing and the misses' inputs to the
-host), `device_s` issuing the device's share (hits, the loan), `cpu_s` computing misses on the
-CPU (while the device runs its share), `forward_s` everything inside the expert cache. Rounds
+host), `device_s` issuing the device's share (hits, the loan), `upload_s` the cache's blocking
+uploads (admissions, the loan's batches, refills: `device_s` holds the loan's), `cpu_s`
+computing misses on the CPU (while the device runs its share), `forward_s` everything inside
+the expert cache. Rounds
 replayed from a CUDA graph (every expert resident) count their calls, lookups and hits, but no
 times.
 """
@@ -35,6 +37,7 @@ class PhaseStats:
     admitted: int = 0
     evicted: int = 0
     device_s: float = 0.0
+    upload_s: float = 0.0
     cpu_s: float = 0.0
     wait_s: float = 0.0
     forward_s: float = 0.0
@@ -50,6 +53,11 @@ class PhaseStats:
     @property
     def cpu_tokens_per_layer(self) -> float:
         return self.cpu_tokens / self.layer_calls if self.layer_calls else 0.0
+
+    def count_upload(self, n_bytes: int, seconds: float) -> None:
+        """One blocking upload of the cache (`CacheExecutor.upload`): its bytes and seconds."""
+        self.uploaded_bytes += n_bytes
+        self.upload_s += seconds
 
     def add(self, other: PhaseStats) -> PhaseStats:
         """The sum of two phases' counters."""
