@@ -28,7 +28,8 @@
 # openai httpx`), cpu-experts (1.5: bench/cpu_experts.py, strata's CPU kernel against torch's
 # matmuls and the host's read bandwidth, olmoe and qwen3 experts), prefill (7: bench/decode.py
 # at 32, 512, 4,096 and 16,384 prompt tokens against transformers, on olmoe and qwen3 cut to 4
-# layers and mixtral cut to 2), offload (7: issue 17's figures, bench/offload.py, one JSON object a line in
+# layers and mixtral cut to 2), offload (7: issue 17's figures, bench/offload.py, one JSON
+# object a line in
 # offload.jsonl: decode with --stream-misses auto, 0 and 4 beside the bounds, then a 4,096-token
 # prefill with the loan; offload-olmoe (2: olmoe-1b-7b at a 4 GiB budget), offload-qwen3 and
 # offload-qwen3-skewed (2.5 each: qwen3-30b-a3b, 16 layers, 22% of the experts cached, router
@@ -40,7 +41,9 @@
 # the bandwidth bound at its bytes, an 8-layer olmoe cut), profile (4: bench/decode_profile.py,
 # the kernels of prompt chunks of 32, 512 and 4,096 tokens and of a decode round, eager, graph
 # and compiled, on a 4-layer olmoe cut), profile-shapes (6: the same for qwen3-30b-a3b cut to
-# 4 layers and mixtral-8x7b cut to 2, prompt chunks of 32 and 4,096), decode16 (7: bench/decode.py on the whole olmoe-1b-7b,
+# 4 layers and mixtral-8x7b cut to 2, prompt chunks of 32 and 4,096), profile-long (2: the
+# decode round at cell 16,384, eager and graph: attention's share at a long context), decode16
+# (7: bench/decode.py on the whole olmoe-1b-7b,
 # the plain graphs, --compile and transformers, decode against the bound, the first request's
 # seconds, then prefill at 512, 4,096 and 16,384 tokens against transformers with the MoE's
 # share); `offload` runs the first three; the first
@@ -180,6 +183,11 @@ for stage in "$@"; do
                  --compile --new-tokens 64 --repeat 3 --prefill-lengths 512,4096,16384 \
                  --json) > "$OUT/decode16.json" \
                  2> "$OUT/decode16.err"; tail -2 "$OUT/decode16.err" ;;
+    profile-long) # a decode round at cell 16,384: what attention costs at a long context
+              (cd bench && timeout 240 python3 decode_profile.py --preset olmoe-1b-7b --layers 4 \
+                 --prompt-tokens 32 --position 16384 --no-compile \
+                 --json "$OUT/profile-long.json") > "$OUT/profile-long.txt" \
+                 2> "$OUT/profile-long.err"; grep -E "^(prompt|decode)" "$OUT/profile-long.txt" ;;
     profile) (cd bench && timeout 420 python3 decode_profile.py --preset olmoe-1b-7b --layers 4 \
                 --prompt-tokens 32,512,4096 --gathered-compile --json "$OUT/profile.json") \
                 > "$OUT/profile.txt" 2> "$OUT/profile.err"; tail -3 "$OUT/profile.err" ;;
