@@ -55,8 +55,7 @@ def add_prefill_chunk_argument(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk", type=int, metavar="N",
         help="prompt tokens per forward, each reading its experts once (default: 4096 with "
         "every expert resident; through the expert cache, where it sizes the workspace, the "
-        "longest of 512-4096 whose workspace costs at most 10%% of the cache's slots); past "
-        "the first chunk attention runs in pieces of 512")
+        "longest of 512-4096 whose workspace costs at most 10%% of the cache's slots)")
 
 
 def add_compile_argument(parser: argparse.ArgumentParser) -> None:
