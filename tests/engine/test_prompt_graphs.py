@@ -67,6 +67,29 @@ def test_a_chunk_without_a_graph_runs_nothing():
         assert not kv.k(0).any()
 
 
+def test_a_failed_capture_leaves_every_chunk_to_the_eager_path(monkeypatch, capsys):
+    model = load_model(cached_checkpoint("olmoe"), dtype=torch.float32)
+    prompt = torch.arange(3, 23) % model.config.vocab_size  # [20]
+    with new_kv(model, 300) as kv, new_kv(model, 300) as kv_ref:
+        graphs = PromptGraphs(model, kv)  # as on CUDA: chunks are captured
+        attempts = []
+
+        def refused(step):
+            attempts.append(step())  # the warm-up runs before the capture fails
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during capture")
+
+        monkeypatch.setattr(graphs, "_capture", refused)
+        assert graphs(prompt, 0) is None  # the caller runs the chunk eagerly
+        assert graphs(prompt, 0) is None and len(attempts) == 1  # never tried again
+        assert not graphs.graphs and graphs.failed.startswith("RuntimeError: Cannot copy")
+        err = capsys.readouterr().err
+        assert err.count("short prompt chunks run eagerly from here on") == 1
+        # The warm-up wrote the chunk's cells as the eager forward does: nothing half-changed.
+        eager = model.forward(prompt, 0, kv, last_only=True)
+        torch.testing.assert_close(eager, model.forward(prompt, 0, kv_ref, last_only=True))
+        torch.testing.assert_close(kv.k(1)[:20], kv_ref.k(1)[:20])
+
+
 def test_only_an_engines_resident_cuda_requests_use_them():
     model = load_model(cached_checkpoint("olmoe"), dtype=torch.float32)
     with new_kv(model, 64) as kv:

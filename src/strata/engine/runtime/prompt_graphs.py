@@ -25,6 +25,7 @@ the eager chunk through the fused causal kernel); each is deterministic.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -84,16 +85,19 @@ class PromptGraphs:
 
     def __init__(self, model: Any, kv: Any, capture: bool = True) -> None:
         self.model, self.kv, self.capture = model, kv, capture
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool: Any = None  # the graphs' memory, made at the first capture
         self.buckets: dict[int, _Bucket] = {}
         # (bucket, window) -> (its graph, logits [1, V] refreshed by each replay)
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.failed: str | None = None  # why a capture failed: every chunk runs eagerly since
 
     def __call__(self, chunk: torch.Tensor, start: int) -> torch.Tensor | None:
         """Logits float32 [1, V] of chunk [T]'s last token, its K/V written at cells
-        [start, start + T); None (nothing run) when the chunk has no graph (`padded_chunk`)."""
+        [start, start + T); None when the chunk has no graph (`padded_chunk`), or once a
+        capture failed (said on stderr, once): the caller runs it eagerly. A failed capture's
+        warm-up runs wrote the chunk's cells; the eager run writes the same values again."""
         shape = padded_chunk(chunk.shape[0], start, self.kv.mapped_cells)
-        if shape is None:
+        if shape is None or self.failed is not None:
             return None
         bucket, window = shape
         if bucket not in self.buckets:
@@ -108,7 +112,18 @@ class PromptGraphs:
         if not self.capture:
             return step()
         if shape not in self.graphs:
-            self.graphs[shape] = capture_graph(step, self.model.device, self.pool)
+            try:
+                self.graphs[shape] = self._capture(step)
+            except RuntimeError as err:  # an op the capture refuses (a host sync), memory
+                self.failed = f"{type(err).__name__}: {err}"
+                print(f"strata: short prompt chunks run eagerly from here on: capturing their "
+                      f"CUDA graph failed ({self.failed})", file=sys.stderr)
+                return None
         graph, logits = self.graphs[shape]
         graph.replay()
         return logits
+
+    def _capture(self, step: Any) -> tuple[Any, torch.Tensor]:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return capture_graph(step, self.model.device, self.pool)
