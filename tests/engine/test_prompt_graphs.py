@@ -32,12 +32,13 @@ def test_buckets_and_windows(n_tokens, start, mapped, shape):
     assert padded_chunk(n_tokens, start, mapped) == shape
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
-def test_a_padded_chunk_gives_the_plain_forwards_logits_and_cells(family):
+@pytest.mark.parametrize(("family", "cell_dtype"), [
+    ("olmoe", None), ("qwen3_moe", None), ("qwen3_moe", torch.int8)])
+def test_a_padded_chunk_gives_the_plain_forwards_logits_and_cells(family, cell_dtype):
     model = load_model(cached_checkpoint(family), dtype=torch.float32)
     vocab = model.config.vocab_size
     prompt = (torch.arange(3, 3 + 45) * 7) % vocab  # [45]: chunks of 20, 20, 5 below
-    with new_kv(model, 300) as kv_graph, new_kv(model, 300) as kv_ref:
+    with new_kv(model, 300, cell_dtype) as kv_graph, new_kv(model, 300, cell_dtype) as kv_ref:
         graphs = PromptGraphs(model, kv_graph, capture=False)
         for start in (0, 20, 40):  # buckets of 32, 32, 16, the later ones at cells 20 and 40
             chunk = prompt[start : start + 20]
@@ -110,18 +111,19 @@ def _cuda_model(family: str = "olmoe"):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
-def test_cuda_replays_equal_the_eager_padded_chunk(family):
+@pytest.mark.parametrize(("family", "cell_dtype"), [
+    ("olmoe", None), ("qwen3_moe", None), ("qwen3_moe", torch.int8)])
+def test_cuda_replays_equal_the_eager_padded_chunk(family, cell_dtype):
     model = _cuda_model(family)
     prompt = (torch.arange(3, 3 + 45, device="cuda") * 7) % model.config.vocab_size
-    with new_kv(model, 300) as kv_graph, new_kv(model, 300) as kv_eager:
+    with new_kv(model, 300, cell_dtype) as kv_graph, new_kv(model, 300, cell_dtype) as kv_eager:
         graphs = PromptGraphs(model, kv_graph)
         eager = PromptGraphs(model, kv_eager, capture=False)
         for start in (0, 20, 40, 0, 20):  # the last two replay graphs captured before
             chunk = prompt[start : start + 20]
             assert torch.equal(graphs(chunk, start), eager(chunk, start)), start
-        assert sorted(graphs.graphs) == [(16, 256), (32, 256)]
-        assert torch.equal(kv_graph.k(1)[:45], kv_eager.k(1)[:45])
+        assert sorted(graphs.graphs) == [(16, 256), (32, 256)] and graphs.failed is None
+        assert torch.equal(kv_graph.k(1)[:45], kv_eager.k(1)[:45])  # int8: the quantized values
 
 
 @pytest.mark.cuda
