@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 graphs = PromptGraphs(model, kv) if on_cuda else None
                 if graphs is not None and model.experts.prompt_capturable \
                         and graphs(ids, 0) is not None:
-                    # What an engine's requests replay (the graph captured by the call above).
+                    graphs(ids, 0)  # the shape's second use: its graph captured
+                    # What an engine's requests replay.
                     rows.append(summary(f"prompt chunk of {n}, CUDA graph (default)",
                                         lambda ids=ids, graphs=graphs: graphs(ids, 0),
                                         device, max(3, args.repeat // 4), n))

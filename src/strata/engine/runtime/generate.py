@@ -7,7 +7,7 @@ graphs where it can be, eagerly elsewhere (`strata.engine.runtime.decode_steps`;
 run needs are captured before the decode clock starts). Rounds run eagerly off CUDA, with
 `cuda_graphs=False`, or with `piecewise_graphs=False` and a cache that misses. With every expert
 resident on CUDA, an engine's short prompt chunks replay graphs too
-(`strata.engine.runtime.prompt_graphs`), captured the first time a chunk's shape is met.
+(`strata.engine.runtime.prompt_graphs`), captured the second time a chunk's shape is met.
 `compile` applies to `ResidentExperts` only. The graph path
 attends through a mask over its window, the eager one over exactly the cells written, so the two
 may differ in the last bits; each is deterministic.
@@ -307,8 +307,8 @@ class _Run:
     def _prompt_graphs(self) -> PromptGraphs | None:
         """The short chunks' graphs (`strata.engine.runtime.prompt_graphs`) where they can be
         captured (every expert resident, on CUDA, graphs on) and kept: only with `warm`, the
-        steps an engine keeps across requests (a capture costs a few eager chunks; one request
-        alone would not win it back)."""
+        steps an engine keeps across requests (a graph is captured at a shape's second use,
+        which one request alone rarely makes)."""
         model, warm = self.model, self.warm
         experts = model.experts
         if (warm is None or not self.options.cuda_graphs or model.device.type != "cuda"

@@ -6,7 +6,9 @@ A chunk of a few hundred tokens is bound by the host, not the device: on the H20
 chunk of `olmoe-1b-7b`'s shape spent 19% of its time in kernels, a 512-token one 36%
 (bench/results/prefill-graphs-h200-2026-12-02.md). With every expert resident and the MoE's
 grouped products (nothing read on the host: `ResidentExperts.prompt_capturable`), such a chunk
-is replayed from a graph of `MoEModel.forward_at`, captured once per bucket and window:
+is replayed from a graph of `MoEModel.forward_at`, captured once per bucket and window (at
+the shape's second use: the first runs the padded chunk eagerly, the same bytes, so a one-off
+prompt pays no capture):
 
 - the bucket: T padded to the next power of two in [PROMPT_GRAPH_MIN_TOKENS,
   PROMPT_GRAPH_MAX_TOKENS] (longer chunks run eagerly: their kernels dominate);
@@ -19,8 +21,10 @@ each such cell is written again by its own token's forward before anything atten
 attention reads no cell past the token's own). They are routed and computed like the others;
 no real row attends them, and the logits are the real last token's.
 
-Replay and eager differ in the last bits (the graph attends through a mask over its window,
-the eager chunk through the fused causal kernel); each is deterministic.
+A chunk with no padded shape (longer, or past the mapped cells) runs as it is, through the
+fused causal kernel: it differs from the padded chunk's mask over its window in the last bits.
+Each is deterministic, and which one a chunk takes depends on its length, its start and the
+mapped cells only.
 """
 
 from __future__ import annotations
@@ -79,25 +83,29 @@ class PromptGraphs:
     docstring). An engine keeps it for its life, like its decode graphs: the K/V's addresses
     never move, so the graphs stay valid across requests, growths and trims.
 
-    `capture=False` runs the same padded chunk eagerly: the host twin the CPU tests check
-    (the padding's semantics), and what a graph replays.
+    A shape (bucket, window) met for the first time runs the padded chunk eagerly, the same
+    bytes as a replay; the second time captures its graph, and later ones replay it. So a
+    one-off prompt pays no capture, and a request's bytes do not depend on what came before.
+    `capture=False` always runs the padded chunk eagerly: the host twin the CPU tests check.
     """
 
     def __init__(self, model: Any, kv: Any, capture: bool = True) -> None:
         self.model, self.kv, self.capture = model, kv, capture
         self.pool: Any = None  # the graphs' memory, made at the first capture
         self.buckets: dict[int, _Bucket] = {}
+        self.seen: set[tuple[int, int]] = set()  # shapes met once, run eagerly
         # (bucket, window) -> (its graph, logits [1, V] refreshed by each replay)
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.failed: str | None = None  # why a capture failed: every chunk runs eagerly since
 
     def __call__(self, chunk: torch.Tensor, start: int) -> torch.Tensor | None:
         """Logits float32 [1, V] of chunk [T]'s last token, its K/V written at cells
-        [start, start + T); None when the chunk has no graph (`padded_chunk`), or once a
-        capture failed (said on stderr, once): the caller runs it eagerly. A failed capture's
-        warm-up runs wrote the chunk's cells; the eager run writes the same values again."""
+        [start, start + T), from the padded chunk (replayed, or run eagerly); None (nothing
+        run) when the chunk has no padded shape (`padded_chunk`): the caller runs it as it is.
+        A capture that fails is said on stderr, once, and every chunk runs eagerly from then
+        on (its warm-up runs wrote the chunk's cells; the eager run writes the same values)."""
         shape = padded_chunk(chunk.shape[0], start, self.kv.mapped_cells)
-        if shape is None or self.failed is not None:
+        if shape is None:
             return None
         bucket, window = shape
         if bucket not in self.buckets:
@@ -109,16 +117,19 @@ class PromptGraphs:
             return self.model.forward_at(inputs.ids, inputs.positions, self.kv, window,
                                          logit_rows=inputs.last)  # [1, V]
 
-        if not self.capture:
+        if not self.capture or self.failed is not None:
             return step()
         if shape not in self.graphs:
+            if shape not in self.seen:  # the first time: eagerly, no capture
+                self.seen.add(shape)
+                return step()
             try:
                 self.graphs[shape] = self._capture(step)
             except RuntimeError as err:  # an op the capture refuses (a host sync), memory
                 self.failed = f"{type(err).__name__}: {err}"
                 print(f"strata: short prompt chunks run eagerly from here on: capturing their "
                       f"CUDA graph failed ({self.failed})", file=sys.stderr)
-                return None
+                return step()
         graph, logits = self.graphs[shape]
         graph.replay()
         return logits
