@@ -92,11 +92,11 @@ def test_a_failed_capture_leaves_every_chunk_to_the_eager_path(monkeypatch, caps
         assert torch.equal(kv.k(1)[:20], kv_ref.k(1)[:20])
 
 
-def test_only_an_engines_resident_cuda_requests_use_them():
+def test_off_cuda_no_request_uses_them():
     model = load_model(cached_checkpoint("olmoe"), dtype=torch.float32)
     with new_kv(model, 64) as kv:
         options = GenerateOptions(max_new=2)
-        for warm in (None, {}):  # off CUDA: never; one request alone (no warm): never
+        for warm in (None, {}):  # with an engine's warm steps or without
             run = _Run(model, kv, None, None, options, frozenset(), warm)
             assert run._prompt_graphs() is None
             assert not warm
@@ -127,6 +127,20 @@ def test_cuda_replays_equal_the_eager_padded_chunk(family, cell_dtype):
             assert torch.equal(graphs(chunk, start), eager(chunk, start)), start
         assert sorted(graphs.graphs) == [(16, 256), (32, 256)] and graphs.failed is None
         assert torch.equal(kv_graph.k(1)[:45], kv_eager.k(1)[:45])  # int8: the quantized values
+
+
+@pytest.mark.cuda
+def test_cuda_only_an_engines_requests_with_graphs_on_use_them():
+    model = _cuda_model()
+    with new_kv(model, 64) as kv:
+        warm = {}
+        for options, steps in ((GenerateOptions(max_new=2), None),  # one request alone
+                               (GenerateOptions(max_new=2, cuda_graphs=False), warm)):
+            assert _Run(model, kv, None, None, options, frozenset(), steps)._prompt_graphs() \
+                is None
+        graphs = _Run(model, kv, None, None, GenerateOptions(max_new=2), frozenset(),
+                      warm)._prompt_graphs()
+        assert isinstance(graphs, PromptGraphs) and warm == {("prompt", id(kv)): graphs}
 
 
 @pytest.mark.cuda

@@ -108,12 +108,12 @@ def workspace_bytes(
     k, f, d = cfg.top_k, cfg.expert_width, cfg.hidden_size
     itemsize = _itemsize(dtype)
     heads_per_kv = cfg.n_heads // cfg.n_kv_heads
-    copies = heads_per_kv if heads_per_kv > 1 else 0  # of a piece's mask, or of the K/V
+    copies = heads_per_kv if heads_per_kv > 1 else 0  # of a piece's mask, per query head
     window = cfg.sliding_window
     if c <= ATTENTION_PIECE_TOKENS or (window is not None and window < n):
         attention = (c + min(c, ATTENTION_PIECE_TOKENS) * copies) * n * itemsize
-    else:
-        attention = 2 * n * copies * cfg.n_kv_heads * cfg.head_dim * itemsize
+    else:  # K and V repeated to the H query heads, when a kv head serves several
+        attention = 2 * n * cfg.n_heads * cfg.head_dim * itemsize if copies else 0
     gathered = gathered_bytes(cfg, dtype, experts_quant) if gathers else 0
     if experts_quant is not None:  # a prompt chunk's experts, dequantized a batch at a time
         batch = min(dequant_batch(f, d), cfg.n_experts)  # a layer call's experts at most

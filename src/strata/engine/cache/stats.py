@@ -7,9 +7,8 @@ they computed. Times are wall seconds on the engine's thread, summed over the la
 host), `device_s` issuing the device's share (hits, the loan), `upload_s` the cache's blocking
 uploads (admissions, the loan's batches, refills: `device_s` holds the loan's), `cpu_s`
 computing misses on the CPU (while the device runs its share), `forward_s` everything inside
-the expert cache. Rounds
-replayed from a CUDA graph (every expert resident) count their calls, lookups and hits, but no
-times.
+the expert cache. Rounds replayed from a CUDA graph (every expert resident) count their calls,
+lookups and hits, but no times.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ are those of `strata.engine.cache.cached_experts`, with less host work between t
 call of the books (`ResidencyTable.split_token`: lookup, record and the split of the K rows)
 writes every index the call uploads into one buffer (pinned on CUDA: one copy that does not wait
 for the stream) and the misses' grouping beside them; the hits, the streamed misses and the
-CPU's rows are computed as blocks, which the weighted sum reads in row order through the uploaded
-positions (no gather); the policy's `observe`
-is skipped where it is the default. It gives the general path's bytes
-(tests/engine/cache/test_token_path.py compares the two), and on the H200 a call took 0.68-0.90x
-the general path's time (bench/results/layer-call-cpu-2026-12-01.md, its H200 section).
+CPU's rows are computed as blocks, which the weighted sum reads in row order through the
+uploaded positions (no gather); the policy's `observe` is skipped where it is the default. It
+gives the general path's bytes (tests/engine/cache/test_token_path.py compares the two), and on
+the H200 a call took 0.68-0.90x the general path's time
+(bench/results/layer-call-cpu-2026-12-01.md, its H200 section).
 """
 
 from __future__ import annotations
