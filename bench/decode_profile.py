@@ -4,10 +4,12 @@ Issue 16's question: which kernels a prompt and a decode round launch, how long 
 takes, and how much of the wall time is kernels at all (the rest is launching them). For
 each `--prompt-tokens` length it times `MoEModel.forward` over one chunk from position 0, and
 for decode one round at `--position` in each of strata's decode steps: eager, replayed from
-a CUDA graph (the default), and `--compile`'s (compiled with the experts' Triton kernels as a
-custom operator; `--gathered-compile` adds the gathered path under inductor, the code before
-that operator). Each is timed (median of `--repeat`, wall clock around a device sync) and
-profiled once (torch.profiler): the kernels, their total, and the largest kinds by time.
+a CUDA graph (the default), the same graph with the layers' small ops in plain torch (as they
+were before `strata.engine.model.ops` had kernels: the baseline of the same run), and
+`--compile`'s (compiled with the experts' Triton kernels as a custom operator;
+`--gathered-compile` adds the gathered path under inductor, the code before that operator).
+Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
+(torch.profiler): the kernels, their total, and the largest kinds by time.
 
     python bench/decode_profile.py --preset olmoe-1b-7b --layers 4 --device cuda
     python bench/decode_profile.py --preset tiny --device cpu --no-compile   # the script's check
@@ -34,12 +36,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from _common import add_model_arguments, byte_tokens, checkpoint_for, sync
 from strata.engine.experts import grouped
+from strata.engine.model import ops
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.prompt_graphs import PromptGraphs
 
 # Kernel names -> the kind they are counted under, first match wins (lower-case substrings).
 KINDS = (
+    ("layer ops (triton)", ("add_rms_norm", "qk_norm_rope", "route")),
     ("experts (triton)", ("gate_up_act", "down_", "int8_", "int4_")),
     ("grouped mm", ("grouped", "group_gemm")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
@@ -116,8 +120,10 @@ def summary(label: str, fn, device: torch.device, repeat: int, tokens: int,
         "kernel_share": kernel_us / 1e6 / seconds if kernels else None,
         "kinds": sorted(([k, n, us / 1e3] for k, (n, us) in by_kind.items()),
                         key=lambda row: -row[2]),
+        # Every kernel name, largest total first (the text shows the first 6): what a round
+        # launches, to the last small copy.
         "top": sorted(([k[:90], n, us / 1e3] for k, (n, us) in by_name.items()),
-                      key=lambda row: -row[2])[:10],
+                      key=lambda row: -row[2]),
     }
 
 
@@ -178,13 +184,21 @@ def main(argv: list[str] | None = None) -> int:
                 return decode_step(model, kv, None, cuda_graphs=graphs, piecewise_graphs=False,
                                    compile=compile)
 
-            steps = [("decode, eager", step_of(False))]
+            steps = [("decode, eager", step_of(False), False)]
             if on_cuda:
-                steps.append(("decode, CUDA graph (default)", step_of(True)))
+                steps.append(("decode, CUDA graph (default)", step_of(True), False))
+                steps.append(("decode, CUDA graph, the layer ops in torch", step_of(True), True))
                 if not args.no_compile:
-                    steps.append(("decode, --compile", step_of(True, True)))
-            for label, step in steps:
-                step.prepare(1, args.position, args.position)
+                    steps.append(("decode, --compile", step_of(True, True), False))
+            for label, step, torch_ops in steps:
+                # The graph is captured here: with the ops' kernels, or with their torch code.
+                use_kernels = ops.use_kernels
+                if torch_ops:
+                    ops.use_kernels = lambda x: False
+                try:
+                    step.prepare(1, args.position, args.position)
+                finally:
+                    ops.use_kernels = use_kernels
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,
                                     args.repeat, 1, args.host_profile and step.path == "eager"))
                 print_summary(rows[-1])

@@ -12,7 +12,8 @@
 # CPU), layer-call (1: bench/layer_call.py on the GPU, one-token calls through the decode path
 # and the general one, split into the CPU kernel, the hits' launches, the wait and the rest:
 # tiny widths, then olmoe-1b-7b's widths cut to 2 layers, half the experts cached, one JSON
-# object a line in layer-call.jsonl), cache (3: bench/cache.py at 4 GiB against accelerate),
+# object a line in layer-call.jsonl), layer-call-passive (0.5: its real widths again with
+# OMP_WAIT_POLICY=PASSIVE), cache (3: bench/cache.py at 4 GiB against accelerate),
 # kv-grow (2: the short chat at the reference's proportions, start cells 1/12 of the window),
 # kv-grow-skewed (2.5: the same on a model whose routing favours some experts), kv-grow-32k
 # (3: the 32K prompt, start cells 1/12 too), kv-grow-32k-skewed (4: the same on the skewed
@@ -46,7 +47,9 @@
 # (7: bench/decode.py on the whole olmoe-1b-7b,
 # the plain graphs, --compile and transformers, decode against the bound, the first request's
 # seconds, then prefill at 512, 4,096 and 16,384 tokens against transformers with the MoE's
-# share); `offload` runs the first three; the first
+# share), decode16-default (4: the same without --compile, no compile time: the default path
+# alone beside transformers), profile-decode (1.5: the profile stage's decode rounds and prompt
+# chunks of 32 and 4,096 without --compile); `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # second or two, and later runs read them). A new checkpoint adds about a minute to the first
 # stage that uses it.
@@ -100,6 +103,14 @@ for stage in "$@"; do
                      --paths token,general --stream 0,4 --json)
                 done > "$OUT/layer-call.jsonl" 2> "$OUT/layer-call.err"
                 wc -l < "$OUT/layer-call.jsonl"; tail -3 "$OUT/layer-call.err" ;;
+    layer-call-passive) # The real widths again, OpenMP's idle threads sleeping instead of
+                # spinning: whether the CPU kernel's 16 spinning threads slow the host's work
+                # after it (its rest was 0.56 ms at real widths against 0.26 at tiny ones).
+                (cd bench && OMP_WAIT_POLICY=PASSIVE timeout 100 python3 layer_call.py \
+                   --device cuda --widths real --threads 16 --calls 100 --repeat 3 \
+                   --paths token --stream 0,4 --json) > "$OUT/layer-call-passive.jsonl" \
+                   2> "$OUT/layer-call-passive.err"
+                wc -l < "$OUT/layer-call-passive.jsonl"; tail -3 "$OUT/layer-call-passive.err" ;;
     cache) (cd bench && timeout 420 python3 cache.py --preset olmoe-1b-7b --device cuda \
                --budget-mib 4096 --repeat 3 --peer-new-tokens 8 --stream-misses 4 --piecewise \
                --json) > "$OUT/cache.json" 2> "$OUT/cache.err"; grep "bench/" "$OUT/cache.err" ;;
@@ -136,8 +147,10 @@ for stage in "$@"; do
                  done > "$OUT/cpu-experts.txt" 2>&1; cat "$OUT/cpu-experts.txt" ;;
     prefill) # One JSON object a line in prefill.jsonl (the machine returns at most 8 files):
              # each shape's prefill at 32 (its own prompt), 512, 4,096 and 16,384 tokens.
-             for shape in "olmoe-1b-7b --layers 4" "qwen3-30b-a3b --layers 4" \
-                          "mixtral-8x7b --layers 2"; do
+             # PREFILL_SHAPES (comma-separated) runs some of them.
+             IFS=, read -ra shapes <<< "${PREFILL_SHAPES:-olmoe-1b-7b --layers 4,qwen3-30b-a3b \
+--layers 4,mixtral-8x7b --layers 2}"
+             for shape in "${shapes[@]}"; do
                (cd bench && timeout 240 python3 decode.py --preset $shape --prompt-tokens 32 \
                   --prefill-lengths 512,4096,16384 --new-tokens 32 --repeat 3 --json) \
                   >> "$OUT/prefill.jsonl" 2>> "$OUT/prefill.err"
@@ -183,6 +196,14 @@ for stage in "$@"; do
                  --compile --new-tokens 64 --repeat 3 --prefill-lengths 512,4096,16384 \
                  --json) > "$OUT/decode16.json" \
                  2> "$OUT/decode16.err"; tail -2 "$OUT/decode16.err" ;;
+    decode16-default) (cd bench && timeout 300 python3 decode.py --model "$(olmoe_checkpoint)" \
+                 --new-tokens 64 --repeat 3 --prefill-lengths 512,4096,16384 \
+                 --json) > "$OUT/decode16-default.json" \
+                 2> "$OUT/decode16-default.err"; tail -2 "$OUT/decode16-default.err" ;;
+    profile-decode) (cd bench && timeout 150 python3 decode_profile.py --preset olmoe-1b-7b \
+                 --layers 4 --prompt-tokens 32,4096 --no-compile \
+                 --json "$OUT/profile-decode.json") > "$OUT/profile-decode.txt" \
+                 2> "$OUT/profile-decode.err"; grep -E "^(prompt|decode)" "$OUT/profile-decode.txt" ;;
     profile-long) # a decode round at cell 16,384: what attention costs at a long context
               (cd bench && timeout 240 python3 decode_profile.py --preset olmoe-1b-7b --layers 4 \
                  --prompt-tokens 32 --position 16384 --no-compile \

@@ -23,6 +23,11 @@ from torch.nn.attention.bias import causal_lower_right
 from strata.engine.experts import Experts
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.kv_cells import LayerCells
+from strata.engine.model.ops import QKHeads, add_rms_norm, rms_norm, rotate_and_write, route
+
+__all__ = ["ATTENTION_PIECE_TOKENS", "Attention", "AttentionSpan", "DecoderLayer", "MoE",
+           "add_rms_norm", "attention_mask", "rms_norm", "rope_cos_sin", "rope_inv_freq", "route",
+           "swiglu"]
 
 Weights = dict[str, torch.Tensor]
 
@@ -35,16 +40,6 @@ Weights = dict[str, torch.Tensor]
 ATTENTION_PIECE_TOKENS = 512
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., C] normalized over C in float32, cast back, then scaled by weight [C].
-
-    The Hugging Face order (scale after the cast back). `F.rms_norm` widens a bf16 x to
-    float32 itself and rounds its result once, as widening first and narrowing after would,
-    in one op instead of three (two fewer kernels for every norm of a decode round).
-    """
-    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
-
-
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """[Dh/2] float32 inverse frequencies (computed on the CPU, as Hugging Face does)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -55,23 +50,12 @@ def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, Dh] for positions [T] int64 (halves repeated, the "rotate half" layout),
-    sin's first half negated: what multiplies x rolled by half a head (`apply_rope`)."""
+    sin's first half negated: what multiplies x rolled by half a head (`ops.apply_rope`)."""
     freqs = positions.unsqueeze(1).float() * inv_freq.unsqueeze(0)  # [T, Dh/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
     sin = angles.sin().to(dtype)
     half = sin.shape[-1] // 2
     return angles.cos().to(dtype), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, Dh] rotated by cos and `rope_cos_sin`'s sin [T, Dh].
-
-    Hugging Face's x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]: here
-    [x2, x1] * [-s1, s2], the same products exactly (a sign moves from one factor to the
-    other), with the sign folded into sin once a forward, not negated per call."""
-    half = x.shape[-1] // 2
-    rolled = x.roll(half, dims=-1)  # [T, heads, Dh]: [x2, x1]
-    return x * cos.unsqueeze(1) + rolled * sin.unsqueeze(1)
 
 
 def attention_mask(
@@ -115,10 +99,6 @@ class Attention:
 
     def __init__(self, cfg: ModelConfig, w: Weights) -> None:
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_width, self.kv_width = cfg.q_width, cfg.kv_width
-        self.eps = cfg.rms_norm_eps
-        self.qk_norm = cfg.qk_norm
-        self.clip_qkv = cfg.clip_qkv
         self.scale = cfg.head_dim**-0.5
         self.wqkv = torch.cat((w["q"], w["k"], w["v"]))  # [H*Dh + 2*G*Dh, D]
         self.bqkv = torch.cat((w["q_bias"], w["k_bias"], w["v_bias"])) if cfg.qkv_bias else None
@@ -126,13 +106,15 @@ class Attention:
         self.bo = w.get("o_bias")  # [D] or None
         # q's and k's norm weights side by side, as q's and k's rows sit in the projection:
         # [(H+G)*Dh] ("full"), [H+G, Dh] ("head": each head's), or None.
-        self.qk_weight = None
+        qk_weight = None
         if cfg.qk_norm == "full":
-            self.qk_weight = torch.cat((w["q_norm"], w["k_norm"]))
+            qk_weight = torch.cat((w["q_norm"], w["k_norm"]))
         elif cfg.qk_norm == "head":
             q_norm, k_norm = w["q_norm"], w["k_norm"]  # [Dh] each
-            self.qk_weight = torch.cat((q_norm.expand(self.n_heads, -1),
-                                        k_norm.expand(self.n_kv_heads, -1)))
+            qk_weight = torch.cat((q_norm.expand(self.n_heads, -1),
+                                   k_norm.expand(self.n_kv_heads, -1)))
+        self.heads = QKHeads(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, qk_weight,
+                             cfg.rms_norm_eps, cfg.clip_qkv)
 
     def forward(
         self,
@@ -153,26 +135,9 @@ class Attention:
         causally, the T tokens being the last T of the N cells (a prompt chunk); None without
         `causal` means every cell (one token: decode).
         """
-        n_tokens = x.shape[0]
-        h, g, dh = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = F.linear(x, self.wqkv, self.bqkv)  # [T, H*Dh + 2*G*Dh]
-        # q's and k's heads stay side by side, [T, (H+G)*Dh], through the norms and the
-        # rotation: one kernel each for both (the same products as q's and k's apart).
-        qk, v = qkv.split((self.q_width + self.kv_width, self.kv_width), dim=-1)
-        if self.qk_norm == "full":  # q over its H*Dh, k over its G*Dh
-            q, k = qk.split((self.q_width, self.kv_width), dim=-1)
-            normed = torch.cat((F.rms_norm(q, (self.q_width,), eps=self.eps),
-                                F.rms_norm(k, (self.kv_width,), eps=self.eps)), dim=-1)
-            qk = self.qk_weight * normed  # rms_norm's order: the weight after the cast back
-        if self.clip_qkv is not None:
-            qk, v = qk.clamp(-self.clip_qkv, self.clip_qkv), v.clamp(-self.clip_qkv, self.clip_qkv)
-        qk = qk.reshape(n_tokens, h + g, dh)  # [T, H+G, Dh]: q's heads, then k's
-        v = v.reshape(n_tokens, g, dh)  # [T, G, Dh]
-        if self.qk_norm == "head":
-            qk = rms_norm(qk, self.qk_weight, self.eps)
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk[:, :h], qk[:, h:]  # [T, H, Dh], [T, G, Dh]
-        cells.write(positions, k, v)
+        # q's and k's heads normed and rotated side by side, k and v stored: one op.
+        q = rotate_and_write(qkv, self.heads, cos, sin, positions, cells)  # [T, H, Dh]
         keys, values = cells.read(n_ctx, q.dtype)  # [N, G, Dh] each
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [G, N, Dh] each
         if causal and mask is None:
@@ -222,20 +187,6 @@ class Attention:
         return out.view(g, r, n_tokens, dh).permute(2, 0, 1, 3).reshape(n_tokens, h * dh)
 
 
-def route(
-    logits: torch.Tensor, top_k: int, normalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing from router logits [T, E]: ids [T, K] int64, weights [T, K] float32.
-
-    Softmax over all experts in float32, then the top k (renormalized to sum to 1 if asked).
-    """
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E], widened inside
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights
-
-
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """x [T, D] through a SwiGLU FFN: gate_up [2F, D] (gate rows first), down [D, F]."""
     h = F.linear(x, gate_up)  # [T, 2F]
@@ -281,17 +232,22 @@ class DecoderLayer:
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         spans: list[AttentionSpan],
         cells: LayerCells,
         experts: Experts,
-    ) -> torch.Tensor:
-        """x [T, D] -> [T, D]. Attention span by span, in order (a span attends the K/V the
-        spans before it wrote), then the MoE over all T tokens at once."""
-        normed = rms_norm(x, self.attn_norm, self.eps)  # [T, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x [T, D] and what the layer before adds to it, delta [T, D] (None
+        for the first layer) -> this layer's (stream, delta): the sum x + delta is left to the
+        next norm (`add_rms_norm`: one kernel for both on CUDA). Attention span by span, in
+        order (a span attends the K/V the spans before it wrote), then the MoE over all T
+        tokens at once."""
+        x, normed = add_rms_norm(x, delta, self.attn_norm, self.eps)  # [T, D] each
         attended = [
             self.attn.forward(normed[span.rows], span.cos, span.sin, span.positions, cells,
                               span.n_ctx, span.mask, span.causal)
             for span in spans
         ]  # [b - a, D] each
-        h = x + (attended[0] if len(attended) == 1 else torch.cat(attended))  # [T, D]
-        return h + self.moe.forward(rms_norm(h, self.mlp_norm, self.eps), experts)
+        attended = attended[0] if len(attended) == 1 else torch.cat(attended)  # [T, D]
+        h, normed = add_rms_norm(x, attended, self.mlp_norm, self.eps)  # [T, D] each
+        return h, self.moe.forward(normed, experts)

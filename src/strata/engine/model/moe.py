@@ -25,8 +25,8 @@ from strata.engine.model.layers import (
     ATTENTION_PIECE_TOKENS,
     AttentionSpan,
     DecoderLayer,
+    add_rms_norm,
     attention_mask,
-    rms_norm,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -183,14 +183,16 @@ class MoEModel:
         logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = F.embedding(token_ids, self.embed)  # [T, D]
+        delta = None  # what the last layer adds to x, left to the next norm
         for layer in self.layers:
-            x = layer.forward(x, spans, kv.layer(layer.layer), self.experts)
-            # [T, D]
+            x, delta = layer.forward(x, delta, spans, kv.layer(layer.layer), self.experts)
+            # [T, D] each
         if logit_rows is not None:
-            x = x.index_select(0, logit_rows)  # [R, D]
+            x, delta = x.index_select(0, logit_rows), delta.index_select(0, logit_rows)
+            # [R, D] each
         elif last_only:
-            x = x[-1:]  # [1, D]
-        x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+            x, delta = x[-1:], delta[-1:]  # [1, D] each
+        _, x = add_rms_norm(x, delta, self.final_norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()  # [T, V]
 
 

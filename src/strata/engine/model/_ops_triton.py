@@ -1,0 +1,125 @@
+"""The Triton kernels of `strata.engine.model.ops` (imported only when Triton is there).
+
+Legend: T tokens, D hidden size, H query heads, G kv heads, P heads of one part (H for q, G
+for k), Dh head dim, E experts, K experts per token; BLOCK_* a power of two at least the size.
+
+Each kernel rounds where the torch reference's ops round: every product or sum of two values
+is computed in float32 and rounded once to the tensors' dtype, as torch's elementwise kernels
+do for bf16, so the two differ only where a reduction adds in another order (the sum of
+squares of a norm, the softmax's sum): in the last bit, now and then.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_rms_norm(x_ptr, delta_ptr, weight_ptr, h_ptr, out_ptr, D, eps,
+                 x_stride, delta_stride, h_stride, out_stride,
+                 HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program t: h[t] = x[t] + delta[t] (rounded); out[t] = weight * rms_norm(h[t]).
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)  # [BD]
+    d_in = d < D
+    x = tl.load(x_ptr + t * x_stride + d, mask=d_in, other=0.0)
+    if HAS_DELTA:
+        delta = tl.load(delta_ptr + t * delta_stride + d, mask=d_in, other=0.0)
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + t * h_stride + d, x, mask=d_in)
+    wide = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(wide * wide, axis=0) / D + eps)
+    normed = (wide * rstd).to(out_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + d, mask=d_in, other=0.0)
+    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * out_stride + d, out, mask=d_in)
+
+
+@triton.jit
+def qk_norm_rope(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, positions_ptr, k_cells_ptr,
+                 v_cells_ptr, H, G, eps, qkv_stride, cos_stride, sin_stride, out_stride,
+                 cells_stride, NORM: tl.constexpr, WRITE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr):
+    # Program (t, part): part 0 the H query heads, part 1 the G key heads of token t, read as
+    # [P, Dh/2] first and second halves. NORM 0: none; 1 ("full"): over the part's P*Dh
+    # values; 2 ("head"): over each head's Dh. Then the weight, then the rotation by
+    # cos [T, Dh] and the folded sin [T, Dh] (`ops.apply_rope`): out = x*cos + [x2, x1]*sin.
+    # Without WRITE both parts go to out [T, H+G, Dh]; with it q goes to out [T, H, Dh], and
+    # k, and v (copied from after k in qkv), to their cells at row positions[t].
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    first_head = part * H
+    n_heads = H + part * (G - H)  # H or G
+    half: tl.constexpr = HEAD_DIM // 2
+    p = tl.arange(0, BLOCK_P)[:, None]  # [BP, 1]
+    c = tl.arange(0, half)[None, :]  # [1, Dh/2]
+    p_in = p < n_heads
+    local = p * HEAD_DIM + c  # [BP, Dh/2]: the first halves' columns within the part
+    offsets = first_head * HEAD_DIM + local  # within the row
+    dtype = out_ptr.dtype.element_ty
+    x1 = tl.load(qkv_ptr + t * qkv_stride + offsets, mask=p_in, other=0.0)
+    x2 = tl.load(qkv_ptr + t * qkv_stride + offsets + half, mask=p_in, other=0.0)
+    if NORM != 0:
+        wide1 = x1.to(tl.float32)
+        wide2 = x2.to(tl.float32)
+        squares = wide1 * wide1 + wide2 * wide2  # [BP, Dh/2]
+        if NORM == 1:
+            rstd = tl.math.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0)
+                                 / (n_heads * HEAD_DIM) + eps)
+        else:
+            rstd = tl.math.rsqrt(tl.sum(squares, axis=1)[:, None] / HEAD_DIM + eps)  # [BP, 1]
+        w1 = tl.load(weight_ptr + offsets, mask=p_in, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + offsets + half, mask=p_in, other=0.0).to(tl.float32)
+        x1 = (w1 * (wide1 * rstd).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2 * (wide2 * rstd).to(dtype).to(tl.float32)).to(dtype)
+    cos = tl.load(cos_ptr + t * cos_stride + c).to(tl.float32)  # [1, Dh/2]: both halves'
+    sin1 = tl.load(sin_ptr + t * sin_stride + c).to(tl.float32)  # -sin
+    sin2 = tl.load(sin_ptr + t * sin_stride + c + half).to(tl.float32)  # sin
+    wide1 = x1.to(tl.float32)
+    wide2 = x2.to(tl.float32)
+    out1 = ((wide1 * cos).to(dtype).to(tl.float32)
+            + (wide2 * sin1).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((wide2 * cos).to(dtype).to(tl.float32)
+            + (wide1 * sin2).to(dtype).to(tl.float32)).to(dtype)
+    if WRITE:
+        if part == 0:
+            tl.store(out_ptr + t * out_stride + local, out1, mask=p_in)
+            tl.store(out_ptr + t * out_stride + local + half, out2, mask=p_in)
+        else:
+            cell = tl.load(positions_ptr + t).to(tl.int64) * cells_stride
+            tl.store(k_cells_ptr + cell + local, out1, mask=p_in)
+            tl.store(k_cells_ptr + cell + local + half, out2, mask=p_in)
+            v = qkv_ptr + t * qkv_stride + offsets + G * HEAD_DIM  # v's heads follow k's
+            tl.store(v_cells_ptr + cell + local, tl.load(v, mask=p_in), mask=p_in)
+            tl.store(v_cells_ptr + cell + local + half, tl.load(v + half, mask=p_in),
+                     mask=p_in)
+    else:
+        tl.store(out_ptr + t * out_stride + offsets, out1, mask=p_in)
+        tl.store(out_ptr + t * out_stride + offsets + half, out2, mask=p_in)
+
+
+@triton.jit
+def route(logits_ptr, ids_ptr, weights_ptr, E, K, logits_stride,
+          NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program t: softmax over token t's E logits in float32, then its K largest in order
+    # (equal values: the lower id first), renormalized to sum to 1 when NORMALIZE.
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    e_in = e < E
+    logits = tl.load(logits_ptr + t * logits_stride + e, mask=e_in,
+                     other=float("-inf")).to(tl.float32)
+    shifted = tl.exp(logits - tl.max(logits, axis=0))
+    probs = shifted / tl.sum(shifted, axis=0)  # [BE]
+    probs = tl.where(e_in, probs, -1.0)  # below every probability: never chosen
+    slot = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k in range(0, K):
+        best = tl.max(probs, axis=0)
+        best_id = tl.min(tl.where(probs == best, e, BLOCK_E), axis=0)
+        ids = tl.where(slot == k, best_id.to(tl.int64), ids)
+        weights = tl.where(slot == k, best, weights)
+        probs = tl.where(e == best_id, -1.0, probs)
+    if NORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(ids_ptr + t * K + slot, ids, mask=slot < K)
+    tl.store(weights_ptr + t * K + slot, weights, mask=slot < K)

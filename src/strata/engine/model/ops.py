@@ -1,0 +1,242 @@
+"""A layer's small per-token ops: the norms, the rotation of q and k, the routing.
+
+Dimension letters: T tokens, D hidden size, H query heads, G kv heads, Dh head dim, E experts,
+K experts per token.
+
+A decode step (T = 1) is many small kernels, each a few microseconds on a GPU whatever its
+size: on the H200 a 4-layer `olmoe-1b-7b` round ran about 31 a layer, most of them these ops
+(bench/results/decode-ops-h200-2026-12-02.md). Each op here is written once in plain torch (the
+reference: Hugging Face's numerics, and what the CPU and `torch.compile` run) and, on CUDA with
+Triton, as one kernel (`_ops_triton`) that rounds where the reference's ops round:
+- `add_rms_norm`: the residual's sum and the next norm, 3 kernels in one;
+- `rotate_and_write`: q's and k's norms, their weights, the rotation, and k's and v's writes
+  to the K/V cells, up to 10 in one;
+- `route`: the softmax, the top k and the renormalization, 2-3 in one.
+
+Which runs is chosen by the tensors' device alone, never by their values, so a CUDA graph
+captures the kernels as an eager call runs them (the same bytes), and under `torch.compile`
+the reference runs (inductor fuses it itself).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from strata.engine.model.kv_cells import LayerCells
+
+__all__ = ["QKHeads", "add_rms_norm", "apply_rope", "qk_norm_rope", "rms_norm",
+           "rotate_and_write", "route", "use_kernels"]
+
+NORMS = {"none": 0, "full": 1, "head": 2}  # `ModelConfig.qk_norm` -> the kernel's NORM
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernel module, or None without Triton."""
+    try:
+        from strata.engine.model import _ops_triton
+    except ImportError:
+        return None
+    return _ops_triton
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether the ops on `x` run as Triton kernels: on CUDA, with Triton, outside a
+    compilation (its interpreter on the CPU is reached through the `*_triton` functions)."""
+    return x.is_cuda and not torch.compiler.is_compiling() and _kernels() is not None
+
+
+def _block(n: int) -> int:
+    """The least power of two >= n: a kernel's block over n values."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., C] normalized over C in float32, cast back, then scaled by weight [C].
+
+    The Hugging Face order (scale after the cast back). `F.rms_norm` widens a bf16 x to
+    float32 itself and rounds its result once, as widening first and narrowing after would,
+    in one op instead of three.
+    """
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, weight * norm(h)) for h = x + delta, x and delta [T, D] (delta None: h = x).
+
+    A pre-norm block's residual sum and the next norm: one kernel on CUDA instead of three.
+    """
+    if use_kernels(x) and x.shape[-1] <= 16384:
+        return add_rms_norm_triton(x, delta, weight, eps)
+    h = x if delta is None else x + delta
+    return h, rms_norm(h, weight, eps)
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` by its Triton kernel (under Triton's interpreter on the CPU in tests)."""
+    n_tokens, d = x.shape
+    out = torch.empty_like(x)  # [T, D]
+    h = x if delta is None else torch.empty_like(x)  # [T, D]
+    if n_tokens:
+        has_delta = delta is not None
+        delta = delta if has_delta else x  # not read: a placeholder pointer
+        _kernels().add_rms_norm[(n_tokens,)](
+            x, delta, weight, h, out, d, eps, x.stride(0), delta.stride(0), h.stride(0),
+            out.stride(0), HAS_DELTA=has_delta, BLOCK_D=_block(d), num_warps=8)
+    return h, out
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, Dh] rotated by cos and `layers.rope_cos_sin`'s sin [T, Dh].
+
+    Hugging Face's x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]: here
+    [x2, x1] * [-s1, s2], the same products exactly (a sign moves from one factor to the
+    other), with the sign folded into sin once a forward, not negated per call."""
+    half = x.shape[-1] // 2
+    rolled = x.roll(half, dims=-1)  # [T, heads, Dh]: [x2, x1]
+    return x * cos.unsqueeze(1) + rolled * sin.unsqueeze(1)
+
+
+class QKHeads(NamedTuple):
+    """How a layer's q and k heads are normed and rotated (from its `ModelConfig`).
+
+    `norm` (`ModelConfig.qk_norm`): "none"; "full", q over its H*Dh values and k over its
+    G*Dh, `weight` [(H+G)*Dh]; "head", each head over its Dh, `weight` [H+G, Dh]. `clip`
+    (`ModelConfig.clip_qkv`) clamps q, k and v to [-clip, clip]: after a "full" norm, before a
+    "head" one (Hugging Face's orders)."""
+
+    n_heads: int  # H
+    n_kv_heads: int  # G
+    head_dim: int  # Dh
+    norm: str
+    weight: torch.Tensor | None
+    eps: float
+    clip: float | None
+
+
+def qk_norm_rope(qk: torch.Tensor, heads: QKHeads, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """q's and k's heads [T, H+G, Dh] from their projection qk [T, (H+G)*Dh] (the first H
+    heads q's), normed as `heads` says, weighted (after the cast back, as `rms_norm`), then
+    rotated by cos, sin [T, Dh] (`apply_rope`)."""
+    if _kernel_takes(qk, heads):
+        return qk_norm_rope_triton(qk, heads, cos, sin)
+    n_tokens = qk.shape[0]
+    if heads.norm == "full":
+        q_width = heads.n_heads * heads.head_dim
+        q, k = qk.split((q_width, qk.shape[1] - q_width), dim=-1)
+        normed = torch.cat((F.rms_norm(q, (q.shape[1],), eps=heads.eps),
+                            F.rms_norm(k, (k.shape[1],), eps=heads.eps)), dim=-1)
+        qk = heads.weight * normed
+    if heads.clip is not None:
+        qk = qk.clamp(-heads.clip, heads.clip)
+    qk = qk.reshape(n_tokens, -1, heads.head_dim)  # [T, H+G, Dh]
+    if heads.norm == "head":
+        qk = rms_norm(qk, heads.weight, heads.eps)
+    return apply_rope(qk, cos, sin)
+
+
+def rotate_and_write(qkv: torch.Tensor, heads: QKHeads, cos: torch.Tensor, sin: torch.Tensor,
+                     positions: torch.Tensor, cells: LayerCells) -> torch.Tensor:
+    """q [T, H, Dh] from a layer's projection qkv [T, (H+2G)*Dh]: q's and k's heads normed and
+    rotated (`qk_norm_rope`), k and v stored in `cells` at `positions` [T] (distinct).
+
+    One kernel on CUDA where the cells are in qkv's dtype (not int8); else `qk_norm_rope` and
+    `LayerCells.write`."""
+    h, g, dh = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    n_tokens = qkv.shape[0]
+    if (_kernel_takes(qkv, heads) and cells.k_scale is None and cells.k.dtype == qkv.dtype
+            and cells.k.stride()[1:] == (dh, 1) and cells.v.stride() == cells.k.stride()):
+        q = qkv.new_empty((n_tokens, h, dh))  # [T, H, Dh]
+        _launch_qk_norm_rope(qkv, heads, cos, sin, q, (positions, cells.k, cells.v))
+        return q
+    qk, v = qkv.split(((h + g) * dh, g * dh), dim=-1)
+    qk = qk_norm_rope(qk, heads, cos, sin)  # [T, H+G, Dh]
+    if heads.clip is not None:
+        v = v.clamp(-heads.clip, heads.clip)
+    cells.write(positions, qk[:, h:], v.reshape(n_tokens, g, dh))
+    return qk[:, :h]
+
+
+def _kernel_takes(x: torch.Tensor, heads: QKHeads) -> bool:
+    """Whether `qk_norm_rope`'s kernel runs: on CUDA, for a head dim that is a power of two,
+    without clipping (the models that clip run the torch ops)."""
+    dh = heads.head_dim
+    return heads.clip is None and dh & (dh - 1) == 0 and use_kernels(x)
+
+
+def qk_norm_rope_triton(qk: torch.Tensor, heads: QKHeads, cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+    """`qk_norm_rope` by its Triton kernel (under Triton's interpreter on the CPU in tests)."""
+    out = qk.new_empty((qk.shape[0], heads.n_heads + heads.n_kv_heads, heads.head_dim))
+    _launch_qk_norm_rope(qk, heads, cos, sin, out, None)
+    return out  # [T, H+G, Dh]
+
+
+def rotate_and_write_triton(qkv: torch.Tensor, heads: QKHeads, cos: torch.Tensor,
+                            sin: torch.Tensor, positions: torch.Tensor,
+                            cells: LayerCells) -> torch.Tensor:
+    """`rotate_and_write`'s kernel, however the cells are (the tests' interpreter)."""
+    q = qkv.new_empty((qkv.shape[0], heads.n_heads, heads.head_dim))  # [T, H, Dh]
+    _launch_qk_norm_rope(qkv, heads, cos, sin, q, (positions, cells.k, cells.v))
+    return q
+
+
+def _launch_qk_norm_rope(qkv: torch.Tensor, heads: QKHeads, cos: torch.Tensor,
+                         sin: torch.Tensor, out: torch.Tensor,
+                         write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    """The kernel over qkv's (or qk's) rows into out; `write` (positions, k cells, v cells)
+    stores k and v there, out taking q only."""
+    if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError("the qk_norm_rope kernel needs contiguous rows")
+    if qkv.shape[0] == 0:
+        return
+    h, g, dh = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    weight = heads.weight.contiguous() if heads.weight is not None else qkv  # qkv: not read
+    positions, k_cells, v_cells = write if write is not None else (qkv, qkv, qkv)  # not read
+    _kernels().qk_norm_rope[(qkv.shape[0], 2)](
+        qkv, weight, cos, sin, out, positions, k_cells, v_cells, h, g, heads.eps,
+        qkv.stride(0), cos.stride(0), sin.stride(0), out.stride(0), k_cells.stride(0),
+        NORM=NORMS[heads.norm], WRITE=write is not None, HEAD_DIM=dh,
+        BLOCK_P=_block(max(h, g)), num_warps=4)
+
+
+def route(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing from router logits [T, E]: ids [T, K] int64, weights [T, K] float32.
+
+    Softmax over all experts in float32, then the top k (renormalized to sum to 1 if asked).
+    """
+    if use_kernels(logits):
+        return route_triton(logits, top_k, normalize)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E], widened inside
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def route_triton(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` by its Triton kernel (under Triton's interpreter on the CPU in tests); of equal
+    probabilities the lower expert id comes first."""
+    n_tokens, n_experts = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("route_triton needs contiguous rows")
+    ids = torch.empty((n_tokens, top_k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=logits.device)
+    if n_tokens:
+        _kernels().route[(n_tokens,)](
+            logits, ids, weights, n_experts, top_k, logits.stride(0), NORMALIZE=normalize,
+            BLOCK_E=_block(n_experts), BLOCK_K=_block(top_k), num_warps=1)
+    return ids, weights

@@ -1,0 +1,281 @@
+"""`strata.engine.model.ops`: the torch references (what the CPU runs) against the ops they
+replaced, byte for byte; each Triton kernel under Triton's interpreter on the CPU (a fresh
+interpreter: TRITON_INTERPRET must be set before Triton is imported) against its reference in
+float32 and float16, odd sizes and ties included; on CUDA, the kernels against the references
+in bf16, and a model's decode step eager and replayed from its graph."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.engine.model import ops
+from strata.engine.model.kv_cells import LayerCells
+from strata.engine.model.layers import rope_cos_sin, rope_inv_freq
+from support.interpreted import run_interpreted
+
+
+def _qk(n_tokens, n_heads, n_kv_heads, head_dim, norm, dtype, seed, clip=None):
+    """(qkv [T, (H+2G)*Dh], QKHeads, cos, sin): the op's inputs as a layer has them."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(n_tokens, (n_heads + 2 * n_kv_heads) * head_dim, generator=gen) * 3)
+    qkv = qkv.to(dtype)
+    weight = None
+    if norm == "full":
+        weight = torch.randn((n_heads + n_kv_heads) * head_dim, generator=gen).to(dtype)
+    elif norm == "head":
+        q_norm, k_norm = torch.randn(2, head_dim, generator=gen).to(dtype)
+        weight = torch.cat((q_norm.expand(n_heads, -1), k_norm.expand(n_kv_heads, -1)))
+    positions = torch.randint(0, 4096, (n_tokens,), generator=gen)
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(head_dim, 10000.0, torch.device("cpu")),
+                            dtype)
+    heads = ops.QKHeads(n_heads, n_kv_heads, head_dim, norm, weight, 1e-6, clip)
+    return qkv, heads, cos, sin
+
+
+def _qk_of(qkv, heads):
+    """qkv's q and k columns: strided rows, as a layer's split leaves them."""
+    return qkv[:, : (heads.n_heads + heads.n_kv_heads) * heads.head_dim]
+
+
+def _former_qk(qk, n_heads, head_dim, norm, weight, eps, cos, sin, clip=None):
+    """The attention's ops before `qk_norm_rope` (q's and k's norms apart), one by one."""
+    n_tokens = qk.shape[0]
+    q_width = n_heads * head_dim
+    q, k = qk[:, :q_width], qk[:, q_width:]
+    if norm == "full":
+        q = weight[:q_width] * F.rms_norm(q, (q_width,), eps=eps)
+        k = weight[q_width:] * F.rms_norm(k, (k.shape[1],), eps=eps)
+    if clip is not None:
+        q, k = q.clamp(-clip, clip), k.clamp(-clip, clip)
+    heads = torch.cat((q, k), dim=1).reshape(n_tokens, -1, head_dim)
+    if norm == "head":
+        heads = weight * F.rms_norm(heads, (head_dim,), eps=eps)
+    rotated = torch.cat((-heads[..., head_dim // 2:], heads[..., : head_dim // 2]), dim=-1)
+    sign = torch.ones(head_dim, dtype=cos.dtype)
+    sign[: head_dim // 2] = -1
+    return heads * cos.unsqueeze(1) + rotated * (sin * sign).unsqueeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", ["none", "full", "head"])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_off_cuda_qk_norm_rope_is_the_former_ops(dtype, norm, clip):
+    for seed, (n_tokens, n_heads, n_kv_heads) in enumerate([(1, 16, 16), (5, 8, 2), (3, 6, 1)]):
+        qkv, heads, cos, sin = _qk(n_tokens, n_heads, n_kv_heads, 16, norm, dtype, seed, clip)
+        qk = _qk_of(qkv, heads)
+        got = ops.qk_norm_rope(qk, heads, cos, sin)
+        expected = _former_qk(qk, n_heads, 16, norm, heads.weight, 1e-6, cos, sin, clip)
+        assert got.shape == (n_tokens, n_heads + n_kv_heads, 16)
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cell_dtype", [None, torch.int8])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_off_cuda_rotate_and_write_stores_k_and_v_as_the_cells_write(cell_dtype, clip):
+    qkv, heads, cos, sin = _qk(3, 8, 2, 16, "full", torch.bfloat16, seed=4, clip=clip)
+    positions = torch.tensor([7, 2, 5])
+    cells, expected_cells = _cells(10, 2, 16, cell_dtype), _cells(10, 2, 16, cell_dtype)
+    q = ops.rotate_and_write(qkv, heads, cos, sin, positions, cells)
+    qk = ops.qk_norm_rope(_qk_of(qkv, heads), heads, cos, sin)
+    v = qkv[:, 10 * 16:].reshape(3, 2, 16)
+    expected_cells.write(positions, qk[:, 8:], v if clip is None else v.clamp(-clip, clip))
+    assert torch.equal(q, qk[:, :8])
+    for got, expected in zip(cells, expected_cells, strict=True):
+        assert (got is None and expected is None) or torch.equal(got, expected)
+
+
+def _cells(n_cells, n_kv_heads, head_dim, cell_dtype=None, dtype=torch.bfloat16):
+    """A `LayerCells` of n_cells zeroed cells (int8 ones with their scales)."""
+    if cell_dtype is None:
+        return LayerCells(*torch.zeros(2, n_cells, n_kv_heads, head_dim, dtype=dtype))
+    return LayerCells(*torch.zeros(2, n_cells, n_kv_heads, head_dim, dtype=torch.int8),
+                      *torch.zeros(2, n_cells, n_kv_heads))
+
+
+def test_off_cuda_add_rms_norm_sums_then_norms():
+    gen = torch.Generator().manual_seed(0)
+    x, delta = torch.randn(2, 3, 64, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(64, generator=gen).to(torch.bfloat16)
+    h, normed = ops.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(h, x + delta)
+    assert torch.equal(normed, weight * F.rms_norm(x + delta, (64,), eps=1e-5))
+    h, normed = ops.add_rms_norm(x, None, weight, 1e-5)
+    assert h is x and torch.equal(normed, ops.rms_norm(x, weight, 1e-5))
+
+
+def test_off_cuda_route_is_softmax_then_top_k():
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for normalize in (False, True):
+        ids, weights = ops.route(logits, 8, normalize)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, top_ids = probs.topk(8, dim=-1)
+        assert torch.equal(ids, top_ids) and ids.dtype == torch.int64
+        expected = top / top.sum(dim=-1, keepdim=True) if normalize else top
+        assert torch.equal(weights, expected) and weights.dtype == torch.float32
+
+
+_INTERPRETED = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_ops import _cells, _qk, _qk_of
+from strata.engine.model import ops
+from strata.engine.model.kv_cells import LayerCells
+
+def rel(got, expected):
+    scale = max(expected.float().abs().max().item(), 1e-30)
+    return (got.float() - expected.float()).abs().max().item() / scale
+
+results = {"add_rms_norm": [], "qk_norm_rope": [], "route": []}
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.float16):
+    for n_tokens, d in ((1, 2048), (3, 1000), (0, 64)):  # D not a power of two; no tokens
+        x, delta = (torch.randn(2, max(n_tokens, 1), d, generator=gen) * 4).to(dtype)
+        x, delta = x[:n_tokens], delta[:n_tokens]
+        weight = torch.randn(d, generator=gen).to(dtype)
+        for with_delta in (True, False):
+            h, normed = ops.add_rms_norm_triton(x, delta if with_delta else None, weight, 1e-5)
+            expected_h = x + delta if with_delta else x
+            results["add_rms_norm"].append({
+                "dtype": str(dtype), "shape": list(normed.shape),
+                "h_equal": torch.equal(h, expected_h) and (with_delta or h is x),
+                "error": rel(normed, ops.rms_norm(expected_h, weight, 1e-5)) if n_tokens else 0.0})
+    for seed, (n_tokens, n_heads, n_kv_heads, head_dim) in enumerate(
+            ((1, 16, 16, 64), (4, 6, 2, 16), (2, 5, 1, 8))):  # heads not powers of two
+        for norm in ("none", "full", "head"):
+            qkv, heads, cos, sin = _qk(n_tokens, n_heads, n_kv_heads, head_dim, norm, dtype, seed)
+            qk = _qk_of(qkv, heads)
+            got = ops.qk_norm_rope_triton(qk, heads, cos, sin)
+            expected = ops.qk_norm_rope(qk, heads, cos, sin)
+            # The same kernel storing k and v in cells (rows 9, 0, ...), q alone out.
+            positions = (torch.arange(n_tokens) * 7 + 9) % 32
+            cells = _cells(32, n_kv_heads, head_dim, dtype=dtype)
+            expected_cells = _cells(32, n_kv_heads, head_dim, dtype=dtype)
+            q = ops.rotate_and_write_triton(qkv, heads, cos, sin, positions, cells)
+            expected_q = ops.rotate_and_write(qkv, heads, cos, sin, positions, expected_cells)
+            results["qk_norm_rope"].append({
+                "dtype": str(dtype), "norm": norm, "shape": list(got.shape),
+                "error": max(rel(got, expected), rel(q, expected_q),
+                             rel(cells.k, expected_cells.k)),
+                "q_shape": list(q.shape), "v_equal": torch.equal(cells.v, expected_cells.v)})
+for n_tokens, n_experts, top_k in ((1, 64, 8), (5, 60, 6), (2, 128, 8), (3, 8, 2)):
+    logits = torch.randn(n_tokens, n_experts, generator=gen) * 2
+    for normalize in (False, True):
+        ids, weights = ops.route_triton(logits, top_k, normalize)
+        expected_ids, expected_weights = ops.route(logits, top_k, normalize)
+        results["route"].append({"ids_equal": torch.equal(ids, expected_ids),
+                                 "error": rel(weights, expected_weights)})
+tied = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0, 0.0, 0.0, 0.0]])
+ids, weights = ops.route_triton(tied, 4, True)
+results["tied"] = {"ids": ids.tolist(), "weights": weights.tolist()}
+print(json.dumps(results))
+"""
+
+
+def test_the_kernels_under_the_interpreter_match_the_references():
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
+    bound = {"torch.float32": 1e-6, "torch.float16": 1e-3}  # a sum's order: a rounding or two
+    assert len(results["add_rms_norm"]) == 12
+    for row in results["add_rms_norm"]:
+        assert row["h_equal"] and row["error"] <= bound[row["dtype"]], row
+    assert [row["shape"] for row in results["add_rms_norm"][:6:2]] == [[1, 2048], [3, 1000],
+                                                                         [0, 64]]
+    assert len(results["qk_norm_rope"]) == 18
+    for row in results["qk_norm_rope"]:
+        assert row["error"] <= bound[row["dtype"]] * 4 and row["v_equal"], row
+        assert row["q_shape"] == [row["shape"][0], row["shape"][1] - {32: 16, 8: 2, 6: 1}[
+            row["shape"][1]], row["shape"][2]], row
+    assert [row["shape"] for row in results["qk_norm_rope"][:9:3]] == [[1, 32, 64], [4, 8, 16],
+                                                                        [2, 6, 8]]
+    for row in results["route"]:
+        assert row["ids_equal"] and row["error"] <= 1e-6, row
+    # Equal probabilities: the lower expert id first.
+    assert results["tied"]["ids"] == [[1, 2, 4, 3]]
+    third = 1 / (3 + math.exp(-0.5))  # e^1 / (3 e^1 + e^0.5)
+    assert results["tied"]["weights"][0][:3] == pytest.approx([third] * 3, rel=1e-6)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_kernels_match_the_references_in_bf16():
+    pytest.importorskip("triton")
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    x, delta = (torch.randn(2, 7, 2048, generator=gen) * 4).to(torch.bfloat16)
+    weight = torch.randn(2048, generator=gen).to(torch.bfloat16)
+    h, normed = ops.add_rms_norm(x.to(cuda), delta.to(cuda), weight.to(cuda), 1e-5)
+    assert torch.equal(h.cpu(), x + delta)
+    expected = ops.rms_norm(x + delta, weight, 1e-5)
+    # bf16 rounds at 2^-8 relative; the sum of squares' order can flip a rounding.
+    assert ((normed.cpu().float() - expected.float()).abs() <= expected.float().abs() * 2**-7
+            + 1e-6).all()
+    for norm in ("none", "full", "head"):
+        qkv, heads, cos, sin = _qk(3, 16, 4, 128, norm, torch.bfloat16, seed=5)
+        on_cuda = heads._replace(weight=heads.weight.to(cuda) if heads.weight is not None
+                                 else None)
+        positions = torch.tensor([5, 0, 3])
+        cells, expected_cells = _cells(8, 4, 128), _cells(8, 4, 128)
+        cuda_cells = LayerCells(cells.k.to(cuda), cells.v.to(cuda))
+        q = ops.rotate_and_write(qkv.to(cuda), on_cuda, cos.to(cuda), sin.to(cuda),
+                                 positions.to(cuda), cuda_cells)
+        expected_q = ops.rotate_and_write(qkv, heads, cos, sin, positions, expected_cells)
+        for got, expected in ((q, expected_q), (cuda_cells.k, expected_cells.k)):
+            assert (got.cpu().float() - expected.float()).abs().max() <= \
+                expected.float().abs().max() * 2**-6, norm
+        assert torch.equal(cuda_cells.v.cpu(), expected_cells.v)
+    # Distinct logits (bf16 holds k/16 exactly): no ties, whose order torch leaves open.
+    logits = torch.stack([torch.randperm(128, generator=gen) / 16 for _ in range(9)])
+    logits = logits.to(torch.bfloat16)
+    ids, weights = ops.route(logits.to(cuda), 8, True)
+    expected_ids, expected_weights = ops.route(logits, 8, True)
+    assert torch.equal(ids.cpu(), expected_ids)
+    assert torch.allclose(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-7)
+
+
+_MODEL_INTERPRETED = r"""
+import json, sys, tempfile
+import torch
+from pathlib import Path
+from support.checkpoints import make_checkpoint
+from strata.engine.kv import new_kv
+from strata.engine.model import load_model, ops
+
+def logits_of(model, kernels):
+    # A prompt of 5 tokens, then 2 decode steps: every op of every layer, the K/V written by
+    # the rotation's kernel read back by the later steps.
+    use = ops.use_kernels
+    ops.use_kernels = (lambda x: True) if kernels else (lambda x: False)
+    try:
+        with new_kv(model, 16) as kv:
+            rows = [model.forward(torch.tensor([3, 1, 4, 1, 5]), 0, kv)]
+            rows += [model.forward(torch.tensor([9 + step]), 5 + step, kv) for step in range(2)]
+            return torch.cat(rows)
+    finally:
+        ops.use_kernels = use
+
+results = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for family in ("olmoe", "qwen3_moe", "mixtral"):
+        ckpt = make_checkpoint(Path(tmp) / family, family, dtype=torch.float32)
+        model = load_model(ckpt, dtype=torch.float32)
+        reference, kernels = logits_of(model, False), logits_of(model, True)
+        results[family] = {"error": (kernels - reference).abs().max().item(),
+                           "scale": reference.abs().max().item(),
+                           "argmax_equal": torch.equal(kernels.argmax(-1), reference.argmax(-1))}
+print(json.dumps(results))
+"""
+
+
+def test_a_model_run_through_the_kernels_under_the_interpreter_matches_the_torch_ops():
+    """The kernels in place of the torch ops in a whole forward (the residual handed on
+    unsummed, k and v written by the rotation's kernel), one family per norm kind."""
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    results = run_interpreted(_MODEL_INTERPRETED, os.path.dirname(__file__))
+    assert sorted(results) == ["mixtral", "olmoe", "qwen3_moe"]
+    for family, row in results.items():
+        assert row["argmax_equal"] and row["error"] <= 1e-4 * max(row["scale"], 1.0), family
