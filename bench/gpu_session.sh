@@ -35,7 +35,8 @@
 # prefill with the loan; offload-olmoe (2: olmoe-1b-7b at a 4 GiB budget), offload-qwen3 and
 # offload-qwen3-skewed (2.5 each: qwen3-30b-a3b, 16 layers, 22% of the experts cached, router
 # skew 0 and 0.5, on the kv-grow checkpoints), offload-olmoe-torch (1.5: the olmoe run with
-# STRATA_CPU_KERNEL=torch, the CPU kernel's baseline), quant-offload-olmoe (5: the olmoe run at
+# STRATA_CPU_KERNEL=torch, the CPU kernel's baseline), offload-split (4: decode on both at
+# --stream-misses 0 and 4, each with the calls whole and split around the piecewise graphs), quant-offload-olmoe (5: the olmoe run at
 # --stream-misses 4 with the experts as they are, in int8 and in int4, the same cache MiB),
 # quant-offload-qwen3 (6: the same on qwen3's 16 layers, as they are and int8), quant-decode (3:
 # bench/decode.py with every expert resident, bf16 against int8 and int4 experts, each against
@@ -167,6 +168,11 @@ for stage in "$@"; do
     offload-olmoe-torch)  # the same with torch's matmuls for the CPU's experts: the A/B
            STRATA_CPU_KERNEL=torch offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 \
                --stream-misses auto,0 ;;
+    offload-split)  # the decode calls whole and split around the graphs (`graph_call`): A/B
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 0,4 \
+               --split-calls --prefill-tokens 0
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 0,4 \
+               --split-calls --prefill-tokens 0 ;;
     offload|offload-olmoe|offload-qwen3|offload-qwen3-skewed)
            if [ "$stage" = offload ] || [ "$stage" = offload-olmoe ]; then
                offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096

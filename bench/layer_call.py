@@ -1,7 +1,7 @@
 """Time one decode layer call through the expert cache, split into the CPU kernel and the rest.
 
 Issue 17 asks that the host-side work between kernels be under 20% of a decode round; on the
-H200 an `olmoe-1b-7b` layer call spent about 0.65 ms in `CachedExperts._routed_forward` around
+H200 an `olmoe-1b-7b` layer call spent about 0.65 ms in `routed_call.routed_forward` around
 its kernels (the books, the grouping of the misses, index uploads, `index_copy_`s, the weighted
 sum). This bench times `CachedExperts.forward` for seeded one-token calls (T == 1) on a store of
 random experts of a preset's routing shape (E experts, top-K) and reports microseconds a call,
@@ -27,7 +27,7 @@ this thread's with `--threads 1` (`time.thread_time`, the steadiest), else the p
     python bench/layer_call.py --device cuda --widths real --layers 2
 
 `--paths token,general` also times each cache with one-token calls sent through the general
-path (`_routed_forward`, the one every call took before `_token_forward`: the same bytes), the
+path (`routed_forward`, the one every call took before `token_forward`: the same bytes), the
 before/after in one run. To time another tree's code against this one, run this file with that
 tree's `src` first on PYTHONPATH (`--paths token` alone there).
 """
@@ -102,7 +102,7 @@ def build_cache(store: ExpertStore, device: torch.device, share: float, policy: 
                 stream: int, seed: int, path: str = "token") -> CachedExperts:
     """A cache of round(share * L * E) slots holding random experts, about `share` of each
     layer's, filled and in the decode phase; `path` "general" sends one-token calls through
-    `_routed_forward`."""
+    `routed_call.routed_forward`."""
     n_layers, n_experts = store.n_layers, store.n_experts
     n_slots = round(share * n_layers * n_experts)
     backend = device_backend(device)

@@ -13,8 +13,10 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
 - a decode round at the small cache (`--budget-mib`, or an `--expert-cache` of
   `--expert-share` of the experts; `--stream-misses`, default `auto`, and any others given,
   comma-separated, each a run), rounds as `strata generate` runs them (piecewise CUDA graphs;
-  `--eager` for eager rounds). For each: the round's time; its misses split between the CPU
-  and the copy engine (experts and shares); the bound, max(CPU's miss bytes / host read
+  `--eager` for eager rounds; `--split-calls` adds each run again with the cache's calls
+  split around the graphs, the hits inside them: `strata.engine.cache.graph_call`). For
+  each: the round's time; its misses split between the CPU and the copy engine (experts and
+  shares); the bound, max(CPU's miss bytes / host read
   bandwidth, streamed bytes / copy rate) + the device round (summed over the round, so a lower
   bound); the CPU experts' GB/s and its share of the host read bandwidth; the host-side time
   of a round: the round less the CPU experts' time and the cache's time waiting for the device
@@ -202,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs (the median)")
     parser.add_argument("--eager", action="store_true",
                         help="eager decode rounds (default: piecewise CUDA graphs on CUDA)")
+    parser.add_argument("--split-calls", action="store_true",
+                        help="also run each decode with the cache's calls split around the "
+                        "piecewise graphs (the hits inside them: `graph_call`), named -split")
     parser.add_argument("--host-read-mib", type=int, default=2048)
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--experts-dtype", default="auto",
@@ -289,9 +294,11 @@ def main(argv: list[str] | None = None) -> int:
                 model.experts = build_cached_experts(config, store, device)
                 return engine_around(model, None, max_context), notes
 
-            for stream in streams:
-                name = f"decode-stream-{stream}{suffix}"
+            for stream, split in ((stream, split) for stream in streams
+                                  for split in ((False, True) if args.split_calls else (False,))):
+                name = f"decode-stream-{stream}{'-split' if split else ''}{suffix}"
                 engine, notes = cached_engine(stream, decode_context, loan=False)
+                engine.cache.split_calls = split
                 with engine:
                     for note in notes:
                         say(note)

@@ -94,6 +94,13 @@ row = torch.randn(1, 80, generator=torch.Generator().manual_seed(9))
 repeated = expert_rows_triton(gate_up, down, index, row.expand(4, 80))
 results.append({"repeated_rows_as_copied": bool(torch.equal(
     repeated, expert_rows_triton(gate_up, down, index, row.expand(4, 80).contiguous())))})
+# A negative slot (a missing expert, `graph_call.resident_rows`): its row is left alone, the
+# others are those of the same call without it.
+with_missing = expert_rows_triton(gate_up, down, torch.tensor([3, -1, 4, -1]),
+                                  row.expand(4, 80))
+results.append({"missing_rows_skipped": bool(torch.equal(
+    with_missing[[0, 2]], expert_rows_triton(gate_up, down, torch.tensor([3, 4]),
+                                             row.expand(2, 80))))})
 print(json.dumps(results))
 """
 
@@ -103,10 +110,11 @@ def test_the_triton_kernels_under_the_interpreter_match_the_reference():
     results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
     expected = [([4, 80], "torch.float32", 1e-5), ([1, 256], "torch.float32", 1e-5),
                 ([6, 300], "torch.float16", 2e-3), ([0, 16], "torch.float32", 0.0)]
-    for result, (shape, dtype, tolerance) in zip(results[:-1], expected, strict=True):
+    for result, (shape, dtype, tolerance) in zip(results[:-2], expected, strict=True):
         assert result["shape"] == shape and result["dtype"] == dtype
         assert result["error"] <= tolerance and result["finite"] and result["same_bytes"]
-    assert results[len(expected)] == {"repeated_rows_as_copied": True}
+    assert results[len(expected):] == [{"repeated_rows_as_copied": True},
+                                       {"missing_rows_skipped": True}]
 
 
 def test_the_triton_path_refuses_weights_it_cannot_read_in_place():

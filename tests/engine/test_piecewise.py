@@ -22,3 +22,31 @@ def test_a_warm_up_tells_the_experts_nothing():
     out = cut.forward(0, x, torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2))
     assert inner.calls == 0 and torch.equal(out, torch.zeros_like(x))
     assert cut.inner is inner and cut.pieces is None
+
+
+class Splitting(Counting):
+    """A cache that splits its calls: the resident rows are K copies of x."""
+
+    splits_calls = True
+
+    def __init__(self):
+        super().__init__()
+        self.rows_read = 0
+
+    def resident_rows(self, layer, x, topk_ids):
+        self.rows_read += 1
+        return x.expand(topk_ids.shape[1], -1).clone()  # [K, D]
+
+    def fill_misses(self, *call):
+        self.calls += 1
+
+
+def test_a_warm_up_of_a_splitting_cache_sums_its_resident_rows_and_tells_it_nothing():
+    inner = Splitting()
+    cut = Cut(inner, pool=None)
+    x = torch.randn(1, 8)
+    weights = torch.tensor([[0.25, 0.5]])
+    out = cut.forward(0, x, torch.zeros(1, 2, dtype=torch.int64), weights)
+    assert cut.split and inner.rows_read == 1 and inner.calls == 0
+    assert torch.allclose(out, 0.75 * x)
+    assert not Cut(Counting(), pool=None).split

@@ -141,6 +141,33 @@ def test_piecewise_graphs_call_the_cache_between_the_pieces(small):
         assert first.cache.decode.hits == eager.cache.decode.hits
 
 
+@pytest.mark.parametrize("stream_misses", [0, 2])
+def test_piecewise_graphs_with_split_calls_give_the_same_bytes(small, stream_misses):
+    """The hits inside the graphs, the misses on the host (`graph_call`): the tokens, logits,
+    books and stats of the calls made whole between the graphs."""
+    ckpt, _ = small
+    piecewise = dataclasses.replace(OPTIONS, cuda_graphs=True, piecewise_graphs=True)
+    runs, books = [], []
+    for split in (False, True):
+        model = _cached(ckpt, expert_cache_mib=8, policy=Lru(), stream_misses=stream_misses)
+        model.experts.split_calls = split
+        try:
+            assert model.experts.splits_calls == split
+            runs.append(generate(model, None, PROMPT, piecewise))
+            books.append(model.experts.table.res.copy())
+            model.experts.table.validate()
+        finally:
+            model.experts.close()
+    whole, split = runs
+    assert split.decode_path == "piecewise-cuda-graph"
+    assert split.tokens == whole.tokens and torch.equal(split.first_logits, whole.first_logits)
+    assert (books[0] == books[1]).all()
+    for name in ("passes", "layer_calls", "lookups", "hits", "cpu_experts", "admitted",
+                 "streamed_experts"):
+        assert getattr(split.cache.decode, name) == getattr(whole.cache.decode, name), name
+    assert split.cache.decode.cpu_experts + split.cache.decode.streamed_experts > 0
+
+
 def test_prompt_experts_from_slots_run_as_grouped_products_on_hopper(small):
     """bf16 on Hopper: a prompt's hits (and the loan's batches) by two grouped products over
     the rows sorted by slot, agreeing with the per-expert loop and repeating its bytes."""

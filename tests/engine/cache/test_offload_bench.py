@@ -17,14 +17,18 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     bench = load_bench("offload.py")
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "6", "--prefill-tokens",
             "160", "--prefill-chunk", "80", "--host-read-mib", "16", "--loan-keep-slots", "0",
-            "--repeat", "1", "--stream-misses", "auto,1", "--expert-share", "0.25", "--json"]
+            "--repeat", "1", "--stream-misses", "auto,1", "--expert-share", "0.25", "--json",
+            "--split-calls"]
     assert bench.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["machine"]["host_read_bytes_per_s"] > 0
     assert report["machine"]["copy_bytes_per_s"] is None  # no bus off CUDA
     assert report["device_round_ms"] > 0
     runs = report["runs"]
-    assert set(runs) == {"decode-stream-auto", "decode-stream-1", "prefill-loan"}
+    assert set(runs) == {"decode-stream-auto", "decode-stream-auto-split", "decode-stream-1",
+                         "decode-stream-1-split", "prefill-loan"}
+    # Off CUDA no graphs split the calls: the same rounds.
+    assert runs["decode-stream-1-split"]["tokens"] == runs["decode-stream-1"]["tokens"]
     auto, one = runs["decode-stream-auto"]["round"], runs["decode-stream-1"]["round"]
     assert auto["streamed_experts_per_round"] == 0 < auto["cpu_experts_per_round"]  # auto: 0
     assert one["streamed_experts_per_round"] > 0 and 0 < one["copy_share"] < 1

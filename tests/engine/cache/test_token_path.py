@@ -1,6 +1,8 @@
 """A one-token call's own path (`strata.engine.cache.token_call`) against the general one
-(`_routed_forward`), byte for byte: the same outputs, books, stats and admissions, at every
-hit rate, with streamed misses, observing and admitting policies, and repeated experts."""
+(`routed_call.routed_forward`), and the call split around piecewise graphs
+(`strata.engine.cache.graph_call`) against the token path, byte for byte: the same outputs,
+books, stats and admissions, at every hit rate, with streamed misses, observing and admitting
+policies, and repeated experts."""
 
 import functools
 
@@ -13,6 +15,7 @@ from strata._residency import ResidencyTable
 from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.cached_experts import CachedExperts
+from strata.engine.experts import weighted_sum
 from strata.engine.memory import device_backend
 from strata.engine.model.layers import route
 from strata.policies import load_registry
@@ -89,6 +92,7 @@ CASES = [
     ("bf16", 1.0, "lru", 0, False), ("fp32", 0.5, "lru", 0, False),
     ("bf16", 0.5, "sieve", 1, False), ("fp32", 0.5, "sieve", 0, True),
     ("bf16", 0.5, "coldest-in-loan", 0, True), ("fp32", 0.0, "lru", 0, True),
+    ("fp32", 1.0, "coldest-in-loan", 0, False),  # every expert resident: device-only calls
 ]
 
 
@@ -109,15 +113,44 @@ def test_the_token_path_gives_the_general_paths_bytes_on_cuda(dtype, share, poli
     _same_bytes(store, share, policy, stream, repeats, "cuda")
 
 
-def _same_bytes(store, share, policy, stream, repeats, device):
+@pytest.mark.parametrize("dtype,share,policy,stream,repeats", CASES,
+                         ids=["-".join(str(v) for v in case) for case in CASES])
+def test_a_call_split_around_the_graphs_gives_the_token_paths_bytes(dtype, share, policy,
+                                                                     stream, repeats):
+    _same_bytes(_store(DTYPES[dtype]), share, policy, stream, repeats, "cpu", split=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,share,policy,stream,repeats", CASES[:9],
+                         ids=["-".join(str(v) for v in case) for case in CASES[:9]])
+def test_a_call_split_around_the_graphs_gives_the_token_paths_bytes_on_cuda(
+        dtype, share, policy, stream, repeats):
+    """On CUDA the resident rows are the Triton kernels' over every K row, a missing expert's
+    row left unwritten (its slot -1 reads nothing), then written by the host."""
+    store = store_of(cached_checkpoint("qwen3_moe", "small", dtype=DTYPES[dtype]),
+                     pin_memory=True)
+    _same_bytes(store, share, policy, stream, repeats, "cuda", split=True)
+
+
+def _split_call(cached, layer, x, topk_ids, topk_weights):
+    """A call as the split piecewise graphs make it: the resident rows, the host's misses,
+    the sum."""
+    rows = cached.resident_rows(layer, x, topk_ids)  # [K, D]
+    cached.fill_misses(layer, x, topk_ids, topk_weights, rows)
+    return weighted_sum(rows, topk_weights, x.dtype)
+
+
+def _same_bytes(store, share, policy, stream, repeats, device, split=False):
+    """The general path against the token path, or (`split`) the token path against the split
+    call."""
     n_slots = round(share * store.n_layers * store.n_experts)
-    general = _cache(store, n_slots, policy, stream, token_path=False, device=device)
+    general = _cache(store, n_slots, policy, stream, token_path=split, device=device)
     token = _cache(store, n_slots, policy, stream, token_path=True, device=device)
     try:
         for call in _calls(store, 32, seed=int(share * 10) + stream, repeats=repeats,
                            device=device):
             expected = general.forward(*call)
-            got = token.forward(*call)
+            got = _split_call(token, *call) if split else token.forward(*call)
             assert got.dtype == expected.dtype and _bytes(got) == _bytes(expected)
             assert _books(token) == _books(general)
         assert _counts(token) == _counts(general)

@@ -21,7 +21,10 @@ Per layer call, on the engine's thread:
 5. the policy may admit this call's misses (checked, applied to the books and uploaded into
    their slots before the next use, all or nothing);
 6. the K rows of each token are weighted and summed in order in float32.
-A decode call takes these steps with less host work between them (`token_call`), the same bytes.
+A decode call takes these steps with less host work between them (`token_call`), the same bytes;
+a call that is not (a prompt pass, the loan's) takes them in `routed_call`. Piecewise CUDA
+graphs can split a decode call around themselves (`split_calls`, `graph_call`): step 3's hits
+and step 6 inside the graphs, the rest on the host.
 Steps 3 and 6 are `ResidentExperts`' own math and choice of path, so a cache that holds every
 expert gives byte-identical output.
 
@@ -52,18 +55,18 @@ import torch
 
 from strata._residency import ResidencyTable
 from strata.books import CheckedPolicy
+from strata.engine.cache import graph_call
 from strata.engine.cache.arena import Arena
 from strata.engine.cache.budget import CacheBudget
 from strata.engine.cache.device_heat import DeviceHeat
 from strata.engine.cache.executor import CacheExecutor
-from strata.engine.cache.from_slots import compute_from_slots
 from strata.engine.cache.host_rows import HostRows
 from strata.engine.cache.loan import LoanOptions, PromptLoan
+from strata.engine.cache.routed_call import routed_forward
 from strata.engine.cache.stats import PHASES, CacheStats, PhaseStats
 from strata.engine.cache.token_call import token_forward
-from strata.engine.experts import ExpertStore, weighted_sum
+from strata.engine.experts import ExpertStore, grouped, weighted_sum
 from strata.engine.experts.cpu import CpuExperts
-from strata.engine.experts.routed import Routed, rows_to_device
 from strata.engine.experts.streamed import StreamedMisses, StreamSplit, staging_blobs
 from strata.policies import DEFAULT_POLICY, Policy, load_registry
 
@@ -123,9 +126,12 @@ class CachedExperts:
         # wrapper such as a tracer has an `observe` of its own even when its inner does not).
         self.observer = (None if type(self.checked.policy).observe is Policy.observe
                          else self.checked.observe)
-        # Decode calls go through `token_forward`; False sends them through `_routed_forward`,
+        # Decode calls go through `token_forward`; False sends them through `routed_forward`,
         # which gives the same bytes (the tests compare the two).
         self._token_path = True
+        # Piecewise graphs split decode calls (`splits_calls`) when True: the same bytes; off
+        # by default until measured on the GPU (bench/offload.py --split-calls).
+        self.split_calls = False
         self.heat = DeviceHeat(table, self.device)  # routing counted on the device-only path
         self._last_layer = -1  # the layer of the open pass's latest call; -1: no pass is open
         self._loaned = False
@@ -222,117 +228,73 @@ class CachedExperts:
                 raise RuntimeError(f"only a one-token decode step can be captured, got {n_tokens}")
             self._captured_top_k = top_k
             return self._device_only_forward(layer, x, topk_ids, topk_weights)
-        if layer <= self._last_layer:  # a new pass began before the last one reached layer L-1
-            self._close_pass()
-        if self._last_layer < 0:
-            self._open_pass(n_tokens)
-        self._last_layer = layer
-        stats = self.stats.phase(self.phase)
+        stats = self._enter_call(layer, n_tokens)
         if n_tokens == 1 and self.device_only:
             result = self._device_only_forward(layer, x, topk_ids, topk_weights)
-            stats.layer_calls += 1
-            stats.lookups += n_tokens * top_k
-            stats.hits += n_tokens * top_k
+            self._count_all_hits(stats, n_tokens * top_k)
         else:
             self.flush_heat()
             if n_tokens == 1 and not self._loaned and self._token_path:
                 result = token_forward(self, layer, x, topk_ids, topk_weights, stats)
             else:
-                result = self._routed_forward(layer, x, topk_ids, topk_weights, stats)
+                result = routed_forward(self, layer, x, topk_ids, topk_weights, stats)
+        self._leave_call(layer, stats, entered)
+        return result
+
+    def _enter_call(self, layer: int, n_tokens: int) -> PhaseStats:
+        """A layer call's place in its pass (a pass opens at layer 0's call, or at a call of a
+        layer not after the last one's); returns the phase's stats."""
+        if layer <= self._last_layer:  # a new pass began before the last one reached layer L-1
+            self._close_pass()
+        if self._last_layer < 0:
+            self._open_pass(n_tokens)
+        self._last_layer = layer
+        return self.stats.phase(self.phase)
+
+    def _leave_call(self, layer: int, stats: PhaseStats, entered: float) -> None:
         stats.forward_s += time.perf_counter() - entered
         if layer == self.n_layers - 1:
             self._close_pass()
-        return result
 
-    def _routed_forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                        topk_weights: torch.Tensor, stats: PhaseStats) -> torch.Tensor:
-        """Steps 1-6 of the module's docstring: the routing read on the host."""
-        n_tokens, top_k = topk_ids.shape
-        x_host = self.host_rows.x_to_host(x) if n_tokens == 1 else None  # read with the ids
-        started = time.perf_counter()
-        ids = np.ascontiguousarray(topk_ids.cpu().numpy(), dtype=np.int64)  # [T, K], the sync
-        stats.wait_s += time.perf_counter() - started
-        slots, hit = self.table.lookup(layer, ids)  # [T, K] each
-        self.table.record(layer, ids)
-        self.checked.observe(self.checked.view, layer, ids, hit)
-        n_hits = int(np.count_nonzero(hit))
-        misses = Routed.of(ids, ~hit) if n_hits < ids.size else None
+    # --- a decode call split around piecewise CUDA graphs (`graph_call`) ---
+    @property
+    def splits_calls(self) -> bool:
+        """Whether piecewise graphs capture this cache's decode calls split: the hits inside the
+        graphs (`resident_rows`), the misses on the host (`fill_misses`). It needs the experts'
+        Triton kernels on CUDA, which read nothing for a missing expert's row."""
+        return self.split_calls and self.device.type == "cuda" and \
+            not grouped.copies_weights(self.device)
+
+    def resident_rows(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor
+                      ) -> torch.Tensor:
+        """[K, D]: the rows of the resident experts of a one-token call, read through the
+        mirror, the others unwritten; no host work (`graph_call.resident_rows`)."""
+        return graph_call.resident_rows(self, layer, x, topk_ids)
+
+    def fill_misses(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, rows: torch.Tensor) -> None:
+        """The rest of a one-token decode call after `resident_rows` filled rows [K, D]: the
+        misses' rows written into them, the books, policy and stats as `forward` tells them;
+        the caller sums the rows (`weighted_sum`) as `forward` would."""
+        entered = time.perf_counter()
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} is out of range [0, {self.n_layers})")
+        stats = self._enter_call(layer, 1)
+        if self._loaned:
+            raise RuntimeError("fill_misses: a loaned pass computes its misses in the loan")
+        if self.device_only:  # as `forward`: every row a hit, the routing counted on the device
+            self.heat.count(layer, topk_ids)
+            self._count_all_hits(stats, topk_ids.shape[1])
+        else:
+            self.flush_heat()
+            graph_call.fill_misses(self, layer, x, topk_ids, rows, stats)
+        self._leave_call(layer, stats, entered)
+
+    @staticmethod
+    def _count_all_hits(stats: PhaseStats, n_rows: int) -> None:
         stats.layer_calls += 1
-        stats.lookups += ids.size
-        stats.hits += n_hits
-
-        streamed = None
-        if misses is not None and not self._loaned and n_tokens == 1 and self.streamer is not None:
-            streamed, misses = self.streamer.split(misses)
-        on_cpu = misses is not None and not self._loaned
-        if on_cpu:
-            started = time.perf_counter()
-            if x_host is None:
-                x_host = x.cpu()
-            # [R, D]: the misses' inputs, picked on the host (one read of x, no index upload).
-            x_rows = x_host.index_select(0, torch.from_numpy(misses.tokens()))
-            stats.wait_s += time.perf_counter() - started
-
-        # The device's share is issued first and runs while this thread computes the misses
-        # on the CPU; the next host read (the next layer's routing) waits for it.
-        started = time.perf_counter()
-        out = x.new_empty((n_tokens * top_k, x.shape[1]))  # [T*K, D]: row t*K + k
-        try:
-            miss_index = self._issue_device_share(layer, x, ids, slots, hit, n_hits, streamed,
-                                                  misses, out, stats)
-        finally:
-            stats.device_s += time.perf_counter() - started
-        if on_cpu:
-            started = time.perf_counter()
-            miss_rows = self.cpu.compute(layer, x_rows, misses)  # [R, D]
-            stats.cpu_s += time.perf_counter() - started
-            stats.cpu_experts += misses.n_experts
-            stats.cpu_tokens += misses.n_rows
-            out.index_copy_(0, miss_index, self.host_rows.to_device(miss_rows))
-
-        if self.checked.admits and (misses is not None or streamed is not None):
-            missed = [r.experts for r in (streamed, misses) if r is not None]
-            self.admit_misses(layer, np.sort(np.concatenate(missed)))
-        return weighted_sum(out, topk_weights, x.dtype)
-
-    def _issue_device_share(self, layer: int, x: torch.Tensor, ids: np.ndarray,
-                            slots: np.ndarray, hit: np.ndarray, n_hits: int,
-                            streamed: Routed | None, misses: Routed | None, out: torch.Tensor,
-                            stats: PhaseStats) -> torch.Tensor | None:
-        """Issue the hits, the streamed misses and the loan's misses into `out` [T*K, D];
-        returns the device rows of the misses left to the CPU (None: none)."""
-        n_tokens = ids.shape[0]
-        hits = Routed.of(ids, hit) if n_hits and n_tokens > 1 else None
-        if hits is not None:
-            hit_rows = hits.rows
-        else:  # decode: the hit rows, each reading its slot by the books' answer
-            hit_rows = np.flatnonzero(hit.reshape(-1)) if n_hits else None
-        hit_slots = slots.reshape(-1)[hit_rows] if hit_rows is not None and hits is None \
-            else None
-        # [R] each: the slots, and the rows each share's outputs land in; one upload.
-        slot_index, hit_index, streamed_index, miss_index = rows_to_device(self.device,
-            hit_slots, hit_rows,
-            streamed.rows if streamed is not None else None,
-            misses.rows if misses is not None else None)
-        if hit_slots is not None:
-            # T == 1: every hit row reads the one token; all of them in one call.
-            y = self.arena.expert_rows(slot_index, x.expand(hit_slots.size, -1))  # [R, D]
-            out.index_copy_(0, hit_index, y)
-        elif hits is not None:
-            # Each hit expert's slot: that of its first row (one slot per expert).
-            hit_slots = slots.reshape(-1)[hits.rows[hits.starts[:-1]]]
-            out.index_copy_(0, hit_index, compute_from_slots(self.arena, x, hits, hit_slots))
-        if streamed is not None:
-            assert self.streamer is not None  # only it splits streamed rows off
-            out.index_copy_(0, streamed_index, self.streamer.compute(layer, x, streamed))
-            stats.streamed_experts += streamed.n_experts
-            stats.uploaded_bytes += streamed.n_experts * self.store.blob_bytes
-        if misses is not None and self._loaned:
-            assert self.loan is not None
-            out.index_copy_(0, miss_index, self.loan.compute_misses(layer, x, misses))
-            stats.loan_experts += misses.n_experts
-            return None
-        return miss_index
+        stats.lookups += n_rows
+        stats.hits += n_rows
 
     def _device_only_forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

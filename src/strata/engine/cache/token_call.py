@@ -18,7 +18,9 @@ the H200 a call took 0.68-0.90x the general path's time
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -27,14 +29,33 @@ from strata.engine.cache.stats import PhaseStats
 from strata.engine.experts.combine import weighted_sum
 from strata.engine.experts.routed import Routed
 
-__all__ = ["token_forward"]
+__all__ = ["TokenSplit", "cpu_rows", "device_time", "split_call", "streamed_rows",
+           "token_forward"]
 
 
-def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, stats: PhaseStats) -> torch.Tensor:
-    """[1, D]: `cache`'s layer call (a `CachedExperts`, not imported here: it imports this) for
-    one token x [1, D] routed to topk_ids [1, K] with topk_weights [1, K], outside a loaned
-    pass; counts into `stats` (the phase's)."""
+class TokenSplit(NamedTuple):
+    """A one-token call's routing as the books split it (`split_call`): x readable on the host,
+    the index buffer and its numpy view `split` (`ResidencyTable.split_token`'s layout), the
+    hits and missed experts' counts, and the misses' rows: those the copy engine streams and
+    those the CPU computes (None: none)."""
+
+    x_host: torch.Tensor
+    buffer: torch.Tensor
+    split: np.ndarray
+    n_hits: int
+    n_missed: int
+    streamed: Routed | None
+    misses: Routed | None
+
+    def missed_experts(self, top_k: int) -> np.ndarray:
+        """The missed experts, ascending (a copy)."""
+        return self.split[3 * top_k:3 * top_k + self.n_missed].copy()
+
+
+def split_call(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+               stats: PhaseStats) -> TokenSplit:
+    """The host's first steps of a one-token call: x and the routing read (the sync), the
+    books' lookup, record and split, the policy's `observe`, the counts."""
     top_k = topk_ids.shape[1]
     x_host = cache.host_rows.x_on_host(x)  # read with the ids
     started = time.perf_counter()
@@ -53,36 +74,67 @@ def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tenso
         misses = Routed.of_split(split, top_k, n_hits, n_missed)
         if cache.streamer is not None:
             streamed, misses = cache.streamer.split(misses)
+    return TokenSplit(x_host, buffer, split, n_hits, n_missed, streamed, misses)
+
+
+@contextmanager
+def device_time(stats: PhaseStats) -> Iterator[None]:
+    """Counts the time inside into `stats.device_s`: issuing the device's share of a call."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        stats.device_s += time.perf_counter() - started
+
+
+def streamed_rows(cache: Any, layer: int, x: torch.Tensor, streamed: Routed,
+                  stats: PhaseStats) -> torch.Tensor:
+    """[R, D] on the device: the streamed misses uploaded to the staging blobs and computed."""
+    assert cache.streamer is not None  # only it splits streamed rows off
+    rows = cache.streamer.compute(layer, x, streamed)
+    stats.streamed_experts += streamed.n_experts
+    stats.uploaded_bytes += streamed.n_experts * cache.store.blob_bytes
+    return rows
+
+
+def cpu_rows(cache: Any, layer: int, x_host: torch.Tensor, misses: Routed,
+             stats: PhaseStats) -> torch.Tensor:
+    """[R, D] on the device: the misses computed on the CPU over the one token, copied back."""
+    started = time.perf_counter()
+    # [R, D]: every row's input is the one token's (a copy, as a gather would make).
+    x_rows = x_host.expand(misses.n_rows, -1).contiguous()
+    rows = cache.cpu.compute(layer, x_rows, misses)  # [R, D]
+    stats.cpu_s += time.perf_counter() - started
+    stats.cpu_experts += misses.n_experts
+    stats.cpu_tokens += misses.n_rows
+    return cache.host_rows.to_device(rows)
+
+
+def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, stats: PhaseStats) -> torch.Tensor:
+    """[1, D]: `cache`'s layer call (a `CachedExperts`, not imported here: it imports this) for
+    one token x [1, D] routed to topk_ids [1, K] with topk_weights [1, K], outside a loaned
+    pass; counts into `stats` (the phase's)."""
+    top_k = topk_ids.shape[1]
+    call = split_call(cache, layer, x, topk_ids, stats)
+    n_hits = call.n_hits
 
     # The device's share is issued first and runs while this thread computes the misses
     # on the CPU; the next host read (the next layer's routing) waits for it.
-    started = time.perf_counter()
     parts = []  # [R_i, D] each: the hits', the streamed misses', the CPU's rows
-    try:
-        index = cache.host_rows.indices_to_device(buffer[:n_hits + top_k])  # slots; order
+    with device_time(stats):
+        index = cache.host_rows.indices_to_device(call.buffer[:n_hits + top_k])  # slots; order
         if n_hits:
             parts.append(cache.arena.expert_rows(index[:n_hits], x.expand(n_hits, -1)))
-        if streamed is not None:
-            assert cache.streamer is not None  # only it splits streamed rows off
-            parts.append(cache.streamer.compute(layer, x, streamed))
-            stats.streamed_experts += streamed.n_experts
-            stats.uploaded_bytes += streamed.n_experts * cache.store.blob_bytes
-    finally:
-        stats.device_s += time.perf_counter() - started
-    if misses is not None:
-        started = time.perf_counter()
-        # [R, D]: every row's input is the one token's (a copy, as a gather would make).
-        x_rows = x_host.expand(misses.n_rows, -1).contiguous()
-        miss_rows = cache.cpu.compute(layer, x_rows, misses)  # [R, D]
-        stats.cpu_s += time.perf_counter() - started
-        stats.cpu_experts += misses.n_experts
-        stats.cpu_tokens += misses.n_rows
-        parts.append(cache.host_rows.to_device(miss_rows))
+        if call.streamed is not None:
+            parts.append(streamed_rows(cache, layer, x, call.streamed, stats))
+    if call.misses is not None:
+        parts.append(cpu_rows(cache, layer, call.x_host, call.misses, stats))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [K, D]
     # The hit rows alone are in row order already; else the sum reads row k at index[n_hits + k]
     # (no gather back first).
     positions = index[n_hits:] if n_hits < top_k else None
 
-    if cache.checked.admits and n_missed:  # every missed expert, ascending
-        cache.admit_misses(layer, split[3 * top_k:3 * top_k + n_missed].copy())
+    if cache.checked.admits and call.n_missed:  # every missed expert, ascending
+        cache.admit_misses(layer, call.missed_experts(top_k))
     return weighted_sum(out, topk_weights, x.dtype, positions)

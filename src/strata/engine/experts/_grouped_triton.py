@@ -2,7 +2,8 @@
 
 Legend: R routed rows, D hidden size, F expert width; BF, BD the block sizes.
 Each kernel reads one expert's weights in place, at `w_ptr + index[r] * slot_stride` elements,
-rows `row_stride` apart: `gate_up_act` its [2F, D] gate and up rows, `down` its [D, F] rows.
+rows `row_stride` apart (a negative index[r]: row r is left unwritten, no weight read):
+`gate_up_act` its [2F, D] gate and up rows, `down` its [D, F] rows.
 A program keeps a [BF, BD] (or [BD, BF]) tile of fp32 products summed along its loop and reduces
 the tile across its columns once, at the end: one cross-thread reduction a program, not one a
 step (1.5x the bandwidth on the H200, bench/results/grouped-experts-h200-2026-12-01.md). The
@@ -18,9 +19,10 @@ def gate_up_act(w_ptr, index_ptr, x_ptr, act_ptr, slot_stride, row_stride, D, F,
                 x_stride, act_stride, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
     # Program (r, b): act[r, b*BLOCK_F : (b+1)*BLOCK_F] of the expert index[r].
     r = tl.program_id(0)
+    slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
-    f_in = f < F
-    expert = w_ptr + tl.load(index_ptr + r).to(tl.int64) * slot_stride
+    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read, nothing stored
+    expert = w_ptr + tl.maximum(slot, 0) * slot_stride
     gate_tile = tl.zeros([BLOCK_F, BLOCK_D], dtype=tl.float32)
     up_tile = tl.zeros([BLOCK_F, BLOCK_D], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -53,9 +55,10 @@ def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_st
          y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     # Program (r, b): y[r, b*BLOCK_D : (b+1)*BLOCK_D] of the expert index[r].
     r = tl.program_id(0)
+    slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    d_in = d < D
-    expert = w_ptr + tl.load(index_ptr + r).to(tl.int64) * slot_stride
+    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, nothing stored
+    expert = w_ptr + tl.maximum(slot, 0) * slot_stride
     tile = tl.zeros([BLOCK_D, BLOCK_F], dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
         f = f0 + tl.arange(0, BLOCK_F)  # [BF]

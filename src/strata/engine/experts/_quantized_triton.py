@@ -19,9 +19,10 @@ def int8_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, 
              act_stride, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
     # Program (r, b): act[r, b*BLOCK_F : (b+1)*BLOCK_F] of the expert index[r].
     r = tl.program_id(0)
+    slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
-    f_in = f < F
-    blob = blob_ptr + tl.load(index_ptr + r).to(tl.int64) * slot_stride
+    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read, nothing stored
+    blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     q = blob.to(tl.pointer_type(tl.int8))
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
     gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
@@ -45,9 +46,10 @@ def int8_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F,
               y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     # Program (r, b): y[r, b*BLOCK_D : (b+1)*BLOCK_D] of the expert index[r].
     r = tl.program_id(0)
+    slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    d_in = d < D
-    blob = blob_ptr + tl.load(index_ptr + r).to(tl.int64) * slot_stride
+    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, nothing stored
+    blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     q = blob.to(tl.pointer_type(tl.int8)) + 2 * F * D
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -92,9 +94,10 @@ def _int4_rows(blob, scales, starts, rows_in, v_ptr, k0, K, GROUP: tl.constexpr,
 def int4_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, x_stride,
              act_stride, GROUP: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
+    slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
-    f_in = f < F
-    blob = blob_ptr + tl.load(index_ptr + r).to(tl.int64) * slot_stride
+    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read, nothing stored
+    blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
     x = x_ptr + r * x_stride
     gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
@@ -110,9 +113,10 @@ def int4_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, 
 def int4_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F, act_stride,
               y_stride, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     r = tl.program_id(0)
+    slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    d_in = d < D
-    blob = blob_ptr + tl.load(index_ptr + r).to(tl.int64) * slot_stride
+    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, nothing stored
+    blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
     act = act_ptr + r * act_stride
     total = tl.zeros([BLOCK_D], dtype=tl.float32)

@@ -18,6 +18,13 @@ The warm-up runs before a capture (lazy kernel setup outside any graph) call no 
 returns zeros there, so the experts' books and stats see no warm-up. Their K/V writes land in
 the cell of the round's own position, which the round rewrites before reading it.
 
+An expert cache whose `splits_calls` is true is cut differently: at each experts call the
+graph ends with the rows of the resident experts (`CachedExperts.resident_rows`: the slots are
+read from the device mirror, no host work), the host then writes only the misses' rows over
+them (`CachedExperts.fill_misses`), and the next graph begins with their weighted sum. The
+hits' kernels, their slots' upload and the sum are replayed with the graphs instead of
+launched from the host (`strata.engine.cache.graph_call`); the bytes are the same.
+
 All graphs of all windows share one memory pool and are replayed in the order they were
 captured (within a round; windows only grow), as a shared pool requires.
 """
@@ -30,6 +37,8 @@ from typing import Any
 
 import torch
 
+from strata.engine.experts import weighted_sum
+
 __all__ = ["Cut", "Pieces", "capture_pieces"]
 
 
@@ -37,9 +46,12 @@ __all__ = ["Cut", "Pieces", "capture_pieces"]
 class Pieces:
     """One window's graphs: `graphs` [L + 1]; `calls` [L] the experts calls' static inputs
     (layer, x [1, D], ids [1, K], weights [1, K]); `outputs` [L] what graph i+1 reads of call
-    i's result; `logits` [V] graph L's output. `replay` runs a round on `model`'s experts."""
+    i: its result [1, D], or with `split` its rows [K, D] (the resident experts' written by
+    graph i, the misses' by the host); `logits` [V] graph L's output. `replay` runs a round on
+    `model`'s experts."""
 
     model: Any
+    split: bool = False
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=list)
@@ -51,7 +63,10 @@ class Pieces:
         experts = self.model.experts
         for graph, call, out in zip(self.graphs, self.calls, self.outputs, strict=False):
             graph.replay()
-            out.copy_(experts.forward(*call))
+            if self.split:
+                experts.fill_misses(*call, out)
+            else:
+                out.copy_(experts.forward(*call))
         self.graphs[-1].replay()
 
 
@@ -61,21 +76,28 @@ class Cut:
     def __init__(self, inner: Any, pool: Any) -> None:
         self.inner = inner  # the model's experts, put back after the capture
         self.pool = pool
+        self.split = bool(getattr(inner, "splits_calls", False))
         self.pieces: Pieces | None = None  # None: a warm-up, no capture open
 
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        if self.pieces is None:
-            return torch.zeros_like(x)  # a warm-up: the experts are not told
+        # Split: the resident experts' rows end this graph (a warm-up computes them too: the
+        # mirror is read, the books are not told).
+        rows = self.inner.resident_rows(layer, x, topk_ids) if self.split else None  # [K, D]
+        if self.pieces is None:  # a warm-up: the experts are not told
+            return weighted_sum(rows, topk_weights, x.dtype) if self.split \
+                else torch.zeros_like(x)
         self.pieces.graphs[-1].capture_end()
         self.pieces.calls.append((layer, x, topk_ids, topk_weights))
-        out = torch.zeros_like(x)  # outside any graph: written at replay, read by the next
+        # Outside any graph: written at replay (the rows: by the graph, then the host), read by
+        # the next graph.
+        out = rows if self.split else torch.zeros_like(x)
         self.pieces.outputs.append(out)
         graph = torch.cuda.CUDAGraph()
         self.pieces.graphs.append(graph)
         graph.capture_begin(pool=self.pool)
-        return out
+        return weighted_sum(out, topk_weights, x.dtype) if self.split else out
 
 
 def capture_pieces(
@@ -94,7 +116,7 @@ def capture_pieces(
         for _ in range(2):
             step()
         torch.cuda.synchronize(device)
-        pieces = Pieces(model, graphs=[torch.cuda.CUDAGraph()])
+        pieces = Pieces(model, split=cut.split, graphs=[torch.cuda.CUDAGraph()])
         cut.pieces = pieces
         pieces.graphs[0].capture_begin(pool=pool)
         try:
