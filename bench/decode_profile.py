@@ -41,10 +41,15 @@ from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.prompt_graphs import PromptGraphs
 
-# Kernel names -> the kind they are counted under, first match wins (lower-case substrings).
+# strata's own Triton kernels by their exact names (a substring such as "down" would match
+# others): the experts' decode kernels and the sum of their rows.
+OWN_KERNELS = {"gate_up_act": "experts (triton)", "down": "experts (triton)",
+               "combine": "experts (triton)"}
+# Other kernel names -> the kind they are counted under, first match wins (lower-case
+# substrings).
 KINDS = (
     ("layer ops (triton)", ("add_rms_norm", "qk_norm_rope", "route")),
-    ("experts (triton)", ("gate_up_act", "down_", "int8_", "int4_")),
+    ("experts (triton)", ("int8_", "int4_")),
     ("grouped mm", ("grouped", "group_gemm")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "cublas", "xmma", "splitk")),
@@ -55,6 +60,8 @@ KINDS = (
 
 
 def kind_of(name: str) -> str:
+    if name in OWN_KERNELS:
+        return OWN_KERNELS[name]
     lower = name.lower()
     for kind, needles in KINDS:
         if any(needle in lower for needle in needles):

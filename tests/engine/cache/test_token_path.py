@@ -121,8 +121,8 @@ def test_a_call_split_around_the_graphs_gives_the_token_paths_bytes(dtype, share
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,share,policy,stream,repeats", CASES[:9],
-                         ids=["-".join(str(v) for v in case) for case in CASES[:9]])
+@pytest.mark.parametrize("dtype,share,policy,stream,repeats", CASES[:4] + CASES[6:9],
+                         ids=["-".join(str(v) for v in case) for case in CASES[:4] + CASES[6:9]])
 def test_a_call_split_around_the_graphs_gives_the_token_paths_bytes_on_cuda(
         dtype, share, policy, stream, repeats):
     """On CUDA the resident rows are the Triton kernels' over every K row, a missing expert's
