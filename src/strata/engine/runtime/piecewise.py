@@ -90,8 +90,8 @@ class Cut:
                 else torch.zeros_like(x)
         self.pieces.graphs[-1].capture_end()
         self.pieces.calls.append((layer, x, topk_ids, topk_weights))
-        # Outside any graph: written at replay (the rows: by the graph, then the host), read by
-        # the next graph.
+        # What the next graph reads: the rows, an output of this graph that the host completes
+        # at replay; else a tensor made outside any graph that the call's result is copied into.
         out = rows if self.split else torch.zeros_like(x)
         self.pieces.outputs.append(out)
         graph = torch.cuda.CUDAGraph()
