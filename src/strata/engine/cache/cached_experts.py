@@ -154,6 +154,11 @@ class CachedExperts:
         self.heat.flush()
 
     @property
+    def loaned(self) -> bool:
+        """Whether the open pass's misses go to the prompt loan."""
+        return self._loaned
+
+    @property
     def device_only(self) -> bool:
         """Whether a decode call stays on the device: every expert resident, no loan open and a
         policy without an `observe` of its own."""

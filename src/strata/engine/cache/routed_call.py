@@ -44,9 +44,9 @@ def routed_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tens
     stats.hits += n_hits
 
     streamed = None
-    if misses is not None and not cache._loaned and n_tokens == 1 and cache.streamer is not None:
+    if misses is not None and not cache.loaned and n_tokens == 1 and cache.streamer is not None:
         streamed, misses = cache.streamer.split(misses)
-    on_cpu = misses is not None and not cache._loaned
+    on_cpu = misses is not None and not cache.loaned
     if on_cpu:
         started = time.perf_counter()
         if x_host is None:
@@ -110,7 +110,7 @@ def _issue_device_share(cache: Any, layer: int, x: torch.Tensor, ids: np.ndarray
         out.index_copy_(0, streamed_index, cache.streamer.compute(layer, x, streamed))
         stats.streamed_experts += streamed.n_experts
         stats.uploaded_bytes += streamed.n_experts * cache.store.blob_bytes
-    if misses is not None and cache._loaned:
+    if misses is not None and cache.loaned:
         assert cache.loan is not None
         out.index_copy_(0, miss_index, cache.loan.compute_misses(layer, x, misses))
         stats.loan_experts += misses.n_experts

@@ -1,4 +1,6 @@
-"""The shared layers: RMSNorm, RoPE, grouped-query attention over the K/V, top-k routing, SwiGLU.
+"""The shared layers: RoPE tables, grouped-query attention over the K/V, the MoE block, SwiGLU,
+the decoder layer. The small per-token ops they call (RMSNorm, the rotation, top-k routing)
+are `strata.engine.model.ops`, one Triton kernel each on CUDA.
 
 Dimension letters: T tokens in the batch, D hidden size, H query heads, G kv heads (R = H / G
 query heads per kv head), Dh head dim, N K/V cells attended, E experts, K experts per token,

@@ -32,6 +32,8 @@ __all__ = ["QKHeads", "add_rms_norm", "apply_rope", "qk_norm_rope", "rms_norm",
            "rotate_and_write", "route", "use_kernels"]
 
 NORMS = {"none": 0, "full": 1, "head": 2}  # `ModelConfig.qk_norm` -> the kernel's NORM
+# `add_rms_norm`'s kernel holds a row in one program: wider rows run the torch ops.
+MAX_KERNEL_WIDTH = 16384
 
 
 @functools.cache
@@ -70,9 +72,10 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, weight * norm(h)) for h = x + delta, x and delta [T, D] (delta None: h = x).
 
-    A pre-norm block's residual sum and the next norm: one kernel on CUDA instead of three.
+    A pre-norm block's residual sum and the next norm: one kernel on CUDA instead of three
+    (for D up to MAX_KERNEL_WIDTH).
     """
-    if use_kernels(x) and x.shape[-1] <= 16384:
+    if use_kernels(x) and x.shape[-1] <= MAX_KERNEL_WIDTH:
         return add_rms_norm_triton(x, delta, weight, eps)
     h = x if delta is None else x + delta
     return h, rms_norm(h, weight, eps)
