@@ -36,8 +36,9 @@
 # offload-qwen3-skewed (2.5 each: qwen3-30b-a3b, 16 layers, 22% of the experts cached, router
 # skew 0 and 0.5, on the kv-grow checkpoints), offload-olmoe-torch (1.5: the olmoe run with
 # STRATA_CPU_KERNEL=torch, the CPU kernel's baseline), offload-split (4: decode on both at
-# --stream-misses 0 and 4, each with the calls whole and split around the piecewise graphs), quant-offload-olmoe (5: the olmoe run at
-# --stream-misses 4 with the experts as they are, in int8 and in int4, the same cache MiB),
+# --stream-misses 0 and 4, each with the calls whole and split around the piecewise graphs),
+# quant-offload-olmoe (5: the olmoe run at --stream-misses 4 with the experts as they are, in
+# int8 and in int4, the same cache MiB),
 # quant-offload-qwen3 (6: the same on qwen3's 16 layers, as they are and int8), quant-decode (3:
 # bench/decode.py with every expert resident, bf16 against int8 and int4 experts, each against
 # the bandwidth bound at its bytes, an 8-layer olmoe cut), profile (4: bench/decode_profile.py,
@@ -209,7 +210,8 @@ for stage in "$@"; do
     profile-decode) (cd bench && timeout 150 python3 decode_profile.py --preset olmoe-1b-7b \
                  --layers 4 --prompt-tokens 32,4096 --no-compile \
                  --json "$OUT/profile-decode.json") > "$OUT/profile-decode.txt" \
-                 2> "$OUT/profile-decode.err"; grep -E "^(prompt|decode)" "$OUT/profile-decode.txt" ;;
+                 2> "$OUT/profile-decode.err"
+                    grep -E "^(prompt|decode)" "$OUT/profile-decode.txt" ;;
     profile-long) # a decode round at cell 16,384: what attention costs at a long context
               (cd bench && timeout 240 python3 decode_profile.py --preset olmoe-1b-7b --layers 4 \
                  --prompt-tokens 32 --position 16384 --no-compile \
