@@ -44,11 +44,11 @@ from strata.engine.runtime.prompt_graphs import PromptGraphs
 # strata's own Triton kernels by their exact names (a substring such as "down" would match
 # others): the experts' decode kernels and the sum of their rows.
 OWN_KERNELS = {"gate_up_act": "experts (triton)", "down": "experts (triton)",
-               "combine": "experts (triton)"}
+               "down_sum": "experts (triton)", "combine": "experts (triton)"}
 # Other kernel names -> the kind they are counted under, first match wins (lower-case
 # substrings).
 KINDS = (
-    ("layer ops (triton)", ("add_rms_norm", "qk_norm_rope", "route")),
+    ("layer ops (triton)", ("add_rms_norm", "qk_norm_rope", "route")),  # router_route too
     ("experts (triton)", ("int8_", "int4_")),
     ("grouped mm", ("grouped", "group_gemm")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),

@@ -36,7 +36,8 @@
 # offload-qwen3-skewed (2.5 each: qwen3-30b-a3b, 16 layers, 22% of the experts cached, router
 # skew 0 and 0.5, on the kv-grow checkpoints), offload-olmoe-torch (1.5: the olmoe run with
 # STRATA_CPU_KERNEL=torch, the CPU kernel's baseline), offload-split (4: decode on both at
-# --stream-misses 0 and 4, each with the calls whole and split around the piecewise graphs),
+# --stream-misses 0 and 4, each with the calls split around the piecewise graphs, the default,
+# and whole),
 # quant-offload-olmoe (5: the olmoe run at --stream-misses 4 with the experts as they are, in
 # int8 and in int4, the same cache MiB),
 # quant-offload-qwen3 (6: the same on qwen3's 16 layers, as they are and int8), quant-decode (3:
@@ -51,7 +52,10 @@
 # seconds, then prefill at 512, 4,096 and 16,384 tokens against transformers with the MoE's
 # share), decode16-default (4: the same without --compile, no compile time: the default path
 # alone beside transformers), profile-decode (1.5: the profile stage's decode rounds and prompt
-# chunks of 32 and 4,096 without --compile); `offload` runs the first three; the first
+# chunks of 32 and 4,096 without --compile), stream-issue (0.5: bench/stream_issue.py, the
+# host's time issuing streamed misses, part by part, olmoe and qwen3 shapes, sync-checked),
+# router-route (2: bench/router_route.py, the decode router kernel's launch shapes swept);
+# `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # second or two, and later runs read them). A new checkpoint adds about a minute to the first
 # stage that uses it.
@@ -169,11 +173,17 @@ for stage in "$@"; do
     offload-olmoe-torch)  # the same with torch's matmuls for the CPU's experts: the A/B
            STRATA_CPU_KERNEL=torch offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 \
                --stream-misses auto,0 ;;
-    offload-split)  # the decode calls whole and split around the graphs (`graph_call`): A/B
+    stream-issue) for preset in olmoe-1b-7b qwen3-30b-a3b; do
+                    (cd bench && timeout 100 python3 stream_issue.py --preset $preset \
+                       --sync-check)
+                  done > "$OUT/stream-issue.json" 2>&1; grep "bench/" "$OUT/stream-issue.json" ;;
+    router-route) (cd bench && timeout 240 python3 router_route.py) > "$OUT/router-route.json" \
+                      2> "$OUT/router-route.err"; grep "bench/" "$OUT/router-route.json" ;;
+    offload-split)  # the decode calls split around the graphs (`graph_call`) and whole: A/B
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 0,4 \
-               --split-calls --prefill-tokens 0
+               --whole-calls --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 0,4 \
-               --split-calls --prefill-tokens 0 ;;
+               --whole-calls --prefill-tokens 0 ;;
     offload|offload-olmoe|offload-qwen3|offload-qwen3-skewed)
            if [ "$stage" = offload ] || [ "$stage" = offload-olmoe ]; then
                offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096

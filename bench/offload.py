@@ -13,8 +13,9 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
 - a decode round at the small cache (`--budget-mib`, or an `--expert-cache` of
   `--expert-share` of the experts; `--stream-misses`, default `auto`, and any others given,
   comma-separated, each a run), rounds as `strata generate` runs them (piecewise CUDA graphs;
-  `--eager` for eager rounds; `--split-calls` adds each run again with the cache's calls
-  split around the graphs, the hits inside them: `strata.engine.cache.graph_call`). For
+  `--eager` for eager rounds; the cache's calls split around the graphs, the hits inside them:
+  `strata.engine.cache.graph_call`; `--whole-calls` adds each run again with the calls whole,
+  the split's baseline, named -whole). For
   each: the round's time; its misses split between the CPU and the copy engine (experts and
   shares); the bound, max(CPU's miss bytes / host read
   bandwidth, streamed bytes / copy rate) + the device round (summed over the round, so a lower
@@ -204,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs (the median)")
     parser.add_argument("--eager", action="store_true",
                         help="eager decode rounds (default: piecewise CUDA graphs on CUDA)")
-    parser.add_argument("--split-calls", action="store_true",
-                        help="also run each decode with the cache's calls split around the "
-                        "piecewise graphs (the hits inside them: `graph_call`), named -split")
+    parser.add_argument("--whole-calls", action="store_true",
+                        help="also run each decode with the cache's calls whole, not split "
+                        "around the piecewise graphs (`graph_call`): the split's baseline, "
+                        "named -whole")
     parser.add_argument("--host-read-mib", type=int, default=2048)
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--experts-dtype", default="auto",
@@ -294,11 +296,11 @@ def main(argv: list[str] | None = None) -> int:
                 model.experts = build_cached_experts(config, store, device)
                 return engine_around(model, None, max_context), notes
 
-            for stream, split in ((stream, split) for stream in streams
-                                  for split in ((False, True) if args.split_calls else (False,))):
-                name = f"decode-stream-{stream}{'-split' if split else ''}{suffix}"
+            for stream, whole in ((stream, whole) for stream in streams
+                                  for whole in ((True, False) if args.whole_calls else (False,))):
+                name = f"decode-stream-{stream}{'-whole' if whole else ''}{suffix}"
                 engine, notes = cached_engine(stream, decode_context, loan=False)
-                engine.cache.split_calls = split
+                engine.cache.split_calls = not whole
                 with engine:
                     for note in notes:
                         say(note)

@@ -101,6 +101,25 @@ with_missing = expert_rows_triton(gate_up, down, torch.tensor([3, -1, 4, -1]),
 results.append({"missing_rows_skipped": bool(torch.equal(
     with_missing[[0, 2]], expert_rows_triton(gate_up, down, torch.tensor([3, 4]),
                                              row.expand(2, 80))))})
+# The weighted sum inside `down` (one token's K rows): `combine`'s bytes, each launch leaving
+# the counter at zero for the next; D not a multiple of the block, and one block.
+from strata.engine.experts.combine import weighted_sum_triton
+from strata.engine.experts.grouped import expert_sum_triton, sum_arrivals
+sums = []
+for seed, (s, f, d, index, dtype) in enumerate([(5, 48, 80, [3, 0, 3, 4], torch.float32),
+                                                 (3, 16, 32, [2, 1], torch.float16)]):
+    gate_up, down = _stack(s, f, d, dtype, seed)
+    index = torch.tensor(index)
+    row = torch.randn(1, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    weights = torch.rand(1, len(index), generator=torch.Generator().manual_seed(seed + 1))
+    arrived = sum_arrivals(d, torch.device("cpu"))
+    expected = weighted_sum_triton(expert_rows_triton(gate_up, down, index,
+                                                      row.expand(len(index), d)), weights, dtype)
+    got = [expert_sum_triton(gate_up, down, index, row.expand(len(index), d), weights, arrived)
+           for _ in range(2)]
+    sums.append({"same_bytes": all(torch.equal(g, expected) for g in got),
+                 "shape": list(got[0].shape), "arrived": arrived.tolist()})
+results.append({"sums": sums})
 print(json.dumps(results))
 """
 
@@ -110,11 +129,14 @@ def test_the_triton_kernels_under_the_interpreter_match_the_reference():
     results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
     expected = [([4, 80], "torch.float32", 1e-5), ([1, 256], "torch.float32", 1e-5),
                 ([6, 300], "torch.float16", 2e-3), ([0, 16], "torch.float32", 0.0)]
-    for result, (shape, dtype, tolerance) in zip(results[:-2], expected, strict=True):
+    for result, (shape, dtype, tolerance) in zip(results[:-3], expected, strict=True):
         assert result["shape"] == shape and result["dtype"] == dtype
         assert result["error"] <= tolerance and result["finite"] and result["same_bytes"]
-    assert results[len(expected):] == [{"repeated_rows_as_copied": True},
-                                       {"missing_rows_skipped": True}]
+    assert results[len(expected):-1] == [{"repeated_rows_as_copied": True},
+                                         {"missing_rows_skipped": True}]
+    assert results[-1]["sums"] == [
+        {"same_bytes": True, "shape": [1, 80], "arrived": [0] * 3},  # 80 = 2.5 blocks of 32
+        {"same_bytes": True, "shape": [1, 32], "arrived": [0]}]
 
 
 def test_the_triton_path_refuses_weights_it_cannot_read_in_place():
@@ -154,6 +176,35 @@ def test_the_triton_kernels_on_cuda_match_and_repeat(f, d):
         x_rows.copy_(torch.randn(8, d, device=cuda).to(dtype))
         graph.replay()
         assert torch.equal(captured, expert_rows(gate_up, down, index, x_rows))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("f, d, k", [(1024, 2048, 8), (768, 2048, 8), (1792, 4096, 2)])
+def test_on_cuda_the_sum_inside_down_gives_combines_bytes_eager_and_replayed(f, d, k):
+    """`expert_sum_triton` against `expert_rows` then `weighted_sum`, byte for byte in bf16,
+    eagerly and from a CUDA graph replayed several times (each replay finds its counter at
+    zero), at the olmoe and qwen3 shapes and mixtral's D and K."""
+    pytest.importorskip("triton")
+    from strata.engine.experts.combine import weighted_sum
+    from strata.engine.experts.grouped import expert_sum_triton, sum_arrivals
+
+    cuda = torch.device("cuda")
+    gate_up, down = (t.to(cuda) for t in _stack(12, f, d, torch.bfloat16, seed=k))
+    index = torch.tensor([7, 2, 11, 0, 2, 5, 9, 3][:k], device=cuda)
+    row = torch.randn(1, d, device=cuda).to(torch.bfloat16)
+    weights = torch.softmax(torch.randn(1, k, device=cuda), dim=-1)
+    arrived = sum_arrivals(d, cuda)
+    expected = weighted_sum(expert_rows(gate_up, down, index, row.expand(k, d)), weights,
+                            torch.bfloat16)
+    assert torch.equal(expert_sum_triton(gate_up, down, index, row.expand(k, d), weights,
+                                         arrived), expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = expert_sum_triton(gate_up, down, index, row.expand(k, d), weights, arrived)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, expected) and not arrived.any()
 
 
 @pytest.mark.cuda

@@ -119,6 +119,17 @@ def test_off_cuda_route_is_softmax_then_top_k():
         assert torch.equal(weights, expected) and weights.dtype == torch.float32
 
 
+def test_off_cuda_router_route_is_the_product_then_route():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 96, generator=gen).to(torch.bfloat16)
+    router = torch.randn(16, 96, generator=gen).to(torch.bfloat16)
+    ids, weights = ops.router_route(x, router, 4, True)
+    expected_ids, expected_weights = ops.route(F.linear(x, router), 4, True)
+    assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
+    with pytest.raises(ValueError, match="at most 8 tokens"):
+        ops.router_route_triton(torch.zeros(9, 96), router.float(), 4, True)
+
+
 _INTERPRETED = r"""
 import json, sys
 import torch
@@ -131,7 +142,7 @@ def rel(got, expected):
     scale = max(expected.float().abs().max().item(), 1e-30)
     return (got.float() - expected.float()).abs().max().item() / scale
 
-results = {"add_rms_norm": [], "qk_norm_rope": [], "route": []}
+results = {"add_rms_norm": [], "qk_norm_rope": [], "route": [], "router_route": []}
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.float16):
     for n_tokens, d in ((1, 2048), (3, 1000), (0, 64)):  # D not a power of two; no tokens
@@ -173,6 +184,23 @@ for n_tokens, n_experts, top_k in ((1, 64, 8), (5, 60, 6), (2, 128, 8), (3, 8, 2
 tied = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0, 0.0, 0.0, 0.0]])
 ids, weights = ops.route_triton(tied, 4, True)
 results["tied"] = {"ids": ids.tolist(), "weights": weights.tolist()}
+# The router's product inside: one split (D small), several, several blocks a split; E and D
+# not powers of two; the most tokens; each launched twice (the arrival count set back to 0).
+for dtype in (torch.float32, torch.float16):
+    for n_tokens, d, n_experts, top_k in ((1, 2048, 64, 8), (3, 1000, 60, 6), (2, 200, 128, 8),
+                                         (1, 4096, 8, 2), (8, 96, 16, 4), (0, 64, 8, 2)):
+        x = torch.randn(n_tokens, d, generator=gen).to(dtype)
+        router = (torch.randn(n_experts, d, generator=gen) * d ** -0.5).to(dtype)
+        for normalize in (False, True):
+            ids, weights = ops.router_route_triton(x, router, top_k, normalize)
+            again = ops.router_route_triton(x, router, top_k, normalize)
+            expected_ids, expected_weights = ops.route(torch.nn.functional.linear(x, router),
+                                                       top_k, normalize)
+            results["router_route"].append({
+                "dtype": str(dtype), "shape": list(ids.shape),
+                "ids_equal": torch.equal(ids, expected_ids),
+                "repeats": torch.equal(ids, again[0]) and torch.equal(weights, again[1]),
+                "error": rel(weights, expected_weights) if n_tokens else 0.0})
 print(json.dumps(results))
 """
 
@@ -195,6 +223,12 @@ def test_the_kernels_under_the_interpreter_match_the_references():
                                                                         [2, 6, 8]]
     for row in results["route"]:
         assert row["ids_equal"] and row["error"] <= 1e-6, row
+    assert len(results["router_route"]) == 24
+    for row in results["router_route"]:  # float16's logits rounded once, as F.linear's
+        assert row["ids_equal"] and row["repeats"], row
+        assert row["error"] <= {"torch.float32": 1e-5, "torch.float16": 2e-3}[row["dtype"]], row
+    assert [row["shape"] for row in results["router_route"][:12:2]] == [
+        [1, 8], [3, 6], [2, 8], [1, 2], [8, 4], [0, 2]]
     # Equal probabilities: the lower expert id first.
     assert results["tied"]["ids"] == [[1, 2, 4, 3]]
     third = 1 / (3 + math.exp(-0.5))  # e^1 / (3 e^1 + e^0.5)
@@ -235,6 +269,32 @@ def test_on_cuda_the_kernels_match_the_references_in_bf16():
     expected_ids, expected_weights = ops.route(logits, 8, True)
     assert torch.equal(ids.cpu(), expected_ids)
     assert torch.allclose(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_experts, dim, top_k", [(64, 2048, 8), (128, 2048, 8), (8, 4096, 2)])
+def test_on_cuda_router_route_picks_the_top_probabilities_and_replays_in_a_graph(
+        n_experts, dim, top_k):
+    """The kernel's picks are the top k of the exact logits' probabilities (up to the bf16
+    rounding of the logits, which may swap near-equal ones); a CUDA graph replays its bytes."""
+    pytest.importorskip("triton")
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, dim, generator=gen).to(torch.bfloat16).to(cuda)
+    router = (torch.randn(n_experts, dim, generator=gen) * dim ** -0.5).to(torch.bfloat16)
+    router = router.to(cuda)
+    ids, weights = ops.router_route(x, router, top_k, True)
+    probs = torch.softmax(x.float() @ router.float().T, dim=-1)  # [1, E]
+    chosen = probs.gather(1, ids)
+    assert torch.allclose(chosen, probs.topk(top_k).values, rtol=2e-2)
+    assert torch.allclose(weights, chosen / chosen.sum(), rtol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_ids, graph_weights = ops.router_route(x, router, top_k, True)
+    for _ in range(3):  # each replay finds the arrival count set back to 0
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_ids, ids) and torch.equal(graph_weights, weights)
 
 
 _MODEL_INTERPRETED = r"""

@@ -1,6 +1,6 @@
 """bench/offload.py runs its docstring's CPU example and reports every figure it names (no GPU
 here: no copy rate, so no streamed misses and no upload bound), so a GPU session does not find
-it broken."""
+it broken; so does bench/stream_issue.py, on the host twin."""
 
 from __future__ import annotations
 
@@ -18,17 +18,17 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "6", "--prefill-tokens",
             "160", "--prefill-chunk", "80", "--host-read-mib", "16", "--loan-keep-slots", "0",
             "--repeat", "1", "--stream-misses", "auto,1", "--expert-share", "0.25", "--json",
-            "--split-calls"]
+            "--whole-calls"]
     assert bench.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["machine"]["host_read_bytes_per_s"] > 0
     assert report["machine"]["copy_bytes_per_s"] is None  # no bus off CUDA
     assert report["device_round_ms"] > 0
     runs = report["runs"]
-    assert set(runs) == {"decode-stream-auto", "decode-stream-auto-split", "decode-stream-1",
-                         "decode-stream-1-split", "prefill-loan"}
+    assert set(runs) == {"decode-stream-auto", "decode-stream-auto-whole", "decode-stream-1",
+                         "decode-stream-1-whole", "prefill-loan"}
     # Off CUDA no graphs split the calls: the same rounds.
-    assert runs["decode-stream-1-split"]["tokens"] == runs["decode-stream-1"]["tokens"]
+    assert runs["decode-stream-1-whole"]["tokens"] == runs["decode-stream-1"]["tokens"]
     auto, one = runs["decode-stream-auto"]["round"], runs["decode-stream-1"]["round"]
     assert auto["streamed_experts_per_round"] == 0 < auto["cpu_experts_per_round"]  # auto: 0
     assert one["streamed_experts_per_round"] > 0 and 0 < one["copy_share"] < 1
@@ -71,3 +71,14 @@ def test_the_offload_bench_measures_each_experts_dtype(capsys, monkeypatch):
     with pytest.raises(SystemExit):  # argparse's error: a usage line naming the values
         bench.main([*argv[:-1], "auto,int3"])
     assert "--experts-dtype takes distinct comma-separated values" in capsys.readouterr().err
+
+
+def test_the_stream_issue_bench_times_each_part_for_each_k(capsys):
+    bench = load_bench("stream_issue.py")
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--repeat", "1", "--store-mib",
+                       "1", "--sync-check"]) == 0
+    report = json.loads(capsys.readouterr().out.split("\n", 2)[-1])  # after K progress lines
+    assert sorted(report["host_us"]) == ["1", "2"]  # tiny: K = 2
+    for row in report["host_us"].values():
+        assert all(row[part] > 0 for part in ("compute", "copies", "kernels", "indices"))
+        assert set(row["sync"].values()) == {"n/a (no device)"}

@@ -56,3 +56,36 @@ def test_it_refuses_what_it_cannot_hold(store):
     with pytest.raises(ValueError, match="for one token"):
         streamer.compute(0, torch.zeros(2, store.hidden_size),
                          Routed.of(two, np.ones_like(two, dtype=bool)))
+
+
+def test_staged_then_computed_in_the_graph_gives_the_rows_compute_gives(store):
+    """A split call's halves: `stage` (the uploads, the map) then `staged_rows` write each
+    streamed expert's row where the map says, the bytes `compute` gives; an unused blob's row
+    goes to the scratch row 0, and a cleared map computes nothing."""
+    streamer = StreamedMisses(store, torch.device("cpu"), 3)
+    x = torch.randn(1, store.hidden_size, generator=torch.Generator().manual_seed(4))
+    ids = np.array([[7, 0, 15, 2]])
+    streamed, _ = streamer.split(Routed.of(ids, np.array([[False, True, False, True]])))  # misses
+    expected = streamer.compute(2, x, streamed)  # [R, D] in streamed.rows order
+    rows = torch.full((5, store.hidden_size), 7.0)  # [K + 1, D]: row 0 scratch
+    streamer.stage(2, streamed, streamed.rows + 1)
+    assert streamer.stage_map.tolist()[:3] == [0, 1, -1]  # two blobs used, one not
+    streamer.staged_rows(x, rows)
+    for i, row in enumerate(streamed.rows.tolist()):
+        assert torch.equal(rows[row + 1], expected[i])
+    untouched = [k + 1 for k in range(4) if k not in streamed.rows.tolist()]
+    assert (rows[untouched] == 7.0).all()
+    streamer.stage(2, None, None)  # nothing streamed: the map cleared
+    assert streamer.stage_map.tolist() == [-1, -1, -1, 0, 0, 0]
+    before = rows.clone()
+    streamer.staged_rows(x, rows)
+    assert torch.equal(rows, before)
+
+
+def test_a_stage_map_refuses_rows_that_are_not_one_per_expert_or_the_scratch_row(store):
+    streamer = StreamedMisses(store, torch.device("cpu"), 2)
+    streamed, _ = streamer.split(Routed.of(np.array([[1, 2, 3, 4]]), np.ones((1, 4), bool)))
+    for rows in (np.array([1]), np.array([0, 2]), None):
+        with pytest.raises(ValueError, match="one row >= 1 per streamed expert"):
+            streamer.stage(0, streamed, rows)
+    assert streamer.stage_map.tolist() == [-1, -1, 0, 0]  # left as it was

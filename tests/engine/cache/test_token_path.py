@@ -15,7 +15,6 @@ from strata._residency import ResidencyTable
 from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.cached_experts import CachedExperts
-from strata.engine.experts import weighted_sum
 from strata.engine.memory import device_backend
 from strata.engine.model.layers import route
 from strata.policies import load_registry
@@ -93,6 +92,7 @@ CASES = [
     ("bf16", 0.5, "sieve", 1, False), ("fp32", 0.5, "sieve", 0, True),
     ("bf16", 0.5, "coldest-in-loan", 0, True), ("fp32", 0.0, "lru", 0, True),
     ("fp32", 1.0, "coldest-in-loan", 0, False),  # every expert resident: device-only calls
+    ("bf16", 1.0, "coldest-in-loan", 2, False),  # the same with a stage map (never used)
 ]
 
 
@@ -135,9 +135,9 @@ def test_a_call_split_around_the_graphs_gives_the_token_paths_bytes_on_cuda(
 def _split_call(cached, layer, x, topk_ids, topk_weights):
     """A call as the split piecewise graphs make it: the resident rows, the host's misses,
     the sum."""
-    rows = cached.resident_rows(layer, x, topk_ids)  # [K, D]
+    rows = cached.resident_rows(layer, x, topk_ids)  # [K + 1, D]
     cached.fill_misses(layer, x, topk_ids, topk_weights, rows)
-    return weighted_sum(rows, topk_weights, x.dtype)
+    return cached.sum_rows(x, rows, topk_weights)
 
 
 def _same_bytes(store, share, policy, stream, repeats, device, split=False):

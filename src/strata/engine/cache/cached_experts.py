@@ -23,8 +23,8 @@ Per layer call, on the engine's thread:
 6. the K rows of each token are weighted and summed in order in float32.
 A decode call takes these steps with less host work between them (`token_call`), the same bytes;
 a call that is not (a prompt pass, the loan's) takes them in `routed_call`. Piecewise CUDA
-graphs can split a decode call around themselves (`split_calls`, `graph_call`): step 3's hits
-and step 6 inside the graphs, the rest on the host.
+graphs split a decode call around themselves by default (`split_calls`, `graph_call`): step 3's
+hits and step 6 inside the graphs, the rest on the host.
 Steps 3 and 6 are `ResidentExperts`' own math and choice of path, so a cache that holds every
 expert gives byte-identical output.
 
@@ -129,9 +129,10 @@ class CachedExperts:
         # Decode calls go through `token_forward`; False sends them through `routed_forward`,
         # which gives the same bytes (the tests compare the two).
         self._token_path = True
-        # Piecewise graphs split decode calls (`splits_calls`) when True: the same bytes; off
-        # by default until measured on the GPU (bench/offload.py --split-calls).
-        self.split_calls = False
+        # Piecewise graphs split decode calls (`splits_calls`) when True: the same bytes, and
+        # 1.07-1.20x faster rounds on the H200 (bench/results/offload-split-h200-2026-12-02.md);
+        # False keeps them whole, the A/B's baseline (bench/offload.py --whole-calls).
+        self.split_calls = True
         self.heat = DeviceHeat(table, self.device)  # routing counted on the device-only path
         self._last_layer = -1  # the layer of the open pass's latest call; -1: no pass is open
         self._loaned = False
@@ -272,15 +273,22 @@ class CachedExperts:
 
     def resident_rows(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor
                       ) -> torch.Tensor:
-        """[K, D]: the rows of the resident experts of a one-token call, read through the
-        mirror, the others unwritten; no host work (`graph_call.resident_rows`)."""
+        """[K + 1, D]: the rows of the resident experts of a one-token call (row k + 1 the
+        k-th expert's; row 0 scratch), read through the mirror, the others unwritten; no host
+        work (`graph_call.resident_rows`)."""
         return graph_call.resident_rows(self, layer, x, topk_ids)
+
+    def sum_rows(self, x: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor
+                 ) -> torch.Tensor:
+        """[1, D]: the staged misses' rows written into rows [K + 1, D], then the K rows'
+        weighted sum; no host work (`graph_call.sum_rows`)."""
+        return graph_call.sum_rows(self, x, rows, topk_weights)
 
     def fill_misses(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, rows: torch.Tensor) -> None:
-        """The rest of a one-token decode call after `resident_rows` filled rows [K, D]: the
-        misses' rows written into them, the books, policy and stats as `forward` tells them;
-        the caller sums the rows (`weighted_sum`) as `forward` would."""
+        """The rest of a one-token decode call after `resident_rows` filled rows [K + 1, D]:
+        the CPU's misses' rows written into them, the streamed ones staged, the books, policy
+        and stats as `forward` tells them; `sum_rows` then gives what `forward` would."""
         entered = time.perf_counter()
         if not 0 <= layer < self.n_layers:
             raise IndexError(f"layer {layer} is out of range [0, {self.n_layers})")
@@ -290,6 +298,8 @@ class CachedExperts:
         if self.device_only:  # as `forward`: every row a hit, the routing counted on the device
             self.heat.count(layer, topk_ids)
             self._count_all_hits(stats, topk_ids.shape[1])
+            if self.streamer is not None:
+                self.streamer.stage(layer, None, None)  # nothing of an earlier call computed
         else:
             self.flush_heat()
             graph_call.fill_misses(self, layer, x, topk_ids, rows, stats)

@@ -12,12 +12,15 @@ layer (bench/results/layer-call-cpu-2026-12-01.md). Split, a call has three part
 
 1. `resident_rows`, captured at the end of layer l's graph: each of the K rows computed from
    the slot the mirror names; a row whose expert is not resident is left unwritten (the
-   experts' Triton kernels read nothing for a negative slot);
+   experts' Triton kernels read nothing for a negative slot). The rows are [K + 1, D]: row
+   k + 1 is the token's k-th expert's, row 0 a scratch row (see 3);
 2. `fill_misses`, on the host between the graphs: `token_forward`'s steps without the hits.
-   These are the books' split, the policy's `observe`, the misses computed (the streamed
-   ones on the device, the rest on the CPU) and written over their rows, the stats and the
-   admissions;
-3. the weighted sum over the K rows in order, captured at the start of layer l+1's graph.
+   These are the books' split, the policy's `observe`, the misses (the CPU's computed and
+   written over their rows; the streamed ones' blobs uploaded and the stage map set, with no
+   kernel launched: `StreamedMisses.stage`), the stats and the admissions;
+3. `sum_rows`, captured at the start of layer l+1's graph: the staged experts computed over
+   all the staging blobs, an unused blob reading nothing and its row going to the scratch
+   row (`StreamedMisses.staged_rows`), then the weighted sum over the K rows in order.
 
 The rows are the ones `token_forward` computes, from the same kernels, and the sum reads them
 in the same order. So a split call gives `token_forward`'s bytes, and its books and stats
@@ -32,28 +35,29 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from strata.engine.cache.stats import PhaseStats
-from strata.engine.cache.token_call import cpu_rows, device_time, split_call, streamed_rows
-from strata.engine.experts import grouped
+from strata.engine.cache.token_call import count_streamed, cpu_rows, device_time, split_call
+from strata.engine.experts import grouped, weighted_sum
 
-__all__ = ["fill_misses", "resident_rows"]
+__all__ = ["fill_misses", "resident_rows", "sum_rows"]
 
 
 def resident_rows(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor
                   ) -> torch.Tensor:
-    """[K, D]: row k the expert topk_ids[0, k] of `layer` over the one token x [1, D] where the
-    device mirror says it is resident, unwritten where it is not. Reads nothing on the host,
-    so a CUDA graph can hold it. `cache` is a `CachedExperts` (not imported: it imports this)."""
+    """[K + 1, D]: row k + 1 the expert topk_ids[0, k] of `layer` over the one token x [1, D]
+    where the device mirror says it is resident, unwritten where it is not; row 0 a scratch
+    row. Reads nothing on the host, so a CUDA graph can hold it. `cache` is a `CachedExperts`
+    (not imported: it imports this)."""
     top_k = topk_ids.shape[1]
     slots = cache.mirror[layer].index_select(0, topk_ids.reshape(-1))  # [K] int32, -1: missing
+    slots = torch.cat((slots.new_full((1,), -1), slots))  # [K + 1]: the scratch row reads nothing
     if not grouped.copies_weights(cache.device):  # the Triton kernels: a -1 row reads nothing
-        return cache.arena.expert_rows(slots, x.expand(top_k, -1))  # [K, D]
+        return cache.arena.expert_rows(slots, x.expand(top_k + 1, -1))  # [K + 1, D]
     # The torch path (the host twin) gathers weights by slot: only the resident rows, picked
     # on the host (not capturable; `CachedExperts.splits_calls` is false there).
-    rows = x.new_zeros((top_k, x.shape[1]))  # [K, D]
+    rows = x.new_zeros((top_k + 1, x.shape[1]))  # [K + 1, D]
     resident = torch.nonzero(slots >= 0).reshape(-1)  # [n]
     if resident.numel():
         rows[resident] = cache.arena.expert_rows(slots[resident],
@@ -64,24 +68,34 @@ def resident_rows(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tenso
 def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 rows: torch.Tensor, stats: PhaseStats) -> None:
     """The host's part of `cache`'s call for one token x [1, D] routed to topk_ids [1, K]
-    outside a loaned pass, after `resident_rows` filled rows [K, D]: the misses' rows written
-    into `rows`, the books, the policy and `stats` told as `token_forward` tells them."""
+    outside a loaned pass, after `resident_rows` filled rows [K + 1, D]: the CPU's misses'
+    rows written into `rows`, the streamed ones staged for `sum_rows`, the books, the policy
+    and `stats` told as `token_forward` tells them."""
     top_k = topk_ids.shape[1]
     call = split_call(cache, layer, x, topk_ids, stats)
-    if not call.n_missed:
-        return
-    missed = [part for part in (call.streamed, call.misses) if part is not None]
-    # The rows (k) each part's outputs go to, streamed first: one upload, into the part of the
-    # buffer `split_token` used for the hits' slots and the order, which are not needed here.
-    targets = np.concatenate([part.rows for part in missed])
-    call.split[:targets.size] = targets
-    parts = []  # [R_i, D] each: the streamed misses', the CPU's rows
-    with device_time(stats):
-        positions = cache.host_rows.indices_to_device(call.buffer[:targets.size])  # [R]
-        if call.streamed is not None:
-            parts.append(streamed_rows(cache, layer, x, call.streamed, stats))
+    if call.streamed is not None:
+        with device_time(stats):
+            cache.streamer.stage(layer, call.streamed, call.streamed.rows + 1)
+        count_streamed(cache, call.streamed, stats)
+    elif cache.streamer is not None:
+        cache.streamer.stage(layer, None, None)  # a map left from an earlier call: cleared
     if call.misses is not None:
-        parts.append(cpu_rows(cache, layer, call.x_host, call.misses, stats))
-    rows.index_copy_(0, positions, parts[0] if len(parts) == 1 else torch.cat(parts))
-    if cache.checked.admits:
+        # The CPU's rows (k) + 1, uploaded into the part of the buffer `split_token` used for
+        # the hits' slots and the order, which are not needed here.
+        targets = call.misses.rows + 1
+        call.split[:targets.size] = targets
+        with device_time(stats):
+            positions = cache.host_rows.indices_to_device(call.buffer[:targets.size])  # [R]
+        rows.index_copy_(0, positions, cpu_rows(cache, layer, call.x_host, call.misses, stats))
+    if cache.checked.admits and call.n_missed:
         cache.admit_misses(layer, call.missed_experts(top_k))
+
+
+def sum_rows(cache: Any, x: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor
+             ) -> torch.Tensor:
+    """[1, D] in x's dtype: the staged experts' rows written into rows [K + 1, D] (none when
+    nothing is staged), then the weighted sum of rows 1..K by topk_weights [1, K]. Reads
+    nothing on the host on CUDA, so a CUDA graph can hold it."""
+    if cache.streamer is not None:
+        cache.streamer.staged_rows(x, rows)
+    return weighted_sum(rows[1:], topk_weights, x.dtype)

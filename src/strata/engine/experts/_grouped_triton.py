@@ -51,13 +51,10 @@ def store_act(gate_sum, up_sum, act_ptr, r, act_stride, f, f_in):
 
 
 @triton.jit
-def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_stride,
-         y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
-    # Program (r, b): y[r, b*BLOCK_D : (b+1)*BLOCK_D] of the expert index[r].
-    r = tl.program_id(0)
-    slot = tl.load(index_ptr + r).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, nothing stored
+def _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, act_stride,
+                BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    # [BD] float32: rows d of the expert in `slot` times row r of act, summed over F in a
+    # fixed order (nothing read where d_in is false).
     expert = w_ptr + tl.maximum(slot, 0) * slot_stride
     tile = tl.zeros([BLOCK_D, BLOCK_F], dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
@@ -67,5 +64,43 @@ def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_st
         w = tl.load(expert + d[:, None] * row_stride + f[None, :],
                     mask=d_in[:, None] & f_in[None, :], other=0.0)
         tile += w.to(tl.float32) * act[None, :]
-    tl.store(y_ptr + r * y_stride + d, tl.sum(tile, axis=1).to(y_ptr.dtype.element_ty),
-             mask=d_in)
+    return tl.sum(tile, axis=1)
+
+
+@triton.jit
+def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_stride,
+         y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    # Program (r, b): y[r, b*BLOCK_D : (b+1)*BLOCK_D] of the expert index[r].
+    r = tl.program_id(0)
+    slot = tl.load(index_ptr + r).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
+    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, nothing stored
+    y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, act_stride,
+                    BLOCK_D, BLOCK_F)
+    tl.store(y_ptr + r * y_stride + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
+
+
+@triton.jit
+def down_sum(w_ptr, index_ptr, act_ptr, y_ptr, weights_ptr, out_ptr, arrived_ptr, slot_stride,
+             row_stride, D, F, act_stride, y_stride, R, BLOCK_D: tl.constexpr,
+             BLOCK_F: tl.constexpr):
+    # One token's R = K rows. Program (r, b): `down`'s y[r, block b], rounded and stored as
+    # `down` stores it; then counted in arrived[b]. The last of block b's R programs to arrive
+    # (acquiring the others' rows) sums weights[k] * y[k, block b] over k = 0..R-1 in order in
+    # float32, as `combine` does, into out[block b] (the same bytes as `down` then `combine`,
+    # whichever program is last), and sets arrived[b] back to 0 for the next launch.
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    slot = tl.load(index_ptr + r).to(tl.int64)
+    d = b * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
+    d_in = d < D
+    y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, act_stride,
+                    BLOCK_D, BLOCK_F)
+    tl.store(y_ptr + r * y_stride + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
+    if tl.atomic_add(arrived_ptr + b, 1, sem="acq_rel") == R - 1:
+        total = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for k in range(0, R):
+            values = tl.load(y_ptr + k * y_stride + d, mask=d_in, other=0.0, volatile=True)
+            total += values.to(tl.float32) * tl.load(weights_ptr + k)
+        tl.store(out_ptr + d, total.to(out_ptr.dtype.element_ty), mask=d_in)
+        tl.store(arrived_ptr + b, 0)

@@ -14,6 +14,9 @@ Two implementations, one chosen by where the tensors are, never by routed data:
   `_down` y = down·act for a block of D rows. Each output element is one program's fp32 sum
   in a fixed order, so results are deterministic. Every expert's weights are read once, the
   least any version can move: K blobs a layer (96 MiB for `olmoe-1b-7b`).
+  `expert_sum_triton` adds the weighted sum of one token's rows to `_down`: the last program
+  of each block of D to finish (counted with an atomic) sums the block's K rows in order, as
+  `strata.engine.experts.combine` would, so it gives the same bytes with one kernel less.
 - elsewhere (the CPU, or no Triton): `index_select` the R experts' weights (a copy, counted in
   the workspace: `copies_weights`) and two batched matmuls.
 Under `torch.compile` (`strata.engine.runtime.compile`) the same kernels run as one custom
@@ -33,7 +36,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["copies_weights", "expert_rows", "expert_rows_gathered", "expert_rows_triton"]
+__all__ = ["copies_weights", "expert_rows", "expert_rows_gathered", "expert_rows_triton",
+           "expert_sum_triton", "sum_arrivals"]
 
 # Rows of one expert each program reduces, the width of a step along the reduced axis, and
 # the warps of a gate_up and of a down program. Measured on the H200 at the olmoe-1b-7b and
@@ -126,6 +130,19 @@ def expert_rows_triton(
     (gate_up_f, gate_up_d), (down_d, down_f) = gate_up_blocks, down_blocks
     if kernels is None:
         raise RuntimeError("expert_rows_triton needs Triton (pip install triton)")
+    d, f = x_rows.shape[1], down.shape[2]
+    act, y = _gate_up_act(kernels, gate_up, down, index, x_rows, gate_up_f, gate_up_d,
+                          num_warps[0], launch)
+    if x_rows.shape[0]:
+        launch(kernels.down)[(x_rows.shape[0], -(-d // down_d))](
+            down, index, act, y, down.stride(0), down.stride(1), d, f, act.stride(0),
+            y.stride(0), BLOCK_D=down_d, BLOCK_F=down_f, num_warps=num_warps[1])
+    return y
+
+
+def _gate_up_act(kernels, gate_up, down, index, x_rows, block_f, block_d, num_warps, launch):
+    """(act [R, F], y [R, D] unwritten): `gate_up_act`'s kernel launched over x_rows [R, D];
+    ValueError for weights that are not [S, 2F, D] and [S, D, F] with contiguous rows."""
     n_rows, d = x_rows.shape
     f = down.shape[2]
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
@@ -137,13 +154,48 @@ def expert_rows_triton(
         x_rows = x_rows.contiguous()
     act = x_rows.new_empty((n_rows, f))  # [R, F]
     y = x_rows.new_empty((n_rows, d))  # [R, D]
-    if n_rows == 0:
-        return y
-    launch(kernels.gate_up_act)[(n_rows, -(-f // gate_up_f))](
-        gate_up, index, x_rows, act, gate_up.stride(0), gate_up.stride(1), d, f,
-        x_rows.stride(0), act.stride(0), BLOCK_F=gate_up_f, BLOCK_D=gate_up_d,
-        num_warps=num_warps[0])
-    launch(kernels.down)[(n_rows, -(-d // down_d))](
-        down, index, act, y, down.stride(0), down.stride(1), d, f, act.stride(0), y.stride(0),
-        BLOCK_D=down_d, BLOCK_F=down_f, num_warps=num_warps[1])
-    return y
+    if n_rows:
+        launch(kernels.gate_up_act)[(n_rows, -(-f // block_f))](
+            gate_up, index, x_rows, act, gate_up.stride(0), gate_up.stride(1), d, f,
+            x_rows.stride(0), act.stride(0), BLOCK_F=block_f, BLOCK_D=block_d,
+            num_warps=num_warps)
+    return act, y
+
+
+def sum_arrivals(hidden_size: int, device: torch.device) -> torch.Tensor:
+    """The counter `expert_sum_triton` needs for rows of `hidden_size`: int32 zeros, one per
+    block of DOWN_BLOCK_D; each launch leaves it zero. Its owner makes it outside any CUDA
+    graph's capture and uses it on one stream."""
+    return torch.zeros(-(-hidden_size // DOWN_BLOCK_D), dtype=torch.int32, device=device)
+
+
+def expert_sum_triton(gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor,
+                      x_rows: torch.Tensor, weights: torch.Tensor,
+                      arrived: torch.Tensor) -> torch.Tensor:
+    """[1, D]: `weighted_sum(expert_rows_triton(gate_up, down, index, x_rows), weights)` for
+    one token's R rows (x_rows [R, D], weights [1, R] float32), with the sum made by the last
+    `down` program of each block of D (`_grouped_triton.down_sum`): one kernel less, the same
+    bytes. `arrived`: a `sum_arrivals` counter for D."""
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("expert_sum_triton needs Triton (pip install triton)")
+    n_rows, d = x_rows.shape
+    f = down.shape[2]
+    if weights.shape != (1, n_rows) or weights.dtype != torch.float32 or \
+            not weights.is_contiguous():
+        raise ValueError(f"weights must be float32 [1, {n_rows}] contiguous, got "
+                         f"{weights.dtype} {list(weights.shape)}")
+    if arrived.numel() < -(-d // DOWN_BLOCK_D):
+        raise ValueError(f"arrived holds {arrived.numel()} blocks, D = {d} needs "
+                         f"{-(-d // DOWN_BLOCK_D)} (sum_arrivals)")
+    act, y = _gate_up_act(kernels, gate_up, down, index, x_rows, GATE_UP_BLOCK_F,
+                          GATE_UP_BLOCK_D, NUM_WARPS[0], lambda kernel: kernel)
+    out = x_rows.new_empty((1, d))  # [1, D]
+    if n_rows:
+        kernels.down_sum[(n_rows, -(-d // DOWN_BLOCK_D))](
+            down, index, act, y, weights, out, arrived, down.stride(0), down.stride(1), d, f,
+            act.stride(0), y.stride(0), n_rows, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F,
+            num_warps=NUM_WARPS[1])
+    else:
+        out.zero_()
+    return out

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.engine.experts import sorted_grouped
+from strata.engine.experts import grouped, sorted_grouped
 from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.combine import weighted_sum
 from strata.engine.experts.store import ExpertStore
@@ -50,7 +50,8 @@ class ResidentExperts:
     Two paths, chosen by T alone (never by routed data, so capture-safe for decode):
     - T == 1 (decode, what a CUDA graph captures): the K routed experts by
       `strata.engine.experts.grouped.expert_rows`, from the stacked weights by the routed ids;
-      no host sync, static shapes. On CUDA with Triton its kernels read the weights in place;
+      no host sync, static shapes. On CUDA with Triton its kernels read the weights in place
+      (unquantized, the weighted sum inside the last of them: `grouped.expert_sum_triton`);
       elsewhere it gathers the K blobs (`index_select`) for two batched matmuls, the most
       workspace this path takes (`strata.engine.cache.budget.workspace_bytes`).
     - otherwise (a prompt chunk, however short): where `sorted_grouped.available` (bf16 on a
@@ -87,6 +88,12 @@ class ResidentExperts:
             else:
                 blobs = blobs.to(device=self.device)
             self._stacks.append(BlobStack(blobs, self.dtype, self.quant, f, d))
+        # A decode call's K rows summed inside the last `down` programs (one kernel less, the
+        # same bytes: `grouped.expert_sum_triton`), where the Triton kernels run unquantized
+        # experts; this is its counter (one stream, so one for every layer).
+        self._sum_arrivals = (grouped.sum_arrivals(d, self.device)
+                              if self.quant is None and not grouped.copies_weights(self.device)
+                              else None)
 
     def gate_up(self, layer: int) -> torch.Tensor:
         """[E, 2F, D]: every expert's gate rows then up rows, a view into the layer's blobs
@@ -109,6 +116,11 @@ class ResidentExperts:
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         if topk_ids.shape[0] == 1:
+            if self._sum_arrivals is not None and not torch.compiler.is_compiling():
+                return grouped.expert_sum_triton(
+                    self.gate_up(layer), self.down(layer), topk_ids.reshape(-1),
+                    x.expand(topk_ids.shape[1], -1), topk_weights.float().contiguous(),
+                    self._sum_arrivals)  # [1, D]
             out = self._gathered(layer, x, topk_ids)
         elif self.prompt_capturable:
             return sorted_grouped.sorted_grouped_sum(

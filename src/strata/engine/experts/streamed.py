@@ -16,12 +16,18 @@ machine (`strata.engine.cache.rates`), so that both sides finish a layer togethe
 The device and the CPU round differently, so the table is part of what the output bytes depend
 on: it never depends on timings taken during a run. A call's copies are queued after the
 previous call's reads of the buffer (one stream), so the buffer is reused safely without a sync.
+
+A call split around piecewise CUDA graphs (`strata.engine.cache.graph_call`) takes the two
+halves apart: the host queues the copies and writes the stage map (`stage`), and the next
+graph computes the staged experts over all N blobs, an unused one reading nothing, and puts
+their rows where the map says (`staged_rows`). So the host launches no kernel for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from strata.engine.experts import ExpertStore
@@ -106,6 +112,13 @@ class StreamedMisses:
         self._stack = BlobStack(self._staging, store.dtype, store.quant, store.expert_width,
                                 store.hidden_size)
         self._index = torch.arange(n_blobs, device=device)  # [N]: staging slot of each
+        # The stage map `staged_rows` reads (a graph holds its address): [N] the blob of each
+        # entry (-1: unused, its row reads nothing), then [N] the row of the rows it is
+        # written to (0 for an unused entry: the rows' scratch row).
+        self.stage_map = torch.cat((torch.full((n_blobs,), -1, dtype=torch.int64),
+                                    torch.zeros(n_blobs, dtype=torch.int64))).to(device)
+        self._map_names_blobs = False  # whether the device's map has any used entry
+        self._pin = torch.device(device).type == "cuda"
 
     @property
     def nbytes(self) -> int:
@@ -129,9 +142,51 @@ class StreamedMisses:
         if streamed.n_rows != n or x.shape[0] != 1:
             raise ValueError(f"streamed misses are for one token: {n} experts, "
                              f"{streamed.n_rows} rows, {x.shape[0]} tokens")
+        self._upload(layer, streamed)
+        return self._stack.expert_rows(self._index[:n], x.expand(n, -1))
+
+    def _upload(self, layer: int, streamed: Routed) -> None:
+        """The streamed experts' blobs copied into staging blobs 0..n-1, in stream order."""
+        n = streamed.n_experts
         if n > self.n_blobs:
             raise ValueError(f"{n} streamed experts do not fit {self.n_blobs} staging blobs")
         blobs = self.store.layer_blobs(layer)  # [E, blob]
         for i, expert in enumerate(streamed.experts.tolist()):
             self._staging[i].copy_(blobs[expert], non_blocking=True)
-        return self._stack.expert_rows(self._index[:n], x.expand(n, -1))
+
+    def stage(self, layer: int, streamed: Routed | None, rows: np.ndarray | None) -> None:
+        """The host's half of a split call: the streamed experts' blobs uploaded, and the stage
+        map set so that `staged_rows` writes staged expert i's row to rows[rows[i]] (rows [n]
+        indices >= 1, row 0 being the scratch row); None: nothing streamed (the map cleared,
+        so a later graph computes nothing stale). One upload of the map, skipped when it is
+        already clear."""
+        if streamed is None:
+            if not self._map_names_blobs:
+                return
+            n = 0
+        else:
+            n = streamed.n_experts
+            if streamed.n_rows != n or rows is None or rows.shape != (n,) or (n and rows.min() < 1):
+                raise ValueError(f"a stage map is one row >= 1 per streamed expert: {n} "
+                                 f"experts, {streamed.n_rows} rows, rows {rows}")
+            self._upload(layer, streamed)
+        entries = torch.empty(2 * self.n_blobs, dtype=torch.int64, pin_memory=self._pin)
+        view = entries.numpy()
+        view[:] = 0
+        view[:self.n_blobs] = -1
+        if n:
+            view[:n] = np.arange(n)
+            view[self.n_blobs:self.n_blobs + n] = rows
+        self.stage_map.copy_(entries, non_blocking=True)
+        self._map_names_blobs = n > 0
+
+    def staged_rows(self, x: torch.Tensor, rows: torch.Tensor) -> None:
+        """The graph's half of a split call: the staged experts over the one token x [1, D],
+        each row written to rows [K + 1, D] where the stage map says (unused entries to the
+        scratch row 0). No host read on CUDA; the host twin picks the used entries."""
+        blobs, targets = self.stage_map[:self.n_blobs], self.stage_map[self.n_blobs:]  # [N]
+        if not x.is_cuda:  # the torch path gathers by blob index: only the used ones
+            used = torch.nonzero(blobs >= 0).reshape(-1)
+            blobs, targets = blobs[used], targets[used]
+        staged = self._stack.expert_rows(blobs, x.expand(blobs.numel(), -1))  # [N, D]
+        rows.index_copy_(0, targets, staged.to(rows.dtype))

@@ -98,17 +98,10 @@ def qk_norm_rope(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, positions_ptr, 
 
 
 @triton.jit
-def route(logits_ptr, ids_ptr, weights_ptr, E, K, logits_stride,
-          NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Program t: softmax over token t's E logits in float32, then its K largest in order
-    # (equal values: the lower id first), renormalized to sum to 1 when NORMALIZE.
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    e_in = e < E
-    logits = tl.load(logits_ptr + t * logits_stride + e, mask=e_in,
-                     other=float("-inf")).to(tl.float32)
-    shifted = tl.exp(logits - tl.max(logits, axis=0))
-    probs = shifted / tl.sum(shifted, axis=0)  # [BE]
+def _top_k(probs, e, e_in, ids_ptr, weights_ptr, t, K, NORMALIZE: tl.constexpr,
+           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Token t's K largest of probs [BE] in order (equal values: the lower id first), stored as
+    # ids [T, K] and weights [T, K], renormalized to sum to 1 when NORMALIZE.
     probs = tl.where(e_in, probs, -1.0)  # below every probability: never chosen
     slot = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], dtype=tl.int64)
@@ -123,3 +116,58 @@ def route(logits_ptr, ids_ptr, weights_ptr, E, K, logits_stride,
         weights = weights / tl.sum(weights, axis=0)
     tl.store(ids_ptr + t * K + slot, ids, mask=slot < K)
     tl.store(weights_ptr + t * K + slot, weights, mask=slot < K)
+
+
+@triton.jit
+def _softmax(logits):
+    # Softmax of float32 logits [BE] (-inf where masked) in float32.
+    shifted = tl.exp(logits - tl.max(logits, axis=0))
+    return shifted / tl.sum(shifted, axis=0)
+
+
+@triton.jit
+def route(logits_ptr, ids_ptr, weights_ptr, E, K, logits_stride,
+          NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program t: softmax over token t's E logits in float32, then its top K (`_top_k`).
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    e_in = e < E
+    logits = tl.load(logits_ptr + t * logits_stride + e, mask=e_in,
+                     other=float("-inf")).to(tl.float32)
+    _top_k(_softmax(logits), e, e_in, ids_ptr, weights_ptr, t, K, NORMALIZE, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def router_route(x_ptr, w_ptr, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D, E, K,
+                 x_stride, w_stride, BLOCKS_PER_SPLIT, NORMALIZE: tl.constexpr,
+                 SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    # Program (t, s): the router's product over split s of D for token t, every expert at
+    # once: partial [T, SPLITS, BE] in float32. Each program then counts itself in
+    # arrived[t]; the last to arrive (acquiring the others' partials) sums the SPLITS partials
+    # in split order (the same order whichever program is last: the same bytes), rounds the
+    # logits to x's dtype where `F.linear` rounds them, routes them as `route` does, and sets
+    # arrived[t] back to 0 for the next launch.
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    e = tl.arange(0, BLOCK_E)
+    e_in = e < E
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for b in range(0, BLOCKS_PER_SPLIT):
+        col = (split * BLOCKS_PER_SPLIT + b) * BLOCK_D + d  # [BD]
+        col_in = col < D
+        x = tl.load(x_ptr + t * x_stride + col, mask=col_in, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * w_stride + col[None, :],
+                    mask=e_in[:, None] & col_in[None, :], other=0.0)  # [BE, BD]
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    tl.store(partial_ptr + (t * SPLITS + split) * BLOCK_E + e, acc)
+    if tl.atomic_add(arrived_ptr + t, 1, sem="acq_rel") == SPLITS - 1:
+        s = tl.arange(0, SPLITS)
+        parts = tl.load(partial_ptr + (t * SPLITS + s[:, None]) * BLOCK_E + e[None, :],
+                        volatile=True)  # [SPLITS, BE]
+        logits = tl.sum(parts, axis=0).to(x_ptr.dtype.element_ty).to(tl.float32)
+        logits = tl.where(e_in, logits, float("-inf"))
+        _top_k(_softmax(logits), e, e_in, ids_ptr, weights_ptr, t, K, NORMALIZE, BLOCK_E,
+               BLOCK_K)
+        tl.store(arrived_ptr + t, 0)

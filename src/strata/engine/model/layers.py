@@ -25,7 +25,14 @@ from torch.nn.attention.bias import causal_lower_right
 from strata.engine.experts import Experts
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.kv_cells import LayerCells
-from strata.engine.model.ops import QKHeads, add_rms_norm, rms_norm, rotate_and_write, route
+from strata.engine.model.ops import (
+    QKHeads,
+    add_rms_norm,
+    rms_norm,
+    rotate_and_write,
+    route,
+    router_route,
+)
 
 __all__ = ["ATTENTION_PIECE_TOKENS", "Attention", "AttentionSpan", "DecoderLayer", "MoE",
            "add_rms_norm", "attention_mask", "rms_norm", "rope_cos_sin", "rope_inv_freq", "route",
@@ -212,7 +219,7 @@ class MoE:
 
     def forward(self, x: torch.Tensor, experts: Experts) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
-        ids, weights = route(F.linear(x, self.router), self.top_k, self.normalize)  # [T, K]
+        ids, weights = router_route(x, self.router, self.top_k, self.normalize)  # [T, K]
         out = experts.forward(self.layer, x, ids, weights)  # [T, D]
         if self.shared_gate_up is not None:
             shared = swiglu(x, self.shared_gate_up, self.shared_down)  # [T, D]

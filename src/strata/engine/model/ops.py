@@ -11,7 +11,8 @@ Triton, as one kernel (`_ops_triton`) that rounds where the reference's ops roun
 - `add_rms_norm`: the residual's sum and the next norm, 3 kernels in one;
 - `rotate_and_write`: q's and k's norms, their weights, the rotation, and k's and v's writes
   to the K/V cells, up to 10 in one;
-- `route`: the softmax, the top k and the renormalization, 2-3 in one.
+- `route`: the softmax, the top k and the renormalization, 2-3 in one; `router_route` the
+  router's product before them too, for the few tokens of a decode step (`ROUTER_MAX_TOKENS`).
 
 Which runs is chosen by the tensors' device alone, never by their values, so a CUDA graph
 captures the kernels as an eager call runs them (the same bytes), and under `torch.compile`
@@ -29,11 +30,21 @@ import torch.nn.functional as F
 from strata.engine.model.kv_cells import LayerCells
 
 __all__ = ["QKHeads", "add_rms_norm", "apply_rope", "qk_norm_rope", "rms_norm",
-           "rotate_and_write", "route", "use_kernels"]
+           "rotate_and_write", "route", "router_route", "use_kernels"]
 
 NORMS = {"none": 0, "full": 1, "head": 2}  # `ModelConfig.qk_norm` -> the kernel's NORM
 # `add_rms_norm`'s kernel holds a row in one program: wider rows run the torch ops.
 MAX_KERNEL_WIDTH = 16384
+# `router_route`'s kernel takes calls of at most this many tokens (decode's, a prompt's last
+# few); larger ones run the router's product as a matrix product, then `route`'s kernel.
+ROUTER_MAX_TOKENS = 8
+# Its launch shape, from bench/router_route.py's sweep on the H200 (bench/results/
+# decode-ops-h200-2026-12-02.md): the product split over D into as many programs as there are
+# ROUTER_BLOCK_D-column blocks, up to ROUTER_SPLITS, so that a decode step's 64-512 KB of
+# router weight are read by many SMs at once; ROUTER_WARPS warps a program.
+ROUTER_SPLITS = 64
+ROUTER_BLOCK_D = 32
+ROUTER_WARPS = 4
 
 
 @functools.cache
@@ -242,4 +253,66 @@ def route_triton(
         _kernels().route[(n_tokens,)](
             logits, ids, weights, n_experts, top_k, logits.stride(0), NORMALIZE=normalize,
             BLOCK_E=_block(n_experts), BLOCK_K=_block(top_k), num_warps=1)
+    return ids, weights
+
+
+def router_route(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` of the router's logits x [T, D] @ router [E, D]^T (rounded to x's dtype):
+    ids [T, K] int64, weights [T, K] float32.
+
+    On CUDA, for up to ROUTER_MAX_TOKENS tokens, one kernel (the product split over D, the
+    last of its programs summing the parts in a fixed order and routing); else `F.linear` and
+    `route`.
+    """
+    if use_kernels(x) and x.shape[0] <= ROUTER_MAX_TOKENS:
+        return router_route_triton(x, router, top_k, normalize)
+    return route(F.linear(x, router), top_k, normalize)
+
+
+@functools.cache
+def _arrived(device: torch.device) -> torch.Tensor:
+    """The router kernel's count of arrived programs per token, on `device`: zeros between
+    launches (its last program sets them back). One per device, kept for the process: a CUDA
+    graph holds its address. Made by an eager call: a graph's capture would record its zeroing
+    without running it (the engine's warm-up runs every op before it captures)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("router_route's first call on a device must be eager, not inside "
+                           "a CUDA graph's capture: run the step once before capturing it")
+    return torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
+
+
+def router_route_triton(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, *,
+    splits: int | None = None, block_d: int | None = None, num_warps: int = ROUTER_WARPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`router_route` by its Triton kernel (under Triton's interpreter on the CPU in tests).
+    `splits` (at most; default ROUTER_SPLITS), `block_d` (the columns a program reads at a
+    time; default ROUTER_BLOCK_D) and `num_warps` are the kernel's launch shape, powers of
+    two, for bench/router_route.py's sweep."""
+    n_tokens, d = x.shape
+    n_experts = router.shape[0]
+    if x.stride(1) != 1 or router.stride(1) != 1:
+        raise ValueError("router_route_triton needs contiguous rows")
+    if n_tokens > ROUTER_MAX_TOKENS:
+        raise ValueError(f"router_route_triton takes at most {ROUTER_MAX_TOKENS} tokens, got "
+                         f"{n_tokens}")
+    ids = torch.empty((n_tokens, top_k), dtype=torch.int64, device=x.device)
+    weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=x.device)
+    if not n_tokens:
+        return ids, weights
+    block_e = _block(n_experts)
+    block_d = ROUTER_BLOCK_D if block_d is None else block_d  # a [BE, BD] tile of the weight
+    n_blocks = -(-d // block_d)
+    splits = ROUTER_SPLITS if splits is None else splits
+    if splits < 1 or splits & (splits - 1) or block_d < 1 or block_d & (block_d - 1):
+        raise ValueError(f"splits and block_d must be powers of two, got {splits}, {block_d}")
+    splits = min(splits, _block(n_blocks))
+    blocks_per_split = -(-n_blocks // splits)
+    partial = torch.empty((n_tokens, splits, block_e), dtype=torch.float32, device=x.device)
+    _kernels().router_route[(n_tokens, splits)](
+        x, router, partial, _arrived(x.device), ids, weights, d, n_experts, top_k, x.stride(0),
+        router.stride(0), blocks_per_split, NORMALIZE=normalize, SPLITS=splits, BLOCK_D=block_d,
+        BLOCK_E=block_e, BLOCK_K=_block(top_k), num_warps=num_warps)
     return ids, weights

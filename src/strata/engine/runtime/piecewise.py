@@ -20,10 +20,11 @@ the cell of the round's own position, which the round rewrites before reading it
 
 An expert cache whose `splits_calls` is true is cut differently: at each experts call the
 graph ends with the rows of the resident experts (`CachedExperts.resident_rows`: the slots are
-read from the device mirror, no host work), the host then writes only the misses' rows over
-them (`CachedExperts.fill_misses`), and the next graph begins with their weighted sum. The
-hits' kernels, their slots' upload and the sum are replayed with the graphs instead of
-launched from the host (`strata.engine.cache.graph_call`); the bytes are the same.
+read from the device mirror, no host work), the host then writes the CPU's misses' rows over
+them and stages the streamed ones (`CachedExperts.fill_misses`), and the next graph begins
+with the staged experts' rows and the weighted sum (`CachedExperts.sum_rows`). The hits' and
+the streamed misses' kernels, the slots' upload and the sum are replayed with the graphs
+instead of launched from the host (`strata.engine.cache.graph_call`); the bytes are the same.
 
 All graphs of all windows share one memory pool and are replayed in the order they were
 captured (within a round; windows only grow), as a shared pool requires.
@@ -37,8 +38,6 @@ from typing import Any
 
 import torch
 
-from strata.engine.experts import weighted_sum
-
 __all__ = ["Cut", "Pieces", "capture_pieces"]
 
 
@@ -46,8 +45,9 @@ __all__ = ["Cut", "Pieces", "capture_pieces"]
 class Pieces:
     """One window's graphs: `graphs` [L + 1]; `calls` [L] the experts calls' static inputs
     (layer, x [1, D], ids [1, K], weights [1, K]); `outputs` [L] what graph i+1 reads of call
-    i: its result [1, D], or with `split` its rows [K, D] (the resident experts' written by
-    graph i, the misses' by the host); `logits` [V] graph L's output. `replay` runs a round on
+    i: its result [1, D], or with `split` its rows [K + 1, D] (the resident experts' written by
+    graph i, the CPU's misses' by the host, the staged ones' by graph i+1); `logits` [V] graph
+    L's output. `replay` runs a round on
     `model`'s experts."""
 
     model: Any
@@ -84,9 +84,9 @@ class Cut:
     ) -> torch.Tensor:
         # Split: the resident experts' rows end this graph (a warm-up computes them too: the
         # mirror is read, the books are not told).
-        rows = self.inner.resident_rows(layer, x, topk_ids) if self.split else None  # [K, D]
+        rows = self.inner.resident_rows(layer, x, topk_ids) if self.split else None  # [K+1, D]
         if self.pieces is None:  # a warm-up: the experts are not told
-            return weighted_sum(rows, topk_weights, x.dtype) if self.split \
+            return self.inner.sum_rows(x, rows, topk_weights) if self.split \
                 else torch.zeros_like(x)
         self.pieces.graphs[-1].capture_end()
         self.pieces.calls.append((layer, x, topk_ids, topk_weights))
@@ -97,7 +97,7 @@ class Cut:
         graph = torch.cuda.CUDAGraph()
         self.pieces.graphs.append(graph)
         graph.capture_begin(pool=self.pool)
-        return weighted_sum(out, topk_weights, x.dtype) if self.split else out
+        return self.inner.sum_rows(x, out, topk_weights) if self.split else out
 
 
 def capture_pieces(
