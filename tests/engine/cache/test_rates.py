@@ -73,6 +73,27 @@ def test_a_tie_streams_fewer_and_fixed_costs_count():
     assert balanced_split((0.0, 1.0, 2.0), (0.0, 100.0, 200.0)) == (0, 1, 2)
 
 
+def test_a_joint_table_splits_by_the_fastest_call_over_the_sides_rates():
+    """Timed together, a call's fastest s wins, whatever the sides alone say (here they say
+    half; the calls say: stream everything but one miss, never one alone); a tie streams
+    fewer."""
+    alone = ([float(k) for k in range(5)], [float(k) for k in range(5)])
+    joint = ((0.0,), (1.0, 1.0), (2.0, 1.5, 1.8), (3.0, 2.5, 2.0, 2.2), (4.0, 3.5, 3.0, 2.6, 2.9))
+    rates = MissRates(*map(tuple, alone), 1000, joint_s=joint)
+    assert rates.split().counts == (0, 0, 1, 2, 3)
+    assert _rates(*alone).split().counts == balanced_split(*map(tuple, alone))
+    entry = rates.as_entry()
+    assert entry["joint_s"] == [list(row) for row in joint]
+    assert MissRates.from_entry(entry, "here").joint_s == joint
+    assert MissRates.from_entry({k: v for k, v in entry.items() if k != "joint_s"},
+                                "an earlier strata's").joint_s == ()
+    assert "both sides timed together" in rates.note(rates.split(), 4)
+    for bad in (((0.0,), (1.0,)), ((1.0,), (1.0, 1.0), (2.0, 1.5, 1.8)),
+                ((0.0,), (1.0, math.nan), (2.0, 1.5, 1.8)), ((0.0,), (1.0, 1.0))):
+        with pytest.raises(ValueError, match="joint_s must be"):
+            MissRates((0.0, 1.0, 2.0), (0.0, 1.0, 2.0), 1000, joint_s=bad)
+
+
 def test_the_split_table_checks_itself():
     assert StreamSplit.fixed(2, 4).counts == (0, 1, 2, 2, 2)
     assert StreamSplit.fixed(0, 2).n_blobs == 0
@@ -133,10 +154,15 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path):
     for table in (first.stream_s, first.cpu_s):
         assert table[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(table))
         assert table[-1] > 0
+    # Each M's calls timed for s = 0..M streamed; the split is their fastest.
+    assert [len(row) for row in first.joint_s] == list(range(1, config.top_k + 2))
+    assert all(t > 0 for row in first.joint_s[1:] for t in row)
+    assert first.split().counts == tuple(row.index(min(row)) for row in first.joint_s)
     again = kept_rates(key, measure, path)
     assert calls == [1]  # read, not measured again
     assert again.source.startswith(f"read from {path} (measured ")
-    assert (again.stream_s, again.cpu_s) == (first.stream_s, first.cpu_s)
+    assert (again.stream_s, again.cpu_s, again.joint_s) == (first.stream_s, first.cpu_s,
+                                                            first.joint_s)
     assert again.split().counts == first.split().counts
     document = json.loads(path.read_text())
     assert document["format"] == FORMAT and list(document["entries"]) == [key.text()]

@@ -15,6 +15,16 @@ streamed copies in stream order, is left out: on the GPU it is a few tens of mic
 against the copies' fraction of a millisecond an expert. So is the two sides' contention for
 the host's memory while both read it.
 
+Measured alone, the two sides mislead: on the H200 the split they gave was 1.2x slower in
+whole rounds than a fixed one (bench/results/offload-split-h200-2026-12-02.md), because in a
+call both sides read the host's memory at once and each carries costs of its own per call (the
+CPU's threads, the device's launches), which sharing the misses pays twice. So `joint_s` is
+also measured: `joint_s[M][s]`, the wall time of a call of M misses with s streamed, both
+sides run as a call runs them (the device's share queued first, the CPU's computed meanwhile,
+then the wait for the device). The split takes each M's fastest s from it, where it is there
+(`MissRates.split`); a table kept without it (measured by an earlier strata) splits by the
+two sides' times.
+
 The times depend on the machine and the configuration (`RatesKey`: the GPU's name, the CPU's
 model, the CPU experts' threads, the dtype and the expert's shape), not on the weights, and the
 split made from them is part of what the output bytes depend on: they are measured once and
@@ -124,6 +134,9 @@ class MissRates:
     blob_bytes: int
     measured: str = ""
     source: str = ""
+    # joint_s[M][s] for M = 0..K, s = 0..M: a call's wall time with M misses, s streamed (the
+    # module); () where not measured.
+    joint_s: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("stream_s", "cpu_s"):
@@ -136,6 +149,15 @@ class MissRates:
         if len(self.stream_s) != len(self.cpu_s):
             raise ValueError(f"stream_s and cpu_s must both be [K + 1], got "
                              f"{len(self.stream_s)} and {len(self.cpu_s)}")
+        joint = tuple(tuple(row) for row in self.joint_s)
+        object.__setattr__(self, "joint_s", joint)
+        if joint and (len(joint) != len(self.cpu_s) or joint[0] != (0.0,) or any(
+                len(row) != m + 1 or not all(isinstance(t, float) and math.isfinite(t)
+                                             and t >= 0 for t in row)
+                for m, row in enumerate(joint))):
+            raise ValueError(f"joint_s must be [[0.0], [t10, t11], ..., [tK0, ..., tKK]] of "
+                             f"finite seconds >= 0 (row M: s = 0..M), got "
+                             f"{[list(row) for row in joint]}")
         if isinstance(self.blob_bytes, bool) or not isinstance(self.blob_bytes, int) \
                 or self.blob_bytes < 1:
             raise ValueError(f"blob_bytes must be an int >= 1, got {self.blob_bytes!r}")
@@ -159,17 +181,26 @@ class MissRates:
         return self._rate(self.cpu_s)
 
     def split(self) -> StreamSplit:
-        """The split that makes both sides finish together (`balanced_split`)."""
-        return StreamSplit(balanced_split(self.stream_s, self.cpu_s),
-                           f"--stream-misses auto ({self.source})")
+        """For each M the s of the fastest call in `joint_s` (the smaller s on a tie: fewer
+        uploads); without it, the split that makes the two sides finish together
+        (`balanced_split`)."""
+        if self.joint_s:
+            counts = tuple(min(range(len(row)), key=lambda s, row=row: (row[s], s))
+                           for row in self.joint_s)
+        else:
+            counts = balanced_split(self.stream_s, self.cpu_s)
+        return StreamSplit(counts, f"--stream-misses auto ({self.source})")
 
     def as_entry(self) -> dict:
         """The file's entry (JSON floats round-trip exactly, so a run that measured splits as
         every later run that reads them)."""
-        return {"stream_s": list(self.stream_s), "cpu_s": list(self.cpu_s),
-                "blob_bytes": self.blob_bytes, "measured": self.measured,
-                "stream_gb_s": self.stream_bytes_per_s / 1e9,
-                "cpu_gb_s": self.cpu_bytes_per_s / 1e9}
+        entry = {"stream_s": list(self.stream_s), "cpu_s": list(self.cpu_s),
+                 "blob_bytes": self.blob_bytes, "measured": self.measured,
+                 "stream_gb_s": self.stream_bytes_per_s / 1e9,
+                 "cpu_gb_s": self.cpu_bytes_per_s / 1e9}
+        if self.joint_s:
+            entry["joint_s"] = [list(row) for row in self.joint_s]
+        return entry
 
     @classmethod
     def from_entry(cls, entry: object, source: str) -> MissRates:
@@ -179,7 +210,7 @@ class MissRates:
         try:
             return cls(stream_s=tuple(entry["stream_s"]), cpu_s=tuple(entry["cpu_s"]),
                        blob_bytes=entry["blob_bytes"], measured=str(entry.get("measured", "")),
-                       source=source)
+                       source=source, joint_s=tuple(map(tuple, entry.get("joint_s", ()))))
         except (KeyError, TypeError) as err:
             raise ValueError(f"an entry lacks or mistypes {err}") from None
 
@@ -189,7 +220,9 @@ class MissRates:
                 f"streams {split.text()} to the device ({split.n_blobs} staging blobs), the CPU "
                 f"the rest; rates: upload and compute {self.stream_bytes_per_s / 1e9:.1f} GB/s, "
                 f"CPU experts {self.cpu_bytes_per_s / 1e9:.1f} GB/s on {threads} threads (at "
-                f"{self.top_k} experts), {self.source}")
+                f"{self.top_k} experts), split by "
+                f"{'both sides timed together' if self.joint_s else 'each side timed alone'}, "
+                f"{self.source}")
 
 
 def _synthetic_store(key: RatesKey, dtype: torch.dtype, pin: bool,
@@ -208,7 +241,8 @@ def _synthetic_store(key: RatesKey, dtype: torch.dtype, pin: bool,
 
 def _samples(store: ExpertStore, key: RatesKey, dtype: torch.dtype, device: torch.device,
              cpu_threads: int | None, repeat: int) -> tuple[list[list[float]], ...]:
-    """(stream, cpu): `repeat` timings in seconds of each side for each k (index 0 empty)."""
+    """(stream, cpu, joint): `repeat` timings in seconds of each side for each k (index 0
+    empty), and of a whole call for each M and s (joint[M][s]; row 0 empty)."""
     cuda = device.type == "cuda"
     cpu = CpuExperts(store, cpu_threads)
     streamer = StreamedMisses(store, device, key.top_k)
@@ -240,13 +274,31 @@ def _samples(store: ExpertStore, key: RatesKey, dtype: torch.dtype, device: torc
         cpu.compute(layer, x_host[:k], routed[k])
         return time.perf_counter() - start
 
+    def call(m: int, s: int) -> float:  # as `token_forward` runs one: the device's share first
+        stream_layer, cpu_layer = next(layers) % store.n_layers, next(layers) % store.n_layers
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        if s:
+            streamer.compute(stream_layer, x_dev, routed[s])
+        if m - s:
+            cpu.compute(cpu_layer, x_host[:m - s], routed[m - s])
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    joint_t: list[list[list[float]]] = [[[] for _ in range(m + 1)] for m in range(len(routed))]
     for round_ in range(repeat + 1):  # the first untimed
         for k in range(1, key.top_k + 1):
             t_stream, t_cpu = stream(k), on_cpu(k)
             if round_:
                 stream_t[k].append(t_stream)
                 cpu_t[k].append(t_cpu)
-    return stream_t, cpu_t
+            for s in range(k + 1):
+                t_call = call(k, s)
+                if round_:
+                    joint_t[k][s].append(t_call)
+    return stream_t, cpu_t, joint_t
 
 
 def _table(samples: list[list[float]]) -> tuple[float, ...]:
@@ -268,10 +320,11 @@ def measure_rates(key: RatesKey, dtype: torch.dtype, device: torch.device, *,
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     store = _synthetic_store(key, dtype, device.type == "cuda", target_bytes)
     try:
-        stream_t, cpu_t = _samples(store, key, dtype, device, cpu_threads, repeat)
+        stream_t, cpu_t, joint_t = _samples(store, key, dtype, device, cpu_threads, repeat)
     finally:
         del store
         if device.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # give the pinned buffer back to the system
+    joint = ((0.0,), *(tuple(float(statistics.median(t)) for t in row) for row in joint_t[1:]))
     return MissRates(_table(stream_t), _table(cpu_t), key.blob_bytes,
-                     measured=datetime.date.today().isoformat())
+                     measured=datetime.date.today().isoformat(), joint_s=joint)
