@@ -14,7 +14,12 @@ clock, for k = 1..K streamed experts of the preset's shape (a synthetic pinned s
 - `indices`: one small upload of a call's indices through `HostRows` (a pinned buffer);
 
 each the median of `--repeat` calls, the device drained before each (so a call never waits
-behind the previous one's copies). With `--sync-check` one call of each part runs under torch's
+behind the previous one's copies). Two other ways to queue the same uploads, to choose from
+(CUDA only; a way that fails reports its error instead of a time):
+
+- `driver`: one `cuMemcpyHtoDAsync` an expert through cuda-python, torch's dispatch skipped;
+- `batched`: all k in one `cuMemcpyBatchAsync` (CUDA 12.8+ drivers).
+ With `--sync-check` one call of each part runs under torch's
 sync debug mode, which raises where an op waits for the device: a wait hidden in the issue
 path would show there.
 
@@ -72,6 +77,36 @@ def sync_check(fn, device: torch.device) -> str:
         _drain(device)
 
 
+def driver_copies(dsts: list[int], srcs: list[int], n_bytes: int, batched: bool):
+    """A function queueing the copies srcs[i] (pinned host) -> dsts[i] (device) of n_bytes each
+    on torch's current stream through the driver: one call each, or one `cuMemcpyBatchAsync`.
+    ImportError without cuda-python."""
+    from cuda.bindings import driver
+
+    def check(result, what):
+        if int(result[0]) != 0:
+            raise RuntimeError(f"{what}: {driver.cuGetErrorName(result[0])[1]}")
+
+    def stream():
+        return driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+    if not batched:
+        def one_by_one():
+            handle = stream()
+            for dst, src in zip(dsts, srcs, strict=True):
+                check(driver.cuMemcpyHtoDAsync(dst, src, n_bytes, handle), "cuMemcpyHtoDAsync")
+        return one_by_one
+    attrs = driver.CUmemcpyAttributes()
+    attrs.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    count = len(dsts)
+
+    def in_one_call():
+        check(driver.cuMemcpyBatchAsync(
+            [driver.CUdeviceptr(d) for d in dsts], [driver.CUdeviceptr(s) for s in srcs],
+            [n_bytes] * count, count, [attrs], [0], 1, stream()), "cuMemcpyBatchAsync")
+    return in_one_call
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="olmoe-1b-7b", choices=sorted(PRESETS))
@@ -120,9 +155,25 @@ def main(argv: list[str] | None = None) -> int:
 
         parts = {"compute": compute, "copies": copies, "kernels": kernels, "indices": indices}
         rows[k] = {name: host_us(fn, device, args.repeat) for name, fn in parts.items()}
+        if device.type == "cuda":  # the same uploads queued through the driver
+            blobs = store.layer_blobs(0)
+            dsts = [streamer._staging[i].data_ptr() for i in range(k)]
+            srcs = [blobs[expert].data_ptr() for expert in experts]
+            for name, batched in (("driver", False), ("batched", True)):
+                try:
+                    way = driver_copies(dsts, srcs, store.blob_bytes, batched)
+                    way()
+                    torch.cuda.synchronize(device)
+                    if not torch.equal(streamer._staging[:k], blobs[experts]):
+                        raise RuntimeError("the staging blobs differ from the store's")
+                    rows[k][name] = host_us(way, device, args.repeat)
+                except Exception as err:  # reported, not raised: a way to choose from
+                    rows[k][name] = f"{type(err).__name__}: {err}"
         if args.sync_check:
             rows[k]["sync"] = {name: sync_check(fn, device) for name, fn in parts.items()}
-        line = ", ".join(f"{name} {rows[k][name]:.1f}" for name in parts)
+        line = ", ".join(f"{name} {value:.1f}" if isinstance(value, float) else
+                         f"{name} {value}" for name, value in rows[k].items()
+                         if name != "sync")
         print(f"bench/stream_issue.py: k={k}: host us: {line}", flush=True)
     print(json.dumps({"preset": args.preset, "device": str(device),
                       "device_name": (torch.cuda.get_device_name(device)
