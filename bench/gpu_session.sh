@@ -54,7 +54,9 @@
 # alone beside transformers), profile-decode (1.5: the profile stage's decode rounds and prompt
 # chunks of 32 and 4,096 without --compile), stream-issue (0.5: bench/stream_issue.py, the
 # host's time issuing streamed misses, part by part, olmoe and qwen3 shapes, sync-checked),
-# router-route (2: bench/router_route.py, the decode router kernel's launch shapes swept);
+# router-route (2: bench/router_route.py, the decode router kernel's launch shapes swept),
+# offload-prefetch (3.5: decode on both at --stream-misses 4, with and without the next
+# layer's predicted misses prefetched);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # second or two, and later runs read them). A new checkpoint adds about a minute to the first
@@ -179,6 +181,11 @@ for stage in "$@"; do
                   done > "$OUT/stream-issue.json" 2>&1; grep "bench/" "$OUT/stream-issue.json" ;;
     router-route) (cd bench && timeout 240 python3 router_route.py) > "$OUT/router-route.json" \
                       2> "$OUT/router-route.err"; grep "bench/" "$OUT/router-route.json" ;;
+    offload-prefetch)  # the next layer's predicted misses uploaded ahead, or not: A/B
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 4 \
+               --prefetch --prefill-tokens 0
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 4 \
+               --prefetch --prefill-tokens 0 ;;
     offload-split)  # the decode calls split around the graphs (`graph_call`) and whole: A/B
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 0,4 \
                --whole-calls --prefill-tokens 0

@@ -15,7 +15,9 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   comma-separated, each a run), rounds as `strata generate` runs them (piecewise CUDA graphs;
   `--eager` for eager rounds; the cache's calls split around the graphs, the hits inside them:
   `strata.engine.cache.graph_call`; `--whole-calls` adds each run again with the calls whole,
-  the split's baseline, named -whole). For
+  the split's baseline, named -whole; `--prefetch` adds each run that streams again with the
+  next layer's predicted misses prefetched, named -prefetch: `strata.engine.cache.prefetch`,
+  its prefetched experts and how many the next layer used). For
   each: the round's time; its misses split between the CPU and the copy engine (experts and
   shares); the bound, max(CPU's miss bytes / host read
   bandwidth, streamed bytes / copy rate) + the device round (summed over the round, so a lower
@@ -68,7 +70,7 @@ from _common import (
     sync,
 )
 from cache import cache_mib_for_share, run_decode, run_prefill
-from strata.engine.cache.build import build_cached_experts, plan_cache
+from strata.engine.cache.build import build_cached_experts, plan_cache, staging_blobs
 from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.experts import ResidentExperts
 from strata.engine.experts.quant import EXPERTS_DTYPES, experts_quant_for
@@ -205,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs (the median)")
     parser.add_argument("--eager", action="store_true",
                         help="eager decode rounds (default: piecewise CUDA graphs on CUDA)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="also run each decode with the next layer's predicted misses "
+                        "prefetched (`strata.engine.cache.prefetch`), named -prefetch")
     parser.add_argument("--whole-calls", action="store_true",
                         help="also run each decode with the cache's calls whole, not split "
                         "around the piecewise graphs (`graph_call`): the split's baseline, "
@@ -287,20 +292,31 @@ def main(argv: list[str] | None = None) -> int:
                                            say)
             device_rounds[fmt] = device_round_ms
 
-            def cached_engine(stream, max_context: int, loan: bool, store=store, quant=quant):
+            def cached_engine(stream, max_context: int, loan: bool, store=store, quant=quant,
+                              prefetch=False):
                 value, notes = resolve_stream_misses(stream, cfg, dtype, device,
                                                      cpu_threads=args.cpu_threads)
                 config = plan_cache(cfg, dtype, device, rank=rank, max_context=max_context,
                                     prefill_chunk=args.prefill_chunk, prefill_loan=loan,
-                                    stream_misses=value, experts_quant=quant, **common)
+                                    stream_misses=value, experts_quant=quant,
+                                    prefetch_misses=prefetch, **common)
                 model.experts = build_cached_experts(config, store, device)
+                if prefetch:
+                    model.experts.use_routers([layer.moe.router for layer in model.layers],
+                                              cfg.top_k)
                 return engine_around(model, None, max_context), notes
 
-            for stream, whole in ((stream, whole) for stream in streams
-                                  for whole in ((True, False) if args.whole_calls else (False,))):
-                name = f"decode-stream-{stream}{'-whole' if whole else ''}{suffix}"
-                engine, notes = cached_engine(stream, decode_context, loan=False)
-                engine.cache.split_calls = not whole
+            variants = ["", *(["-whole"] if args.whole_calls else []),
+                        *(["-prefetch"] if args.prefetch else [])]
+            for stream, variant in ((stream, variant) for stream in streams
+                                    for variant in variants):
+                if variant == "-prefetch" and not staging_blobs(resolve_stream_misses(
+                        stream, cfg, dtype, device, cpu_threads=args.cpu_threads)[0]):
+                    continue  # nothing is streamed (0; auto off CUDA): nothing to prefetch
+                name = f"decode-stream-{stream}{variant}{suffix}"
+                engine, notes = cached_engine(stream, decode_context, loan=False,
+                                              prefetch=variant == "-prefetch")
+                engine.cache.split_calls = variant != "-whole"
                 with engine:
                     for note in notes:
                         say(note)
@@ -311,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
                     run["notes"] = notes
                     run["slots"] = engine.cache.arena.n_slots
                     run["experts_dtype"] = fmt
+                    streamer = engine.cache.streamer
+                    if streamer is not None and streamer.prefetching:
+                        run["prefetch"] = {"prefetched_experts": streamer.prefetched_experts,
+                                           "used": streamer.prefetch_used}
                 del engine  # and its graphs
                 model.experts = None
                 free_memory(device)

@@ -34,6 +34,7 @@ CACHE_FLAGS = {
     "short_read": "--short-read",
     "cpu_threads": "--cpu-threads",
     "stream_misses": "--stream-misses",
+    "prefetch_misses": "--prefetch-misses",
 }
 
 
@@ -79,8 +80,14 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="of a decode layer's missed experts, how many to upload over PCIe and compute on "
         "the device while the CPU computes the rest: N streams the first N (at most the "
         "model's top-k; default: half of it on CUDA, 0 elsewhere: all on the CPU); auto "
-        "splits them by the rates measured once on this machine and kept in the cache "
-        "directory, so both sides would finish together if each had the host's memory alone",
+        "splits them as the calls timed once on this machine and kept in the cache directory "
+        "ran fastest",
+    )
+    group.add_argument(
+        "--prefetch-misses", action="store_true",
+        help="predict each next decode layer's experts with its router while this layer runs "
+        "and upload the streamed ones it will miss ahead (CUDA graphs; needs streamed misses; "
+        "its staging buffer twice the size)",
     )
     group.add_argument(
         "--kv-grow", action="store_true",
@@ -135,7 +142,8 @@ def cache_options_from_args(args: argparse.Namespace) -> CacheOptions:
             expert_cache_mib=_expert_cache_mib(args.expert_cache),
             expert_profile=args.expert_profile, prefill_loan=not args.no_prefill_loan,
             short_read=args.short_read, cpu_threads=args.cpu_threads,
-            stream_misses=_stream_misses(args.stream_misses), kv_grow=args.kv_grow,
+            stream_misses=_stream_misses(args.stream_misses),
+            prefetch_misses=args.prefetch_misses, kv_grow=args.kv_grow,
             policy=args.policy, policy_options=tuple(args.policy_opts or ()))
     except ValueError as err:
         raise UsageError(str(err)) from None

@@ -96,6 +96,17 @@ def test_stream_misses_shows_in_the_stats(capsys, ckpt):
                for line in err.splitlines()), err
 
 
+def test_prefetch_misses_plans_a_second_staging_half_and_keeps_the_tokens(capsys, ckpt):
+    """Off CUDA no decode call is split around graphs, so nothing is predicted: the tokens
+    and streamed misses of the same run without it."""
+    runs = [_json(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "0.5",
+                  "--stream-misses", "1", *extra)[0] for extra in ([], ["--prefetch-misses"])]
+    plain, ahead = runs
+    assert ahead["tokens"] == plain["tokens"]
+    assert ahead["cache"]["decode"]["streamed_experts"] == \
+        plain["cache"]["decode"]["streamed_experts"] > 0
+
+
 def test_stream_misses_defaults_to_auto_which_is_0_off_cuda(capsys, ckpt, tmp_path,
                                                             monkeypatch):
     # Off CUDA there is no bus: auto, given or the default, streams nothing and measures
@@ -152,6 +163,9 @@ def test_a_profile_fills_hottest_first(capsys, ckpt, tmp_path):
      r"misses at most the model's 2 experts a token\), got 3"),
     (["--stream-misses", "half"], "--stream-misses must be auto or a number of experts, got "
      "'half'"),
+    (["--prefetch-misses"], r"--prefetch-misses uploads predicted misses with the streamed "
+     r"ones, and none are streamed here: give --stream-misses N > 0"),
+    (["--prefetch-misses", "--stream-misses", "0"], "none are streamed here"),
     (["--policy", "nope"], "unknown policy 'nope'"),
     (["--policy", "lru", "--policy-opt", "max_admits=-1"], "max_admits"),
     (["--expert-profile", "/nonexistent/p.npz"], "--expert-profile /nonexistent/p.npz: "),

@@ -168,6 +168,36 @@ def test_piecewise_graphs_with_split_calls_give_the_same_bytes(small, stream_mis
     assert split.cache.decode.cpu_experts + split.cache.decode.streamed_experts > 0
 
 
+def test_piecewise_graphs_that_prefetch_keep_the_books_and_repeat(small):
+    """Split calls that predict and prefetch the next layer's misses on the copy stream
+    (`strata.engine.cache.prefetch`): the books and counts of the calls without it, logits
+    within rounding of them (prefetched misses run on the device, not the CPU), the same
+    tokens run to run, and prefetched experts streamed by the layer they were uploaded for."""
+    ckpt, _ = small
+    piecewise = dataclasses.replace(OPTIONS, cuda_graphs=True, piecewise_graphs=True)
+    runs, books, prefetch = [], [], []
+    for ahead in (False, True, True):
+        model = _cached(ckpt, expert_cache_mib=8, stream_misses=2, prefetch_misses=ahead)
+        try:
+            assert model.experts.splits_calls and (model.experts.prefetch is not None) == ahead
+            runs.append(generate(model, None, PROMPT, piecewise))
+            books.append(model.experts.table.res.copy())
+            model.experts.table.validate()
+            streamer = model.experts.streamer
+            prefetch.append((streamer.prefetched_experts, streamer.prefetch_used))
+        finally:
+            model.experts.close()
+    plain, first, second = runs
+    assert first.decode_path == "piecewise-cuda-graph"
+    assert first.tokens == second.tokens and torch.equal(first.first_logits, second.first_logits)
+    assert (books[0] == books[1]).all()
+    for name in ("passes", "layer_calls", "lookups", "hits"):
+        assert getattr(first.cache.decode, name) == getattr(plain.cache.decode, name), name
+    assert prefetch[1] == prefetch[2] and prefetch[1][0] > 0
+    assert 0 <= prefetch[1][1] <= prefetch[1][0]
+    assert first.cache.decode.streamed_experts >= plain.cache.decode.streamed_experts
+
+
 def test_prompt_experts_from_slots_run_as_grouped_products_on_hopper(small):
     """bf16 on Hopper: a prompt's hits (and the loan's batches) by two grouped products over
     the rows sorted by slot, agreeing with the per-expert loop and repeating its bytes."""

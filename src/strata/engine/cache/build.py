@@ -56,7 +56,9 @@ class CacheConfig:
     min(N, M) of M misses (0: none), or a `StreamSplit`, M -> streamed
     (`strata.engine.cache.kept_rates.resolve_stream_misses` makes `--stream-misses auto`'s).
     `experts_quant`: the format of the slots' blobs (`--experts-dtype`; None: the model's
-    dtype), which the store's must be. The elastic K/V is planned beside it
+    dtype), which the store's must be. `prefetch_misses` (with `stream_misses`) uploads each
+    next decode layer's predicted misses ahead (`strata.engine.cache.prefetch`), its staging
+    buffer twice the size. The elastic K/V is planned beside it
     (`strata.engine.kv.plan.plan_elastic_cache`).
     """
 
@@ -70,6 +72,7 @@ class CacheConfig:
     short_read: int = DEFAULT_SHORT_READ
     events: pluggy.PluginManager | None = field(default=None, compare=False)
     experts_quant: str | None = None
+    prefetch_misses: bool = False
 
     def __post_init__(self) -> None:
         if self.backend.chunk_bytes != self.budget.chunk_bytes:
@@ -85,6 +88,11 @@ class CacheConfig:
                 or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be None or an int >= 1, got {self.cpu_threads!r}")
         staging_blobs(self.stream_misses)  # checks it
+        if not isinstance(self.prefetch_misses, bool):
+            raise ValueError(f"prefetch_misses must be a bool, got {self.prefetch_misses!r}")
+        if self.prefetch_misses and not staging_blobs(self.stream_misses):
+            raise ValueError("prefetch_misses needs stream_misses > 0: prefetched experts go "
+                             "to the staging buffer")
         if self.experts_quant is not None and self.experts_quant not in WEIGHT_FORMATS:
             raise ValueError(f"experts_quant must be None or one of {WEIGHT_FORMATS}, got "
                              f"{self.experts_quant!r}")
@@ -137,7 +145,8 @@ def plan_cache(
                 chunk_bytes=backend.chunk_bytes, max_context=max_context,
                 prefill_chunk=chunk, budget_mib=budget_mib, reserve_mib=reserve_mib,
                 expert_cache_mib=expert_cache_mib, kv_cells=kv_cells, kv_dtype=kv_dtype,
-                stream_blobs=staging_blobs(options.get("stream_misses", 0)),
+                stream_blobs=staging_blobs(options.get("stream_misses", 0))
+                * (2 if options.get("prefetch_misses") else 1),
                 experts_quant=quant,
             )
 
@@ -179,7 +188,8 @@ def build_cached_experts(
         loan = LoanOptions(short_read=config.short_read) if config.prefill_loan else None
         cached = CachedExperts(store, arena, table, checked, device, config.cpu_threads,
                                events=config.events, budget=budget,
-                               stream_misses=config.stream_misses, loan=loan)
+                               stream_misses=config.stream_misses, loan=loan,
+                               prefetch_misses=config.prefetch_misses)
         try:
             cached.fill_hottest()
         except BaseException:

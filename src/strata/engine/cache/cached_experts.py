@@ -62,6 +62,7 @@ from strata.engine.cache.device_heat import DeviceHeat
 from strata.engine.cache.executor import CacheExecutor
 from strata.engine.cache.host_rows import HostRows
 from strata.engine.cache.loan import LoanOptions, PromptLoan
+from strata.engine.cache.prefetch import MissPrefetch
 from strata.engine.cache.routed_call import routed_forward
 from strata.engine.cache.stats import PHASES, CacheStats, PhaseStats
 from strata.engine.cache.token_call import token_forward
@@ -96,6 +97,7 @@ class CachedExperts:
         budget: CacheBudget | None = None,
         stream_misses: int | StreamSplit = 0,
         loan: LoanOptions | None = None,
+        prefetch_misses: bool = False,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -118,8 +120,13 @@ class CachedExperts:
         self.cpu = CpuExperts(store, cpu_threads)
         self.stream_misses = staging_blobs(stream_misses)  # N; ValueError for a bad value
         self.stream_split = stream_misses if isinstance(stream_misses, StreamSplit) else None
+        if prefetch_misses and not self.stream_misses:
+            raise ValueError("prefetch_misses needs stream_misses > 0: prefetched experts go "
+                             "to the staging buffer")
         self.streamer = StreamedMisses(store, self.device, self.stream_misses,
-                                       self.stream_split) if self.stream_misses else None
+                                       self.stream_split, prefetch_misses) \
+            if self.stream_misses else None
+        self.prefetch: MissPrefetch | None = None  # set by `use_routers`
         answering = type(getattr(self.checked.policy, "inner", self.checked.policy))
         self._observes = "observe" in answering.overrides()
         # The policy's checked `observe`, None where it is the default, which does nothing (a
@@ -270,6 +277,14 @@ class CachedExperts:
         Triton kernels on CUDA, which read nothing for a missing expert's row."""
         return self.split_calls and self.device.type == "cuda" and \
             not grouped.copies_weights(self.device)
+
+    def use_routers(self, routers: list[torch.Tensor], top_k: int) -> None:
+        """Predict and prefetch each next layer's misses in split decode calls from the
+        model's routers [E, D] per layer (`strata.engine.cache.prefetch`); ValueError unless
+        the cache was made with `prefetch_misses`."""
+        if self.streamer is None or not self.streamer.prefetching:
+            raise ValueError("use_routers: the cache was made without prefetch_misses")
+        self.prefetch = MissPrefetch(routers, top_k, self.n_experts, self.device)
 
     def resident_rows(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor
                       ) -> torch.Tensor:

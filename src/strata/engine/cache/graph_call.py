@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from strata.engine.cache.stats import PhaseStats
-from strata.engine.cache.token_call import count_streamed, cpu_rows, device_time, split_call
+from strata.engine.cache.token_call import cpu_rows, device_time, split_call
 from strata.engine.experts import grouped, weighted_sum
 
 __all__ = ["fill_misses", "resident_rows", "sum_rows"]
@@ -51,6 +51,8 @@ def resident_rows(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tenso
     row. Reads nothing on the host, so a CUDA graph can hold it. `cache` is a `CachedExperts`
     (not imported: it imports this)."""
     top_k = topk_ids.shape[1]
+    if cache.prefetch is not None:  # the next layer's likely experts, for `fill_misses`
+        cache.prefetch.predict(layer, x)
     slots = cache.mirror[layer].index_select(0, topk_ids.reshape(-1))  # [K] int32, -1: missing
     slots = torch.cat((slots.new_full((1,), -1), slots))  # [K + 1]: the scratch row reads nothing
     if not grouped.copies_weights(cache.device):  # the Triton kernels: a -1 row reads nothing
@@ -73,12 +75,18 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
     and `stats` told as `token_forward` tells them."""
     top_k = topk_ids.shape[1]
     call = split_call(cache, layer, x, topk_ids, stats)
+    blob_bytes = cache.store.blob_bytes
     if call.streamed is not None:
         with device_time(stats):
-            cache.streamer.stage(layer, call.streamed, call.streamed.rows + 1)
-        count_streamed(cache, call.streamed, stats)
+            uploaded = cache.streamer.stage(layer, call.streamed, call.streamed.rows + 1)
+        stats.streamed_experts += call.streamed.n_experts
+        stats.uploaded_bytes += uploaded * blob_bytes  # less those prefetched
     elif cache.streamer is not None:
         cache.streamer.stage(layer, None, None)  # a map left from an earlier call: cleared
+    if cache.prefetch is not None:  # after this layer's uploads: the next one's likely misses
+        with device_time(stats):
+            stats.uploaded_bytes += cache.prefetch.issue(layer, cache.table,
+                                                         cache.streamer) * blob_bytes
     if call.misses is not None:
         # The CPU's rows (k) + 1, uploaded into the part of the buffer `split_token` used for
         # the hits' slots and the order, which are not needed here.

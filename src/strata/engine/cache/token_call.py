@@ -73,7 +73,7 @@ def split_call(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
     if n_missed:
         misses = Routed.of_split(split, top_k, n_hits, n_missed)
         if cache.streamer is not None:
-            streamed, misses = cache.streamer.split(misses)
+            streamed, misses = cache.streamer.split(misses, layer)
     return TokenSplit(x_host, buffer, split, n_hits, n_missed, streamed, misses)
 
 

@@ -80,6 +80,20 @@ class Routed:
         return Routed(self.experts[lo:hi].copy(), self.starts[lo : hi + 1] - r0,
                       self.rows[r0:r1].copy(), self.top_k)
 
+    def pick(self, indices: np.ndarray) -> Routed:
+        """The rows of experts[indices] (indices int, ascending, distinct, within [0, M]) as a
+        Routed of their own: `group` for experts that need not be adjacent."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices[0] < 0 or indices[-1] >= self.n_experts
+                             or (np.diff(indices) <= 0).any()):
+            raise ValueError(f"expert indices must ascend within [0, {self.n_experts}), got "
+                             f"{indices.tolist()}")
+        lo, hi = self.starts[indices], self.starts[indices + 1]  # [m] each
+        rows = np.concatenate([self.rows[a:b] for a, b in zip(lo, hi, strict=True)]) \
+            if indices.size else np.empty(0, dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(hi - lo))).astype(np.int64)
+        return Routed(self.experts[indices].copy(), starts, rows.astype(np.int64), self.top_k)
+
     @property
     def n_experts(self) -> int:
         """M, the distinct experts."""

@@ -21,10 +21,22 @@ A call split around piecewise CUDA graphs (`strata.engine.cache.graph_call`) tak
 halves apart: the host queues the copies and writes the stage map (`stage`), and the next
 graph computes the staged experts over all N blobs, an unused one reading nothing, and puts
 their rows where the map says (`staged_rows`). So the host launches no kernel for them.
+
+With `prefetch`, a split call can also upload the experts the next layer is predicted to
+miss before that layer is reached (`prefetch`; the cache predicts them,
+`CachedExperts.use_routers`). The buffer then holds 2N blobs, a half for even layers and one
+for odd ones, so a layer's prefetched blobs are written while the previous layer's are read.
+Every upload then runs on a copy stream of its own, in the order the host queues them: a
+layer's own misses, then the next layer's predicted ones, which go on while the device
+computes the layer (the compute stream waits only for the layer's own). Of a layer's misses,
+those prefetched are streamed first, whatever the split's count (they are uploaded already),
+then the others by id up to the count.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,15 +112,17 @@ class StreamedMisses:
     its `n_blobs` must not exceed the buffer's."""
 
     def __init__(self, store: ExpertStore, device: torch.device, n_blobs: int,
-                 split: StreamSplit | None = None) -> None:
+                 split: StreamSplit | None = None, prefetch: bool = False) -> None:
         if isinstance(n_blobs, bool) or not isinstance(n_blobs, int) or n_blobs < 1:
             raise ValueError(f"n_blobs must be an int >= 1, got {n_blobs!r}")
         if split is not None and split.n_blobs > n_blobs:
             raise ValueError(f"the split streams up to {split.n_blobs} experts, the staging "
                              f"buffer holds {n_blobs}")
         self.store, self.n_blobs, self.split_rule = store, n_blobs, split
-        self._staging = torch.empty((n_blobs, store.blob_bytes), dtype=torch.uint8,
-                                    device=device)  # [N, blob]
+        self.prefetching = bool(prefetch)
+        n_staged = 2 * n_blobs if prefetch else n_blobs  # a half for each layer parity
+        self._staging = torch.empty((n_staged, store.blob_bytes), dtype=torch.uint8,
+                                    device=device)  # [N or 2N, blob]
         self._stack = BlobStack(self._staging, store.dtype, store.quant, store.expert_width,
                                 store.hidden_size)
         self._index = torch.arange(n_blobs, device=device)  # [N]: staging slot of each
@@ -119,16 +133,31 @@ class StreamedMisses:
                                     torch.zeros(n_blobs, dtype=torch.int64))).to(device)
         self._map_names_blobs = False  # whether the device's map has any used entry
         self._pin = torch.device(device).type == "cuda"
+        # Prefetching: the uploads' own stream on CUDA; the layer whose predicted misses are
+        # staged, and their blobs by expert.
+        self._copy_stream = torch.cuda.Stream(device) if prefetch and self._pin else None
+        self._prefetched_layer = -1
+        self._prefetched: dict[int, int] = {}
+        self.prefetched_experts = 0  # uploaded ahead, all told
+        self.prefetch_used = 0  # of them, streamed by the layer they were uploaded for
 
     @property
     def nbytes(self) -> int:
         return self._staging.numel()
 
-    def split(self, misses: Routed) -> tuple[Routed | None, Routed | None]:
-        """(the rows of the first missed experts by id that the split streams, the other
-        misses'), None for a side with none."""
+    def split(self, misses: Routed, layer: int = -1) -> tuple[Routed | None, Routed | None]:
+        """(the rows of the missed experts the split streams, the other misses'), None for a
+        side with none: the first by id; of `layer`'s call with prefetched experts among its
+        misses, those first (all of them), then the first others by id up to the count."""
         m = misses.n_experts
         n = min(self.n_blobs, m) if self.split_rule is None else self.split_rule.streamed(m)
+        ready = [] if layer != self._prefetched_layer else [
+            i for i, expert in enumerate(misses.experts.tolist()) if expert in self._prefetched]
+        if ready:
+            others = [i for i in range(m) if i not in set(ready)]
+            chosen = sorted(ready + others[:max(n - len(ready), 0)])
+            rest = sorted(set(range(m)) - set(chosen))
+            return misses.pick(chosen), misses.pick(rest) if rest else None
         if n == 0:
             return None, misses
         rest = misses.group(n, m) if n < m else None
@@ -142,43 +171,96 @@ class StreamedMisses:
         if streamed.n_rows != n or x.shape[0] != 1:
             raise ValueError(f"streamed misses are for one token: {n} experts, "
                              f"{streamed.n_rows} rows, {x.shape[0]} tokens")
-        self._upload(layer, streamed)
-        return self._stack.expert_rows(self._index[:n], x.expand(n, -1))
-
-    def _upload(self, layer: int, streamed: Routed) -> None:
-        """The streamed experts' blobs copied into staging blobs 0..n-1, in stream order."""
-        n = streamed.n_experts
         if n > self.n_blobs:
             raise ValueError(f"{n} streamed experts do not fit {self.n_blobs} staging blobs")
-        blobs = self.store.layer_blobs(layer)  # [E, blob]
-        for i, expert in enumerate(streamed.experts.tolist()):
-            self._staging[i].copy_(blobs[expert], non_blocking=True)
+        self._drop_prefetched()  # this path reads blobs 0..n-1 on the compute stream
+        self._upload(layer, list(enumerate(streamed.experts.tolist())))
+        self._wait_for_uploads()
+        return self._stack.expert_rows(self._index[:n], x.expand(n, -1))
 
-    def stage(self, layer: int, streamed: Routed | None, rows: np.ndarray | None) -> None:
-        """The host's half of a split call: the streamed experts' blobs uploaded, and the stage
-        map set so that `staged_rows` writes staged expert i's row to rows[rows[i]] (rows [n]
-        indices >= 1, row 0 being the scratch row); None: nothing streamed (the map cleared,
-        so a later graph computes nothing stale). One upload of the map, skipped when it is
-        already clear."""
+    def _upload(self, layer: int, copies: list[tuple[int, int]]) -> None:
+        """(staging blob, expert) copies of `layer`'s blobs, queued in order: on the compute
+        stream, or when prefetching on the copy stream, after what the compute stream has
+        queued (nothing reads a blob while it is written)."""
+        blobs = self.store.layer_blobs(layer)  # [E, blob]
+        with self._on_copy_stream():
+            for blob, expert in copies:
+                self._staging[blob].copy_(blobs[expert], non_blocking=True)
+
+    @contextlib.contextmanager
+    def _on_copy_stream(self) -> Iterator[None]:
+        if self._copy_stream is None:
+            yield
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self._staging.device))
+        with torch.cuda.stream(self._copy_stream):
+            yield
+
+    def _wait_for_uploads(self) -> None:
+        """The compute stream waits for the uploads queued so far (none to wait for without
+        a copy stream)."""
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self._staging.device).wait_stream(self._copy_stream)
+
+    def _drop_prefetched(self) -> None:
+        self._prefetched_layer, self._prefetched = -1, {}
+
+    def prefetch(self, layer: int, experts: list[int]) -> int:
+        """Upload `layer`'s `experts` (at most N, distinct: those its next call is predicted
+        to miss) into the staging half of `layer`, for that call to find (`split`, `stage`);
+        replaces any earlier prefetch. Returns the blobs uploaded."""
+        if not self.prefetching:
+            raise RuntimeError("this staging buffer was made without prefetch")
+        if len(experts) > self.n_blobs or len(set(experts)) != len(experts):
+            raise ValueError(f"prefetch takes at most {self.n_blobs} distinct experts, got "
+                             f"{experts}")
+        base = (layer % 2) * self.n_blobs
+        copies = [(base + i, expert) for i, expert in enumerate(experts)]
+        self._upload(layer, copies)
+        self._prefetched_layer = layer
+        self._prefetched = {expert: blob for blob, expert in copies}
+        self.prefetched_experts += len(copies)
+        return len(copies)
+
+    def stage(self, layer: int, streamed: Routed | None, rows: np.ndarray | None) -> int:
+        """The host's half of a split call: the streamed experts' blobs uploaded (those
+        prefetched for `layer` are there already), and the stage map set so that `staged_rows`
+        writes staged expert i's row to rows[rows[i]] (rows [n] indices >= 1, row 0 being the
+        scratch row); None: nothing streamed (the map cleared, so a later graph computes
+        nothing stale). One upload of the map, skipped when it is already clear. Returns the
+        blobs uploaded now."""
+        prefetched = self._prefetched if layer == self._prefetched_layer else {}
+        self._drop_prefetched()  # used now or never
         if streamed is None:
             if not self._map_names_blobs:
-                return
-            n = 0
+                return 0
+            n, blobs, uploads = 0, [], []
         else:
             n = streamed.n_experts
             if streamed.n_rows != n or rows is None or rows.shape != (n,) or (n and rows.min() < 1):
                 raise ValueError(f"a stage map is one row >= 1 per streamed expert: {n} "
                                  f"experts, {streamed.n_rows} rows, rows {rows}")
-            self._upload(layer, streamed)
+            if n > self.n_blobs:
+                raise ValueError(f"{n} streamed experts do not fit {self.n_blobs} staging blobs")
+            experts = streamed.experts.tolist()
+            base = (layer % 2) * self.n_blobs if self.prefetching else 0
+            taken = {prefetched[e] for e in experts if e in prefetched}
+            free = iter([b for b in range(base, base + self.n_blobs) if b not in taken])
+            blobs = [prefetched[e] if e in prefetched else next(free) for e in experts]
+            uploads = [(b, e) for b, e in zip(blobs, experts, strict=True) if e not in prefetched]
+            self.prefetch_used += n - len(uploads)
+            self._upload(layer, uploads)
+            self._wait_for_uploads()  # the next graph reads this layer's blobs
         entries = torch.empty(2 * self.n_blobs, dtype=torch.int64, pin_memory=self._pin)
         view = entries.numpy()
         view[:] = 0
         view[:self.n_blobs] = -1
         if n:
-            view[:n] = np.arange(n)
+            view[:n] = blobs
             view[self.n_blobs:self.n_blobs + n] = rows
         self.stage_map.copy_(entries, non_blocking=True)
         self._map_names_blobs = n > 0
+        return len(uploads)
 
     def staged_rows(self, x: torch.Tensor, rows: torch.Tensor) -> None:
         """The graph's half of a split call: the staged experts over the one token x [1, D],

@@ -84,6 +84,9 @@ def load(
         model = load_model(path, device=device, dtype=dtype, progress=progress,
                            make_experts=make_experts, experts_quant=experts_quant)
         cached = made[0]
+        if cache.prefetch_misses:  # the next layer's misses predicted by its router
+            cached.use_routers([layer.moe.router for layer in model.layers],
+                               model.config.top_k)
         kv = start_elastic(cached, kv_grow) if kv_grow is not None else None
     except BaseException:
         for cached in made:

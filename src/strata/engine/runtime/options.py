@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata.engine.cache.build import CacheConfig, plan_cache
+from strata.engine.cache.build import CacheConfig, plan_cache, staging_blobs
 from strata.engine.cache.defaults import DEFAULT_SHORT_READ
 from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.experts.quant import EXPERTS_DTYPES, experts_quant_for
@@ -40,7 +40,8 @@ class CacheOptions:
     """The options of the expert cache (`--vram-budget-mib`, `--vram-reserve-mib`,
     `--expert-cache` in MiB or "auto" (None: not given, auto too), `--expert-profile`, the
     loan, `--short-read`, `--cpu-threads`, `--stream-misses` "auto" or N (None: not given,
-    half the top-k on CUDA, 0 elsewhere)), of the elastic K/V (`--kv-grow`) and the policy
+    half the top-k on CUDA, 0 elsewhere), `--prefetch-misses`), of the elastic K/V
+    (`--kv-grow`) and the policy
     (`--policy`, `--policy-opt`). ValueError naming the flag for a bad value. A given option
     (even "auto") turns the cache on."""
 
@@ -52,6 +53,7 @@ class CacheOptions:
     short_read: int | None = None
     cpu_threads: int | None = None
     stream_misses: int | str | None = None
+    prefetch_misses: bool = False
     kv_grow: bool = False
     policy: str = DEFAULT_POLICY
     policy_options: tuple[str, ...] = field(default=())
@@ -71,6 +73,9 @@ class CacheOptions:
                 isinstance(stream, bool) or not isinstance(stream, int)):
             raise ValueError(f"--stream-misses must be auto or a number of experts, got "
                              f"{stream!r}")
+        if not isinstance(self.prefetch_misses, bool):
+            raise ValueError(f"--prefetch-misses is a switch (a bool), got "
+                             f"{self.prefetch_misses!r}")
         cpus = available_cpus()
         if self.cpu_threads is not None and self.cpu_threads > cpus:
             raise ValueError(f"--cpu-threads {self.cpu_threads} is more than the {cpus} CPUs "
@@ -79,8 +84,9 @@ class CacheOptions:
 
     def asks_for_the_cache(self, kv_grow: bool) -> bool:
         """Whether an option that sizes or feeds the cache was given (a budget, a reserve, a
-        size, a profile, the loan turned off, the read length, CPU threads, streamed misses),
-        or the elastic K/V: then the cache is used even where every expert would fit.
+        size, a profile, the loan turned off, the read length, CPU threads, streamed or
+        prefetched misses), or the elastic K/V: then the cache is used even where every
+        expert would fit.
 
         The policy is not one of them: it decides what a cache holds, and naming it (the
         default `coldest-in-loan` or another, with or without options) never switches a
@@ -91,7 +97,7 @@ class CacheOptions:
         given = any(v is not None for v in (
             self.vram_budget_mib, self.vram_reserve_mib, self.expert_cache_mib,
             self.expert_profile, self.short_read, self.cpu_threads, self.stream_misses))
-        return given or kv_grow or not self.prefill_loan
+        return given or kv_grow or not self.prefill_loan or self.prefetch_misses
 
 
 @dataclass
@@ -169,6 +175,11 @@ def plan_cache_options(
     sizing["stream_misses"], stream_notes = resolve_stream_misses(
         stream, config, dtype, device, cpu_threads=options.cpu_threads)
     notes += stream_notes
+    if options.prefetch_misses and not staging_blobs(sizing["stream_misses"]):
+        raise ValueError("--prefetch-misses uploads predicted misses with the streamed ones, "
+                         "and none are streamed here: give --stream-misses N > 0 (off CUDA "
+                         "there is no bus to stream over)")
+    sizing["prefetch_misses"] = options.prefetch_misses
     if kv_grow:
         cache, kv_grow_config, kv_notes = plan_elastic_cache(
             config, dtype, device, profile=options.expert_profile is not None, **sizing)

@@ -1,0 +1,73 @@
+"""Prefetching a decode layer's likely misses: the next layer's routing predicted from this
+layer's input, the experts it would miss uploaded before it is reached.
+
+Dimension letters: L layers, E experts, K experts per token, D hidden size.
+
+In a decode round split around piecewise graphs (`strata.engine.cache.graph_call`), layer l's
+graph ends with its resident experts' rows; the host then serves the misses, and the next
+graph runs layer l+1. A layer's uploads can start only once its routing is read, so the copy
+engine idles while the host books each call and while the device runs each graph: on the H200
+a 16-layer `qwen3-30b-a3b` round at 22% of its experts cached spent 10.9 of its 17.5 ms
+uploading (bench/results/offload-split-h200-2026-12-02.md).
+
+The residual stream changes little from one layer to the next, so layer l+1's router applied
+to layer l's MoE input predicts much of layer l+1's routing (the predictor of pre-gated MoE
+systems). `MissPrefetch.predict` computes those K ids at the end of layer l's graph
+(`ops.router_route`) and copies them to a pinned host buffer, which the host's read of layer
+l's routing finds ready. `MissPrefetch.issue`, on the host after layer l's own uploads are
+queued, uploads the predicted experts layer l+1 does not hold into the staging half of l+1
+(`StreamedMisses.prefetch`), on the copy stream while the device computes layer l. Layer l+1
+streams those of its misses first (`StreamedMisses.split`).
+
+What is prefetched depends only on the model's values and the books, never on timings, so a
+run repeats its bytes. It changes which misses the device computes rather than the CPU, and
+so the output's last bits against a run without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from strata.engine.model.ops import router_route
+
+__all__ = ["MissPrefetch"]
+
+
+class MissPrefetch:
+    """The routers [E, D] of every layer (the model's, on the cache's device), the model's K,
+    and the predictions: a pinned host buffer [L, K] of each layer's predicted experts, most
+    likely first."""
+
+    def __init__(self, routers: list[torch.Tensor], top_k: int, n_experts: int,
+                 device: torch.device) -> None:
+        shapes = {tuple(router.shape) for router in routers}
+        if not routers or len(shapes) != 1 or next(iter(shapes))[0] != n_experts \
+                or any(router.device != device for router in routers):
+            raise ValueError(f"prefetching needs every layer's router [E = {n_experts}, D] on "
+                             f"{device}, got {[tuple(r.shape) for r in routers]}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k must be an int in [1, {n_experts}], got {top_k!r}")
+        self.routers, self.top_k = routers, top_k
+        self.predicted = torch.zeros((len(routers), top_k), dtype=torch.int64,
+                                     pin_memory=device.type == "cuda")  # [L, K] on the host
+
+    def predict(self, layer: int, x: torch.Tensor) -> None:
+        """Layer+1's predicted experts from layer's MoE input x [1, D], queued to the host
+        buffer (no host read: a CUDA graph holds it). None after the last layer."""
+        if layer + 1 < len(self.routers):
+            ids, _ = router_route(x, self.routers[layer + 1], self.top_k, False)  # [1, K]
+            self.predicted[layer + 1].copy_(ids[0], non_blocking=True)
+
+    def issue(self, layer: int, table: Any, streamer: Any) -> int:
+        """Upload layer+1's predicted experts that the books (`table`, a `ResidencyTable`) do
+        not hold, most likely first, up to the staging half's N blobs (`streamer`, a
+        `StreamedMisses` made with prefetch). Call after layer's routing was read, which
+        waited for its prediction. Returns the blobs uploaded."""
+        if layer + 1 >= len(self.routers):
+            return 0
+        slots = table.res[layer + 1]  # [E] int32, -1: not resident
+        missing = [e for e in self.predicted[layer + 1].tolist() if slots[e] < 0]
+        missing = missing[:streamer.n_blobs]
+        return streamer.prefetch(layer + 1, missing) if missing else 0

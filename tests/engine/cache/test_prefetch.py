@@ -1,0 +1,139 @@
+"""Prefetching the next layer's likely misses (`strata.engine.cache.prefetch`), on the host
+twin: the staging buffer's halves, the prefetched experts streamed first and not uploaded
+again, the books and counts as without it, and the bytes close to a run without it (the
+device and the CPU round differently) and repeated run to run."""
+
+import numpy as np
+import pytest
+import torch
+
+from strata.engine.experts.routed import Routed
+from strata.engine.experts.streamed import StreamedMisses
+from strata.engine.model.ops import router_route
+from support.token_calls import books, bytes_of, make_cache, small_store, split_call
+
+
+def test_a_prefetched_expert_is_streamed_first_and_not_uploaded_again():
+    store = small_store(torch.float32)
+    streamer = StreamedMisses(store, torch.device("cpu"), 2, prefetch=True)
+    assert streamer.nbytes == 4 * store.blob_bytes  # two halves of N = 2
+    assert streamer.prefetch(3, [12, 9]) == 2  # layer 3: the odd half, blobs 2 and 3
+    misses = Routed.of(np.array([[3, 9, 12, 5]]))  # four misses; the fixed count streams 2
+    streamed, rest = streamer.split(misses, layer=3)
+    assert streamed.experts.tolist() == [9, 12] and rest.experts.tolist() == [3, 5]
+    # Another layer's call finds nothing prefetched: the first two by id.
+    streamed_other, _ = streamer.split(misses, layer=2)
+    assert streamed_other.experts.tolist() == [3, 5]
+    assert streamer.stage(3, streamed, streamed.rows + 1) == 0  # both were there
+    assert streamer.stage_map.tolist()[:2] == [3, 2]  # expert 9 in blob 3, 12 in blob 2
+    assert (streamer.prefetched_experts, streamer.prefetch_used) == (2, 2)
+    x = torch.randn(1, store.hidden_size, generator=torch.Generator().manual_seed(1))
+    rows = torch.zeros(5, store.hidden_size)
+    streamer.staged_rows(x, rows)
+    expected = StreamedMisses(store, torch.device("cpu"), 2).compute(3, x, streamed)
+    for i, row in enumerate(streamed.rows.tolist()):
+        assert torch.equal(rows[row + 1], expected[i])
+    # One prefetched and missed, one not: the other miss uploads into the free blob.
+    streamer.prefetch(2, [7, 1])
+    streamed, _ = streamer.split(Routed.of(np.array([[7, 4]])), layer=2)
+    assert streamed.experts.tolist() == [4, 7]
+    assert streamer.stage(2, streamed, streamed.rows + 1) == 1
+    assert streamer.stage_map.tolist()[:2] == [1, 0]  # 4 over 1's blob, 7 where it was
+    with pytest.raises(ValueError, match="at most 2 distinct experts"):
+        streamer.prefetch(0, [1, 2, 3])
+    with pytest.raises(RuntimeError, match="without prefetch"):
+        StreamedMisses(store, torch.device("cpu"), 2).prefetch(0, [1])
+
+
+def _routed_calls(store, routers, n_tokens, seed):
+    """Each token's calls through every layer, one x for all of them and each layer routed by
+    its router: so layer l+1's router on layer l's x predicts layer l+1 exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    calls = []
+    for _ in range(n_tokens):
+        x = torch.randn(1, store.hidden_size, generator=gen).to(store.dtype)  # [1, D]
+        for layer, router in enumerate(routers):
+            ids, weights = router_route(x, router, 4, True)  # [1, K]
+            calls.append((layer, x, ids, weights))
+    return calls
+
+
+def _run(store, routers, prefetch):
+    cached = make_cache(store, 24, "coldest-in-loan", 2, token_path=True, prefetch=prefetch)
+    try:
+        if prefetch:
+            cached.use_routers(routers, 4)
+        out = [split_call(cached, *call) for call in _routed_calls(store, routers, 6, 9)]
+        streamer = cached.streamer
+        return (out, books(cached), cached.stats.decode,
+                (streamer.prefetched_experts, streamer.prefetch_used))
+    finally:
+        cached.close()
+
+
+def test_split_calls_that_prefetch_keep_the_books_and_nearly_thebytes_of():
+    store = small_store(torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    routers = [torch.randn(store.n_experts, store.hidden_size, generator=gen)
+               for _ in range(store.n_layers)]
+    plain, plain_books, plain_stats, _ = _run(store, routers, prefetch=False)
+    out, books, stats, (prefetched, used) = _run(store, routers, prefetch=True)
+    again = _run(store, routers, prefetch=True)[0]
+    assert [bytes_of(t) for t in out] == [bytes_of(t) for t in again]  # run to run
+    # Exact predictions here: every prefetched expert was missed and streamed from its blob.
+    assert prefetched > 0 and used == prefetched
+    assert books == plain_books
+    for name in ("lookups", "hits", "layer_calls"):
+        assert getattr(stats, name) == getattr(plain_stats, name)
+    assert stats.cpu_experts + stats.streamed_experts == \
+        plain_stats.cpu_experts + plain_stats.streamed_experts  # every miss, either side
+    assert stats.streamed_experts >= plain_stats.streamed_experts  # prefetched: all streamed
+    # Bytes uploaded: each prefetched blob once, the other streamed ones at their call.
+    assert stats.uploaded_bytes == (stats.streamed_experts - used + prefetched) * store.blob_bytes
+    for got, expected in zip(out, plain, strict=True):
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_prefetch_needs_streamed_misses_and_the_models_routers():
+    store = small_store(torch.float32)
+    with pytest.raises(ValueError, match="prefetch_misses needs stream_misses > 0"):
+        make_cache(store, 24, "coldest-in-loan", 0, token_path=True, prefetch=True)
+    cached = make_cache(store, 24, "coldest-in-loan", 2, token_path=True)
+    try:
+        with pytest.raises(ValueError, match="made without prefetch_misses"):
+            cached.use_routers([], 4)
+    finally:
+        cached.close()
+    cached = make_cache(store, 24, "coldest-in-loan", 2, token_path=True, prefetch=True)
+    try:
+        with pytest.raises(ValueError, match=r"every layer's router \[E = 16, D\]"):
+            cached.use_routers([torch.zeros(8, store.hidden_size)] * 4, 4)
+        with pytest.raises(ValueError, match="top_k must be an int in"):
+            cached.use_routers([torch.zeros(16, store.hidden_size)] * 4, 0)
+    finally:
+        cached.close()
+
+
+def test_a_cache_planned_to_prefetch_holds_two_halves_and_the_models_routers():
+    """`CacheConfig.prefetch_misses` through `load`: the workspace counts the second half,
+    the staging buffer holds 2N blobs, and the cache predicts with the model's own routers."""
+    from support.cache_models import cached_model
+    from support.checkpoints import cached_checkpoint
+
+    ckpt = cached_checkpoint("qwen3_moe", "small", dtype=torch.float32)
+    plain = cached_model(ckpt, expert_cache_mib=12, stream_misses=2)
+    model = cached_model(ckpt, expert_cache_mib=12, stream_misses=2, prefetch_misses=True)
+    try:
+        cache = model.experts
+        blob = cache.store.blob_bytes
+        # The workspace (rounded to MiB) grew for the second half.
+        assert cache.budget.workspace_bytes > plain.experts.budget.workspace_bytes
+        assert cache.streamer.nbytes == 4 * blob and plain.experts.prefetch is None
+        assert all(router is layer.moe.router
+                   for router, layer in zip(cache.prefetch.routers, model.layers, strict=True))
+        assert cache.prefetch.top_k == model.config.top_k
+    finally:
+        plain.experts.close()
+        model.experts.close()
+    with pytest.raises(ValueError, match="prefetch_misses needs stream_misses > 0"):
+        cached_model(ckpt, expert_cache_mib=12, stream_misses=0, prefetch_misses=True)
