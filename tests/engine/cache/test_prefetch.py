@@ -137,3 +137,32 @@ def test_a_cache_planned_to_prefetch_holds_two_halves_and_the_models_routers():
         model.experts.close()
     with pytest.raises(ValueError, match="prefetch_misses needs stream_misses > 0"):
         cached_model(ckpt, expert_cache_mib=12, stream_misses=0, prefetch_misses=True)
+
+
+def test_an_upload_that_fails_leaves_nothing_claimed(monkeypatch):
+    """Fault injection: a prefetch or a stage whose copy fails raises, and claims no blob: the
+    next call of that layer streams by id and uploads what it streams, with right rows."""
+    store = small_store(torch.float32)
+    streamer = StreamedMisses(store, torch.device("cpu"), 2, prefetch=True)
+    layer_blobs = store.layer_blobs
+
+    def failing(layer):
+        raise RuntimeError("injected: the copy engine failed")
+
+    monkeypatch.setattr(store, "layer_blobs", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        streamer.prefetch(1, [4, 6])
+    misses = Routed.of(np.array([[6, 4, 2, 9]]))
+    streamed, _ = streamer.split(misses, layer=1)
+    assert streamed.experts.tolist() == [2, 4]  # nothing prefetched: the first two by id
+    with pytest.raises(RuntimeError, match="injected"):
+        streamer.stage(1, streamed, streamed.rows + 1)
+    monkeypatch.setattr(store, "layer_blobs", layer_blobs)
+    assert streamer.stage(1, streamed, streamed.rows + 1) == 2  # both uploaded now
+    assert streamer.prefetched_experts == 0 and streamer.prefetch_used == 0
+    x = torch.randn(1, store.hidden_size, generator=torch.Generator().manual_seed(2))
+    rows = torch.zeros(5, store.hidden_size)
+    streamer.staged_rows(x, rows)
+    expected = StreamedMisses(store, torch.device("cpu"), 2).compute(1, x, streamed)
+    for i, row in enumerate(streamed.rows.tolist()):
+        assert torch.equal(rows[row + 1], expected[i])

@@ -13,9 +13,10 @@ uploading (bench/results/offload-split-h200-2026-12-02.md).
 The residual stream changes little from one layer to the next, so layer l+1's router applied
 to layer l's MoE input predicts much of layer l+1's routing (the predictor of pre-gated MoE
 systems). `MissPrefetch.predict` computes those K ids at the end of layer l's graph
-(`ops.router_route`) and copies them to a pinned host buffer, which the host's read of layer
-l's routing finds ready. `MissPrefetch.issue`, on the host after layer l's own uploads are
-queued, uploads the predicted experts layer l+1 does not hold into the staging half of l+1
+(`ops.router_route`) into a device buffer. `MissPrefetch.issue`, on the host after layer l's
+own uploads are queued, reads them (the read of layer l's routing has drained the stream up to
+there, so this one waits for nothing), and uploads the predicted experts layer l+1 does not
+hold into the staging half of l+1
 (`StreamedMisses.prefetch`), on the copy stream while the device computes layer l. Layer l+1
 streams those of its misses first (`StreamedMisses.split`).
 
@@ -37,8 +38,8 @@ __all__ = ["MissPrefetch"]
 
 class MissPrefetch:
     """The routers [E, D] of every layer (the model's, on the cache's device), the model's K,
-    and the predictions: a pinned host buffer [L, K] of each layer's predicted experts, most
-    likely first."""
+    and the predictions: [L, K] each layer's predicted experts, most likely first, on the
+    device (a CUDA graph holds the buffer's address)."""
 
     def __init__(self, routers: list[torch.Tensor], top_k: int, n_experts: int,
                  device: torch.device) -> None:
@@ -51,20 +52,20 @@ class MissPrefetch:
             raise ValueError(f"top_k must be an int in [1, {n_experts}], got {top_k!r}")
         self.routers, self.top_k = routers, top_k
         self.predicted = torch.zeros((len(routers), top_k), dtype=torch.int64,
-                                     pin_memory=device.type == "cuda")  # [L, K] on the host
+                                     device=device)  # [L, K]
 
     def predict(self, layer: int, x: torch.Tensor) -> None:
-        """Layer+1's predicted experts from layer's MoE input x [1, D], queued to the host
-        buffer (no host read: a CUDA graph holds it). None after the last layer."""
+        """Layer+1's predicted experts from layer's MoE input x [1, D], into `predicted` (no
+        host read: a CUDA graph holds it). Nothing after the last layer."""
         if layer + 1 < len(self.routers):
             ids, _ = router_route(x, self.routers[layer + 1], self.top_k, False)  # [1, K]
-            self.predicted[layer + 1].copy_(ids[0], non_blocking=True)
+            self.predicted[layer + 1].copy_(ids[0])
 
     def issue(self, layer: int, table: Any, streamer: Any) -> int:
         """Upload layer+1's predicted experts that the books (`table`, a `ResidencyTable`) do
         not hold, most likely first, up to the staging half's N blobs (`streamer`, a
-        `StreamedMisses` made with prefetch). Call after layer's routing was read, which
-        waited for its prediction. Returns the blobs uploaded."""
+        `StreamedMisses` made with prefetch). Call after layer's routing was read: the stream
+        has then run its prediction. Returns the blobs uploaded."""
         if layer + 1 >= len(self.routers):
             return 0
         slots = table.res[layer + 1]  # [E] int32, -1: not resident
