@@ -338,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
                                              cfg.n_layers, full_layers)
                 runs[name] = run
                 r = run["round"]
+                ahead = run.get("prefetch")
                 say(f"{name}: {r['round_ms']:.2f} ms a round (bound {r['bound_ms']:.2f}), "
-                    f"host-side {r['host_ms']:.2f} ms")
+                    f"host-side {r['host_ms']:.2f} ms" + (
+                        f", prefetched {ahead['prefetched_experts']} experts, used "
+                        f"{ahead['used']}" if ahead else ""))
             if args.prefill_tokens:
                 engine, notes = cached_engine(streams[0], prefill_context, loan=True)
                 with engine:

@@ -24,7 +24,8 @@ Per layer call, on the engine's thread:
 A decode call takes these steps with less host work between them (`token_call`), the same bytes;
 a call that is not (a prompt pass, the loan's) takes them in `routed_call`. Piecewise CUDA
 graphs split a decode call around themselves by default (`split_calls`, `graph_call`): step 3's
-hits and step 6 inside the graphs, the rest on the host.
+hits and step 6 inside the graphs, the rest on the host; with `prefetch_misses` such calls also
+upload the next layer's predicted misses ahead (`use_routers`, `strata.engine.cache.prefetch`).
 Steps 3 and 6 are `ResidentExperts`' own math and choice of path, so a cache that holds every
 expert gives byte-identical output.
 
