@@ -6,9 +6,11 @@ device and the CPU round differently) and repeated run to run."""
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from strata.engine.experts.routed import Routed
-from strata.engine.experts.streamed import StreamedMisses
+from strata.engine.experts.streamed import StreamedMisses, StreamSplit
 from strata.engine.model.ops import router_route
 from support.token_calls import books, bytes_of, make_cache, small_store, split_call
 
@@ -166,3 +168,24 @@ def test_an_upload_that_fails_leaves_nothing_claimed(monkeypatch):
     expected = StreamedMisses(store, torch.device("cpu"), 2).compute(1, x, streamed)
     for i, row in enumerate(streamed.rows.tolist()):
         assert torch.equal(rows[row + 1], expected[i])
+
+
+@given(st.sets(st.integers(0, 15), min_size=1, max_size=4),
+       st.sets(st.integers(0, 15), max_size=2), st.integers(0, 2))
+def test_the_split_streams_every_prefetched_miss_first_then_by_id(missed, ahead, n_fixed):
+    """Property, against the rule written out: of the misses, the prefetched ones all stream,
+    then the first others by id up to the fixed count; each side ascending, together all."""
+    store = small_store(torch.float32)
+    streamer = StreamedMisses(store, torch.device("cpu"), 2, StreamSplit.fixed(n_fixed, 4),
+                              prefetch=True)
+    if ahead:
+        streamer.prefetch(1, sorted(ahead))
+    ids = np.array([sorted(missed) + [e for e in range(16) if e not in missed][:4 - len(missed)]])
+    misses = Routed.of(ids, np.arange(4)[None, :] < len(missed))
+    streamed, rest = streamer.split(misses, layer=1)
+    ready = sorted(missed & ahead)
+    others = sorted(missed - ahead)
+    expected = sorted(ready + others[:max(min(n_fixed, len(missed)) - len(ready), 0)])
+    got = streamed.experts.tolist() if streamed is not None else []
+    left = rest.experts.tolist() if rest is not None else []
+    assert got == expected and left == sorted(missed - set(expected))

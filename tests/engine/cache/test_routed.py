@@ -43,6 +43,21 @@ def test_of_and_group_match_the_reference(routing, data):
     assert group.starts[0] == 0 and group.starts[-1] == group.n_rows
 
 
+@given(routings, st.data())
+def test_pick_matches_the_reference_for_any_experts(routing, data):
+    ids, mask = routing
+    routed = Routed.of(ids, mask)
+    chosen = sorted(data.draw(st.sets(st.integers(0, max(routed.n_experts - 1, 0)),
+                                      max_size=routed.n_experts)))
+    picked = routed.pick(chosen)
+    kept = routed.experts[chosen].tolist()
+    assert _as_dict(picked) == _reference(ids, mask & np.isin(ids, kept))
+    assert picked.starts[0] == 0 and picked.starts[-1] == picked.n_rows
+    if len(chosen) >= 2:  # not ascending: refused
+        with pytest.raises(ValueError, match="must ascend"):
+            routed.pick(chosen[::-1])
+
+
 def test_groups_rows_by_expert_ascending():
     ids = np.array([[3, 1], [1, 0], [3, 2]])  # [T=3, K=2]
     routed = Routed.of(ids)
