@@ -96,7 +96,7 @@ def test_stream_misses_shows_in_the_stats(capsys, ckpt):
                for line in err.splitlines()), err
 
 
-def test_prefetch_misses_plans_a_second_staging_half_and_keeps_the_tokens(capsys, ckpt):
+def test_prefetch_misses_off_cuda_keeps_the_tokens(capsys, ckpt):
     """Off CUDA no decode call is split around graphs, so nothing is predicted: the tokens
     and streamed misses of the same run without it."""
     runs = [_json(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "0.5",

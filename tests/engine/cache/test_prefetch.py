@@ -15,6 +15,17 @@ from strata.engine.model.ops import router_route
 from support.token_calls import books, bytes_of, make_cache, small_store, split_call
 
 
+def _assert_staged_rows_are_computes(streamer, store, layer, streamed, seed):
+    """The graph's half (`staged_rows`) writes each streamed expert's row where the map says,
+    the bytes a plain buffer's `compute` of the same experts gives."""
+    x = torch.randn(1, store.hidden_size, generator=torch.Generator().manual_seed(seed))
+    rows = torch.zeros(5, store.hidden_size)  # [K + 1, D]
+    streamer.staged_rows(x, rows)
+    expected = StreamedMisses(store, torch.device("cpu"), 2).compute(layer, x, streamed)
+    for i, row in enumerate(streamed.rows.tolist()):
+        assert torch.equal(rows[row + 1], expected[i])
+
+
 def test_a_prefetched_expert_is_streamed_first_and_not_uploaded_again():
     store = small_store(torch.float32)
     streamer = StreamedMisses(store, torch.device("cpu"), 2, prefetch=True)
@@ -29,12 +40,7 @@ def test_a_prefetched_expert_is_streamed_first_and_not_uploaded_again():
     assert streamer.stage(3, streamed, streamed.rows + 1) == 0  # both were there
     assert streamer.stage_map.tolist()[:2] == [3, 2]  # expert 9 in blob 3, 12 in blob 2
     assert (streamer.prefetched_experts, streamer.prefetch_used) == (2, 2)
-    x = torch.randn(1, store.hidden_size, generator=torch.Generator().manual_seed(1))
-    rows = torch.zeros(5, store.hidden_size)
-    streamer.staged_rows(x, rows)
-    expected = StreamedMisses(store, torch.device("cpu"), 2).compute(3, x, streamed)
-    for i, row in enumerate(streamed.rows.tolist()):
-        assert torch.equal(rows[row + 1], expected[i])
+    _assert_staged_rows_are_computes(streamer, store, 3, streamed, seed=1)
     # One prefetched and missed, one not: the other miss uploads into the free blob.
     streamer.prefetch(2, [7, 1])
     streamed, _ = streamer.split(Routed.of(np.array([[7, 4]])), layer=2)
@@ -162,12 +168,7 @@ def test_an_upload_that_fails_leaves_nothing_claimed(monkeypatch):
     monkeypatch.setattr(store, "layer_blobs", layer_blobs)
     assert streamer.stage(1, streamed, streamed.rows + 1) == 2  # both uploaded now
     assert streamer.prefetched_experts == 0 and streamer.prefetch_used == 0
-    x = torch.randn(1, store.hidden_size, generator=torch.Generator().manual_seed(2))
-    rows = torch.zeros(5, store.hidden_size)
-    streamer.staged_rows(x, rows)
-    expected = StreamedMisses(store, torch.device("cpu"), 2).compute(1, x, streamed)
-    for i, row in enumerate(streamed.rows.tolist()):
-        assert torch.equal(rows[row + 1], expected[i])
+    _assert_staged_rows_are_computes(streamer, store, 1, streamed, seed=2)
 
 
 @given(st.sets(st.integers(0, 15), min_size=1, max_size=4),

@@ -29,8 +29,8 @@ from strata.engine.cache.stats import PhaseStats
 from strata.engine.experts.combine import weighted_sum
 from strata.engine.experts.routed import Routed
 
-__all__ = ["TokenSplit", "count_streamed", "cpu_rows", "device_time", "split_call",
-           "streamed_rows", "token_forward"]
+__all__ = ["TokenSplit", "cpu_rows", "device_time", "split_call", "streamed_rows",
+           "token_forward"]
 
 
 class TokenSplit(NamedTuple):
@@ -92,14 +92,9 @@ def streamed_rows(cache: Any, layer: int, x: torch.Tensor, streamed: Routed,
     """[R, D] on the device: the streamed misses uploaded to the staging blobs and computed."""
     assert cache.streamer is not None  # only it splits streamed rows off
     rows = cache.streamer.compute(layer, x, streamed)
-    count_streamed(cache, streamed, stats)
-    return rows
-
-
-def count_streamed(cache: Any, streamed: Routed, stats: PhaseStats) -> None:
-    """The streamed misses' experts and uploaded bytes, into `stats`."""
     stats.streamed_experts += streamed.n_experts
     stats.uploaded_bytes += streamed.n_experts * cache.store.blob_bytes
+    return rows
 
 
 def cpu_rows(cache: Any, layer: int, x_host: torch.Tensor, misses: Routed,

@@ -154,7 +154,7 @@ class StreamedMisses:
         ready = [] if layer != self._prefetched_layer else [
             i for i, expert in enumerate(misses.experts.tolist()) if expert in self._prefetched]
         if ready:
-            others = [i for i in range(m) if i not in set(ready)]
+            others = [i for i in range(m) if i not in ready]  # ready: at most N entries
             chosen = sorted(ready + others[:max(n - len(ready), 0)])
             rest = sorted(set(range(m)) - set(chosen))
             return misses.pick(chosen), misses.pick(rest) if rest else None
