@@ -55,8 +55,13 @@
 # chunks of 32 and 4,096 without --compile), stream-issue (0.5: bench/stream_issue.py, the
 # host's time issuing streamed misses, part by part, olmoe and qwen3 shapes, sync-checked),
 # router-route (2: bench/router_route.py, the decode router kernel's launch shapes swept),
+# decode-linear (3: bench/decode_linear.py, the one-token product kernel's launch shapes
+# against F.linear on each preset's q/k/v, output and logits matrices),
 # offload-prefetch (3.5: decode on both at --stream-misses 4, with and without the next
-# layer's predicted misses prefetched);
+# layer's predicted misses prefetched; offload-prefetch-olmoe, 2: olmoe's alone),
+# offload-balance-olmoe and offload-balance-qwen3 (3 and 4: decode at --stream-misses auto, 2,
+# 3 and 4, the joint rates' split against fixed counts), offload-loan (4: the 4,096-token
+# prefill with the loan's uploads in 1 and in 4 pipelined batches, qwen3 then olmoe);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # second or two, and later runs read them). A new checkpoint adds about a minute to the first
@@ -179,13 +184,27 @@ for stage in "$@"; do
                     (cd bench && timeout 100 python3 stream_issue.py --preset $preset \
                        --sync-check)
                   done > "$OUT/stream-issue.json" 2>&1; grep "bench/" "$OUT/stream-issue.json" ;;
+    decode-linear) (cd bench && timeout 300 python3 decode_linear.py) \
+                      > "$OUT/decode-linear.json" 2> "$OUT/decode-linear.err"
+                  grep "bench/" "$OUT/decode-linear.json"; tail -3 "$OUT/decode-linear.err" ;;
     router-route) (cd bench && timeout 240 python3 router_route.py) > "$OUT/router-route.json" \
                       2> "$OUT/router-route.err"; grep "bench/" "$OUT/router-route.json" ;;
-    offload-prefetch)  # the next layer's predicted misses uploaded ahead, or not: A/B
+    offload-prefetch|offload-prefetch-olmoe)  # the next layer's predicted misses ahead: A/B
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 4 \
                --prefetch --prefill-tokens 0
+           [ "$stage" = offload-prefetch-olmoe ] || offload "$(checkpoint 0)" qwen3-30b-a3b \
+               --expert-share 0.22 --stream-misses 4 --prefetch --prefill-tokens 0 ;;
+    offload-loan)  # the loan's uploads in 4 pipelined batches against 1: the prefill's A/B
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 4 \
-               --prefetch --prefill-tokens 0 ;;
+               --new-tokens 2 --loan-upload-batches 1,4
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 4 \
+               --new-tokens 2 --loan-upload-batches 1,4 ;;
+    offload-balance-olmoe)  # how many misses to stream: the joint rates' auto against fixed
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses auto,2,3,4 \
+               --prefill-tokens 0 ;;
+    offload-balance-qwen3)
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 \
+               --stream-misses auto,2,3,4 --prefill-tokens 0 ;;
     offload-split)  # the decode calls split around the graphs (`graph_call`) and whole: A/B
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 0,4 \
                --whole-calls --prefill-tokens 0

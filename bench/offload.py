@@ -27,8 +27,11 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   (a wait outside the cache, such as sampling's read of the token, counts as host-side);
 - prefill of a `--prefill-tokens` prompt at the same cache with the prompt loan: its time, the
   expert bytes it uploaded and the upload bound (bytes / copy rate) beside it, and where the
-  time went: the cache's blocking uploads (`upload_s`: their rate), the rest of the cache (of
-  it, the routing's reads), and outside the cache (attention, the dense layers).
+  time went: the cache's uploads (`upload_s`: the host's time queueing them, which is their
+  time only where the host waits for them, at `--loan-upload-batches 1`), the rest of the
+  cache (of it, the routing's reads), and outside the cache (attention, the dense layers).
+  `--loan-upload-batches` (comma-separated) makes a prefill run for each count of batches a
+  layer's loaned misses upload in (`STRATA_LOAN_UPLOAD_BATCHES`), named -bN.
 
 With `--experts-dtype` (comma-separated, e.g. `auto,int8,int4`) all of it is measured for each
 format, the experts quantized at load into a store of their own, at the same cache MiB (so a
@@ -49,11 +52,14 @@ preset's) are printed beside the measured ones for a shortened model, saying so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import platform
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -82,6 +88,7 @@ from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.generate import CACHED_PREFILL_CHUNK
 from strata.engine.runtime.load import Loaded, load
 from strata.formats.profile import rank_from_counts, uniform_rank
+from strata.settings import LOAN_UPLOAD_BATCHES
 
 GB = 1e9
 
@@ -185,6 +192,21 @@ def stream_values(text: str) -> list[int | str]:
     return values
 
 
+@contextlib.contextmanager
+def _loan_upload_batches(batches: int | None) -> Iterator[None]:
+    """`STRATA_LOAN_UPLOAD_BATCHES` set to `batches` inside (None: left as it is), then back."""
+    before = os.environ.get(LOAN_UPLOAD_BATCHES)
+    if batches is not None:
+        os.environ[LOAN_UPLOAD_BATCHES] = str(batches)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LOAN_UPLOAD_BATCHES, None)
+        else:
+            os.environ[LOAN_UPLOAD_BATCHES] = before
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, preset="olmoe-1b-7b")
@@ -203,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk", type=int,
                         help="the prompt's chunk (default: the one the cache chooses from its "
                         "budget, as strata generate's)")
+    parser.add_argument("--loan-upload-batches",
+                        help="comma-separated counts: a prefill run with each as the loan's "
+                        "upload batches (default: one run, the engine's)")
     parser.add_argument("--profile-prompts", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs (the median)")
     parser.add_argument("--eager", action="store_true",
@@ -230,6 +255,15 @@ def main(argv: list[str] | None = None) -> int:
                      f"{args.stream_misses!r}")
     if args.new_tokens < 2 or args.repeat < 1:
         parser.error("--new-tokens must be >= 2, --repeat >= 1")
+    try:
+        loan_batches = [None] if args.loan_upload_batches is None else \
+            [int(n) for n in args.loan_upload_batches.split(",")]
+    except ValueError:
+        loan_batches = [0]
+    if any(n is not None and n < 1 for n in loan_batches) or \
+            len(set(loan_batches)) != len(loan_batches):
+        parser.error(f"--loan-upload-batches takes distinct comma-separated counts >= 1, got "
+                     f"{args.loan_upload_batches!r}")
     formats = args.experts_dtype.split(",")
     if len(set(formats)) != len(formats) or any(f not in EXPERTS_DTYPES for f in formats):
         parser.error(f"--experts-dtype takes distinct comma-separated values of "
@@ -343,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"host-side {r['host_ms']:.2f} ms" + (
                         f", prefetched {ahead['prefetched_experts']} experts, used "
                         f"{ahead['used']}" if ahead else ""))
-            if args.prefill_tokens:
-                engine, notes = cached_engine(streams[0], prefill_context, loan=True)
+            for batches in loan_batches if args.prefill_tokens else []:
+                with _loan_upload_batches(batches):  # read when the cache is built
+                    engine, notes = cached_engine(streams[0], prefill_context, loan=True)
                 with engine:
                     run = run_prefill(engine, long_prompt, args.repeat, prefill_context,
                                       prefill_chunk=args.prefill_chunk)
@@ -352,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                     run["prefill_chunk"] = args.prefill_chunk or \
                         engine.cache.budget.prefill_chunk
                     run["experts_dtype"] = fmt
+                    run["loan_upload_batches"] = model.experts.loan.options.upload_batches
                 del engine
                 model.experts = None
                 free_memory(device)
@@ -361,9 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                 run["over_bound"] = run["prefill_s"] / run["upload_bound_s"] \
                     if run["upload_bound_s"] else None
                 run["scaled_tok_s"] = run["prefill_tok_s"] * cfg.n_layers / full_layers
-                runs[f"prefill-loan{suffix}"] = run
-                say(f"prefill-loan{suffix}: {run['prefill_s']:.3f} s, {uploaded / GB:.3f} GB "
-                    "uploaded")
+                name = f"prefill-loan{suffix}" + (f"-b{batches}" if batches is not None else "")
+                runs[name] = run
+                say(f"{name}: {run['prefill_s']:.3f} s, {uploaded / GB:.3f} GB uploaded")
             store = None  # a quantized store's pinned memory goes before the next one's
         sync(device)
 

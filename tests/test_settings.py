@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from strata import _vmm, settings
-from strata.engine.cache.loan import DEFAULT_KEEP_SLOTS
+from strata.engine.cache.loan import DEFAULT_KEEP_SLOTS, DEFAULT_UPLOAD_BATCHES, LoanOptions
 from strata.engine.memory import device_backend
 from strata.policies.kv_params import DEFAULT_FLOOR_SLOTS, DEFAULT_INIT_CELLS, DEFAULT_STEP_CELLS
 from strata.settings import SettingError, Settings, read
@@ -24,6 +24,7 @@ GOOD = {
     "STRATA_VMM_CHUNK_BYTES": [("65536", 65536), (str(PAGE), PAGE), (" 2097152 ", 2 << 20),
                                ("", None)],
     "STRATA_LOAN_KEEP_SLOTS": [("0", 0), ("8", 8), (" 128", 128), ("", None)],
+    "STRATA_LOAN_UPLOAD_BATCHES": [("1", 1), (" 4 ", 4), ("", None)],
     "STRATA_KV_GROW": [("1", True), ("0", False), (" 1 ", True), ("", False)],
     "STRATA_KV_GROW_INIT": [("1", 1), (" 1000 ", 1000), ("", None)],
     "STRATA_KV_GROW_STEP": [("8192", 8192), ("", None)],
@@ -46,6 +47,9 @@ BAD = {
     ],
     "STRATA_LOAN_KEEP_SLOTS": [(raw, "want an integer >= 0 (slots a loan leaves)")
                                for raw in ("lots", "-1", "1.5")],
+    "STRATA_LOAN_UPLOAD_BATCHES": [
+        (raw, "want a positive integer (batches a layer's loan uploads, for example 4)")
+        for raw in ("0", "-2", "two", "1.5")],
     "STRATA_KV_GROW": [(raw, "want 1 (on) or 0 (off)") for raw in ("maybe", "yes", "2", "true")],
     **{name: [(raw, f"want a positive integer (for example {name}=8192)")
               for raw in ("abc", "0", "-8", "1.5", "8k")]
@@ -134,9 +138,24 @@ def test_the_table_s_defaults_are_the_code_s():
     assert default["STRATA_VMM_CHUNK_BYTES"].startswith(f"{_vmm.DEFAULT_CHUNK_BYTES} ")
     assert settings.HOST_FILE_BYTES == _vmm.HOST_FILE_BYTES
     assert default["STRATA_LOAN_KEEP_SLOTS"] == str(DEFAULT_KEEP_SLOTS)
+    assert default["STRATA_LOAN_UPLOAD_BATCHES"] == str(DEFAULT_UPLOAD_BATCHES)
     assert default["STRATA_KV_GROW_INIT"] == str(DEFAULT_INIT_CELLS)
     assert default["STRATA_KV_GROW_STEP"] == str(DEFAULT_STEP_CELLS)
     assert default["STRATA_KV_GROW_FLOOR"].startswith(f"{DEFAULT_FLOOR_SLOTS} ")
+
+
+def test_the_loan_takes_its_upload_batches_from_the_environment(monkeypatch):
+    monkeypatch.delenv("STRATA_LOAN_UPLOAD_BATCHES", raising=False)
+    assert LoanOptions().upload_batches == DEFAULT_UPLOAD_BATCHES
+    monkeypatch.setenv("STRATA_LOAN_UPLOAD_BATCHES", "2")
+    assert LoanOptions().upload_batches == 2
+    assert LoanOptions(upload_batches=1).upload_batches == 1  # given beats the environment
+    monkeypatch.setenv("STRATA_LOAN_UPLOAD_BATCHES", "0")
+    with pytest.raises(SettingError, match="STRATA_LOAN_UPLOAD_BATCHES='0'"):
+        LoanOptions()
+    monkeypatch.delenv("STRATA_LOAN_UPLOAD_BATCHES")
+    with pytest.raises(ValueError, match="upload_batches must be an int >= 1, got 0"):
+        LoanOptions(upload_batches=0)
 
 
 def test_the_engine_passes_the_chunk_size_to_the_host_backend(monkeypatch):

@@ -38,6 +38,7 @@ HOST_FILE_BYTES = 8 << 30
 
 VMM_CHUNK_BYTES = "STRATA_VMM_CHUNK_BYTES"
 LOAN_KEEP_SLOTS = "STRATA_LOAN_KEEP_SLOTS"
+LOAN_UPLOAD_BATCHES = "STRATA_LOAN_UPLOAD_BATCHES"
 KV_GROW = "STRATA_KV_GROW"
 KV_GROW_INIT = "STRATA_KV_GROW_INIT"
 KV_GROW_STEP = "STRATA_KV_GROW_STEP"
@@ -200,6 +201,16 @@ VARIABLES: tuple[Variable, ...] = (
         convert=_optional_int, check=_count_ok,
     ),
     Variable(
+        LOAN_UPLOAD_BATCHES,
+        "the batches a prompt loan uploads a layer's missed experts in, each computed while "
+        "the next ones upload (1: all of them uploaded, the host waiting, then computed)",
+        "a positive integer",
+        "4",
+        "loan_upload_batches",
+        want="want a positive integer (batches a layer's loan uploads, for example 4)",
+        convert=_optional_int, check=_positive_ok,
+    ),
+    Variable(
         KV_GROW,
         "the elastic K/V, as `--kv-grow` turns it on",
         "1 (on) or 0 (off)",
@@ -316,6 +327,7 @@ class Settings:
 
     vmm_chunk_bytes: int | None = None
     loan_keep_slots: int | None = None
+    loan_upload_batches: int | None = None
     kv_grow: bool = False
     kv_grow_init: int | None = None
     kv_grow_step: int | None = None

@@ -94,13 +94,17 @@ row = torch.randn(1, 80, generator=torch.Generator().manual_seed(9))
 repeated = expert_rows_triton(gate_up, down, index, row.expand(4, 80))
 results.append({"repeated_rows_as_copied": bool(torch.equal(
     repeated, expert_rows_triton(gate_up, down, index, row.expand(4, 80).contiguous())))})
-# A negative slot (a missing expert, `graph_call.resident_rows`): its row is left alone, the
-# others are those of the same call without it.
-with_missing = expert_rows_triton(gate_up, down, torch.tensor([3, -1, 4, -1]),
-                                  row.expand(4, 80))
-results.append({"missing_rows_skipped": bool(torch.equal(
+# A negative slot (a missing expert, `graph_call.resident_rows`): its row is zeros, the
+# others those of the same call without it; NaN in every new buffer (what garbage may hold,
+# the act row a missing expert never writes among them) changes neither.
+rows = row.expand(4, 80).contiguous()  # read as it is: its new_empty makes act and y
+rows.new_empty = lambda *args, **kw: torch.Tensor.new_empty(rows, *args, **kw).fill_(
+    float("nan"))
+with_missing = expert_rows_triton(gate_up, down, torch.tensor([3, -1, 4, -1]), rows)
+results.append({"missing_rows_zero": bool(torch.equal(
     with_missing[[0, 2]], expert_rows_triton(gate_up, down, torch.tensor([3, 4]),
-                                             row.expand(2, 80))))})
+                                             row.expand(2, 80)))
+    and torch.equal(with_missing[[1, 3]], torch.zeros(2, 80)))})
 # The weighted sum inside `down` (one token's K rows): `combine`'s bytes, each launch leaving
 # the counter at zero for the next; D not a multiple of the block, and one block.
 from strata.engine.experts.combine import weighted_sum_triton
@@ -133,7 +137,7 @@ def test_the_triton_kernels_under_the_interpreter_match_the_reference():
         assert result["shape"] == shape and result["dtype"] == dtype
         assert result["error"] <= tolerance and result["finite"] and result["same_bytes"]
     assert results[len(expected):-1] == [{"repeated_rows_as_copied": True},
-                                         {"missing_rows_skipped": True}]
+                                         {"missing_rows_zero": True}]
     assert results[-1]["sums"] == [
         {"same_bytes": True, "shape": [1, 80], "arrived": [0] * 3},  # 80 = 2.5 blocks of 32
         {"same_bytes": True, "shape": [1, 32], "arrived": [0]}]

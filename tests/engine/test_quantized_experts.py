@@ -111,15 +111,18 @@ for seed, (fmt, s, f, d, index, dtype) in enumerate([
     results.append({"shape": list(out.shape), "dtype": str(out.dtype),
                     "error": _relative(out, ref) if len(index) else 0.0,
                     "same_bytes": bool(torch.equal(out, again))})
-# A negative slot (a missing expert, `graph_call.resident_rows`): its row is left alone, the
-# others are those of the same call without it.
+# A negative slot (a missing expert, `graph_call.resident_rows`): its row is zeros, the
+# others those of the same call without it, with NaN in every new buffer (garbage).
 for fmt in ("int8", "int4-g32"):
     blobs, _ = _blobs(fmt, 4, 96, 320, 7)
     x_rows = torch.randn(3, 320, generator=torch.Generator().manual_seed(7))
-    out = quantized_rows_triton(blobs, fmt, torch.tensor([2, -1, 0]), x_rows, 96)
-    results.append({"missing_rows_skipped": bool(torch.equal(
+    garbage = x_rows.clone()  # read as it is: its new_empty makes act and y
+    garbage.new_empty = lambda *args, **kw: torch.Tensor.new_empty(garbage, *args, **kw).fill_(
+        float("nan"))
+    out = quantized_rows_triton(blobs, fmt, torch.tensor([2, -1, 0]), garbage, 96)
+    results.append({"missing_rows_zero": bool(torch.equal(
         out[[0, 2]], quantized_rows_triton(blobs, fmt, torch.tensor([2, 0]), x_rows[[0, 2]],
-                                           96)))})
+                                           96)) and torch.equal(out[1], torch.zeros(320)))})
 print(json.dumps(results))
 """
 
@@ -132,7 +135,7 @@ def test_the_triton_kernels_under_the_interpreter_match_the_reference():
     for result, (shape, dtype, tolerance) in zip(results[:-2], expected, strict=True):
         assert result["shape"] == shape and result["dtype"] == dtype
         assert result["error"] <= tolerance and result["same_bytes"]
-    assert results[len(expected):] == [{"missing_rows_skipped": True}] * 2
+    assert results[len(expected):] == [{"missing_rows_zero": True}] * 2
 
 
 def test_the_triton_path_refuses_scales_it_cannot_read_aligned():

@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from strata import _vmm
-from strata.engine.cache.arena import SLOT_ALIGN_BYTES, Arena, slot_bytes_for
+from strata.engine.cache.arena import (
+    SLOT_ALIGN_BYTES,
+    Arena,
+    record_event,
+    slot_bytes_for,
+    wait_for,
+)
 from strata.engine.experts import ExpertStore
 from support.checkpoints import cached_checkpoint, store_of
 
@@ -67,8 +73,23 @@ def test_upload_and_views_alias_the_slots(store):
         arena.close()
 
 
-def test_bad_uploads_copy_nothing(store):
+def test_a_queued_upload_on_the_host_is_complete_and_has_no_event(store):
+    arena = _arena(store, 4)
+    try:
+        assert arena.upload_queued([3, 1], np.array([[1, 2], [0, 6]]), store, None) is None
+        view = arena.slots_view()
+        assert torch.equal(view[3, : store.blob_bytes], store.blob(1, 2))
+        assert torch.equal(view[1, : store.blob_bytes], store.blob(0, 6))
+        assert arena.upload_queued([], np.empty((0, 2), int), store, None) is None
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["upload", "upload_queued"])
+def test_bad_uploads_copy_nothing(store, queued):
     arena = _arena(store, 3)
+    upload = (lambda slots, experts, store: arena.upload_queued(slots, experts, store, None)) \
+        if queued else arena.upload
     try:
         before = arena.slots_view().clone()
         cases = [
@@ -80,7 +101,7 @@ def test_bad_uploads_copy_nothing(store):
         ]
         for error, match, slots, experts in cases:
             with pytest.raises(error, match=match):
-                arena.upload(slots, np.array(experts), store)
+                upload(slots, np.array(experts), store)
         assert torch.equal(arena.slots_view(), before)
         with pytest.raises(IndexError, match="slot -1"):
             arena.gate_up(-1)
@@ -130,5 +151,16 @@ def test_cuda_upload_from_pinned_store(store):
         assert torch.equal(view[2, : store.blob_bytes], store.blob(1, 7))
         arena.copy_slot(2, 0)
         assert torch.equal(arena.slots_view()[0].cpu(), view[2])
+        # Queued: after an event of the compute stream, done at the returned event, the host
+        # not waiting (torch's sync debug mode raises on a sync).
+        after = record_event(arena.device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            done = arena.upload_queued([0], np.array([[1, 3]]), pinned, after)
+            wait_for(done, arena.device)
+            copied = arena.slots_view()[0, : store.blob_bytes].clone()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(copied.cpu(), store.blob(1, 3))
     finally:
         arena.close()

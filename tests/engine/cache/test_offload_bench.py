@@ -5,6 +5,7 @@ it broken; so does bench/stream_issue.py, on the host twin."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -47,6 +48,30 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     assert prompt["uploaded_bytes"] > 0 and 0 < prompt["upload_s"] < prompt["forward_s"]
     assert prefill["prefill_chunk"] == 80  # the asked chunk, reported with the run
     assert prefill["scaled_tok_s"] == prefill["prefill_tok_s"]  # the preset's own depth
+
+
+def test_the_offload_bench_runs_a_prefill_for_each_count_of_upload_batches(capsys,
+                                                                            monkeypatch):
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
+    monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")  # the bench sets it: restored after the test
+    monkeypatch.setenv("STRATA_LOAN_UPLOAD_BATCHES", "3")
+    bench = load_bench("offload.py")
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "2", "--prefill-tokens",
+            "160", "--prefill-chunk", "80", "--host-read-mib", "16", "--loan-keep-slots", "0",
+            "--repeat", "1", "--stream-misses", "0", "--expert-share", "0.25", "--json",
+            "--loan-upload-batches", "1,4"]
+    assert bench.main(argv) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    one, four = runs["prefill-loan-b1"], runs["prefill-loan-b4"]
+    assert (one["loan_upload_batches"], four["loan_upload_batches"]) == (1, 4)
+    for name in ("uploaded_bytes", "loan_experts", "lookups", "hits"):
+        assert one["cache"]["prompt"][name] == four["cache"]["prompt"][name], name
+    assert four["cache"]["prompt"]["loan_experts"] > 0
+    assert os.environ["STRATA_LOAN_UPLOAD_BATCHES"] == "3"  # given back
+    with pytest.raises(SystemExit):
+        bench.main([*argv[:-1], "2,0"])
+    assert "--loan-upload-batches takes distinct comma-separated counts >= 1, got '2,0'" in \
+        capsys.readouterr().err
 
 
 def test_the_offload_bench_measures_each_experts_dtype(capsys, monkeypatch):

@@ -27,7 +27,7 @@ from strata.engine.experts import ExpertStore
 from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.quant import expert_blob_bytes
 
-__all__ = ["SLOT_ALIGN_BYTES", "Arena", "slot_bytes_for"]
+__all__ = ["SLOT_ALIGN_BYTES", "Arena", "record_event", "slot_bytes_for", "wait_for"]
 
 SLOT_ALIGN_BYTES = 256  # slots start on this boundary: aligned loads for every dtype
 
@@ -164,6 +164,40 @@ class Arena:
         anything is copied (IndexError for a slot, layer or expert out of range; ValueError for
         mismatched lengths, a slot named twice, or a store of another blob size).
         """
+        slots, experts = self._checked_copies(slots, experts, store)
+        if not slots.size:
+            return 0
+        if self._copy_stream is None:
+            self._copy(slots, experts, store, non_blocking=False)
+        else:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                self._copy(slots, experts, store, non_blocking=True)
+            self._copy_stream.synchronize()  # the batch's one sync: complete before any read
+        return int(slots.size) * self.blob_bytes
+
+    def upload_queued(self, slots: Sequence[int] | np.ndarray, experts: np.ndarray,
+                      store: ExpertStore, after: torch.cuda.Event | None
+                      ) -> torch.cuda.Event | None:
+        """`upload`, queued rather than complete: on CUDA the copies go on the copy stream once
+        `after` has happened (an event the caller recorded on the compute stream after the
+        last kernel that reads these slots' old bytes; None: at once), and the returned event
+        happens when they are done: a kernel that reads the slots must wait for it
+        (`wait_for`). The host does not wait. On the host the copies are complete when it
+        returns, and there is no event (None). Checked as `upload` checks."""
+        slots, experts = self._checked_copies(slots, experts, store)
+        if self._copy_stream is None:
+            self._copy(slots, experts, store, non_blocking=False)
+            return None
+        if after is not None:
+            self._copy_stream.wait_event(after)
+        with torch.cuda.stream(self._copy_stream):
+            self._copy(slots, experts, store, non_blocking=True)
+            return record_event(self.device)
+
+    def _checked_copies(self, slots: Sequence[int] | np.ndarray, experts: np.ndarray,
+                        store: ExpertStore) -> tuple[np.ndarray, np.ndarray]:
+        """slots int64 [n] and experts int64 [n, 2], every one checked (see `upload`)."""
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         experts = np.asarray(experts, dtype=np.int64).reshape(-1, 2)
         if slots.size != experts.shape[0]:
@@ -180,19 +214,14 @@ class Arena:
             raise ValueError(f"slots {slots.tolist()} name a slot twice")
         for layer, expert in experts:
             store.blob(int(layer), int(expert))  # IndexError for one out of range
-        if not slots.size:
-            return 0
-        if self._copy_stream is None:
-            for slot, (layer, expert) in zip(slots, experts, strict=True):
-                self._slots[slot, : self.blob_bytes].copy_(store.blob(int(layer), int(expert)))
-        else:
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._copy_stream):
-                for slot, (layer, expert) in zip(slots, experts, strict=True):
-                    blob = store.blob(int(layer), int(expert))
-                    self._slots[slot, : self.blob_bytes].copy_(blob, non_blocking=True)
-            self._copy_stream.synchronize()  # the batch's one sync: complete before any read
-        return int(slots.size) * self.blob_bytes
+        return slots, experts
+
+    def _copy(self, slots: np.ndarray, experts: np.ndarray, store: ExpertStore,
+              non_blocking: bool) -> None:
+        """The checked copies, on the current stream."""
+        for slot, (layer, expert) in zip(slots, experts, strict=True):
+            blob = store.blob(int(layer), int(expert))
+            self._slots[slot, : self.blob_bytes].copy_(blob, non_blocking=non_blocking)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy slot `src`'s bytes to slot `dst` on the device, complete when it returns."""
@@ -291,3 +320,20 @@ class Arena:
             self.stack = BlobStack(self._slots, self.dtype, self.quant, self.expert_width,
                                    self.hidden_size)
             self._range.close()
+
+
+def record_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded now on `device`'s current stream: it happens once everything queued
+    there so far has run. None off CUDA, where work is complete when it returns."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def wait_for(event: torch.cuda.Event | None, device: torch.device) -> None:
+    """`device`'s current stream waits for `event` (from `upload_queued` or `record_event`)
+    before what is queued next; nothing for None."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)

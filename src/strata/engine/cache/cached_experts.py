@@ -290,7 +290,7 @@ class CachedExperts:
     def resident_rows(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor
                       ) -> torch.Tensor:
         """[K + 1, D]: the rows of the resident experts of a one-token call (row k + 1 the
-        k-th expert's; row 0 scratch), read through the mirror, the others unwritten; no host
+        k-th expert's; row 0 scratch), read through the mirror, the others zeros; no host
         work (`graph_call.resident_rows`)."""
         return graph_call.resident_rows(self, layer, x, topk_ids)
 

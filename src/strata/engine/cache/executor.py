@@ -145,6 +145,18 @@ class CacheExecutor:
             self.on_upload(n_bytes, time.perf_counter() - started)
         return n_bytes
 
+    def upload_queued(self, slots: np.ndarray, experts: np.ndarray,
+                      after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """`upload` queued after `after`, not complete when it returns (`Arena.upload_queued`):
+        the returned event (None on the host, where it is complete) is what a reader of the
+        slots waits for. `on_upload` is told the bytes and the host's time to queue them."""
+        started = time.perf_counter()
+        done = self.arena.upload_queued(slots, experts, self.store, after)
+        if self.on_upload is not None:
+            self.on_upload(int(np.asarray(slots).size) * self.arena.blob_bytes,
+                           time.perf_counter() - started)
+        return done
+
     @contextmanager
     def change(self) -> Iterator[CacheChange]:
         """A change of the cache, all or nothing (see the module's docstring)."""

@@ -42,7 +42,11 @@ def compute_from_slots(
         # Each row's token and slot, [2, R] in one upload; the rows sorted by slot keep
         # routed.rows' order within a slot, the loop's.
         row_slots = np.repeat(slots.astype(np.int64), np.diff(routed.starts))
-        index = torch.from_numpy(np.stack([routed.rows // top_k, row_slots])).to(x.device)
+        index = torch.from_numpy(np.stack([routed.rows // top_k, row_slots]))
+        # Pinned, so that the copy does not wait for the stream (a pageable one would, and
+        # with it for the loan's uploads this batch's kernels wait for).
+        index = index.pin_memory().to(x.device, non_blocking=True) if x.is_cuda \
+            else index.to(x.device)
         return sorted_grouped.sorted_grouped_rows(arena.gate_up_all(), arena.down_all(),
                                                   x.index_select(0, index[0]),
                                                   index[1].unsqueeze(1))  # [R, D]

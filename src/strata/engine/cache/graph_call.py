@@ -11,8 +11,8 @@ rows and the weighted sum. On the H200 the hits' launches alone took 0.15 ms of 
 layer (bench/results/layer-call-cpu-2026-12-01.md). Split, a call has three parts:
 
 1. `resident_rows`, captured at the end of layer l's graph: each of the K rows computed from
-   the slot the mirror names; a row whose expert is not resident is left unwritten (the
-   experts' Triton kernels read nothing for a negative slot). The rows are [K + 1, D]: row
+   the slot the mirror names; a row whose expert is not resident is zeros (the experts'
+   Triton kernels read nothing for a negative slot). The rows are [K + 1, D]: row
    k + 1 is the token's k-th expert's, row 0 a scratch row (see 3);
 2. `fill_misses`, on the host between the graphs: `token_forward`'s steps without the hits.
    These are the books' split, the policy's `observe`, the misses (the CPU's computed and
@@ -47,9 +47,9 @@ __all__ = ["fill_misses", "resident_rows", "sum_rows"]
 def resident_rows(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor
                   ) -> torch.Tensor:
     """[K + 1, D]: row k + 1 the expert topk_ids[0, k] of `layer` over the one token x [1, D]
-    where the device mirror says it is resident, unwritten where it is not; row 0 a scratch
-    row. Reads nothing on the host, so a CUDA graph can hold it. `cache` is a `CachedExperts`
-    (not imported: it imports this)."""
+    where the device mirror says it is resident, zeros where it is not (a warm-up sums them
+    as they are); row 0 a scratch row. Reads nothing on the host, so a CUDA graph can hold
+    it. `cache` is a `CachedExperts` (not imported: it imports this)."""
     top_k = topk_ids.shape[1]
     if cache.prefetch is not None:  # the next layer's likely experts, for `fill_misses`
         cache.prefetch.predict(layer, x)
@@ -75,6 +75,9 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
     and `stats` told as `token_forward` tells them."""
     top_k = topk_ids.shape[1]
     call = split_call(cache, layer, x, topk_ids, stats)
+    # The next layer's predictions, read while the stream is drained by the routing's read:
+    # before this layer's uploads, which a later read would wait for.
+    predicted = cache.prefetch.read(layer) if cache.prefetch is not None else []
     blob_bytes = cache.store.blob_bytes
     if call.streamed is not None:
         with device_time(stats):
@@ -83,9 +86,9 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
         stats.uploaded_bytes += uploaded * blob_bytes  # less those prefetched
     elif cache.streamer is not None:
         cache.streamer.stage(layer, None, None)  # a map left from an earlier call: cleared
-    if cache.prefetch is not None:  # after this layer's uploads: the next one's likely misses
+    if predicted:  # after this layer's uploads: the next one's likely misses
         with device_time(stats):
-            stats.uploaded_bytes += cache.prefetch.issue(layer, cache.table,
+            stats.uploaded_bytes += cache.prefetch.issue(layer, predicted, cache.table,
                                                          cache.streamer) * blob_bytes
     if call.misses is not None:
         # The CPU's rows (k) + 1, uploaded into the part of the buffer `split_token` used for

@@ -16,9 +16,15 @@ The cycle, driven by `CachedExperts` through its `loan` hooks:
    `top` drops to the first lent slot, so that no admission lands in a lent slot, and the
    device mirror is re-uploaded before any kernel reads it. While the loan is open every long
    prompt pass sends its misses here; a short pass (<= `short_read` tokens) still goes to the CPU.
-2. `compute_misses`: per layer, the missed experts in batches of N: uploaded into the lent slots
-   (complete before the compute reads them; on CUDA the copy stream waits for the kernels that
-   still read the previous batch), then computed from the slots on the device.
+2. `compute_misses`: per layer, the missed experts uploaded into the lent slots and computed from
+   them on the device, in batches (`upload_plan`): with M <= N misses, `upload_batches` batches
+   in distinct slots, all queued on the copy stream at once, each computed as soon as it is
+   there while the next ones upload; with more, batches alternating between the two halves of
+   the lent slots, a batch's upload waiting for the compute of the batch before it in the same
+   slots. The host waits for none of it: the compute stream waits for each batch's upload
+   (an event), and the copy stream for the kernels that last read the slots. With
+   `upload_batches` 1, each batch (all M, or N at a time) is uploaded complete, the host
+   waiting, and then computed: the path before the pipelining, kept to measure against.
 3. `end_prompt` (the phase turns to decode, or the request ends): the policy's `refill` fills the
    lent slots (checked; default: the hottest missing experts), their blobs are uploaded, the books
    take them, `top` is restored and the mirror re-uploaded.
@@ -37,10 +43,12 @@ import numpy as np
 import torch
 
 from strata.books import CheckedPolicy
+from strata.engine.cache.arena import record_event, wait_for
 from strata.engine.cache.defaults import (
     DEFAULT_KEEP_SLOTS,
     DEFAULT_MAX_FRACTION,
     DEFAULT_SHORT_READ,
+    DEFAULT_UPLOAD_BATCHES,
 )
 from strata.engine.cache.executor import CacheExecutor
 from strata.engine.cache.from_slots import compute_from_slots
@@ -49,13 +57,19 @@ from strata.engine.experts.routed import Routed
 __all__ = [
     "DEFAULT_KEEP_SLOTS",
     "DEFAULT_MAX_FRACTION",
+    "DEFAULT_UPLOAD_BATCHES",
     "KEEP_SLOTS_ENV",
+    "MIN_BATCH_EXPERTS",
     "LoanOptions",
     "PromptLoan",
     "loan_slots",
+    "upload_plan",
 ]
 
 KEEP_SLOTS_ENV = "STRATA_LOAN_KEEP_SLOTS"  # overrides DEFAULT_KEEP_SLOTS (tiny test caches: 0)
+# A pipelined batch holds at least this many experts (all of them, when fewer are missed): a
+# grouped product over a handful of experts would cost more in launches than it overlaps.
+MIN_BATCH_EXPERTS = 8
 
 
 def _keep_slots_from_env() -> int:
@@ -65,6 +79,49 @@ def _keep_slots_from_env() -> int:
 
     keep = settings.read().loan_keep_slots
     return DEFAULT_KEEP_SLOTS if keep is None else keep
+
+
+def _upload_batches_from_env() -> int:
+    """`STRATA_LOAN_UPLOAD_BATCHES`, read and checked by `strata.settings`, else
+    DEFAULT_UPLOAD_BATCHES."""
+    from strata import settings
+
+    batches = settings.read().loan_upload_batches
+    return DEFAULT_UPLOAD_BATCHES if batches is None else batches
+
+
+def upload_plan(n_experts: int, n_slots: int, batches: int) -> list[tuple[int, int, int]]:
+    """How a layer's M = `n_experts` misses go through N = `n_slots` lent slots: (b0, b1,
+    first) for each batch in order, the experts [b0, b1) (in the misses' order) uploaded into
+    lent slots [first, first + b1 - b0).
+
+    M <= N: up to `batches` batches of about equal size, at least MIN_BATCH_EXPERTS each, in
+    distinct slots (expert i in slot i). M > N: batches of N // 2 alternating between the two
+    halves of the slots, or of N (every batch in the same slots) for `batches` 1 or N 1.
+    ValueError for M > 0 with N < 1, or `batches` < 1."""
+    if batches < 1:
+        raise ValueError(f"batches must be >= 1, got {batches}")
+    if n_experts == 0:
+        return []
+    if n_slots < 1:
+        raise ValueError(f"{n_experts} experts need a lent slot, there are none")
+    if n_experts <= n_slots:
+        size = max(-(-n_experts // batches), min(n_experts, MIN_BATCH_EXPERTS))
+        return [(b0, min(n_experts, b0 + size), b0) for b0 in range(0, n_experts, size)]
+    size = n_slots // 2 if batches > 1 and n_slots > 1 else n_slots
+    return [(b0, min(n_experts, b0 + size), (i % (n_slots // size)) * size)
+            for i, b0 in enumerate(range(0, n_experts, size))]
+
+
+def _reuses(plan: list[tuple[int, int, int]], b: int) -> int:
+    """The last batch before b whose slots overlap batch b's (-1: none): its compute must be
+    done before batch b's upload overwrites them."""
+    b0, b1, first = plan[b]
+    for earlier in range(b - 1, -1, -1):
+        e0, e1, other = plan[earlier]
+        if first < other + (e1 - e0) and other < first + (b1 - b0):
+            return earlier
+    return -1
 
 
 def loan_slots(
@@ -80,17 +137,22 @@ def loan_slots(
 class LoanOptions:
     """How the prompt loan lends: prompt passes longer than `short_read` tokens borrow;
     `keep_slots` is the fewest slots left to the cache during a loan (None: the environment's
-    `STRATA_LOAN_KEEP_SLOTS`, else 128); `max_fraction` the most of the arena lent (0.85).
-    ValueError for a bad option."""
+    `STRATA_LOAN_KEEP_SLOTS`, else 128); `max_fraction` the most of the arena lent (0.85);
+    `upload_batches` the batches a layer's misses upload in, each computed while the next
+    upload (`upload_plan`; None: `STRATA_LOAN_UPLOAD_BATCHES`, else 4). ValueError for a bad
+    option."""
 
     short_read: int = DEFAULT_SHORT_READ
     keep_slots: int | None = None
     max_fraction: float = DEFAULT_MAX_FRACTION
+    upload_batches: int | None = None
 
     def __post_init__(self) -> None:
         if self.keep_slots is None:
             object.__setattr__(self, "keep_slots", _keep_slots_from_env())
-        for name, low in (("short_read", 1), ("keep_slots", 0)):
+        if self.upload_batches is None:
+            object.__setattr__(self, "upload_batches", _upload_batches_from_env())
+        for name, low in (("short_read", 1), ("keep_slots", 0), ("upload_batches", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -143,7 +205,8 @@ class PromptLoan:
 
     def compute_misses(self, layer: int, x: torch.Tensor, misses: Routed) -> torch.Tensor:
         """[R, D] on the device, rows in `misses.rows` order: the missed experts streamed
-        through the lent slots, N at a time."""
+        through the lent slots in the batches of `upload_plan` (step 2 of the module's
+        docstring). On CUDA the rows are queued, not computed, when it returns."""
         if not self.active:
             raise ValueError("compute_misses: no loan is open (begin_pass opens one)")
         taken = self.lent[self.table.owner[self.lent] >= 0]
@@ -155,17 +218,40 @@ class PromptLoan:
                 "lent slot while the loan is open"
             )
         out = x.new_empty((misses.n_rows, x.shape[1]))  # [R, D]
-        for b0 in range(0, misses.n_experts, self.lent.size):
-            b1 = min(misses.n_experts, b0 + self.lent.size)
+        plan = upload_plan(misses.n_experts, self.lent.size, self.options.upload_batches)
+        reuses = [_reuses(plan, b) for b in range(len(plan))]
+        # Every kernel queued so far, the last readers of the lent slots among them (the
+        # previous layer's), is before this event: the first uploads wait for it.
+        start = record_event(x.device)
+        loaded: list[torch.cuda.Event | None] = []
+        computed: list[torch.cuda.Event | None] = []
+        for b, (b0, b1, first) in enumerate(plan):
+            # Queue every upload whose slots are free once the computes queued so far have
+            # run: all of them at once in distinct slots, else one batch ahead.
+            while len(loaded) < len(plan) and reuses[len(loaded)] < b:
+                q0, q1, q_first = plan[len(loaded)]
+                reused = reuses[len(loaded)]
+                loaded.append(self._upload(layer, misses.experts[q0:q1],
+                                           self.lent[q_first:q_first + q1 - q0],
+                                           start if reused < 0 else computed[reused]))
+            wait_for(loaded[b], x.device)  # the compute reads the slots once they are there
             r0, r1 = int(misses.starts[b0]), int(misses.starts[b1])
-            batch = misses.group(b0, b1)
-            slots = self.lent[: b1 - b0]
-            pairs = np.stack([np.full(b1 - b0, layer, np.int64), batch.experts], axis=1)
-            # Bytes only, not a change of the books: lent slots are empty in them.
-            self.executor.upload(slots, pairs)  # complete before the compute reads the slots
-            out[r0:r1] = compute_from_slots(self.executor.arena, x, batch, slots)
+            out[r0:r1] = compute_from_slots(self.executor.arena, x, misses.group(b0, b1),
+                                            self.lent[first:first + b1 - b0])
+            computed.append(record_event(x.device))
         self.streamed_experts += misses.n_experts
         return out
+
+    def _upload(self, layer: int, experts: np.ndarray, slots: np.ndarray,
+                after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """`layer`'s `experts` [n] into lent `slots` [n], queued after `after`; the event a
+        reader waits for. Bytes only, not a change of the books: lent slots are empty in
+        them. With `upload_batches` 1 the host waits instead (the path before; no event)."""
+        pairs = np.stack([np.full(experts.size, layer, np.int64), experts], axis=1)  # [n, 2]
+        if self.options.upload_batches == 1:
+            self.executor.upload(slots, pairs)
+            return None
+        return self.executor.upload_queued(slots, pairs, after)
 
     def end_prompt(self) -> None:
         """Refill the lent slots through the policy, then give `top` back."""

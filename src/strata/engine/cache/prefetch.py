@@ -13,10 +13,12 @@ uploading (bench/results/offload-split-h200-2026-12-02.md).
 The residual stream changes little from one layer to the next, so layer l+1's router applied
 to layer l's MoE input predicts much of layer l+1's routing (the predictor of pre-gated MoE
 systems). `MissPrefetch.predict` computes those K ids at the end of layer l's graph
-(`ops.router_route`) into a device buffer. `MissPrefetch.issue`, on the host after layer l's
-own uploads are queued, reads them (the read of layer l's routing has drained the stream up to
-there, so this one waits for nothing), and uploads the predicted experts layer l+1 does not
-hold into the staging half of l+1
+(`ops.router_route`) into a device buffer. `MissPrefetch.read`, on the host right after
+layer l's routing is read, reads them: that read drained the stream up to there, so this one
+waits for nothing. Read after layer l's own uploads were queued, it would wait for them (on
+the H200 that read cost a 16-layer olmoe round 6 ms; bench/results/
+offload-staged-h200-2026-12-02.md). `MissPrefetch.issue`, after those uploads are queued,
+uploads the predicted experts layer l+1 does not hold into the staging half of l+1
 (`StreamedMisses.prefetch`), on the copy stream while the device computes layer l. Layer l+1
 streams those of its misses first (`StreamedMisses.split`).
 
@@ -61,14 +63,20 @@ class MissPrefetch:
             ids, _ = router_route(x, self.routers[layer + 1], self.top_k, False)  # [1, K]
             self.predicted[layer + 1].copy_(ids[0])
 
-    def issue(self, layer: int, table: Any, streamer: Any) -> int:
-        """Upload layer+1's predicted experts that the books (`table`, a `ResidencyTable`) do
-        not hold, most likely first, up to the staging half's N blobs (`streamer`, a
-        `StreamedMisses` made with prefetch). Call after layer's routing was read: the stream
-        has then run its prediction. Returns the blobs uploaded."""
+    def read(self, layer: int) -> list[int]:
+        """Layer+1's predicted experts, most likely first, on the host ([] after the last
+        layer). Call right after layer's routing was read, before anything else is queued: the
+        stream has then run the prediction, and the read waits for nothing more."""
         if layer + 1 >= len(self.routers):
+            return []
+        return self.predicted[layer + 1].tolist()
+
+    def issue(self, layer: int, predicted: list[int], table: Any, streamer: Any) -> int:
+        """Upload layer+1's `predicted` experts (`read`) that the books (`table`, a
+        `ResidencyTable`) do not hold, most likely first, up to the staging half's N blobs
+        (`streamer`, a `StreamedMisses` made with prefetch). Returns the blobs uploaded."""
+        if not predicted:
             return 0
         slots = table.res[layer + 1]  # [E] int32, -1: not resident
-        missing = [e for e in self.predicted[layer + 1].tolist() if slots[e] < 0]
-        missing = missing[:streamer.n_blobs]
+        missing = [e for e in predicted if slots[e] < 0][:streamer.n_blobs]
         return streamer.prefetch(layer + 1, missing) if missing else 0

@@ -4,8 +4,9 @@ A *layer call* is one MoE layer of one forward pass. Lookups count routed (token
 `cpu_experts` counts distinct experts computed on the CPU per layer call, `cpu_tokens` the rows
 they computed. Times are wall seconds on the engine's thread, summed over the layer calls:
 `wait_s` waiting for the device (reading each layer's routing and the misses' inputs to the
-host), `device_s` issuing the device's share (hits, the loan), `upload_s` the cache's blocking
-uploads (admissions, the loan's batches, refills: `device_s` holds the loan's), `cpu_s`
+host), `device_s` issuing the device's share (hits, the loan), `upload_s` the cache's own
+uploads (admissions and refills, which the thread waits for; the loan's batches, which it only
+queues unless `STRATA_LOAN_UPLOAD_BATCHES` is 1: `device_s` holds the loan's), `cpu_s`
 computing misses on the CPU (while the device runs its share), `forward_s` everything inside
 the expert cache. Rounds replayed from a CUDA graph (every expert resident) count their calls,
 lookups and hits, but no times.
@@ -54,7 +55,8 @@ class PhaseStats:
         return self.cpu_tokens / self.layer_calls if self.layer_calls else 0.0
 
     def count_upload(self, n_bytes: int, seconds: float) -> None:
-        """One blocking upload of the cache (`CacheExecutor.upload`): its bytes and seconds."""
+        """One upload of the cache (`CacheExecutor.upload`, `upload_queued`): its bytes and
+        the host's seconds (waiting for it, or queueing it)."""
         self.uploaded_bytes += n_bytes
         self.upload_s += seconds
 

@@ -2,7 +2,7 @@
 
 Legend: R routed rows, D hidden size, F expert width; BF, BD the block sizes.
 Each kernel reads one expert's weights in place, at `w_ptr + index[r] * slot_stride` elements,
-rows `row_stride` apart (a negative index[r]: row r is left unwritten, no weight read):
+rows `row_stride` apart (a negative index[r]: no weight read, row r of the output zeros):
 `gate_up_act` its [2F, D] gate and up rows, `down` its [D, F] rows.
 A program keeps a [BF, BD] (or [BD, BF]) tile of fp32 products summed along its loop and reduces
 the tile across its columns once, at the end: one cross-thread reduction a program, not one a
@@ -21,7 +21,7 @@ def gate_up_act(w_ptr, index_ptr, x_ptr, act_ptr, slot_stride, row_stride, D, F,
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
-    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read, nothing stored
+    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read
     expert = w_ptr + tl.maximum(slot, 0) * slot_stride
     gate_tile = tl.zeros([BLOCK_F, BLOCK_D], dtype=tl.float32)
     up_tile = tl.zeros([BLOCK_F, BLOCK_D], dtype=tl.float32)
@@ -74,10 +74,19 @@ def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_st
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, nothing stored
+    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read
     y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, act_stride,
                     BLOCK_D, BLOCK_F)
-    tl.store(y_ptr + r * y_stride + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
+    store_rows(y_ptr, r, y_stride, d, D, slot, y)
+
+
+@triton.jit
+def store_rows(y_ptr, r, y_stride, d, D, slot, y):
+    # y[r, d] for d < D from the fp32 sums y [BD]; zeros for a negative slot. Its act row was
+    # never written, so its sums may be 0 * NaN: the zeros keep a row nobody fills (a decode
+    # graph's warm-up sums every row) from carrying garbage into the hidden state.
+    y = tl.where(slot >= 0, y, 0.0)
+    tl.store(y_ptr + r * y_stride + d, y.to(y_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ group). The roundings to the output dtype are those of the bf16 kernels (`_group
 import triton
 import triton.language as tl
 
-from strata.engine.experts._grouped_triton import store_act
+from strata.engine.experts._grouped_triton import store_act, store_rows
 
 
 @triton.jit
@@ -21,7 +21,7 @@ def int8_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, 
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
-    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read, nothing stored
+    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read
     blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     q = blob.to(tl.pointer_type(tl.int8))
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
@@ -48,7 +48,7 @@ def int8_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F,
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, nothing stored
+    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read
     blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     q = blob.to(tl.pointer_type(tl.int8)) + 2 * F * D
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
@@ -61,7 +61,7 @@ def int8_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F,
                     other=0)
         total += tl.sum(w.to(tl.float32) * act[None, :], axis=1)
     total *= tl.load(scales + 2 * F + d, mask=d_in, other=0.0)
-    tl.store(y_ptr + r * y_stride + d, total.to(y_ptr.dtype.element_ty), mask=d_in)
+    store_rows(y_ptr, r, y_stride, d, D, slot, total)
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def int4_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, 
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
-    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read, nothing stored
+    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read
     blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
     x = x_ptr + r * x_stride
@@ -115,7 +115,7 @@ def int4_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F,
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, nothing stored
+    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read
     blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
     act = act_ptr + r * act_stride
@@ -123,4 +123,4 @@ def int4_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F,
     for f0 in range(0, F, BLOCK_F):
         total += _int4_rows(blob, scales, 2 * F * D + d * F, d_in, act, f0, F, GROUP, BLOCK_F,
                             BLOCK_D)
-    tl.store(y_ptr + r * y_stride + d, total.to(y_ptr.dtype.element_ty), mask=d_in)
+    store_rows(y_ptr, r, y_stride, d, D, slot, total)

@@ -28,6 +28,7 @@ from strata.engine.model.kv_cells import LayerCells
 from strata.engine.model.ops import (
     QKHeads,
     add_rms_norm,
+    linear,
     rms_norm,
     rotate_and_write,
     route,
@@ -144,7 +145,7 @@ class Attention:
         causally, the T tokens being the last T of the N cells (a prompt chunk); None without
         `causal` means every cell (one token: decode).
         """
-        qkv = F.linear(x, self.wqkv, self.bqkv)  # [T, H*Dh + 2*G*Dh]
+        qkv = linear(x, self.wqkv, self.bqkv)  # [T, H*Dh + 2*G*Dh]
         # q's and k's heads normed and rotated side by side, k and v stored: one op.
         q = rotate_and_write(qkv, self.heads, cos, sin, positions, cells)  # [T, H, Dh]
         keys, values = cells.read(n_ctx, q.dtype)  # [N, G, Dh] each
@@ -153,7 +154,7 @@ class Attention:
             out = self._prompt(q, keys, values)
         else:
             out = self._folded(q, keys, values, mask)
-        return F.linear(out, self.wo, self.bo)  # [T, D]
+        return linear(out, self.wo, self.bo)  # [T, D]
 
     def _prompt(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """A prompt chunk, the last T of the N cells: causal, aligned at the last cell (row t
