@@ -179,6 +179,10 @@ class PromptLoan:
         self._top_before = -1
         self.loans = 0  # loans opened so far
         self.streamed_experts = 0  # experts uploaded into lent slots and computed there
+        # The event after the last kernel queued to read a lent slot: the loan's previous
+        # compute (nothing else reads a lent slot while the loan is open). None: no such
+        # compute yet in this loan.
+        self._last_read: torch.cuda.Event | None = None
 
     @property
     def active(self) -> bool:
@@ -220,9 +224,10 @@ class PromptLoan:
         out = x.new_empty((misses.n_rows, x.shape[1]))  # [R, D]
         plan = upload_plan(misses.n_experts, self.lent.size, self.options.upload_batches)
         reuses = [_reuses(plan, b) for b in range(len(plan))]
-        # Every kernel queued so far, the last readers of the lent slots among them (the
-        # previous layer's), is before this event: the first uploads wait for it.
-        start = record_event(x.device)
+        # The first uploads wait for the last kernel that read the lent slots: the previous
+        # layer's loan compute, not this layer's hits queued since (the copies overlap them);
+        # on a loan's first call, everything queued so far.
+        start = self._last_read if self._last_read is not None else record_event(x.device)
         loaded: list[torch.cuda.Event | None] = []
         computed: list[torch.cuda.Event | None] = []
         for b, (b0, b1, first) in enumerate(plan):
@@ -239,6 +244,7 @@ class PromptLoan:
             out[r0:r1] = compute_from_slots(self.executor.arena, x, misses.group(b0, b1),
                                             self.lent[first:first + b1 - b0])
             computed.append(record_event(x.device))
+            self._last_read = computed[-1]  # the stream runs in order: after every batch
         self.streamed_experts += misses.n_experts
         return out
 
@@ -258,6 +264,7 @@ class PromptLoan:
         if not self.active:
             return
         lent, self.lent = self.lent, np.empty(0, np.int32)
+        self._last_read = None  # the refill's upload waits for the whole stream
         try:
             with self.executor.change() as change:
                 free = lent[self.table.owner[lent] < 0]
