@@ -5,7 +5,9 @@ takes, and how much of the wall time is kernels at all (the rest is launching th
 each `--prompt-tokens` length it times `MoEModel.forward` over one chunk from position 0, and
 for decode one round at `--position` in each of strata's decode steps: eager, replayed from
 a CUDA graph (the default), the same graph with the layers' small ops in plain torch (as they
-were before `strata.engine.model.ops` had kernels: the baseline of the same run), and
+were before `strata.engine.model.ops` had kernels: the baseline of the same run), with the
+dense products by `F.linear` instead of `ops.linear`'s kernel, with the experts' `down` then
+the combine instead of the sum inside `down` (each the A/B of one kernel), and
 `--compile`'s (compiled with the experts' Triton kernels as a custom operator;
 `--gathered-compile` adds the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -191,21 +193,37 @@ def main(argv: list[str] | None = None) -> int:
                 return decode_step(model, kv, None, cuda_graphs=graphs, piecewise_graphs=False,
                                    compile=compile)
 
-            steps = [("decode, eager", step_of(False), False)]
+            # (label, step, what its graph is captured without: None, "ops" (the layer ops'
+            # kernels: their torch code), "linear" (`ops.linear`'s kernel: F.linear), "sum"
+            # (the weighted sum inside `down`: `down`, then the combine)).
+            steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
-                steps.append(("decode, CUDA graph (default)", step_of(True), False))
-                steps.append(("decode, CUDA graph, the layer ops in torch", step_of(True), True))
+                steps.append(("decode, CUDA graph (default)", step_of(True), None))
+                steps.append(("decode, CUDA graph, the layer ops in torch", step_of(True),
+                              "ops"))
+                steps.append(("decode, CUDA graph, the dense products by F.linear",
+                              step_of(True), "linear"))
+                if getattr(model.experts, "_sum_arrivals", None) is not None:
+                    steps.append(("decode, CUDA graph, down then the combine", step_of(True),
+                                  "sum"))
                 if not args.no_compile:
-                    steps.append(("decode, --compile", step_of(True, True), False))
-            for label, step, torch_ops in steps:
-                # The graph is captured here: with the ops' kernels, or with their torch code.
-                use_kernels = ops.use_kernels
-                if torch_ops:
+                    steps.append(("decode, --compile", step_of(True, True), None))
+            for label, step, without in steps:
+                # The graph is captured here, with or without the part named.
+                saved = ops.use_kernels, ops._linear_takes
+                arrivals = getattr(model.experts, "_sum_arrivals", None)
+                if without == "ops":
                     ops.use_kernels = lambda x: False
+                elif without == "linear":
+                    ops._linear_takes = lambda *args: False
+                elif without == "sum":
+                    model.experts._sum_arrivals = None
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:
-                    ops.use_kernels = use_kernels
+                    ops.use_kernels, ops._linear_takes = saved
+                    if without == "sum":
+                        model.experts._sum_arrivals = arrivals
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,
                                     args.repeat, 1, args.host_profile and step.path == "eager"))
                 print_summary(rows[-1])
