@@ -21,7 +21,7 @@ def gate_up_act(w_ptr, index_ptr, x_ptr, act_ptr, slot_stride, row_stride, D, F,
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
-    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read
+    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read, nothing stored
     expert = w_ptr + tl.maximum(slot, 0) * slot_stride
     gate_tile = tl.zeros([BLOCK_F, BLOCK_D], dtype=tl.float32)
     up_tile = tl.zeros([BLOCK_F, BLOCK_D], dtype=tl.float32)
@@ -74,7 +74,7 @@ def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_st
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read
+    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, zeros stored
     y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, act_stride,
                     BLOCK_D, BLOCK_F)
     store_rows(y_ptr, r, y_stride, d, D, slot, y)

@@ -21,7 +21,7 @@ def int8_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, 
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
-    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read
+    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read, nothing stored
     blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     q = blob.to(tl.pointer_type(tl.int8))
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
@@ -48,7 +48,7 @@ def int8_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F,
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read
+    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, zeros stored
     blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     q = blob.to(tl.pointer_type(tl.int8)) + 2 * F * D
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
@@ -96,7 +96,7 @@ def int4_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, 
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
-    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read
+    f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read, nothing stored
     blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
     x = x_ptr + r * x_stride
@@ -115,7 +115,7 @@ def int4_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F,
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read
+    d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, zeros stored
     blob = blob_ptr + tl.maximum(slot, 0) * slot_stride
     scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
     act = act_ptr + r * act_stride

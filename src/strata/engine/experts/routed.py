@@ -81,7 +81,7 @@ class Routed:
                       self.rows[r0:r1].copy(), self.top_k)
 
     def pick(self, indices: np.ndarray) -> Routed:
-        """The rows of experts[indices] (indices int, ascending, distinct, within [0, M]) as a
+        """The rows of experts[indices] (indices int, ascending, distinct, within [0, M)) as a
         Routed of their own: `group` for experts that need not be adjacent."""
         indices = np.asarray(indices, dtype=np.int64)
         if indices.size and (indices[0] < 0 or indices[-1] >= self.n_experts
