@@ -6,8 +6,7 @@ each `--prompt-tokens` length it times `MoEModel.forward` over one chunk from po
 for decode one round at `--position` in each of strata's decode steps: eager, replayed from
 a CUDA graph (the default), the same graph with the layers' small ops in plain torch (as they
 were before `strata.engine.model.ops` had kernels: the baseline of the same run), with the
-dense products by `F.linear` instead of `ops.linear`'s kernel, with the experts' `down` then
-the combine instead of the sum inside `down` (each the A/B of one kernel), and
+experts' `down` then the combine instead of the sum inside `down` (each the A/B of one kernel), and
 `--compile`'s (compiled with the experts' Triton kernels as a custom operator;
 `--gathered-compile` adds the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -194,15 +193,13 @@ def main(argv: list[str] | None = None) -> int:
                                    compile=compile)
 
             # (label, step, what its graph is captured without: None, "ops" (the layer ops'
-            # kernels: their torch code), "linear" (`ops.linear`'s kernel: F.linear), "sum"
-            # (the weighted sum inside `down`: `down`, then the combine)).
+            # kernels: their torch code), "sum" (the weighted sum inside `down`: `down`, then
+            # the combine)).
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
                 steps.append(("decode, CUDA graph, the layer ops in torch", step_of(True),
                               "ops"))
-                steps.append(("decode, CUDA graph, the dense products by F.linear",
-                              step_of(True), "linear"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
@@ -210,18 +207,16 @@ def main(argv: list[str] | None = None) -> int:
                     steps.append(("decode, --compile", step_of(True, True), None))
             for label, step, without in steps:
                 # The graph is captured here, with or without the part named.
-                saved = ops.use_kernels, ops._linear_takes
+                saved = ops.use_kernels
                 arrivals = getattr(model.experts, "_sum_arrivals", None)
                 if without == "ops":
                     ops.use_kernels = lambda x: False
-                elif without == "linear":
-                    ops._linear_takes = lambda *args: False
                 elif without == "sum":
                     model.experts._sum_arrivals = None
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:
-                    ops.use_kernels, ops._linear_takes = saved
+                    ops.use_kernels = saved
                     if without == "sum":
                         model.experts._sum_arrivals = arrivals
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,

@@ -55,8 +55,8 @@
 # chunks of 32 and 4,096 without --compile), stream-issue (0.5: bench/stream_issue.py, the
 # host's time issuing streamed misses, part by part, olmoe and qwen3 shapes, sync-checked),
 # router-route (2: bench/router_route.py, the decode router kernel's launch shapes swept),
-# decode-linear (3: bench/decode_linear.py, the one-token product kernel's launch shapes
-# against F.linear on each preset's q/k/v, output and logits matrices),
+# decode-attention (2: bench/decode_attention.py, the decode attention kernel's launch shapes
+# against the fused SDPA it replaced, each preset's heads at 256 to 16,384 cells),
 # offload-prefetch (3.5: decode on both at --stream-misses 4, with and without the next
 # layer's predicted misses prefetched; offload-prefetch-olmoe, 2: olmoe's alone),
 # offload-balance-olmoe and offload-balance-qwen3 (3 and 4: decode at --stream-misses auto, 2,
@@ -184,9 +184,9 @@ for stage in "$@"; do
                     (cd bench && timeout 100 python3 stream_issue.py --preset $preset \
                        --sync-check)
                   done > "$OUT/stream-issue.json" 2>&1; grep "bench/" "$OUT/stream-issue.json" ;;
-    decode-linear) (cd bench && timeout 300 python3 decode_linear.py) \
-                      > "$OUT/decode-linear.json" 2> "$OUT/decode-linear.err"
-                  grep "bench/" "$OUT/decode-linear.json"; tail -3 "$OUT/decode-linear.err" ;;
+    decode-attention) (cd bench && timeout 300 python3 decode_attention.py) \
+                      > "$OUT/decode-attention.json" 2> "$OUT/decode-attention.err"
+                  grep "bench/" "$OUT/decode-attention.json"; tail -3 "$OUT/decode-attention.err" ;;
     router-route) (cd bench && timeout 240 python3 router_route.py) > "$OUT/router-route.json" \
                       2> "$OUT/router-route.err"; grep "bench/" "$OUT/router-route.json" ;;
     offload-prefetch|offload-prefetch-olmoe)  # the next layer's predicted misses ahead: A/B

@@ -85,14 +85,19 @@ class PageSession:
     def _environment(self) -> dict[str, str]:
         """The reader's environment, made repeatable: none of the caller's STRATA_* settings;
         the venv's commands first on PATH; the page's own cache, site and plugins; unbuffered
-        Python (stdout and stderr interleave as on a terminal); fixed width and no colour."""
+        Python (stdout and stderr interleave as on a terminal); fixed width and no colour;
+        torch's CPU kernels without their vector instructions (ATEN_CPU_CAPABILITY) and MKL's
+        products in its reproducible mode (MKL_CBWR): each instruction set rounds some ops in
+        its own way, enough to flip a random tiny model's near-tied routing, so the pages'
+        figures would differ between an AVX2 machine and an AVX-512 one."""
         env = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.site),
                                                           os.environ.get("PYTHONPATH")]))
         env.update(STRATA_CACHE_DIR=str(self.cache), STRATA_LOAD_PLUGINS="",
                    PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8", PYTHONDONTWRITEBYTECODE="1",
-                   COLUMNS="100", TERM="dumb", NO_COLOR="1", MPLBACKEND="Agg")
+                   COLUMNS="100", TERM="dumb", NO_COLOR="1", MPLBACKEND="Agg",
+                   ATEN_CPU_CAPABILITY="default", MKL_CBWR="COMPATIBLE")
         return env
 
     def write(self, step: WriteFile) -> Path:

@@ -30,7 +30,6 @@ from strata.engine.model.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from strata.engine.model.ops import linear
 
 __all__ = ["RUNTIME_DTYPES", "KVCells", "MoEModel", "load_model", "runtime_dtype"]
 
@@ -194,7 +193,7 @@ class MoEModel:
         elif last_only:
             x, delta = x[-1:], delta[-1:]  # [1, D] each
         _, x = add_rms_norm(x, delta, self.final_norm, self.config.rms_norm_eps)
-        return linear(x, self.lm_head).float()  # [T, V]
+        return F.linear(x, self.lm_head).float()  # [T, V]
 
 
 def runtime_dtype(cfg: ModelConfig, dtype: torch.dtype | None) -> torch.dtype:

@@ -12,9 +12,10 @@ Triton, as one kernel (`_ops_triton`) that rounds where the reference's ops roun
 - `rotate_and_write`: q's and k's norms, their weights, the rotation, and k's and v's writes
   to the K/V cells, up to 10 in one;
 - `route`: the softmax, the top k and the renormalization, 2-3 in one; `router_route` the
-  router's product before them too, for the few tokens of a decode step (`ROUTER_MAX_TOKENS`);
-- `linear`: a decode step's dense products (q, k and v's, the output's, the logits') for its
-  one token, a matrix-vector product read by many programs at once.
+  router's product before them too, for the few tokens of a decode step (`ROUTER_MAX_TOKENS`).
+The dense products stay with cuBLAS (`F.linear`): a one-token kernel for them, swept over 48
+launch shapes, lost to it inside the decode graph
+(bench/results/decode-linear-h200-2026-12-02.md).
 
 Which runs is chosen by the tensors' device alone, never by their values, so a CUDA graph
 captures the kernels as an eager call runs them (the same bytes), and under `torch.compile`
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from strata.engine.model.kv_cells import LayerCells
 
-__all__ = ["QKHeads", "add_rms_norm", "apply_rope", "linear", "qk_norm_rope", "rms_norm",
+__all__ = ["QKHeads", "add_rms_norm", "apply_rope", "qk_norm_rope", "rms_norm",
            "rotate_and_write", "route", "router_route", "use_kernels"]
 
 NORMS = {"none": 0, "full": 1, "head": 2}  # `ModelConfig.qk_norm` -> the kernel's NORM
@@ -47,12 +48,6 @@ ROUTER_MAX_TOKENS = 8
 ROUTER_SPLITS = 64
 ROUTER_BLOCK_D = 32
 ROUTER_WARPS = 4
-# `linear`'s kernel for one token: LINEAR_BLOCK_N output rows a program (a decode step's
-# 4-50K rows spread over hundreds of programs), LINEAR_BLOCK_K columns a step, LINEAR_WARPS
-# warps. Not yet swept on a GPU: bench/decode_linear.py times these against `F.linear`.
-LINEAR_BLOCK_N = 16
-LINEAR_BLOCK_K = 256
-LINEAR_WARPS = 4
 
 
 @functools.cache
@@ -262,44 +257,6 @@ def route_triton(
             logits, ids, weights, n_experts, top_k, logits.stride(0), NORMALIZE=normalize,
             BLOCK_E=_block(n_experts), BLOCK_K=_block(top_k), num_warps=1)
     return ids, weights
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N].
-
-    On CUDA, for one token (a decode step) in bf16 or fp16 with contiguous rows, one kernel
-    (`linear_triton`); else `F.linear`. The kernel sums in float32 and rounds once, as
-    cuBLAS does, but in its own order: the last bit may differ from `F.linear`'s."""
-    if use_kernels(x) and _linear_takes(x, weight, bias):
-        return linear_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def _linear_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
-            and x.stride(1) == 1 and (bias is None or bias.is_contiguous()))
-
-
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  block_n: int = LINEAR_BLOCK_N, block_k: int = LINEAR_BLOCK_K,
-                  num_warps: int = LINEAR_WARPS) -> torch.Tensor:
-    """`linear` of one token x [1, K] by its Triton kernel (under Triton's interpreter on the
-    CPU in tests): [1, N] in x's dtype. `block_n`, `block_k` (powers of two) and `num_warps`
-    are its launch shape, for bench/decode_linear.py's sweep."""
-    n, k = weight.shape
-    if x.shape != (1, k) or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"linear_triton takes one token [1, {k}] with contiguous rows and a "
-                         f"weight [N, {k}] with contiguous rows, got x {list(x.shape)}, weight "
-                         f"{list(weight.shape)}")
-    if block_n & (block_n - 1) or block_k & (block_k - 1) or min(block_n, block_k) < 1:
-        raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
-    out = x.new_empty((1, n))  # [1, N]
-    _kernels().linear_one[(-(-n // block_n),)](
-        x, weight, bias if bias is not None else x, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
-    return out
 
 
 def router_route(

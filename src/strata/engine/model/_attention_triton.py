@@ -1,0 +1,89 @@
+"""The Triton kernel of `strata.engine.model.decode_attention` (imported only with Triton).
+
+Legend: G kv heads, R query heads per kv head (H = G*R), N cells attended, S splits of the
+cells, Dh head dim; BLOCK_* a power of two at least the size (BLOCK_R at least 16: `tl.dot`'s
+least).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _online(row_max, row_sum, acc, scores, values):
+    # One step of the online softmax: the running row maxima row_max [BR], sums row_sum [BR]
+    # and weighted values acc [BR, BD] (float32) taking scores [BR, BC] (float32, -inf where
+    # masked) and their values [BC, BD]. A row every score of which is -inf so far keeps
+    # row_max = -inf, row_sum = 0, acc = 0 (the safe maximum 0 keeps exp() off -inf - -inf).
+    m_new = tl.maximum(row_max, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(row_max - m_safe)
+    p = tl.exp(scores - m_safe[:, None])  # [BR, BC]
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    # P rounded to the values' dtype for the product, as the fused attention kernels do.
+    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+    return m_new, row_sum, acc
+
+
+@triton.jit
+def decode_attention(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, stats_ptr, arrived_ptr, out_ptr,
+                     N, R, Dh, n_splits, scale, k_head_stride, k_cell_stride, v_head_stride,
+                     v_cell_stride, HAS_MASK: tl.constexpr, CELLS_PER_SPLIT: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (g, s): kv head g's R query heads q [R, Dh] (rows g*R .. g*R + R - 1 of
+    # q [H, Dh]) over cells [s*CELLS_PER_SPLIT, (s+1)*CELLS_PER_SPLIT) of N, BLOCK_C at a
+    # time: scores q.k * scale (+ mask [N]) in float32, an online softmax, its partial row
+    # maxima and sums [G, S, 2, BR] and weighted values acc [G, S, BR, BD] stored. Each
+    # program then counts itself in arrived[g]; the last to arrive (acquiring the others'
+    # partials) merges the S partials in split order (the same order whichever program is
+    # last: the same bytes), stores out [H, Dh] = acc / row_sum in out's dtype, and sets
+    # arrived[g] back to 0 for the next launch.
+    g = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    r_in, d_in = r < R, d < Dh
+    rd_in = r_in[:, None] & d_in[None, :]
+    q = tl.load(q_ptr + (g * R + r[:, None]) * Dh + d[None, :], mask=rd_in, other=0.0)
+    row_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for c0 in range(0, CELLS_PER_SPLIT, BLOCK_C):
+        c = split * CELLS_PER_SPLIT + c0 + tl.arange(0, BLOCK_C)  # [BC]
+        c_in = c < N
+        cd_in = c_in[:, None] & d_in[None, :]
+        k = tl.load(k_ptr + g * k_head_stride + c[:, None].to(tl.int64) * k_cell_stride
+                    + d[None, :], mask=cd_in, other=0.0)  # [BC, BD]
+        v = tl.load(v_ptr + g * v_head_stride + c[:, None].to(tl.int64) * v_cell_stride
+                    + d[None, :], mask=cd_in, other=0.0)  # [BC, BD]
+        scores = tl.dot(q, tl.trans(k)) * scale  # [BR, BC]
+        if HAS_MASK:
+            scores += tl.load(mask_ptr + c, mask=c_in, other=0.0).to(tl.float32)[None, :]
+        scores = tl.where(c_in[None, :], scores, float("-inf"))
+        row_max, row_sum, acc = _online(row_max, row_sum, acc, scores, v)
+    part = g * n_splits + split
+    tl.store(stats_ptr + (part * 2) * BLOCK_R + r, row_max, mask=r_in)
+    tl.store(stats_ptr + (part * 2 + 1) * BLOCK_R + r, row_sum, mask=r_in)
+    tl.store(acc_ptr + (part * BLOCK_R + r[:, None]) * BLOCK_D + d[None, :], acc, mask=rd_in)
+    if tl.atomic_add(arrived_ptr + g, 1, sem="acq_rel") == n_splits - 1:
+        row_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for s in range(0, n_splits):
+            part = g * n_splits + s
+            max_s = tl.load(stats_ptr + (part * 2) * BLOCK_R + r, mask=r_in,
+                            other=float("-inf"), volatile=True)
+            sum_s = tl.load(stats_ptr + (part * 2 + 1) * BLOCK_R + r, mask=r_in, other=0.0,
+                            volatile=True)
+            acc_s = tl.load(acc_ptr + (part * BLOCK_R + r[:, None]) * BLOCK_D + d[None, :],
+                            mask=rd_in, other=0.0, volatile=True)
+            m_new = tl.maximum(row_max, max_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha, beta = tl.exp(row_max - m_safe), tl.exp(max_s - m_safe)
+            row_sum = row_sum * alpha + sum_s * beta
+            acc = acc * alpha[:, None] + acc_s * beta[:, None]
+            row_max = m_new
+        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # a row with no cell: zeros
+        tl.store(out_ptr + (g * R + r[:, None]) * Dh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rd_in)
+        tl.store(arrived_ptr + g, 0)

@@ -1,0 +1,131 @@
+"""One token's attention over the K/V cells (a decode step) as one kernel.
+
+Dimension letters: H query heads, G kv heads, R = H / G query heads per kv head, N cells
+attended, S splits of the cells, Dh head dim.
+
+At a decode step `F.scaled_dot_product_attention` over the R query heads folded per kv head
+(the layer's `_folded`) costs 8-11 µs a layer on the H200 at a few hundred cells, and with
+grouped kv heads (R > 1) it reads the cells at 1-5% of the device's bandwidth at any length.
+Here the cells are split into S parts read by G*S programs at once (flash-decoding), each
+with the R query heads of its kv head; the last program of a kv head to finish merges the S
+partial softmaxes in a fixed order, so the bytes do not depend on which program finishes
+last, and one launch does it all (no merge kernel). The two differ by float32 rounding in the
+softmax's sums and by P rounded to the cells' dtype before its product with V, as the fused
+kernels round it.
+
+Where it runs (`takes`), from bench/decode_attention.py's sweep on the H200
+(bench/results/decode-attention-h200-2026-12-02.md): with grouped kv heads at every length
+(1.6x to 5.5x SDPA's speed from 256 to 16,384 cells); without them (R = 1, as olmoe) up to
+`UNGROUPED_MAX_CELLS` cells, past which SDPA's kernel reads the cells faster than this one,
+whose merge is serial in S.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["UNGROUPED_MAX_CELLS", "attend_one", "attend_one_triton", "launch_shape", "takes"]
+
+UNGROUPED_MAX_CELLS = 256
+BLOCK_CELLS = 64  # cells a program reads at a time
+MAX_KV_HEADS = 256  # the arrival counters kept per device
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernel module, or None without Triton."""
+    try:
+        from strata.engine.model import _attention_triton
+    except ImportError:
+        return None
+    return _attention_triton
+
+
+def takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the layer attends q [T, H, Dh] over keys, values [G, N, Dh] with `attend_one`:
+    one token on CUDA with Triton, outside a compilation, in bf16 or fp16, each head's row
+    contiguous, and grouped kv heads or at most UNGROUPED_MAX_CELLS cells. Shapes alone
+    decide (never values), so a CUDA graph captures what an eager call runs."""
+    return (q.is_cuda and not torch.compiler.is_compiling() and _kernels() is not None
+            and q.dim() == 3 and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16)
+            and keys.dtype == q.dtype and values.dtype == q.dtype
+            and keys.stride(2) == 1 and values.stride(2) == 1
+            and keys.shape[0] <= MAX_KV_HEADS
+            and (q.shape[1] > keys.shape[0] or keys.shape[1] <= UNGROUPED_MAX_CELLS))
+
+
+def launch_shape(n_cells: int, per_kv: int) -> tuple[int, int]:
+    """(cells a program, warps) for N cells and R query heads per kv head: the sweep's best
+    within a few percent at each length measured. 128 cells a program up to 1,024 cells
+    (more programs at once); 256 past that, where the merge's serial steps, one per split,
+    cost more than the reads they spread. 8 warps with grouped heads, 4 without."""
+    return (128 if n_cells <= 1024 else 256), (8 if per_kv > 1 else 4)
+
+
+@functools.cache
+def _arrived(device: torch.device) -> torch.Tensor:
+    """The kernel's count of arrived programs per kv head, on `device`: zeros between launches
+    (each head's last program sets its count back). One per device, kept for the process: a
+    CUDA graph holds its address. Made by an eager call (the engine runs every step once
+    before capturing it)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("attend_one's first call on a device must be eager, not inside a "
+                           "CUDA graph's capture: run the step once before capturing it")
+    return torch.zeros(MAX_KV_HEADS, dtype=torch.int32, device=device)
+
+
+def _block(n: int, least: int = 1) -> int:
+    return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One token's attention: q [1, H, Dh] over keys, values [G, N, Dh] (query head h reads kv
+    head h // R), `mask` [1, N] added to the scores (-inf: not attended) or None (every cell)
+    -> [1, H*Dh] in q's dtype, by the kernel at `launch_shape`. Only where `takes` holds: the
+    layer's fused path is the reference elsewhere."""
+    if not takes(q, keys, values):
+        raise ValueError("attend_one takes one token in bf16 or fp16 on CUDA "
+                         f"(q [1, H, Dh]), got q {list(q.shape)} {q.dtype} on {q.device}")
+    split_cells, warps = launch_shape(keys.shape[1], q.shape[1] // keys.shape[0])
+    return attend_one_triton(q, keys, values, mask, scale, split_cells=split_cells,
+                             num_warps=warps)
+
+
+def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor | None, scale: float, *, split_cells: int = 128,
+                      block_cells: int = BLOCK_CELLS, num_warps: int = 4) -> torch.Tensor:
+    """`attend_one` by its Triton kernel (under Triton's interpreter on the CPU in tests).
+    `split_cells` (the cells a program, a multiple of `block_cells`), `block_cells` (a power
+    of two, at least 16) and `num_warps` are its launch shape, for bench/decode_attention.py's
+    sweep."""
+    _, n_heads, head_dim = q.shape
+    n_kv_heads, n_cells, _ = keys.shape
+    if n_heads % n_kv_heads or values.shape != keys.shape or keys.shape[2] != head_dim:
+        raise ValueError(f"attend_one needs q [1, H, Dh] and keys, values [G, N, Dh] with G "
+                         f"dividing H, got q {list(q.shape)}, keys {list(keys.shape)}, "
+                         f"values {list(values.shape)}")
+    if block_cells < 16 or block_cells & (block_cells - 1) or split_cells % block_cells:
+        raise ValueError(f"block_cells must be a power of two >= 16 dividing split_cells, got "
+                         f"{block_cells} and {split_cells}")
+    if mask is not None and (mask.shape != (1, n_cells) or mask.stride(1) != 1):
+        raise ValueError(f"mask must be [1, {n_cells}] with contiguous cells, got "
+                         f"{list(mask.shape)}")
+    per_kv = n_heads // n_kv_heads  # R
+    block_r, block_d = _block(per_kv, 16), _block(head_dim, 16)
+    n_splits = max(1, -(-n_cells // split_cells))  # S
+    q = q.contiguous()
+    out = q.new_empty((n_heads, head_dim))  # [H, Dh]
+    partial = torch.empty((n_kv_heads, n_splits, block_r, block_d), dtype=torch.float32,
+                          device=q.device)  # [G, S, BR, BD]
+    stats = torch.empty((n_kv_heads, n_splits, 2, block_r), dtype=torch.float32,
+                        device=q.device)  # [G, S, (max, sum), BR]
+    _kernels().decode_attention[(n_kv_heads, n_splits)](
+        q, keys, values, mask if mask is not None else q, partial, stats, _arrived(q.device),
+        out, n_cells, per_kv, head_dim, n_splits, scale, keys.stride(0), keys.stride(1),
+        values.stride(0), values.stride(1), HAS_MASK=mask is not None,
+        CELLS_PER_SPLIT=split_cells, BLOCK_C=block_cells, BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=num_warps)
+    return out.view(1, n_heads * head_dim)

@@ -1,0 +1,192 @@
+"""`strata.engine.model.decode_attention`: one token's attention as one kernel. Under Triton's
+interpreter on the CPU (a fresh interpreter: TRITON_INTERPRET is set before Triton is
+imported): against a float32 reference over odd head counts, lengths that end inside a split,
+whole splits masked (a sliding window), one cell, no mask, launched twice (the arrival counts
+set back); a model's decode steps through it; bad launch shapes refused. On CUDA: the kernel in
+bf16 against the reference and the fused path it replaces, its bytes replayed from a CUDA
+graph, and the layer taking it for one token alone."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.engine.model import decode_attention
+from support.bench_scripts import load_bench
+from support.interpreted import run_interpreted
+
+
+def reference(q, keys, values, mask, scale):
+    """q [1, H, Dh] over keys, values [G, N, Dh] in float32 -> [1, H*Dh] (float32)."""
+    r = q.shape[1] // keys.shape[0]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), keys.float().repeat_interleave(r, 0),
+        values.float().repeat_interleave(r, 0),
+        attn_mask=None if mask is None else mask.float(), scale=scale)  # [H, 1, Dh]
+    return out.reshape(1, -1)
+
+
+def inputs(n_heads, n_kv_heads, head_dim, n_cells, dtype, seed, device="cpu"):
+    """q [1, H, Dh] and keys, values [G, N, Dh] as `LayerCells.read` gives them: views of
+    cells [N, G, Dh]."""
+    gen = torch.Generator(device).manual_seed(seed)
+    q = torch.randn(1, n_heads, head_dim, generator=gen, device=device).to(dtype)
+    cells = torch.randn(2, n_cells, n_kv_heads, head_dim, generator=gen, device=device)
+    cells = cells.to(dtype)
+    return q, cells[0].transpose(0, 1), cells[1].transpose(0, 1)
+
+
+_INTERPRETED = r"""
+import json, sys, tempfile
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_decode_attention import inputs, reference
+from strata.engine.model import decode_attention, load_model
+from strata.engine.model.layers import attention_mask
+from strata.engine.kv import new_kv
+from support.checkpoints import make_checkpoint
+
+results = {"shapes": [], "refused": []}
+# (H, G, Dh, N, position, window, split, block): one kv head for all (R = 8), R = 3, no GQA;
+# N ending inside a split; a window masking whole splits; one cell; no mask (position None).
+for seed, (h, g, dh, n, position, window, split, block) in enumerate((
+        (8, 1, 64, 300, 290, None, 64, 32), (6, 2, 16, 40, 39, None, 32, 16),
+        (4, 4, 32, 130, 129, 20, 32, 16), (2, 1, 16, 1, 0, None, 64, 16),
+        (3, 3, 16, 50, None, None, 32, 32))):
+    q, keys, values = inputs(h, g, dh, n, torch.float16, seed)
+    mask = None if position is None else attention_mask(torch.tensor([position]), n, window,
+                                                        torch.float16)
+    got = decode_attention.attend_one_triton(q, keys, values, mask, dh ** -0.5,
+                                             split_cells=split, block_cells=block)
+    again = decode_attention.attend_one_triton(q, keys, values, mask, dh ** -0.5,
+                                               split_cells=split, block_cells=block)
+    exact = reference(q, keys, values, mask, dh ** -0.5)
+    results["shapes"].append({"shape": list(got.shape), "dtype": str(got.dtype),
+                              "repeats": torch.equal(got, again),
+                              "error": ((got.float() - exact).abs().max()
+                                        / exact.abs().max()).item()})
+q, keys, values = inputs(4, 2, 16, 8, torch.float16, 0)
+for kwargs in ({"block_cells": 8}, {"split_cells": 48, "block_cells": 32}):
+    try:
+        decode_attention.attend_one_triton(q, keys, values, None, 0.25, **kwargs)
+    except ValueError as err:
+        results["refused"].append(str(err))
+try:
+    decode_attention.attend_one_triton(q, keys, values, torch.zeros(1, 7, dtype=torch.float16),
+                                       0.25)
+except ValueError as err:
+    results["refused"].append(str(err))
+
+# A model's decode steps through the kernel (float32 on the CPU, `takes` told yes: models run
+# in bf16 or float32, and the interpreter computes no bf16 products) against the fused path.
+launched = []
+def logits_of(model, kernel):
+    takes, attend = decode_attention.takes, decode_attention.attend_one_triton
+    decode_attention.takes = lambda q, k, v: kernel and q.shape[0] == 1
+    decode_attention.attend_one_triton = (
+        lambda *args, **kw: launched.append(1) or attend(*args, **kw))
+    try:
+        with new_kv(model, 16) as kv:
+            rows = [model.forward(torch.tensor([3, 1, 4, 1, 5]), 0, kv)]
+            rows += [model.forward(torch.tensor([9 + step]), 5 + step, kv) for step in range(3)]
+            return torch.cat(rows)
+    finally:
+        decode_attention.takes, decode_attention.attend_one_triton = takes, attend
+
+with tempfile.TemporaryDirectory() as tmp:
+    ckpt = make_checkpoint(Path(tmp) / "qwen3", "qwen3_moe", dtype=torch.float32)
+    model = load_model(ckpt, dtype=torch.float32)
+    fused, kernel = logits_of(model, False), logits_of(model, True)
+    results["model"] = {"prompt_equal": torch.equal(fused[:5], kernel[:5]),
+                        "error": (fused - kernel).abs().max().item(),
+                        "scale": fused.abs().max().item(), "launches": len(launched),
+                        "argmax_equal": torch.equal(fused.argmax(-1), kernel.argmax(-1))}
+print(json.dumps(results))
+"""
+
+
+def test_the_kernel_under_the_interpreter_matches_the_reference_and_a_model_decodes_with_it():
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
+    assert [row["shape"] for row in results["shapes"]] == [[1, 512], [1, 96], [1, 128],
+                                                            [1, 32], [1, 48]]
+    for row in results["shapes"]:
+        # float16 P before its product with V: a rounding of the largest output, or two.
+        assert row["dtype"] == "torch.float16" and row["repeats"], row
+        assert row["error"] <= 2e-3, row
+    assert "block_cells must be a power of two >= 16" in results["refused"][0]
+    assert "dividing split_cells, got 32 and 48" in results["refused"][1]
+    assert "mask must be [1, 8]" in results["refused"][2]
+    model = results["model"]
+    assert model["prompt_equal"]  # a prompt chunk never takes the kernel
+    assert model["launches"] == 3 * 2  # each decode step's layers (the checkpoint has 2)
+    assert model["argmax_equal"] and model["error"] <= 1e-4 * max(model["scale"], 1.0)
+
+
+def test_off_cuda_the_layer_keeps_the_fused_path():
+    q, keys, values = inputs(4, 2, 16, 8, torch.bfloat16, 0)
+    assert not decode_attention.takes(q, keys, values)
+    with pytest.raises(ValueError, match="attend_one takes one token in bf16 or fp16 on CUDA"):
+        decode_attention.attend_one(q, keys, values, None, 0.25)
+
+
+def test_the_launch_shape_spreads_short_windows_and_merges_fewer_splits_on_long_ones():
+    assert decode_attention.launch_shape(256, 1) == (128, 4)  # olmoe: 2 splits a head
+    assert decode_attention.launch_shape(1024, 8) == (128, 8)  # qwen3: 8
+    assert decode_attention.launch_shape(16384, 8) == (256, 8)  # 64, not 128
+
+
+def test_the_bench_cycles_enough_layers_to_read_from_memory(capsys):
+    bench = load_bench("decode_attention.py")
+    # olmoe at 256 cells: 2 MiB of K/V a layer, so 128 layers for 4x 64 MiB, capped at 64.
+    assert bench.layers_for(256, 16, 128, cap=64) == 64
+    assert bench.layers_for(16384, 16, 128, cap=256) == 2  # 128 MiB a layer: two suffice
+    assert bench.heads("qwen3-30b-a3b") == (32, 4, 128)
+    if torch.cuda.is_available():
+        pytest.skip("the sweep itself runs on the GPU machine (bench/gpu_session.sh)")
+    assert bench.main([]) == 1
+    assert "needs CUDA" in capsys.readouterr().out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_heads, n_kv_heads, n_cells", [(16, 16, 256), (32, 4, 1000),
+                                                          (32, 8, 16384)])
+def test_on_cuda_the_kernel_matches_the_fused_path_and_replays_its_bytes(n_heads, n_kv_heads,
+                                                                          n_cells):
+    """olmoe's heads at a first window, qwen3's inside a later one, mixtral's at 16K cells."""
+    pytest.importorskip("triton")
+    from strata.engine.model.layers import Attention, attention_mask
+
+    q, keys, values = inputs(n_heads, n_kv_heads, 128, n_cells, torch.bfloat16, 1, "cuda")
+    mask = attention_mask(torch.tensor([n_cells - 30], device="cuda"), n_cells, None,
+                          torch.bfloat16)
+    assert decode_attention.takes(q, keys, values)
+    got = decode_attention.attend_one(q, keys, values, mask, 128**-0.5)
+    exact = reference(q, keys, values, mask, 128**-0.5)
+    fused = Attention._folded(type("A", (), {"n_kv_heads": n_kv_heads, "scale": 128**-0.5}),
+                              q, keys, values, mask)
+    scale = exact.abs().max()
+    assert (got.float() - exact).abs().max() <= 1e-2 * scale
+    assert (got.float() - fused.float()).abs().max() <= 2e-2 * scale
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = decode_attention.attend_one(q, keys, values, mask, 128**-0.5)
+    for _ in range(3):  # each replay finds the arrival counts set back to 0
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, got)
+
+
+@pytest.mark.cuda
+def test_on_cuda_ungrouped_heads_past_one_window_keep_the_fused_path():
+    """Without grouped kv heads SDPA read long windows faster: the layer keeps it there."""
+    pytest.importorskip("triton")
+    q, keys, values = inputs(16, 16, 128, 512, torch.bfloat16, 2, "cuda")
+    assert decode_attention.takes(q, keys[:, :256], values[:, :256])
+    assert not decode_attention.takes(q, keys, values)
+    grouped, keys, values = inputs(32, 4, 128, 512, torch.bfloat16, 2, "cuda")
+    assert decode_attention.takes(grouped, keys, values)
