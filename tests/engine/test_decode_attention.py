@@ -60,17 +60,21 @@ for seed, (h, g, dh, n, position, window, split, block) in enumerate((
     q, keys, values = inputs(h, g, dh, n, torch.float16, seed)
     mask = None if position is None else attention_mask(torch.tensor([position]), n, window,
                                                         torch.float16)
-    got = decode_attention.attend_one_triton(q, keys, values, mask, dh ** -0.5,
-                                             split_cells=split, block_cells=block)
-    again = decode_attention.attend_one_triton(q, keys, values, mask, dh ** -0.5,
-                                               split_cells=split, block_cells=block)
     exact = reference(q, keys, values, mask, dh ** -0.5)
-    results["shapes"].append({"shape": list(got.shape), "dtype": str(got.dtype),
-                              "repeats": torch.equal(got, again),
-                              "error": ((got.float() - exact).abs().max()
-                                        / exact.abs().max()).item()})
+    # In order; then as reductions, 2 splits at a time, with at most 3 programs a kv head.
+    for variant in ({}, {"max_splits": 3, "merge_splits": 2}):
+        got = decode_attention.attend_one_triton(q, keys, values, mask, dh ** -0.5,
+                                                 split_cells=split, block_cells=block, **variant)
+        again = decode_attention.attend_one_triton(q, keys, values, mask, dh ** -0.5,
+                                                   split_cells=split, block_cells=block,
+                                                   **variant)
+        results["shapes"].append({"shape": list(got.shape), "dtype": str(got.dtype),
+                                  "repeats": torch.equal(got, again),
+                                  "error": ((got.float() - exact).abs().max()
+                                            / exact.abs().max()).item()})
 q, keys, values = inputs(4, 2, 16, 8, torch.float16, 0)
-for kwargs in ({"block_cells": 8}, {"split_cells": 48, "block_cells": 32}):
+for kwargs in ({"block_cells": 8}, {"split_cells": 48, "block_cells": 32},
+               {"merge_splits": 3}):
     try:
         decode_attention.attend_one_triton(q, keys, values, None, 0.25, **kwargs)
     except ValueError as err:
@@ -112,15 +116,17 @@ print(json.dumps(results))
 def test_the_kernel_under_the_interpreter_matches_the_reference_and_a_model_decodes_with_it():
     pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
     results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
-    assert [row["shape"] for row in results["shapes"]] == [[1, 512], [1, 96], [1, 128],
-                                                            [1, 32], [1, 48]]
+    assert [row["shape"] for row in results["shapes"]][::2] == [[1, 512], [1, 96], [1, 128],
+                                                                 [1, 32], [1, 48]]
+    assert len(results["shapes"]) == 10
     for row in results["shapes"]:
         # float16 P before its product with V: a rounding of the largest output, or two.
         assert row["dtype"] == "torch.float16" and row["repeats"], row
         assert row["error"] <= 2e-3, row
     assert "block_cells must be a power of two >= 16" in results["refused"][0]
     assert "dividing split_cells, got 32 and 48" in results["refused"][1]
-    assert "mask must be [1, 8]" in results["refused"][2]
+    assert "merge_splits 0 or a power of two, got None and 3" in results["refused"][2]
+    assert "mask must be [1, 8]" in results["refused"][3]
     model = results["model"]
     assert model["prompt_equal"]  # a prompt chunk never takes the kernel
     assert model["launches"] == 3 * 2  # each decode step's layers (the checkpoint has 2)
@@ -172,6 +178,9 @@ def test_on_cuda_the_kernel_matches_the_fused_path_and_replays_its_bytes(n_heads
     scale = exact.abs().max()
     assert (got.float() - exact).abs().max() <= 1e-2 * scale
     assert (got.float() - fused.float()).abs().max() <= 2e-2 * scale
+    at_once = decode_attention.attend_one_triton(q, keys, values, mask, 128**-0.5,
+                                                 max_splits=16, merge_splits=4)
+    assert (at_once.float() - exact).abs().max() <= 1e-2 * scale  # the sweep's variant
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = decode_attention.attend_one(q, keys, values, mask, 128**-0.5)

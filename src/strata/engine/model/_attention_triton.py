@@ -29,14 +29,15 @@ def _online(row_max, row_sum, acc, scores, values):
 def decode_attention(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, stats_ptr, arrived_ptr, out_ptr,
                      N, R, Dh, n_splits, scale, k_head_stride, k_cell_stride, v_head_stride,
                      v_cell_stride, HAS_MASK: tl.constexpr, CELLS_PER_SPLIT: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr):
     # Program (g, s): kv head g's R query heads q [R, Dh] (rows g*R .. g*R + R - 1 of
     # q [H, Dh]) over cells [s*CELLS_PER_SPLIT, (s+1)*CELLS_PER_SPLIT) of N, BLOCK_C at a
     # time: scores q.k * scale (+ mask [N]) in float32, an online softmax, its partial row
     # maxima and sums [G, S, 2, BR] and weighted values acc [G, S, BR, BD] stored. Each
     # program then counts itself in arrived[g]; the last to arrive (acquiring the others'
-    # partials) merges the S partials in split order (the same order whichever program is
-    # last: the same bytes), stores out [H, Dh] = acc / row_sum in out's dtype, and sets
+    # partials) merges the S partials (MERGE_SPLITS 0: `_merge_in_order`; else
+    # `_merge_at_once`), stores out [H, Dh] = acc / row_sum in out's dtype, and sets
     # arrived[g] back to 0 for the next launch.
     g = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -66,24 +67,69 @@ def decode_attention(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, stats_ptr, arrived_
     tl.store(stats_ptr + (part * 2 + 1) * BLOCK_R + r, row_sum, mask=r_in)
     tl.store(acc_ptr + (part * BLOCK_R + r[:, None]) * BLOCK_D + d[None, :], acc, mask=rd_in)
     if tl.atomic_add(arrived_ptr + g, 1, sem="acq_rel") == n_splits - 1:
-        row_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-        row_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        for s in range(0, n_splits):
-            part = g * n_splits + s
-            max_s = tl.load(stats_ptr + (part * 2) * BLOCK_R + r, mask=r_in,
-                            other=float("-inf"), volatile=True)
-            sum_s = tl.load(stats_ptr + (part * 2 + 1) * BLOCK_R + r, mask=r_in, other=0.0,
-                            volatile=True)
-            acc_s = tl.load(acc_ptr + (part * BLOCK_R + r[:, None]) * BLOCK_D + d[None, :],
-                            mask=rd_in, other=0.0, volatile=True)
-            m_new = tl.maximum(row_max, max_s)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha, beta = tl.exp(row_max - m_safe), tl.exp(max_s - m_safe)
-            row_sum = row_sum * alpha + sum_s * beta
-            acc = acc * alpha[:, None] + acc_s * beta[:, None]
-            row_max = m_new
+        if MERGE_SPLITS == 0:
+            acc, row_sum = _merge_in_order(acc_ptr, stats_ptr, g, n_splits, r, r_in, d, rd_in,
+                                           BLOCK_R, BLOCK_D)
+        else:
+            acc, row_sum = _merge_at_once(acc_ptr, stats_ptr, g, n_splits, r, r_in, d, d_in,
+                                          BLOCK_R, BLOCK_D, BLOCK_S, MERGE_SPLITS)
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # a row with no cell: zeros
         tl.store(out_ptr + (g * R + r[:, None]) * Dh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rd_in)
         tl.store(arrived_ptr + g, 0)
+
+
+@triton.jit
+def _merge_in_order(acc_ptr, stats_ptr, g, n_splits, r, r_in, d, rd_in, BLOCK_R: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    # Kv head g's S partial softmaxes merged one split after another, in split order ->
+    # (acc [BR, BD], row sums [BR]), float32: one step a split, each waiting on its loads.
+    # Loads are volatile: the other programs' stores, acquired by the atomic, not a stale
+    # cached copy.
+    row_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s in range(0, n_splits):
+        part = g * n_splits + s
+        max_s = tl.load(stats_ptr + (part * 2) * BLOCK_R + r, mask=r_in, other=float("-inf"),
+                        volatile=True)
+        sum_s = tl.load(stats_ptr + (part * 2 + 1) * BLOCK_R + r, mask=r_in, other=0.0,
+                        volatile=True)
+        acc_s = tl.load(acc_ptr + (part * BLOCK_R + r[:, None]) * BLOCK_D + d[None, :],
+                        mask=rd_in, other=0.0, volatile=True)
+        m_new = tl.maximum(row_max, max_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, beta = tl.exp(row_max - m_safe), tl.exp(max_s - m_safe)
+        row_sum = row_sum * alpha + sum_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        row_max = m_new
+    return acc, row_sum
+
+
+@triton.jit
+def _merge_at_once(acc_ptr, stats_ptr, g, n_splits, r, r_in, d, d_in, BLOCK_R: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    # The same merge as reductions: every split's row maxima and sums at once ([BS, BR]), then
+    # the weighted values MERGE_SPLITS splits at a time ([MS, BR, BD]); each sum in a fixed
+    # order (the same bytes whichever program merges), S / MERGE_SPLITS steps instead of S.
+    s = tl.arange(0, BLOCK_S)
+    sr_in = (s < n_splits)[:, None] & r_in[None, :]
+    stats = stats_ptr + ((g * n_splits + s[:, None]) * 2) * BLOCK_R + r[None, :]  # [BS, BR]
+    maxima = tl.load(stats, mask=sr_in, other=float("-inf"), volatile=True)
+    sums = tl.load(stats + BLOCK_R, mask=sr_in, other=0.0, volatile=True)
+    row_max = tl.max(maxima, axis=0)  # [BR]
+    m_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
+    row_sum = tl.sum(tl.exp(maxima - m_safe[None, :]) * sums, axis=0)  # [BR]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_splits, MERGE_SPLITS):
+        sc = s0 + tl.arange(0, MERGE_SPLITS)  # [MS]
+        scr_in = (sc < n_splits)[:, None] & r_in[None, :]  # [MS, BR]
+        part = g * n_splits + sc[:, None]  # [MS, 1]
+        maxima = tl.load(stats_ptr + (part * 2) * BLOCK_R + r[None, :], mask=scr_in,
+                         other=float("-inf"), volatile=True)  # [MS, BR]
+        weights = tl.exp(maxima - m_safe[None, :])  # [MS, BR]
+        values = tl.load(acc_ptr + ((part * BLOCK_R + r[None, :]) * BLOCK_D)[:, :, None]
+                         + d[None, None, :], mask=scr_in[:, :, None] & d_in[None, None, :],
+                         other=0.0, volatile=True)  # [MS, BR, BD]
+        acc += tl.sum(weights[:, :, None] * values, axis=0)
+    return acc, row_sum

@@ -96,11 +96,15 @@ def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       mask: torch.Tensor | None, scale: float, *, split_cells: int = 128,
-                      block_cells: int = BLOCK_CELLS, num_warps: int = 4) -> torch.Tensor:
+                      block_cells: int = BLOCK_CELLS, num_warps: int = 4,
+                      max_splits: int | None = None, merge_splits: int = 0) -> torch.Tensor:
     """`attend_one` by its Triton kernel (under Triton's interpreter on the CPU in tests).
     `split_cells` (the cells a program, a multiple of `block_cells`), `block_cells` (a power
     of two, at least 16) and `num_warps` are its launch shape, for bench/decode_attention.py's
-    sweep."""
+    sweep. Two variants for the sweep, not yet measured on a GPU: `max_splits` doubles the
+    cells a program until at most that many programs read a kv head's cells; `merge_splits`
+    (a power of two) merges the partials as reductions over that many splits at a time
+    instead of one split after another (0, the default: one after another)."""
     _, n_heads, head_dim = q.shape
     n_kv_heads, n_cells, _ = keys.shape
     if n_heads % n_kv_heads or values.shape != keys.shape or keys.shape[2] != head_dim:
@@ -110,11 +114,17 @@ def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if block_cells < 16 or block_cells & (block_cells - 1) or split_cells % block_cells:
         raise ValueError(f"block_cells must be a power of two >= 16 dividing split_cells, got "
                          f"{block_cells} and {split_cells}")
+    if ((max_splits is not None and max_splits < 1) or merge_splits < 0
+            or merge_splits & (merge_splits - 1)):
+        raise ValueError(f"max_splits must be at least 1 and merge_splits 0 or a power of two, "
+                         f"got {max_splits} and {merge_splits}")
     if mask is not None and (mask.shape != (1, n_cells) or mask.stride(1) != 1):
         raise ValueError(f"mask must be [1, {n_cells}] with contiguous cells, got "
                          f"{list(mask.shape)}")
     per_kv = n_heads // n_kv_heads  # R
     block_r, block_d = _block(per_kv, 16), _block(head_dim, 16)
+    while max_splits is not None and -(-n_cells // split_cells) > max_splits:
+        split_cells *= 2
     n_splits = max(1, -(-n_cells // split_cells))  # S
     q = q.contiguous()
     out = q.new_empty((n_heads, head_dim))  # [H, Dh]
@@ -127,5 +137,5 @@ def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         out, n_cells, per_kv, head_dim, n_splits, scale, keys.stride(0), keys.stride(1),
         values.stride(0), values.stride(1), HAS_MASK=mask is not None,
         CELLS_PER_SPLIT=split_cells, BLOCK_C=block_cells, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=num_warps)
+        BLOCK_S=_block(n_splits, 2), MERGE_SPLITS=merge_splits, num_warps=num_warps)
     return out.view(1, n_heads * head_dim)
