@@ -6,9 +6,10 @@ each `--prompt-tokens` length it times `MoEModel.forward` over one chunk from po
 for decode one round at `--position` in each of strata's decode steps: eager, replayed from
 a CUDA graph (the default), the same graph with the layers' small ops in plain torch (as they
 were before `strata.engine.model.ops` had kernels: the baseline of the same run), with the
-experts' `down` then the combine instead of the sum inside `down` (each the A/B of one kernel), and
-`--compile`'s (compiled with the experts' Triton kernels as a custom operator;
-`--gathered-compile` adds the gathered path under inductor, the code before that operator).
+experts' `down` then the combine instead of the sum inside `down`, with SDPA's attention
+instead of `decode_attention`'s kernel (each the A/B of one kernel), and `--compile`'s
+(compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
+the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
 (torch.profiler): the kernels, their total, and the largest kinds by time.
 
@@ -37,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from _common import add_model_arguments, byte_tokens, checkpoint_for, sync
 from strata.engine.experts import grouped
-from strata.engine.model import ops
+from strata.engine.model import decode_attention, ops
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.prompt_graphs import PromptGraphs
@@ -194,12 +195,14 @@ def main(argv: list[str] | None = None) -> int:
 
             # (label, step, what its graph is captured without: None, "ops" (the layer ops'
             # kernels: their torch code), "sum" (the weighted sum inside `down`: `down`, then
-            # the combine)).
+            # the combine), "attention" (`decode_attention`'s kernel: SDPA's folded path)).
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
                 steps.append(("decode, CUDA graph, the layer ops in torch", step_of(True),
                               "ops"))
+                steps.append(("decode, CUDA graph, attention by SDPA", step_of(True),
+                              "attention"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
@@ -207,16 +210,18 @@ def main(argv: list[str] | None = None) -> int:
                     steps.append(("decode, --compile", step_of(True, True), None))
             for label, step, without in steps:
                 # The graph is captured here, with or without the part named.
-                saved = ops.use_kernels
+                saved = ops.use_kernels, decode_attention.takes
                 arrivals = getattr(model.experts, "_sum_arrivals", None)
                 if without == "ops":
                     ops.use_kernels = lambda x: False
+                elif without == "attention":
+                    decode_attention.takes = lambda q, keys, values: False
                 elif without == "sum":
                     model.experts._sum_arrivals = None
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:
-                    ops.use_kernels = saved
+                    ops.use_kernels, decode_attention.takes = saved
                     if without == "sum":
                         model.experts._sum_arrivals = arrivals
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,

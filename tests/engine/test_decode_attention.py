@@ -136,7 +136,8 @@ def test_the_kernel_under_the_interpreter_matches_the_reference_and_a_model_deco
 def test_off_cuda_the_layer_keeps_the_fused_path():
     q, keys, values = inputs(4, 2, 16, 8, torch.bfloat16, 0)
     assert not decode_attention.takes(q, keys, values)
-    with pytest.raises(ValueError, match="attend_one takes one token in bf16 or fp16 on CUDA"):
+    with pytest.raises(ValueError, match=r"attend_one takes one token q \[1, H, Dh\] in bf16 "
+                       r"or fp16 on CUDA .* got q \[1, 4, 16\] torch.bfloat16 on cpu"):
         decode_attention.attend_one(q, keys, values, None, 0.25)
 
 

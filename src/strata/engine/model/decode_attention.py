@@ -87,8 +87,11 @@ def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     -> [1, H*Dh] in q's dtype, by the kernel at `launch_shape`. Only where `takes` holds: the
     layer's fused path is the reference elsewhere."""
     if not takes(q, keys, values):
-        raise ValueError("attend_one takes one token in bf16 or fp16 on CUDA "
-                         f"(q [1, H, Dh]), got q {list(q.shape)} {q.dtype} on {q.device}")
+        raise ValueError(
+            "attend_one takes one token q [1, H, Dh] in bf16 or fp16 on CUDA (with Triton, "
+            "outside a compilation), keys and values [G, N, Dh] of its dtype with contiguous "
+            f"head rows, and grouped kv heads (G < H) or N <= {UNGROUPED_MAX_CELLS}; got q "
+            f"{list(q.shape)} {q.dtype} on {q.device}, keys {list(keys.shape)} {keys.dtype}")
     split_cells, warps = launch_shape(keys.shape[1], q.shape[1] // keys.shape[0])
     return attend_one_triton(q, keys, values, mask, scale, split_cells=split_cells,
                              num_warps=warps)
