@@ -9,8 +9,11 @@ is (the K/V bytes read over the time, against `--bandwidth-tb-s`):
 - `sdpa`: `F.scaled_dot_product_attention` over the R query heads folded per kv head, the
   layer's path before the kernel (`Attention._folded`);
 - `kernel s=S b=B w=W`: the kernel, S cells a program, B at a time, W warps;
-- `at once s=S m=M w=W`: the kernel merging its partials as reductions, 4 splits at a time,
-  at least S cells a program and at most M programs a kv head;
+- `capped m=M w=W`: the kernel at 128 cells a program up to 1,024 cells, 256 past that
+  (`launch_shape` before its cap), doubled until at most
+  M programs read a kv head's cells, W warps;
+- `at once m=M w=W`: the same, merging its partials as reductions, 4 splits at a time (the
+  second sweep's rows `at once s=S m=M w=W`; S made no difference);
 - `default`: `attend_one_triton` at `launch_shape`'s choice (what the layer runs where
   `decode_attention.takes`; the first sweep's `default` was 128 cells, 64, 4 warps at every
   shape).
@@ -64,11 +67,13 @@ def variants(q, keys: list, values: list, mask, scale: float) -> dict:
             lambda i, s, b, w: decode_attention.attend_one_triton(
                 q, keys[i], values[i], mask, scale, split_cells=s, block_cells=b, num_warps=w),
             s=split, b=block, w=warps)
-    for split, most, warps in itertools.product((64, 128), (16, 32), (4, 8)):
-        out[f"at once s={split} m={most} w={warps}"] = functools.partial(
-            lambda i, s, m, w: decode_attention.attend_one_triton(
-                q, keys[i], values[i], mask, scale, split_cells=s, num_warps=w, max_splits=m,
-                merge_splits=4), s=split, m=most, w=warps)
+    base_cells = 128 if keys[0].shape[1] <= 1024 else 256
+    for most, warps, merge in itertools.product((8, 16, 32), (4, 8), (0, 4)):
+        label = "at once" if merge else "capped"
+        out[f"{label} m={most} w={warps}"] = functools.partial(
+            lambda i, m, w, ms: decode_attention.attend_one_triton(
+                q, keys[i], values[i], mask, scale, split_cells=base_cells, num_warps=w,
+                max_splits=m, merge_splits=ms), m=most, w=warps, ms=merge)
     return out
 
 

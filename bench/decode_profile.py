@@ -7,7 +7,9 @@ for decode one round at `--position` in each of strata's decode steps: eager, re
 a CUDA graph (the default), the same graph with the layers' small ops in plain torch (as they
 were before `strata.engine.model.ops` had kernels: the baseline of the same run), with the
 experts' `down` then the combine instead of the sum inside `down`, with SDPA's attention
-instead of `decode_attention`'s kernel (each the A/B of one kernel), and `--compile`'s
+instead of `decode_attention`'s kernel (each the A/B of one kernel), with every kernel
+launched plainly instead of as a dependent of the one before (`strata.engine.dependent_launch`),
+and `--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -37,6 +39,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from _common import add_model_arguments, byte_tokens, checkpoint_for, sync
+from strata.engine import dependent_launch
 from strata.engine.experts import grouped
 from strata.engine.model import decode_attention, ops
 from strata.engine.runtime.decode_steps import decode_step
@@ -195,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
 
             # (label, step, what its graph is captured without: None, "ops" (the layer ops'
             # kernels: their torch code), "sum" (the weighted sum inside `down`: `down`, then
-            # the combine), "attention" (`decode_attention`'s kernel: SDPA's folded path)).
+            # the combine), "attention" (`decode_attention`'s kernel: SDPA's folded path),
+            # "pdl" (dependent launches: every kernel launched plainly)).
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
@@ -203,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                               "ops"))
                 steps.append(("decode, CUDA graph, attention by SDPA", step_of(True),
                               "attention"))
+                steps.append(("decode, CUDA graph, plain launches", step_of(True), "pdl"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
@@ -218,10 +223,13 @@ def main(argv: list[str] | None = None) -> int:
                     decode_attention.takes = lambda q, keys, values: False
                 elif without == "sum":
                     model.experts._sum_arrivals = None
+                elif without == "pdl":
+                    dependent_launch.enabled = False
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:
                     ops.use_kernels, decode_attention.takes = saved
+                    dependent_launch.enabled = True
                     if without == "sum":
                         model.experts._sum_arrivals = arrivals
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,

@@ -52,7 +52,8 @@
 # seconds, then prefill at 512, 4,096 and 16,384 tokens against transformers with the MoE's
 # share), decode16-default (4: the same without --compile, no compile time: the default path
 # alone beside transformers), profile-decode (1.5: the profile stage's decode rounds and prompt
-# chunks of 32 and 4,096 without --compile), stream-issue (0.5: bench/stream_issue.py, the
+# chunks of 32 and 4,096 without --compile), profile-decode16 (2: the decode round's A/Bs on the
+# whole olmoe-1b-7b), stream-issue (0.5: bench/stream_issue.py, the
 # host's time issuing streamed misses, part by part, olmoe and qwen3 shapes, sync-checked),
 # router-route (2: bench/router_route.py, the decode router kernel's launch shapes swept),
 # decode-attention (2: bench/decode_attention.py, the decode attention kernel's launch shapes
@@ -248,6 +249,11 @@ for stage in "$@"; do
                  --json "$OUT/profile-decode.json") > "$OUT/profile-decode.txt" \
                  2> "$OUT/profile-decode.err"
                     grep -E "^(prompt|decode)" "$OUT/profile-decode.txt" ;;
+    profile-decode16) # the decode round's A/Bs on the whole olmoe-1b-7b (16 layers)
+              (cd bench && timeout 200 python3 decode_profile.py --model "$(olmoe_checkpoint)" \
+                 --prompt-tokens 32 --no-compile --json "$OUT/profile-decode16.json") \
+                 > "$OUT/profile-decode16.txt" 2> "$OUT/profile-decode16.err"
+                    grep -E "^(prompt|decode)" "$OUT/profile-decode16.txt" ;;
     profile-long) # a decode round at cell 16,384: what attention costs at a long context
               (cd bench && timeout 240 python3 decode_profile.py --preset olmoe-1b-7b --layers 4 \
                  --prompt-tokens 32 --position 16384 --no-compile \

@@ -144,7 +144,9 @@ def test_off_cuda_the_layer_keeps_the_fused_path():
 def test_the_launch_shape_spreads_short_windows_and_merges_fewer_splits_on_long_ones():
     assert decode_attention.launch_shape(256, 1) == (128, 4)  # olmoe: 2 splits a head
     assert decode_attention.launch_shape(1024, 8) == (128, 8)  # qwen3: 8
-    assert decode_attention.launch_shape(16384, 8) == (256, 8)  # 64, not 128
+    assert decode_attention.launch_shape(4096, 8) == (256, 8)  # 16, not 32
+    assert decode_attention.launch_shape(16384, 8) == (1024, 8)  # at most 16: not 64
+    assert decode_attention.launch_shape(5000, 4) == (512, 8)  # 10 splits
 
 
 def test_the_bench_cycles_enough_layers_to_read_from_memory(capsys):

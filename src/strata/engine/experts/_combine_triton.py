@@ -6,12 +6,16 @@ Legend: T tokens, K experts per token, D hidden size; BD the block size.
 import triton
 import triton.language as tl
 
+from strata.engine._dependent_triton import wait_for_prior
+
 
 @triton.jit
 def combine(rows_ptr, weights_ptr, positions_ptr, out_ptr, row_stride, out_stride, D, K,
-            HAS_POSITIONS: tl.constexpr, BLOCK_D: tl.constexpr):
+            HAS_POSITIONS: tl.constexpr, BLOCK_D: tl.constexpr,
+            USE_PDL: tl.constexpr = False):
     # Program (t, b): out[t, b*BLOCK_D : (b+1)*BLOCK_D] = sum over k = 0..K-1, in order, of
     # weights[t, k] * row(t, k) in float32, each row value widened exactly, rounded once.
+    wait_for_prior(USE_PDL)
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     d_in = d < D

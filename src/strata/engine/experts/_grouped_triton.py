@@ -13,11 +13,15 @@ order is fixed, so the sums are deterministic.
 import triton
 import triton.language as tl
 
+from strata.engine._dependent_triton import wait_for_prior
+
 
 @triton.jit
 def gate_up_act(w_ptr, index_ptr, x_ptr, act_ptr, slot_stride, row_stride, D, F,
-                x_stride, act_stride, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+                x_stride, act_stride, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+                USE_PDL: tl.constexpr = False):
     # Program (r, b): act[r, b*BLOCK_F : (b+1)*BLOCK_F] of the expert index[r].
+    wait_for_prior(USE_PDL)
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
@@ -69,8 +73,10 @@ def _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, ac
 
 @triton.jit
 def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_stride,
-         y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+         y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+         USE_PDL: tl.constexpr = False):
     # Program (r, b): y[r, b*BLOCK_D : (b+1)*BLOCK_D] of the expert index[r].
+    wait_for_prior(USE_PDL)
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
@@ -92,12 +98,13 @@ def store_rows(y_ptr, r, y_stride, d, D, slot, y):
 @triton.jit
 def down_sum(w_ptr, index_ptr, act_ptr, y_ptr, weights_ptr, out_ptr, arrived_ptr, slot_stride,
              row_stride, D, F, act_stride, y_stride, R, BLOCK_D: tl.constexpr,
-             BLOCK_F: tl.constexpr):
+             BLOCK_F: tl.constexpr, USE_PDL: tl.constexpr = False):
     # One token's R = K rows. Program (r, b): `down`'s y[r, block b], rounded and stored as
     # `down` stores it; then counted in arrived[b]. The last of block b's R programs to arrive
     # (acquiring the others' rows) sums weights[k] * y[k, block b] over k = 0..R-1 in order in
     # float32, as `combine` does, into out[block b] (the same bytes as `down` then `combine`,
     # whichever program is last), and sets arrived[b] back to 0 for the next launch.
+    wait_for_prior(USE_PDL)
     r = tl.program_id(0)
     b = tl.program_id(1)
     slot = tl.load(index_ptr + r).to(tl.int64)

@@ -22,6 +22,8 @@ import functools
 
 import torch
 
+from strata.engine import dependent_launch
+
 __all__ = ["weighted_sum"]
 
 BLOCK_D = 1024  # columns of one token a kernel program sums
@@ -73,5 +75,6 @@ def weighted_sum_triton(rows: torch.Tensor, weights: torch.Tensor, dtype: torch.
         positions = weights  # not read: a placeholder pointer
     kernels.combine[(n_tokens, -(-d // BLOCK_D))](
         rows, weights, positions, out, rows.stride(0), out.stride(0), d, top_k,
-        HAS_POSITIONS=has_positions, BLOCK_D=BLOCK_D)
+        HAS_POSITIONS=has_positions, BLOCK_D=BLOCK_D,
+        **dependent_launch.kernel_options(rows.device))
     return out

@@ -36,6 +36,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from strata.engine import dependent_launch
+
 __all__ = ["copies_weights", "expert_rows", "expert_rows_gathered", "expert_rows_triton",
            "expert_sum_triton", "sum_arrivals"]
 
@@ -117,32 +119,39 @@ def expert_rows_triton(
     gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor, x_rows: torch.Tensor,
     *, gate_up_blocks: tuple[int, int] = (GATE_UP_BLOCK_F, GATE_UP_BLOCK_D),
     down_blocks: tuple[int, int] = (DOWN_BLOCK_D, DOWN_BLOCK_F),
-    num_warps: tuple[int, int] = NUM_WARPS, launch=lambda kernel: kernel,
+    num_warps: tuple[int, int] = NUM_WARPS, launch=None,
 ) -> torch.Tensor:
     """`expert_rows` with the Triton kernels, reading the weights in place. Runs wherever
     Triton does (its interpreter on the CPU, with TRITON_INTERPRET=1 set before import, is
     how the tests check it without a GPU). `gate_up_blocks` (F rows, D step) and
     `down_blocks` (D rows, F step) are the kernels' block sizes, powers of two, and
     `num_warps` their programs' warps (the benchmark tries others). `launch` wraps each
-    kernel before its launch (`torch.library.wrap_triton` under the custom operator).
+    kernel before its launch (`torch.library.wrap_triton` under the custom operator; None:
+    launched as they are, as dependents where `dependent_launch` has them).
     RuntimeError without Triton."""
     kernels = _kernels()
     (gate_up_f, gate_up_d), (down_d, down_f) = gate_up_blocks, down_blocks
     if kernels is None:
         raise RuntimeError("expert_rows_triton needs Triton (pip install triton)")
     d, f = x_rows.shape[1], down.shape[2]
+    # wrap_triton (the custom operator) takes every argument, a defaulted constexpr too.
+    options = ({"USE_PDL": False} if launch is not None
+               else dependent_launch.kernel_options(x_rows.device))
+    launch = launch if launch is not None else (lambda kernel: kernel)
     act, y = _gate_up_act(kernels, gate_up, down, index, x_rows, gate_up_f, gate_up_d,
-                          num_warps[0], launch)
+                          num_warps[0], launch, options)
     if x_rows.shape[0]:
         launch(kernels.down)[(x_rows.shape[0], -(-d // down_d))](
             down, index, act, y, down.stride(0), down.stride(1), d, f, act.stride(0),
-            y.stride(0), BLOCK_D=down_d, BLOCK_F=down_f, num_warps=num_warps[1])
+            y.stride(0), BLOCK_D=down_d, BLOCK_F=down_f, num_warps=num_warps[1], **options)
     return y
 
 
-def _gate_up_act(kernels, gate_up, down, index, x_rows, block_f, block_d, num_warps, launch):
-    """(act [R, F], y [R, D] unwritten): `gate_up_act`'s kernel launched over x_rows [R, D];
-    ValueError for weights that are not [S, 2F, D] and [S, D, F] with contiguous rows."""
+def _gate_up_act(kernels, gate_up, down, index, x_rows, block_f, block_d, num_warps, launch,
+                 options):
+    """(act [R, F], y [R, D] unwritten): `gate_up_act`'s kernel launched over x_rows [R, D]
+    with `options` (`dependent_launch.kernel_options`); ValueError for weights that are not
+    [S, 2F, D] and [S, D, F] with contiguous rows."""
     n_rows, d = x_rows.shape
     f = down.shape[2]
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
@@ -158,7 +167,7 @@ def _gate_up_act(kernels, gate_up, down, index, x_rows, block_f, block_d, num_wa
         launch(kernels.gate_up_act)[(n_rows, -(-f // block_f))](
             gate_up, index, x_rows, act, gate_up.stride(0), gate_up.stride(1), d, f,
             x_rows.stride(0), act.stride(0), BLOCK_F=block_f, BLOCK_D=block_d,
-            num_warps=num_warps)
+            num_warps=num_warps, **options)
     return act, y
 
 
@@ -188,14 +197,15 @@ def expert_sum_triton(gate_up: torch.Tensor, down: torch.Tensor, index: torch.Te
     if arrived.numel() < -(-d // DOWN_BLOCK_D):
         raise ValueError(f"arrived holds {arrived.numel()} blocks, D = {d} needs "
                          f"{-(-d // DOWN_BLOCK_D)} (sum_arrivals)")
+    options = dependent_launch.kernel_options(x_rows.device)
     act, y = _gate_up_act(kernels, gate_up, down, index, x_rows, GATE_UP_BLOCK_F,
-                          GATE_UP_BLOCK_D, NUM_WARPS[0], lambda kernel: kernel)
+                          GATE_UP_BLOCK_D, NUM_WARPS[0], lambda kernel: kernel, options)
     out = x_rows.new_empty((1, d))  # [1, D]
     if n_rows:
         kernels.down_sum[(n_rows, -(-d // DOWN_BLOCK_D))](
             down, index, act, y, weights, out, arrived, down.stride(0), down.stride(1), d, f,
             act.stride(0), y.stride(0), n_rows, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F,
-            num_warps=NUM_WARPS[1])
+            num_warps=NUM_WARPS[1], **options)
     else:
         out.zero_()
     return out

@@ -8,6 +8,8 @@ least).
 import triton
 import triton.language as tl
 
+from strata.engine._dependent_triton import wait_for_prior
+
 
 @triton.jit
 def _online(row_max, row_sum, acc, scores, values):
@@ -30,7 +32,8 @@ def decode_attention(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, stats_ptr, arrived_
                      N, R, Dh, n_splits, scale, k_head_stride, k_cell_stride, v_head_stride,
                      v_cell_stride, HAS_MASK: tl.constexpr, CELLS_PER_SPLIT: tl.constexpr,
                      BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+                     BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
     # Program (g, s): kv head g's R query heads q [R, Dh] (rows g*R .. g*R + R - 1 of
     # q [H, Dh]) over cells [s*CELLS_PER_SPLIT, (s+1)*CELLS_PER_SPLIT) of N, BLOCK_C at a
     # time: scores q.k * scale (+ mask [N]) in float32, an online softmax, its partial row
@@ -39,6 +42,7 @@ def decode_attention(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, stats_ptr, arrived_
     # partials) merges the S partials (MERGE_SPLITS 0: `_merge_in_order`; else
     # `_merge_at_once`), stores out [H, Dh] = acc / row_sum in out's dtype, and sets
     # arrived[g] back to 0 for the next launch.
+    wait_for_prior(USE_PDL)
     g = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     r = tl.arange(0, BLOCK_R)
@@ -125,9 +129,10 @@ def _merge_at_once(acc_ptr, stats_ptr, g, n_splits, r, r_in, d, d_in, BLOCK_R: t
         sc = s0 + tl.arange(0, MERGE_SPLITS)  # [MS]
         scr_in = (sc < n_splits)[:, None] & r_in[None, :]  # [MS, BR]
         part = g * n_splits + sc[:, None]  # [MS, 1]
-        maxima = tl.load(stats_ptr + (part * 2) * BLOCK_R + r[None, :], mask=scr_in,
-                         other=float("-inf"), volatile=True)  # [MS, BR]
-        weights = tl.exp(maxima - m_safe[None, :])  # [MS, BR]
+        # Named apart from the maxima above: Triton types a name reassigned in a loop once.
+        step_maxima = tl.load(stats_ptr + (part * 2) * BLOCK_R + r[None, :], mask=scr_in,
+                              other=float("-inf"), volatile=True)  # [MS, BR]
+        weights = tl.exp(step_maxima - m_safe[None, :])  # [MS, BR]
         values = tl.load(acc_ptr + ((part * BLOCK_R + r[None, :]) * BLOCK_D)[:, :, None]
                          + d[None, None, :], mask=scr_in[:, :, None] & d_in[None, None, :],
                          other=0.0, volatile=True)  # [MS, BR, BD]

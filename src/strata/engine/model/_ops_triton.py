@@ -12,12 +12,16 @@ squares of a norm, the softmax's sum): in the last bit, now and then.
 import triton
 import triton.language as tl
 
+from strata.engine._dependent_triton import wait_for_prior
+
 
 @triton.jit
 def add_rms_norm(x_ptr, delta_ptr, weight_ptr, h_ptr, out_ptr, D, eps,
                  x_stride, delta_stride, h_stride, out_stride,
-                 HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr):
+                 HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr,
+                 USE_PDL: tl.constexpr = False):
     # Program t: h[t] = x[t] + delta[t] (rounded); out[t] = weight * rms_norm(h[t]).
+    wait_for_prior(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)  # [BD]
     d_in = d < D
@@ -38,13 +42,15 @@ def add_rms_norm(x_ptr, delta_ptr, weight_ptr, h_ptr, out_ptr, D, eps,
 def qk_norm_rope(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, positions_ptr, k_cells_ptr,
                  v_cells_ptr, H, G, eps, qkv_stride, cos_stride, sin_stride, out_stride,
                  cells_stride, NORM: tl.constexpr, WRITE: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
+                 USE_PDL: tl.constexpr = False):
     # Program (t, part): part 0 the H query heads, part 1 the G key heads of token t, read as
     # [P, Dh/2] first and second halves. NORM 0: none; 1 ("full"): over the part's P*Dh
     # values; 2 ("head"): over each head's Dh. Then the weight, then the rotation by
     # cos [T, Dh] and the folded sin [T, Dh] (`ops.apply_rope`): out = x*cos + [x2, x1]*sin.
     # Without WRITE both parts go to out [T, H+G, Dh]; with it q goes to out [T, H, Dh], and
     # k, and v (copied from after k in qkv), to their cells at row positions[t].
+    wait_for_prior(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     first_head = part * H
@@ -127,8 +133,10 @@ def _softmax(logits):
 
 @triton.jit
 def route(logits_ptr, ids_ptr, weights_ptr, E, K, logits_stride,
-          NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+          NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+          USE_PDL: tl.constexpr = False):
     # Program t: softmax over token t's E logits in float32, then its top K (`_top_k`).
+    wait_for_prior(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     e_in = e < E
@@ -141,13 +149,14 @@ def route(logits_ptr, ids_ptr, weights_ptr, E, K, logits_stride,
 def router_route(x_ptr, w_ptr, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D, E, K,
                  x_stride, w_stride, BLOCKS_PER_SPLIT, NORMALIZE: tl.constexpr,
                  SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     # Program (t, s): the router's product over split s of D for token t, every expert at
     # once: partial [T, SPLITS, BE] in float32. Each program then counts itself in
     # arrived[t]; the last to arrive (acquiring the others' partials) sums the SPLITS partials
     # in split order (the same order whichever program is last: the same bytes), rounds the
     # logits to x's dtype where `F.linear` rounds them, routes them as `route` does, and sets
     # arrived[t] back to 0 for the next launch.
+    wait_for_prior(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     e = tl.arange(0, BLOCK_E)

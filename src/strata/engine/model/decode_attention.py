@@ -26,9 +26,16 @@ import functools
 
 import torch
 
-__all__ = ["UNGROUPED_MAX_CELLS", "attend_one", "attend_one_triton", "launch_shape", "takes"]
+from strata.engine import dependent_launch
+
+__all__ = ["MAX_SPLITS", "UNGROUPED_MAX_CELLS", "attend_one", "attend_one_triton", "launch_shape",
+           "takes"]
 
 UNGROUPED_MAX_CELLS = 256
+# The most programs a kv head's cells are split across: the merge takes one serial step a
+# split, so past 16 splits longer ones cost less than more of them (at 16,384 cells, 16
+# splits of 1,024 took 44 µs against 64 of 256's 58 on qwen3's heads).
+MAX_SPLITS = 16
 BLOCK_CELLS = 64  # cells a program reads at a time
 MAX_KV_HEADS = 256  # the arrival counters kept per device
 
@@ -60,8 +67,12 @@ def launch_shape(n_cells: int, per_kv: int) -> tuple[int, int]:
     """(cells a program, warps) for N cells and R query heads per kv head: the sweep's best
     within a few percent at each length measured. 128 cells a program up to 1,024 cells
     (more programs at once); 256 past that, where the merge's serial steps, one per split,
-    cost more than the reads they spread. 8 warps with grouped heads, 4 without."""
-    return (128 if n_cells <= 1024 else 256), (8 if per_kv > 1 else 4)
+    cost more than the reads they spread, and doubled until at most MAX_SPLITS programs read
+    a kv head's cells. 8 warps with grouped heads, 4 without."""
+    split_cells = 128 if n_cells <= 1024 else 256
+    while -(-n_cells // split_cells) > MAX_SPLITS:
+        split_cells *= 2
+    return split_cells, (8 if per_kv > 1 else 4)
 
 
 @functools.cache
@@ -104,10 +115,11 @@ def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """`attend_one` by its Triton kernel (under Triton's interpreter on the CPU in tests).
     `split_cells` (the cells a program, a multiple of `block_cells`), `block_cells` (a power
     of two, at least 16) and `num_warps` are its launch shape, for bench/decode_attention.py's
-    sweep. Two variants for the sweep, not yet measured on a GPU: `max_splits` doubles the
-    cells a program until at most that many programs read a kv head's cells; `merge_splits`
+    sweep. `max_splits` doubles the cells a program until at most that many programs read a
+    kv head's cells (`attend_one` passes cells already capped at MAX_SPLITS); `merge_splits`
     (a power of two) merges the partials as reductions over that many splits at a time
-    instead of one split after another (0, the default: one after another)."""
+    instead of one split after another (0, the default: one after another; the reductions
+    were slower at every shape the sweep measured)."""
     _, n_heads, head_dim = q.shape
     n_kv_heads, n_cells, _ = keys.shape
     if n_heads % n_kv_heads or values.shape != keys.shape or keys.shape[2] != head_dim:
@@ -140,5 +152,6 @@ def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         out, n_cells, per_kv, head_dim, n_splits, scale, keys.stride(0), keys.stride(1),
         values.stride(0), values.stride(1), HAS_MASK=mask is not None,
         CELLS_PER_SPLIT=split_cells, BLOCK_C=block_cells, BLOCK_R=block_r, BLOCK_D=block_d,
-        BLOCK_S=_block(n_splits, 2), MERGE_SPLITS=merge_splits, num_warps=num_warps)
+        BLOCK_S=_block(n_splits, 2), MERGE_SPLITS=merge_splits, num_warps=num_warps,
+        **dependent_launch.kernel_options(q.device))
     return out.view(1, n_heads * head_dim)

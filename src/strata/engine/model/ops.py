@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from strata.engine import dependent_launch
 from strata.engine.model.kv_cells import LayerCells
 
 __all__ = ["QKHeads", "add_rms_norm", "apply_rope", "qk_norm_rope", "rms_norm",
@@ -107,7 +108,8 @@ def add_rms_norm_triton(
         delta = delta if has_delta else x  # not read: a placeholder pointer
         _kernels().add_rms_norm[(n_tokens,)](
             x, delta, weight, h, out, d, eps, x.stride(0), delta.stride(0), h.stride(0),
-            out.stride(0), HAS_DELTA=has_delta, BLOCK_D=_block(d), num_warps=8)
+            out.stride(0), HAS_DELTA=has_delta, BLOCK_D=_block(d), num_warps=8,
+            **dependent_launch.kernel_options(x.device))
     return h, out
 
 
@@ -223,7 +225,7 @@ def _launch_qk_norm_rope(qkv: torch.Tensor, heads: QKHeads, cos: torch.Tensor,
         qkv, weight, cos, sin, out, positions, k_cells, v_cells, h, g, heads.eps,
         qkv.stride(0), cos.stride(0), sin.stride(0), out.stride(0), k_cells.stride(0),
         NORM=NORMS[heads.norm], WRITE=write is not None, HEAD_DIM=dh,
-        BLOCK_P=_block(max(h, g)), num_warps=4)
+        BLOCK_P=_block(max(h, g)), num_warps=4, **dependent_launch.kernel_options(qkv.device))
 
 
 def route(
@@ -255,7 +257,8 @@ def route_triton(
     if n_tokens:
         _kernels().route[(n_tokens,)](
             logits, ids, weights, n_experts, top_k, logits.stride(0), NORMALIZE=normalize,
-            BLOCK_E=_block(n_experts), BLOCK_K=_block(top_k), num_warps=1)
+            BLOCK_E=_block(n_experts), BLOCK_K=_block(top_k), num_warps=1,
+            **dependent_launch.kernel_options(logits.device))
     return ids, weights
 
 
@@ -317,5 +320,6 @@ def router_route_triton(
     _kernels().router_route[(n_tokens, splits)](
         x, router, partial, _arrived(x.device), ids, weights, d, n_experts, top_k, x.stride(0),
         router.stride(0), blocks_per_split, NORMALIZE=normalize, SPLITS=splits, BLOCK_D=block_d,
-        BLOCK_E=block_e, BLOCK_K=_block(top_k), num_warps=num_warps)
+        BLOCK_E=block_e, BLOCK_K=_block(top_k), num_warps=num_warps,
+        **dependent_launch.kernel_options(x.device))
     return ids, weights

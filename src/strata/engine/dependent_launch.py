@@ -1,0 +1,71 @@
+"""Programmatic dependent launch of strata's own Triton kernels, where the GPU has it.
+
+A decode round is about fourteen kernels a layer, most a few microseconds long, and between two
+of them the device idles: the second is only set up once the first has finished (on the H200,
+plain launches left a 4-layer olmoe-1b-7b round's kernels 23% of its wall time apart). From
+compute capability 9.0 a kernel launched as a *dependent* of the one before it in its stream
+is set up early, its programs placed as the earlier kernel's last ones run; each program then
+waits (`griddepcontrol.wait`) until the earlier kernel has finished and its writes are
+visible. A CUDA graph's capture keeps the dependency as a programmatic edge, so replays
+overlap the same way. Measured on the H200, same runs (bench/results/
+dependent-launch-h200-2026-12-02.md): a decode round 1.04x faster on the whole olmoe-1b-7b,
+1.27x on qwen3-30b-a3b cut to 4 layers, 1.03x on mixtral-8x7b cut to 2.
+
+The rule that keeps it correct: every kernel launched this way waits first, before it reads or
+writes anything (`_dependent_triton.wait_for_prior`), and only then lets its own dependents be
+set up. So a kernel never runs beside the one it follows, and since that one waited on its own
+predecessor, on any earlier kernel either. Kernels that are not ours (cuBLAS, cuDNN, torch's)
+are launched plainly and wait for ours whole, as always. The bytes do not change: only when
+the next kernel's setup starts does.
+
+`kernel_options(device)` is what a launch site adds to its kernel's arguments: on a CUDA
+device of capability 9.0 or more with a Triton that has the launch option, the kernel's
+`USE_PDL` switch and Triton's `launch_pdl`; elsewhere (older GPUs, Triton's interpreter on the
+CPU, inside `torch.compile`'s tracing) nothing, and the kernels run as plain launches.
+`enabled` is the process-wide switch a benchmark turns off for its A/B.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["enabled", "kernel_options", "supported"]
+
+enabled = True  # benchmarks set it False to measure the plain launches in the same run
+
+
+@functools.cache
+def _triton_has_it() -> bool:
+    """Whether the installed Triton has the launch option and the wait instruction."""
+    try:
+        import triton.language.extra.cuda as cuda_extra
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(cuda_extra, "gdc_wait")
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can be launched as dependents: CUDA, capability 9.0 or
+    more, a Triton with `launch_pdl`, not inside `torch.compile`'s tracing (inductor launches
+    the kernels it traces its own way)."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.compiler.is_compiling() or not _triton_has_it():
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def kernel_options(device: torch.device) -> dict[str, bool]:
+    """The keyword arguments a launch of one of our kernels on `device` adds: {"USE_PDL":
+    True, "launch_pdl": True} where `supported` and `enabled`, else {} (the kernel's USE_PDL
+    defaults to False: a plain launch)."""
+    if enabled and supported(device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {}

@@ -1,0 +1,90 @@
+"""Programmatic dependent launch (`strata.engine.dependent_launch`): where it is used, and on
+a GPU that has it, that the kernels launched as dependents give the bytes of plain launches
+(a kernel that read before the one it follows had finished would not)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from strata.engine import dependent_launch
+from strata.engine.model import ops
+from strata.engine.model.moe import load_model
+from strata.engine.model.tokenizer import Tokenizer
+from strata.engine.runtime.generate import GenerateOptions, generate
+from support.checkpoints import cached_checkpoint
+
+
+def test_off_cuda_the_kernels_are_launched_plainly(monkeypatch):
+    assert dependent_launch.kernel_options(torch.device("cpu")) == {}
+    assert not dependent_launch.supported(torch.device("cpu"))
+    monkeypatch.setattr(dependent_launch, "supported", lambda device: True)
+    assert dependent_launch.kernel_options(torch.device("cpu")) == {"USE_PDL": True,
+                                                                     "launch_pdl": True}
+    monkeypatch.setattr(dependent_launch, "enabled", False)
+    assert dependent_launch.kernel_options(torch.device("cpu")) == {}
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.cuda
+def test_on_hopper_the_decode_kernels_are_launched_as_dependents():
+    if not _hopper():
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    assert dependent_launch.kernel_options(torch.device("cuda")) == {"USE_PDL": True,
+                                                                      "launch_pdl": True}
+
+
+def _chain(x, deltas, weight):
+    # 64 norms, each reading the one before's output and sum: a dependent that did not wait
+    # would read a row still being written.
+    for delta in deltas:
+        x, normed = ops.add_rms_norm(x, delta, weight, 1e-6)
+        x = x + 0 * normed  # keep both outputs live
+        x, _ = ops.add_rms_norm(normed, x, weight, 1e-6)
+    return x
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_chain_of_dependent_kernels_replays_the_plain_bytes(monkeypatch):
+    if not _hopper():
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 4096, generator=gen).to(torch.bfloat16).cuda()
+    deltas = [torch.randn(1, 4096, generator=gen).to(torch.bfloat16).cuda() for _ in range(64)]
+    weight = torch.rand(4096, generator=gen).to(torch.bfloat16).cuda()
+    monkeypatch.setattr(dependent_launch, "enabled", False)
+    plain = _chain(x, deltas, weight)
+    monkeypatch.setattr(dependent_launch, "enabled", True)
+    assert torch.equal(_chain(x, deltas, weight), plain)  # eager, as dependents
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _chain(x, deltas, weight)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_on_cuda_decode_as_dependents_gives_the_plain_launches_tokens(monkeypatch, family):
+    if not _hopper():
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    ckpt = cached_checkpoint(family, "tiny", dtype=torch.bfloat16)
+    model, tok = load_model(ckpt, device="cuda"), Tokenizer.from_dir(ckpt)
+    prompt = tok.encode("dependent launches")
+    # 300 rounds cross the 256-cell window: two graphs; bf16 takes the attention kernel.
+    options = GenerateOptions(max_new=300, max_context=512, temperature=0.0, ignore_stop=True)
+    monkeypatch.setattr(dependent_launch, "enabled", False)
+    plain = generate(model, tok, prompt, options)
+    monkeypatch.setattr(dependent_launch, "enabled", True)
+    model, tok = load_model(ckpt, device="cuda"), Tokenizer.from_dir(ckpt)  # graphs anew
+    dependent = generate(model, tok, prompt, options)
+    eager = generate(model, tok, prompt, dataclasses.replace(options, cuda_graphs=False))
+    assert dependent.decode_path == "cuda-graph"
+    assert dependent.tokens == plain.tokens == eager.tokens
+    assert torch.equal(dependent.first_logits, plain.first_logits)
