@@ -9,7 +9,8 @@ were before `strata.engine.model.ops` had kernels: the baseline of the same run)
 experts' `down` then the combine instead of the sum inside `down`, with SDPA's attention
 instead of `decode_attention`'s kernel (each the A/B of one kernel), with every kernel
 launched plainly instead of as a dependent of the one before (`strata.engine.dependent_launch`),
-and `--compile`'s
+with a forward's rotary tables and mask as one kernel (`ops.ROPE_MASK_KERNEL`, off by default
+until this row has measured it), and `--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             # (label, step, what its graph is captured without: None, "ops" (the layer ops'
             # kernels: their torch code), "sum" (the weighted sum inside `down`: `down`, then
             # the combine), "attention" (`decode_attention`'s kernel: SDPA's folded path),
-            # "pdl" (dependent launches: every kernel launched plainly)).
+            # "pdl" (dependent launches: every kernel launched plainly); "rope-mask" is what
+            # it is captured with instead: the rotary tables and mask as one kernel).
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps.append(("decode, CUDA graph, attention by SDPA", step_of(True),
                               "attention"))
                 steps.append(("decode, CUDA graph, plain launches", step_of(True), "pdl"))
+                steps.append(("decode, CUDA graph, the rotary tables and mask as one kernel",
+                              step_of(True), "rope-mask"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
@@ -215,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                     steps.append(("decode, --compile", step_of(True, True), None))
             for label, step, without in steps:
                 # The graph is captured here, with or without the part named.
-                saved = ops.use_kernels, decode_attention.takes
+                saved = (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
+                         ops.ROPE_MASK_KERNEL)
                 arrivals = getattr(model.experts, "_sum_arrivals", None)
                 if without == "ops":
                     ops.use_kernels = lambda x: False
@@ -225,11 +230,13 @@ def main(argv: list[str] | None = None) -> int:
                     model.experts._sum_arrivals = None
                 elif without == "pdl":
                     dependent_launch.enabled = False
+                elif without == "rope-mask":
+                    ops.ROPE_MASK_KERNEL = True
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:
-                    ops.use_kernels, decode_attention.takes = saved
-                    dependent_launch.enabled = True
+                    (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
+                     ops.ROPE_MASK_KERNEL) = saved
                     if without == "sum":
                         model.experts._sum_arrivals = arrivals
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,

@@ -15,7 +15,11 @@ import torch.nn.functional as F
 
 from strata.engine.model import ops
 from strata.engine.model.kv_cells import LayerCells
-from strata.engine.model.layers import rope_cos_sin, rope_inv_freq
+from strata.engine.model.layers import attention_mask, rope_cos_sin, rope_inv_freq
+from strata.engine.model.moe import load_model
+from strata.engine.model.tokenizer import Tokenizer
+from strata.engine.runtime.generate import GenerateOptions, generate
+from support.checkpoints import cached_checkpoint
 from support.interpreted import run_interpreted
 
 
@@ -142,7 +146,8 @@ def rel(got, expected):
     scale = max(expected.float().abs().max().item(), 1e-30)
     return (got.float() - expected.float()).abs().max().item() / scale
 
-results = {"add_rms_norm": [], "qk_norm_rope": [], "route": [], "router_route": []}
+results = {"add_rms_norm": [], "qk_norm_rope": [], "route": [], "router_route": [],
+           "rope_and_mask": []}
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.float16):
     for n_tokens, d in ((1, 2048), (3, 1000), (0, 64)):  # D not a power of two; no tokens
@@ -201,6 +206,24 @@ for dtype in (torch.float32, torch.float16):
                 "ids_equal": torch.equal(ids, expected_ids),
                 "repeats": torch.equal(ids, again[0]) and torch.equal(weights, again[1]),
                 "error": rel(weights, expected_weights) if n_tokens else 0.0})
+# A forward's rotary tables and mask: one token, several (one far out: a large angle), a
+# sliding window, a window past the mask's first block of cells.
+from strata.engine.model.layers import attention_mask, rope_cos_sin, rope_inv_freq
+for dtype in (torch.float32, torch.float16):
+    for positions, n_ctx, window, head_dim in (([5], 256, None, 64), ([0, 3, 40000], 40001,
+                                                None, 128), ([100, 130], 300, 64, 16),
+                                               ([2000], 2500, 1500, 8)):
+        positions = torch.tensor(positions)
+        inv_freq = rope_inv_freq(head_dim, 10000.0, torch.device("cpu"))
+        cos, sin, mask = ops.rope_and_mask_triton(positions, inv_freq, n_ctx, window, dtype)
+        expected_cos, expected_sin = rope_cos_sin(positions, inv_freq, dtype)
+        results["rope_and_mask"].append({
+            "dtype": str(dtype), "shapes": [list(cos.shape), list(mask.shape)],
+            "mask_equal": torch.equal(mask, attention_mask(positions, n_ctx, window, dtype)),
+            "error": max((cos.float() - expected_cos.float()).abs().max().item(),
+                         (sin.float() - expected_sin.float()).abs().max().item()),
+            "signs_equal": torch.equal(torch.signbit(sin[:, :head_dim // 2]),
+                                       torch.signbit(-sin[:, head_dim // 2:]))})
 print(json.dumps(results))
 """
 
@@ -229,6 +252,13 @@ def test_the_kernels_under_the_interpreter_match_the_references():
         assert row["error"] <= {"torch.float32": 1e-5, "torch.float16": 2e-3}[row["dtype"]], row
     assert [row["shape"] for row in results["router_route"][:12:2]] == [
         [1, 8], [3, 6], [2, 8], [1, 2], [8, 4], [0, 2]]
+    # The interpreter's sin and cos against torch's: the last bit of a float32, now and then
+    # (one float16 rounding: an ulp there); the mask exactly.
+    assert len(results["rope_and_mask"]) == 8
+    for row in results["rope_and_mask"]:
+        assert row["mask_equal"] and row["signs_equal"], row
+        assert row["error"] <= {"torch.float32": 2e-6, "torch.float16": 1e-3}[row["dtype"]], row
+    assert results["rope_and_mask"][1]["shapes"] == [[3, 128], [3, 40001]]
     # Equal probabilities: the lower expert id first.
     assert results["tied"]["ids"] == [[1, 2, 4, 3]]
     third = 1 / (3 + math.exp(-0.5))  # e^1 / (3 e^1 + e^0.5)
@@ -297,6 +327,35 @@ def test_on_cuda_router_route_picks_the_top_probabilities_and_replays_in_a_graph
         assert torch.equal(graph_ids, ids) and torch.equal(graph_weights, weights)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_cuda_rope_and_mask_is_the_torch_ops_byte_for_byte(dtype):
+    """CUDA's sinf and cosf, as torch's kernels call them: the same bytes, far positions (large
+    angles) included."""
+    pytest.importorskip("triton")
+    cuda = torch.device("cuda")
+    positions = torch.tensor([0, 7, 4095, 40000], device=cuda)
+    for head_dim, theta, window in ((128, 1e6, None), (64, 10000.0, 1000)):
+        inv_freq = rope_inv_freq(head_dim, theta, cuda)
+        cos, sin, mask = ops.rope_and_mask_triton(positions, inv_freq, 40001, window, dtype)
+        expected_cos, expected_sin = rope_cos_sin(positions, inv_freq, dtype)
+        assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)
+        assert torch.equal(mask, attention_mask(positions, 40001, window, dtype))
+
+
+@pytest.mark.cuda
+def test_on_cuda_decode_with_the_rope_and_mask_kernel_gives_the_torch_ops_tokens(monkeypatch):
+    pytest.importorskip("triton")
+    ckpt = cached_checkpoint("qwen3_moe", "tiny", dtype=torch.bfloat16)
+    options = GenerateOptions(max_new=300, max_context=512, temperature=0.0, ignore_stop=True)
+    runs = []
+    for kernel in (False, True):
+        monkeypatch.setattr(ops, "ROPE_MASK_KERNEL", kernel)
+        model, tok = load_model(ckpt, device="cuda"), Tokenizer.from_dir(ckpt)  # graphs anew
+        runs.append(generate(model, tok, tok.encode("rotary tables"), options))
+    assert runs[1].decode_path == "cuda-graph" and runs[1].tokens == runs[0].tokens
+
+
 _MODEL_INTERPRETED = r"""
 import json, sys, tempfile
 import torch
@@ -308,15 +367,20 @@ from strata.engine.model import load_model, ops
 def logits_of(model, kernels):
     # A prompt of 5 tokens, then 2 decode steps: every op of every layer, the K/V written by
     # the rotation's kernel read back by the later steps.
-    use = ops.use_kernels
+    # Then 2 steps through forward_at (a decode graph's): its rotary tables and mask by
+    # their kernel too.
+    use, rope_mask = ops.use_kernels, ops.ROPE_MASK_KERNEL
     ops.use_kernels = (lambda x: True) if kernels else (lambda x: False)
+    ops.ROPE_MASK_KERNEL = kernels
     try:
         with new_kv(model, 16) as kv:
             rows = [model.forward(torch.tensor([3, 1, 4, 1, 5]), 0, kv)]
             rows += [model.forward(torch.tensor([9 + step]), 5 + step, kv) for step in range(2)]
+            rows += [model.forward_at(torch.tensor([2 + step]), torch.tensor([7 + step]), kv, 16)
+                     for step in range(2)]
             return torch.cat(rows)
     finally:
-        ops.use_kernels = use
+        ops.use_kernels, ops.ROPE_MASK_KERNEL = use, rope_mask
 
 results = {}
 with tempfile.TemporaryDirectory() as tmp:

@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import threading
+import time
 
 import httpx
 import openai
@@ -187,7 +188,15 @@ def test_one_log_line_per_request(serve_flags, caplog):
     client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, **GREEDY)
     client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, **GREEDY)
     server.post("/v1/completions", content=b"{oops")
-    lines = [r.getMessage() for r in caplog.records if r.name == "strata.serve"]
+    # The middleware logs once the response's last byte is sent, so a line may land just
+    # after the client has its answer: wait for the three (at most 10 s).
+    deadline = time.monotonic() + 10.0
+    while True:
+        lines = [r.getMessage() for r in caplog.records if r.name == "strata.serve"]
+        if len([line for line in lines if line.startswith("POST ")]) >= 3 \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     chats = [line for line in lines if line.startswith("POST /v1/chat/completions")]
     assert len(chats) == 2
     pattern = (r"POST /v1/chat/completions 200 [\d.]+ s: prompt (\d+) \(reused (\d+)\), new 5, "

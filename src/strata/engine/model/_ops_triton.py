@@ -11,6 +11,7 @@ squares of a norm, the softmax's sum): in the last bit, now and then.
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from strata.engine._dependent_triton import wait_for_prior
 
@@ -180,3 +181,39 @@ def router_route(x_ptr, w_ptr, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D
         _top_k(_softmax(logits), e, e_in, ids_ptr, weights_ptr, t, K, NORMALIZE, BLOCK_E,
                BLOCK_K)
         tl.store(arrived_ptr + t, 0)
+
+
+@triton.jit
+def rope_and_mask(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, mask_ptr, N, window,
+                  cos_stride, sin_stride, mask_stride, HAS_WINDOW: tl.constexpr,
+                  LIBDEVICE: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):
+    # Program (t, b): cells [b*BLOCK_N, (b+1)*BLOCK_N) of token t's mask [T, N]: 0 where
+    # n <= positions[t] (and n > positions[t] - window with a window), -inf elsewhere.
+    # Program (t, 0) also token t's rotary rows: angles [Dh/2] = float(position) * inv_freq
+    # in float32, cos [T, Dh] = [cos, cos] and the folded sin [T, Dh] = [-sin, sin], each
+    # rounded to the tables' dtype before the sign (`layers.rope_cos_sin`). LIBDEVICE: CUDA's
+    # sinf and cosf (range-reduced, as torch's kernels call them); the interpreter's own else.
+    wait_for_prior(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    position = tl.load(positions_ptr + t)
+    n = b * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    allowed = n <= position
+    if HAS_WINDOW:
+        allowed = allowed & (n > position - window)
+    values = tl.where(allowed, 0.0, float("-inf")).to(mask_ptr.dtype.element_ty)
+    tl.store(mask_ptr + t * mask_stride + n, values, mask=n < N)
+    if b == 0:
+        j = tl.arange(0, HALF)  # [Dh/2]
+        angles = position.to(tl.float32) * tl.load(inv_freq_ptr + j)
+        if LIBDEVICE:
+            cos, sin = libdevice.cos(angles), libdevice.sin(angles)
+        else:
+            cos, sin = tl.cos(angles), tl.sin(angles)
+        cos = cos.to(cos_ptr.dtype.element_ty)
+        sin = sin.to(sin_ptr.dtype.element_ty)
+        tl.store(cos_ptr + t * cos_stride + j, cos)
+        tl.store(cos_ptr + t * cos_stride + HALF + j, cos)
+        tl.store(sin_ptr + t * sin_stride + j, -sin)
+        tl.store(sin_ptr + t * sin_stride + HALF + j, sin)

@@ -23,20 +23,22 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from strata.engine.experts import Experts
-from strata.engine.model import decode_attention
+from strata.engine.model import decode_attention, ops
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.kv_cells import LayerCells
 from strata.engine.model.ops import (
     QKHeads,
     add_rms_norm,
     rms_norm,
+    rope_and_mask_triton,
     rotate_and_write,
     route,
     router_route,
 )
 
 __all__ = ["ATTENTION_PIECE_TOKENS", "Attention", "AttentionSpan", "DecoderLayer", "MoE",
-           "add_rms_norm", "attention_mask", "rms_norm", "rope_cos_sin", "rope_inv_freq", "route",
+           "add_rms_norm", "attention_mask", "rms_norm", "rope_and_mask", "rope_cos_sin",
+           "rope_inv_freq", "route",
            "swiglu"]
 
 Weights = dict[str, torch.Tensor]
@@ -84,6 +86,18 @@ def attention_mask(
         allowed &= cells.unsqueeze(0) > pos - sliding_window
     zero = torch.zeros((), dtype=dtype, device=positions.device)
     return torch.where(allowed, zero, float("-inf"))
+
+
+def rope_and_mask(
+    positions: torch.Tensor, inv_freq: torch.Tensor, n_ctx: int, sliding_window: int | None,
+    dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cos, sin [T, Dh], mask [T, N = n_ctx]): `rope_cos_sin` and `attention_mask` of a
+    forward over a fixed window; as one kernel on CUDA where `ops.ROPE_MASK_KERNEL`."""
+    if ops.ROPE_MASK_KERNEL and ops.use_kernels(positions):
+        return rope_and_mask_triton(positions, inv_freq, n_ctx, sliding_window, dtype)
+    cos, sin = rope_cos_sin(positions, inv_freq, dtype)
+    return cos, sin, attention_mask(positions, n_ctx, sliding_window, dtype)
 
 
 class AttentionSpan(NamedTuple):

@@ -27,6 +27,7 @@ from strata.engine.model.layers import (
     DecoderLayer,
     add_rms_norm,
     attention_mask,
+    rope_and_mask,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -153,9 +154,9 @@ class MoEModel:
                 f"positions must be [{n_tokens}] and n_ctx in [1, {kv.mapped_cells}], got "
                 f"{list(positions.shape)} and {n_ctx}"
             )
-        mask = attention_mask(positions, n_ctx, self.config.sliding_window, self.dtype)
-        # [T, N]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [T, Dh]
+        cos, sin, mask = rope_and_mask(positions, self.inv_freq, n_ctx,
+                                       self.config.sliding_window, self.dtype)
+        # [T, Dh], [T, Dh], [T, N]
         span = AttentionSpan(slice(0, n_tokens), cos, sin, positions, n_ctx, mask, False)
         return self._run(token_ids, [span], kv, last_only, logit_rows)
 

@@ -12,7 +12,9 @@ Triton, as one kernel (`_ops_triton`) that rounds where the reference's ops roun
 - `rotate_and_write`: q's and k's norms, their weights, the rotation, and k's and v's writes
   to the K/V cells, up to 10 in one;
 - `route`: the softmax, the top k and the renormalization, 2-3 in one; `router_route` the
-  router's product before them too, for the few tokens of a decode step (`ROUTER_MAX_TOKENS`).
+  router's product before them too, for the few tokens of a decode step (`ROUTER_MAX_TOKENS`);
+- `rope_and_mask_triton`: a `forward_at`'s rotary tables and attention mask, about 13 in one
+  (`layers.rope_and_mask` takes it where `ROPE_MASK_KERNEL`).
 The dense products stay with cuBLAS (`F.linear`): a one-token kernel for them, swept over 48
 launch shapes, lost to it inside the decode graph
 (bench/results/decode-linear-h200-2026-12-02.md).
@@ -34,7 +36,7 @@ from strata.engine import dependent_launch
 from strata.engine.model.kv_cells import LayerCells
 
 __all__ = ["QKHeads", "add_rms_norm", "apply_rope", "qk_norm_rope", "rms_norm",
-           "rotate_and_write", "route", "router_route", "use_kernels"]
+           "rope_and_mask_triton", "rotate_and_write", "route", "router_route", "use_kernels"]
 
 NORMS = {"none": 0, "full": 1, "head": 2}  # `ModelConfig.qk_norm` -> the kernel's NORM
 # `add_rms_norm`'s kernel holds a row in one program: wider rows run the torch ops.
@@ -49,6 +51,11 @@ ROUTER_MAX_TOKENS = 8
 ROUTER_SPLITS = 64
 ROUTER_BLOCK_D = 32
 ROUTER_WARPS = 4
+# Whether `layers.rope_and_mask` runs its kernel on CUDA: off until bench/decode_profile.py's
+# row "the rotary tables and mask as one kernel" has measured it against the torch ops on a
+# GPU (written when the session's device time was spent).
+ROPE_MASK_KERNEL = False
+MASK_BLOCK_CELLS = 1024  # the mask cells one program of `rope_and_mask_triton` writes
 
 
 @functools.cache
@@ -323,3 +330,29 @@ def router_route_triton(
         BLOCK_E=block_e, BLOCK_K=_block(top_k), num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return ids, weights
+
+
+def rope_and_mask_triton(
+    positions: torch.Tensor, inv_freq: torch.Tensor, n_ctx: int, window: int | None,
+    dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cos, sin [T, Dh], mask [T, N = n_ctx]) in `dtype`: `layers.rope_cos_sin` and
+    `layers.attention_mask` of positions [T] int64 as one kernel (under Triton's interpreter
+    on the CPU in tests, whose sin and cos may differ from torch's in the last bit; on CUDA
+    the kernel calls the sinf and cosf torch's own kernels call). inv_freq [Dh/2] float32."""
+    n_tokens, half = positions.shape[0], inv_freq.shape[0]
+    if positions.dtype != torch.int64 or inv_freq.dtype != torch.float32 or half & (half - 1):
+        raise ValueError(f"rope_and_mask_triton needs int64 positions and float32 inv_freq of "
+                         f"a power-of-two length, got {positions.dtype} and {inv_freq.dtype} "
+                         f"[{half}]")
+    cos = torch.empty((n_tokens, 2 * half), dtype=dtype, device=positions.device)  # [T, Dh]
+    sin = torch.empty_like(cos)  # [T, Dh]
+    mask = torch.empty((n_tokens, n_ctx), dtype=dtype, device=positions.device)  # [T, N]
+    if n_tokens:
+        _kernels().rope_and_mask[(n_tokens, -(-n_ctx // MASK_BLOCK_CELLS))](
+            positions, inv_freq.contiguous(), cos, sin, mask, n_ctx,
+            window if window is not None else 0, cos.stride(0), sin.stride(0), mask.stride(0),
+            HAS_WINDOW=window is not None, LIBDEVICE=positions.is_cuda, HALF=half,
+            BLOCK_N=MASK_BLOCK_CELLS, num_warps=4,
+            **dependent_launch.kernel_options(positions.device))
+    return cos, sin, mask
