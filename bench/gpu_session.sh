@@ -5,6 +5,7 @@
 #   bash bench/gpu_session.sh tests kernels cache                        # about 8 minutes
 #   bash bench/gpu_session.sh kv-grow kv-grow-skewed                      # about 6 minutes
 #   bash bench/gpu_session.sh offload                                     # about 7 minutes
+#   PACK=1 OUT=$OUT bash bench/gpu_session.sh tests profile-decode16     # one .tgz back
 #
 # Stages (minutes, roughly): tests (1: pytest -m cuda), kernels (1: bench/grouped_experts.py,
 # the bf16 and the quantized decode kernels),
@@ -53,7 +54,8 @@
 # share), decode16-default (4: the same without --compile, no compile time: the default path
 # alone beside transformers), profile-decode (1.5: the profile stage's decode rounds and prompt
 # chunks of 32 and 4,096 without --compile), profile-decode16 (2: the decode round's A/Bs on the
-# whole olmoe-1b-7b), stream-issue (0.5: bench/stream_issue.py, the
+# whole olmoe-1b-7b), profile-decode-shapes (2.5: the same on qwen3-30b-a3b cut to 4 layers and
+# mixtral-8x7b cut to 2), stream-issue (0.5: bench/stream_issue.py, the
 # host's time issuing streamed misses, part by part, olmoe and qwen3 shapes, sync-checked),
 # router-route (2: bench/router_route.py, the decode router kernel's launch shapes swept),
 # decode-attention (2: bench/decode_attention.py, the decode attention kernel's launch shapes
@@ -71,6 +73,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+if [ -n "${PACK:-}" ]; then  # every output in one file, $OUT/gpu-out.tgz: the device tool
+    PACKED=$OUT              # brings back at most 8 files a call
+    OUT=$(mktemp -d)
+    trap 'tar -C "$OUT" -czf "$PACKED/gpu-out.tgz" . && rm -rf "$OUT"' EXIT
+fi
 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
 # The kv-grow stages share their checkpoints (18 GiB each) across stages and calls while the
@@ -254,6 +261,14 @@ for stage in "$@"; do
                  --prompt-tokens 32 --no-compile --json "$OUT/profile-decode16.json") \
                  > "$OUT/profile-decode16.txt" 2> "$OUT/profile-decode16.err"
                     grep -E "^(prompt|decode)" "$OUT/profile-decode16.txt" ;;
+    profile-decode-shapes) # the decode round's A/Bs on qwen3-30b-a3b (4 layers), mixtral (2)
+              for shape in "qwen3-30b-a3b 4" "mixtral-8x7b 2"; do
+                  set -- $shape
+                  (cd bench && timeout 150 python3 decode_profile.py --preset "$1" --layers "$2" \
+                     --prompt-tokens 32 --no-compile --json "$OUT/profile-decode-$1.json") \
+                     > "$OUT/profile-decode-$1.txt" 2> "$OUT/profile-decode-$1.err"
+                  grep -E "^decode" "$OUT/profile-decode-$1.txt"
+              done ;;
     profile-long) # a decode round at cell 16,384: what attention costs at a long context
               (cd bench && timeout 240 python3 decode_profile.py --preset olmoe-1b-7b --layers 4 \
                  --prompt-tokens 32 --position 16384 --no-compile \

@@ -53,11 +53,12 @@ def _capable(index: int) -> bool:
 
 
 def supported(device: torch.device) -> bool:
-    """Whether kernels on `device` can be launched as dependents: CUDA, capability 9.0 or
-    more, a Triton with `launch_pdl`, not inside `torch.compile`'s tracing (inductor launches
-    the kernels it traces its own way)."""
+    """Whether kernels on `device` can be launched as dependents: NVIDIA CUDA (not ROCm, whose
+    devices torch also calls "cuda"), capability 9.0 or more, a Triton with `launch_pdl`, not
+    inside `torch.compile`'s tracing (inductor launches the kernels it traces its own way)."""
     device = torch.device(device)
-    if device.type != "cuda" or torch.compiler.is_compiling() or not _triton_has_it():
+    if device.type != "cuda" or torch.version.hip is not None \
+            or torch.compiler.is_compiling() or not _triton_has_it():
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
