@@ -25,6 +25,17 @@ def test_off_cuda_the_kernels_are_launched_plainly(monkeypatch):
     assert dependent_launch.kernel_options(torch.device("cpu")) == {}
 
 
+def test_a_wrapped_launch_passes_the_switch_off_and_a_plain_one_takes_the_options(monkeypatch):
+    def wrap(kernel):  # as torch.library.wrap_triton: takes every argument, launches itself
+        return kernel
+
+    assert dependent_launch.launch_with(wrap, torch.device("cpu")) == (wrap, {"USE_PDL": False})
+    monkeypatch.setattr(dependent_launch, "supported", lambda device: True)
+    launch, options = dependent_launch.launch_with(None, torch.device("cpu"))
+    assert launch("kernel") == "kernel" and options == {"USE_PDL": True, "launch_pdl": True}
+    assert dependent_launch.launch_with(wrap, torch.device("cpu"))[1] == {"USE_PDL": False}
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 

@@ -28,10 +28,12 @@ CPU, inside `torch.compile`'s tracing) nothing, and the kernels run as plain lau
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["enabled", "kernel_options", "supported"]
+__all__ = ["enabled", "kernel_options", "launch_with", "supported"]
 
 enabled = True  # benchmarks set it False to measure the plain launches in the same run
 
@@ -70,3 +72,14 @@ def kernel_options(device: torch.device) -> dict[str, bool]:
     if enabled and supported(device):
         return {"USE_PDL": True, "launch_pdl": True}
     return {}
+
+
+def launch_with(launch: Callable[[Any], Any] | None, device: torch.device
+                ) -> tuple[Callable[[Any], Any], dict[str, bool]]:
+    """(wrap, options) for a launch site whose caller may wrap its kernels: `launch` None, the
+    kernels as they are, with `kernel_options(device)`; a wrapper (`torch.library.wrap_triton`
+    under a custom operator, which takes every argument, a defaulted one too, and launches
+    the kernel its own way), that wrapper with USE_PDL False."""
+    if launch is None:
+        return (lambda kernel: kernel), kernel_options(device)
+    return launch, {"USE_PDL": False}

@@ -11,13 +11,16 @@ group). The roundings to the output dtype are those of the bf16 kernels (`_group
 import triton
 import triton.language as tl
 
+from strata.engine._dependent_triton import wait_for_prior
 from strata.engine.experts._grouped_triton import store_act, store_rows
 
 
 @triton.jit
 def int8_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, x_stride,
-             act_stride, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+             act_stride, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+             USE_PDL: tl.constexpr = False):
     # Program (r, b): act[r, b*BLOCK_F : (b+1)*BLOCK_F] of the expert index[r].
+    wait_for_prior(USE_PDL)
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
@@ -43,8 +46,10 @@ def int8_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, 
 
 @triton.jit
 def int8_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F, act_stride,
-              y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+              y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+              USE_PDL: tl.constexpr = False):
     # Program (r, b): y[r, b*BLOCK_D : (b+1)*BLOCK_D] of the expert index[r].
+    wait_for_prior(USE_PDL)
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
@@ -92,7 +97,9 @@ def _int4_rows(blob, scales, starts, rows_in, v_ptr, k0, K, GROUP: tl.constexpr,
 
 @triton.jit
 def int4_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, x_stride,
-             act_stride, GROUP: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+             act_stride, GROUP: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+             USE_PDL: tl.constexpr = False):
+    wait_for_prior(USE_PDL)
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
@@ -111,7 +118,9 @@ def int4_act(blob_ptr, index_ptr, x_ptr, act_ptr, slot_stride, scales_at, D, F, 
 
 @triton.jit
 def int4_down(blob_ptr, index_ptr, act_ptr, y_ptr, slot_stride, scales_at, D, F, act_stride,
-              y_stride, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+              y_stride, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+              USE_PDL: tl.constexpr = False):
+    wait_for_prior(USE_PDL)
     r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]

@@ -134,10 +134,7 @@ def expert_rows_triton(
     if kernels is None:
         raise RuntimeError("expert_rows_triton needs Triton (pip install triton)")
     d, f = x_rows.shape[1], down.shape[2]
-    # wrap_triton (the custom operator) takes every argument, a defaulted constexpr too.
-    options = ({"USE_PDL": False} if launch is not None
-               else dependent_launch.kernel_options(x_rows.device))
-    launch = launch if launch is not None else (lambda kernel: kernel)
+    launch, options = dependent_launch.launch_with(launch, x_rows.device)
     act, y = _gate_up_act(kernels, gate_up, down, index, x_rows, gate_up_f, gate_up_d,
                           num_warps[0], launch, options)
     if x_rows.shape[0]:

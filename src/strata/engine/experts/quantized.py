@@ -28,6 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from strata.engine import dependent_launch
 from strata.engine.experts.quant import blob_bytes, dequantize_blobs, format_group
 
 __all__ = ["quantized_rows", "quantized_rows_gathered", "quantized_rows_triton"]
@@ -109,13 +110,14 @@ def quantized_rows_triton(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
                           x_rows: torch.Tensor, expert_width: int, *,
                           act_blocks: tuple[int, int] = (ACT_BLOCK_F, ACT_BLOCK_D),
                           down_blocks: tuple[int, int] = (DOWN_BLOCK_D, DOWN_BLOCK_F),
-                          launch=lambda kernel: kernel) -> torch.Tensor:
+                          launch=None) -> torch.Tensor:
     """`quantized_rows` with the Triton kernels, reading the blobs in place. Runs wherever
     Triton does (its interpreter on the CPU, with TRITON_INTERPRET=1 set before import, is how
     the tests check it without a GPU). `act_blocks` (F rows, D step) and `down_blocks` (D
     rows, F step) are the kernels' block sizes, powers of two, the steps at least the int4
     group (the benchmark tries others). `launch` wraps each kernel before its launch
-    (`torch.library.wrap_triton` under the custom operator). RuntimeError without Triton;
+    (`torch.library.wrap_triton` under the custom operator; None: launched as they are, as
+    dependents where `dependent_launch` has them). RuntimeError without Triton;
     ValueError for blobs whose scales would not be 4-byte aligned (a slot stride, 3*F*D or
     the storage offset not a multiple of 4)."""
     kernels = _kernels()
@@ -142,18 +144,19 @@ def quantized_rows_triton(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
     act_grid = (n_rows, -(-f // act_f))
     down_grid = (n_rows, -(-d // down_d))
     common = (blobs.stride(0), scales_at, d, f)
+    launch, options = dependent_launch.launch_with(launch, x_rows.device)
     if group:
         launch(kernels.int4_act)[act_grid](
             blobs, index, x_rows, act, *common, x_rows.stride(0),
-            act.stride(0), GROUP=group, BLOCK_F=act_f, BLOCK_D=act_d)
+            act.stride(0), GROUP=group, BLOCK_F=act_f, BLOCK_D=act_d, **options)
         launch(kernels.int4_down)[down_grid](
             blobs, index, act, y, *common, act.stride(0), y.stride(0),
-            GROUP=group, BLOCK_D=down_d, BLOCK_F=down_f)
+            GROUP=group, BLOCK_D=down_d, BLOCK_F=down_f, **options)
     else:
         launch(kernels.int8_act)[act_grid](
             blobs, index, x_rows, act, *common, x_rows.stride(0),
-            act.stride(0), BLOCK_F=act_f, BLOCK_D=act_d)
+            act.stride(0), BLOCK_F=act_f, BLOCK_D=act_d, **options)
         launch(kernels.int8_down)[down_grid](
             blobs, index, act, y, *common, act.stride(0), y.stride(0),
-            BLOCK_D=down_d, BLOCK_F=down_f)
+            BLOCK_D=down_d, BLOCK_F=down_f, **options)
     return y
