@@ -99,3 +99,30 @@ def test_on_cuda_decode_as_dependents_gives_the_plain_launches_tokens(monkeypatc
     assert dependent.decode_path == "cuda-graph"
     assert dependent.tokens == plain.tokens == eager.tokens
     assert torch.equal(dependent.first_logits, plain.first_logits)
+
+
+def test_every_kernel_that_can_be_a_dependent_waits_first():
+    """The rule `dependent_launch` stands on: a kernel with a USE_PDL switch calls
+    `wait_for_prior(USE_PDL)` as its first statement, before it reads or writes anything. A
+    kernel added with the switch but without the wait would race the one before it."""
+    import ast
+    from pathlib import Path
+
+    import strata
+
+    root = Path(strata.__file__).parent / "engine"
+    switched = []
+    for path in sorted(root.rglob("_*_triton.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            if node.name == "wait_for_prior" or \
+                    "USE_PDL" not in [arg.arg for arg in node.args.args]:
+                continue
+            first = node.body[0]
+            assert isinstance(first, ast.Expr) and ast.unparse(first) == \
+                "wait_for_prior(USE_PDL)", f"{path.name}: {node.name} does not wait first"
+            switched.append(node.name)
+    assert {"add_rms_norm", "qk_norm_rope", "route", "router_route", "rope_and_mask",
+            "gate_up_act", "down", "down_sum", "combine", "decode_attention", "int8_act",
+            "int8_down", "int4_act", "int4_down"} <= set(switched)
