@@ -327,6 +327,29 @@ def test_on_cuda_router_route_picks_the_top_probabilities_and_replays_in_a_graph
         assert torch.equal(graph_ids, ids) and torch.equal(graph_weights, weights)
 
 
+def test_rope_and_mask_takes_its_kernel_only_where_switched_on_and_the_head_dim_fits(
+        monkeypatch):
+    from strata.engine.model import layers
+
+    calls = []
+    monkeypatch.setattr(layers, "rope_and_mask_triton", lambda *args: calls.append(args))
+    monkeypatch.setattr(ops, "use_kernels", lambda x: True)  # as on CUDA
+    positions = torch.tensor([3, 9])
+    head_dims = {}
+    for head_dim in (16, 24):  # 24: Qwen3's test models', not a power of two
+        inv_freq = rope_inv_freq(head_dim, 10000.0, torch.device("cpu"))
+        for switched in (False, True):
+            monkeypatch.setattr(ops, "ROPE_MASK_KERNEL", switched)
+            out = layers.rope_and_mask(positions, inv_freq, 16, None, torch.float32)
+            head_dims[head_dim, switched] = out is None  # None: the stand-in kernel ran
+            if out is not None:  # the torch ops, as forward_at had them
+                assert torch.equal(out[0], rope_cos_sin(positions, inv_freq, torch.float32)[0])
+                assert torch.equal(out[2], attention_mask(positions, 16, None, torch.float32))
+    assert head_dims == {(16, False): False, (16, True): True, (24, False): False,
+                         (24, True): False}
+    assert len(calls) == 1
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_on_cuda_rope_and_mask_is_the_torch_ops_byte_for_byte(dtype):

@@ -194,9 +194,9 @@ def expert_sum_triton(gate_up: torch.Tensor, down: torch.Tensor, index: torch.Te
     if arrived.numel() < -(-d // DOWN_BLOCK_D):
         raise ValueError(f"arrived holds {arrived.numel()} blocks, D = {d} needs "
                          f"{-(-d // DOWN_BLOCK_D)} (sum_arrivals)")
-    options = dependent_launch.kernel_options(x_rows.device)
+    launch, options = dependent_launch.launch_with(None, x_rows.device)
     act, y = _gate_up_act(kernels, gate_up, down, index, x_rows, GATE_UP_BLOCK_F,
-                          GATE_UP_BLOCK_D, NUM_WARPS[0], lambda kernel: kernel, options)
+                          GATE_UP_BLOCK_D, NUM_WARPS[0], launch, options)
     out = x_rows.new_empty((1, d))  # [1, D]
     if n_rows:
         kernels.down_sum[(n_rows, -(-d // DOWN_BLOCK_D))](

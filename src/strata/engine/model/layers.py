@@ -38,8 +38,7 @@ from strata.engine.model.ops import (
 
 __all__ = ["ATTENTION_PIECE_TOKENS", "Attention", "AttentionSpan", "DecoderLayer", "MoE",
            "add_rms_norm", "attention_mask", "rms_norm", "rope_and_mask", "rope_cos_sin",
-           "rope_inv_freq", "route",
-           "swiglu"]
+           "rope_inv_freq", "route", "swiglu"]
 
 Weights = dict[str, torch.Tensor]
 
@@ -93,8 +92,10 @@ def rope_and_mask(
     dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cos, sin [T, Dh], mask [T, N = n_ctx]): `rope_cos_sin` and `attention_mask` of a
-    forward over a fixed window; as one kernel on CUDA where `ops.ROPE_MASK_KERNEL`."""
-    if ops.ROPE_MASK_KERNEL and ops.use_kernels(positions):
+    forward over a fixed window; as one kernel on CUDA where `ops.ROPE_MASK_KERNEL`, for a
+    head dim that is a power of two (the kernel's block), the torch ops for any other."""
+    half = inv_freq.shape[0]
+    if ops.ROPE_MASK_KERNEL and ops.use_kernels(positions) and not half & (half - 1):
         return rope_and_mask_triton(positions, inv_freq, n_ctx, sliding_window, dtype)
     cos, sin = rope_cos_sin(positions, inv_freq, dtype)
     return cos, sin, attention_mask(positions, n_ctx, sliding_window, dtype)
