@@ -9,8 +9,8 @@ were before `strata.engine.model.ops` had kernels: the baseline of the same run)
 experts' `down` then the combine instead of the sum inside `down`, with SDPA's attention
 instead of `decode_attention`'s kernel (each the A/B of one kernel), with every kernel
 launched plainly instead of as a dependent of the one before (`strata.engine.dependent_launch`),
-with a forward's rotary tables and mask as one kernel (`ops.ROPE_MASK_KERNEL`, off by default
-until this row has measured it), and `--compile`'s
+with a forward's rotary tables and mask as the torch ops instead of one kernel
+(`ops.ROPE_MASK_KERNEL`), and `--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             # (label, step, what its graph is captured without: None, "ops" (the layer ops'
             # kernels: their torch code), "sum" (the weighted sum inside `down`: `down`, then
             # the combine), "attention" (`decode_attention`'s kernel: SDPA's folded path),
-            # "pdl" (dependent launches: every kernel launched plainly); "rope-mask" is what
-            # it is captured with instead: the rotary tables and mask as one kernel).
+            # "pdl" (dependent launches: every kernel launched plainly), "rope-mask" (the
+            # rotary tables and mask's kernel: the torch ops).
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps.append(("decode, CUDA graph, attention by SDPA", step_of(True),
                               "attention"))
                 steps.append(("decode, CUDA graph, plain launches", step_of(True), "pdl"))
-                steps.append(("decode, CUDA graph, the rotary tables and mask as one kernel",
+                steps.append(("decode, CUDA graph, the rotary tables and mask in torch",
                               step_of(True), "rope-mask"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif without == "pdl":
                     dependent_launch.enabled = False
                 elif without == "rope-mask":
-                    ops.ROPE_MASK_KERNEL = True
+                    ops.ROPE_MASK_KERNEL = False
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:

@@ -64,7 +64,12 @@
 # layer's predicted misses prefetched; offload-prefetch-olmoe, 2: olmoe's alone),
 # offload-balance-olmoe and offload-balance-qwen3 (3 and 4: decode at --stream-misses auto, 2,
 # 3 and 4, the joint rates' split against fixed counts), offload-loan (4: the 4,096-token
-# prefill with the loan's uploads in 1 and in 4 pipelined batches, qwen3 then olmoe);
+# prefill with the loan's uploads in 1 and in 4 pipelined batches, qwen3 then olmoe),
+# decode-shapes (4: bench/decode_shapes.py, the experts' decode kernels' and the dense
+# products' launch shapes timed inside the whole olmoe-1b-7b's decode round; SHAPES_KERNELS=
+# linear sweeps one kernel's),
+# decode-shapes-others (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to
+# 2);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # second or two, and later runs read them). A new checkpoint adds about a minute to the first
@@ -268,6 +273,20 @@ for stage in "$@"; do
                      --prompt-tokens 32 --no-compile --json "$OUT/profile-decode-$1.json") \
                      > "$OUT/profile-decode-$1.txt" 2> "$OUT/profile-decode-$1.err"
                   grep -E "^decode" "$OUT/profile-decode-$1.txt"
+              done ;;
+    decode-shapes) (cd bench && timeout 300 python3 decode_shapes.py --model \
+                 "$(olmoe_checkpoint)" --kernels "${SHAPES_KERNELS:-gate_up,down,linear}" \
+                 --json "$OUT/decode-shapes.json") \
+                 > "$OUT/decode-shapes.txt" 2> "$OUT/decode-shapes.err"
+                 head -8 "$OUT/decode-shapes.txt"; tail -3 "$OUT/decode-shapes.err" ;;
+    decode-shapes-others)
+              for shape in "qwen3-30b-a3b 4" "mixtral-8x7b 2"; do
+                  set -- $shape
+                  (cd bench && timeout 150 python3 decode_shapes.py --preset "$1" --layers "$2" \
+                     --kernels "${SHAPES_KERNELS:-gate_up,down,linear}" \
+                     --json "$OUT/decode-shapes-$1.json") > "$OUT/decode-shapes-$1.txt" \
+                     2> "$OUT/decode-shapes-$1.err"
+                  head -5 "$OUT/decode-shapes-$1.txt"; tail -3 "$OUT/decode-shapes-$1.err"
               done ;;
     profile-long) # a decode round at cell 16,384: what attention costs at a long context
               (cd bench && timeout 240 python3 decode_profile.py --preset olmoe-1b-7b --layers 4 \

@@ -47,6 +47,9 @@ __all__ = ["copies_weights", "expert_rows", "expert_rows_gathered", "expert_rows
 GATE_UP_BLOCK_F, GATE_UP_BLOCK_D = 32, 128
 DOWN_BLOCK_D, DOWN_BLOCK_F = 32, 128
 NUM_WARPS = (8, 8)
+# The software pipeline's depth of a gate_up and of a down program (Triton's num_stages: how
+# many steps' loads are in flight ahead of the math). Triton's own default on CUDA.
+NUM_STAGES = (3, 3)
 
 
 @functools.cache
@@ -119,13 +122,15 @@ def expert_rows_triton(
     gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor, x_rows: torch.Tensor,
     *, gate_up_blocks: tuple[int, int] = (GATE_UP_BLOCK_F, GATE_UP_BLOCK_D),
     down_blocks: tuple[int, int] = (DOWN_BLOCK_D, DOWN_BLOCK_F),
-    num_warps: tuple[int, int] = NUM_WARPS, launch=None,
+    num_warps: tuple[int, int] = NUM_WARPS, num_stages: tuple[int, int] = NUM_STAGES,
+    launch=None,
 ) -> torch.Tensor:
     """`expert_rows` with the Triton kernels, reading the weights in place. Runs wherever
     Triton does (its interpreter on the CPU, with TRITON_INTERPRET=1 set before import, is
     how the tests check it without a GPU). `gate_up_blocks` (F rows, D step) and
     `down_blocks` (D rows, F step) are the kernels' block sizes, powers of two, and
-    `num_warps` their programs' warps (the benchmark tries others). `launch` wraps each
+    `num_warps` and `num_stages` their programs' warps and pipeline depths (the benchmarks
+    try others). `launch` wraps each
     kernel before its launch (`torch.library.wrap_triton` under the custom operator; None:
     launched as they are, as dependents where `dependent_launch` has them).
     RuntimeError without Triton."""
@@ -136,16 +141,17 @@ def expert_rows_triton(
     d, f = x_rows.shape[1], down.shape[2]
     launch, options = dependent_launch.launch_with(launch, x_rows.device)
     act, y = _gate_up_act(kernels, gate_up, down, index, x_rows, gate_up_f, gate_up_d,
-                          num_warps[0], launch, options)
+                          num_warps[0], num_stages[0], launch, options)
     if x_rows.shape[0]:
         launch(kernels.down)[(x_rows.shape[0], -(-d // down_d))](
             down, index, act, y, down.stride(0), down.stride(1), d, f, act.stride(0),
-            y.stride(0), BLOCK_D=down_d, BLOCK_F=down_f, num_warps=num_warps[1], **options)
+            y.stride(0), BLOCK_D=down_d, BLOCK_F=down_f, num_warps=num_warps[1],
+            num_stages=num_stages[1], **options)
     return y
 
 
-def _gate_up_act(kernels, gate_up, down, index, x_rows, block_f, block_d, num_warps, launch,
-                 options):
+def _gate_up_act(kernels, gate_up, down, index, x_rows, block_f, block_d, num_warps,
+                 num_stages, launch, options):
     """(act [R, F], y [R, D] unwritten): `gate_up_act`'s kernel launched over x_rows [R, D]
     with `options` (`dependent_launch.kernel_options`); ValueError for weights that are not
     [S, 2F, D] and [S, D, F] with contiguous rows."""
@@ -164,7 +170,7 @@ def _gate_up_act(kernels, gate_up, down, index, x_rows, block_f, block_d, num_wa
         launch(kernels.gate_up_act)[(n_rows, -(-f // block_f))](
             gate_up, index, x_rows, act, gate_up.stride(0), gate_up.stride(1), d, f,
             x_rows.stride(0), act.stride(0), BLOCK_F=block_f, BLOCK_D=block_d,
-            num_warps=num_warps, **options)
+            num_warps=num_warps, num_stages=num_stages, **options)
     return act, y
 
 
@@ -196,13 +202,13 @@ def expert_sum_triton(gate_up: torch.Tensor, down: torch.Tensor, index: torch.Te
                          f"{-(-d // DOWN_BLOCK_D)} (sum_arrivals)")
     launch, options = dependent_launch.launch_with(None, x_rows.device)
     act, y = _gate_up_act(kernels, gate_up, down, index, x_rows, GATE_UP_BLOCK_F,
-                          GATE_UP_BLOCK_D, NUM_WARPS[0], launch, options)
+                          GATE_UP_BLOCK_D, NUM_WARPS[0], NUM_STAGES[0], launch, options)
     out = x_rows.new_empty((1, d))  # [1, D]
     if n_rows:
         kernels.down_sum[(n_rows, -(-d // DOWN_BLOCK_D))](
             down, index, act, y, weights, out, arrived, down.stride(0), down.stride(1), d, f,
             act.stride(0), y.stride(0), n_rows, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F,
-            num_warps=NUM_WARPS[1], **options)
+            num_warps=NUM_WARPS[1], num_stages=NUM_STAGES[1], **options)
     else:
         out.zero_()
     return out

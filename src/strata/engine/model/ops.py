@@ -51,10 +51,11 @@ ROUTER_MAX_TOKENS = 8
 ROUTER_SPLITS = 64
 ROUTER_BLOCK_D = 32
 ROUTER_WARPS = 4
-# Whether `layers.rope_and_mask` runs its kernel on CUDA: off until bench/decode_profile.py's
-# row "the rotary tables and mask as one kernel" has measured it against the torch ops on a
-# GPU (written when the session's device time was spent).
-ROPE_MASK_KERNEL = False
+# Whether `layers.rope_and_mask` runs its kernel on CUDA: a decode round of the whole
+# olmoe-1b-7b replayed from its graph took 1.158 ms with it against 1.239 with the torch ops
+# (bench/results/decode-fusions-h200-2026-12-02.md); bench/decode_profile.py's row "the rotary
+# tables and mask in torch" is the A/B.
+ROPE_MASK_KERNEL = True
 MASK_BLOCK_CELLS = 1024  # the mask cells one program of `rope_and_mask_triton` writes
 
 

@@ -1,0 +1,167 @@
+"""The decode round's kernels' launch shapes timed where they run: inside a whole decode round.
+
+`grouped.expert_sum_triton` (gate_up_act, then down with the weighted sum) has its block
+sizes, warps and pipeline depths as module constants, once chosen by bench/grouped_experts.py,
+which replays one layer's call on its own; `linear` (the dense products' staged kernel) has
+its own. A round reads each weight once, between other kernels, launched as dependents: this
+sweep sets each variant's constants, captures the default decode step's CUDA graph with them
+and times its replays (median of `--repeat`), in two passes, the second in reverse order, so
+that a drift of the machine's clock shows as a disagreement between the passes instead of
+favouring the variants timed first. One kernel's shape moves at a time from the default: the
+gate_up kernel's (block F x step D, warps, stages), down's (block D x step F, warps, stages),
+then the dense products' kernel in place of cuBLAS (block N x step K, warps, stages).
+
+    python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
+    python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from _common import add_model_arguments, checkpoint_for
+from strata.engine.experts import grouped
+from strata.engine.model import linear
+from strata.engine.runtime.decode_steps import decode_step
+from strata.engine.runtime.engine import Engine
+
+DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS[0],
+                       grouped.NUM_STAGES[0]),
+           "down": (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.NUM_WARPS[1],
+                    grouped.NUM_STAGES[1]),
+           "linear": None}  # None: cuBLAS (`F.linear`)
+# (block, step, warps, stages) tried for each kernel, the other kept at its default.
+TRIED = {
+    "gate_up": [(block, step, warps, stages)
+                for block, step in ((32, 128), (16, 256), (64, 64), (32, 256))
+                for warps in (4, 8) for stages in (1, 3, 4)],
+    "down": [(block, step, warps, stages)
+             for block, step in ((32, 128), (16, 256), (64, 128), (32, 256), (16, 128))
+             for warps in (4, 8) for stages in (1, 3, 4)],
+    "linear": [(block, step, warps, stages)
+               for block, step, warps in ((8, 128, 8), (16, 256, 4), (16, 128, 4),
+                                          (32, 128, 8), (8, 256, 4), (16, 256, 8),
+                                          (32, 256, 8), (4, 512, 4))
+               for stages in (1, 3)],
+}
+
+
+def variants(kernels: tuple[str, ...] = tuple(TRIED)) -> list[dict]:
+    """Every variant of `kernels`' shapes once, the default first: {"gate_up": (...), "down":
+    (...), "linear": (...) or None}."""
+    out = [dict(DEFAULT)]
+    for kernel in kernels:
+        shapes = TRIED[kernel]
+        out += [{**DEFAULT, kernel: shape} for shape in shapes if shape != DEFAULT[kernel]]
+    return out
+
+
+def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> None:
+    """Set grouped's and linear's constants to `variant`, with a `down` arrival counter that
+    fits it."""
+    (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, up_warps, up_stages) = variant["gate_up"]
+    (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, down_warps, down_stages) = variant["down"]
+    grouped.NUM_WARPS = (up_warps, down_warps)
+    grouped.NUM_STAGES = (up_stages, down_stages)
+    experts._sum_arrivals = grouped.sum_arrivals(hidden_size, device)
+    linear.LINEAR_KERNEL = variant["linear"] is not None
+    if variant["linear"] is not None:
+        (linear.LINEAR_BLOCK_N, linear.LINEAR_BLOCK_K, linear.LINEAR_WARPS,
+         linear.LINEAR_STAGES) = variant["linear"]
+
+
+def round_ms(model, kv, position: int, repeat: int) -> tuple[float, torch.Tensor]:
+    """(median ms of a decode round replayed from a graph captured now, its logits [V])."""
+    step = decode_step(model, kv, None, cuda_graphs=True, piecewise_graphs=False,
+                       compile=False)
+    step.prepare(1, position, position)
+    logits = step(1, position).float().clone()
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(1, position)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times), logits
+
+
+def label(variant: dict) -> str:
+    def shape(values):
+        return "cuBLAS" if values is None else "{}x{} w{} s{}".format(*values)
+    return " / ".join(f"{kernel} {shape(variant[kernel])}" for kernel in DEFAULT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser, preset="olmoe-1b-7b")
+    parser.add_argument("--model", help="a checkpoint directory to use instead of writing one")
+    parser.add_argument("--position", type=int, default=64, help="the decode round's cell")
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--kernels", default=",".join(TRIED),
+                        help=f"comma-separated kernels whose shapes to sweep (default "
+                        f"{','.join(TRIED)})")
+    parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
+    args = parser.parse_args(argv)
+    kernels = tuple(k for k in args.kernels.split(",") if k)
+    if not set(kernels) <= set(TRIED):
+        parser.error(f"--kernels takes {', '.join(TRIED)}, got {args.kernels}")
+    device = torch.device(args.device)
+    if device.type != "cuda" or grouped.copies_weights(device):
+        print("bench/decode_shapes.py: needs CUDA with Triton (the kernels' shapes are timed)")
+        return 0
+    tried = variants(kernels)
+    ms = {label(v): [] for v in tried}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = checkpoint_for(args, Path(tmp), torch.bfloat16)
+        with Engine.open(ckpt, device=device, dtype=torch.bfloat16,
+                         max_context=args.position + 1) as engine:
+            model, kv = engine.model, engine.kv
+            hidden_size = model.config.hidden_size
+            saved_linear = (linear.LINEAR_KERNEL, linear.LINEAR_BLOCK_N, linear.LINEAR_BLOCK_K,
+                            linear.LINEAR_WARPS, linear.LINEAR_STAGES)
+            reference = None
+            try:
+                for order in (tried, tried[::-1]):
+                    for variant in order:
+                        apply(variant, model.experts, hidden_size, device)
+                        time_ms, logits = round_ms(model, kv, args.position, args.repeat)
+                        if reference is None:
+                            reference = logits
+                        ms[label(variant)].append(
+                            (time_ms, (logits - reference).abs().max().item()))
+            finally:
+                apply(DEFAULT, model.experts, hidden_size, device)
+                (linear.LINEAR_KERNEL, linear.LINEAR_BLOCK_N, linear.LINEAR_BLOCK_K,
+                 linear.LINEAR_WARPS, linear.LINEAR_STAGES) = saved_linear
+    default_ms = statistics.median(t for t, _ in ms[label(DEFAULT)])
+    rows = []
+    for name, runs in ms.items():
+        best = statistics.median(t for t, _ in runs)
+        rows.append({"variant": name, "round_ms": best, "passes_ms": [t for t, _ in runs],
+                     "x_default": default_ms / best,
+                     "max_logit_diff": max(d for _, d in runs)})
+    rows.sort(key=lambda row: row["round_ms"])
+    for row in rows[:25]:
+        print(f"{row['variant']:<66} {row['round_ms']:.4f} ms  {row['x_default']:.3f}x  "
+              f"passes {', '.join(f'{t:.4f}' for t in row['passes_ms'])}  "
+              f"logits {row['max_logit_diff']:.2e}")
+    meta = {"model": args.model or args.preset, "layers": model.config.n_layers,
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), "position": args.position,
+            "default": label(DEFAULT), "default_ms": default_ms}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
