@@ -2,14 +2,13 @@
 
 `grouped.expert_sum_triton` (gate_up_act, then down with the weighted sum) has its block
 sizes, warps and pipeline depths as module constants, once chosen by bench/grouped_experts.py,
-which replays one layer's call on its own; `linear` (the dense products' staged kernel) has
-its own. A round reads each weight once, between other kernels, launched as dependents: this
-sweep sets each variant's constants, captures the default decode step's CUDA graph with them
-and times its replays (median of `--repeat`), in two passes, the second in reverse order, so
-that a drift of the machine's clock shows as a disagreement between the passes instead of
-favouring the variants timed first. One kernel's shape moves at a time from the default: the
-gate_up kernel's (block F x step D, warps, stages), down's (block D x step F, warps, stages),
-then the dense products' kernel in place of cuBLAS (block N x step K, warps, stages).
+which replays one layer's call on its own. A round reads each weight once, between other
+kernels, launched as dependents: this sweep sets each variant's constants, captures the
+default decode step's CUDA graph with them and times its replays (median of `--repeat`), in
+two passes, the second in reverse order, so that a drift of the machine's clock shows as a
+disagreement between the passes instead of favouring the variants timed first. One kernel's
+shape moves at a time from the default: the gate_up kernel's (block F x step D, warps,
+stages), then down's (block D x step F, warps, stages).
 
     python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
     python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4
@@ -29,15 +28,13 @@ import torch
 
 from _common import add_model_arguments, checkpoint_for
 from strata.engine.experts import grouped
-from strata.engine.model import linear
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 
 DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS[0],
                        grouped.NUM_STAGES[0]),
            "down": (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.NUM_WARPS[1],
-                    grouped.NUM_STAGES[1]),
-           "linear": None}  # None: cuBLAS (`F.linear`)
+                    grouped.NUM_STAGES[1])}
 # (block, step, warps, stages) tried for each kernel, the other kept at its default.
 TRIED = {
     "gate_up": [(block, step, warps, stages)
@@ -46,17 +43,12 @@ TRIED = {
     "down": [(block, step, warps, stages)
              for block, step in ((32, 128), (16, 256), (64, 128), (32, 256), (16, 128))
              for warps in (4, 8) for stages in (1, 3, 4)],
-    "linear": [(block, step, warps, stages)
-               for block, step, warps in ((8, 128, 8), (16, 256, 4), (16, 128, 4),
-                                          (32, 128, 8), (8, 256, 4), (16, 256, 8),
-                                          (32, 256, 8), (4, 512, 4))
-               for stages in (1, 3)],
 }
 
 
 def variants(kernels: tuple[str, ...] = tuple(TRIED)) -> list[dict]:
     """Every variant of `kernels`' shapes once, the default first: {"gate_up": (...), "down":
-    (...), "linear": (...) or None}."""
+    (...)}."""
     out = [dict(DEFAULT)]
     for kernel in kernels:
         shapes = TRIED[kernel]
@@ -65,17 +57,12 @@ def variants(kernels: tuple[str, ...] = tuple(TRIED)) -> list[dict]:
 
 
 def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> None:
-    """Set grouped's and linear's constants to `variant`, with a `down` arrival counter that
-    fits it."""
+    """Set grouped's constants to `variant`, with a `down` arrival counter that fits it."""
     (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, up_warps, up_stages) = variant["gate_up"]
     (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, down_warps, down_stages) = variant["down"]
     grouped.NUM_WARPS = (up_warps, down_warps)
     grouped.NUM_STAGES = (up_stages, down_stages)
     experts._sum_arrivals = grouped.sum_arrivals(hidden_size, device)
-    linear.LINEAR_KERNEL = variant["linear"] is not None
-    if variant["linear"] is not None:
-        (linear.LINEAR_BLOCK_N, linear.LINEAR_BLOCK_K, linear.LINEAR_WARPS,
-         linear.LINEAR_STAGES) = variant["linear"]
 
 
 def round_ms(model, kv, position: int, repeat: int) -> tuple[float, torch.Tensor]:
@@ -95,9 +82,7 @@ def round_ms(model, kv, position: int, repeat: int) -> tuple[float, torch.Tensor
 
 
 def label(variant: dict) -> str:
-    def shape(values):
-        return "cuBLAS" if values is None else "{}x{} w{} s{}".format(*values)
-    return " / ".join(f"{kernel} {shape(variant[kernel])}" for kernel in DEFAULT)
+    return " / ".join("{} {}x{} w{} s{}".format(kernel, *variant[kernel]) for kernel in DEFAULT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,8 +111,6 @@ def main(argv: list[str] | None = None) -> int:
                          max_context=args.position + 1) as engine:
             model, kv = engine.model, engine.kv
             hidden_size = model.config.hidden_size
-            saved_linear = (linear.LINEAR_KERNEL, linear.LINEAR_BLOCK_N, linear.LINEAR_BLOCK_K,
-                            linear.LINEAR_WARPS, linear.LINEAR_STAGES)
             reference = None
             try:
                 for order in (tried, tried[::-1]):
@@ -140,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
                             (time_ms, (logits - reference).abs().max().item()))
             finally:
                 apply(DEFAULT, model.experts, hidden_size, device)
-                (linear.LINEAR_KERNEL, linear.LINEAR_BLOCK_N, linear.LINEAR_BLOCK_K,
-                 linear.LINEAR_WARPS, linear.LINEAR_STAGES) = saved_linear
     default_ms = statistics.median(t for t, _ in ms[label(DEFAULT)])
     rows = []
     for name, runs in ms.items():
@@ -151,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                      "max_logit_diff": max(d for _, d in runs)})
     rows.sort(key=lambda row: row["round_ms"])
     for row in rows[:25]:
-        print(f"{row['variant']:<66} {row['round_ms']:.4f} ms  {row['x_default']:.3f}x  "
+        print(f"{row['variant']:<44} {row['round_ms']:.4f} ms  {row['x_default']:.3f}x  "
               f"passes {', '.join(f'{t:.4f}' for t in row['passes_ms'])}  "
               f"logits {row['max_logit_diff']:.2e}")
     meta = {"model": args.model or args.preset, "layers": model.config.n_layers,

@@ -65,9 +65,8 @@
 # offload-balance-olmoe and offload-balance-qwen3 (3 and 4: decode at --stream-misses auto, 2,
 # 3 and 4, the joint rates' split against fixed counts), offload-loan (4: the 4,096-token
 # prefill with the loan's uploads in 1 and in 4 pipelined batches, qwen3 then olmoe),
-# decode-shapes (4: bench/decode_shapes.py, the experts' decode kernels' and the dense
-# products' launch shapes timed inside the whole olmoe-1b-7b's decode round; SHAPES_KERNELS=
-# linear sweeps one kernel's),
+# decode-shapes (3: bench/decode_shapes.py, the experts' decode kernels' launch shapes timed
+# inside the whole olmoe-1b-7b's decode round; SHAPES_KERNELS=down sweeps one kernel's),
 # decode-shapes-others (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to
 # 2);
 # `offload` runs the first three; the first
@@ -275,7 +274,7 @@ for stage in "$@"; do
                   grep -E "^decode" "$OUT/profile-decode-$1.txt"
               done ;;
     decode-shapes) (cd bench && timeout 300 python3 decode_shapes.py --model \
-                 "$(olmoe_checkpoint)" --kernels "${SHAPES_KERNELS:-gate_up,down,linear}" \
+                 "$(olmoe_checkpoint)" --kernels "${SHAPES_KERNELS:-gate_up,down}" \
                  --json "$OUT/decode-shapes.json") \
                  > "$OUT/decode-shapes.txt" 2> "$OUT/decode-shapes.err"
                  head -8 "$OUT/decode-shapes.txt"; tail -3 "$OUT/decode-shapes.err" ;;
@@ -283,7 +282,7 @@ for stage in "$@"; do
               for shape in "qwen3-30b-a3b 4" "mixtral-8x7b 2"; do
                   set -- $shape
                   (cd bench && timeout 150 python3 decode_shapes.py --preset "$1" --layers "$2" \
-                     --kernels "${SHAPES_KERNELS:-gate_up,down,linear}" \
+                     --kernels "${SHAPES_KERNELS:-gate_up,down}" \
                      --json "$OUT/decode-shapes-$1.json") > "$OUT/decode-shapes-$1.txt" \
                      2> "$OUT/decode-shapes-$1.err"
                   head -5 "$OUT/decode-shapes-$1.txt"; tail -3 "$OUT/decode-shapes-$1.err"

@@ -244,7 +244,6 @@ def test_the_compiled_operators_are_made_once():
 
 def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constants(capsys):
     from strata.engine.experts import grouped
-    from strata.engine.model import linear
     from support.bench_scripts import load_bench
 
     bench = load_bench("decode_shapes.py")
@@ -253,11 +252,9 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     labels = [bench.label(v) for v in tried]
     assert len(set(labels)) == len(labels)
     for variant in tried[1:]:  # exactly one kernel's shape differs from the default
-        assert sum(variant[k] != bench.DEFAULT[k] for k in ("gate_up", "down", "linear")) == 1
+        assert sum(variant[k] != bench.DEFAULT[k] for k in ("gate_up", "down")) == 1
     saved = (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.GATE_UP_BLOCK_F,
              grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES)
-    saved_linear = (linear.LINEAR_KERNEL, linear.LINEAR_BLOCK_N, linear.LINEAR_BLOCK_K,
-                    linear.LINEAR_WARPS, linear.LINEAR_STAGES)
 
     class Experts:
         _sum_arrivals = None
@@ -269,14 +266,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         assert experts._sum_arrivals.shape == (2048 // 16,)  # a counter per block of 16 rows
         assert (bench.DEFAULT["gate_up"][3], 1) == grouped.NUM_STAGES
         assert (bench.DEFAULT["gate_up"][2], 4) == grouped.NUM_WARPS
-        assert not linear.LINEAR_KERNEL  # the default: cuBLAS
-        bench.apply({**bench.DEFAULT, "linear": (8, 128, 8, 1)}, experts, 2048,
-                    torch.device("cpu"))
-        assert linear.LINEAR_KERNEL
-        assert (linear.LINEAR_BLOCK_N, linear.LINEAR_WARPS, linear.LINEAR_STAGES) == (8, 8, 1)
     finally:
-        (linear.LINEAR_KERNEL, linear.LINEAR_BLOCK_N, linear.LINEAR_BLOCK_K,
-         linear.LINEAR_WARPS, linear.LINEAR_STAGES) = saved_linear
         (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.GATE_UP_BLOCK_F,
          grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES) = saved
     if torch.cuda.is_available():
