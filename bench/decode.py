@@ -106,15 +106,28 @@ def _si(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
+def cli_sampling() -> dict:
+    """`strata generate`'s sampling options when none are given (temperature, top_p, top_k,
+    seed), read from its parser so that the figure follows the CLI."""
+    from strata.cli import generate as cli_generate
+
+    subparsers = argparse.ArgumentParser().add_subparsers()
+    cli_generate.register(subparsers)
+    parser = subparsers.choices["generate"]
+    return {name: parser.get_default(name) for name in ("temperature", "top_p", "top_k", "seed")}
+
+
 def run_strata(ckpt, device, dtype, prompt, n_new, repeat, prefill_chunk, compile=False,
-               grouped_prefill=None, moe_share=False, experts_quant=None) -> dict:
+               grouped_prefill=None, moe_share=False, experts_quant=None,
+               sampling=None) -> dict:
     """`grouped_prefill` False: the prompt's experts by the per-expert loop (the baseline of
     the grouped products, `strata.engine.experts.sorted_grouped`); `prefill_chunk` None: the
     engine's default; `moe_share`: time the experts alone too; `experts_quant`: the experts
-    quantized at load (`--experts-dtype`)."""
+    quantized at load (`--experts-dtype`); `sampling`: GenerateOptions' sampling fields
+    (default greedy)."""
     options = GenerateOptions(
-        max_new=n_new, max_context=len(prompt) + n_new, temperature=0.0, ignore_stop=True,
-        compile=compile, prefill_chunk=prefill_chunk,
+        max_new=n_new, max_context=len(prompt) + n_new, ignore_stop=True,
+        compile=compile, prefill_chunk=prefill_chunk, **(sampling or {"temperature": 0.0}),
     )
     moe = None
     with Engine.open(ckpt, device=device, dtype=dtype, max_context=options.max_context,
@@ -247,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-lengths", default="",
                         help="comma-separated prompt lengths whose prefill alone is measured "
                         "too (strata and transformers, the MoE share of each chunk)")
+    parser.add_argument("--cli-sampling", action="store_true",
+                        help="also run strata decoding with `strata generate`'s default "
+                        "sampling (temperature, top-p) instead of greedy: what a user gets "
+                        "without flags")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -287,7 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         run = (ckpt, device, dtype, prompt, args.new_tokens, args.repeat, args.prefill_chunk)
         strata = run_strata(*run, moe_share=matmul_tflops is not None)
         free_memory(device)
-        compiled = loop = None
+        compiled = loop = sampled = None
+        if args.cli_sampling:
+            sampled = run_strata(*run, sampling=cli_sampling())
+            sampled.pop("config")
+            free_memory(device)
         if args.compile:
             compiled = run_strata(*run, compile=True)
             compiled.pop("config")
@@ -331,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": peer,
         "ratio": strata["decode_tok_s"] / peer["decode_tok_s"] if peer else None,
         "strata_compiled": compiled,
+        "strata_cli_sampling": sampled,
+        "cli_sampling": cli_sampling() if sampled else None,
+        "bound_share_cli_sampling": sampled["decode_tok_s"] / bound_tok_s
+        if bound_tok_s and sampled else None,
         "strata_loop_prefill": loop,
         "prefill_chunk": strata["prefill_chunk"],
         "matmul_tflops": matmul_tflops,
@@ -369,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/round':>10}")
     for name, figures in (("strata", strata), ("strata+compile", compiled),
-                          ("strata-loop", loop), ("transformers", peer)):
+                          ("strata-loop", loop), ("strata-cli", sampled),
+                          ("transformers", peer)):
         if figures:
             print(
                 f"{name:<14}{figures['prefill_tok_s']:>15.1f}{figures['decode_tok_s']:>14.1f}"
@@ -377,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(f"strata decode path: {strata['decode_path']}; repeat runs identical: "
           f"{strata['deterministic']}")
+    if sampled:
+        print(f"strata-cli: `strata generate`'s default sampling {result['cli_sampling']}; "
+              f"repeat runs identical: {sampled['deterministic']}")
     if peer:
         print(f"ratio strata / transformers (decode tok/s): {result['ratio']:.2f}x")
         if compiled:
@@ -415,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             f"; bound at {bandwidth_gbs:.0f} GB/s: {bound_tok_s:.0f} tok/s; strata reaches "
             f"{100 * result['bound_share']:.1f}%"
         )
+        if sampled:
+            line += f" (strata-cli {100 * result['bound_share_cli_sampling']:.1f}%)"
     print(line)
     return 0
 

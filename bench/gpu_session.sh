@@ -52,7 +52,8 @@
 # the plain graphs, --compile and transformers, decode against the bound, the first request's
 # seconds, then prefill at 512, 4,096 and 16,384 tokens against transformers with the MoE's
 # share), decode16-default (4: the same without --compile, no compile time: the default path
-# alone beside transformers), profile-decode (1.5: the profile stage's decode rounds and prompt
+# alone beside transformers, greedy and with `strata generate`'s default sampling),
+# profile-decode (1.5: the profile stage's decode rounds and prompt
 # chunks of 32 and 4,096 without --compile), profile-decode16 (2: the decode round's A/Bs on the
 # whole olmoe-1b-7b), profile-decode-shapes (2.5: the same on qwen3-30b-a3b cut to 4 layers and
 # mixtral-8x7b cut to 2), stream-issue (0.5: bench/stream_issue.py, the
@@ -252,7 +253,7 @@ for stage in "$@"; do
                  --json) > "$OUT/decode16.json" \
                  2> "$OUT/decode16.err"; tail -2 "$OUT/decode16.err" ;;
     decode16-default) (cd bench && timeout 300 python3 decode.py --model "$(olmoe_checkpoint)" \
-                 --new-tokens 64 --repeat 3 --prefill-lengths 512,4096,16384 \
+                 --new-tokens 64 --repeat 3 --prefill-lengths 512,4096,16384 --cli-sampling \
                  --json) > "$OUT/decode16-default.json" \
                  2> "$OUT/decode16-default.err"; tail -2 "$OUT/decode16-default.err" ;;
     profile-decode) (cd bench && timeout 150 python3 decode_profile.py --preset olmoe-1b-7b \
