@@ -14,7 +14,9 @@ with a forward's rotary tables and mask as the torch ops instead of one kernel
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
-(torch.profiler): the kernels, their total, and the largest kinds by time.
+(torch.profiler): the kernels, their total, and the largest kinds by time. The decode rounds
+are then timed again side by side, in alternating sweeps ("ms_interleaved"): the figures to
+compare rows by, as the machine's speed drifts over a run.
 
     python bench/decode_profile.py --preset olmoe-1b-7b --layers 4 --device cuda
     python bench/decode_profile.py --preset tiny --device cpu --no-compile   # the script's check
@@ -140,6 +142,25 @@ def summary(label: str, fn, device: torch.device, repeat: int, tokens: int,
     }
 
 
+def interleaved(captured: list, device: torch.device, repeat: int) -> None:
+    """Time the decode rounds again side by side: `repeat` sweeps over every row's round,
+    each sweep in the other order than the one before, one call a row a sweep, so that a
+    drift of the machine during the run (seen: 5-10% between rows timed minutes apart) falls
+    on every row alike. Each row gets "ms_interleaved", the median, and the table is printed."""
+    if len(captured) < 2:
+        return
+    times: list[list[float]] = [[] for _ in captured]
+    order = list(range(len(captured)))
+    for sweep in range(repeat):
+        for i in order if sweep % 2 == 0 else order[::-1]:
+            times[i].append(timed(captured[i][1], device, 1))
+    print("\ndecode rounds timed side by side (medians of "
+          f"{repeat} sweeps, alternating order):")
+    for (row, _), seconds in zip(captured, times, strict=True):
+        row["ms_interleaved"] = 1e3 * statistics.median(seconds)
+        print(f"  {row['ms_interleaved']:8.3f} ms  {row['label']}")
+
+
 def print_summary(row: dict) -> None:
     share = f"{100 * row['kernel_share']:.0f}%" if row["kernel_share"] is not None else "-"
     print(f"\n{row['label']}: {row['ms']:.3f} ms ({row['tok_s']:,.0f} tok/s); "
@@ -217,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "sum"))
                 if not args.no_compile:
                     steps.append(("decode, --compile", step_of(True, True), None))
+            captured = []  # (row, its round): timed again side by side below
             for label, step, without in steps:
                 # The graph is captured here, with or without the part named.
                 saved = (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
@@ -242,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,
                                     args.repeat, 1, args.host_profile and step.path == "eager"))
                 print_summary(rows[-1])
+                captured.append((rows[-1], lambda step=step: step(1, args.position)))
+            interleaved(captured, device, args.repeat)
             if on_cuda and args.gathered_compile:
                 # The experts as inductor compiles the gathered path (no custom operator).
                 made = grouped._compiled["expert_rows"]
