@@ -19,6 +19,7 @@ from strata import _vmm
 from strata.engine.cache.build import plan_cache
 from strata.engine.kv.plan import plan_elastic_cache
 from strata.engine.model.config import ModelConfig
+from strata.engine.runtime import decode_loop
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.generate import GenerateOptions
 from strata.formats.profile import rank_from_counts
@@ -86,7 +87,11 @@ def _kinds(log, since=0):
     return [type(e).__name__ for e in log.seen[since:]]
 
 
-def test_the_served_scenario(ckpt, rank, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_served_scenario(ckpt, rank, monkeypatch, ahead):
+    # ahead: the decode rounds launched one ahead of the host's reads, as CUDA graphs' are
+    # (strata.engine.runtime.decode_loop): the growths mid-decode wait for the round in flight.
+    monkeypatch.setattr(decode_loop, "AHEAD_PATHS", frozenset({"eager"} if ahead else ()))
     monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "8")  # a loan region of the top 8 slots
     engine, log = _engine(ckpt, rank)
     table = engine.cache.table

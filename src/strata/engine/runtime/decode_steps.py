@@ -49,6 +49,7 @@ class _EagerDecode:
 
     def __init__(self, model: Any, kv: Any) -> None:
         self.model, self.kv = model, kv
+        self.token = torch.zeros(1, dtype=torch.int64, device=model.device)  # [1]: fed next
 
     def prepare(self, token: int, first: int, last: int) -> None:
         """Nothing to set up for eager rounds."""
@@ -58,8 +59,13 @@ class _EagerDecode:
         return True
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
-        ids = torch.tensor([token], dtype=torch.int64, device=self.model.device)  # [1]
-        return self.model.forward(ids, position, self.kv)[-1]  # [V]
+        self.token.fill_(token)
+        return self.round(position)
+
+    def round(self, position: int) -> torch.Tensor:
+        """The round of the token in `self.token` (written there on the device by whoever
+        picked it) at `position`: logits [V]."""
+        return self.model.forward(self.token, position, self.kv)[-1]  # [V]
 
 
 class _GraphDecode:
@@ -121,6 +127,11 @@ class _GraphDecode:
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
         self.token.fill_(token)
+        return self.round(position)
+
+    def round(self, position: int) -> torch.Tensor:
+        """The round of the token in `self.token` (written there on the device by whoever
+        picked it, or by `__call__`) at `position`: its graph replayed, logits [V]."""
         self.position.fill_(position)
         n_ctx = self._window(position)
         if n_ctx not in self.graphs:  # not prepared for: capture now (inside the clock)

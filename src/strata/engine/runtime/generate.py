@@ -32,6 +32,7 @@ from strata.engine.experts import ResidentExperts
 from strata.engine.kv.elastic import ElasticKV
 from strata.engine.kv.kv_cache import KVCache, new_kv
 from strata.engine.model.tokenizer import Tokenizer
+from strata.engine.runtime.decode_loop import decode_rounds
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.prompt_graphs import PromptGraphs
 from strata.engine.runtime.sampling import Sampler
@@ -301,7 +302,7 @@ class _Run:
         step = decode_step(self.model, self.kv, self.cached, cuda_graphs=options.cuda_graphs,
                            piecewise_graphs=options.piecewise_graphs, compile=options.compile,
                            warm=self.warm)
-        self.path = step.path
+        self.path, self._current = step.path, step
         return step
 
     def _prompt_graphs(self) -> PromptGraphs | None:
@@ -362,21 +363,25 @@ class _Run:
                                               self.kv.mapped_cells - 1))
         _sync(model.device)
         self.decode_setup_s = time.perf_counter() - start
-        start = time.perf_counter()
-        while len(tokens) < options.max_new and token not in self.stop_ids:
-            if self.should_stop is not None and self.should_stop():
-                self.stopped = True
-                break
-            if self.elastic is not None and position + 1 > self.kv.mapped_cells:
-                self.elastic.require(position + 1)  # by the policy's steps; KvFullError
-                if not step.still_valid():
-                    step = self._step()  # slots given up: the experts work on the host now
-            token = self.sampler.sample(step(token, position))
-            position += 1
+        def take(token: int) -> None:
             tokens.append(token)
             on_token(token)
+
+        start = time.perf_counter()
+        if token not in self.stop_ids:
+            _, self.stopped = decode_rounds(
+                step, self.sampler, token, position, options.max_new - len(tokens),
+                stop_ids=self.stop_ids, on_token=take, should_stop=self.should_stop,
+                grow=self._grow if self.elastic is not None else None)
         _sync(model.device)
         self.decode_s = time.perf_counter() - start
+
+    def _grow(self, position: int) -> Any:
+        """Map the cell of a round at `position` (the elastic K/V's policy steps; KvFullError
+        when it cannot) and return the step for the rounds after: a new one when the old one
+        went stale (slots given up: the experts work on the host now)."""
+        self.elastic.require(position + 1)
+        return self._step() if not self._current.still_valid() else self._current
 
 
 def _sync(device: torch.device) -> None:

@@ -41,13 +41,26 @@ class Sampler:
         return self.temperature == 0.0
 
     def sample(self, logits: torch.Tensor) -> int:
-        """The next token id from logits [V] (any float dtype, any device)."""
+        """The next token id from logits [V] (any float dtype, any device): `pick` with this
+        step's `draw`, read on the host."""
+        return int(self.pick(logits, self.draw()).item())
+
+    def draw(self) -> float | None:
+        """This step's random number in [0, 1) (None when greedy: no draw). Drawn first, once
+        per step, so the stream of draws never depends on the logits: a caller may draw a
+        step's number before its logits exist."""
+        if self.greedy:
+            return None
+        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+
+    def pick(self, logits: torch.Tensor, u: float | None) -> torch.Tensor:
+        """The next token id from logits [V] and the step's draw `u` (`draw`), as a [1] int64
+        tensor on the logits' device: nothing is read on the host, so a decode loop can feed it
+        to the next round before it knows its value."""
         if logits.dim() != 1 or logits.shape[0] < 1:
             raise ValueError(f"logits must be 1-D and non-empty, got shape {list(logits.shape)}")
         if self.greedy:
-            return int(torch.argmax(logits).item())
-        # Drawn first, once per step, so the stream of draws never depends on the logits.
-        u = float(torch.rand((), generator=self.generator, dtype=torch.float64))
+            return torch.argmax(logits).reshape(1)  # [1]
         scaled = logits.float() / self.temperature  # [V]
         if 0 < self.top_k < scaled.shape[0]:
             values, ids = torch.topk(scaled, self.top_k)  # [k], sorted, descending
@@ -63,4 +76,4 @@ class Sampler:
         threshold = cumulative[-1:] * u  # [1]
         index = torch.searchsorted(cumulative, threshold, right=True)  # [1]
         index = index.clamp(max=probs.shape[0] - 1)
-        return int(ids[index].item())
+        return ids[index]  # [1]

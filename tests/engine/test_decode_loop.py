@@ -1,0 +1,139 @@
+"""`strata.engine.runtime.decode_loop`: a round launched before the host reads the token of
+the one before gives the plain loop's tokens, stops, `should_stop` calls and K/V growths.
+
+CUDA graphs are where it runs ahead (`AHEAD_PATHS`); here eager CPU rounds are let run ahead
+too, which exercises the same loop (the bookkeeping, the drops, the growth's wait) on CI."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from strata.engine.model.moe import load_model
+from strata.engine.model.tokenizer import Tokenizer
+from strata.engine.runtime import decode_loop
+from strata.engine.runtime.generate import GenerateOptions, generate
+from strata.engine.runtime.sampling import Sampler
+from support.checkpoints import cached_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    ckpt = cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32)
+    return load_model(ckpt), Tokenizer.from_dir(ckpt)
+
+
+def _both(monkeypatch, run):
+    """run() with rounds launched one at a time, then one ahead (eager rounds let run ahead)."""
+    results = []
+    for paths in (frozenset(), frozenset({"eager"})):
+        monkeypatch.setattr(decode_loop, "AHEAD_PATHS", paths)
+        results.append(run())
+    return results
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0},
+                                      {"temperature": 0.8, "top_p": 0.95, "seed": 7},
+                                      {"temperature": 1.0, "top_k": 5, "seed": 3}])
+def test_ahead_gives_the_plain_loops_tokens(monkeypatch, tiny, sampling):
+    model, tok = tiny
+    options = GenerateOptions(max_new=20, ignore_stop=True, **sampling)
+    plain, ahead = _both(monkeypatch,
+                         lambda: generate(model, tok, tok.encode("ahead of time"), options))
+    assert ahead.tokens == plain.tokens and len(ahead.tokens) == 20
+    assert ahead.stop_reason == plain.stop_reason == "max_new"
+    assert ahead.decode_rounds == 19
+
+
+def test_a_stop_id_drops_the_round_launched_after_it(monkeypatch, tiny):
+    model, tok = tiny
+    greedy = GenerateOptions(max_new=20, temperature=0.0, ignore_stop=True)
+    free = generate(model, tok, tok.encode("stop here"), greedy).tokens
+    stop = free[6]  # the 7th token ends the request (its first use, if it repeats)
+    options = dataclasses.replace(greedy, ignore_stop=False, stop_ids=frozenset({stop}))
+    plain, ahead = _both(monkeypatch,
+                         lambda: generate(model, tok, tok.encode("stop here"), options))
+    assert ahead.tokens == plain.tokens == free[: free.index(stop) + 1]
+    assert ahead.stop_reason == plain.stop_reason == "eos"
+
+
+def test_should_stop_is_asked_as_often_and_at_the_same_tokens(monkeypatch, tiny):
+    model, tok = tiny
+    options = GenerateOptions(max_new=20, temperature=0.0, ignore_stop=True)
+
+    def run():
+        emitted, asked = [], []
+
+        def should_stop():
+            asked.append(len(emitted))  # how many pieces of text were out when asked
+            return len(asked) > 5
+
+        result = generate(model, tok, tok.encode("asked"), options,
+                          on_text=emitted.append, should_stop=should_stop)
+        return result, asked
+
+    (plain, plain_asked), (ahead, ahead_asked) = _both(monkeypatch, run)
+    assert ahead.tokens == plain.tokens and len(ahead.tokens) == 6
+    assert ahead.stop_reason == plain.stop_reason == "stopped"
+    assert ahead_asked == plain_asked
+
+
+class _CountingStep:
+    """A step whose round's logits pick token position % 7, recording when rounds launch and
+    the K/V grows, against how many tokens the host has read."""
+
+    path = "eager"
+
+    def __init__(self, mapped_cells: int) -> None:
+        self.token = torch.zeros(1, dtype=torch.int64)
+        self.kv = type("KV", (), {"mapped_cells": mapped_cells})()
+        self.launched, self.grown, self.read = [], [], []
+
+    def round(self, position: int) -> torch.Tensor:
+        self.launched.append((position, len(self.read)))
+        logits = torch.zeros(7)
+        logits[position % 7] = 1.0
+        return logits
+
+    def grow(self, position: int) -> _CountingStep:
+        self.grown.append((position, len(self.launched) - len(self.read)))
+        self.kv.mapped_cells = position + 4
+        return self
+
+
+@pytest.mark.parametrize("n_rounds", [0, 1, 9])
+def test_at_most_one_round_ahead_none_past_the_last_and_growth_between_rounds(
+        monkeypatch, n_rounds):
+    monkeypatch.setattr(decode_loop, "AHEAD_PATHS", frozenset({"eager"}))
+    step = _CountingStep(mapped_cells=5)
+    _, stopped = decode_loop.decode_rounds(
+        step, Sampler(0.0), 1, 2, n_rounds, stop_ids=frozenset(), on_token=step.read.append,
+        should_stop=None, grow=step.grow)
+    assert not stopped
+    assert step.read == [p % 7 for p in range(2, 2 + n_rounds)]  # round p picks p % 7
+    assert len(step.launched) == n_rounds  # none past the last
+    assert all(position - 2 - read <= 1 for position, read in step.launched)  # one ahead
+    assert all(in_flight == 0 for _, in_flight in step.grown)  # growth between rounds
+    assert [p for p, _ in step.grown] == [p for p in (5, 9) if p < 2 + n_rounds]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0},
+                                      {"temperature": 0.8, "top_p": 0.95, "seed": 7}])
+def test_on_cuda_graph_rounds_run_ahead_and_give_the_plain_loops_tokens(monkeypatch, sampling):
+    ckpt = cached_checkpoint("qwen3_moe", "tiny", dtype=torch.bfloat16)
+    tok = Tokenizer.from_dir(ckpt)
+    options = GenerateOptions(max_new=300, max_context=512, ignore_stop=True, **sampling)
+    runs = []
+    for paths in (frozenset(), decode_loop.AHEAD_PATHS):
+        monkeypatch.setattr(decode_loop, "AHEAD_PATHS", paths)
+        model = load_model(ckpt, device="cuda")  # graphs anew
+        runs.append(generate(model, tok, tok.encode("graphs ahead"), options))
+    assert runs[1].decode_path == "cuda-graph" and runs[1].tokens == runs[0].tokens
+    # A stop id in the middle: the round launched after it is dropped.
+    stop = runs[0].tokens[100]
+    stopped = generate(model, tok, tok.encode("graphs ahead"), dataclasses.replace(
+        options, ignore_stop=False, stop_ids=frozenset({stop})))
+    assert stopped.tokens == runs[0].tokens[: runs[0].tokens.index(stop) + 1]
