@@ -44,6 +44,7 @@ from _common import add_model_arguments, free_memory, fresh_request, sync
 from strata.engine.experts.quant import EXPERTS_DTYPES, expert_blob_bytes, experts_quant_for
 from strata.engine.model.init_model import write_checkpoint
 from strata.engine.model.presets import BYTE_TOKENS, get_preset
+from strata.engine.runtime import decode_loop
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.generate import GenerateOptions, default_prefill_chunk
 
@@ -260,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-lengths", default="",
                         help="comma-separated prompt lengths whose prefill alone is measured "
                         "too (strata and transformers, the MoE share of each chunk)")
+    parser.add_argument("--plain-loop", action="store_true",
+                        help="also run strata greedy with each round's token read before the "
+                        "next round is launched (strata-plain: the A/B of "
+                        "strata.engine.runtime.decode_loop's round ahead)")
     parser.add_argument("--cli-sampling", action="store_true",
                         help="also run strata decoding with `strata generate`'s default "
                         "sampling (temperature, top-p) instead of greedy: what a user gets "
@@ -304,7 +309,15 @@ def main(argv: list[str] | None = None) -> int:
         run = (ckpt, device, dtype, prompt, args.new_tokens, args.repeat, args.prefill_chunk)
         strata = run_strata(*run, moe_share=matmul_tflops is not None)
         free_memory(device)
-        compiled = loop = sampled = None
+        compiled = loop = sampled = plain = None
+        if args.plain_loop:
+            ahead, decode_loop.AHEAD_PATHS = decode_loop.AHEAD_PATHS, frozenset()
+            try:
+                plain = run_strata(*run)
+            finally:
+                decode_loop.AHEAD_PATHS = ahead
+            plain.pop("config")
+            free_memory(device)
         if args.cli_sampling:
             sampled = run_strata(*run, sampling=cli_sampling())
             sampled.pop("config")
@@ -353,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": strata["decode_tok_s"] / peer["decode_tok_s"] if peer else None,
         "strata_compiled": compiled,
         "strata_cli_sampling": sampled,
+        "strata_plain_loop": plain,
+        "ahead_speedup": strata["decode_tok_s"] / plain["decode_tok_s"] if plain else None,
         "cli_sampling": cli_sampling() if sampled else None,
         "bound_share_cli_sampling": sampled["decode_tok_s"] / bound_tok_s
         if bound_tok_s and sampled else None,
@@ -395,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/round':>10}")
     for name, figures in (("strata", strata), ("strata+compile", compiled),
                           ("strata-loop", loop), ("strata-cli", sampled),
+                          ("strata-plain", plain),
                           ("transformers", peer)):
         if figures:
             print(
@@ -403,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(f"strata decode path: {strata['decode_path']}; repeat runs identical: "
           f"{strata['deterministic']}")
+    if plain:
+        print(f"strata-plain: each round's token read before the next round is launched; "
+              f"the round ahead is {result['ahead_speedup']:.3f}x; the same tokens: "
+              f"{plain['tokens'] == strata['tokens']}")
     if sampled:
         print(f"strata-cli: `strata generate`'s default sampling {result['cli_sampling']}; "
               f"repeat runs identical: {sampled['deterministic']}")

@@ -53,6 +53,8 @@
 # seconds, then prefill at 512, 4,096 and 16,384 tokens against transformers with the MoE's
 # share), decode16-default (4: the same without --compile, no compile time: the default path
 # alone beside transformers, greedy and with `strata generate`'s default sampling),
+# decode16-ahead (1.5: the default path alone, greedy, greedy with each round's token read
+# before the next is launched, and with `strata generate`'s sampling),
 # profile-decode (1.5: the profile stage's decode rounds and prompt
 # chunks of 32 and 4,096 without --compile), profile-decode16 (2: the decode round's A/Bs on the
 # whole olmoe-1b-7b), profile-decode-shapes (2.5: the same on qwen3-30b-a3b cut to 4 layers and
@@ -252,6 +254,11 @@ for stage in "$@"; do
                  --compile --new-tokens 64 --repeat 3 --prefill-lengths 512,4096,16384 \
                  --json) > "$OUT/decode16.json" \
                  2> "$OUT/decode16.err"; tail -2 "$OUT/decode16.err" ;;
+    decode16-ahead) # the default path greedy, with the rounds read one at a time, and sampled
+              (cd bench && timeout 200 python3 decode.py --model "$(olmoe_checkpoint)" \
+                 --new-tokens 64 --repeat 5 --plain-loop --cli-sampling --no-transformers \
+                 --json) > "$OUT/decode16-ahead.json" 2> "$OUT/decode16-ahead.err"
+              tail -2 "$OUT/decode16-ahead.err" ;;
     decode16-default) (cd bench && timeout 300 python3 decode.py --model "$(olmoe_checkpoint)" \
                  --new-tokens 64 --repeat 3 --prefill-lengths 512,4096,16384 --cli-sampling \
                  --json) > "$OUT/decode16-default.json" \

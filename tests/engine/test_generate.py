@@ -184,20 +184,24 @@ def test_the_decode_bench_times_the_moe_of_a_chunk(capsys):
     assert report["prefill_lengths"] == []
 
 
-def test_the_decode_bench_runs_the_clis_default_sampling_too(capsys):
+def test_the_decode_bench_runs_the_clis_default_sampling_and_the_plain_loop_too(capsys):
     bench = load_bench("decode.py")
     defaults = bench.cli_sampling()
     assert defaults["temperature"] > 0 and 0 < defaults["top_p"] <= 1  # not greedy
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "6", "--repeat", "2",
-            "--no-transformers", "--cli-sampling", "--bandwidth-gbs", "10"]
+            "--no-transformers", "--cli-sampling", "--plain-loop", "--bandwidth-gbs", "10"]
     assert bench.main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     sampled = report["strata_cli_sampling"]
     assert report["cli_sampling"] == defaults
     assert sampled["decode_tok_s"] > 0 and sampled["deterministic"]  # the same seed, the same
     assert report["bound_share_cli_sampling"] == sampled["decode_tok_s"] / report["bound_tok_s"]
+    plain = report["strata_plain_loop"]  # the round ahead's A/B: the same tokens
+    assert plain["tokens"] == report["strata"]["tokens"] and report["ahead_speedup"] > 0
     assert bench.main(argv) == 0
-    assert "strata-cli: `strata generate`'s default sampling" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "strata-cli: `strata generate`'s default sampling" in printed
+    assert "strata-plain: each round's token read before the next round" in printed
 
 
 def test_the_decode_bench_refuses_bad_prefill_lengths(capsys):
