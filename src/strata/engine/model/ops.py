@@ -15,6 +15,8 @@ Triton, as one kernel (`_ops_triton`) that rounds where the reference's ops roun
   router's product before them too, for the few tokens of a decode step (`ROUTER_MAX_TOKENS`);
 - `rope_and_mask_triton`: a `forward_at`'s rotary tables and attention mask, about 13 in one
   (`layers.rope_and_mask` takes it where `ROPE_MASK_KERNEL`).
+The routing kernels' launches (`route_triton`, `router_route_triton`) are `routing_ops`',
+importable from here too.
 The dense products stay with cuBLAS (`F.linear`): a one-token kernel for them, swept over 48
 launch shapes, lost to it inside the decode graph
 (bench/results/decode-linear-h200-2026-12-02.md).
@@ -26,7 +28,6 @@ the reference runs (inductor fuses it itself).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -34,6 +35,14 @@ import torch.nn.functional as F
 
 from strata.engine import dependent_launch
 from strata.engine.model.kv_cells import LayerCells
+from strata.engine.model.op_kernels import NORM_WARPS
+from strata.engine.model.op_kernels import block as _block
+from strata.engine.model.op_kernels import kernels as _kernels
+from strata.engine.model.routing_ops import (
+    ROUTER_MAX_TOKENS,
+    route_triton,
+    router_route_triton,
+)
 
 __all__ = ["QKHeads", "add_rms_norm", "apply_rope", "qk_norm_rope", "rms_norm",
            "rope_and_mask_triton", "rotate_and_write", "route", "router_route", "use_kernels"]
@@ -41,16 +50,6 @@ __all__ = ["QKHeads", "add_rms_norm", "apply_rope", "qk_norm_rope", "rms_norm",
 NORMS = {"none": 0, "full": 1, "head": 2}  # `ModelConfig.qk_norm` -> the kernel's NORM
 # `add_rms_norm`'s kernel holds a row in one program: wider rows run the torch ops.
 MAX_KERNEL_WIDTH = 16384
-# `router_route`'s kernel takes calls of at most this many tokens (decode's, a prompt's last
-# few); larger ones run the router's product as a matrix product, then `route`'s kernel.
-ROUTER_MAX_TOKENS = 8
-# Its launch shape, from bench/router_route.py's sweep on the H200 (bench/results/
-# decode-ops-h200-2026-12-02.md): the product split over D into as many programs as there are
-# ROUTER_BLOCK_D-column blocks, up to ROUTER_SPLITS, so that a decode step's 64-512 KB of
-# router weight are read by many SMs at once; ROUTER_WARPS warps a program.
-ROUTER_SPLITS = 64
-ROUTER_BLOCK_D = 32
-ROUTER_WARPS = 4
 # Whether `layers.rope_and_mask` runs its kernel on CUDA: off until bench/decode_profile.py's
 # row "the rotary tables and mask as one kernel" has measured it against the torch ops on a
 # GPU (written when the session's device time was spent).
@@ -58,25 +57,10 @@ ROPE_MASK_KERNEL = False
 MASK_BLOCK_CELLS = 1024  # the mask cells one program of `rope_and_mask_triton` writes
 
 
-@functools.cache
-def _kernels():
-    """The Triton kernel module, or None without Triton."""
-    try:
-        from strata.engine.model import _ops_triton
-    except ImportError:
-        return None
-    return _ops_triton
-
-
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether the ops on `x` run as Triton kernels: on CUDA, with Triton, outside a
     compilation (its interpreter on the CPU is reached through the `*_triton` functions)."""
     return x.is_cuda and not torch.compiler.is_compiling() and _kernels() is not None
-
-
-def _block(n: int) -> int:
-    """The least power of two >= n: a kernel's block over n values."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -115,7 +99,7 @@ def add_rms_norm_triton(
         delta = delta if has_delta else x  # not read: a placeholder pointer
         _kernels().add_rms_norm[(n_tokens,)](
             x, delta, weight, h, out, d, eps, x.stride(0), delta.stride(0), h.stride(0),
-            out.stride(0), HAS_DELTA=has_delta, BLOCK_D=_block(d), num_warps=8,
+            out.stride(0), HAS_DELTA=has_delta, BLOCK_D=_block(d), num_warps=NORM_WARPS,
             **dependent_launch.kernel_options(x.device))
     return h, out
 
@@ -251,24 +235,6 @@ def route(
     return ids, weights
 
 
-def route_triton(
-    logits: torch.Tensor, top_k: int, normalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route` by its Triton kernel (under Triton's interpreter on the CPU in tests); of equal
-    probabilities the lower expert id comes first."""
-    n_tokens, n_experts = logits.shape
-    if logits.stride(1) != 1:
-        raise ValueError("route_triton needs contiguous rows")
-    ids = torch.empty((n_tokens, top_k), dtype=torch.int64, device=logits.device)
-    weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=logits.device)
-    if n_tokens:
-        _kernels().route[(n_tokens,)](
-            logits, ids, weights, n_experts, top_k, logits.stride(0), NORMALIZE=normalize,
-            BLOCK_E=_block(n_experts), BLOCK_K=_block(top_k), num_warps=1,
-            **dependent_launch.kernel_options(logits.device))
-    return ids, weights
-
-
 def router_route(
     x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,54 +248,6 @@ def router_route(
     if use_kernels(x) and x.shape[0] <= ROUTER_MAX_TOKENS:
         return router_route_triton(x, router, top_k, normalize)
     return route(F.linear(x, router), top_k, normalize)
-
-
-@functools.cache
-def _arrived(device: torch.device) -> torch.Tensor:
-    """The router kernel's count of arrived programs per token, on `device`: zeros between
-    launches (its last program sets them back). One per device, kept for the process: a CUDA
-    graph holds its address. Made by an eager call: a graph's capture would record its zeroing
-    without running it (the engine's warm-up runs every op before it captures)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("router_route's first call on a device must be eager, not inside "
-                           "a CUDA graph's capture: run the step once before capturing it")
-    return torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
-
-
-def router_route_triton(
-    x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, *,
-    splits: int | None = None, block_d: int | None = None, num_warps: int = ROUTER_WARPS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`router_route` by its Triton kernel (under Triton's interpreter on the CPU in tests).
-    `splits` (at most; default ROUTER_SPLITS), `block_d` (the columns a program reads at a
-    time; default ROUTER_BLOCK_D) and `num_warps` are the kernel's launch shape, powers of
-    two, for bench/router_route.py's sweep."""
-    n_tokens, d = x.shape
-    n_experts = router.shape[0]
-    if x.stride(1) != 1 or router.stride(1) != 1:
-        raise ValueError("router_route_triton needs contiguous rows")
-    if n_tokens > ROUTER_MAX_TOKENS:
-        raise ValueError(f"router_route_triton takes at most {ROUTER_MAX_TOKENS} tokens, got "
-                         f"{n_tokens}")
-    ids = torch.empty((n_tokens, top_k), dtype=torch.int64, device=x.device)
-    weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=x.device)
-    if not n_tokens:
-        return ids, weights
-    block_e = _block(n_experts)
-    block_d = ROUTER_BLOCK_D if block_d is None else block_d  # a [BE, BD] tile of the weight
-    n_blocks = -(-d // block_d)
-    splits = ROUTER_SPLITS if splits is None else splits
-    if splits < 1 or splits & (splits - 1) or block_d < 1 or block_d & (block_d - 1):
-        raise ValueError(f"splits and block_d must be powers of two, got {splits}, {block_d}")
-    splits = min(splits, _block(n_blocks))
-    blocks_per_split = -(-n_blocks // splits)
-    partial = torch.empty((n_tokens, splits, block_e), dtype=torch.float32, device=x.device)
-    _kernels().router_route[(n_tokens, splits)](
-        x, router, partial, _arrived(x.device), ids, weights, d, n_experts, top_k, x.stride(0),
-        router.stride(0), blocks_per_split, NORMALIZE=normalize, SPLITS=splits, BLOCK_D=block_d,
-        BLOCK_E=block_e, BLOCK_K=_block(top_k), num_warps=num_warps,
-        **dependent_launch.kernel_options(x.device))
-    return ids, weights
 
 
 def rope_and_mask_triton(
