@@ -231,6 +231,49 @@ def router_route(x_ptr, w_ptr, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D
 
 
 @triton.jit
+def add_norm_router_route(x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, router_ptr,
+                          partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D, E, K, eps,
+                          x_stride, delta_stride, h_stride, normed_stride, router_stride,
+                          BLOCKS_PER_SPLIT, HAS_DELTA: tl.constexpr, NORMALIZE: tl.constexpr,
+                          SPLITS: tl.constexpr, BLOCK_ROW: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # `add_rms_norm` then `router_route` in one launch. Program (t, s): first token t's whole
+    # row h = x + delta [BLOCK_ROW] for its rstd: every program of t sums the same squares in
+    # the same order (`_rstd`), so they share one rstd, `add_rms_norm`'s when launched with
+    # its warps. Then split s's columns [s * BLOCKS_PER_SPLIT * BLOCK_D, ...): h there again
+    # from x and delta, normed as `add_rms_norm` rounds it, both stored (h only with a delta:
+    # without one h is x), and the normed values, rounded to the dtype and widened back (as
+    # `router_route` reads its input), times the router; then `_route_split`. The splits own
+    # disjoint columns and cover the row (SPLITS * BLOCKS_PER_SPLIT * BLOCK_D >= D), so
+    # together they write h[t] and normed[t] whole. Nothing here reads those stores back (the
+    # routing takes the values in registers), so they need no ordering; the kernels that read
+    # them (the experts', the next layer's) are launched after this one and see its writes
+    # once it has ended (as dependents too: `wait_for_prior`).
+    wait_for_prior(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    dtype = normed_ptr.dtype.element_ty
+    row = tl.arange(0, BLOCK_ROW)
+    rstd = _rstd(_residual_sum(x_ptr, delta_ptr, t, x_stride, delta_stride, row, row < D,
+                               HAS_DELTA), D, eps)
+    e = tl.arange(0, BLOCK_E)
+    e_in = e < E
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for b in range(0, BLOCKS_PER_SPLIT):
+        col, col_in = _split_columns(split, b, BLOCKS_PER_SPLIT, D, BLOCK_D)  # [BD] each
+        h = _residual_sum(x_ptr, delta_ptr, t, x_stride, delta_stride, col, col_in, HAS_DELTA)
+        if HAS_DELTA:
+            tl.store(h_ptr + t * h_stride + col, h, mask=col_in)
+        normed = _normed(h, rstd, norm_w_ptr, col, col_in, dtype)
+        tl.store(normed_ptr + t * normed_stride + col, normed, mask=col_in)
+        acc += _router_block(router_ptr, router_stride, normed.to(tl.float32), e, e_in, col,
+                             col_in)
+    _route_split(acc, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, t, split, e, e_in, K,
+                 dtype, NORMALIZE, SPLITS, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
 def rope_and_mask(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, mask_ptr, N, window,
                   cos_stride, sin_stride, mask_stride, HAS_WINDOW: tl.constexpr,
                   LIBDEVICE: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,

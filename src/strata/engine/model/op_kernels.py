@@ -7,8 +7,9 @@ import functools
 
 __all__ = ["NORM_WARPS", "block", "kernels"]
 
-# The warps of an `add_rms_norm` program: the layout of its row, and so the order the row's
-# squares are summed in (`_ops_triton._rstd`), follows them.
+# The warps of an `add_rms_norm` program. `add_norm_router_route`'s programs run as many: the
+# layout of a row, and so the order its squares are summed in, follows the warps, and with
+# the same order the two kernels' norms are the same bytes (`_ops_triton._rstd`).
 NORM_WARPS = 8
 
 

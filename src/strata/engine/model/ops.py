@@ -13,10 +13,13 @@ Triton, as one kernel (`_ops_triton`) that rounds where the reference's ops roun
   to the K/V cells, up to 10 in one;
 - `route`: the softmax, the top k and the renormalization, 2-3 in one; `router_route` the
   router's product before them too, for the few tokens of a decode step (`ROUTER_MAX_TOKENS`);
+- `add_norm_router_route`: `add_rms_norm` and `router_route` in one, for those tokens
+  (`DecoderLayer.forward`'s sum after attention, the MoE's norm and routing), where
+  `NORM_ROUTER_KERNEL`;
 - `rope_and_mask_triton`: a `forward_at`'s rotary tables and attention mask, about 13 in one
   (`layers.rope_and_mask` takes it where `ROPE_MASK_KERNEL`).
-The routing kernels' launches (`route_triton`, `router_route_triton`) are `routing_ops`',
-importable from here too.
+The routing kernels' launches (`route_triton`, `router_route_triton`,
+`add_norm_router_route_triton`) are `routing_ops`', importable from here too.
 The dense products stay with cuBLAS (`F.linear`): a one-token kernel for them, swept over 48
 launch shapes, lost to it inside the decode graph
 (bench/results/decode-linear-h200-2026-12-02.md).
@@ -40,12 +43,14 @@ from strata.engine.model.op_kernels import block as _block
 from strata.engine.model.op_kernels import kernels as _kernels
 from strata.engine.model.routing_ops import (
     ROUTER_MAX_TOKENS,
+    add_norm_router_route_triton,
     route_triton,
     router_route_triton,
 )
 
-__all__ = ["QKHeads", "add_rms_norm", "apply_rope", "qk_norm_rope", "rms_norm",
-           "rope_and_mask_triton", "rotate_and_write", "route", "router_route", "use_kernels"]
+__all__ = ["QKHeads", "add_norm_router_route", "add_rms_norm", "apply_rope", "qk_norm_rope",
+           "rms_norm", "rope_and_mask_triton", "rotate_and_write", "route", "router_route",
+           "use_kernels"]
 
 NORMS = {"none": 0, "full": 1, "head": 2}  # `ModelConfig.qk_norm` -> the kernel's NORM
 # `add_rms_norm`'s kernel holds a row in one program: wider rows run the torch ops.
@@ -55,6 +60,11 @@ MAX_KERNEL_WIDTH = 16384
 # GPU (written when the session's device time was spent).
 ROPE_MASK_KERNEL = False
 MASK_BLOCK_CELLS = 1024  # the mask cells one program of `rope_and_mask_triton` writes
+# Whether `add_norm_router_route` runs its one kernel on CUDA (one launch a layer fewer in a
+# decode step): off until bench/decode_profile.py's row "the norm and the router as one
+# kernel" has measured it against `add_rms_norm` then `router_route` on a GPU (written
+# without a GPU: tested under Triton's interpreter, and by tests marked cuda not yet run).
+NORM_ROUTER_KERNEL = False
 
 
 def use_kernels(x: torch.Tensor) -> bool:
@@ -248,6 +258,27 @@ def router_route(
     if use_kernels(x) and x.shape[0] <= ROUTER_MAX_TOKENS:
         return router_route_triton(x, router, top_k, normalize)
     return route(F.linear(x, router), top_k, normalize)
+
+
+def add_norm_router_route(
+    x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    router: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, normed, ids, weights): `add_rms_norm` of x and delta [T, D] (delta None: h = x) by
+    norm_weight [D], then `router_route` of normed by router [E, D] (ids [T, K] int64,
+    weights [T, K] float32).
+
+    A decode layer's residual sum after attention, the MoE's norm and its routing. On CUDA
+    where `NORM_ROUTER_KERNEL`, for up to ROUTER_MAX_TOKENS tokens and D up to
+    MAX_KERNEL_WIDTH, one kernel (`add_norm_router_route_triton`: `add_rms_norm`'s bytes for h
+    and normed); else the two ops as they run apart.
+    """
+    if (NORM_ROUTER_KERNEL and use_kernels(x) and x.shape[0] <= ROUTER_MAX_TOKENS
+            and x.shape[-1] <= MAX_KERNEL_WIDTH):
+        return add_norm_router_route_triton(x, delta, norm_weight, eps, router, top_k,
+                                            normalize)
+    h, normed = add_rms_norm(x, delta, norm_weight, eps)
+    return (h, normed, *router_route(normed, router, top_k, normalize))
 
 
 def rope_and_mask_triton(

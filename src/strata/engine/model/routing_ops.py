@@ -1,12 +1,12 @@
-"""The launches of the routing kernels (`_ops_triton`): `route_triton` and
-`router_route_triton`, with the router kernel's launch shape and arrival counts.
+"""The launches of the routing kernels (`_ops_triton`): `route_triton`, `router_route_triton`
+and `add_norm_router_route_triton`, with the router kernels' launch shape and arrival counts.
 
 Dimension letters: T tokens, D hidden size, E experts, K experts per token.
 
-`ops.route` and `ops.router_route` choose between these kernels and the torch ops (by device,
-never by values); `ops` exports these functions under the same names. Each `*_triton`
-function here always runs its kernel: on CUDA, or under Triton's interpreter on the CPU in
-tests.
+`ops.route`, `ops.router_route` and `ops.add_norm_router_route` choose between these kernels
+and the torch ops (by device, never by values); `ops` exports these functions under the same
+names. Each `*_triton` function here always runs its kernel: on CUDA, or under Triton's
+interpreter on the CPU in tests.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import functools
 import torch
 
 from strata.engine import dependent_launch
-from strata.engine.model.op_kernels import block, kernels
+from strata.engine.model.op_kernels import NORM_WARPS, block, kernels
 
 __all__ = ["ROUTER_BLOCK_D", "ROUTER_MAX_TOKENS", "ROUTER_SPLITS", "ROUTER_WARPS",
-           "route_triton", "router_route_triton"]
+           "add_norm_router_route_triton", "route_triton", "router_route_triton"]
 
 # `router_route`'s kernel takes calls of at most this many tokens (decode's, a prompt's last
 # few); larger ones run the router's product as a matrix product, then `route`'s kernel.
@@ -59,13 +59,15 @@ def _routing(n_tokens: int, top_k: int,
 
 @functools.cache
 def _arrived(device: torch.device) -> torch.Tensor:
-    """The router kernel's count of arrived programs per token, on `device`: zeros between
-    launches (its last program sets them back). One per device, kept for the process: a CUDA
-    graph holds its address. Made by an eager call: a graph's capture would record its zeroing
-    without running it (the engine's warm-up runs every op before it captures)."""
+    """The router kernels' count of arrived programs per token, on `device`: zeros between
+    launches (a launch's last program sets them back). One per device, kept for the process: a
+    CUDA graph holds its address. `router_route`'s and `add_norm_router_route`'s kernels share
+    it: launches on a stream run one after the other, each leaving it zeroed. Made by an eager
+    call: a graph's capture would record its zeroing without running it (the engine's warm-up
+    runs every op before it captures)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("router_route's first call on a device must be eager, not inside "
-                           "a CUDA graph's capture: run the step once before capturing it")
+        raise RuntimeError("a router kernel's first call on a device must be eager, not "
+                           "inside a CUDA graph's capture: run the step once before capturing it")
     return torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
 
 
@@ -115,3 +117,48 @@ def router_route_triton(
         BLOCK_E=block_e, BLOCK_K=block(top_k), num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return ids, weights
+
+
+def add_norm_router_route_triton(
+    x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    router: torch.Tensor, top_k: int, normalize: bool, *, splits: int | None = None,
+    block_d: int | None = None, num_warps: int = NORM_WARPS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ops.add_norm_router_route` by its one Triton kernel (under Triton's interpreter on the
+    CPU in tests): (h, normed [T, D], ids [T, K] int64, weights [T, K] float32) for x, delta
+    [T, D] (delta None: h is x), norm_weight [D] and router [E, D].
+
+    h and normed are `ops.add_rms_norm_triton`'s bytes: the same rounding and, at its warps
+    (`num_warps`' default, NORM_WARPS), the row's squares summed in its order. ids and weights
+    are those `router_route_triton` gives for that normed at the same launch shape (`splits`,
+    `block_d`, `num_warps`: its arguments); at its own default of ROUTER_WARPS the last
+    program sums the splits' parts in another order, so a logit can round the other way."""
+    n_tokens, d = x.shape
+    n_experts = router.shape[0]
+    _check_router("add_norm_router_route_triton", x, router)
+    if delta is not None and (delta.shape != x.shape or delta.stride(1) != 1):
+        raise ValueError(f"add_norm_router_route_triton needs delta of x's shape {list(x.shape)}"
+                         f" with contiguous rows, got {list(delta.shape)}")
+    if norm_weight.shape != (d,) or norm_weight.stride(0) != 1 or router.shape[1] != d:
+        raise ValueError(f"add_norm_router_route_triton needs a contiguous norm weight [D = {d}]"
+                         f" and a router [E, {d}], got {list(norm_weight.shape)} and "
+                         f"{list(router.shape)}")
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k must be in [1, {n_experts}], got {top_k}")
+    h = x if delta is None else torch.empty_like(x)  # [T, D]
+    normed = torch.empty_like(x)  # [T, D]
+    ids, weights = _routing(n_tokens, top_k, x.device)
+    if not n_tokens:
+        return h, normed, ids, weights
+    splits, block_d, blocks_per_split = _split_d(d, splits, block_d)
+    block_e = block(n_experts)
+    partial = torch.empty((n_tokens, splits, block_e), dtype=torch.float32, device=x.device)
+    has_delta = delta is not None
+    delta = delta if has_delta else x  # not read: a placeholder pointer
+    kernels().add_norm_router_route[(n_tokens, splits)](
+        x, delta, norm_weight, h, normed, router, partial, _arrived(x.device), ids, weights, d,
+        n_experts, top_k, eps, x.stride(0), delta.stride(0), h.stride(0), normed.stride(0),
+        router.stride(0), blocks_per_split, HAS_DELTA=has_delta, NORMALIZE=normalize,
+        SPLITS=splits, BLOCK_ROW=block(d), BLOCK_D=block_d, BLOCK_E=block_e,
+        BLOCK_K=block(top_k), num_warps=num_warps, **dependent_launch.kernel_options(x.device))
+    return h, normed, ids, weights
