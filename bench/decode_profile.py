@@ -10,7 +10,9 @@ experts' `down` then the combine instead of the sum inside `down`, with SDPA's a
 instead of `decode_attention`'s kernel (each the A/B of one kernel), with every kernel
 launched plainly instead of as a dependent of the one before (`strata.engine.dependent_launch`),
 with a forward's rotary tables and mask as the torch ops instead of one kernel
-(`ops.ROPE_MASK_KERNEL`), and `--compile`'s
+(`ops.ROPE_MASK_KERNEL`), with each layer's sum after attention, the MoE's norm and its
+routing as one kernel (`ops.NORM_ROUTER_KERNEL`, off by default until this row has measured
+it against `add_rms_norm` then `router_route`), and `--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -56,7 +58,8 @@ OWN_KERNELS = {"gate_up_act": "experts (triton)", "down": "experts (triton)",
 # Other kernel names -> the kind they are counted under, first match wins (lower-case
 # substrings).
 KINDS = (
-    ("layer ops (triton)", ("add_rms_norm", "qk_norm_rope", "route")),  # router_route too
+    # router_route and add_norm_router_route too
+    ("layer ops (triton)", ("add_rms_norm", "qk_norm_rope", "route")),
     ("experts (triton)", ("int8_", "int4_")),
     ("grouped mm", ("grouped", "group_gemm")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
@@ -222,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             # kernels: their torch code), "sum" (the weighted sum inside `down`: `down`, then
             # the combine), "attention" (`decode_attention`'s kernel: SDPA's folded path),
             # "pdl" (dependent launches: every kernel launched plainly), "rope-mask" (the
-            # rotary tables and mask's kernel: the torch ops).
+            # rotary tables and mask's kernel: the torch ops); "norm-router" is what it is
+            # captured with instead: each layer's sum, norm and routing after attention as one.
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
@@ -233,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps.append(("decode, CUDA graph, plain launches", step_of(True), "pdl"))
                 steps.append(("decode, CUDA graph, the rotary tables and mask in torch",
                               step_of(True), "rope-mask"))
+                steps.append(("decode, CUDA graph, the norm and the router as one kernel",
+                              step_of(True), "norm-router"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
@@ -242,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             for label, step, without in steps:
                 # The graph is captured here, with or without the part named.
                 saved = (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
-                         ops.ROPE_MASK_KERNEL)
+                         ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL)
                 arrivals = getattr(model.experts, "_sum_arrivals", None)
                 if without == "ops":
                     ops.use_kernels = lambda x: False
@@ -254,11 +260,13 @@ def main(argv: list[str] | None = None) -> int:
                     dependent_launch.enabled = False
                 elif without == "rope-mask":
                     ops.ROPE_MASK_KERNEL = False
+                elif without == "norm-router":
+                    ops.NORM_ROUTER_KERNEL = True
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:
                     (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
-                     ops.ROPE_MASK_KERNEL) = saved
+                     ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL) = saved
                     if without == "sum":
                         model.experts._sum_arrivals = arrivals
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,

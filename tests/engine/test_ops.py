@@ -17,6 +17,7 @@ from strata.engine.model import ops
 from strata.engine.model.kv_cells import LayerCells
 from strata.engine.model.layers import attention_mask, rope_cos_sin, rope_inv_freq
 from strata.engine.model.moe import load_model
+from strata.engine.model.op_kernels import NORM_WARPS
 from strata.engine.model.tokenizer import Tokenizer
 from strata.engine.runtime.generate import GenerateOptions, generate
 from support.checkpoints import cached_checkpoint
@@ -132,6 +133,89 @@ def test_off_cuda_router_route_is_the_product_then_route():
     assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
     with pytest.raises(ValueError, match="at most 8 tokens"):
         ops.router_route_triton(torch.zeros(9, 96), router.float(), 4, True)
+
+
+def _norm_router_inputs(n_tokens, d, n_experts, dtype, seed):
+    """(x, delta [T, D], norm weight [D], router [E, D]): a layer's residual, what attention
+    adds to it, its MoE norm's weight and its router."""
+    gen = torch.Generator().manual_seed(seed)
+    x, delta = (torch.randn(2, n_tokens, d, generator=gen) * 4).to(dtype)
+    weight = torch.randn(d, generator=gen).to(dtype)
+    router = (torch.randn(n_experts, d, generator=gen) * d ** -0.5).to(dtype)
+    return x, delta, weight, router
+
+
+def _same_bytes(got, expected):
+    return got.dtype == expected.dtype and got.shape == expected.shape and \
+        torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("switched", [False, True])
+def test_off_cuda_add_norm_router_route_is_the_norm_then_the_router(monkeypatch, switched):
+    """Off CUDA, switched on or not, the two ops as they ran before, byte for byte."""
+    monkeypatch.setattr(ops, "NORM_ROUTER_KERNEL", switched)
+    for seed, (n_tokens, with_delta) in enumerate([(1, True), (3, False), (12, True)]):
+        x, delta, weight, router = _norm_router_inputs(n_tokens, 96, 16, torch.bfloat16, seed)
+        delta = delta if with_delta else None
+        h, normed, ids, weights = ops.add_norm_router_route(x, delta, weight, 1e-5, router, 4,
+                                                            seed % 2 == 0)
+        expected_h, expected_normed = ops.add_rms_norm(x, delta, weight, 1e-5)
+        expected_ids, expected_weights = ops.router_route(expected_normed, router, 4,
+                                                          seed % 2 == 0)
+        assert _same_bytes(h, expected_h) and (with_delta or h is x)
+        assert _same_bytes(normed, expected_normed)
+        assert _same_bytes(ids, expected_ids) and _same_bytes(weights, expected_weights)
+
+
+def test_add_norm_router_route_takes_its_kernel_only_where_switched_on_and_it_fits(
+        monkeypatch):
+    """The one kernel where switched on, for up to ROUTER_MAX_TOKENS tokens of at most
+    MAX_KERNEL_WIDTH; else `add_rms_norm` then `router_route`, each choosing as it does alone
+    (stand-ins for the kernels record which ran)."""
+    calls = []
+
+    def stand_in(name, result):
+        return lambda *args, **kwargs: calls.append(name) or result(*args)
+
+    monkeypatch.setattr(ops, "use_kernels", lambda x: True)  # as on CUDA
+    monkeypatch.setattr(ops, "add_norm_router_route_triton", stand_in(
+        "fused", lambda x, delta, weight, eps, router, k, normalize: (x, x, None, None)))
+    monkeypatch.setattr(ops, "add_rms_norm_triton", stand_in("norm", lambda x, *_: (x, x)))
+    monkeypatch.setattr(ops, "router_route_triton", stand_in("router", lambda *_: (None, None)))
+    monkeypatch.setattr(ops, "route_triton", stand_in("route", lambda *_: (None, None)))
+    ran = {}
+    for switched in (False, True):
+        monkeypatch.setattr(ops, "NORM_ROUTER_KERNEL", switched)
+        for n_tokens, d in ((1, 64), (8, 64), (9, 64), (1, ops.MAX_KERNEL_WIDTH + 1)):
+            x, delta, weight, router = _norm_router_inputs(n_tokens, d, 4, torch.float32, 0)
+            calls.clear()
+            ops.add_norm_router_route(x, delta, weight, 1e-5, router, 2, True)
+            ran[switched, n_tokens, d] = calls[:]
+    wide = ops.MAX_KERNEL_WIDTH + 1
+    assert ran == {
+        (False, 1, 64): ["norm", "router"], (False, 8, 64): ["norm", "router"],
+        (False, 9, 64): ["norm", "route"], (False, 1, wide): ["router"],
+        (True, 1, 64): ["fused"], (True, 8, 64): ["fused"],
+        (True, 9, 64): ["norm", "route"],  # too many tokens: the product, then route
+        (True, 1, wide): ["router"]}  # too wide a row: the norm's torch ops, then the router
+
+
+def test_add_norm_router_route_triton_refuses_what_its_kernel_cannot_take():
+    x, delta, weight, router = _norm_router_inputs(2, 64, 8, torch.float32, 0)
+    run = ops.add_norm_router_route_triton
+    for args, match in [
+        ((x[:, ::2], None, weight[::2], 1e-5, router[:, ::2], 2, True), "contiguous rows"),
+        ((x, delta.T.contiguous().T, weight, 1e-5, router, 2, True), "delta of x's shape"),
+        ((x, delta[:1], weight, 1e-5, router, 2, True), "delta of x's shape"),
+        ((torch.zeros(9, 64), None, weight, 1e-5, router, 2, True), "at most 8 tokens"),
+        ((x, delta, weight[:32], 1e-5, router, 2, True), "norm weight"),
+        ((x, delta, weight, 1e-5, router[:, :32], 2, True), "norm weight"),
+        ((x, delta, weight, 1e-5, router, 9, True), "top_k must be in"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            run(*args)
+    with pytest.raises(ValueError, match="powers of two"):
+        run(x, delta, weight, 1e-5, router, 2, True, splits=3)
 
 
 _INTERPRETED = r"""
@@ -265,6 +349,72 @@ def test_the_kernels_under_the_interpreter_match_the_references():
     assert results["tied"]["weights"][0][:3] == pytest.approx([third] * 3, rel=1e-6)
 
 
+_NORM_ROUTER_INTERPRETED = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_ops import _norm_router_inputs, _same_bytes
+from strata.engine.model import ops
+
+rows = []
+# (T, D, E, K, splits, block_d): the default launch (8 splits of one block); 4 splits, the
+# last past D; 2 splits of 8 blocks; one split, its block past D; the most tokens; D and E
+# not powers of two, several blocks a split; no tokens.
+cases = ((1, 256, 64, 8, None, None), (3, 96, 8, 2, None, None), (3, 256, 128, 8, 2, 16),
+         (1, 96, 128, 1, 1, 64), (8, 64, 16, 4, None, None), (2, 1000, 60, 6, 4, 64),
+         (0, 64, 8, 2, None, None))
+for dtype in (torch.bfloat16, torch.float16):
+    for seed, (n_tokens, d, n_experts, top_k, splits, block_d) in enumerate(cases):
+        x, delta, weight, router = _norm_router_inputs(n_tokens, d, n_experts, dtype, seed)
+        for with_delta in (True, False):
+            normalize = (seed + with_delta) % 2 == 0
+            given = delta if with_delta else None
+            shape = {"splits": splits, "block_d": block_d}
+            got = ops.add_norm_router_route_triton(x, given, weight, 1e-5, router, top_k,
+                                                   normalize, **shape)
+            again = ops.add_norm_router_route_triton(x, given, weight, 1e-5, router, top_k,
+                                                     normalize, **shape)
+            h, normed = ops.add_rms_norm_triton(x, given, weight, 1e-5)
+            ids, weights = ops.router_route_triton(normed, router, top_k, normalize, **shape)
+            rows.append({
+                "dtype": str(dtype), "shape": [n_tokens, d, n_experts, top_k],
+                "h_equal": _same_bytes(got[0], h) and (with_delta or got[0] is x),
+                "h_is_the_sum": _same_bytes(got[0], x + delta if with_delta else x),
+                "normed_equal": _same_bytes(got[1], normed),
+                "ids_equal": _same_bytes(got[2], ids),
+                "weights_equal": _same_bytes(got[3], weights),
+                "repeats": all(_same_bytes(a, b) for a, b in zip(got, again))})
+# The op switched on (its kernel at the default launch) against the op switched off (the two
+# kernels), as a layer calls it.
+switched = []
+ops.use_kernels = lambda x: True
+x, delta, weight, router = _norm_router_inputs(3, 256, 64, torch.bfloat16, 9)
+for switch in (True, False):
+    ops.NORM_ROUTER_KERNEL = switch
+    switched.append(ops.add_norm_router_route(x, delta, weight, 1e-5, router, 8, True))
+print(json.dumps({"rows": rows, "switched_equal": all(
+    _same_bytes(a, b) for a, b in zip(*switched))}))
+"""
+
+
+def test_the_norm_and_router_kernel_under_the_interpreter_is_the_two_kernels():
+    """h and normed are `add_rms_norm_triton`'s bytes, ids and weights `router_route_triton`'s
+    of that normed at the same launch shape (the interpreter's sums are numpy's, in one order
+    whatever the warps; on a GPU, `test_on_cuda_the_norm_and_router_kernel_is_the_two_kernels`);
+    a second launch gives the same bytes (the arrival counts set back to 0)."""
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    results = run_interpreted(_NORM_ROUTER_INTERPRETED, os.path.dirname(__file__))
+    assert len(results["rows"]) == 28
+    for row in results["rows"]:
+        assert all(row[key] for key in ("h_equal", "normed_equal", "ids_equal",
+                                        "weights_equal", "repeats")), row
+        # The interpreter narrows float32 to bf16 by truncation, not to nearest as torch and
+        # the GPU do: in bf16 the kernels agree with each other, not with torch's sum.
+        assert row["h_is_the_sum"] or row["dtype"] == "torch.bfloat16", row
+    assert {row["dtype"] for row in results["rows"]} == {"torch.bfloat16", "torch.float16"}
+    assert results["switched_equal"]
+
+
 @pytest.mark.cuda
 def test_on_cuda_the_kernels_match_the_references_in_bf16():
     pytest.importorskip("triton")
@@ -367,16 +517,61 @@ def test_on_cuda_rope_and_mask_is_the_torch_ops_byte_for_byte(dtype):
 
 
 @pytest.mark.cuda
-def test_on_cuda_decode_with_the_rope_and_mask_kernel_gives_the_torch_ops_tokens(monkeypatch):
+@pytest.mark.parametrize("switch, family", [
+    ("ROPE_MASK_KERNEL", "qwen3_moe"), ("NORM_ROUTER_KERNEL", "qwen3_moe"),
+    ("NORM_ROUTER_KERNEL", "qwen2_moe")])  # qwen2_moe: a shared expert after the routing
+def test_on_cuda_decode_with_a_staged_kernel_gives_the_tokens_without_it(monkeypatch, switch,
+                                                                         family):
+    """300 rounds, each replayed from a graph captured with the kernel switched on (rotary
+    tables and mask; a layer's sum, norm and routing), give the tokens of the ops it stands
+    in for."""
     pytest.importorskip("triton")
-    ckpt = cached_checkpoint("qwen3_moe", "tiny", dtype=torch.bfloat16)
+    ckpt = cached_checkpoint(family, "tiny", dtype=torch.bfloat16)
     options = GenerateOptions(max_new=300, max_context=512, temperature=0.0, ignore_stop=True)
     runs = []
     for kernel in (False, True):
-        monkeypatch.setattr(ops, "ROPE_MASK_KERNEL", kernel)
+        monkeypatch.setattr(ops, switch, kernel)
         model, tok = load_model(ckpt, device="cuda"), Tokenizer.from_dir(ckpt)  # graphs anew
         runs.append(generate(model, tok, tok.encode("rotary tables"), options))
     assert runs[1].decode_path == "cuda-graph" and runs[1].tokens == runs[0].tokens
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_tokens, n_experts, dim, top_k", [(1, 64, 2048, 8), (3, 128, 2048, 8),
+                                                             (1, 8, 4096, 2)])
+def test_on_cuda_the_norm_and_router_kernel_is_the_two_kernels(monkeypatch, n_tokens,
+                                                                n_experts, dim, top_k):
+    """h and normed: `add_rms_norm`'s kernel's bytes (launched with its warps, NORM_WARPS, the
+    kernel sums a row's squares in its order). ids and weights: `router_route_triton`'s of
+    that normed at those warps, byte for byte; against `router_route` at its own ROUTER_WARPS,
+    whose last program sums the splits' parts in another order (a logit may round the other
+    way, now and then), the same experts and close weights. A CUDA graph replays its bytes
+    (each replay finds the arrival counts set back to 0)."""
+    pytest.importorskip("triton")
+    cuda = torch.device("cuda")
+    x, delta, weight, router = (t.to(cuda) for t in _norm_router_inputs(
+        n_tokens, dim, n_experts, torch.bfloat16, seed=11))
+    for given in (delta, None):
+        got = ops.add_norm_router_route_triton(x, given, weight, 1e-6, router, top_k, True)
+        h, normed = ops.add_rms_norm(x, given, weight, 1e-6)
+        assert _same_bytes(got[0], h) and (given is not None or got[0] is x)
+        assert _same_bytes(got[1], normed)
+        ids, weights = ops.router_route_triton(normed, router, top_k, True,
+                                               num_warps=NORM_WARPS)
+        assert _same_bytes(got[2], ids) and _same_bytes(got[3], weights)
+        ids, weights = ops.router_route(normed, router, top_k, True)
+        assert torch.equal(got[2], ids) and torch.allclose(got[3], weights, rtol=2e-2)
+    monkeypatch.setattr(ops, "NORM_ROUTER_KERNEL", True)
+    eager = ops.add_norm_router_route(x, delta, weight, 1e-6, router, top_k, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = ops.add_norm_router_route(x, delta, weight, 1e-6, router, top_k, True)
+    for _ in range(3):
+        for out in replayed:
+            out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(_same_bytes(a, b) for a, b in zip(replayed, eager, strict=True))
 
 
 _MODEL_INTERPRETED = r"""
@@ -391,38 +586,48 @@ def logits_of(model, kernels):
     # A prompt of 5 tokens, then 2 decode steps: every op of every layer, the K/V written by
     # the rotation's kernel read back by the later steps.
     # Then 2 steps through forward_at (a decode graph's): its rotary tables and mask by
-    # their kernel too.
-    use, rope_mask = ops.use_kernels, ops.ROPE_MASK_KERNEL
+    # their kernel too. Each layer's sum, norm and routing after attention by their one
+    # kernel (the prompt's 5 tokens too): its launches counted.
+    use, rope_mask, norm_router = ops.use_kernels, ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL
+    fused = ops.add_norm_router_route_triton
+    launches = []
     ops.use_kernels = (lambda x: True) if kernels else (lambda x: False)
-    ops.ROPE_MASK_KERNEL = kernels
+    ops.ROPE_MASK_KERNEL = ops.NORM_ROUTER_KERNEL = kernels
+    ops.add_norm_router_route_triton = lambda *args: launches.append(1) or fused(*args)
     try:
         with new_kv(model, 16) as kv:
             rows = [model.forward(torch.tensor([3, 1, 4, 1, 5]), 0, kv)]
             rows += [model.forward(torch.tensor([9 + step]), 5 + step, kv) for step in range(2)]
             rows += [model.forward_at(torch.tensor([2 + step]), torch.tensor([7 + step]), kv, 16)
                      for step in range(2)]
-            return torch.cat(rows)
+            return torch.cat(rows), len(launches)
     finally:
-        ops.use_kernels, ops.ROPE_MASK_KERNEL = use, rope_mask
+        ops.use_kernels, ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL = use, rope_mask, norm_router
+        ops.add_norm_router_route_triton = fused
 
 results = {}
 with tempfile.TemporaryDirectory() as tmp:
     for family in ("olmoe", "qwen3_moe", "mixtral"):
         ckpt = make_checkpoint(Path(tmp) / family, family, dtype=torch.float32)
         model = load_model(ckpt, dtype=torch.float32)
-        reference, kernels = logits_of(model, False), logits_of(model, True)
+        (reference, none), (kernels, launches) = logits_of(model, False), logits_of(model, True)
         results[family] = {"error": (kernels - reference).abs().max().item(),
                            "scale": reference.abs().max().item(),
-                           "argmax_equal": torch.equal(kernels.argmax(-1), reference.argmax(-1))}
+                           "argmax_equal": torch.equal(kernels.argmax(-1), reference.argmax(-1)),
+                           "fused_launches": [none, launches, model.config.n_layers]}
 print(json.dumps(results))
 """
 
 
 def test_a_model_run_through_the_kernels_under_the_interpreter_matches_the_torch_ops():
     """The kernels in place of the torch ops in a whole forward (the residual handed on
-    unsummed, k and v written by the rotation's kernel), one family per norm kind."""
+    unsummed, k and v written by the rotation's kernel, the sum after attention, the MoE's
+    norm and its routing by one kernel in every layer: 5 forwards' worth of launches, none
+    switched off), one family per norm kind."""
     pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
     results = run_interpreted(_MODEL_INTERPRETED, os.path.dirname(__file__))
     assert sorted(results) == ["mixtral", "olmoe", "qwen3_moe"]
     for family, row in results.items():
         assert row["argmax_equal"] and row["error"] <= 1e-4 * max(row["scale"], 1.0), family
+        none, launches, n_layers = row["fused_launches"]
+        assert none == 0 and launches == 5 * n_layers, family

@@ -17,6 +17,36 @@ from strata.engine._dependent_triton import wait_for_prior
 
 
 @triton.jit
+def _residual_sum(x_ptr, delta_ptr, t, x_stride, delta_stride, col, col_in,
+                  HAS_DELTA: tl.constexpr):
+    # Token t's h = x + delta at columns col, summed in float32 and rounded to x's dtype (as
+    # torch's add rounds it); without delta, x as it is. 0 where not col_in.
+    x = tl.load(x_ptr + t * x_stride + col, mask=col_in, other=0.0)
+    if HAS_DELTA:
+        delta = tl.load(delta_ptr + t * delta_stride + col, mask=col_in, other=0.0)
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _rstd(h, D, eps):
+    # 1 / sqrt(mean(h^2) + eps) in float32 over a whole row h [BD] (0 past D). Shared by the
+    # kernels that norm a row: launched with as many warps (`op_kernels.NORM_WARPS`), they lay
+    # the row out alike and so add its squares in one order, the same rstd to the bit.
+    wide = h.to(tl.float32)
+    return tl.math.rsqrt(tl.sum(wide * wide, axis=0) / D + eps)
+
+
+@triton.jit
+def _normed(h, rstd, weight_ptr, col, col_in, dtype: tl.constexpr):
+    # weight * (h * rstd) at columns col: the norm rounded to dtype, then the weight's product
+    # rounded again (`ops.rms_norm`'s order: the scale after the cast back).
+    normed = (h.to(tl.float32) * rstd).to(dtype)
+    weight = tl.load(weight_ptr + col, mask=col_in, other=0.0)
+    return (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def add_rms_norm(x_ptr, delta_ptr, weight_ptr, h_ptr, out_ptr, D, eps,
                  x_stride, delta_stride, h_stride, out_stride,
                  HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -26,16 +56,10 @@ def add_rms_norm(x_ptr, delta_ptr, weight_ptr, h_ptr, out_ptr, D, eps,
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)  # [BD]
     d_in = d < D
-    x = tl.load(x_ptr + t * x_stride + d, mask=d_in, other=0.0)
+    h = _residual_sum(x_ptr, delta_ptr, t, x_stride, delta_stride, d, d_in, HAS_DELTA)
     if HAS_DELTA:
-        delta = tl.load(delta_ptr + t * delta_stride + d, mask=d_in, other=0.0)
-        x = (x.to(tl.float32) + delta.to(tl.float32)).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + t * h_stride + d, x, mask=d_in)
-    wide = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(wide * wide, axis=0) / D + eps)
-    normed = (wide * rstd).to(out_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + d, mask=d_in, other=0.0)
-    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(h_ptr + t * h_stride + d, h, mask=d_in)
+    out = _normed(h, _rstd(h, D, eps), weight_ptr, d, d_in, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * out_stride + d, out, mask=d_in)
 
 
@@ -147,40 +171,106 @@ def route(logits_ptr, ids_ptr, weights_ptr, E, K, logits_stride,
 
 
 @triton.jit
-def router_route(x_ptr, w_ptr, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D, E, K,
-                 x_stride, w_stride, BLOCKS_PER_SPLIT, NORMALIZE: tl.constexpr,
-                 SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
-    # Program (t, s): the router's product over split s of D for token t, every expert at
-    # once: partial [T, SPLITS, BE] in float32. Each program then counts itself in
-    # arrived[t]; the last to arrive (acquiring the others' partials) sums the SPLITS partials
-    # in split order (the same order whichever program is last: the same bytes), rounds the
-    # logits to x's dtype where `F.linear` rounds them, routes them as `route` does, and sets
-    # arrived[t] back to 0 for the next launch.
-    wait_for_prior(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    e = tl.arange(0, BLOCK_E)
-    e_in = e < E
-    d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for b in range(0, BLOCKS_PER_SPLIT):
-        col = (split * BLOCKS_PER_SPLIT + b) * BLOCK_D + d  # [BD]
-        col_in = col < D
-        x = tl.load(x_ptr + t * x_stride + col, mask=col_in, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * w_stride + col[None, :],
-                    mask=e_in[:, None] & col_in[None, :], other=0.0)  # [BE, BD]
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+def _split_columns(split, b, BLOCKS_PER_SPLIT, D, BLOCK_D: tl.constexpr):
+    # Block b of split `split`'s columns [BD] of a row of D, and which of them lie in it.
+    col = (split * BLOCKS_PER_SPLIT + b) * BLOCK_D + tl.arange(0, BLOCK_D)
+    return col, col < D
+
+
+@triton.jit
+def _router_block(w_ptr, w_stride, x, e, e_in, col, col_in):
+    # The router's product over one block of columns col [BD] for every expert e [BE]:
+    # sum over col of w[e, col] * x[col] in float32 -> [BE]. x [BD] float32, 0 where not
+    # col_in.
+    w = tl.load(w_ptr + e[:, None].to(tl.int64) * w_stride + col[None, :],
+                mask=e_in[:, None] & col_in[None, :], other=0.0)  # [BE, BD]
+    return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+
+
+@triton.jit
+def _route_split(acc, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, t, split, e, e_in, K,
+                 dtype: tl.constexpr, NORMALIZE: tl.constexpr, SPLITS: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program (t, split)'s part acc [BE] of token t's router product, stored to partial
+    # [T, SPLITS, BE] in float32. The program then counts itself in arrived[t]; the last to
+    # arrive (acquiring the others' partials) sums the SPLITS partials in split order (the
+    # same order whichever program is last: the same bytes), rounds the logits to dtype where
+    # `F.linear` rounds them, routes them as `route` does, and sets arrived[t] back to 0 for
+    # the next launch.
     tl.store(partial_ptr + (t * SPLITS + split) * BLOCK_E + e, acc)
     if tl.atomic_add(arrived_ptr + t, 1, sem="acq_rel") == SPLITS - 1:
         s = tl.arange(0, SPLITS)
         parts = tl.load(partial_ptr + (t * SPLITS + s[:, None]) * BLOCK_E + e[None, :],
                         volatile=True)  # [SPLITS, BE]
-        logits = tl.sum(parts, axis=0).to(x_ptr.dtype.element_ty).to(tl.float32)
+        logits = tl.sum(parts, axis=0).to(dtype).to(tl.float32)
         logits = tl.where(e_in, logits, float("-inf"))
         _top_k(_softmax(logits), e, e_in, ids_ptr, weights_ptr, t, K, NORMALIZE, BLOCK_E,
                BLOCK_K)
         tl.store(arrived_ptr + t, 0)
+
+
+@triton.jit
+def router_route(x_ptr, w_ptr, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D, E, K,
+                 x_stride, w_stride, BLOCKS_PER_SPLIT, NORMALIZE: tl.constexpr,
+                 SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # Program (t, s): the router's product over split s of D for token t, every expert at
+    # once, then the split's part routed with the others' (`_route_split`).
+    wait_for_prior(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    e = tl.arange(0, BLOCK_E)
+    e_in = e < E
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for b in range(0, BLOCKS_PER_SPLIT):
+        col, col_in = _split_columns(split, b, BLOCKS_PER_SPLIT, D, BLOCK_D)  # [BD] each
+        x = tl.load(x_ptr + t * x_stride + col, mask=col_in, other=0.0).to(tl.float32)
+        acc += _router_block(w_ptr, w_stride, x, e, e_in, col, col_in)
+    _route_split(acc, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, t, split, e, e_in, K,
+                 x_ptr.dtype.element_ty, NORMALIZE, SPLITS, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def add_norm_router_route(x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, router_ptr,
+                          partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D, E, K, eps,
+                          x_stride, delta_stride, h_stride, normed_stride, router_stride,
+                          BLOCKS_PER_SPLIT, HAS_DELTA: tl.constexpr, NORMALIZE: tl.constexpr,
+                          SPLITS: tl.constexpr, BLOCK_ROW: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # `add_rms_norm` then `router_route` in one launch. Program (t, s): first token t's whole
+    # row h = x + delta [BLOCK_ROW] for its rstd: every program of t sums the same squares in
+    # the same order (`_rstd`), so they share one rstd, `add_rms_norm`'s when launched with
+    # its warps. Then split s's columns [s * BLOCKS_PER_SPLIT * BLOCK_D, ...): h there again
+    # from x and delta, normed as `add_rms_norm` rounds it, both stored (h only with a delta:
+    # without one h is x), and the normed values, rounded to the dtype and widened back (as
+    # `router_route` reads its input), times the router; then `_route_split`. The splits own
+    # disjoint columns and cover the row (SPLITS * BLOCKS_PER_SPLIT * BLOCK_D >= D), so
+    # together they write h[t] and normed[t] whole. Nothing here reads those stores back (the
+    # routing takes the values in registers), so they need no ordering; the kernels that read
+    # them (the experts', the next layer's) are launched after this one and see its writes
+    # once it has ended (as dependents too: `wait_for_prior`).
+    wait_for_prior(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    dtype = normed_ptr.dtype.element_ty
+    row = tl.arange(0, BLOCK_ROW)
+    rstd = _rstd(_residual_sum(x_ptr, delta_ptr, t, x_stride, delta_stride, row, row < D,
+                               HAS_DELTA), D, eps)
+    e = tl.arange(0, BLOCK_E)
+    e_in = e < E
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for b in range(0, BLOCKS_PER_SPLIT):
+        col, col_in = _split_columns(split, b, BLOCKS_PER_SPLIT, D, BLOCK_D)  # [BD] each
+        h = _residual_sum(x_ptr, delta_ptr, t, x_stride, delta_stride, col, col_in, HAS_DELTA)
+        if HAS_DELTA:
+            tl.store(h_ptr + t * h_stride + col, h, mask=col_in)
+        normed = _normed(h, rstd, norm_w_ptr, col, col_in, dtype)
+        tl.store(normed_ptr + t * normed_stride + col, normed, mask=col_in)
+        acc += _router_block(router_ptr, router_stride, normed.to(tl.float32), e, e_in, col,
+                             col_in)
+    _route_split(acc, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, t, split, e, e_in, K,
+                 dtype, NORMALIZE, SPLITS, BLOCK_E, BLOCK_K)
 
 
 @triton.jit

@@ -28,6 +28,7 @@ from strata.engine.model.config import ModelConfig
 from strata.engine.model.kv_cells import LayerCells
 from strata.engine.model.ops import (
     QKHeads,
+    add_norm_router_route,
     add_rms_norm,
     rms_norm,
     rope_and_mask_triton,
@@ -236,8 +237,15 @@ class MoE:
             self.shared_router = w["shared_router"]  # [1, D]
 
     def forward(self, x: torch.Tensor, experts: Experts) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
+        """x [T, D] -> [T, D]: the routing, then `forward_routed`."""
         ids, weights = router_route(x, self.router, self.top_k, self.normalize)  # [T, K]
+        return self.forward_routed(x, ids, weights, experts)
+
+    def forward_routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       experts: Experts) -> torch.Tensor:
+        """x [T, D] -> [T, D], routed already: ids [T, K] int64, weights [T, K] float32
+        (`router_route` of x by `router`, or `add_norm_router_route` as `DecoderLayer.forward`
+        routes it), the shared expert (if any) added."""
         out = experts.forward(self.layer, x, ids, weights)  # [T, D]
         if self.shared_gate_up is not None:
             shared = swiglu(x, self.shared_gate_up, self.shared_down)  # [T, D]
@@ -268,7 +276,8 @@ class DecoderLayer:
         for the first layer) -> this layer's (stream, delta): the sum x + delta is left to the
         next norm (`add_rms_norm`: one kernel for both on CUDA). Attention span by span, in
         order (a span attends the K/V the spans before it wrote), then the MoE over all T
-        tokens at once."""
+        tokens at once: its sum, norm and routing one op (`add_norm_router_route`, one kernel
+        on CUDA where `ops.NORM_ROUTER_KERNEL`)."""
         x, normed = add_rms_norm(x, delta, self.attn_norm, self.eps)  # [T, D] each
         attended = [
             self.attn.forward(normed[span.rows], span.cos, span.sin, span.positions, cells,
@@ -276,5 +285,8 @@ class DecoderLayer:
             for span in spans
         ]  # [b - a, D] each
         attended = attended[0] if len(attended) == 1 else torch.cat(attended)  # [T, D]
-        h, normed = add_rms_norm(x, attended, self.mlp_norm, self.eps)  # [T, D] each
-        return h, self.moe.forward(normed, experts)
+        moe = self.moe
+        h, normed, ids, weights = add_norm_router_route(
+            x, attended, self.mlp_norm, self.eps, moe.router, moe.top_k, moe.normalize
+        )  # [T, D] each, then [T, K] each
+        return h, moe.forward_routed(normed, ids, weights, experts)

@@ -13,8 +13,13 @@ Triton, as one kernel (`_ops_triton`) that rounds where the reference's ops roun
   to the K/V cells, up to 10 in one;
 - `route`: the softmax, the top k and the renormalization, 2-3 in one; `router_route` the
   router's product before them too, for the few tokens of a decode step (`ROUTER_MAX_TOKENS`);
+- `add_norm_router_route`: `add_rms_norm` and `router_route` in one, for those tokens
+  (`DecoderLayer.forward`'s sum after attention, the MoE's norm and routing), where
+  `NORM_ROUTER_KERNEL`;
 - `rope_and_mask_triton`: a `forward_at`'s rotary tables and attention mask, about 13 in one
   (`layers.rope_and_mask` takes it where `ROPE_MASK_KERNEL`).
+The routing kernels' launches (`route_triton`, `router_route_triton`,
+`add_norm_router_route_triton`) are `routing_ops`', importable from here too.
 The dense products stay with cuBLAS (`F.linear`): a one-token kernel for them, swept over 48
 launch shapes, lost to it inside the decode graph
 (bench/results/decode-linear-h200-2026-12-02.md).
@@ -26,7 +31,6 @@ the reference runs (inductor fuses it itself).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -34,50 +38,40 @@ import torch.nn.functional as F
 
 from strata.engine import dependent_launch
 from strata.engine.model.kv_cells import LayerCells
+from strata.engine.model.op_kernels import NORM_WARPS
+from strata.engine.model.op_kernels import block as _block
+from strata.engine.model.op_kernels import kernels as _kernels
+from strata.engine.model.routing_ops import (
+    ROUTER_MAX_TOKENS,
+    add_norm_router_route_triton,
+    route_triton,
+    router_route_triton,
+)
 
-__all__ = ["QKHeads", "add_rms_norm", "apply_rope", "qk_norm_rope", "rms_norm",
-           "rope_and_mask_triton", "rotate_and_write", "route", "router_route", "use_kernels"]
+__all__ = ["QKHeads", "add_norm_router_route", "add_rms_norm", "apply_rope", "qk_norm_rope",
+           "rms_norm", "rope_and_mask_triton", "rotate_and_write", "route", "router_route",
+           "use_kernels"]
 
 NORMS = {"none": 0, "full": 1, "head": 2}  # `ModelConfig.qk_norm` -> the kernel's NORM
 # `add_rms_norm`'s kernel holds a row in one program: wider rows run the torch ops.
 MAX_KERNEL_WIDTH = 16384
-# `router_route`'s kernel takes calls of at most this many tokens (decode's, a prompt's last
-# few); larger ones run the router's product as a matrix product, then `route`'s kernel.
-ROUTER_MAX_TOKENS = 8
-# Its launch shape, from bench/router_route.py's sweep on the H200 (bench/results/
-# decode-ops-h200-2026-12-02.md): the product split over D into as many programs as there are
-# ROUTER_BLOCK_D-column blocks, up to ROUTER_SPLITS, so that a decode step's 64-512 KB of
-# router weight are read by many SMs at once; ROUTER_WARPS warps a program.
-ROUTER_SPLITS = 64
-ROUTER_BLOCK_D = 32
-ROUTER_WARPS = 4
 # Whether `layers.rope_and_mask` runs its kernel on CUDA: a decode round of the whole
 # olmoe-1b-7b replayed from its graph took 1.158 ms with it against 1.239 with the torch ops
 # (bench/results/decode-fusions-h200-2026-12-02.md); bench/decode_profile.py's row "the rotary
 # tables and mask in torch" is the A/B.
 ROPE_MASK_KERNEL = True
 MASK_BLOCK_CELLS = 1024  # the mask cells one program of `rope_and_mask_triton` writes
-
-
-@functools.cache
-def _kernels():
-    """The Triton kernel module, or None without Triton."""
-    try:
-        from strata.engine.model import _ops_triton
-    except ImportError:
-        return None
-    return _ops_triton
+# Whether `add_norm_router_route` runs its one kernel on CUDA (one launch a layer fewer in a
+# decode step): off until bench/decode_profile.py's row "the norm and the router as one
+# kernel" has measured it against `add_rms_norm` then `router_route` on a GPU (written
+# without a GPU: tested under Triton's interpreter, and by tests marked cuda not yet run).
+NORM_ROUTER_KERNEL = False
 
 
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether the ops on `x` run as Triton kernels: on CUDA, with Triton, outside a
     compilation (its interpreter on the CPU is reached through the `*_triton` functions)."""
     return x.is_cuda and not torch.compiler.is_compiling() and _kernels() is not None
-
-
-def _block(n: int) -> int:
-    """The least power of two >= n: a kernel's block over n values."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,7 +110,7 @@ def add_rms_norm_triton(
         delta = delta if has_delta else x  # not read: a placeholder pointer
         _kernels().add_rms_norm[(n_tokens,)](
             x, delta, weight, h, out, d, eps, x.stride(0), delta.stride(0), h.stride(0),
-            out.stride(0), HAS_DELTA=has_delta, BLOCK_D=_block(d), num_warps=8,
+            out.stride(0), HAS_DELTA=has_delta, BLOCK_D=_block(d), num_warps=NORM_WARPS,
             **dependent_launch.kernel_options(x.device))
     return h, out
 
@@ -252,24 +246,6 @@ def route(
     return ids, weights
 
 
-def route_triton(
-    logits: torch.Tensor, top_k: int, normalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route` by its Triton kernel (under Triton's interpreter on the CPU in tests); of equal
-    probabilities the lower expert id comes first."""
-    n_tokens, n_experts = logits.shape
-    if logits.stride(1) != 1:
-        raise ValueError("route_triton needs contiguous rows")
-    ids = torch.empty((n_tokens, top_k), dtype=torch.int64, device=logits.device)
-    weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=logits.device)
-    if n_tokens:
-        _kernels().route[(n_tokens,)](
-            logits, ids, weights, n_experts, top_k, logits.stride(0), NORMALIZE=normalize,
-            BLOCK_E=_block(n_experts), BLOCK_K=_block(top_k), num_warps=1,
-            **dependent_launch.kernel_options(logits.device))
-    return ids, weights
-
-
 def router_route(
     x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,52 +261,25 @@ def router_route(
     return route(F.linear(x, router), top_k, normalize)
 
 
-@functools.cache
-def _arrived(device: torch.device) -> torch.Tensor:
-    """The router kernel's count of arrived programs per token, on `device`: zeros between
-    launches (its last program sets them back). One per device, kept for the process: a CUDA
-    graph holds its address. Made by an eager call: a graph's capture would record its zeroing
-    without running it (the engine's warm-up runs every op before it captures)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("router_route's first call on a device must be eager, not inside "
-                           "a CUDA graph's capture: run the step once before capturing it")
-    return torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
+def add_norm_router_route(
+    x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    router: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, normed, ids, weights): `add_rms_norm` of x and delta [T, D] (delta None: h = x) by
+    norm_weight [D], then `router_route` of normed by router [E, D] (ids [T, K] int64,
+    weights [T, K] float32).
 
-
-def router_route_triton(
-    x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, *,
-    splits: int | None = None, block_d: int | None = None, num_warps: int = ROUTER_WARPS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`router_route` by its Triton kernel (under Triton's interpreter on the CPU in tests).
-    `splits` (at most; default ROUTER_SPLITS), `block_d` (the columns a program reads at a
-    time; default ROUTER_BLOCK_D) and `num_warps` are the kernel's launch shape, powers of
-    two, for bench/router_route.py's sweep."""
-    n_tokens, d = x.shape
-    n_experts = router.shape[0]
-    if x.stride(1) != 1 or router.stride(1) != 1:
-        raise ValueError("router_route_triton needs contiguous rows")
-    if n_tokens > ROUTER_MAX_TOKENS:
-        raise ValueError(f"router_route_triton takes at most {ROUTER_MAX_TOKENS} tokens, got "
-                         f"{n_tokens}")
-    ids = torch.empty((n_tokens, top_k), dtype=torch.int64, device=x.device)
-    weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=x.device)
-    if not n_tokens:
-        return ids, weights
-    block_e = _block(n_experts)
-    block_d = ROUTER_BLOCK_D if block_d is None else block_d  # a [BE, BD] tile of the weight
-    n_blocks = -(-d // block_d)
-    splits = ROUTER_SPLITS if splits is None else splits
-    if splits < 1 or splits & (splits - 1) or block_d < 1 or block_d & (block_d - 1):
-        raise ValueError(f"splits and block_d must be powers of two, got {splits}, {block_d}")
-    splits = min(splits, _block(n_blocks))
-    blocks_per_split = -(-n_blocks // splits)
-    partial = torch.empty((n_tokens, splits, block_e), dtype=torch.float32, device=x.device)
-    _kernels().router_route[(n_tokens, splits)](
-        x, router, partial, _arrived(x.device), ids, weights, d, n_experts, top_k, x.stride(0),
-        router.stride(0), blocks_per_split, NORMALIZE=normalize, SPLITS=splits, BLOCK_D=block_d,
-        BLOCK_E=block_e, BLOCK_K=_block(top_k), num_warps=num_warps,
-        **dependent_launch.kernel_options(x.device))
-    return ids, weights
+    A decode layer's residual sum after attention, the MoE's norm and its routing. On CUDA
+    where `NORM_ROUTER_KERNEL`, for up to ROUTER_MAX_TOKENS tokens and D up to
+    MAX_KERNEL_WIDTH, one kernel (`add_norm_router_route_triton`: `add_rms_norm`'s bytes for h
+    and normed); else the two ops as they run apart.
+    """
+    if (NORM_ROUTER_KERNEL and use_kernels(x) and x.shape[0] <= ROUTER_MAX_TOKENS
+            and x.shape[-1] <= MAX_KERNEL_WIDTH):
+        return add_norm_router_route_triton(x, delta, norm_weight, eps, router, top_k,
+                                            normalize)
+    h, normed = add_rms_norm(x, delta, norm_weight, eps)
+    return (h, normed, *router_route(normed, router, top_k, normalize))
 
 
 def rope_and_mask_triton(
