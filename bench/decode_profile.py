@@ -11,8 +11,8 @@ instead of `decode_attention`'s kernel (each the A/B of one kernel), with every 
 launched plainly instead of as a dependent of the one before (`strata.engine.dependent_launch`),
 with a forward's rotary tables and mask as the torch ops instead of one kernel
 (`ops.ROPE_MASK_KERNEL`), with each layer's sum after attention, the MoE's norm and its
-routing as one kernel (`ops.NORM_ROUTER_KERNEL`, off by default until this row has measured
-it against `add_rms_norm` then `router_route`), and `--compile`'s
+routing as `add_rms_norm` then `router_route` instead of one kernel (`ops.NORM_ROUTER_KERNEL`),
+and `--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             # kernels: their torch code), "sum" (the weighted sum inside `down`: `down`, then
             # the combine), "attention" (`decode_attention`'s kernel: SDPA's folded path),
             # "pdl" (dependent launches: every kernel launched plainly), "rope-mask" (the
-            # rotary tables and mask's kernel: the torch ops); "norm-router" is what it is
-            # captured with instead: each layer's sum, norm and routing after attention as one.
+            # rotary tables and mask's kernel: the torch ops), "norm-router" (each layer's sum,
+            # norm and routing after attention as one kernel: two).
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps.append(("decode, CUDA graph, plain launches", step_of(True), "pdl"))
                 steps.append(("decode, CUDA graph, the rotary tables and mask in torch",
                               step_of(True), "rope-mask"))
-                steps.append(("decode, CUDA graph, the norm and the router as one kernel",
+                steps.append(("decode, CUDA graph, the norm and the router as two kernels",
                               step_of(True), "norm-router"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif without == "rope-mask":
                     ops.ROPE_MASK_KERNEL = False
                 elif without == "norm-router":
-                    ops.NORM_ROUTER_KERNEL = True
+                    ops.NORM_ROUTER_KERNEL = False
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:

@@ -55,17 +55,22 @@ __all__ = ["QKHeads", "add_norm_router_route", "add_rms_norm", "apply_rope", "qk
 NORMS = {"none": 0, "full": 1, "head": 2}  # `ModelConfig.qk_norm` -> the kernel's NORM
 # `add_rms_norm`'s kernel holds a row in one program: wider rows run the torch ops.
 MAX_KERNEL_WIDTH = 16384
-# Whether `layers.rope_and_mask` runs its kernel on CUDA: a decode round of the whole
-# olmoe-1b-7b replayed from its graph took 1.158 ms with it against 1.239 with the torch ops
-# (bench/results/decode-fusions-h200-2026-12-02.md); bench/decode_profile.py's row "the rotary
-# tables and mask in torch" is the A/B.
+# Whether `layers.rope_and_mask` runs its kernel on CUDA (about 13 torch kernels a round
+# fewer). On the H200 a decode round of the whole olmoe-1b-7b took 1.158 ms with it against
+# 1.239 with the torch ops timed one after the other, but 1.217 against 1.209 timed side by
+# side, and qwen3's and mixtral's rounds were the same either way
+# (bench/results/decode-fusions-h200-2026-12-02.md): on, for its fewer launches; the bytes
+# are the torch ops'. bench/decode_profile.py's row "the rotary tables and mask in torch" is
+# the A/B.
 ROPE_MASK_KERNEL = True
 MASK_BLOCK_CELLS = 1024  # the mask cells one program of `rope_and_mask_triton` writes
 # Whether `add_norm_router_route` runs its one kernel on CUDA (one launch a layer fewer in a
-# decode step): off until bench/decode_profile.py's row "the norm and the router as one
-# kernel" has measured it against `add_rms_norm` then `router_route` on a GPU (written
-# without a GPU: tested under Triton's interpreter, and by tests marked cuda not yet run).
-NORM_ROUTER_KERNEL = False
+# decode step). On the H200, timed side by side against `add_rms_norm` then `router_route`:
+# rounds 1.164 against 1.217 ms (the whole olmoe-1b-7b), 0.485 against 0.515 (qwen3-30b-a3b,
+# 4 layers), 0.615 against 0.633 (mixtral-8x7b, 2 layers); bench/decode.py's greedy decode
+# 925 against 921 tok/s, alternating runs (bench/results/decode-fusions-h200-2026-12-02.md).
+# bench/decode_profile.py's row "the norm and the router as two kernels" is the A/B.
+NORM_ROUTER_KERNEL = True
 
 
 def use_kernels(x: torch.Tensor) -> bool:
