@@ -137,3 +137,28 @@ def test_on_cuda_graph_rounds_run_ahead_and_give_the_plain_loops_tokens(monkeypa
     stopped = generate(model, tok, tok.encode("graphs ahead"), dataclasses.replace(
         options, ignore_stop=False, stop_ids=frozenset({stop})))
     assert stopped.tokens == runs[0].tokens[: runs[0].tokens.index(stop) + 1]
+
+
+def test_a_step_changed_by_the_growth_reads_the_token_picked_last(monkeypatch):
+    """An elastic K/V's growth may give up expert slots and so change the step (a graph's for
+    a piecewise one): the new step's first round reads the token the old one's last round
+    picked, which the loop wrote into the old step's tensor."""
+    monkeypatch.setattr(decode_loop, "AHEAD_PATHS", frozenset({"eager"}))
+    fed = []
+
+    class Feeding(_CountingStep):
+        def round(self, position):
+            fed.append((position, int(self.token[0])))
+            return super().round(position)
+
+        def grow(self, position):
+            super().grow(position)
+            fresh = Feeding(self.kv.mapped_cells)  # a new step, its token tensor zeros
+            fresh.read = self.read
+            return fresh
+
+    step = Feeding(mapped_cells=5)
+    decode_loop.decode_rounds(step, Sampler(0.0), 1, 2, 6, stop_ids=frozenset(),
+                              on_token=step.read.append, should_stop=None, grow=step.grow)
+    # Round p is fed the token round p - 1 picked (p - 1) % 7; the first the token given.
+    assert fed == [(2, 1)] + [(p, (p - 1) % 7) for p in range(3, 8)]

@@ -81,7 +81,10 @@ def decode_rounds(step: Any, sampler: Sampler, token: int, position: int, n_roun
             if grow is not None and position + 1 > step.kv.mapped_cells:
                 if in_flight:
                     break  # the growth waits for the rounds in flight (see the module)
-                step = grow(position)
+                grown = grow(position)
+                if grown is not step:  # a new step reads its token from its own tensor
+                    grown.token.copy_(step.token)
+                    step = grown
                 ahead = 1 if step.path in AHEAD_PATHS else 0
             u = sampler.draw()  # before the logits: the draws never depend on them
             picked = sampler.pick(step.round(position), u)  # [1], on the device
