@@ -24,6 +24,8 @@ bound that strata reaches. Writes nothing else.
     python bench/decode.py ... --layers 8 --json               # shorter; one JSON object
     python bench/decode.py ... --experts-dtype int8,int4       # + quantized experts' runs
     python bench/decode.py ... --prefill-lengths 512,4096,16384  # + prefill at those lengths
+    python bench/decode.py ... --cli-sampling --plain-loop  # + strata generate's sampling, and
+                                                            # each round's token read first
 """
 
 from __future__ import annotations
@@ -310,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         strata = run_strata(*run, moe_share=matmul_tflops is not None)
         free_memory(device)
         compiled = loop = sampled = plain = None
+        sampling = cli_sampling() if args.cli_sampling else None
         if args.plain_loop:
             ahead, decode_loop.AHEAD_PATHS = decode_loop.AHEAD_PATHS, frozenset()
             try:
@@ -319,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             plain.pop("config")
             free_memory(device)
         if args.cli_sampling:
-            sampled = run_strata(*run, sampling=cli_sampling())
+            sampled = run_strata(*run, sampling=sampling)
             sampled.pop("config")
             free_memory(device)
         if args.compile:
@@ -368,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "strata_cli_sampling": sampled,
         "strata_plain_loop": plain,
         "ahead_speedup": strata["decode_tok_s"] / plain["decode_tok_s"] if plain else None,
-        "cli_sampling": cli_sampling() if sampled else None,
+        "cli_sampling": sampling,
         "bound_share_cli_sampling": sampled["decode_tok_s"] / bound_tok_s
         if bound_tok_s and sampled else None,
         "strata_loop_prefill": loop,
