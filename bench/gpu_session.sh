@@ -71,7 +71,10 @@
 # decode-shapes (3: bench/decode_shapes.py, the experts' decode kernels' launch shapes timed
 # inside the whole olmoe-1b-7b's decode round; SHAPES_KERNELS=down sweeps one kernel's),
 # decode-shapes-others (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to
-# 2);
+# 2), offload-profile (2: olmoe-1b-7b at 4 GiB, --stream-misses 4 with and without prefetch,
+# each decode run profiled: the device's copy engine and compute busy a round, the host's top
+# functions in $OUT/profile; offload-profile-qwen3, 3: the same on qwen3-30b-a3b's 16 layers
+# at 22% of the experts);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # second or two, and later runs read them). A new checkpoint adds about a minute to the first
@@ -220,6 +223,13 @@ for stage in "$@"; do
     offload-balance-qwen3)
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 \
                --stream-misses auto,2,3,4 --prefill-tokens 0 ;;
+    offload-profile|offload-profile-qwen3)  # where a round goes: the device's engines, the host
+           [ "$stage" = offload-profile-qwen3 ] || offload "$(olmoe_checkpoint)" olmoe-1b-7b \
+               --budget-mib 4096 --stream-misses 4 --prefetch --prefill-tokens 0 \
+               --new-tokens 32 --repeat 2 --profile "$OUT/profile"
+           [ "$stage" = offload-profile ] || offload "$(checkpoint 0)" qwen3-30b-a3b \
+               --expert-share 0.22 --stream-misses 4 --prefetch --prefill-tokens 0 \
+               --new-tokens 32 --repeat 2 --profile "$OUT/profile" ;;
     offload-split)  # the decode calls split around the graphs (`graph_call`) and whole: A/B
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 0,4 \
                --whole-calls --prefill-tokens 0

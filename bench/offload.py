@@ -59,6 +59,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,12 +71,14 @@ from _common import (
     byte_tokens,
     checkpoint_for,
     engine_around,
+    fresh_request,
     free_memory,
     host_read_bytes_per_s,
     set_kv_env,
     sync,
 )
 from cache import cache_mib_for_share, run_decode, run_prefill
+from round_profile import device_busy, host_functions, per_round
 from strata.engine.cache.build import build_cached_experts, plan_cache, staging_blobs
 from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.experts import ResidentExperts
@@ -85,7 +88,7 @@ from strata.engine.model.config import ModelConfig
 from strata.engine.model.presets import get_preset
 from strata.engine.runtime.calibrate import collect_counts
 from strata.engine.runtime.engine import Engine
-from strata.engine.runtime.generate import CACHED_PREFILL_CHUNK
+from strata.engine.runtime.generate import CACHED_PREFILL_CHUNK, GenerateOptions
 from strata.engine.runtime.load import Loaded, load
 from strata.formats.profile import rank_from_counts, uniform_rank
 from strata.settings import LOAN_UPLOAD_BATCHES
@@ -113,6 +116,39 @@ def copy_bytes_per_s(device: torch.device, mib: int, repeat: int = 5) -> float |
     return (mib << 20) / min(times[1:])
 
 
+def joint_bytes_per_s(device: torch.device, mib: int, copies: int = 8) -> dict | None:
+    """The host's memory read by both of a round's readers at once: `copies` pinned copies of
+    `mib` MiB to `device` queued, and torch sums over a `mib` MiB host buffer run on every
+    thread until the copies are done. {"cpu": the sums' bytes a second, "copy": the copies',
+    "total": the two added}: what the host's memory gave both together (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    host = torch.ones(mib << 20, dtype=torch.uint8, pin_memory=True)
+    dest = torch.empty_like(host, device=device)
+    buffer = torch.ones((mib << 20) // 4, dtype=torch.float32)
+    buffer.sum()
+    dest.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    begin.record()
+    for _ in range(copies):
+        dest.copy_(host, non_blocking=True)
+    end.record()
+    sums = 0
+    started = time.perf_counter()
+    while not end.query() or sums == 0:
+        buffer.sum()
+        sums += 1
+    cpu_s = time.perf_counter() - started
+    end.synchronize()
+    copy_s = begin.elapsed_time(end) / 1000
+    del host, dest
+    if hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()
+    cpu, copy = sums * buffer.numel() * 4 / cpu_s, copies * (mib << 20) / copy_s
+    return {"cpu": cpu, "copy": copy, "total": cpu + copy}
+
+
 def round_figures(run: dict, blob_bytes: int, machine: dict, device_round_ms: float | None,
                   n_layers: int, full_layers: int) -> dict:
     """The decode round's figures from `run_decode`'s result (see the module)."""
@@ -126,7 +162,11 @@ def round_figures(run: dict, blob_bytes: int, machine: dict, device_round_ms: fl
     cpu_bound = 1000 * cpu_bytes / machine["host_read_bytes_per_s"]
     copy_rate = machine["copy_bytes_per_s"]
     copy_bound = 1000 * copy_bytes / copy_rate if copy_rate else 0.0
-    bound = max(cpu_bound, copy_bound) + (device_round_ms or 0.0)
+    # Both sides read the host's memory: all the misses' bytes at what it gave both together
+    # bound a round too, however they are split.
+    joint = machine.get("joint_bytes_per_s")
+    shared_bound = 1000 * (cpu_bytes + copy_bytes) / joint["total"] if joint else 0.0
+    bound = max(cpu_bound, copy_bound, shared_bound) + (device_round_ms or 0.0)
     cpu_rate = cpu_bytes / (d["cpu_s"] / rounds) if d["cpu_s"] else None
     return {
         "round_ms": round_ms, "tok_s": run["decode_tok_s"], "decode_path": run["decode_path"],
@@ -136,6 +176,7 @@ def round_figures(run: dict, blob_bytes: int, machine: dict, device_round_ms: fl
         "cpu_share": cpu_experts / misses if misses else None,
         "copy_share": streamed / misses if misses else None,
         "cpu_bound_ms": cpu_bound, "copy_bound_ms": copy_bound,
+        "shared_bound_ms": shared_bound,
         "device_round_ms": device_round_ms, "bound_ms": bound,
         "over_bound": round_ms / bound if bound else None,
         "cpu_ms": cpu_ms, "wait_ms": wait_ms, "device_issue_ms": 1000 * d["device_s"] / rounds,
@@ -179,6 +220,24 @@ def store_of_format(ckpt: Path, dtype: torch.dtype, device: torch.device, quant:
         return expert_store(opened, dtype, pin_memory=device.type == "cuda", quant=quant)
     finally:
         opened.close()
+
+
+def profile_decode(engine, prompt, args, max_context: int, host_path: Path) -> dict:
+    """The device's busy time a decode round (two requests, `args.new_tokens` and a quarter
+    of it, profiled alike: `round_profile.per_round`) and the host's top functions over a
+    request of `args.new_tokens`, written to `host_path`."""
+    def request(n_new: int):
+        options = GenerateOptions(max_new=n_new, max_context=max_context, temperature=0.0,
+                                  ignore_stop=True, cuda_graphs=not args.eager,
+                                  piecewise_graphs=not args.eager)
+        return lambda: fresh_request(engine, prompt, options)
+
+    short = max(args.new_tokens // 4, 1)
+    busy = per_round(device_busy(request(short)), device_busy(request(args.new_tokens)),
+                     args.new_tokens - short)
+    host_path.parent.mkdir(parents=True, exist_ok=True)
+    host_path.write_text(host_functions(request(args.new_tokens)))
+    return busy
 
 
 def stream_values(text: str) -> list[int | str]:
@@ -239,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run each decode with the cache's calls whole, not split "
                         "around the piecewise graphs (`graph_call`): the split's baseline, "
                         "named -whole")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after each decode run's timed requests, profile two more: the "
+                        "device's copy engine and compute busy a round (torch's profiler, "
+                        "`profile` in the run's JSON) and the host's top functions "
+                        "(cProfile, DIR/<run>.host.txt)")
     parser.add_argument("--host-read-mib", type=int, default=2048)
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--experts-dtype", default="auto",
@@ -281,11 +345,15 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = {"host_read_bytes_per_s": host_read_bytes_per_s(args.host_read_mib),
                "copy_bytes_per_s": copy_bytes_per_s(device, args.copy_mib),
+               "joint_bytes_per_s": joint_bytes_per_s(device, args.copy_mib),
                "threads": torch.get_num_threads()}
     copy_text = f"{machine['copy_bytes_per_s'] / GB:.1f} GB/s" if machine["copy_bytes_per_s"] \
         else "none (no bus)"
+    joint = machine["joint_bytes_per_s"]
     say(f"host read {machine['host_read_bytes_per_s'] / GB:.1f} GB/s on {machine['threads']} "
-        f"threads, pinned copies {copy_text}")
+        f"threads, pinned copies {copy_text}" + (
+            f"; both at once {joint['total'] / GB:.1f} GB/s (CPU {joint['cpu'] / GB:.1f}, "
+            f"copies {joint['copy'] / GB:.1f})" if joint else ""))
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="strata-bench-offload-") as tmp:
         ckpt = checkpoint_for(args, Path(tmp), dtype,
@@ -361,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
                     run["notes"] = notes
                     run["slots"] = engine.cache.arena.n_slots
                     run["experts_dtype"] = fmt
+                    if args.profile:
+                        run["profile"] = profile_decode(engine, prompt, args, decode_context,
+                                                        Path(args.profile) / f"{name}.host.txt")
                     streamer = engine.cache.streamer
                     if streamer is not None and streamer.prefetching:
                         run["prefetch"] = {"prefetched_experts": streamer.prefetched_experts,
@@ -451,8 +522,14 @@ def print_report(result: dict, args) -> None:
         print(f"  a round {r['round_ms']:.2f} ms ({r['tok_s']:.1f} tok/s, {r['decode_path']}, "
               f"hit rate {100 * r['hit_rate']:.1f}%, deterministic {r['deterministic']}); bound "
               f"{r['bound_ms']:.2f} ms = max(CPU {r['cpu_bound_ms']:.2f}, copies "
-              f"{r['copy_bound_ms']:.2f}) + device {_ms(r['device_round_ms'])}: "
-              f"{_ms(r['over_bound'])}x the bound")
+              f"{r['copy_bound_ms']:.2f}, both {r['shared_bound_ms']:.2f}) + device "
+              f"{_ms(r['device_round_ms'])}: {_ms(r['over_bound'])}x the bound")
+        busy = run.get("profile")
+        if busy:
+            print(f"  the device a round (profiled): copies {busy['copies_us'] / 1000:.2f} ms "
+                  f"({busy['n_copies']:.1f} of them), compute {busy['compute_us'] / 1000:.2f} "
+                  f"ms, both at once {busy['both_us'] / 1000:.2f} ms, neither "
+                  f"{(busy['span_us'] - busy['either_us']) / 1000:.2f} ms")
         shares = "-" if r["cpu_share"] is None else \
             f"{100 * r['cpu_share']:.0f}% / {100 * r['copy_share']:.0f}%"
         cpu_rate = "-" if r["cpu_gb_s"] is None else \

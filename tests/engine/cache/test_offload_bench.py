@@ -111,3 +111,27 @@ def test_the_stream_issue_bench_times_each_part_for_each_k(capsys):
     for row in report["host_us"].values():
         assert all(row[part] > 0 for part in ("compute", "copies", "kernels", "indices"))
         assert set(row["sync"].values()) == {"n/a (no device)"}
+
+
+def test_the_offload_bench_profiles_a_decode_run(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
+    monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")
+    bench = load_bench("offload.py")
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "8", "--prefill-tokens", "0",
+            "--host-read-mib", "16", "--repeat", "1", "--stream-misses", "1",
+            "--expert-share", "0.25", "--json", "--profile", str(tmp_path)]
+    assert bench.main(argv) == 0
+    run = json.loads(capsys.readouterr().out)["runs"]["decode-stream-1"]
+    assert run["profile"] == {}  # no device timeline off CUDA
+    host = (tmp_path / "decode-stream-1.host.txt").read_text()
+    assert "function calls" in host and "fill_misses" not in host  # no split calls off CUDA
+    assert "token_forward" in host  # the cache's one-token calls were profiled
+
+
+def test_the_round_profile_unions_and_overlaps_intervals():
+    profile = load_bench("round_profile.py")
+    total, merged = profile._union_us([(5_000, 9_000), (0, 2_000), (1_000, 3_000)])
+    assert (total, merged) == (7.0, [(0, 3_000), (5_000, 9_000)])
+    _, other = profile._union_us([(2_000, 6_000), (8_000, 12_000)])
+    assert profile._overlap_us(merged, other) == 1.0 + 1.0 + 1.0
+    assert profile.per_round({"a": 2.0}, {"a": 10.0}, 4) == {"a": 2.0}
