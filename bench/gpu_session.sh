@@ -64,7 +64,8 @@
 # decode-attention (2: bench/decode_attention.py, the decode attention kernel's launch shapes
 # against the fused SDPA it replaced, each preset's heads at 256 to 16,384 cells),
 # offload-prefetch (3.5: decode on both at --stream-misses 4, with and without the next
-# layer's predicted misses prefetched; offload-prefetch-olmoe, 2: olmoe's alone),
+# layer's predicted misses prefetched; offload-prefetch-olmoe, 2: olmoe's alone, at
+# PREFETCH_STREAMS, comma-separated, default 4),
 # offload-balance-olmoe and offload-balance-qwen3 (3 and 4: decode at --stream-misses auto, 2,
 # 3 and 4, the joint rates' split against fixed counts), offload-loan (4: the 4,096-token
 # prefill with the loan's uploads in 1 and in 4 pipelined batches, qwen3 then olmoe),
@@ -208,8 +209,8 @@ for stage in "$@"; do
     router-route) (cd bench && timeout 240 python3 router_route.py) > "$OUT/router-route.json" \
                       2> "$OUT/router-route.err"; grep "bench/" "$OUT/router-route.json" ;;
     offload-prefetch|offload-prefetch-olmoe)  # the next layer's predicted misses ahead: A/B
-           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 4 \
-               --prefetch --prefill-tokens 0
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 \
+               --stream-misses "${PREFETCH_STREAMS:-4}" --prefetch --prefill-tokens 0
            [ "$stage" = offload-prefetch-olmoe ] || offload "$(checkpoint 0)" qwen3-30b-a3b \
                --expert-share 0.22 --stream-misses 4 --prefetch --prefill-tokens 0 ;;
     offload-loan)  # the loan's uploads in 4 pipelined batches against 1: the prefill's A/B

@@ -1,6 +1,7 @@
 """HostRows on the host: decode's x copied into one kept buffer, the rows going back as they
 are (the pinned, asynchronous twin runs on CUDA through the cache's own tests)."""
 
+import numpy as np
 import torch
 
 from strata.engine.cache.host_rows import HostRows
@@ -22,3 +23,30 @@ def test_x_is_copied_into_one_kept_buffer():
 def test_rows_go_to_the_device_unchanged():
     rows = torch.randn(3, 8)
     assert torch.equal(HostRows(torch.device("cpu")).to_device(rows), rows)
+
+
+def test_the_index_buffer_is_kept_and_grows():
+    rows = HostRows(torch.device("cpu"))
+    first, view = rows.index_buffer(4)
+    view[:] = [1, 2, 3, 4]
+    second, _ = rows.index_buffer(3)  # fits: the same memory
+    assert second.data_ptr() == first.data_ptr() and second.tolist() == [1, 2, 3]
+    third, _ = rows.index_buffer(9)  # larger: a new buffer
+    assert third.numel() == 9
+
+
+def test_cpu_rows_are_staged_then_scattered_to_their_targets():
+    host = HostRows(torch.device("cpu"))
+    top_k, hidden = 4, 6
+    out = host.cpu_out(top_k, 2, hidden, torch.bfloat16)  # [2, D], where the CPU writes
+    out.copy_(torch.tensor([[1.0] * hidden, [2.0] * hidden]))
+    host.stage_cpu_rows(top_k, hidden, torch.bfloat16, np.array([3, 1]))
+    rows = torch.full((top_k + 1, hidden), 9.0, dtype=torch.bfloat16)  # [K + 1, D]
+    host.scatter_cpu_rows(rows)
+    assert rows[3].tolist() == [1.0] * hidden and rows[1].tolist() == [2.0] * hidden
+    assert rows[2].tolist() == rows[4].tolist() == [9.0] * hidden  # not the CPU's: untouched
+    # Cleared: the next scatter writes only the scratch row 0.
+    host.stage_cpu_rows(top_k, hidden, torch.bfloat16, None)
+    rows = torch.full((top_k + 1, hidden), 9.0, dtype=torch.bfloat16)
+    host.scatter_cpu_rows(rows)
+    assert torch.equal(rows[1:], torch.full((top_k, hidden), 9.0, dtype=torch.bfloat16))

@@ -152,12 +152,12 @@ def test_an_upload_that_fails_leaves_nothing_claimed(monkeypatch):
     next call of that layer streams by id and uploads what it streams, with right rows."""
     store = small_store(torch.float32)
     streamer = StreamedMisses(store, torch.device("cpu"), 2, prefetch=True)
-    layer_blobs = store.layer_blobs
+    queue = streamer._copies.queue
 
-    def failing(layer):
+    def failing(layer, copies):
         raise RuntimeError("injected: the copy engine failed")
 
-    monkeypatch.setattr(store, "layer_blobs", failing)
+    monkeypatch.setattr(streamer._copies, "queue", failing)
     with pytest.raises(RuntimeError, match="injected"):
         streamer.prefetch(1, [4, 6])
     misses = Routed.of(np.array([[6, 4, 2, 9]]))
@@ -165,7 +165,7 @@ def test_an_upload_that_fails_leaves_nothing_claimed(monkeypatch):
     assert streamed.experts.tolist() == [2, 4]  # nothing prefetched: the first two by id
     with pytest.raises(RuntimeError, match="injected"):
         streamer.stage(1, streamed, streamed.rows + 1)
-    monkeypatch.setattr(store, "layer_blobs", layer_blobs)
+    monkeypatch.setattr(streamer._copies, "queue", queue)
     assert streamer.stage(1, streamed, streamed.rows + 1) == 2  # both uploaded now
     assert streamer.prefetched_experts == 0 and streamer.prefetch_used == 0
     _assert_staged_rows_are_computes(streamer, store, 1, streamed, seed=2)

@@ -303,7 +303,7 @@ class CachedExperts:
     def fill_misses(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, rows: torch.Tensor) -> None:
         """The rest of a one-token decode call after `resident_rows` filled rows [K + 1, D]:
-        the CPU's misses' rows written into them, the streamed ones staged, the books, policy
+        the CPU's misses' rows and the streamed ones staged, the books, policy
         and stats as `forward` tells them; `sum_rows` then gives what `forward` would."""
         entered = time.perf_counter()
         if not 0 <= layer < self.n_layers:
@@ -314,8 +314,10 @@ class CachedExperts:
         if self.device_only:  # as `forward`: every row a hit, the routing counted on the device
             self.heat.count(layer, topk_ids)
             self._count_all_hits(stats, topk_ids.shape[1])
+            # Nothing of an earlier call written again.
+            self.host_rows.stage_cpu_rows(topk_ids.shape[1], x.shape[1], rows.dtype, None)
             if self.streamer is not None:
-                self.streamer.stage(layer, None, None)  # nothing of an earlier call computed
+                self.streamer.stage(layer, None, None)
         else:
             self.flush_heat()
             graph_call.fill_misses(self, layer, x, topk_ids, rows, stats)

@@ -15,12 +15,14 @@ layer (bench/results/layer-call-cpu-2026-12-01.md). Split, a call has three part
    Triton kernels read nothing for a negative slot). The rows are [K + 1, D]: row
    k + 1 is the token's k-th expert's, row 0 a scratch row (see 3);
 2. `fill_misses`, on the host between the graphs: `token_forward`'s steps without the hits.
-   These are the books' split, the policy's `observe`, the misses (the CPU's computed and
-   written over their rows; the streamed ones' blobs uploaded and the stage map set, with no
-   kernel launched: `StreamedMisses.stage`), the stats and the admissions;
-3. `sum_rows`, captured at the start of layer l+1's graph: the staged experts computed over
-   all the staging blobs, an unused blob reading nothing and its row going to the scratch
-   row (`StreamedMisses.staged_rows`), then the weighted sum over the K rows in order.
+   These are the books' split, the policy's `observe`, the misses (the CPU's computed into a
+   kept host buffer and sent with their targets in one copy: `HostRows.stage_cpu_rows`; the
+   streamed ones' blobs uploaded and the stage map set: `StreamedMisses.stage`; no kernel
+   launched for either), the stats and the admissions;
+3. `sum_rows`, captured at the start of layer l+1's graph: the CPU's rows written where
+   their targets say (`HostRows.scatter_cpu_rows`), the staged experts computed over all the
+   staging blobs, an unused blob reading nothing and its row going to the scratch row
+   (`StreamedMisses.staged_rows`), then the weighted sum over the K rows in order.
 
 The rows are the ones `token_forward` computes, from the same kernels, and the sum reads them
 in the same order. So a split call gives `token_forward`'s bytes, and its books and stats
@@ -71,8 +73,8 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 rows: torch.Tensor, stats: PhaseStats) -> None:
     """The host's part of `cache`'s call for one token x [1, D] routed to topk_ids [1, K]
     outside a loaned pass, after `resident_rows` filled rows [K + 1, D]: the CPU's misses'
-    rows written into `rows`, the streamed ones staged for `sum_rows`, the books, the policy
-    and `stats` told as `token_forward` tells them."""
+    rows and the streamed ones staged for `sum_rows` to write into `rows`, the books, the
+    policy and `stats` told as `token_forward` tells them."""
     top_k = topk_ids.shape[1]
     call = split_call(cache, layer, x, topk_ids, stats)
     # The next layer's predictions, read while the stream is drained by the routing's read:
@@ -90,14 +92,14 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
         with device_time(stats):
             stats.uploaded_bytes += cache.prefetch.issue(layer, predicted, cache.table,
                                                          cache.streamer) * blob_bytes
-    if call.misses is not None:
-        # The CPU's rows (k) + 1, uploaded into the part of the buffer `split_token` used for
-        # the hits' slots and the order, which are not needed here.
-        targets = call.misses.rows + 1
-        call.split[:targets.size] = targets
-        with device_time(stats):
-            positions = cache.host_rows.indices_to_device(call.buffer[:targets.size])  # [R]
-        rows.index_copy_(0, positions, cpu_rows(cache, layer, call.x_host, call.misses, stats))
+    host_rows, hidden_size = cache.host_rows, x.shape[1]
+    targets = None
+    if call.misses is not None:  # computed into the kept host buffer, then sent in one copy
+        out = host_rows.cpu_out(top_k, call.misses.n_rows, hidden_size, rows.dtype)  # [R, D]
+        cpu_rows(cache, layer, call.x_host, call.misses, stats, out)
+        targets = call.misses.rows + 1  # row k of the call is row k + 1 of `rows`
+    with device_time(stats):
+        host_rows.stage_cpu_rows(top_k, hidden_size, rows.dtype, targets)
     if cache.checked.admits and call.n_missed:
         cache.admit_misses(layer, call.missed_experts(top_k))
 
@@ -107,6 +109,7 @@ def sum_rows(cache: Any, x: torch.Tensor, rows: torch.Tensor, topk_weights: torc
     """[1, D] in x's dtype: the staged experts' rows written into rows [K + 1, D] (none when
     nothing is staged), then the weighted sum of rows 1..K by topk_weights [1, K]. Reads
     nothing on the host on CUDA, so a CUDA graph can hold it."""
+    cache.host_rows.scatter_cpu_rows(rows)
     if cache.streamer is not None:
         cache.streamer.staged_rows(x, rows)
     return weighted_sum(rows[1:], topk_weights, x.dtype)

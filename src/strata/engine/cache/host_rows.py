@@ -10,8 +10,18 @@ Dimension letters: D hidden size, R rows.
   host issues on without waiting for the device's share (a copy from pageable memory waits for
   the stream); the caching host allocator keeps the pinned block until the copy is done.
 - `index_buffer` / `indices_to_device`: the call's indices, written by the books straight into
-  a host buffer (pinned on CUDA, from the same allocator, so the block is not handed out again
-  before its copy is done), go to the device in one copy that does not wait for the stream.
+  a host buffer kept for them (pinned on CUDA), go to the device in one copy that does not
+  wait for the stream.
+- `cpu_out` / `stage_cpu_rows` / `scatter_cpu_rows`, for a call split around piecewise graphs
+  (`strata.engine.cache.graph_call`): the CPU writes its misses' rows straight into a host
+  buffer kept for them (pinned on CUDA), which goes to the device with the rows' targets in one
+  copy; the next graph writes them where the targets say (`scatter_cpu_rows`, no host work).
+
+The kept buffers are rewritten by the next call only after its routing's read, which waits
+for the stream to run past every copy queued by this call (each call's copies are queued
+before the graph whose output the next call reads). So one buffer of each serves every call;
+a call that reads no routing (every expert resident) clears the CPU rows' targets on the
+device instead.
 """
 
 from __future__ import annotations
@@ -29,6 +39,15 @@ class HostRows:
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
         self._x: torch.Tensor | None = None  # [1, D]
+        self._indices: torch.Tensor | None = None  # int64 [n], the largest asked for
+        # The CPU's rows of a split call: [K] int64 targets then [K, D] rows, as bytes, on the
+        # host and on the device (`_cpu_staging`); whether the device's names any row.
+        self._cpu_host: torch.Tensor | None = None
+        self._cpu_device: torch.Tensor | None = None
+        self._cpu_shape: tuple[int, int, torch.dtype] | None = None
+        self._cpu_host_views: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cpu_device_views: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cpu_names_rows = False
 
     def x_to_host(self, x: torch.Tensor) -> torch.Tensor:
         """x [1, D] on the host, once the stream has run to here (the caller's next read of
@@ -45,12 +64,12 @@ class HostRows:
         return x if self.device.type == "cpu" else self.x_to_host(x)
 
     def index_buffer(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
-        """A new int64 [n] host buffer for `indices_to_device` (pinned on CUDA), and the same
-        memory as a numpy array for the host to fill."""
-        if not self._pin:  # numpy's allocation is the cheaper one on the host
-            array = np.empty(n, dtype=np.int64)
-            return torch.from_numpy(array), array
-        buffer = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        """The kept int64 [n] host buffer for `indices_to_device` (pinned on CUDA), and the
+        same memory as a numpy array for the host to fill; valid until the next call's routing
+        is read (see the module)."""
+        if self._indices is None or self._indices.numel() < n:
+            self._indices = torch.empty(n, dtype=torch.int64, pin_memory=self._pin)
+        buffer = self._indices[:n]
         return buffer, buffer.numpy()
 
     def indices_to_device(self, indices: torch.Tensor) -> torch.Tensor:
@@ -65,3 +84,60 @@ class HostRows:
         if not self._pin:
             return rows.to(self.device)
         return rows.pin_memory().to(self.device, non_blocking=True)
+
+    def _cpu_staging(self, top_k: int, hidden_size: int, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(targets int64 [K], rows [K, D] of `dtype`) views of the host's CPU-rows buffer,
+        made (zeros: every target the scratch row) on first use or a new shape."""
+        if self._cpu_shape != (top_k, hidden_size, dtype):
+            n_bytes = 8 * top_k + top_k * hidden_size * dtype.itemsize
+            self._cpu_host = torch.zeros(n_bytes, dtype=torch.uint8, pin_memory=self._pin)
+            self._cpu_device = torch.zeros(n_bytes, dtype=torch.uint8, device=self.device)
+            self._cpu_shape = (top_k, hidden_size, dtype)
+            self._cpu_names_rows = False
+            self._cpu_host_views = _cpu_views(self._cpu_host, top_k, hidden_size, dtype)
+            self._cpu_device_views = _cpu_views(self._cpu_device, top_k, hidden_size, dtype)
+        return self._cpu_host_views
+
+    def cpu_out(self, top_k: int, n_rows: int, hidden_size: int, dtype: torch.dtype
+                ) -> torch.Tensor:
+        """[R, D] of `dtype`, R <= K: where the CPU writes a split call's misses' rows (a view
+        of the kept host buffer; `stage_cpu_rows` sends them)."""
+        return self._cpu_staging(top_k, hidden_size, dtype)[1][:n_rows]
+
+    def stage_cpu_rows(self, top_k: int, hidden_size: int, dtype: torch.dtype,
+                       targets: np.ndarray | None) -> None:
+        """Send the R rows `cpu_out` holds with their targets [R] (rows of the call's
+        [K + 1, D] rows, >= 1) to the device, for `scatter_cpu_rows`; None: no CPU rows (the
+        targets cleared, one copy skipped when they are clear already)."""
+        host_targets, _ = self._cpu_staging(top_k, hidden_size, dtype)
+        n = 0 if targets is None else targets.size
+        if not n:
+            # Cleared on the device: a call without a routing read (every expert resident)
+            # must not rewrite the host buffer, whose last copy may not have run yet.
+            if self._cpu_names_rows:
+                self._cpu_device[:8 * top_k].zero_()
+                self._cpu_names_rows = False
+            return
+        view = host_targets.numpy()
+        view[:n] = targets
+        view[n:] = 0  # the scratch row
+        n_bytes = 8 * top_k + n * hidden_size * dtype.itemsize  # the targets and the R rows
+        self._cpu_device[:n_bytes].copy_(self._cpu_host[:n_bytes], non_blocking=True)
+        self._cpu_names_rows = True
+
+    def scatter_cpu_rows(self, rows: torch.Tensor) -> None:
+        """Write the staged CPU rows into rows [K + 1, D] where their targets say, the unused
+        ones into the scratch row 0 (no host read: a CUDA graph holds it)."""
+        top_k, hidden_size = rows.shape[0] - 1, rows.shape[1]
+        self._cpu_staging(top_k, hidden_size, rows.dtype)
+        targets, staged = self._cpu_device_views
+        rows.index_copy_(0, targets, staged)
+
+
+def _cpu_views(buffer: torch.Tensor, top_k: int, hidden_size: int, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 [K], [K, D] of `dtype`): the targets and the rows in a CPU-rows byte buffer."""
+    targets = buffer[:8 * top_k].view(torch.int64)
+    rows = buffer[8 * top_k:].view(dtype).view(top_k, hidden_size)
+    return targets, rows

@@ -98,16 +98,17 @@ def streamed_rows(cache: Any, layer: int, x: torch.Tensor, streamed: Routed,
 
 
 def cpu_rows(cache: Any, layer: int, x_host: torch.Tensor, misses: Routed,
-             stats: PhaseStats) -> torch.Tensor:
-    """[R, D] on the device: the misses computed on the CPU over the one token, copied back."""
+             stats: PhaseStats, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, D] on the host: the misses computed on the CPU over the one token, into `out` (a
+    contiguous [R, D] host tensor of the store's dtype; None: a new one)."""
     started = time.perf_counter()
     # [R, D]: every row's input is the one token's (a copy, as a gather would make).
     x_rows = x_host.expand(misses.n_rows, -1).contiguous()
-    rows = cache.cpu.compute(layer, x_rows, misses)  # [R, D]
+    rows = cache.cpu.compute(layer, x_rows, misses, out)  # [R, D]
     stats.cpu_s += time.perf_counter() - started
     stats.cpu_experts += misses.n_experts
     stats.cpu_tokens += misses.n_rows
-    return cache.host_rows.to_device(rows)
+    return rows
 
 
 def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -129,7 +130,8 @@ def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tenso
         if call.streamed is not None:
             parts.append(streamed_rows(cache, layer, x, call.streamed, stats))
     if call.misses is not None:
-        parts.append(cpu_rows(cache, layer, call.x_host, call.misses, stats))
+        parts.append(cache.host_rows.to_device(cpu_rows(cache, layer, call.x_host,
+                                                        call.misses, stats)))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [K, D]
     # The hit rows alone are in row order already; else the sum reads row k at index[n_hits + k]
     # (no gather back first).

@@ -101,23 +101,32 @@ class CpuExperts:
                                   store.expert_width, store.hidden_size)
                         for layer in range(store.n_layers)]
 
-    def compute(self, layer: int, x_rows: torch.Tensor, routed: Routed) -> torch.Tensor:
+    def compute(self, layer: int, x_rows: torch.Tensor, routed: Routed,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """Outputs [R, D] in the store's dtype, rows in `routed.rows` order.
 
         x_rows [R, D] on the CPU: the input of each row (its token's hidden state), in the
-        same order.
+        same order. `out`: a contiguous [R, D] CPU tensor of the store's dtype to write them
+        into and return (None: a new one).
         """
+        if out is not None and (out.shape != (routed.n_rows, self.store.hidden_size)
+                                or out.dtype != self.store.dtype or not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous [{routed.n_rows}, "
+                             f"{self.store.hidden_size}] {self.store.dtype} tensor, got "
+                             f"{list(out.shape)} {out.dtype}")
         caller_threads = torch.get_num_threads()
         if self.cpu_threads is not None and self.cpu_threads != caller_threads:
             torch.set_num_threads(self.cpu_threads)
         try:
-            return self._compute(layer, x_rows, routed)
+            return self._compute(layer, x_rows, routed, out)
         finally:
             if torch.get_num_threads() != caller_threads:
                 torch.set_num_threads(caller_threads)
 
-    def _compute(self, layer: int, x_rows: torch.Tensor, routed: Routed) -> torch.Tensor:
-        out = torch.empty((routed.n_rows, self.store.hidden_size), dtype=self.store.dtype)
+    def _compute(self, layer: int, x_rows: torch.Tensor, routed: Routed,
+                 out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty((routed.n_rows, self.store.hidden_size), dtype=self.store.dtype)
         x_rows = x_rows.to(self.store.dtype)
         if self.store.quant is not None and self.kernel == "strata":  # every expert
             self._kernel(layer, x_rows, out, routed.experts, routed.starts)

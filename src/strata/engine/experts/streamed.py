@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from strata.engine.experts import ExpertStore
+from strata.engine.experts.blob_copies import BlobCopies
 from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.routed import Routed
 
@@ -126,12 +127,16 @@ class StreamedMisses:
         self._stack = BlobStack(self._staging, store.dtype, store.quant, store.expert_width,
                                 store.hidden_size)
         self._index = torch.arange(n_blobs, device=device)  # [N]: staging slot of each
+        self._copies = BlobCopies(store, self._staging)  # by address, on the current stream
         # The stage map `staged_rows` reads (a graph holds its address): [N] the blob of each
         # entry (-1: unused, its row reads nothing), then [N] the row of the rows it is
         # written to (0 for an unused entry: the rows' scratch row).
-        self.stage_map = torch.cat((torch.full((n_blobs,), -1, dtype=torch.int64),
-                                    torch.zeros(n_blobs, dtype=torch.int64))).to(device)
+        self._cleared_map = torch.cat((torch.full((n_blobs,), -1, dtype=torch.int64),
+                                       torch.zeros(n_blobs, dtype=torch.int64))).to(device)
+        self.stage_map = self._cleared_map.clone()
         self._map_names_blobs = False  # whether the device's map has any used entry
+        self._stage_entries = torch.empty(2 * n_blobs, dtype=torch.int64,
+                                          pin_memory=torch.device(device).type == "cuda")
         self._pin = torch.device(device).type == "cuda"
         # Prefetching: the uploads' own stream on CUDA; the layer whose predicted misses are
         # staged, and their blobs by expert.
@@ -182,10 +187,10 @@ class StreamedMisses:
         """(staging blob, expert) copies of `layer`'s blobs, queued in order: on the compute
         stream, or when prefetching on the copy stream, after what the compute stream has
         queued (nothing reads a blob while it is written)."""
-        blobs = self.store.layer_blobs(layer)  # [E, blob]
+        if not copies:
+            return
         with self._on_copy_stream():
-            for blob, expert in copies:
-                self._staging[blob].copy_(blobs[expert], non_blocking=True)
+            self._copies.queue(layer, copies)
 
     @contextlib.contextmanager
     def _on_copy_stream(self) -> Iterator[None]:
@@ -251,15 +256,19 @@ class StreamedMisses:
             self.prefetch_used += n - len(uploads)
             self._upload(layer, uploads)
             self._wait_for_uploads()  # the next graph reads this layer's blobs
-        entries = torch.empty(2 * self.n_blobs, dtype=torch.int64, pin_memory=self._pin)
-        view = entries.numpy()
+        if not n:  # cleared on the device: this call may have read no routing (see below)
+            self.stage_map.copy_(self._cleared_map)
+            self._map_names_blobs = False
+            return 0
+        # The kept host map is rewritten only after this call's routing was read, which ran
+        # the stream past the copy of the last call's map.
+        view = self._stage_entries.numpy()
         view[:] = 0
         view[:self.n_blobs] = -1
-        if n:
-            view[:n] = blobs
-            view[self.n_blobs:self.n_blobs + n] = rows
-        self.stage_map.copy_(entries, non_blocking=True)
-        self._map_names_blobs = n > 0
+        view[:n] = blobs
+        view[self.n_blobs:self.n_blobs + n] = rows
+        self.stage_map.copy_(self._stage_entries, non_blocking=True)
+        self._map_names_blobs = True
         return len(uploads)
 
     def staged_rows(self, x: torch.Tensor, rows: torch.Tensor) -> None:

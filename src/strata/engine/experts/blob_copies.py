@@ -1,0 +1,72 @@
+"""Copies of whole expert blobs from the host store into a device buffer, by address.
+
+A decode call streams a few experts a layer. Through torch each copy costs two views (the
+staging row, the store's row) and a `copy_` dispatch: about 15-20 µs of host time a copy on
+the H200, on the path between a layer's routing read and its next graph
+(bench/results/offload-host-h200-2026-12-02.md). Here a copy is one driver call,
+`cuMemcpyHtoDAsync`, on torch's current stream (so ordered exactly as torch's `copy_` there
+is), between addresses computed once per store. On the host (no device) the same addresses are
+copied with `memmove`, synchronously: the host twin that the tests run.
+
+The store's memory lives as long as the store, and the device buffer as long as its owner,
+which outlive every copy queued into it; so torch's bookkeeping of pinned blocks (which holds
+a freed pinned block back until its copies are done) is not needed here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from strata.engine.experts.store import ExpertStore
+
+__all__ = ["BlobCopies"]
+
+
+class BlobCopies:
+    """Copies of `store`'s blobs into the rows of `dest`, uint8 [N, blob_bytes] on the
+    store's compute device (see the module)."""
+
+    def __init__(self, store: ExpertStore, dest: torch.Tensor) -> None:
+        layers = [store.layer_blobs(layer) for layer in range(store.n_layers)]  # [E, blob] each
+        if dest.dim() != 2 or dest.dtype != torch.uint8 or dest.shape[1] != store.blob_bytes \
+                or dest.stride(1) != 1 or any(blobs.stride(1) != 1 for blobs in layers):
+            raise ValueError(f"blob copies go between rows of uint8 [., {store.blob_bytes}] "
+                             f"buffers with contiguous rows, got {list(dest.shape)} "
+                             f"{dest.dtype}")
+        self.n_bytes = store.blob_bytes
+        self.n_experts = store.n_experts
+        self.n_dest = dest.shape[0]
+        self._sources = [(blobs.data_ptr(), blobs.stride(0)) for blobs in layers]
+        self._dest, self._dest_stride = dest.data_ptr(), dest.stride(0)
+        self._device = dest.device
+        self._driver = None
+        if dest.is_cuda:
+            from cuda.bindings import driver
+
+            self._driver = driver
+
+    def queue(self, layer: int, copies: list[tuple[int, int]]) -> None:
+        """Copy each (row of dest, expert of `layer`) in `copies`, in order: on CUDA queued on
+        torch's current stream, on the host done now. IndexError for a row or an expert out of
+        range (checked before any copy); RuntimeError naming the driver's error."""
+        source, source_stride = self._sources[layer]
+        for row, expert in copies:
+            if not (0 <= row < self.n_dest and 0 <= expert < self.n_experts):
+                raise IndexError(f"blob copy ({row}, {expert}) out of range: rows [0, "
+                                 f"{self.n_dest}), experts [0, {self.n_experts})")
+        if self._driver is None:
+            for row, expert in copies:
+                ctypes.memmove(self._dest + row * self._dest_stride,
+                               source + expert * source_stride, self.n_bytes)
+            return
+        driver = self._driver
+        stream = driver.CUstream(torch._C._cuda_getCurrentRawStream(self._device.index))
+        for row, expert in copies:
+            (result,) = driver.cuMemcpyHtoDAsync(self._dest + row * self._dest_stride,
+                                                 source + expert * source_stride, self.n_bytes,
+                                                 stream)
+            if result != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuMemcpyHtoDAsync of expert ({layer}, {expert}) failed: "
+                                   f"{driver.cuGetErrorName(result)[1]}")

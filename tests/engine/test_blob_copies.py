@@ -1,0 +1,73 @@
+"""BlobCopies on the host: whole blobs copied by address into the buffer's rows, as torch's
+copies would put them; a bad row or expert refused before any copy; a driver error named (the
+driver's path itself runs in the CUDA tests of the streamed misses)."""
+
+import pytest
+import torch
+
+from strata.engine.experts import ExpertStore
+from strata.engine.experts.blob_copies import BlobCopies
+
+
+def _store(n_layers: int = 2, n_experts: int = 5) -> ExpertStore:
+    d, f = 8, 4  # blob: 3 * F * D bf16 values
+    generator = torch.Generator().manual_seed(0)
+    layers = [torch.randint(0, 256, (n_experts, 3 * f * d * 2), dtype=torch.uint8,
+                            generator=generator) for _ in range(n_layers)]
+    return ExpertStore(layers, d, f, torch.bfloat16)
+
+
+def test_blobs_are_copied_into_the_rows_asked_for():
+    store = _store()
+    dest = torch.zeros((3, store.blob_bytes), dtype=torch.uint8)
+    copies = BlobCopies(store, dest)
+    copies.queue(1, [(2, 4), (0, 1)])
+    assert torch.equal(dest[2], store.blob(1, 4)) and torch.equal(dest[0], store.blob(1, 1))
+    assert not dest[1].any()  # untouched
+    copies.queue(0, [(2, 0)])  # a row written again
+    assert torch.equal(dest[2], store.blob(0, 0))
+
+
+@pytest.mark.parametrize("bad", [(3, 0), (-1, 0), (0, 5), (0, -1)])
+def test_a_row_or_expert_out_of_range_is_refused_before_any_copy(bad):
+    store = _store()
+    dest = torch.zeros((3, store.blob_bytes), dtype=torch.uint8)
+    with pytest.raises(IndexError, match=r"out of range: rows \[0, 3\), experts \[0, 5\)"):
+        BlobCopies(store, dest).queue(0, [(1, 2), bad])
+    assert not dest.any()  # the good copy before it was not made either
+
+
+def test_a_buffer_of_other_rows_is_refused():
+    store = _store()
+    with pytest.raises(ValueError, match=f"uint8 \\[., {store.blob_bytes}\\]"):
+        BlobCopies(store, torch.zeros((3, store.blob_bytes + 1), dtype=torch.uint8))
+
+
+def test_a_driver_error_is_named(monkeypatch):
+    class Result(int):
+        pass
+
+    class FakeDriver:  # the driver's failure, injected
+        class CUresult:
+            CUDA_SUCCESS = 0
+
+        @staticmethod
+        def CUstream(handle):
+            return handle
+
+        @staticmethod
+        def cuMemcpyHtoDAsync(dst, src, n_bytes, stream):
+            return (Result(700),)
+
+        @staticmethod
+        def cuGetErrorName(result):
+            return (0, b"CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    store = _store()
+    dest = torch.zeros((3, store.blob_bytes), dtype=torch.uint8)
+    copies = BlobCopies(store, dest)
+    copies._driver = FakeDriver
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    with pytest.raises(RuntimeError, match=r"cuMemcpyHtoDAsync of expert \(1, 2\) failed: "
+                                           r".*CUDA_ERROR_ILLEGAL_ADDRESS"):
+        copies.queue(1, [(0, 2)])
