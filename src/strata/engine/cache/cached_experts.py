@@ -303,8 +303,8 @@ class CachedExperts:
     def fill_misses(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, rows: torch.Tensor) -> None:
         """The rest of a one-token decode call after `resident_rows` filled rows [K + 1, D]:
-        the CPU's misses' rows and the streamed ones staged, the books, policy
-        and stats as `forward` tells them; `sum_rows` then gives what `forward` would."""
+        the CPU's misses' rows and the streamed ones staged, the books, policy and stats as
+        `forward` tells them; `sum_rows` then gives what `forward` would."""
         entered = time.perf_counter()
         if not 0 <= layer < self.n_layers:
             raise IndexError(f"layer {layer} is out of range [0, {self.n_layers})")

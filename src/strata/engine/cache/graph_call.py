@@ -106,9 +106,9 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
 
 def sum_rows(cache: Any, x: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor
              ) -> torch.Tensor:
-    """[1, D] in x's dtype: the staged experts' rows written into rows [K + 1, D] (none when
-    nothing is staged), then the weighted sum of rows 1..K by topk_weights [1, K]. Reads
-    nothing on the host on CUDA, so a CUDA graph can hold it."""
+    """[1, D] in x's dtype: the CPU's and the staged experts' rows written into rows [K + 1, D]
+    (none when nothing is staged), then the weighted sum of rows 1..K by topk_weights [1, K].
+    Reads nothing on the host on CUDA, so a CUDA graph can hold it."""
     cache.host_rows.scatter_cpu_rows(rows)
     if cache.streamer is not None:
         cache.streamer.staged_rows(x, rows)

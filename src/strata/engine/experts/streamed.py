@@ -135,9 +135,9 @@ class StreamedMisses:
                                        torch.zeros(n_blobs, dtype=torch.int64))).to(device)
         self.stage_map = self._cleared_map.clone()
         self._map_names_blobs = False  # whether the device's map has any used entry
-        self._stage_entries = torch.empty(2 * n_blobs, dtype=torch.int64,
-                                          pin_memory=torch.device(device).type == "cuda")
         self._pin = torch.device(device).type == "cuda"
+        self._stage_entries = torch.empty(2 * n_blobs, dtype=torch.int64,
+                                          pin_memory=self._pin)  # the map's host side, kept
         # Prefetching: the uploads' own stream on CUDA; the layer whose predicted misses are
         # staged, and their blobs by expert.
         self._copy_stream = torch.cuda.Stream(device) if prefetch and self._pin else None
