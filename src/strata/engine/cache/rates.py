@@ -25,6 +25,13 @@ then the wait for the device). The split takes each M's fastest s from it, where
 (`MissRates.split`); a table kept without it (measured by an earlier strata) splits by the
 two sides' times.
 
+Those calls are whole calls (the device's kernels launched from the host, as
+`token_forward` runs them), while a decode round on CUDA splits its calls around the graphs
+(`strata.engine.cache.graph_call`: the device's share is only its uploads on the host). On
+the H200 the joint split tied the fixed half of K on olmoe-1b-7b and was 1.17x slower on a
+16-layer qwen3-30b-a3b, where it streamed nothing below 4 misses
+(bench/results/offload-host-h200-2026-12-02.md): timing the split calls is what is left.
+
 The times depend on the machine and the configuration (`RatesKey`: the GPU's name, the CPU's
 model, the CPU experts' threads, the dtype and the expert's shape), not on the weights, and the
 split made from them is part of what the output bytes depend on: they are measured once and
