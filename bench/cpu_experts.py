@@ -27,6 +27,12 @@ CPU's last-level cache and the figures are too good):
   waits for the GIL between its ops (up to `sys.getswitchinterval()` each), and shares the
   cores.
 
+`--experts N[,N...]` times each T = 1 call again over N distinct experts (a decode round's
+calls hold the CPU's share of a layer's misses, 2-3 experts on olmoe at 4 GiB, not the
+K experts of T = 1); `--gap-us US[,US...]` waits that long between timed calls, the main
+thread busy as the engine's is between a round's calls: OpenMP's idle threads may fall asleep
+in a gap, and each call then pays their wake-up.
+
 Ratios to `bare` are in the same run, so they compare across machines. Medians of `--repeat`.
 Each column's GB/s is the experts' bytes over its time, and its share of the host's read
 bandwidth, measured in the same run (`host_read_gbps`: a float32 sum over a `--read-mib` buffer
@@ -119,10 +125,13 @@ def busy_until_done(future, scratch: torch.Tensor):
     return future.result()
 
 
-def median_us(fn, repeat: int) -> float:
+def median_us(fn, repeat: int, gap_us: float = 0.0) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeat):
+        until = time.perf_counter() + gap_us * 1e-6
+        while time.perf_counter() < until:  # busy, as the engine's thread between calls
+            pass
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -162,7 +171,8 @@ def _blob_bytes(column: str, store: ExpertStore, quantized: dict | None) -> int:
 
 
 def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
-            repeat: int, quantized: dict[str, list[np.ndarray]] | None = None) -> dict:
+            repeat: int, quantized: dict[str, list[np.ndarray]] | None = None,
+            gap_us: float = 0.0) -> dict:
     routed = routing(n_tokens, top_k, store.n_experts)
     gen = torch.Generator().manual_seed(1)
     x_rows = torch.randn(routed.n_rows, store.hidden_size, generator=gen).to(store.dtype)
@@ -190,25 +200,26 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             return pool.submit(cpu.compute, layer(), x_rows, routed)
 
         per_expert = {
-            "bare": median_us(lambda: bare(store, layer(), x_rows, routed), repeat),
+            "bare": median_us(lambda: bare(store, layer(), x_rows, routed), repeat, gap_us),
             **{name: median_us(lambda name=name: kernel_call(
                 quantized[name][layer()], QUANTIZED[name][0], x_rows, routed,
-                store.expert_width, threads or torch.get_num_threads()), repeat)
+                store.expert_width, threads or torch.get_num_threads()), repeat, gap_us)
                for name in quantized or {}},
-            **{name: median_us(lambda q=q: q.compute(layer(), x_rows, routed), repeat)
+            **{name: median_us(lambda q=q: q.compute(layer(), x_rows, routed), repeat, gap_us)
                for name, q in quantized_cpu.items()},
             "compute-torch": median_us(lambda: cpu_torch.compute(layer(), x_rows, routed),
-                                       repeat),
-            "compute-main": median_us(lambda: cpu.compute(layer(), x_rows, routed), repeat),
-            "compute-worker": median_us(lambda: on_worker().result(), repeat),
+                                       repeat, gap_us),
+            "compute-main": median_us(lambda: cpu.compute(layer(), x_rows, routed), repeat,
+                                      gap_us),
+            "compute-worker": median_us(lambda: on_worker().result(), repeat, gap_us),
             "worker-main-busy": median_us(lambda: busy_until_done(on_worker(), scratch),
-                                          repeat),
+                                          repeat, gap_us),
         }
     finally:
         pool.shutdown()
     per_expert = {k: v / routed.n_experts for k, v in per_expert.items()}
     return {
-        "tokens": n_tokens, "experts": routed.n_experts, "rows": routed.n_rows,
+        "tokens": n_tokens, "experts": routed.n_experts, "rows": routed.n_rows, "gap_us": gap_us,
         "main_threads": torch.get_num_threads(), "worker_threads": worker_threads,
         "kernel": cpu.kernel, "us_per_expert": per_expert,
         "gbps": {k: _blob_bytes(k, store, quantized) / (v * 1e3) for k, v in per_expert.items()},
@@ -223,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="the worker's cpu_threads and the main thread's (default: torch's)")
     parser.add_argument("--tokens", default="1,64", help="comma-separated T values")
+    parser.add_argument("--experts", default="",
+                        help="comma-separated N: each T = 1 run again over N distinct experts")
+    parser.add_argument("--gap-us", default="0",
+                        help="comma-separated microseconds between timed calls (default 0)")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--layers", type=int, default=4,
                         help="layers in the store, read round robin (default 4)")
@@ -236,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--read-mib must be >= 1, got {args.read_mib}")
     if args.layers < 1:
         parser.error(f"--layers must be >= 1, got {args.layers}")
+    try:
+        gaps = [float(us) for us in args.gap_us.split(",")]
+        bad_experts = [n for n in args.experts.split(",") if n and not n.isdigit()]
+    except ValueError:
+        gaps, bad_experts = [-1.0], []
+    if any(us < 0 for us in gaps) or bad_experts:
+        parser.error(f"--gap-us takes comma-separated microseconds >= 0 and --experts counts, "
+                     f"got {args.gap_us!r} and {args.experts!r}")
     memories = args.memory.split(",")
     if set(memories) - {"pageable", "pinned", "registered"}:
         parser.error(f"--memory takes pageable, pinned, registered; got {args.memory!r}")
@@ -253,9 +276,11 @@ def main(argv: list[str] | None = None) -> int:
             quantized = {column: quantized_layers(store, make_blob)
                          for column, (_, make_blob, _) in QUANTIZED.items()} \
                 if name == "bf16" else None
-            for n_tokens in (int(t) for t in args.tokens.split(",")):
+            calls = [(int(t), preset.top_k) for t in args.tokens.split(",")] + [
+                (1, int(n)) for n in args.experts.split(",") if n]
+            for (n_tokens, top_k), gap_us in itertools.product(calls, gaps):
                 runs.append({"memory": memory, "dtype": name, **measure(
-                    store, n_tokens, preset.top_k, args.threads, args.repeat, quantized)})
+                    store, n_tokens, top_k, args.threads, args.repeat, quantized, gap_us)})
     result = {
         "command": " ".join(["python", "bench/cpu_experts.py", *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(), "machine": platform.processor()
@@ -270,14 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     columns = ("compute-torch", "compute-main", *QUANTIZED,
                *(name.replace("kernel", "compute") for name in QUANTIZED), "compute-worker",
                "worker-main-busy")
-    print("| memory | dtype | T | experts | threads main/worker | bare us (GB/s, share) | "
+    print("| memory | dtype | T | experts | gap us | threads main/worker | bare us (GB/s, share) | "
           + " | ".join(columns) + " |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(columns))
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(columns))
     for run in runs:
         us, ratio, gbps = run["us_per_expert"], run["ratio_to_bare"], run["gbps"]
         cells = [f"{us[c]:.0f} ({ratio[c]:.2f}x; {gbps[c]:.1f} GB/s, "
                  f"{gbps[c] / read_gbps:.0%})" if c in us else "-" for c in columns]
         print(f"| {run['memory']} | {run['dtype']} | {run['tokens']} | {run['experts']} | "
+              f"{run['gap_us']:.0f} | "
               f"{run['main_threads']}/{run['worker_threads']} | {us['bare']:.0f} "
               f"({gbps['bare']:.1f} GB/s, {gbps['bare'] / read_gbps:.0%}) | "
               + " | ".join(cells) + " |")

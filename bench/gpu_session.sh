@@ -63,8 +63,9 @@
 # router-route (2: bench/router_route.py, the decode router kernel's launch shapes swept),
 # decode-attention (2: bench/decode_attention.py, the decode attention kernel's launch shapes
 # against the fused SDPA it replaced, each preset's heads at 256 to 16,384 cells),
-# offload-prefetch (3.5: decode on both at --stream-misses 4, with and without the next
-# layer's predicted misses prefetched; offload-prefetch-olmoe, 2: olmoe's alone, at
+# offload-prefetch (5: decode on both at --stream-misses 4, without the next layer's
+# predicted misses prefetched and with up to N of them, for each N of PREFETCH_CAPS,
+# comma-separated, default 1,2,4; offload-prefetch-olmoe, 3: olmoe's alone, at
 # PREFETCH_STREAMS, comma-separated, default 4),
 # offload-balance-olmoe and offload-balance-qwen3 (3 and 4: decode at --stream-misses auto, 2,
 # 3 and 4, the joint rates' split against fixed counts), offload-loan (4: the 4,096-token
@@ -75,7 +76,8 @@
 # 2), offload-profile (2: olmoe-1b-7b at 4 GiB, --stream-misses 4 with and without prefetch,
 # each decode run profiled: the device's copy engine and compute busy a round, the host's top
 # functions in $OUT/profile; offload-profile-qwen3, 3: the same on qwen3-30b-a3b's 16 layers
-# at 22% of the experts);
+# at 22% of the experts), sampling (0.5: bench/sampling.py, a decode round's sampling and its
+# parts at olmoe's vocabulary);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # second or two, and later runs read them). A new checkpoint adds about a minute to the first
@@ -206,13 +208,17 @@ for stage in "$@"; do
     decode-attention) (cd bench && timeout 300 python3 decode_attention.py) \
                       > "$OUT/decode-attention.json" 2> "$OUT/decode-attention.err"
                   grep "bench/" "$OUT/decode-attention.json"; tail -3 "$OUT/decode-attention.err" ;;
+    sampling) (cd bench && timeout 120 python3 sampling.py) > "$OUT/sampling.txt" 2>&1
+              tail -12 "$OUT/sampling.txt" ;;
     router-route) (cd bench && timeout 240 python3 router_route.py) > "$OUT/router-route.json" \
                       2> "$OUT/router-route.err"; grep "bench/" "$OUT/router-route.json" ;;
     offload-prefetch|offload-prefetch-olmoe)  # the next layer's predicted misses ahead: A/B
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 \
-               --stream-misses "${PREFETCH_STREAMS:-4}" --prefetch --prefill-tokens 0
+               --stream-misses "${PREFETCH_STREAMS:-4}" --prefetch "${PREFETCH_CAPS:-1,2,4}" \
+               --prefill-tokens 0
            [ "$stage" = offload-prefetch-olmoe ] || offload "$(checkpoint 0)" qwen3-30b-a3b \
-               --expert-share 0.22 --stream-misses 4 --prefetch --prefill-tokens 0 ;;
+               --expert-share 0.22 --stream-misses 4 --prefetch "${PREFETCH_CAPS:-1,2,4}" \
+               --prefill-tokens 0 ;;
     offload-loan)  # the loan's uploads in 4 pipelined batches against 1: the prefill's A/B
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 4 \
                --new-tokens 2 --loan-upload-batches 1,4
@@ -226,10 +232,10 @@ for stage in "$@"; do
                --stream-misses auto,2,3,4 --prefill-tokens 0 ;;
     offload-profile|offload-profile-qwen3)  # where a round goes: the device's engines, the host
            [ "$stage" = offload-profile-qwen3 ] || offload "$(olmoe_checkpoint)" olmoe-1b-7b \
-               --budget-mib 4096 --stream-misses 4 --prefetch --prefill-tokens 0 \
+               --budget-mib 4096 --stream-misses 4 --prefetch 4 --prefill-tokens 0 \
                --new-tokens 32 --repeat 2 --profile "$OUT/profile"
            [ "$stage" = offload-profile ] || offload "$(checkpoint 0)" qwen3-30b-a3b \
-               --expert-share 0.22 --stream-misses 4 --prefetch --prefill-tokens 0 \
+               --expert-share 0.22 --stream-misses 4 --prefetch 4 --prefill-tokens 0 \
                --new-tokens 32 --repeat 2 --profile "$OUT/profile" ;;
     offload-split)  # the decode calls split around the graphs (`graph_call`) and whole: A/B
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 0,4 \

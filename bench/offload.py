@@ -15,9 +15,10 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   comma-separated, each a run), rounds as `strata generate` runs them (piecewise CUDA graphs;
   `--eager` for eager rounds; the cache's calls split around the graphs, the hits inside them:
   `strata.engine.cache.graph_call`; `--whole-calls` adds each run again with the calls whole,
-  the split's baseline, named -whole; `--prefetch` adds each run that streams again with the
-  next layer's predicted misses prefetched, named -prefetch: `strata.engine.cache.prefetch`,
-  its prefetched experts and how many the next layer used). For
+  the split's baseline, named -whole; `--prefetch N[,N...]` adds each run that streams again
+  with up to N of the next layer's predicted misses prefetched, named -prefetchN:
+  `strata.engine.cache.prefetch`, its prefetched experts and how many the next layer used;
+  an N above a run's staging blobs is skipped). For
   each: the round's time; its misses split between the CPU and the copy engine (experts and
   shares); the bound, max(CPU's miss bytes / host read
   bandwidth, streamed bytes / copy rate) + the device round (summed over the round, so a lower
@@ -266,6 +267,17 @@ def _loan_upload_batches(batches: int | None) -> Iterator[None]:
             os.environ[LOAN_UPLOAD_BATCHES] = before
 
 
+def _counts(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """Distinct comma-separated counts >= 1 from `text`, or the parser's error naming `flag`."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        counts = [0]
+    if any(n < 1 for n in counts) or len(set(counts)) != len(counts):
+        parser.error(f"{flag} takes distinct comma-separated counts >= 1, got {text!r}")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, preset="olmoe-1b-7b")
@@ -291,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs (the median)")
     parser.add_argument("--eager", action="store_true",
                         help="eager decode rounds (default: piecewise CUDA graphs on CUDA)")
-    parser.add_argument("--prefetch", action="store_true",
-                        help="also run each decode with the next layer's predicted misses "
-                        "prefetched (`strata.engine.cache.prefetch`), named -prefetch")
+    parser.add_argument("--prefetch", default="",
+                        help="comma-separated caps N: also run each decode with up to N of "
+                        "the next layer's predicted misses prefetched "
+                        "(`strata.engine.cache.prefetch`), named -prefetchN")
     parser.add_argument("--whole-calls", action="store_true",
                         help="also run each decode with the cache's calls whole, not split "
                         "around the piecewise graphs (`graph_call`): the split's baseline, "
@@ -319,15 +332,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{args.stream_misses!r}")
     if args.new_tokens < 2 or args.repeat < 1:
         parser.error("--new-tokens must be >= 2, --repeat >= 1")
-    try:
-        loan_batches = [None] if args.loan_upload_batches is None else \
-            [int(n) for n in args.loan_upload_batches.split(",")]
-    except ValueError:
-        loan_batches = [0]
-    if any(n is not None and n < 1 for n in loan_batches) or \
-            len(set(loan_batches)) != len(loan_batches):
-        parser.error(f"--loan-upload-batches takes distinct comma-separated counts >= 1, got "
-                     f"{args.loan_upload_batches!r}")
+    loan_batches = [None] if args.loan_upload_batches is None else \
+        _counts(parser, "--loan-upload-batches", args.loan_upload_batches)
+    prefetch_caps = _counts(parser, "--prefetch", args.prefetch) if args.prefetch else []
     formats = args.experts_dtype.split(",")
     if len(set(formats)) != len(formats) or any(f not in EXPERTS_DTYPES for f in formats):
         parser.error(f"--experts-dtype takes distinct comma-separated values of "
@@ -395,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             device_rounds[fmt] = device_round_ms
 
             def cached_engine(stream, max_context: int, loan: bool, store=store, quant=quant,
-                              prefetch=False):
+                              prefetch=0):
                 value, notes = resolve_stream_misses(stream, cfg, dtype, device,
                                                      cpu_threads=args.cpu_threads)
                 config = plan_cache(cfg, dtype, device, rank=rank, max_context=max_context,
@@ -408,16 +415,16 @@ def main(argv: list[str] | None = None) -> int:
                                               cfg.top_k)
                 return engine_around(model, None, max_context), notes
 
-            variants = ["", *(["-whole"] if args.whole_calls else []),
-                        *(["-prefetch"] if args.prefetch else [])]
-            for stream, variant in ((stream, variant) for stream in streams
-                                    for variant in variants):
-                if variant == "-prefetch" and not staging_blobs(resolve_stream_misses(
+            variants = [("", 0), *([("-whole", 0)] if args.whole_calls else []),
+                        *((f"-prefetch{cap}", cap) for cap in prefetch_caps)]
+            for stream, (variant, cap) in ((stream, variant) for stream in streams
+                                           for variant in variants):
+                if cap > staging_blobs(resolve_stream_misses(
                         stream, cfg, dtype, device, cpu_threads=args.cpu_threads)[0]):
-                    continue  # nothing is streamed (0; auto off CUDA): nothing to prefetch
+                    continue  # fewer staging blobs (none: 0, or auto off CUDA) than the cap
                 name = f"decode-stream-{stream}{variant}{suffix}"
                 engine, notes = cached_engine(stream, decode_context, loan=False,
-                                              prefetch=variant == "-prefetch")
+                                              prefetch=cap)
                 engine.cache.split_calls = variant != "-whole"
                 with engine:
                     for note in notes:

@@ -30,7 +30,7 @@ def small_store(dtype):
     return store_of(cached_checkpoint("qwen3_moe", "small", dtype=dtype))
 
 
-def make_cache(store, n_slots, policy, stream_misses, token_path, device="cpu", prefetch=False):
+def make_cache(store, n_slots, policy, stream_misses, token_path, device="cpu", prefetch=0):
     slot_bytes = slot_bytes_for(store.blob_bytes)
     backend = _vmm.HostBackend(CHUNK_BYTES) if device == "cpu" else device_backend(device)
     table = ResidencyTable(store.n_layers, store.n_experts, n_slots, slot_bytes,

@@ -84,10 +84,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         "ran fastest",
     )
     group.add_argument(
-        "--prefetch-misses", action="store_true",
+        "--prefetch-misses", type=int, default=0, metavar="N",
         help="predict each next decode layer's experts with its router while this layer runs "
-        "and upload the streamed ones it will miss ahead (CUDA graphs; needs streamed misses; "
-        "its staging buffer twice the size)",
+        "and upload up to N of those it will miss ahead, the likeliest first (0, the default: "
+        "off; CUDA graphs; N at most --stream-misses'; the staging buffer twice the size)",
     )
     group.add_argument(
         "--kv-grow", action="store_true",

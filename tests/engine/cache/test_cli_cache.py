@@ -100,7 +100,8 @@ def test_prefetch_misses_off_cuda_keeps_the_tokens(capsys, ckpt):
     """Off CUDA no decode call is split around graphs, so nothing is predicted: the tokens
     and streamed misses of the same run without it."""
     runs = [_json(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "0.5",
-                  "--stream-misses", "1", *extra)[0] for extra in ([], ["--prefetch-misses"])]
+                  "--stream-misses", "1", *extra)[0]
+            for extra in ([], ["--prefetch-misses", "1"])]
     plain, ahead = runs
     assert ahead["tokens"] == plain["tokens"]
     assert ahead["cache"]["decode"]["streamed_experts"] == \
@@ -163,9 +164,13 @@ def test_a_profile_fills_hottest_first(capsys, ckpt, tmp_path):
      r"misses at most the model's 2 experts a token\), got 3"),
     (["--stream-misses", "half"], "--stream-misses must be auto or a number of experts, got "
      "'half'"),
-    (["--prefetch-misses"], r"--prefetch-misses uploads predicted misses with the streamed "
-     r"ones, and none are streamed here: give --stream-misses N > 0"),
-    (["--prefetch-misses", "--stream-misses", "0"], "none are streamed here"),
+    (["--prefetch-misses", "1"], r"--prefetch-misses uploads predicted misses with the "
+     r"streamed ones, and none are streamed here: give --stream-misses N > 0"),
+    (["--prefetch-misses", "1", "--stream-misses", "0"], "none are streamed here"),
+    (["--prefetch-misses", "-1"], r"--prefetch-misses must be a number of experts >= 0 \(0: "
+     r"off\), got -1"),
+    (["--prefetch-misses", "2", "--stream-misses", "1"], r"--prefetch-misses 2 is more than "
+     r"the 1 streamed misses' staging blobs \(--stream-misses\): give at most 1"),
     (["--policy", "nope"], "unknown policy 'nope'"),
     (["--policy", "lru", "--policy-opt", "max_admits=-1"], "max_admits"),
     (["--expert-profile", "/nonexistent/p.npz"], "--expert-profile /nonexistent/p.npz: "),

@@ -19,19 +19,19 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "6", "--prefill-tokens",
             "160", "--prefill-chunk", "80", "--host-read-mib", "16", "--loan-keep-slots", "0",
             "--repeat", "1", "--stream-misses", "auto,1", "--expert-share", "0.25", "--json",
-            "--whole-calls", "--prefetch"]
+            "--whole-calls", "--prefetch", "1,2"]
     assert bench.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["machine"]["host_read_bytes_per_s"] > 0
     assert report["machine"]["copy_bytes_per_s"] is None  # no bus off CUDA
     assert report["device_round_ms"] > 0
     runs = report["runs"]
-    # Off CUDA auto streams nothing: no prefetch run of it.
+    # Off CUDA auto streams nothing, and 1 stages 1 blob: no prefetch run of auto, nor of 2.
     assert set(runs) == {"decode-stream-auto", "decode-stream-auto-whole", "decode-stream-1",
-                         "decode-stream-1-whole", "decode-stream-1-prefetch", "prefill-loan"}
+                         "decode-stream-1-whole", "decode-stream-1-prefetch1", "prefill-loan"}
     # Off CUDA no call is split, so none predicts: nothing prefetched, the same tokens.
-    assert runs["decode-stream-1-prefetch"]["prefetch"] == {"prefetched_experts": 0, "used": 0}
-    assert runs["decode-stream-1-prefetch"]["tokens"] == runs["decode-stream-1"]["tokens"]
+    assert runs["decode-stream-1-prefetch1"]["prefetch"] == {"prefetched_experts": 0, "used": 0}
+    assert runs["decode-stream-1-prefetch1"]["tokens"] == runs["decode-stream-1"]["tokens"]
     # Off CUDA no graphs split the calls: the same rounds.
     assert runs["decode-stream-1-whole"]["tokens"] == runs["decode-stream-1"]["tokens"]
     auto, one = runs["decode-stream-auto"]["round"], runs["decode-stream-1"]["round"]

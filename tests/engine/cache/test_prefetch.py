@@ -79,14 +79,19 @@ def _run(store, routers, prefetch):
         cached.close()
 
 
+def _routers(store):
+    """A random router [E, D] a layer, seeded."""
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randn(store.n_experts, store.hidden_size, generator=gen)
+            for _ in range(store.n_layers)]
+
+
 def test_split_calls_that_prefetch_keep_the_books_and_nearly_thebytes_of():
     store = small_store(torch.float32)
-    gen = torch.Generator().manual_seed(4)
-    routers = [torch.randn(store.n_experts, store.hidden_size, generator=gen)
-               for _ in range(store.n_layers)]
-    plain, plain_books, plain_stats, _ = _run(store, routers, prefetch=False)
-    out, books, stats, (prefetched, used) = _run(store, routers, prefetch=True)
-    again = _run(store, routers, prefetch=True)[0]
+    routers = _routers(store)
+    plain, plain_books, plain_stats, _ = _run(store, routers, prefetch=0)
+    out, books, stats, (prefetched, used) = _run(store, routers, prefetch=2)
+    again = _run(store, routers, prefetch=2)[0]
     assert [bytes_of(t) for t in out] == [bytes_of(t) for t in again]  # run to run
     # Exact predictions here: every prefetched expert was missed and streamed from its blob.
     assert prefetched > 0 and used == prefetched
@@ -102,17 +107,55 @@ def test_split_calls_that_prefetch_keep_the_books_and_nearly_thebytes_of():
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_capped_prefetch_uploads_the_likeliest_predicted_misses_only():
+    """`prefetch_misses` 1 of a staging buffer of 2: each layer uploads at most its likeliest
+    predicted miss ahead; the books and the counts are those of the calls without it, and the
+    bytes repeat run to run."""
+    store = small_store(torch.float32)
+    routers = _routers(store)
+    _, plain_books, plain_stats, _ = _run(store, routers, prefetch=0)
+    out, books, stats, (prefetched, used) = _run(store, routers, prefetch=1)
+    _, _, _, (all_prefetched, _) = _run(store, routers, prefetch=2)
+    n_issues = 6 * (store.n_layers - 1)  # six tokens; the last layer predicts nothing
+    assert 0 < prefetched <= n_issues and prefetched < all_prefetched and used == prefetched
+    assert books == plain_books
+    assert stats.cpu_experts + stats.streamed_experts == \
+        plain_stats.cpu_experts + plain_stats.streamed_experts
+    assert [bytes_of(t) for t in out] == [bytes_of(t) for t in _run(store, routers, 1)[0]]
+
+
+def test_the_prefetch_cap_is_checked_against_the_staging_buffer():
+    from strata.engine.cache.prefetch import MissPrefetch, check_prefetch_misses
+
+    check_prefetch_misses(0, 0)  # off needs nothing
+    check_prefetch_misses(2, 2)
+    for cap, staging, message in ((True, 2, "must be an int >= 0"),
+                                  (-1, 2, "must be an int >= 0"),
+                                  (1.5, 2, "must be an int >= 0"),
+                                  (1, 0, "needs streamed misses"),
+                                  (3, 2, "prefetch_misses 3 is more than the staging buffer's 2 "
+                                   "blobs")):
+        with pytest.raises(ValueError, match=message):
+            check_prefetch_misses(cap, staging)
+    store = small_store(torch.float32)
+    routers = [torch.zeros(store.n_experts, store.hidden_size)] * store.n_layers
+    with pytest.raises(ValueError, match="cap must be an int >= 1"):
+        MissPrefetch(routers, 4, store.n_experts, torch.device("cpu"), 0)
+    with pytest.raises(ValueError, match="prefetch_misses 3 is more than"):
+        make_cache(store, 24, "coldest-in-loan", 2, token_path=True, prefetch=3)
+
+
 def test_prefetch_needs_streamed_misses_and_the_models_routers():
     store = small_store(torch.float32)
-    with pytest.raises(ValueError, match="prefetch_misses needs stream_misses > 0"):
-        make_cache(store, 24, "coldest-in-loan", 0, token_path=True, prefetch=True)
+    with pytest.raises(ValueError, match="prefetch_misses needs streamed misses"):
+        make_cache(store, 24, "coldest-in-loan", 0, token_path=True, prefetch=1)
     cached = make_cache(store, 24, "coldest-in-loan", 2, token_path=True)
     try:
         with pytest.raises(ValueError, match="made without prefetch_misses"):
             cached.use_routers([], 4)
     finally:
         cached.close()
-    cached = make_cache(store, 24, "coldest-in-loan", 2, token_path=True, prefetch=True)
+    cached = make_cache(store, 24, "coldest-in-loan", 2, token_path=True, prefetch=2)
     try:
         with pytest.raises(ValueError, match=r"every layer's router \[E = 16, D\]"):
             cached.use_routers([torch.zeros(8, store.hidden_size)] * 4, 4)
@@ -130,7 +173,7 @@ def test_a_cache_planned_to_prefetch_holds_two_halves_and_the_models_routers():
 
     ckpt = cached_checkpoint("qwen3_moe", "small", dtype=torch.float32)
     plain = cached_model(ckpt, expert_cache_mib=12, stream_misses=2)
-    model = cached_model(ckpt, expert_cache_mib=12, stream_misses=2, prefetch_misses=True)
+    model = cached_model(ckpt, expert_cache_mib=12, stream_misses=2, prefetch_misses=2)
     try:
         cache = model.experts
         blob = cache.store.blob_bytes
@@ -143,8 +186,8 @@ def test_a_cache_planned_to_prefetch_holds_two_halves_and_the_models_routers():
     finally:
         plain.experts.close()
         model.experts.close()
-    with pytest.raises(ValueError, match="prefetch_misses needs stream_misses > 0"):
-        cached_model(ckpt, expert_cache_mib=12, stream_misses=0, prefetch_misses=True)
+    with pytest.raises(ValueError, match="prefetch_misses needs streamed misses"):
+        cached_model(ckpt, expert_cache_mib=12, stream_misses=0, prefetch_misses=1)
 
 
 def test_an_upload_that_fails_leaves_nothing_claimed(monkeypatch):

@@ -22,6 +22,7 @@ from strata.engine.cache.budget import CacheBudget, plan_budget
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.cache.defaults import DEFAULT_SHORT_READ
 from strata.engine.cache.loan import LoanOptions
+from strata.engine.cache.prefetch import check_prefetch_misses
 from strata.engine.cache.prompt_chunk import choose_prefill_chunk
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.quant import WEIGHT_FORMATS, expert_blob_bytes
@@ -56,8 +57,9 @@ class CacheConfig:
     min(N, M) of M misses (0: none), or a `StreamSplit`, M -> streamed
     (`strata.engine.cache.kept_rates.resolve_stream_misses` makes `--stream-misses auto`'s).
     `experts_quant`: the format of the slots' blobs (`--experts-dtype`; None: the model's
-    dtype), which the store's must be. `prefetch_misses` (with `stream_misses`) uploads each
-    next decode layer's predicted misses ahead (`strata.engine.cache.prefetch`), its staging
+    dtype), which the store's must be. `prefetch_misses` N > 0 (with `stream_misses`) uploads
+    up to N of each next decode layer's predicted misses ahead, the likeliest first
+    (`strata.engine.cache.prefetch`; 0: off; at most the staging buffer's blobs), its staging
     buffer twice the size. The elastic K/V is planned beside it
     (`strata.engine.kv.plan.plan_elastic_cache`).
     """
@@ -72,7 +74,7 @@ class CacheConfig:
     short_read: int = DEFAULT_SHORT_READ
     events: pluggy.PluginManager | None = field(default=None, compare=False)
     experts_quant: str | None = None
-    prefetch_misses: bool = False
+    prefetch_misses: int = 0
 
     def __post_init__(self) -> None:
         if self.backend.chunk_bytes != self.budget.chunk_bytes:
@@ -88,11 +90,7 @@ class CacheConfig:
                 or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be None or an int >= 1, got {self.cpu_threads!r}")
         staging_blobs(self.stream_misses)  # checks it
-        if not isinstance(self.prefetch_misses, bool):
-            raise ValueError(f"prefetch_misses must be a bool, got {self.prefetch_misses!r}")
-        if self.prefetch_misses and not staging_blobs(self.stream_misses):
-            raise ValueError("prefetch_misses needs stream_misses > 0: prefetched experts go "
-                             "to the staging buffer")
+        check_prefetch_misses(self.prefetch_misses, staging_blobs(self.stream_misses))
         if self.experts_quant is not None and self.experts_quant not in WEIGHT_FORMATS:
             raise ValueError(f"experts_quant must be None or one of {WEIGHT_FORMATS}, got "
                              f"{self.experts_quant!r}")

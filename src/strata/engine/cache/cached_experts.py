@@ -63,7 +63,7 @@ from strata.engine.cache.device_heat import DeviceHeat
 from strata.engine.cache.executor import CacheExecutor
 from strata.engine.cache.host_rows import HostRows
 from strata.engine.cache.loan import LoanOptions, PromptLoan
-from strata.engine.cache.prefetch import MissPrefetch
+from strata.engine.cache.prefetch import MissPrefetch, check_prefetch_misses
 from strata.engine.cache.routed_call import routed_forward
 from strata.engine.cache.stats import PHASES, CacheStats, PhaseStats
 from strata.engine.cache.token_call import token_forward
@@ -98,7 +98,7 @@ class CachedExperts:
         budget: CacheBudget | None = None,
         stream_misses: int | StreamSplit = 0,
         loan: LoanOptions | None = None,
-        prefetch_misses: bool = False,
+        prefetch_misses: int = 0,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -121,11 +121,10 @@ class CachedExperts:
         self.cpu = CpuExperts(store, cpu_threads)
         self.stream_misses = staging_blobs(stream_misses)  # N; ValueError for a bad value
         self.stream_split = stream_misses if isinstance(stream_misses, StreamSplit) else None
-        if prefetch_misses and not self.stream_misses:
-            raise ValueError("prefetch_misses needs stream_misses > 0: prefetched experts go "
-                             "to the staging buffer")
+        check_prefetch_misses(prefetch_misses, self.stream_misses)
+        self.prefetch_misses = prefetch_misses  # the most a layer uploads ahead; 0: off
         self.streamer = StreamedMisses(store, self.device, self.stream_misses,
-                                       self.stream_split, prefetch_misses) \
+                                       self.stream_split, prefetch_misses > 0) \
             if self.stream_misses else None
         self.prefetch: MissPrefetch | None = None  # set by `use_routers`
         answering = type(getattr(self.checked.policy, "inner", self.checked.policy))
@@ -285,7 +284,8 @@ class CachedExperts:
         the cache was made with `prefetch_misses`."""
         if self.streamer is None or not self.streamer.prefetching:
             raise ValueError("use_routers: the cache was made without prefetch_misses")
-        self.prefetch = MissPrefetch(routers, top_k, self.n_experts, self.device)
+        self.prefetch = MissPrefetch(routers, top_k, self.n_experts, self.device,
+                                     self.prefetch_misses)
 
     def resident_rows(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor
                       ) -> torch.Tensor:

@@ -22,6 +22,13 @@ uploads the predicted experts layer l+1 does not hold into the staging half of l
 (`StreamedMisses.prefetch`), on the copy stream while the device computes layer l. Layer l+1
 streams those of its misses first (`StreamedMisses.split`).
 
+At most `cap` of a layer's predicted misses are uploaded, the likeliest first
+(`--prefetch-misses N`). Each upload the next layer does not use delays the uploads it does
+need, which queue behind it on the copy stream; the gaps the prefetch is there to fill, while
+the host books a call and the device runs a graph, hold about half an olmoe expert's upload a
+layer on the H200 (bench/results/offload-host-h200-2026-12-02.md). With every predicted miss
+uploaded, 18% of them unused, a round ran 0.83-0.97x as fast.
+
 What is prefetched depends only on the model's values and the books, never on timings, so a
 run repeats its bytes. It changes which misses the device computes rather than the CPU, and
 so the output's last bits against a run without it.
@@ -35,16 +42,32 @@ import torch
 
 from strata.engine.model.ops import router_route
 
-__all__ = ["MissPrefetch"]
+__all__ = ["MissPrefetch", "check_prefetch_misses"]
+
+
+def check_prefetch_misses(cap: int, n_staging: int, name: str = "prefetch_misses") -> None:
+    """ValueError naming `name` unless `cap` (the most predicted misses a layer uploads ahead;
+    0: off) is an int from 0 to `n_staging`, the staging buffer's blobs (the streamed misses'
+    N), which must be > 0 for a cap > 0: prefetched experts go there."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise ValueError(f"{name} must be an int >= 0 (the predicted misses a layer uploads "
+                         f"ahead; 0: off), got {cap!r}")
+    if cap and not n_staging:
+        raise ValueError(f"{name} needs streamed misses (stream_misses > 0): prefetched "
+                         f"experts go to the staging buffer, and none are streamed here")
+    if cap > n_staging:
+        raise ValueError(f"{name} {cap} is more than the staging buffer's {n_staging} blobs "
+                         f"(the streamed misses' N): give at most {n_staging}")
 
 
 class MissPrefetch:
     """The routers [E, D] of every layer (the model's, on the cache's device), the model's K,
-    and the predictions: [L, K] each layer's predicted experts, most likely first, on the
-    device (a CUDA graph holds the buffer's address)."""
+    the most predicted misses a layer uploads (`cap`, >= 1), and the predictions: [L, K] each
+    layer's predicted experts, most likely first, on the device (a CUDA graph holds the
+    buffer's address)."""
 
     def __init__(self, routers: list[torch.Tensor], top_k: int, n_experts: int,
-                 device: torch.device) -> None:
+                 device: torch.device, cap: int) -> None:
         shapes = {tuple(router.shape) for router in routers}
         if not routers or len(shapes) != 1 or next(iter(shapes))[0] != n_experts \
                 or any(router.device != device for router in routers):
@@ -52,7 +75,9 @@ class MissPrefetch:
                              f"{device}, got {[tuple(r.shape) for r in routers]}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k must be an int in [1, {n_experts}], got {top_k!r}")
-        self.routers, self.top_k = routers, top_k
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"cap must be an int >= 1, got {cap!r}")
+        self.routers, self.top_k, self.cap = routers, top_k, cap
         self.predicted = torch.zeros((len(routers), top_k), dtype=torch.int64,
                                      device=device)  # [L, K]
 
@@ -73,10 +98,11 @@ class MissPrefetch:
 
     def issue(self, layer: int, predicted: list[int], table: Any, streamer: Any) -> int:
         """Upload layer+1's `predicted` experts (`read`) that the books (`table`, a
-        `ResidencyTable`) do not hold, most likely first, up to the staging half's N blobs
-        (`streamer`, a `StreamedMisses` made with prefetch). Returns the blobs uploaded."""
+        `ResidencyTable`) do not hold, most likely first, up to `cap` and the staging half's
+        N blobs (`streamer`, a `StreamedMisses` made with prefetch). Returns the blobs
+        uploaded."""
         if not predicted:
             return 0
         slots = table.res[layer + 1]  # [E] int32, -1: not resident
-        missing = [e for e in predicted if slots[e] < 0][:streamer.n_blobs]
+        missing = [e for e in predicted if slots[e] < 0][:min(self.cap, streamer.n_blobs)]
         return streamer.prefetch(layer + 1, missing) if missing else 0

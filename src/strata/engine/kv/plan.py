@@ -312,7 +312,7 @@ def plan_elastic_cache(
                               reserve_mib=reserve_mib, expert_cache_mib=expert_cache_mib,
                               backend=backend, kv_cells=kv_cells, kv_dtype=kv_dtype,
                               stream_misses=options.get("stream_misses", 0),
-                              prefetch_misses=options.get("prefetch_misses", False),
+                              prefetch_misses=options.get("prefetch_misses", 0),
                               experts_quant=options.get("experts_quant")).budget
 
         if prefill_chunk is None:

@@ -40,7 +40,7 @@ class CacheOptions:
     """The options of the expert cache (`--vram-budget-mib`, `--vram-reserve-mib`,
     `--expert-cache` in MiB or "auto" (None: not given, auto too), `--expert-profile`, the
     loan, `--short-read`, `--cpu-threads`, `--stream-misses` "auto" or N (None: not given,
-    half the top-k on CUDA, 0 elsewhere), `--prefetch-misses`), of the elastic K/V
+    half the top-k on CUDA, 0 elsewhere), `--prefetch-misses` N (0: off)), of the elastic K/V
     (`--kv-grow`) and the policy
     (`--policy`, `--policy-opt`). ValueError naming the flag for a bad value. A given option
     (even "auto") turns the cache on."""
@@ -53,7 +53,7 @@ class CacheOptions:
     short_read: int | None = None
     cpu_threads: int | None = None
     stream_misses: int | str | None = None
-    prefetch_misses: bool = False
+    prefetch_misses: int = 0
     kv_grow: bool = False
     policy: str = DEFAULT_POLICY
     policy_options: tuple[str, ...] = field(default=())
@@ -73,9 +73,10 @@ class CacheOptions:
                 isinstance(stream, bool) or not isinstance(stream, int)):
             raise ValueError(f"--stream-misses must be auto or a number of experts, got "
                              f"{stream!r}")
-        if not isinstance(self.prefetch_misses, bool):
-            raise ValueError(f"--prefetch-misses is a switch (a bool), got "
-                             f"{self.prefetch_misses!r}")
+        if isinstance(self.prefetch_misses, bool) or not isinstance(self.prefetch_misses, int) \
+                or self.prefetch_misses < 0:
+            raise ValueError(f"--prefetch-misses must be a number of experts >= 0 (0: off), "
+                             f"got {self.prefetch_misses!r}")
         cpus = available_cpus()
         if self.cpu_threads is not None and self.cpu_threads > cpus:
             raise ValueError(f"--cpu-threads {self.cpu_threads} is more than the {cpus} CPUs "
@@ -97,7 +98,7 @@ class CacheOptions:
         given = any(v is not None for v in (
             self.vram_budget_mib, self.vram_reserve_mib, self.expert_cache_mib,
             self.expert_profile, self.short_read, self.cpu_threads, self.stream_misses))
-        return given or kv_grow or not self.prefill_loan or self.prefetch_misses
+        return given or kv_grow or not self.prefill_loan or self.prefetch_misses > 0
 
 
 @dataclass
@@ -175,10 +176,15 @@ def plan_cache_options(
     sizing["stream_misses"], stream_notes = resolve_stream_misses(
         stream, config, dtype, device, cpu_threads=options.cpu_threads)
     notes += stream_notes
-    if options.prefetch_misses and not staging_blobs(sizing["stream_misses"]):
+    n_staging = staging_blobs(sizing["stream_misses"])
+    if options.prefetch_misses and not n_staging:
         raise ValueError("--prefetch-misses uploads predicted misses with the streamed ones, "
                          "and none are streamed here: give --stream-misses N > 0 (off CUDA "
                          "there is no bus to stream over)")
+    if options.prefetch_misses > n_staging:
+        raise ValueError(f"--prefetch-misses {options.prefetch_misses} is more than the "
+                         f"{n_staging} streamed misses' staging blobs (--stream-misses): give "
+                         f"at most {n_staging}")
     sizing["prefetch_misses"] = options.prefetch_misses
     if kv_grow:
         cache, kv_grow_config, kv_notes = plan_elastic_cache(
