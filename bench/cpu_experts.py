@@ -31,7 +31,9 @@ CPU's last-level cache and the figures are too good):
 calls hold the CPU's share of a layer's misses, 2-3 experts on olmoe at 4 GiB, not the
 K experts of T = 1); `--gap-us US[,US...]` waits that long between timed calls, the main
 thread busy as the engine's is between a round's calls: OpenMP's idle threads may fall asleep
-in a gap, and each call then pays their wake-up.
+in a gap, and each call then pays their wake-up. `--wake-us W` starts the kernel's threads
+(`CpuExperts.wake`) W microseconds before the end of each gap, as a host could while it waits
+for the device.
 
 Ratios to `bare` are in the same run, so they compare across machines. Medians of `--repeat`.
 Each column's GB/s is the experts' bytes over its time, and its share of the host's read
@@ -125,11 +127,19 @@ def busy_until_done(future, scratch: torch.Tensor):
     return future.result()
 
 
-def median_us(fn, repeat: int, gap_us: float = 0.0) -> float:
+def median_us(fn, repeat: int, gap_us: float = 0.0, wake=None,
+              wake_us: float = 0.0) -> float:
+    """The median us of `fn` over `repeat` calls, each after a busy gap of `gap_us`, `wake()`
+    called `wake_us` before the gap's end (none: None)."""
     fn()  # warm-up
     times = []
     for _ in range(repeat):
-        until = time.perf_counter() + gap_us * 1e-6
+        begin = time.perf_counter()
+        until = begin + gap_us * 1e-6
+        if wake is not None:
+            while time.perf_counter() < until - wake_us * 1e-6:
+                pass
+            wake()
         while time.perf_counter() < until:  # busy, as the engine's thread between calls
             pass
         start = time.perf_counter()
@@ -172,7 +182,7 @@ def _blob_bytes(column: str, store: ExpertStore, quantized: dict | None) -> int:
 
 def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             repeat: int, quantized: dict[str, list[np.ndarray]] | None = None,
-            gap_us: float = 0.0) -> dict:
+            gap_us: float = 0.0, wake_us: float | None = None) -> dict:
     routed = routing(n_tokens, top_k, store.n_experts)
     gen = torch.Generator().manual_seed(1)
     x_rows = torch.randn(routed.n_rows, store.hidden_size, generator=gen).to(store.dtype)
@@ -188,6 +198,7 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
         for name, layers in (quantized or {}).items()}
     pool = ThreadPoolExecutor(max_workers=1)
     calls = itertools.count()
+    waking = {"wake": cpu.wake, "wake_us": wake_us} if wake_us is not None else {}
 
     def layer() -> int:
         """The next layer, round robin: each call reads other weights than the last."""
@@ -200,26 +211,31 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             return pool.submit(cpu.compute, layer(), x_rows, routed)
 
         per_expert = {
-            "bare": median_us(lambda: bare(store, layer(), x_rows, routed), repeat, gap_us),
+            "bare": median_us(lambda: bare(store, layer(), x_rows, routed), repeat, gap_us,
+                              **waking),
             **{name: median_us(lambda name=name: kernel_call(
                 quantized[name][layer()], QUANTIZED[name][0], x_rows, routed,
-                store.expert_width, threads or torch.get_num_threads()), repeat, gap_us)
+                store.expert_width, threads or torch.get_num_threads()), repeat, gap_us,
+                **waking)
                for name in quantized or {}},
-            **{name: median_us(lambda q=q: q.compute(layer(), x_rows, routed), repeat, gap_us)
+            **{name: median_us(lambda q=q: q.compute(layer(), x_rows, routed), repeat, gap_us,
+                               **waking)
                for name, q in quantized_cpu.items()},
             "compute-torch": median_us(lambda: cpu_torch.compute(layer(), x_rows, routed),
-                                       repeat, gap_us),
+                                       repeat, gap_us, **waking),
             "compute-main": median_us(lambda: cpu.compute(layer(), x_rows, routed), repeat,
-                                      gap_us),
-            "compute-worker": median_us(lambda: on_worker().result(), repeat, gap_us),
+                                      gap_us, **waking),
+            "compute-worker": median_us(lambda: on_worker().result(), repeat, gap_us,
+                                        **waking),
             "worker-main-busy": median_us(lambda: busy_until_done(on_worker(), scratch),
-                                          repeat, gap_us),
+                                          repeat, gap_us, **waking),
         }
     finally:
         pool.shutdown()
     per_expert = {k: v / routed.n_experts for k, v in per_expert.items()}
     return {
         "tokens": n_tokens, "experts": routed.n_experts, "rows": routed.n_rows, "gap_us": gap_us,
+        "wake_us": wake_us,
         "main_threads": torch.get_num_threads(), "worker_threads": worker_threads,
         "kernel": cpu.kernel, "us_per_expert": per_expert,
         "gbps": {k: _blob_bytes(k, store, quantized) / (v * 1e3) for k, v in per_expert.items()},
@@ -238,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated N: each T = 1 run again over N distinct experts")
     parser.add_argument("--gap-us", default="0",
                         help="comma-separated microseconds between timed calls (default 0)")
+    parser.add_argument("--wake-us", type=float, default=None,
+                        help="also run each gap > 0 with the kernel's threads started this "
+                        "many microseconds before its end")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--layers", type=int, default=4,
                         help="layers in the store, read round robin (default 4)")
@@ -278,9 +297,12 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "bf16" else None
             calls = [(int(t), preset.top_k) for t in args.tokens.split(",")] + [
                 (1, int(n)) for n in args.experts.split(",") if n]
-            for (n_tokens, top_k), gap_us in itertools.product(calls, gaps):
-                runs.append({"memory": memory, "dtype": name, **measure(
-                    store, n_tokens, top_k, args.threads, args.repeat, quantized, gap_us)})
+            wakes = [None] + ([args.wake_us] if args.wake_us is not None else [])
+            for (n_tokens, top_k), gap_us, wake_us in itertools.product(calls, gaps, wakes):
+                if wake_us is None or gap_us > wake_us:
+                    runs.append({"memory": memory, "dtype": name, **measure(
+                        store, n_tokens, top_k, args.threads, args.repeat, quantized, gap_us,
+                        wake_us)})
     result = {
         "command": " ".join(["python", "bench/cpu_experts.py", *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(), "machine": platform.processor()
@@ -295,15 +317,17 @@ def main(argv: list[str] | None = None) -> int:
     columns = ("compute-torch", "compute-main", *QUANTIZED,
                *(name.replace("kernel", "compute") for name in QUANTIZED), "compute-worker",
                "worker-main-busy")
-    print("| memory | dtype | T | experts | gap us | threads main/worker | bare us (GB/s, share) | "
+    print("| memory | dtype | T | experts | gap us | wake us | threads main/worker | "
+          "bare us (GB/s, share) | "
           + " | ".join(columns) + " |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(columns))
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(columns))
     for run in runs:
         us, ratio, gbps = run["us_per_expert"], run["ratio_to_bare"], run["gbps"]
+        woke = "-" if run["wake_us"] is None else f"{run['wake_us']:.0f}"
         cells = [f"{us[c]:.0f} ({ratio[c]:.2f}x; {gbps[c]:.1f} GB/s, "
                  f"{gbps[c] / read_gbps:.0%})" if c in us else "-" for c in columns]
         print(f"| {run['memory']} | {run['dtype']} | {run['tokens']} | {run['experts']} | "
-              f"{run['gap_us']:.0f} | "
+              f"{run['gap_us']:.0f} | {woke} | "
               f"{run['main_threads']}/{run['worker_threads']} | {us['bare']:.0f} "
               f"({gbps['bare']:.1f} GB/s, {gbps['bare'] / read_gbps:.0%}) | "
               + " | ".join(cells) + " |")

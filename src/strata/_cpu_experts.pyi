@@ -46,3 +46,8 @@ def compute(
         ValueError: an unknown format, shapes that disagree, an expert out of range, bad
             row_starts or n_threads < 1, before anything is written.
     """
+
+def wake(n_threads: int) -> None:
+    """Start the n_threads OpenMP team `compute` runs on (an empty task a thread), so that its
+    threads are up when the next call comes; returns once all have arrived. ValueError for
+    n_threads < 1."""

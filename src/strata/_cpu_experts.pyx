@@ -219,6 +219,28 @@ cdef void _outputs(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] expe
             d = d + 1
 
 
+cdef void _arrive(int64_t task) noexcept nogil:
+    """A task that does nothing: `wake`'s threads each take one and are then up."""
+    pass
+
+
+def wake(int n_threads):
+    """Start the n_threads team `compute` runs on (one empty task a thread), so its threads are
+    up and spinning when the next call comes.
+
+    Between two calls of a decode round the host waits about a millisecond for the device, long
+    enough for OpenMP's idle threads to sleep; a call after such a gap paid 70-220 us for their
+    wake-up on the H200 (bench/results/offload-omp-wait-h200-2026-12-03.md). Called while the
+    host would wait for the device anyway, this moves that wait off the call. It returns when
+    every thread has arrived. ValueError for n_threads < 1."""
+    cdef int64_t task
+    if n_threads < 1:
+        raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+    with nogil:
+        for task in prange(n_threads, num_threads=n_threads, schedule="static"):
+            _arrive(task)
+
+
 def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
             int64_t expert_width, int n_threads):

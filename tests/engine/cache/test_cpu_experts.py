@@ -136,3 +136,37 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
     assert bench.main(["--preset", "tiny", "--repeat", "1", "--dtypes", "fp32",
                        "--tokens", "1", "--read-mib", "8"]) == 0
     assert "| pageable | fp32 | 1 |" in capsys.readouterr().out
+
+
+def test_the_cpu_experts_bench_times_small_calls_after_gaps_with_and_without_a_wake(capsys):
+    bench = load_bench("cpu_experts.py")
+    assert bench.main(["--preset", "tiny", "--repeat", "1", "--dtypes", "bf16", "--tokens", "2",
+                       "--experts", "1", "--gap-us", "0,300", "--wake-us", "100",
+                       "--read-mib", "8", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    # T = 2 over the preset's K experts, then T = 1 over 1; each without a gap, after a gap,
+    # and after a gap with a wake (no wake for a gap no longer than it).
+    assert [(r["tokens"], r["experts"], r["gap_us"], r["wake_us"]) for r in runs] == [
+        (2, runs[0]["experts"], 0.0, None), (2, runs[0]["experts"], 300.0, None),
+        (2, runs[0]["experts"], 300.0, 100.0), (1, 1, 0.0, None), (1, 1, 300.0, None),
+        (1, 1, 300.0, 100.0)]
+    for bad in (["--gap-us", "-1"], ["--experts", "two"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--preset", "tiny", *bad])
+
+
+def test_waking_the_kernels_threads_changes_no_byte():
+    """`CpuExperts.wake` starts the kernel's team and nothing else: the same bytes after it;
+    a bad thread count is refused; on torch's path it does nothing."""
+    from strata import _cpu_experts
+
+    store = _store(torch.bfloat16)
+    cpu = CpuExperts(store, 2)
+    routed = Routed.of(np.array([[1, 3]]))
+    x = torch.randn(2, store.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+    before = cpu.compute(0, x, routed)
+    cpu.wake()
+    assert torch.equal(cpu.compute(0, x, routed), before)
+    with pytest.raises(ValueError, match="n_threads must be >= 1, got 0"):
+        _cpu_experts.wake(0)
+    CpuExperts(_store(torch.float32), 2).wake()  # torch's path: nothing to start

@@ -101,6 +101,12 @@ class CpuExperts:
                                   store.expert_width, store.hidden_size)
                         for layer in range(store.n_layers)]
 
+    def wake(self) -> None:
+        """Start the threads strata's kernel computes on (`_cpu_experts.wake`), so that a call
+        soon after finds them up; nothing where these calls go through torch."""
+        if self.kernel == "strata":
+            _cpu_experts.wake(self.cpu_threads or torch.get_num_threads())
+
     def compute(self, layer: int, x_rows: torch.Tensor, routed: Routed,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """Outputs [R, D] in the store's dtype, rows in `routed.rows` order.
