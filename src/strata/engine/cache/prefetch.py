@@ -27,7 +27,9 @@ At most `cap` of a layer's predicted misses are uploaded, the likeliest first
 need, which queue behind it on the copy stream; the gaps the prefetch is there to fill, while
 the host books a call and the device runs a graph, hold about half an olmoe expert's upload a
 layer on the H200 (bench/results/offload-host-h200-2026-12-02.md). With every predicted miss
-uploaded, 18% of them unused, a round ran 0.83-0.97x as fast.
+uploaded, 18% of them unused, a round ran 0.83-0.97x as fast; capped at 1 or 2, 90-97% used,
+olmoe-1b-7b's round ran 1.00-1.03x and qwen3-30b-a3b's 0.85x, its host's time up by 200 us a
+layer (bench/results/offload-prefetch-cap-h200-2026-12-03.md). So it stays off by default.
 
 What is prefetched depends only on the model's values and the books, never on timings, so a
 run repeats its bytes. It changes which misses the device computes rather than the CPU, and
@@ -45,19 +47,19 @@ from strata.engine.model.ops import router_route
 __all__ = ["MissPrefetch", "check_prefetch_misses"]
 
 
-def check_prefetch_misses(cap: int, n_staging: int, name: str = "prefetch_misses") -> None:
-    """ValueError naming `name` unless `cap` (the most predicted misses a layer uploads ahead;
-    0: off) is an int from 0 to `n_staging`, the staging buffer's blobs (the streamed misses'
-    N), which must be > 0 for a cap > 0: prefetched experts go there."""
+def check_prefetch_misses(cap: int, n_staging: int) -> None:
+    """ValueError unless `cap` (the most predicted misses a layer uploads ahead; 0: off) is an
+    int from 0 to `n_staging`, the staging buffer's blobs (the streamed misses' N), which must
+    be > 0 for a cap > 0: prefetched experts go there."""
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-        raise ValueError(f"{name} must be an int >= 0 (the predicted misses a layer uploads "
-                         f"ahead; 0: off), got {cap!r}")
+        raise ValueError(f"prefetch_misses must be an int >= 0 (the predicted misses a layer "
+                         f"uploads ahead; 0: off), got {cap!r}")
     if cap and not n_staging:
-        raise ValueError(f"{name} needs streamed misses (stream_misses > 0): prefetched "
-                         f"experts go to the staging buffer, and none are streamed here")
+        raise ValueError("prefetch_misses needs streamed misses (stream_misses > 0): prefetched "
+                         "experts go to the staging buffer, and none are streamed here")
     if cap > n_staging:
-        raise ValueError(f"{name} {cap} is more than the staging buffer's {n_staging} blobs "
-                         f"(the streamed misses' N): give at most {n_staging}")
+        raise ValueError(f"prefetch_misses {cap} is more than the staging buffer's {n_staging} "
+                         f"blobs (the streamed misses' N): give at most {n_staging}")
 
 
 class MissPrefetch:
