@@ -77,7 +77,10 @@
 # each decode run profiled: the device's copy engine and compute busy a round, the host's top
 # functions in $OUT/profile; offload-profile-qwen3, 3: the same on qwen3-30b-a3b's 16 layers
 # at 22% of the experts), sampling (0.5: bench/sampling.py, a decode round's sampling and its
-# parts at olmoe's vocabulary);
+# parts at olmoe's vocabulary), cpu-wake (1: bench/cpu_experts.py over 2 and 3 experts after an
+# 800 us gap, with and without the kernel's threads started 300 us before the call, olmoe's and
+# qwen3's shapes), offload-wake (4: olmoe-1b-7b at 4 GiB and qwen3-30b-a3b's 16 layers at 22%,
+# --stream-misses 3,4, each with and without `wake_cpu`);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # second or two, and later runs read them). A new checkpoint adds about a minute to the first
@@ -208,6 +211,16 @@ for stage in "$@"; do
     decode-attention) (cd bench && timeout 300 python3 decode_attention.py) \
                       > "$OUT/decode-attention.json" 2> "$OUT/decode-attention.err"
                   grep "bench/" "$OUT/decode-attention.json"; tail -3 "$OUT/decode-attention.err" ;;
+    cpu-wake) for preset in olmoe-1b-7b qwen3-30b-a3b; do
+                (cd bench && timeout 100 python3 cpu_experts.py --preset $preset --dtypes bf16 \
+                   --tokens 1 --experts 2,3 --gap-us 800 --wake-us 300 --repeat 15 \
+                   --memory pinned)
+              done > "$OUT/cpu-wake.txt" 2>&1; grep "| pinned" "$OUT/cpu-wake.txt" | cut -c1-120 ;;
+    offload-wake)  # the CPU's threads started before each routing read: A/B in one process
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3,4 \
+               --wake-cpu --prefill-tokens 0
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
+               --wake-cpu --prefill-tokens 0 ;;
     sampling) (cd bench && timeout 120 python3 sampling.py) > "$OUT/sampling.txt" 2>&1
               tail -12 "$OUT/sampling.txt" ;;
     router-route) (cd bench && timeout 240 python3 router_route.py) > "$OUT/router-route.json" \

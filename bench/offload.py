@@ -18,7 +18,9 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   the split's baseline, named -whole; `--prefetch N[,N...]` adds each run that streams again
   with up to N of the next layer's predicted misses prefetched, named -prefetchN:
   `strata.engine.cache.prefetch`, its prefetched experts and how many the next layer used;
-  an N above a run's staging blobs is skipped). For
+  an N above a run's staging blobs is skipped; `--wake-cpu` adds each run again with the CPU
+  kernel's threads started before each call's routing read, named -wake:
+  `CachedExperts.wake_cpu`). For
   each: the round's time; its misses split between the CPU and the copy engine (experts and
   shares); the bound, max(CPU's miss bytes / host read
   bandwidth, streamed bytes / copy rate) + the device round (summed over the round, so a lower
@@ -307,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated caps N: also run each decode with up to N of "
                         "the next layer's predicted misses prefetched "
                         "(`strata.engine.cache.prefetch`), named -prefetchN")
+    parser.add_argument("--wake-cpu", action="store_true",
+                        help="also run each decode with the CPU kernel's threads started before "
+                        "each call's routing read (`CachedExperts.wake_cpu`), named -wake")
     parser.add_argument("--whole-calls", action="store_true",
                         help="also run each decode with the cache's calls whole, not split "
                         "around the piecewise graphs (`graph_call`): the split's baseline, "
@@ -416,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                 return engine_around(model, None, max_context), notes
 
             variants = [("", 0), *([("-whole", 0)] if args.whole_calls else []),
+                        *([("-wake", 0)] if args.wake_cpu else []),
                         *((f"-prefetch{cap}", cap) for cap in prefetch_caps)]
             for stream, (variant, cap) in ((stream, variant) for stream in streams
                                            for variant in variants):
@@ -426,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine, notes = cached_engine(stream, decode_context, loan=False,
                                               prefetch=cap)
                 engine.cache.split_calls = variant != "-whole"
+                engine.cache.wake_cpu = variant == "-wake"
                 with engine:
                     for note in notes:
                         say(note)

@@ -12,6 +12,7 @@ from strata._residency import ResidencyTable
 from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.cached_experts import CachedExperts
+from strata.engine.experts.cpu import CpuExperts
 from strata.engine.model.layers import route
 from strata.policies import load_registry
 from support.cache_models import CHUNK_BYTES
@@ -78,12 +79,25 @@ def test_a_call_split_around_the_graphs_gives_the_token_paths_bytes_on_cuda(
     _same_bytes(store, share, policy, stream, repeats, "cuda", split=True)
 
 
-def _same_bytes(store, share, policy, stream, repeats, device, split=False):
+@pytest.mark.parametrize("split", [False, True], ids=["token", "split"])
+def test_waking_the_cpu_threads_before_the_routing_read_changes_no_byte(split, monkeypatch):
+    """`CachedExperts.wake_cpu`: each decode call starts the CPU kernel's threads once, before
+    its routing read; the bytes, books and counts are those of the calls without it."""
+    woken = []
+    wake = CpuExperts.wake
+    monkeypatch.setattr(CpuExperts, "wake", lambda cpu: woken.append(1) or wake(cpu))
+    _same_bytes(small_store(torch.bfloat16), 0.5, "sieve", 1, False, "cpu", split=split,
+                wake_cpu=True)
+    assert len(woken) == 32
+
+
+def _same_bytes(store, share, policy, stream, repeats, device, split=False, wake_cpu=False):
     """The general path against the token path, or (`split`) the token path against the split
-    call."""
+    call; `wake_cpu` on the latter."""
     n_slots = round(share * store.n_layers * store.n_experts)
     general = make_cache(store, n_slots, policy, stream, token_path=split, device=device)
     token = make_cache(store, n_slots, policy, stream, token_path=True, device=device)
+    token.wake_cpu = wake_cpu
     try:
         for call in token_calls(store, 32, seed=int(share * 10) + stream, repeats=repeats,
                            device=device):

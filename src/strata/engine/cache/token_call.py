@@ -59,6 +59,8 @@ def split_call(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
     top_k = topk_ids.shape[1]
     x_host = cache.host_rows.x_on_host(x)  # read with the ids
     started = time.perf_counter()
+    if cache.wake_cpu:  # while the device runs up to the routing (counted as the wait)
+        cache.cpu.wake()
     ids = np.ascontiguousarray(topk_ids.cpu().numpy(), dtype=np.int64)  # [1, K], the sync
     stats.wait_s += time.perf_counter() - started
     buffer, split = cache.host_rows.index_buffer(5 * top_k + 1)  # `split_token`'s layout
