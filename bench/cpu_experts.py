@@ -272,12 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layers must be >= 1, got {args.layers}")
     try:
         gaps = [float(us) for us in args.gap_us.split(",")]
-        bad_experts = [n for n in args.experts.split(",") if n and not n.isdigit()]
+        bad_experts = [n for n in args.experts.split(",") if n and not (n.isdigit() and int(n))]
     except ValueError:
         gaps, bad_experts = [-1.0], []
     if any(us < 0 for us in gaps) or bad_experts:
-        parser.error(f"--gap-us takes comma-separated microseconds >= 0 and --experts counts, "
-                     f"got {args.gap_us!r} and {args.experts!r}")
+        parser.error(f"--gap-us takes comma-separated microseconds >= 0 and --experts counts "
+                     f">= 1, got {args.gap_us!r} and {args.experts!r}")
     memories = args.memory.split(",")
     if set(memories) - {"pageable", "pinned", "registered"}:
         parser.error(f"--memory takes pageable, pinned, registered; got {args.memory!r}")

@@ -150,7 +150,7 @@ def test_the_cpu_experts_bench_times_small_calls_after_gaps_with_and_without_a_w
         (2, runs[0]["experts"], 0.0, None), (2, runs[0]["experts"], 300.0, None),
         (2, runs[0]["experts"], 300.0, 100.0), (1, 1, 0.0, None), (1, 1, 300.0, None),
         (1, 1, 300.0, 100.0)]
-    for bad in (["--gap-us", "-1"], ["--experts", "two"]):
+    for bad in (["--gap-us", "-1"], ["--experts", "two"], ["--experts", "0"]):
         with pytest.raises(SystemExit):
             bench.main(["--preset", "tiny", *bad])
 
