@@ -76,8 +76,8 @@
 # 2), offload-profile (2: olmoe-1b-7b at 4 GiB, --stream-misses 4 with and without prefetch,
 # each decode run profiled: the device's copy engine and compute busy a round, the host's top
 # functions in $OUT/profile; offload-profile-qwen3, 3: the same on qwen3-30b-a3b's 16 layers
-# at 22% of the experts), sampling (0.5: bench/sampling.py, a decode round's sampling and its
-# parts at olmoe's vocabulary), cpu-wake (1: bench/cpu_experts.py over 2 and 3 experts after an
+# at 22% of the experts), sampling (1: bench/sampling.py, a decode round's sampling, the race's
+# kernels against the sort they replaced, at olmoe's vocabulary and qwen3's), cpu-wake (1: bench/cpu_experts.py over 2 and 3 experts after an
 # 800 us gap, with and without the kernel's threads started 300 us before the call, olmoe's and
 # qwen3's shapes), offload-wake (4: olmoe-1b-7b at 4 GiB and qwen3-30b-a3b's 16 layers at 22%,
 # --stream-misses 3,4, each with and without `wake_cpu`);
@@ -221,8 +221,9 @@ for stage in "$@"; do
                --wake-cpu --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
                --wake-cpu --prefill-tokens 0 ;;
-    sampling) (cd bench && timeout 120 python3 sampling.py) > "$OUT/sampling.txt" 2>&1
-              tail -12 "$OUT/sampling.txt" ;;
+    sampling) for vocab in 50304 151936; do
+                  (cd bench && timeout 120 python3 sampling.py --vocab $vocab)
+              done > "$OUT/sampling.txt" 2>&1; grep -v "^{" "$OUT/sampling.txt" ;;
     router-route) (cd bench && timeout 240 python3 router_route.py) > "$OUT/router-route.json" \
                       2> "$OUT/router-route.err"; grep "bench/" "$OUT/router-route.json" ;;
     offload-prefetch|offload-prefetch-olmoe)  # the next layer's predicted misses ahead: A/B

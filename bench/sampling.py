@@ -1,23 +1,27 @@
-"""What a decode round's sampling costs on the device, and which of its parts.
+"""What a decode round's sampling costs on the device: the race's kernels against the sort
+they replaced.
 
 `strata generate`'s default sampling (temperature 0.8, top-p 0.95) cost 0.097 ms a round over
-greedy on the H200's olmoe-1b-7b decode (bench/results/decode-fusions-h200-2026-12-02.md):
-8% of a 1.09 ms round, the gap between its 46.5% of the bandwidth bound and greedy's 50.9%.
-This times `Sampler.pick` over one row of logits [V] (fp32, as the model returns them) for
-each setting, and the parts of the default one alone:
+greedy on the H200's olmoe-1b-7b decode (bench/results/decode-fusions-h200-2026-12-02.md): the
+gap between 46.5% of the bandwidth bound and greedy's 50.9%. Most of it was the sort of the
+vocabulary (bench/results/sampling-h200-2026-12-03.txt). The sampler is now an exponential race
+(`strata.engine.runtime.sampling`) whose CUDA pick is three Triton kernels and no sort. This
+times, over one row of logits [V] (fp32, as the model returns them), for each setting:
 
-- `pick <setting>`: the whole pick, eager, as the decode loop launches it;
-- `pick <setting> graph`: the same captured once in a CUDA graph and replayed (CUDA only):
-  the kernels' own time, without the host's launches;
-- `sort stable` / `sort`: the descending sort of the V logits with their ids, stable (what
-  pick runs) and not;
-- `sort bf16 stable`: the same over the logits as bf16 (half the key bits: half the radix
-  passes);
-- `after the sort`: softmax, the cumulative sums, top-p's mask and the search over V sorted
-  values, alone;
-- `topk 1024`: the 1,024 largest with their ids, the other way to find top-p's candidates.
+- `pick <setting>`: `Sampler.pick`, eager, as the decode loop launches it (the kernels on
+  CUDA with Triton);
+- `pick <setting> graph`: `--picks` picks captured in one CUDA graph and replayed (CUDA only):
+  the kernels' own time a pick, without the host's launches;
+- `sorted <setting>` and `sorted <setting> graph`: the sampler before it (`inverse_cdf_pick`):
+  a sort of V, softmax, cumulative sums, top-p's mask and the search for the draw: the
+  baseline, same run.
 
-Each is the median over `--repeat` timed batches of `--calls` back-to-back calls, on CUDA
+and `first winner outside <setting>`: the share of `--draws` seeded steps whose race winner
+over all tokens is not a candidate, the steps that take the kernels' slow path (one more pass
+over the row in one program for each winner rejected).
+
+Each row cycles through `--picks` seeded draws, so the slow path runs as often as it falls. Each
+time is the median over `--repeat` timed batches of `--calls` back-to-back calls, on CUDA
 events (the host's clock off CUDA); the logits are N(0, `--logit-std`) with a seeded
 generator. Absolute times only from the GPU machine.
 
@@ -28,6 +32,7 @@ generator. Absolute times only from the GPU machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -36,13 +41,14 @@ from collections.abc import Callable
 import torch
 
 from strata.engine.runtime.decode_steps import capture_graph
-from strata.engine.runtime.sampling import Sampler
+from strata.engine.runtime.sampling import Sampler, gumbel_noise, race_keys
 
 SETTINGS = {
     "greedy": {"temperature": 0.0},
     "cli-default": {"temperature": 0.8, "top_p": 0.95},
     "temperature": {"temperature": 0.8},
     "top-k-50": {"temperature": 0.8, "top_k": 50},
+    "top-p-0.5": {"temperature": 0.8, "top_p": 0.5},
 }
 
 
@@ -67,14 +73,40 @@ def time_ms(fn: Callable[[], object], device: torch.device, calls: int, repeat: 
     return statistics.median(samples)
 
 
-def after_the_sort(values: torch.Tensor, top_p: float, u: float) -> torch.Tensor:
-    """`Sampler.pick`'s work over values already sorted (descending): its index."""
-    probs = torch.softmax(values, dim=0)
-    cumulative = torch.cumsum(probs, dim=0)
-    keep = (cumulative - probs) < top_p
-    probs = probs * keep
-    cumulative = torch.cumsum(probs, dim=0)
-    return torch.searchsorted(cumulative, cumulative[-1:] * u, right=True)
+def inverse_cdf_pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                     u: float) -> torch.Tensor:
+    """The sampler before the race (to commit f3305b2): the candidate at draw u by inverse CDF
+    over the logits sorted (descending), [1]."""
+    scaled = logits.float() / temperature  # [V]
+    if 0 < top_k < scaled.shape[0]:
+        values, ids = torch.topk(scaled, top_k)  # [k], sorted, descending
+    else:
+        values, ids = torch.sort(scaled, descending=True, stable=True)  # [V]
+    probs = torch.softmax(values, dim=0)  # [C]
+    cumulative = torch.cumsum(probs, dim=0)  # [C]
+    if top_p < 1.0:
+        probs = probs * ((cumulative - probs) < top_p)  # the smallest prefix reaching top_p
+        cumulative = torch.cumsum(probs, dim=0)
+    index = torch.searchsorted(cumulative, cumulative[-1:] * u, right=True)  # [1]
+    return ids[index.clamp(max=probs.shape[0] - 1)]  # [1]
+
+
+def first_winner_outside(logits: torch.Tensor, sampler: Sampler, draws: int) -> float:
+    """The share of `draws` steps (the sampler's seeded draws) whose race winner over all
+    tokens is not a candidate: more than top_k tokens, or top_p of the mass, before it."""
+    scaled = logits.float().cpu() / sampler.temperature  # [V]
+    order = torch.sort(scaled, descending=True, stable=True).indices  # [V]
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.shape[0])  # [V]: each token's place in the order
+    mass_before = torch.cumsum(torch.softmax(scaled[order], dim=0), dim=0)[position]
+    mass_before -= torch.softmax(scaled, dim=0)
+    outside = 0
+    for _ in range(draws):
+        race = scaled + gumbel_noise(race_keys(sampler.draw()), scaled.shape[0], "cpu")
+        winner = int(torch.argmax(race))
+        outside += bool((sampler.top_k and position[winner] >= sampler.top_k)
+                        or mass_before[winner] >= sampler.top_p)
+    return outside / draws
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,42 +116,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logit-std", type=float, default=3.0)
     parser.add_argument("--calls", type=int, default=100, help="calls a timed batch")
     parser.add_argument("--repeat", type=int, default=7, help="timed batches (the median)")
+    parser.add_argument("--picks", type=int, default=16,
+                        help="seeded steps a timed row cycles through (and a graph holds)")
+    parser.add_argument("--draws", type=int, default=200,
+                        help="seeded steps for the first winner's share outside the candidates")
     args = parser.parse_args(argv)
-    if args.vocab < 2 or args.calls < 1 or args.repeat < 1:
-        parser.error("--vocab must be >= 2, --calls and --repeat >= 1")
+    if args.vocab < 2 or min(args.calls, args.repeat, args.picks, args.draws) < 1:
+        parser.error("--vocab must be >= 2, --calls, --repeat, --picks and --draws >= 1")
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(args.vocab, generator=gen) * args.logit_std).to(device)  # [V]
-    u = 0.37
     rows: dict[str, float] = {}
 
-    def timed(name: str, fn: Callable[[], object]) -> None:
-        rows[name] = time_ms(fn, device, args.calls, args.repeat)
+    def timed(name: str, fn: Callable[[], object], picks: int) -> None:
+        """Rows `name` (eager: one pick a call) and `name graph` (CUDA: `picks` picks captured
+        in one graph, the time a pick)."""
+        step = itertools.count()
+        rows[name] = time_ms(lambda: fn(next(step) % picks), device, args.calls, args.repeat)
+        if device.type == "cuda":
+            graph, _ = capture_graph(lambda: [fn(i) for i in range(picks)], device, None)
+            rows[f"{name} graph"] = time_ms(graph.replay, device, args.calls,
+                                            args.repeat) / picks
 
+    outside: dict[str, float] = {}
     for name, options in SETTINGS.items():
         sampler = Sampler(**options)
-        draw = None if sampler.greedy else u
-        timed(f"pick {name}", lambda s=sampler, d=draw: s.pick(logits, d))
-        if device.type == "cuda":
-            graph, _ = capture_graph(lambda s=sampler, d=draw: s.pick(logits, d), device, None)
-            timed(f"pick {name} graph", graph.replay)
-    scaled = logits / 0.8
-    timed("sort stable", lambda: torch.sort(scaled, descending=True, stable=True))
-    timed("sort", lambda: torch.sort(scaled, descending=True))
-    as_bf16 = scaled.to(torch.bfloat16)
-    timed("sort bf16 stable", lambda: torch.sort(as_bf16, descending=True, stable=True))
-    values = torch.sort(scaled, descending=True, stable=True).values
-    timed("after the sort", lambda: after_the_sort(values, 0.95, u))
-    timed("topk 1024", lambda: torch.topk(scaled, min(1024, args.vocab)))
+        if sampler.greedy:
+            timed(f"pick {name}", lambda i, s=sampler: s.pick(logits, None), 1)
+            continue
+        # The seeded draws of `--picks` steps, each step's winner inside or outside as it falls.
+        draws = [sampler.draw() for _ in range(args.picks)]
+        timed(f"pick {name}", lambda i, s=sampler, d=draws: s.pick(logits, d[i]), args.picks)
+
+        def sorted_pick(i: int, s: Sampler = sampler, d: list = draws) -> torch.Tensor:
+            return inverse_cdf_pick(logits, s.temperature, s.top_p, s.top_k, d[i])
+
+        timed(f"sorted {name}", sorted_pick, args.picks)
+        outside[name] = first_winner_outside(logits, Sampler(**options, seed=1), args.draws)
     greedy = rows["pick greedy"]
     report = {"bench": "bench/sampling.py", "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
               else None, "vocab": args.vocab, "calls": args.calls, "repeat": args.repeat,
-              "ms": rows}
+              "ms": rows, "first_winner_outside": outside}
     print(json.dumps(report))
     width = max(map(len, rows))
     for name, ms in rows.items():
         print(f"{name:<{width}}  {ms * 1e3:9.1f} us  ({ms / greedy:5.1f}x greedy's pick)")
+    for name, share in outside.items():
+        print(f"first winner outside {name}: {share:.1%} of {args.draws} draws")
     return 0
 
 

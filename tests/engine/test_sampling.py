@@ -1,13 +1,60 @@
-"""Sampling: greedy, seeded draws, and the top-k / top-p filters."""
+"""Sampling: greedy, seeded draws, the top-k / top-p filters, and the exponential race: its
+noise, its torch pick against the race's definition (a sort), its Triton kernels against the
+same under Triton's interpreter on the CPU (a fresh interpreter: TRITON_INTERPRET must be set
+before Triton is imported), and on CUDA against the CPU's picks."""
 
 import math
+import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from strata.engine.runtime.sampling import Sampler
+from strata.engine.runtime.sampling import (
+    Sampler,
+    gumbel_noise,
+    hash32,
+    race_keys,
+)
+from support.interpreted import run_interpreted
+
+
+def definition(logits, temperature, top_p, top_k, keys):
+    """The race's pick by its definition: the tokens sorted by s = logits / temperature
+    (descending, stable), the first top_k, the smallest prefix reaching top_p of their
+    softmax, and of those the largest s + g (the lowest id on ties)."""
+    scaled = logits.float() / temperature
+    race = scaled + gumbel_noise(keys, scaled.shape[0], "cpu")
+    values, ids = torch.sort(scaled, descending=True, stable=True)
+    if 0 < top_k < values.shape[0]:
+        values, ids = values[:top_k], ids[:top_k]
+    if top_p < 1.0:
+        probs = torch.softmax(values, dim=0)
+        ids = ids[(torch.cumsum(probs, dim=0) - probs) < top_p]
+    candidate_race = race[ids]
+    return int(ids[candidate_race == candidate_race.max()].min())
+
+
+def near_the_boundary(logits, temperature, top_p, top_k, tolerance=1e-5):
+    """Whether a token's mass before it is within `tolerance` of top_p: there float
+    rounding, not the method, decides whether it is a candidate."""
+    values = torch.sort(logits.float() / temperature, descending=True, stable=True).values
+    if 0 < top_k < values.shape[0]:
+        values = values[:top_k]
+    probs = torch.softmax(values.double(), dim=0)
+    return bool(((torch.cumsum(probs, dim=0) - probs - top_p).abs() < tolerance).any())
+
+
+def first_winner_is_candidate(logits, temperature, top_p, top_k, keys):
+    """Whether the race's winner over the tokens at or above the top_k-th is a candidate:
+    when not, the kernels take their slow path."""
+    scaled = logits.float() / temperature
+    race = scaled + gumbel_noise(keys, scaled.shape[0], "cpu")
+    if 0 < top_k < scaled.shape[0]:
+        race = torch.where(scaled >= torch.topk(scaled, top_k).values[-1], race, -torch.inf)
+    winner = int(torch.argmax(race))
+    return definition(logits, temperature, top_p, top_k, keys) == winner
 
 
 def _draws(sampler, logits, n):
@@ -54,27 +101,12 @@ def test_top_k_keeps_the_k_most_likely():
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
-    draws = set(_draws(Sampler(temperature=1.0, top_p=0.5, seed=0), probs.log(), 300))
-    assert draws == {1, 3}  # 0.4 < 0.5, then 0.4 + 0.3 reaches it
+    draws = _draws(Sampler(temperature=1.0, top_p=0.5, seed=0), probs.log(), 2000)
+    assert set(draws) == {1, 3}  # 0.4 < 0.5, then 0.4 + 0.3 reaches it
+    # Within the candidates, the softmax renormalised: 0.4 / 0.7 of the draws are token 1.
+    p = 0.4 / 0.7
+    assert abs(draws.count(1) / len(draws) - p) < 4 * math.sqrt(p * (1 - p) / len(draws))
     assert set(_draws(Sampler(temperature=1.0, top_p=0.01, seed=0), probs.log(), 20)) == {1}
-
-
-@settings(max_examples=50, deadline=None)
-@given(
-    logits=st.lists(st.floats(-20, 20), min_size=1, max_size=30),
-    temperature=st.floats(0.05, 3.0),
-    top_k=st.integers(0, 40),
-    top_p=st.floats(0.01, 1.0),
-    seed=st.integers(0, 2**32),
-)
-def test_the_pick_is_always_an_allowed_candidate(logits, temperature, top_k, top_p, seed):
-    values = torch.tensor(logits)
-    token = Sampler(temperature, top_p, top_k, seed).sample(values)
-    assert 0 <= token < len(logits)
-    if top_k:
-        assert values[token] >= torch.sort(values, descending=True).values[
-            min(top_k, len(logits)) - 1
-        ]
 
 
 @pytest.mark.parametrize(
@@ -96,3 +128,139 @@ def test_bad_options_are_rejected(kwargs, message):
 def test_bad_logits_are_rejected():
     with pytest.raises(ValueError, match="logits must be 1-D"):
         Sampler().sample(torch.zeros(2, 3))
+
+
+def test_the_hash_is_the_same_on_ints_and_tensors_and_a_bijection():
+    values = torch.randint(0, 2**32, (2000,), generator=torch.Generator().manual_seed(0))
+    assert hash32(values).tolist() == [hash32(v) for v in values.tolist()]
+    assert hash32(values).max() < 2**32 and hash32(values).min() >= 0
+    assert hash32(torch.arange(2**16)).unique().numel() == 2**16  # no collisions
+
+
+def test_the_noise_is_gumbel_and_a_function_of_the_draw_and_the_token():
+    keys = race_keys(0.25)
+    noise = gumbel_noise(keys, 200_000, "cpu")
+    assert noise.dtype == torch.float32 and torch.isfinite(noise).all()
+    assert torch.equal(noise, gumbel_noise(keys, 200_000, "cpu"))
+    assert torch.equal(noise[:1000], gumbel_noise(keys, 1000, "cpu"))  # token i's, whatever V
+    euler_gamma, variance = 0.5772157, math.pi**2 / 6
+    assert abs(noise.double().mean() - euler_gamma) < 4 * math.sqrt(variance / noise.numel())
+    assert abs(noise.double().var() - variance) < 0.05
+    other = gumbel_noise(race_keys(0.26), 200_000, "cpu")
+    assert abs(torch.corrcoef(torch.stack((noise, other)))[0, 1]) < 0.01
+    assert len({race_keys(i / 997) for i in range(997)}) == 997
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    logits=st.lists(st.integers(-40, 40), min_size=1, max_size=40),
+    temperature=st.floats(0.05, 3.0),
+    top_k=st.integers(0, 45),
+    top_p=st.floats(0.01, 1.0),
+    u=st.floats(0.0, 1.0, exclude_max=True),
+)
+def test_the_pick_is_the_definitions(logits, temperature, top_k, top_p, u):
+    values = torch.tensor(logits, dtype=torch.float32) / 4  # quarters: ties are common
+    assume(top_p == 1.0 or not near_the_boundary(values, temperature, top_p, top_k))
+    picked = Sampler(temperature, top_p, top_k).pick(values, u)
+    assert picked.shape == (1,) and picked.dtype == torch.int64
+    assert int(picked) == definition(values, temperature, top_p, top_k, race_keys(u))
+
+
+def test_the_pick_is_a_candidate_with_minus_infinity_logits():
+    logits = torch.tensor([float("-inf"), 2.0, float("-inf"), 1.0])
+    draws = set(_draws(Sampler(temperature=1.0, seed=0), logits, 200))
+    assert draws == {1, 3}
+    every = torch.full((5,), float("-inf"))
+    assert Sampler(temperature=1.0).sample(every) in range(5)
+
+
+# The kernels under Triton's interpreter: the cases' rows of logits, seeded, and the draws.
+_CASES = [  # V, temperature, top_p, top_k, kind
+    (1, 1.0, 0.9, 0, "normal"), (3, 0.8, 0.95, 0, "normal"), (1000, 1.0, 1.0, 0, "normal"),
+    (1024, 0.8, 0.95, 0, "ties"), (1025, 2.0, 0.1, 0, "normal"), (3000, 0.5, 0.3, 0, "ties"),
+    (3000, 1.0, 1.0, 5, "normal"), (2500, 1.0, 0.7, 7, "ties"), (2100, 0.7, 0.9, 2000, "normal"),
+    (2048, 1.0, 0.5, 0, "flat"), (1500, 1.0, 0.95, 0, "minus-inf"), (1100, 1.0, 0.8, 0, "bf16"),
+]
+
+
+def case_logits(n_tokens, kind, seed):
+    """A row of logits [V] of a kind: normal, ties (rounded to halves), flat (all but two
+    equal: the winner is rarely a candidate at top_p 0.5), minus-inf (most of them -inf), bf16."""
+    logits = torch.randn(n_tokens, generator=torch.Generator().manual_seed(seed)) * 3
+    if kind == "ties":
+        logits = (logits * 2).round() / 2
+    elif kind == "flat":
+        logits = torch.zeros(n_tokens)
+        logits[:2] = 8.0
+    elif kind == "minus-inf":
+        logits[torch.arange(n_tokens) % 5 != 0] = float("-inf")
+    elif kind == "bf16":
+        logits = logits.to(torch.bfloat16)
+    return logits
+
+
+_INTERPRETED = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_sampling import _CASES, case_logits, definition, first_winner_is_candidate
+from strata.engine.runtime import _sampling_triton
+from strata.engine.runtime.sampling import _race_pick_cuda, race_keys
+results = []
+for seed, (n_tokens, temperature, top_p, top_k, kind) in enumerate(_CASES):
+    logits = case_logits(n_tokens, kind, seed)
+    for draw in range(6):
+        keys = race_keys((seed * 6 + draw) / 97.0 % 1.0)
+        got = _race_pick_cuda(_sampling_triton, logits, temperature, top_p, top_k, keys)
+        results.append({"case": seed, "got": int(got),
+                        "want": definition(logits, temperature, top_p, top_k, keys),
+                        "slow": not first_winner_is_candidate(logits, temperature, top_p,
+                                                              top_k, keys)})
+print(json.dumps(results))
+"""
+
+
+def test_the_kernels_under_the_interpreter_pick_the_definitions_token():
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
+    assert len(results) == 6 * len(_CASES)
+    assert [r["got"] for r in results] == [r["want"] for r in results]
+    slow = [r for r in results if r["slow"]]
+    assert len(slow) >= 6 and {r["case"] for r in slow} >= {9}  # the slow path, checked too
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_tokens", [50304, 151936])
+def test_on_cuda_the_kernels_pick_the_cpus_tokens(n_tokens):
+    pytest.importorskip("triton")
+    cuda = torch.device("cuda")
+    logits = torch.randn(n_tokens, generator=torch.Generator().manual_seed(3)) * 3
+    for options in ({"temperature": 0.8, "top_p": 0.95}, {"temperature": 0.8},
+                    {"temperature": 1.0, "top_p": 0.5}, {"temperature": 0.8, "top_k": 50},
+                    {"temperature": 1.0, "top_p": 0.9, "top_k": 50}):
+        gpu, cpu = Sampler(**options, seed=5), Sampler(**options, seed=5)
+        assert gpu.uses_kernels(logits.to(cuda)) and not cpu.uses_kernels(logits)
+        for row in (logits, logits.to(torch.bfloat16)):
+            on_cuda = row.to(cuda)
+            assert [gpu.sample(on_cuda) for _ in range(60)] == [
+                cpu.sample(row) for _ in range(60)], options
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_graph_of_picks_replays_the_eager_picks():
+    pytest.importorskip("triton")
+    from strata.engine.runtime.decode_steps import capture_graph
+
+    cuda = torch.device("cuda")
+    logits = (torch.randn(50304, generator=torch.Generator().manual_seed(4)) * 3).to(cuda)
+    sampler = Sampler(temperature=1.0, top_p=0.5, seed=9)
+    draws = [sampler.draw() for _ in range(24)]
+    eager = [int(sampler.pick(logits, u)) for u in draws]
+    graph, picked = capture_graph(lambda: torch.cat([sampler.pick(logits, u) for u in draws]),
+                                  cuda, None)
+    for _ in range(2):
+        graph.replay()
+        assert picked.tolist() == eager
+    assert any(not first_winner_is_candidate(logits.cpu(), 1.0, 0.5, 0, race_keys(u))
+               for u in draws)  # the graph holds the slow path too

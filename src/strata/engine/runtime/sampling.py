@@ -1,16 +1,136 @@
 """Choosing the next token from logits: greedy, or temperature / top-k / top-p sampling.
 
-Seeded and deterministic: the one random number a step needs is drawn from a torch.Generator on
-the CPU, whatever device the logits are on, so the CPU and the GPU draw the same numbers and pick
-the same token for the same probabilities. A step picks by inverse CDF over the candidates
-sorted by probability (descending): the first whose cumulative probability passes u * total.
+A sampled step is an exponential race (the Gumbel-max trick, as vLLM's sampler and FlashInfer's
+sort-free top-p do it): with s = logits / temperature and g_i a Gumbel variate for each token,
+the pick is the candidate with the largest s_i + g_i. Token i wins with probability
+softmax(s)_i over the candidates: the distribution the filters describe. The candidates are the
+tokens in order of s (descending, the lower id first on ties): the first top_k (all with top_k
+0), then, of those, the smallest prefix whose probability mass (softmax over the top_k) reaches
+top_p.
+
+Why a race: its pick needs no sort. The race's winner over all tokens is a candidate unless
+more than top_p of the mass comes before it (at most 1 - top_p of the draws); a reduction says
+which, and only then is the winner among the tokens before it drawn. On CUDA the pick is three
+Triton kernels (`_sampling_triton`; with top_k, torch's topk first); the sort of the vocabulary
+that inverse CDF needed cost more than the rest of the pick together. Elsewhere it is
+`race_pick_torch`'s torch ops, no sort either.
+
+Seeded and deterministic: a step's one random number is drawn from a torch.Generator on the CPU
+(`draw`), whatever device the logits are on, and g is a hash of it and the token id
+(`gumbel_noise`) computed with the same integer steps on every device. The CPU and the GPU pick
+the same token for the same logits, except where two race values, or a candidate's mass against
+top_p, agree within float rounding.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+
+__all__ = ["HASH_MULTIPLIER", "Sampler", "gumbel_noise", "hash32", "race_keys",
+           "race_pick_torch"]
+
+HASH_MULTIPLIER = 0x45D9F3B  # of the 32-bit integer hash `hash32`
+_MASK32 = 0xFFFFFFFF
+
+
+def hash32(x):
+    """A 32-bit integer hash (two multiply-xorshift rounds; Thomas Mueller's constants) of a
+    Python int or an int64 tensor of values in [0, 2**32). The products stay below 2**59: no
+    int64 overflow."""
+    x = (((x >> 16) ^ x) * HASH_MULTIPLIER) & _MASK32
+    x = (((x >> 16) ^ x) * HASH_MULTIPLIER) & _MASK32
+    return (x >> 16) ^ x
+
+
+def race_keys(u: float) -> tuple[int, int]:
+    """A step's two 32-bit noise keys from its draw u in [0, 1) (53 random bits)."""
+    bits = int(u * 2.0**53)
+    key1 = hash32(bits & _MASK32)
+    return key1, hash32((bits >> 32) ^ hash32(key1 ^ 0x9E3779B9))
+
+
+def gumbel_noise(keys: tuple[int, int], n: int, device: torch.device | str) -> torch.Tensor:
+    """The race's noise for tokens 0..n-1, float32 [n]: g_i = -log(-log(U_i)), U_i from 23 bits
+    of hash32(hash32(i ^ key1) ^ key2), centred in its 2**-23 step (never 0 or 1); the logs in
+    float64."""
+    key1, key2 = keys
+    ids = torch.arange(n, dtype=torch.int64, device=device)
+    h = hash32(hash32(ids ^ key1) ^ key2)  # [n]
+    uniform = ((h >> 9).double() + 0.5) * 2.0**-23
+    return (-torch.log(-torch.log(uniform))).float()
+
+
+def race_pick_torch(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                    keys: tuple[int, int]) -> torch.Tensor:
+    """The race's pick in torch ops over logits [V], as a [1] int64 tensor on their device:
+    the host's path (and CUDA's without Triton). No sort: the winner among the tokens in
+    play, checked as `_sampling_triton` checks it; when it is not a candidate, the tokens
+    before it stay in play. Each check is read on the host."""
+    scaled = logits.float() / temperature  # [V]
+    race = scaled + gumbel_noise(keys, scaled.shape[0], scaled.device)  # [V]
+    ids = torch.arange(scaled.shape[0], device=scaled.device)  # [V]
+    mass = torch.exp(scaled - scaled.max())  # [V], softmax's numerators
+    whole = mass.sum()  # the candidates' mass before top_p
+    in_play = torch.ones_like(scaled, dtype=torch.bool)  # [V]
+    if top_k:
+        # The top_k largest values (which ties do not change): tokens below the last are
+        # never candidates, and the first top_k's mass is theirs.
+        top_values = torch.topk(logits.float(), top_k).values / temperature  # [k]
+        in_play = scaled >= top_values[-1]
+        whole = torch.exp(top_values - scaled.max()).sum()
+    while True:
+        winner = torch.argmax(torch.where(in_play, race, -torch.inf))  # the first of ties
+        s_winner = scaled[winner]
+        before = (scaled > s_winner) | ((scaled == s_winner) & (ids < winner))  # [V]
+        if (not top_k or int(before.sum()) < top_k) and (
+            top_p >= 1.0 or bool(mass[before].sum() < top_p * whole)
+        ):
+            return winner.reshape(1)  # [1]
+        in_play = before
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernel module (`_sampling_triton`), or None without Triton."""
+    try:
+        from strata.engine.runtime import _sampling_triton
+    except ImportError:
+        return None
+    return _sampling_triton
+
+
+def _race_pick_cuda(kernels, logits: torch.Tensor, temperature: float, top_p: float,
+                    top_k: int, keys: tuple[int, int]) -> torch.Tensor:
+    """`race_pick_torch`'s pick from `_sampling_triton`'s three kernels: [1] int64."""
+    n_tokens = logits.shape[0]
+    n_blocks = -(-n_tokens // kernels.BLOCK)
+    nb = 1 << max(n_blocks - 1, 0).bit_length()
+    # The blocks' parts: largest s, sum, winner; mass before the winner and the next winner.
+    floats = torch.empty((5, n_blocks), dtype=torch.float32, device=logits.device)
+    ints = torch.empty((3, n_blocks), dtype=torch.int32, device=logits.device)
+    out = torch.empty(1, dtype=torch.int64, device=logits.device)
+    race = torch.empty(n_tokens, dtype=torch.float32, device=logits.device)  # s + g [V]
+    top, total, best, mass, next_best = floats
+    best_id, count, next_id = ints
+    # With top_k, its largest logits (their values only: ties do not change them).
+    top_values = torch.topk(logits.float(), top_k).values if top_k else floats
+    # Keys as signed 32-bit: one argument type whatever their value (no recompiles).
+    key1, key2 = (k - (1 << 32) if k >= 1 << 31 else k for k in keys)
+    grid = (n_blocks,)
+    kernels.race_blocks[grid](logits, n_tokens, temperature, key1, key2, top_k, top_values, race,
+                              top, total, best, best_id, HAS_TOP_K=top_k > 0,
+                              BLOCK=kernels.BLOCK)
+    kernels.race_before_blocks[grid](logits, race, n_tokens, temperature, top, best, best_id,
+                                     n_blocks, mass, count, next_best, next_id,
+                                     BLOCK=kernels.BLOCK, NB=nb)
+    kernels.race_pick[(1,)](logits, race, n_tokens, temperature, top_p, top_k, top_values, top,
+                            total, best, best_id, n_blocks, mass, count, next_best, next_id, out,
+                            HAS_TOP_K=top_k > 0, CHECK_MASS=top_p < 1.0, BLOCK=kernels.BLOCK,
+                            ROW_BLOCK=kernels.ROW_BLOCK, NB=nb, num_warps=kernels.ROW_WARPS)
+    return out
 
 
 class Sampler:
@@ -53,6 +173,11 @@ class Sampler:
             return None
         return float(torch.rand((), generator=self.generator, dtype=torch.float64))
 
+    def uses_kernels(self, logits: torch.Tensor) -> bool:
+        """Whether `pick` runs `_sampling_triton`'s kernels for these logits: sampled, on CUDA
+        with Triton."""
+        return not self.greedy and logits.is_cuda and _kernels() is not None
+
     def pick(self, logits: torch.Tensor, u: float | None) -> torch.Tensor:
         """The next token id from logits [V] and the step's draw `u` (`draw`), as a [1] int64
         tensor on the logits' device: nothing is read on the host, so a decode loop can feed it
@@ -61,19 +186,9 @@ class Sampler:
             raise ValueError(f"logits must be 1-D and non-empty, got shape {list(logits.shape)}")
         if self.greedy:
             return torch.argmax(logits).reshape(1)  # [1]
-        scaled = logits.float() / self.temperature  # [V]
-        if 0 < self.top_k < scaled.shape[0]:
-            values, ids = torch.topk(scaled, self.top_k)  # [k], sorted, descending
-        else:
-            values, ids = torch.sort(scaled, descending=True, stable=True)  # [V]
-        probs = torch.softmax(values, dim=0)  # [C] candidates, descending
-        cumulative = torch.cumsum(probs, dim=0)  # [C]
-        if self.top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (always the first candidate).
-            keep = (cumulative - probs) < self.top_p  # [C]
-            probs = probs * keep
-            cumulative = torch.cumsum(probs, dim=0)
-        threshold = cumulative[-1:] * u  # [1]
-        index = torch.searchsorted(cumulative, threshold, right=True)  # [1]
-        index = index.clamp(max=probs.shape[0] - 1)
-        return ids[index]  # [1]
+        keys = race_keys(u)
+        top_k = self.top_k if self.top_k < logits.shape[0] else 0
+        if self.uses_kernels(logits):
+            return _race_pick_cuda(_kernels(), logits.contiguous(), self.temperature,
+                                   self.top_p, top_k, keys)
+        return race_pick_torch(logits, self.temperature, self.top_p, top_k, keys)
