@@ -92,20 +92,27 @@ def inverse_cdf_pick(logits: torch.Tensor, temperature: float, top_p: float, top
 
 
 def first_winner_outside(logits: torch.Tensor, sampler: Sampler, draws: int) -> float:
-    """The share of `draws` steps (the sampler's seeded draws) whose race winner over all
-    tokens is not a candidate: more than top_k tokens, or top_p of the mass, before it."""
+    """The share of `draws` steps (the sampler's seeded draws) whose race winner is not a
+    candidate: more than top_k tokens, or top_p of the mass, before it. The winner is the
+    kernels' first: over the tokens at or above the top_k-th largest logit (all without
+    top_k)."""
     scaled = logits.float().cpu() / sampler.temperature  # [V]
     order = torch.sort(scaled, descending=True, stable=True).indices  # [V]
     position = torch.empty_like(order)
     position[order] = torch.arange(order.shape[0])  # [V]: each token's place in the order
-    mass_before = torch.cumsum(torch.softmax(scaled[order], dim=0), dim=0)[position]
-    mass_before -= torch.softmax(scaled, dim=0)
+    top_k = sampler.top_k if sampler.top_k < scaled.shape[0] else 0
+    floor = torch.topk(scaled, top_k).values[-1] if top_k else -torch.inf
+    in_play = scaled >= floor  # [V]
+    values = scaled[order][: top_k or None]  # the first top_k's softmax, as the filters see it
+    mass_before = torch.full_like(scaled, 2.0)  # past top_k: never below top_p
+    mass_before[order[: values.shape[0]]] = (torch.cumsum(torch.softmax(values, dim=0), dim=0)
+                                             - torch.softmax(values, dim=0))
     outside = 0
     for _ in range(draws):
         race = scaled + gumbel_noise(race_keys(sampler.draw()), scaled.shape[0], "cpu")
-        winner = int(torch.argmax(race))
-        outside += bool((sampler.top_k and position[winner] >= sampler.top_k)
-                        or mass_before[winner] >= sampler.top_p)
+        winner = int(torch.argmax(torch.where(in_play, race, -torch.inf)))
+        outside += bool((top_k and position[winner] >= top_k)
+                        or (sampler.top_p < 1.0 and mass_before[winner] >= sampler.top_p))
     return outside / draws
 
 

@@ -43,3 +43,12 @@ def test_the_first_winner_outside_is_the_slow_paths_share():
     logits[0] = 5.0  # p0 = e^5 / (e^5 + 999) = 0.129: top-p 0.1 keeps token 0 alone
     share = bench.first_winner_outside(logits, Sampler(temperature=1.0, top_p=0.1, seed=2), 400)
     assert abs(share - (1 - 0.129)) < 0.06
+
+
+def test_with_top_k_the_first_winner_is_the_kernels_own():
+    bench = load_bench("sampling.py")
+    from strata.engine.runtime.sampling import Sampler
+
+    logits = torch.arange(1000, dtype=torch.float32) / 100  # no ties: the top-k race only
+    sampler = Sampler(temperature=1.0, top_k=50, seed=2)
+    assert bench.first_winner_outside(logits, sampler, 100) == 0.0
