@@ -173,6 +173,8 @@ def test_the_pick_is_a_candidate_with_minus_infinity_logits():
     assert draws == {1, 3}
     every = torch.full((5,), float("-inf"))
     assert Sampler(temperature=1.0).sample(every) in range(5)
+    for nans in (torch.full((5,), float("nan")), torch.tensor([1.0, float("nan"), 0.0])):
+        assert Sampler(temperature=1.0, top_p=0.5).sample(nans) in range(len(nans))
 
 
 # The kernels under Triton's interpreter: the cases' rows of logits, seeded, and the draws.
@@ -217,6 +219,15 @@ for seed, (n_tokens, temperature, top_p, top_k, kind) in enumerate(_CASES):
                         "want": definition(logits, temperature, top_p, top_k, keys),
                         "slow": not first_winner_is_candidate(logits, temperature, top_p,
                                                               top_k, keys)})
+# NaN logits order nothing: the pick is only required to be a token of the row (and to end).
+nan_picks = []
+for n_tokens, nan_every in [(3000, 7), (1500, 1)]:
+    logits = case_logits(n_tokens, "normal", 0)
+    logits[::nan_every] = float("nan")
+    for top_p in (0.3, 0.95):
+        nan_picks.append([n_tokens, int(_race_pick_cuda(_sampling_triton, logits, 1.0, top_p, 0,
+                                                        race_keys(0.5)))])
+results.append(nan_picks)
 print(json.dumps(results))
 """
 
@@ -224,6 +235,8 @@ print(json.dumps(results))
 def test_the_kernels_under_the_interpreter_pick_the_definitions_token():
     pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
     results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
+    nan_picks = results.pop()
+    assert all(0 <= token < n_tokens for n_tokens, token in nan_picks)
     assert len(results) == 6 * len(_CASES)
     assert [r["got"] for r in results] == [r["want"] for r in results]
     slow = [r for r in results if r["slow"]]

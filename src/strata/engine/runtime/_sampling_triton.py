@@ -133,7 +133,7 @@ def race_before_blocks(logits_ptr, race_ptr, V, temperature, top_ptr, best_ptr, 
     q_in = q < n_blocks
     top = _row_top(top_ptr, q, q_in)
     c = _winner(best_ptr, id_ptr, q, q_in, V)
-    s_c = _scaled(logits_ptr, c, True, temperature)
+    s_c = _scaled(logits_ptr, c, c < V, temperature)  # c is V only for a row of NaNs
     b = tl.program_id(0)
     ids = b * BLOCK + tl.arange(0, BLOCK)
     mass, count, best, best_id = _before(logits_ptr, race_ptr, ids, ids < V, temperature, top,
@@ -176,10 +176,13 @@ def race_pick(logits_ptr, race_ptr, V, temperature, top_p, top_k, top_values_ptr
     c = _winner(best_ptr, id_ptr, q, q_in, V)
     mass = tl.sum(tl.load(mass_ptr + q, mask=q_in, other=0.0), axis=0)
     count = tl.sum(tl.load(count_ptr + q, mask=q_in, other=0), axis=0)
-    found = _is_candidate(mass, count, limit, top_k, CHECK_MASS)
     nxt = _winner(next_best_ptr, next_id_ptr, q, q_in, V)
+    # No token before c (nxt is V: only with NaN logits, which order nothing): c stands. Each
+    # pass otherwise leaves fewer tokens in play, so the loop ends.
+    found = _is_candidate(mass, count, limit, top_k, CHECK_MASS) | (nxt >= V)
     while not found:  # the rare path: c is not a candidate; check the winner before it
         c = nxt
+        nxt = tl.zeros_like(nxt) + V  # none yet
         s_c = _scaled(logits_ptr, c, True, temperature)
         mass = 0.0
         count = 0
@@ -192,5 +195,5 @@ def race_pick(logits_ptr, race_ptr, V, temperature, top_p, top_k, top_values_ptr
             count += b_count
             nxt = tl.where(b_best > best, b_id, nxt)  # strictly: the lower block wins ties
             best = tl.maximum(best, b_best)
-        found = _is_candidate(mass, count, limit, top_k, CHECK_MASS)
-    tl.store(out_ptr, c.to(tl.int64))
+        found = _is_candidate(mass, count, limit, top_k, CHECK_MASS) | (nxt >= V)
+    tl.store(out_ptr, tl.minimum(c, V - 1).to(tl.int64))  # in the row, whatever the logits

@@ -85,9 +85,11 @@ def race_pick_torch(logits: torch.Tensor, temperature: float, top_p: float, top_
         winner = torch.argmax(torch.where(in_play, race, -torch.inf))  # the first of ties
         s_winner = scaled[winner]
         before = (scaled > s_winner) | ((scaled == s_winner) & (ids < winner))  # [V]
-        if (not top_k or int(before.sum()) < top_k) and (
+        # No token before it (only NaN logits order nothing): the winner stands. Otherwise
+        # each check leaves fewer tokens in play, so the loop ends.
+        if not bool(before.any()) or ((not top_k or int(before.sum()) < top_k) and (
             top_p >= 1.0 or bool(mass[before].sum() < top_p * whole)
-        ):
+        )):
             return winner.reshape(1)  # [1]
         in_play = before
 
