@@ -85,8 +85,8 @@ def race_pick_torch(logits: torch.Tensor, temperature: float, top_p: float, top_
         winner = torch.argmax(torch.where(in_play, race, -torch.inf))  # the first of ties
         s_winner = scaled[winner]
         before = (scaled > s_winner) | ((scaled == s_winner) & (ids < winner))  # [V]
-        # No token before it (only NaN logits order nothing): the winner stands. Otherwise
-        # each check leaves fewer tokens in play, so the loop ends.
+        # No token before it (only with NaN logits, which order nothing): the winner stands;
+        # otherwise each check leaves fewer tokens in play, so the loop ends.
         if not bool(before.any()) or ((not top_k or int(before.sum()) < top_k) and (
             top_p >= 1.0 or bool(mass[before].sum() < top_p * whole)
         )):
