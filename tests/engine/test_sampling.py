@@ -130,6 +130,12 @@ def test_bad_logits_are_rejected():
         Sampler().sample(torch.zeros(2, 3))
 
 
+@pytest.mark.parametrize("u", [None, 1.0, -0.1, float("nan"), 1])
+def test_a_sampled_pick_without_a_draw_in_range_is_rejected(u):
+    with pytest.raises(ValueError, match=r"needs the step's draw u, a float in \[0, 1\)"):
+        Sampler(temperature=1.0).pick(torch.zeros(4), u)
+
+
 def test_the_hash_is_the_same_on_ints_and_tensors_and_a_bijection():
     values = torch.randint(0, 2**32, (2000,), generator=torch.Generator().manual_seed(0))
     assert hash32(values).tolist() == [hash32(v) for v in values.tolist()]

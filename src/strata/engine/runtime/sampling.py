@@ -188,6 +188,9 @@ class Sampler:
             raise ValueError(f"logits must be 1-D and non-empty, got shape {list(logits.shape)}")
         if self.greedy:
             return torch.argmax(logits).reshape(1)  # [1]
+        if not (isinstance(u, float) and 0.0 <= u < 1.0):
+            raise ValueError(f"a sampled pick needs the step's draw u, a float in [0, 1) "
+                             f"(Sampler.draw), got {u!r}")
         keys = race_keys(u)
         top_k = self.top_k if self.top_k < logits.shape[0] else 0
         if self.uses_kernels(logits):
