@@ -109,7 +109,7 @@ def race_blocks(logits_ptr, V, temperature, key1, key2, top_k, top_values_ptr, r
     tl.store(top_ptr + b, top)
     tl.store(sum_ptr + b, tl.sum(tl.where(inside, tl.exp(s - shift), 0.0), axis=0))
     in_play = inside
-    if HAS_TOP_K:  # only tokens at or above the top_k-th largest race: the others never win
+    if HAS_TOP_K:  # only tokens at or above the top_k-th largest s: the others never win
         in_play = inside & (s >= _scaled(top_values_ptr, top_k - 1, True, temperature))
     race = tl.where(in_play, s + _gumbel(ids, key1, key2), float("-inf"))
     tl.store(race_ptr + ids, race, mask=inside)  # read again only by the tokens before a winner
