@@ -54,7 +54,9 @@
 # share), decode16-default (4: the same without --compile, no compile time: the default path
 # alone beside transformers, greedy and with `strata generate`'s default sampling),
 # decode16-ahead (1.5: the default path alone, greedy, greedy with each round's token read
-# before the next is launched, and with `strata generate`'s sampling),
+# before the next is launched, and with `strata generate`'s sampling), decode-shapes-sampling
+# (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to 2, one JSON object a
+# line in decode-shapes-sampling.jsonl),
 # profile-decode (1.5: the profile stage's decode rounds and prompt
 # chunks of 32 and 4,096 without --compile), profile-decode16 (2: the decode round's A/Bs on the
 # whole olmoe-1b-7b), profile-decode-shapes (2.5: the same on qwen3-30b-a3b cut to 4 layers and
@@ -290,6 +292,12 @@ for stage in "$@"; do
                  --new-tokens 64 --repeat 5 --plain-loop --cli-sampling --no-transformers \
                  --json) > "$OUT/decode16-ahead.json" 2> "$OUT/decode16-ahead.err"
               tail -2 "$OUT/decode16-ahead.err" ;;
+    decode-shapes-sampling) # the default path, greedy and with the CLI's sampling, on the cuts
+              for shape in "qwen3-30b-a3b --layers 4" "mixtral-8x7b --layers 2"; do
+                (cd bench && timeout 150 python3 decode.py --preset $shape --new-tokens 64 \
+                   --repeat 5 --plain-loop --cli-sampling --no-transformers --json) \
+                   >> "$OUT/decode-shapes-sampling.jsonl" 2>> "$OUT/decode-shapes-sampling.err"
+              done; tail -4 "$OUT/decode-shapes-sampling.err" ;;
     decode16-default) (cd bench && timeout 300 python3 decode.py --model "$(olmoe_checkpoint)" \
                  --new-tokens 64 --repeat 3 --prefill-lengths 512,4096,16384 --cli-sampling \
                  --json) > "$OUT/decode16-default.json" \
