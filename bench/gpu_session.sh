@@ -85,7 +85,7 @@
 # --stream-misses 3,4, each with and without `wake_cpu`);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
-# second or two, and later runs read them). A new checkpoint adds about a minute to the first
+# few seconds, and later runs read them). A new checkpoint adds about a minute to the first
 # stage that uses it.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,7 @@
 """`--stream-misses auto`: the split arithmetic, the rates measured on the host twin and kept in
 the rates file, reading them back, a bad file, and the split's determinism through the cache."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -87,11 +88,32 @@ def test_a_joint_table_splits_by_the_fastest_call_over_the_sides_rates():
     assert MissRates.from_entry(entry, "here").joint_s == joint
     assert MissRates.from_entry({k: v for k, v in entry.items() if k != "joint_s"},
                                 "an earlier strata's").joint_s == ()
-    assert "both sides timed together" in rates.note(rates.split(), 4)
-    for bad in (((0.0,), (1.0,)), ((1.0,), (1.0, 1.0), (2.0, 1.5, 1.8)),
-                ((0.0,), (1.0, math.nan), (2.0, 1.5, 1.8)), ((0.0,), (1.0, 1.0))):
-        with pytest.raises(ValueError, match="joint_s must be"):
-            MissRates((0.0, 1.0, 2.0), (0.0, 1.0, 2.0), 1000, joint_s=bad)
+    assert "both sides timed together in whole calls" in rates.note(rates.split(), 4)
+    for name in ("joint_s", "staged_s"):
+        for bad in (((0.0,), (1.0,)), ((1.0,), (1.0, 1.0), (2.0, 1.5, 1.8)),
+                    ((0.0,), (1.0, math.nan), (2.0, 1.5, 1.8)), ((0.0,), (1.0, 1.0))):
+            with pytest.raises(ValueError, match=f"{name} must be"):
+                MissRates((0.0, 1.0, 2.0), (0.0, 1.0, 2.0), 1000, **{name: bad})
+
+
+def test_split_calls_timed_come_first_and_an_older_entry_splits_as_it_did():
+    """A decode round on CUDA splits its calls around the graphs: their times (`staged_s`)
+    choose the split over the whole calls' (`joint_s`); an entry kept without them (an
+    earlier strata's) keeps the whole calls' split, and one without either the sides'."""
+    alone = (tuple(float(k) for k in range(4)), tuple(float(k) for k in range(4)))
+    joint = ((0.0,), (1.0, 1.0), (2.0, 1.5, 1.8), (3.0, 2.5, 2.0, 2.2))  # whole: 0, 1, 2
+    staged = ((0.0,), (1.0, 0.5), (2.0, 1.2, 0.9), (3.0, 2.0, 1.9, 1.0))  # split: 1, 2, 3
+    rates = MissRates(*alone, 1000, joint_s=joint, staged_s=staged)
+    assert rates.timed_calls == "split" and rates.split().counts == (0, 1, 2, 3)
+    assert "timed together in calls split around the graphs" in rates.note(rates.split(), 4)
+    entry = rates.as_entry()
+    assert entry["staged_s"] == [list(row) for row in staged]
+    assert MissRates.from_entry(entry, "here") == dataclasses.replace(rates, source="here")
+    older = MissRates.from_entry({k: v for k, v in entry.items() if k != "staged_s"}, "older")
+    assert older.timed_calls == "whole" and older.split().counts == (0, 0, 1, 2)
+    oldest = MissRates.from_entry({k: v for k, v in entry.items()
+                                   if k not in ("staged_s", "joint_s")}, "oldest")
+    assert oldest.timed_calls == "" and oldest.split().counts == balanced_split(*alone)
 
 
 def test_the_split_table_checks_itself():
@@ -154,15 +176,18 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path):
     for table in (first.stream_s, first.cpu_s):
         assert table[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(table))
         assert table[-1] > 0
-    # Each M's calls timed for s = 0..M streamed; the split is their fastest.
-    assert [len(row) for row in first.joint_s] == list(range(1, config.top_k + 2))
-    assert all(t > 0 for row in first.joint_s[1:] for t in row)
-    assert first.split().counts == tuple(row.index(min(row)) for row in first.joint_s)
+    # Each M's calls timed for s = 0..M streamed, whole and split around the graphs; the
+    # split is the split calls' fastest.
+    for grid in (first.joint_s, first.staged_s):
+        assert [len(row) for row in grid] == list(range(1, config.top_k + 2))
+        assert all(t > 0 for row in grid[1:] for t in row)
+    assert first.timed_calls == "split"
+    assert first.split().counts == tuple(row.index(min(row)) for row in first.staged_s)
     again = kept_rates(key, measure, path)
     assert calls == [1]  # read, not measured again
     assert again.source.startswith(f"read from {path} (measured ")
-    assert (again.stream_s, again.cpu_s, again.joint_s) == (first.stream_s, first.cpu_s,
-                                                            first.joint_s)
+    assert (again.stream_s, again.cpu_s, again.joint_s, again.staged_s) == (
+        first.stream_s, first.cpu_s, first.joint_s, first.staged_s)
     assert again.split().counts == first.split().counts
     document = json.loads(path.read_text())
     assert document["format"] == FORMAT and list(document["entries"]) == [key.text()]

@@ -27,10 +27,15 @@ two sides' times.
 
 Those calls are whole calls (the device's kernels launched from the host, as
 `token_forward` runs them), while a decode round on CUDA splits its calls around the graphs
-(`strata.engine.cache.graph_call`: the device's share is only its uploads on the host). On
-the H200 the joint split tied the fixed half of K on olmoe-1b-7b and was 1.17x slower on a
-16-layer qwen3-30b-a3b, where it streamed nothing below 4 misses
-(bench/results/offload-host-h200-2026-12-02.md): timing the split calls is what is left.
+(`strata.engine.cache.graph_call`: the device's share is only its uploads on the host, and
+the staged experts are computed by the next graph). On the H200 the whole calls' split tied
+the fixed half of K on olmoe-1b-7b and was 1.17x slower on a 16-layer qwen3-30b-a3b, where it
+streamed nothing below 4 misses (bench/results/offload-host-h200-2026-12-02.md). So
+`staged_s` is measured too: `staged_s[M][s]`, the wall time of a call as `fill_misses` and
+the next graph run it (the s blobs staged, the other M - s experts computed on the CPU
+meanwhile, then the staged experts computed on the device after their uploads). The split
+takes each M's fastest s from it first, then from `joint_s`: a table kept by a strata that
+measured neither, or only whole calls, splits as it did.
 
 The times depend on the machine and the configuration (`RatesKey`: the GPU's name, the CPU's
 model, the CPU experts' threads, the dtype and the expert's shape), not on the weights, and the
@@ -60,7 +65,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.engine.experts import ExpertStore
+from strata.engine.experts import ExpertStore, grouped
 from strata.engine.experts.cpu import CpuExperts, kernel_for
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.streamed import StreamedMisses, StreamSplit
@@ -141,9 +146,11 @@ class MissRates:
     blob_bytes: int
     measured: str = ""
     source: str = ""
-    # joint_s[M][s] for M = 0..K, s = 0..M: a call's wall time with M misses, s streamed (the
-    # module); () where not measured.
+    # joint_s[M][s] for M = 0..K, s = 0..M: a whole call's wall time with M misses, s
+    # streamed; staged_s[M][s] the same of a call split around the graphs (the module); ()
+    # where not measured.
     joint_s: tuple[tuple[float, ...], ...] = ()
+    staged_s: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("stream_s", "cpu_s"):
@@ -156,15 +163,16 @@ class MissRates:
         if len(self.stream_s) != len(self.cpu_s):
             raise ValueError(f"stream_s and cpu_s must both be [K + 1], got "
                              f"{len(self.stream_s)} and {len(self.cpu_s)}")
-        joint = tuple(tuple(row) for row in self.joint_s)
-        object.__setattr__(self, "joint_s", joint)
-        if joint and (len(joint) != len(self.cpu_s) or joint[0] != (0.0,) or any(
-                len(row) != m + 1 or not all(isinstance(t, float) and math.isfinite(t)
-                                             and t >= 0 for t in row)
-                for m, row in enumerate(joint))):
-            raise ValueError(f"joint_s must be [[0.0], [t10, t11], ..., [tK0, ..., tKK]] of "
-                             f"finite seconds >= 0 (row M: s = 0..M), got "
-                             f"{[list(row) for row in joint]}")
+        for name in ("joint_s", "staged_s"):
+            grid = tuple(tuple(row) for row in getattr(self, name))
+            object.__setattr__(self, name, grid)
+            if grid and (len(grid) != len(self.cpu_s) or grid[0] != (0.0,) or any(
+                    len(row) != m + 1 or not all(isinstance(t, float) and math.isfinite(t)
+                                                 and t >= 0 for t in row)
+                    for m, row in enumerate(grid))):
+                raise ValueError(f"{name} must be [[0.0], [t10, t11], ..., [tK0, ..., tKK]] of "
+                                 f"finite seconds >= 0 (row M: s = 0..M), got "
+                                 f"{[list(row) for row in grid]}")
         if isinstance(self.blob_bytes, bool) or not isinstance(self.blob_bytes, int) \
                 or self.blob_bytes < 1:
             raise ValueError(f"blob_bytes must be an int >= 1, got {self.blob_bytes!r}")
@@ -187,13 +195,20 @@ class MissRates:
         """Expert bytes a second the CPU reads computing K experts."""
         return self._rate(self.cpu_s)
 
+    @property
+    def timed_calls(self) -> str:
+        """What the split is taken from: "split" calls (`staged_s`), "whole" calls
+        (`joint_s`), or "" (each side timed alone)."""
+        return "split" if self.staged_s else "whole" if self.joint_s else ""
+
     def split(self) -> StreamSplit:
-        """For each M the s of the fastest call in `joint_s` (the smaller s on a tie: fewer
-        uploads); without it, the split that makes the two sides finish together
-        (`balanced_split`)."""
-        if self.joint_s:
+        """For each M the s of the fastest call in `staged_s`, else in `joint_s` (the smaller s
+        on a tie: fewer uploads); without either, the split that makes the two sides finish
+        together (`balanced_split`)."""
+        grid = self.staged_s or self.joint_s
+        if grid:
             counts = tuple(min(range(len(row)), key=lambda s, row=row: (row[s], s))
-                           for row in self.joint_s)
+                           for row in grid)
         else:
             counts = balanced_split(self.stream_s, self.cpu_s)
         return StreamSplit(counts, f"--stream-misses auto ({self.source})")
@@ -205,8 +220,9 @@ class MissRates:
                  "blob_bytes": self.blob_bytes, "measured": self.measured,
                  "stream_gb_s": self.stream_bytes_per_s / 1e9,
                  "cpu_gb_s": self.cpu_bytes_per_s / 1e9}
-        if self.joint_s:
-            entry["joint_s"] = [list(row) for row in self.joint_s]
+        for name in ("joint_s", "staged_s"):
+            if getattr(self, name):
+                entry[name] = [list(row) for row in getattr(self, name)]
         return entry
 
     @classmethod
@@ -217,7 +233,8 @@ class MissRates:
         try:
             return cls(stream_s=tuple(entry["stream_s"]), cpu_s=tuple(entry["cpu_s"]),
                        blob_bytes=entry["blob_bytes"], measured=str(entry.get("measured", "")),
-                       source=source, joint_s=tuple(map(tuple, entry.get("joint_s", ()))))
+                       source=source, joint_s=tuple(map(tuple, entry.get("joint_s", ()))),
+                       staged_s=tuple(map(tuple, entry.get("staged_s", ()))))
         except (KeyError, TypeError) as err:
             raise ValueError(f"an entry lacks or mistypes {err}") from None
 
@@ -228,8 +245,13 @@ class MissRates:
                 f"the rest; rates: upload and compute {self.stream_bytes_per_s / 1e9:.1f} GB/s, "
                 f"CPU experts {self.cpu_bytes_per_s / 1e9:.1f} GB/s on {threads} threads (at "
                 f"{self.top_k} experts), split by "
-                f"{'both sides timed together' if self.joint_s else 'each side timed alone'}, "
+                f"{_HOW_TIMED[self.timed_calls]}, "
                 f"{self.source}")
+
+
+_HOW_TIMED = {"split": "both sides timed together in calls split around the graphs",
+              "whole": "both sides timed together in whole calls",
+              "": "each side timed alone"}
 
 
 def _synthetic_store(key: RatesKey, dtype: torch.dtype, pin: bool,
@@ -247,9 +269,10 @@ def _synthetic_store(key: RatesKey, dtype: torch.dtype, pin: bool,
 
 
 def _samples(store: ExpertStore, key: RatesKey, dtype: torch.dtype, device: torch.device,
-             cpu_threads: int | None, repeat: int) -> tuple[list[list[float]], ...]:
-    """(stream, cpu, joint): `repeat` timings in seconds of each side for each k (index 0
-    empty), and of a whole call for each M and s (joint[M][s]; row 0 empty)."""
+             cpu_threads: int | None, repeat: int) -> tuple[list, ...]:
+    """(stream, cpu, joint, staged): `repeat` timings in seconds of each side for each k
+    (index 0 empty), and of a whole and a split call for each M and s (joint[M][s],
+    staged[M][s]; row 0 empty; staged [] where calls are not split)."""
     cuda = device.type == "cuda"
     cpu = CpuExperts(store, cpu_threads)
     streamer = StreamedMisses(store, device, key.top_k)
@@ -294,7 +317,29 @@ def _samples(store: ExpertStore, key: RatesKey, dtype: torch.dtype, device: torc
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    joint_t: list[list[list[float]]] = [[[] for _ in range(m + 1)] for m in range(len(routed))]
+    rows = torch.zeros((key.top_k + 1, key.hidden_size), dtype=dtype, device=device)  # [K+1, D]
+
+    def split_call(m: int, s: int) -> float:  # as `fill_misses` and the next graph run one
+        stream_layer, cpu_layer = next(layers) % store.n_layers, next(layers) % store.n_layers
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        if s:  # uploads and the stage map queued, no kernel launched
+            streamer.stage(stream_layer, routed[s], routed[s].rows + 1)
+        else:
+            streamer.stage(stream_layer, None, None)
+        if m - s:
+            cpu.compute(cpu_layer, x_host[:m - s], routed[m - s])
+        streamer.staged_rows(x_dev, rows)  # the next graph's part, after the uploads
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    # Calls are split only where the experts' kernels read nothing for an unused staging
+    # blob (`CachedExperts.splits_calls`); the host twin times them too, for its tests.
+    splits = not cuda or not grouped.copies_weights(device)
+    joint_t = [[[] for _ in range(m + 1)] for m in range(len(routed))]
+    staged_t = [[[] for _ in range(m + 1)] for m in range(len(routed))]
     for round_ in range(repeat + 1):  # the first untimed
         for k in range(1, key.top_k + 1):
             t_stream, t_cpu = stream(k), on_cpu(k)
@@ -303,9 +348,12 @@ def _samples(store: ExpertStore, key: RatesKey, dtype: torch.dtype, device: torc
                 cpu_t[k].append(t_cpu)
             for s in range(k + 1):
                 t_call = call(k, s)
+                t_split = split_call(k, s) if splits else None
                 if round_:
                     joint_t[k][s].append(t_call)
-    return stream_t, cpu_t, joint_t
+                    if splits:
+                        staged_t[k][s].append(t_split)
+    return stream_t, cpu_t, joint_t, staged_t if splits else []
 
 
 def _table(samples: list[list[float]]) -> tuple[float, ...]:
@@ -327,11 +375,20 @@ def measure_rates(key: RatesKey, dtype: torch.dtype, device: torch.device, *,
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     store = _synthetic_store(key, dtype, device.type == "cuda", target_bytes)
     try:
-        stream_t, cpu_t, joint_t = _samples(store, key, dtype, device, cpu_threads, repeat)
+        stream_t, cpu_t, joint_t, staged_t = _samples(store, key, dtype, device, cpu_threads,
+                                                      repeat)
     finally:
         del store
         if device.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # give the pinned buffer back to the system
-    joint = ((0.0,), *(tuple(float(statistics.median(t)) for t in row) for row in joint_t[1:]))
     return MissRates(_table(stream_t), _table(cpu_t), key.blob_bytes,
-                     measured=datetime.date.today().isoformat(), joint_s=joint)
+                     measured=datetime.date.today().isoformat(), joint_s=_grid(joint_t),
+                     staged_s=_grid(staged_t))
+
+
+def _grid(samples: list[list[list[float]]]) -> tuple[tuple[float, ...], ...]:
+    """[[0.0], [median of M = 1, s = 0, 1], ...]: each call's median, as measured (() for no
+    samples)."""
+    if not samples:
+        return ()
+    return ((0.0,), *(tuple(float(statistics.median(t)) for t in row) for row in samples[1:]))
