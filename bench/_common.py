@@ -64,6 +64,17 @@ def fresh_request(engine, prompt: list[int], options):
     return engine.generate(prompt, options)
 
 
+def cli_sampling() -> dict:
+    """`strata generate`'s sampling options when none are given (temperature, top_p, top_k,
+    seed), read from its parser so that the figure follows the CLI."""
+    from strata.cli import generate as cli_generate
+
+    subparsers = argparse.ArgumentParser().add_subparsers()
+    cli_generate.register(subparsers)
+    parser = subparsers.choices["generate"]
+    return {name: parser.get_default(name) for name in ("temperature", "top_p", "top_k", "seed")}
+
+
 def byte_tokens(n: int, seed: int) -> list[int]:
     """`n` byte ids every checkpoint's tokenizer knows, fixed by `seed`."""
     generator = torch.Generator().manual_seed(seed)

@@ -94,10 +94,11 @@ def cached(ckpt, device, dtype, profile, max_context, small, *, loan=True, **opt
 
 
 def run_decode(engine, prompt, n_new, repeat, max_context, cuda_graphs=True,
-               piecewise=False) -> dict:
-    options = GenerateOptions(max_new=n_new, max_context=max_context, temperature=0.0,
-                              ignore_stop=True, cuda_graphs=cuda_graphs,
-                              piecewise_graphs=piecewise)
+               piecewise=False, sampling: dict | None = None) -> dict:
+    """Greedy, or with `sampling`'s options (temperature, top_p, top_k, seed)."""
+    options = GenerateOptions(max_new=n_new, max_context=max_context, ignore_stop=True,
+                              cuda_graphs=cuda_graphs, piecewise_graphs=piecewise,
+                              **(sampling or {"temperature": 0.0}))
     fresh_request(engine, prompt, options)  # warm-up
     runs = [fresh_request(engine, prompt, options) for _ in range(repeat)]
     best = sorted(runs, key=lambda r: r.decode_tok_s)[len(runs) // 2]  # the median run

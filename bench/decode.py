@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from _common import add_model_arguments, free_memory, fresh_request, sync
+from _common import add_model_arguments, cli_sampling, free_memory, fresh_request, sync
 from strata.engine.experts.quant import EXPERTS_DTYPES, expert_blob_bytes, experts_quant_for
 from strata.engine.model.init_model import write_checkpoint
 from strata.engine.model.presets import BYTE_TOKENS, get_preset
@@ -107,17 +107,6 @@ def _si(n_bytes: float) -> str:
         if n_bytes >= scale:
             return f"{n_bytes / scale:.3g} {unit}"
     return f"{n_bytes:.0f} B"
-
-
-def cli_sampling() -> dict:
-    """`strata generate`'s sampling options when none are given (temperature, top_p, top_k,
-    seed), read from its parser so that the figure follows the CLI."""
-    from strata.cli import generate as cli_generate
-
-    subparsers = argparse.ArgumentParser().add_subparsers()
-    cli_generate.register(subparsers)
-    parser = subparsers.choices["generate"]
-    return {name: parser.get_default(name) for name in ("temperature", "top_p", "top_k", "seed")}
 
 
 def run_strata(ckpt, device, dtype, prompt, n_new, repeat, prefill_chunk, compile=False,

@@ -82,7 +82,8 @@
 # kernels against the sort they replaced, at olmoe's vocabulary and qwen3's), cpu-wake (1: bench/cpu_experts.py over 2 and 3 experts after an
 # 800 us gap, with and without the kernel's threads started 300 us before the call, olmoe's and
 # qwen3's shapes), offload-wake (4: olmoe-1b-7b at 4 GiB and qwen3-30b-a3b's 16 layers at 22%,
-# --stream-misses 3,4, each with and without `wake_cpu`);
+# --stream-misses 3,4, each with and without `wake_cpu`), offload-sampled (4: the same runs
+# greedy and with `strata generate`'s default sampling);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # few seconds, and later runs read them). A new checkpoint adds about a minute to the first
@@ -218,6 +219,11 @@ for stage in "$@"; do
                    --tokens 1 --experts 2,3 --gap-us 800 --wake-us 300 --repeat 15 \
                    --memory pinned)
               done > "$OUT/cpu-wake.txt" 2>&1; grep "| pinned" "$OUT/cpu-wake.txt" | cut -c1-120 ;;
+    offload-sampled)  # the CLI's default sampling against greedy in the host-bound round
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3,4 \
+               --cli-sampling --prefill-tokens 0
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
+               --cli-sampling --prefill-tokens 0 ;;
     offload-wake)  # the CPU's threads started before each routing read: A/B in one process
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3,4 \
                --wake-cpu --prefill-tokens 0

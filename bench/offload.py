@@ -20,7 +20,8 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   `strata.engine.cache.prefetch`, its prefetched experts and how many the next layer used;
   an N above a run's staging blobs is skipped; `--wake-cpu` adds each run again with the CPU
   kernel's threads started before each call's routing read, named -wake:
-  `CachedExperts.wake_cpu`). For
+  `CachedExperts.wake_cpu`; `--cli-sampling` with `strata generate`'s default sampling instead
+  of greedy, named -sampled: the pick's host time in a round the host holds). For
   each: the round's time; its misses split between the CPU and the copy engine (experts and
   shares); the bound, max(CPU's miss bytes / host read
   bandwidth, streamed bytes / copy rate) + the device round (summed over the round, so a lower
@@ -73,6 +74,7 @@ from _common import (
     add_model_arguments,
     byte_tokens,
     checkpoint_for,
+    cli_sampling,
     engine_around,
     free_memory,
     fresh_request,
@@ -309,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated caps N: also run each decode with up to N of "
                         "the next layer's predicted misses prefetched "
                         "(`strata.engine.cache.prefetch`), named -prefetchN")
+    parser.add_argument("--cli-sampling", action="store_true",
+                        help="also run each decode with `strata generate`'s default sampling "
+                        "(greedy otherwise), named -sampled")
     parser.add_argument("--wake-cpu", action="store_true",
                         help="also run each decode with the CPU kernel's threads started before "
                         "each call's routing read (`CachedExperts.wake_cpu`), named -wake")
@@ -422,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
 
             variants = [("", 0), *([("-whole", 0)] if args.whole_calls else []),
                         *([("-wake", 0)] if args.wake_cpu else []),
+                        *([("-sampled", 0)] if args.cli_sampling else []),
                         *((f"-prefetch{cap}", cap) for cap in prefetch_caps)]
             for stream, (variant, cap) in ((stream, variant) for stream in streams
                                            for variant in variants):
@@ -438,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                         say(note)
                     run = run_decode(engine, prompt, args.new_tokens, args.repeat,
                                      decode_context, cuda_graphs=not args.eager,
-                                     piecewise=not args.eager)
+                                     piecewise=not args.eager,
+                                     sampling=cli_sampling() if variant == "-sampled" else None)
                     run["startup"] = engine.cache.budget.startup_line()
                     run["notes"] = notes
                     run["slots"] = engine.cache.arena.n_slots

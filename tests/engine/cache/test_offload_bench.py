@@ -19,7 +19,7 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "6", "--prefill-tokens",
             "160", "--prefill-chunk", "80", "--host-read-mib", "16", "--loan-keep-slots", "0",
             "--repeat", "1", "--stream-misses", "auto,1", "--expert-share", "0.25", "--json",
-            "--whole-calls", "--prefetch", "1,2", "--wake-cpu"]
+            "--whole-calls", "--prefetch", "1,2", "--wake-cpu", "--cli-sampling"]
     assert bench.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["machine"]["host_read_bytes_per_s"] > 0
@@ -28,10 +28,14 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     runs = report["runs"]
     # Off CUDA auto streams nothing, and 1 stages 1 blob: no prefetch run of auto, nor of 2.
     assert set(runs) == {"decode-stream-auto", "decode-stream-auto-whole",
-                         "decode-stream-auto-wake", "decode-stream-1", "decode-stream-1-whole",
-                         "decode-stream-1-wake", "decode-stream-1-prefetch1", "prefill-loan"}
+                         "decode-stream-auto-wake", "decode-stream-auto-sampled",
+                         "decode-stream-1", "decode-stream-1-whole", "decode-stream-1-wake",
+                         "decode-stream-1-sampled", "decode-stream-1-prefetch1", "prefill-loan"}
     # Waking the CPU's threads before each routing read changes no token.
     assert runs["decode-stream-1-wake"]["tokens"] == runs["decode-stream-1"]["tokens"]
+    # The CLI's sampling: other tokens than greedy's, the same ones run to run.
+    sampled = runs["decode-stream-1-sampled"]
+    assert sampled["deterministic"] and sampled["tokens"] != runs["decode-stream-1"]["tokens"]
     # Off CUDA no call is split, so none predicts: nothing prefetched, the same tokens.
     assert runs["decode-stream-1-prefetch1"]["prefetch"] == {"prefetched_experts": 0, "used": 0}
     assert runs["decode-stream-1-prefetch1"]["tokens"] == runs["decode-stream-1"]["tokens"]
