@@ -268,92 +268,94 @@ def _synthetic_store(key: RatesKey, dtype: torch.dtype, pin: bool,
     return ExpertStore(list(buffer.unbind(0)), key.hidden_size, key.expert_width, dtype)
 
 
+class _Calls:
+    """The calls `_samples` times over a synthetic store, each reading the store's next layer
+    (round robin): one side alone, or a call of both."""
+
+    def __init__(self, store: ExpertStore, key: RatesKey, dtype: torch.dtype,
+                 device: torch.device, cpu_threads: int | None) -> None:
+        self.store, self.device, self.cuda = store, device, device.type == "cuda"
+        self.cpu = CpuExperts(store, cpu_threads)
+        self.streamer = StreamedMisses(store, device, key.top_k)
+        self.x_host = torch.full((key.top_k, key.hidden_size), 0.01, dtype=dtype)  # [K, D]
+        self.x_dev = self.x_host[:1].to(device)  # [1, D]
+        self.rows = torch.zeros((key.top_k + 1, key.hidden_size), dtype=dtype,
+                                device=device)  # [K + 1, D], as `fill_misses` fills them
+        # routed[k]: experts 0..k-1, one row each (routed[0] unused).
+        self.routed = [Routed.of(np.arange(max(k, 1))[None, :]) for k in range(key.top_k + 1)]
+        self._layers = itertools.count()
+        # Calls are split only where the experts' kernels read nothing for an unused staging
+        # blob (`CachedExperts.splits_calls`); the host twin times them too, for its tests.
+        self.splits = not self.cuda or not grouped.copies_weights(device)
+
+    def _layer(self) -> int:
+        return next(self._layers) % self.store.n_layers
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def stream(self, k: int) -> float:
+        """k blobs uploaded and computed, on the device's clock on CUDA."""
+        layer = self._layer()
+        if not self.cuda:
+            start = time.perf_counter()
+            self.streamer.compute(layer, self.x_dev, self.routed[k])
+            return time.perf_counter() - start
+        self._sync()
+        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        begin.record()
+        self.streamer.compute(layer, self.x_dev, self.routed[k])
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1000
+
+    def on_cpu(self, k: int) -> float:
+        layer = self._layer()
+        start = time.perf_counter()
+        self.cpu.compute(layer, self.x_host[:k], self.routed[k])
+        return time.perf_counter() - start
+
+    def call(self, m: int, s: int, split: bool) -> float:
+        """M misses, s streamed. Whole, as `token_forward` runs one: the device's share
+        launched first. Split, as `fill_misses` and the next graph run one: the uploads and
+        the stage map queued (no kernel), then, after the CPU's share, the staged experts."""
+        stream_layer, cpu_layer = self._layer(), self._layer()
+        self._sync()
+        start = time.perf_counter()
+        if split:
+            streamed = self.routed[s] if s else None
+            self.streamer.stage(stream_layer, streamed, streamed.rows + 1 if s else None)
+        elif s:
+            self.streamer.compute(stream_layer, self.x_dev, self.routed[s])
+        if m - s:
+            self.cpu.compute(cpu_layer, self.x_host[:m - s], self.routed[m - s])
+        if split:
+            self.streamer.staged_rows(self.x_dev, self.rows)  # after the uploads
+        self._sync()
+        return time.perf_counter() - start
+
+
 def _samples(store: ExpertStore, key: RatesKey, dtype: torch.dtype, device: torch.device,
              cpu_threads: int | None, repeat: int) -> tuple[list, ...]:
     """(stream, cpu, joint, staged): `repeat` timings in seconds of each side for each k
     (index 0 empty), and of a whole and a split call for each M and s (joint[M][s],
     staged[M][s]; row 0 empty; staged [] where calls are not split)."""
-    cuda = device.type == "cuda"
-    cpu = CpuExperts(store, cpu_threads)
-    streamer = StreamedMisses(store, device, key.top_k)
-    x_host = torch.full((key.top_k, key.hidden_size), 0.01, dtype=dtype)  # [K, D]
-    x_dev = x_host[:1].to(device)  # [1, D]
-    # routed[k]: experts 0..k-1, one row each (routed[0] unused).
-    routed = [Routed.of(np.arange(max(k, 1))[None, :]) for k in range(key.top_k + 1)]
-    layers = itertools.count()
-    stream_t: list[list[float]] = [[] for _ in routed]
-    cpu_t: list[list[float]] = [[] for _ in routed]
-
-    def stream(k: int) -> float:
-        layer = next(layers) % store.n_layers
-        if not cuda:
-            start = time.perf_counter()
-            streamer.compute(layer, x_dev, routed[k])
-            return time.perf_counter() - start
-        torch.cuda.synchronize(device)
-        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        begin.record()
-        streamer.compute(layer, x_dev, routed[k])
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1000
-
-    def on_cpu(k: int) -> float:
-        layer = next(layers) % store.n_layers
-        start = time.perf_counter()
-        cpu.compute(layer, x_host[:k], routed[k])
-        return time.perf_counter() - start
-
-    def call(m: int, s: int) -> float:  # as `token_forward` runs one: the device's share first
-        stream_layer, cpu_layer = next(layers) % store.n_layers, next(layers) % store.n_layers
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        if s:
-            streamer.compute(stream_layer, x_dev, routed[s])
-        if m - s:
-            cpu.compute(cpu_layer, x_host[:m - s], routed[m - s])
-        if cuda:
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    rows = torch.zeros((key.top_k + 1, key.hidden_size), dtype=dtype, device=device)  # [K+1, D]
-
-    def split_call(m: int, s: int) -> float:  # as `fill_misses` and the next graph run one
-        stream_layer, cpu_layer = next(layers) % store.n_layers, next(layers) % store.n_layers
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        if s:  # uploads and the stage map queued, no kernel launched
-            streamer.stage(stream_layer, routed[s], routed[s].rows + 1)
-        else:
-            streamer.stage(stream_layer, None, None)
-        if m - s:
-            cpu.compute(cpu_layer, x_host[:m - s], routed[m - s])
-        streamer.staged_rows(x_dev, rows)  # the next graph's part, after the uploads
-        if cuda:
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    # Calls are split only where the experts' kernels read nothing for an unused staging
-    # blob (`CachedExperts.splits_calls`); the host twin times them too, for its tests.
-    splits = not cuda or not grouped.copies_weights(device)
-    joint_t = [[[] for _ in range(m + 1)] for m in range(len(routed))]
-    staged_t = [[[] for _ in range(m + 1)] for m in range(len(routed))]
+    calls = _Calls(store, key, dtype, device, cpu_threads)
+    sides = [[] for _ in range(key.top_k + 1)], [[] for _ in range(key.top_k + 1)]
+    grids = tuple([[[] for _ in range(m + 1)] for m in range(key.top_k + 1)] for _ in range(2))
     for round_ in range(repeat + 1):  # the first untimed
         for k in range(1, key.top_k + 1):
-            t_stream, t_cpu = stream(k), on_cpu(k)
-            if round_:
-                stream_t[k].append(t_stream)
-                cpu_t[k].append(t_cpu)
+            times = [(sides[0][k], calls.stream(k)), (sides[1][k], calls.on_cpu(k))]
             for s in range(k + 1):
-                t_call = call(k, s)
-                t_split = split_call(k, s) if splits else None
-                if round_:
-                    joint_t[k][s].append(t_call)
-                    if splits:
-                        staged_t[k][s].append(t_split)
-    return stream_t, cpu_t, joint_t, staged_t if splits else []
+                times.append((grids[0][k][s], calls.call(k, s, split=False)))
+                if calls.splits:
+                    times.append((grids[1][k][s], calls.call(k, s, split=True)))
+            if round_:
+                for samples, t in times:
+                    samples.append(t)
+    joint_t, staged_t = grids
+    return *sides, joint_t, staged_t if calls.splits else []
 
 
 def _table(samples: list[list[float]]) -> tuple[float, ...]:
