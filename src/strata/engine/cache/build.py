@@ -108,8 +108,11 @@ def default_stream_misses(config: ModelConfig, device: torch.device) -> int:
     was slower than this in the same run, 30.6 against 25.2 ms a round on olmoe at 4 GiB and
     33.9 against 23.2 on qwen3 (bench/results/offload-h200-2026-12-01.md): the rates are
     measured with each side alone, while in a round the CPU and the copy engine read the same
-    host memory. With the rates measured together it tied this on olmoe (19.76 against 19.92
-    ms a round, bench/results/offload-loan-h200-2026-12-02.md); qwen3 is not yet measured."""
+    host memory. With the rates measured together in whole calls it tied this on olmoe (19.76
+    against 19.92 ms a round, bench/results/offload-loan-h200-2026-12-02.md) and was 1.17x
+    slower on a 16-layer qwen3 (18.64 against 15.87 ms, offload-host-h200-2026-12-02.md).
+    `auto` now splits by calls timed as the round splits them (`rates.MissRates.staged_s`),
+    not yet measured in a round."""
     return config.top_k // 2 if device.type == "cuda" else 0
 
 

@@ -142,8 +142,9 @@ class CachedExperts:
         self.split_calls = True
         # Start the CPU kernel's threads (`CpuExperts.wake`) before each decode call's routing
         # read, while the host waits for the device: a small CPU call after a gap paid 70-220
-        # us for their wake-up (bench/results/offload-omp-wait-h200-2026-12-03.md). Off until
-        # a round measures it (bench/offload.py --wake-cpu); the same bytes either way.
+        # us for their wake-up (bench/results/offload-omp-wait-h200-2026-12-03.md). Off: in
+        # rounds it won 2-13% at 4 streamed misses and lost 11-16% at 3 (bench/offload.py
+        # --wake-cpu, the same results file); the same bytes either way.
         self.wake_cpu = False
         self.heat = DeviceHeat(table, self.device)  # routing counted on the device-only path
         self._last_layer = -1  # the layer of the open pass's latest call; -1: no pass is open

@@ -182,8 +182,9 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor, u: float | None) -> torch.Tensor:
         """The next token id from logits [V] and the step's draw `u` (`draw`), as a [1] int64
-        tensor on the logits' device: nothing is read on the host, so a decode loop can feed it
-        to the next round before it knows its value."""
+        tensor on the logits' device. On CUDA with Triton nothing is read on the host, so a
+        decode loop can feed it to the next round before it knows its value (without Triton,
+        `race_pick_torch` reads each check)."""
         if logits.dim() != 1 or logits.shape[0] < 1:
             raise ValueError(f"logits must be 1-D and non-empty, got shape {list(logits.shape)}")
         if self.greedy:
