@@ -100,7 +100,31 @@ def run_decode(engine, prompt, n_new, repeat, max_context, cuda_graphs=True,
                               cuda_graphs=cuda_graphs, piecewise_graphs=piecewise,
                               **(sampling or {"temperature": 0.0}))
     fresh_request(engine, prompt, options)  # warm-up
-    runs = [fresh_request(engine, prompt, options) for _ in range(repeat)]
+    return decode_figures([fresh_request(engine, prompt, options) for _ in range(repeat)])
+
+
+def run_decode_interleaved(engine, prompt, n_new, repeat, max_context, setups: dict,
+                           cuda_graphs=True, piecewise=False) -> dict[str, dict]:
+    """`run_decode`'s figures (greedy) for each of `setups`, a name -> a function that sets
+    `engine` up for it (an attribute of its cache, say), their requests interleaved: a warm-up
+    each, then `repeat` sweeps of one request each. A machine's drift over the run then falls
+    on every setup alike, where runs one after the other would each catch a part of it."""
+    options = GenerateOptions(max_new=n_new, max_context=max_context, ignore_stop=True,
+                              cuda_graphs=cuda_graphs, piecewise_graphs=piecewise,
+                              temperature=0.0)
+    requests: dict[str, list] = {name: [] for name in setups}
+    for sweep in range(repeat + 1):  # the first sweep warms up each setup
+        for name, setup in setups.items():
+            setup()
+            request = fresh_request(engine, prompt, options)
+            if sweep:
+                requests[name].append(request)
+    return {name: decode_figures(runs) for name, runs in requests.items()}
+
+
+def decode_figures(runs: list) -> dict:
+    """A decode run's figures from its requests (`fresh_request`'s): the median request's
+    speed and cache stats, every request's round, whether all repeated the first's tokens."""
     best = sorted(runs, key=lambda r: r.decode_tok_s)[len(runs) // 2]  # the median run
     out = {
         "tokens": runs[0].tokens,

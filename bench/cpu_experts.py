@@ -13,6 +13,9 @@ CPU's last-level cache and the figures are too good):
   on the main thread: each expert as two torch matmuls (the path before strata's kernel);
 - `compute-main`: `CpuExperts.compute` on the main thread, as the cache calls it (bf16: strata's
   kernel, `strata._cpu_experts`, for experts of up to `KERNEL_MAX_ROWS` rows);
+- `compute-static`, `compute-guided`: the same with the kernel's tasks in equal fixed shares a
+  thread (`CpuExperts.schedule` "static": the schedule before) and in OpenMP's guided shares
+  (large first), against `compute-main`'s handed out one at a time ("dynamic");
 - `kernel-int8`, `kernel-int4` (bf16 stores): strata's kernel over the same experts quantized
   to int8 (per output channel, a little over half the bytes) and to int4 (groups of 32 along
   the input, 0.31x the bytes; `strata.engine.experts.quant`), called directly on the main
@@ -189,6 +192,10 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
     scratch = torch.zeros(64)
     cpu = CpuExperts(store, threads)
     cpu_torch = CpuExperts(store, threads, kernel="torch")
+    scheduled = {}  # compute-static, compute-guided: the kernel's other schedules
+    for schedule in ("static", "guided"):
+        scheduled[f"compute-{schedule}"] = CpuExperts(store, threads)
+        scheduled[f"compute-{schedule}"].schedule = schedule
     # `compute-int8`, `compute-int4`: CpuExperts over a store of those blobs, as the cache
     # calls it (the kernel up to KERNEL_MAX_ROWS rows an expert, dequantized matmuls beyond).
     quantized_cpu = {
@@ -225,6 +232,9 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
                                        repeat, gap_us, **waking),
             "compute-main": median_us(lambda: cpu.compute(layer(), x_rows, routed), repeat,
                                       gap_us, **waking),
+            **{name: median_us(lambda c=c: c.compute(layer(), x_rows, routed), repeat, gap_us,
+                               **waking)
+               for name, c in scheduled.items()},
             "compute-worker": median_us(lambda: on_worker().result(), repeat, gap_us,
                                         **waking),
             "worker-main-busy": median_us(lambda: busy_until_done(on_worker(), scratch),
@@ -314,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{result['command']}  ({result['machine']}, torch {result['torch']})")
     print(f"host read bandwidth: {read_gbps:.1f} GB/s (float32 sum over {args.read_mib} MiB)")
-    columns = ("compute-torch", "compute-main", *QUANTIZED,
+    columns = ("compute-torch", "compute-main", "compute-static", "compute-guided", *QUANTIZED,
                *(name.replace("kernel", "compute") for name in QUANTIZED), "compute-worker",
                "worker-main-busy")
     print("| memory | dtype | T | experts | gap us | wake us | threads main/worker | "

@@ -78,11 +78,17 @@
 # 2), offload-profile (2: olmoe-1b-7b at 4 GiB, --stream-misses 4 with and without prefetch,
 # each decode run profiled: the device's copy engine and compute busy a round, the host's top
 # functions in $OUT/profile; offload-profile-qwen3, 3: the same on qwen3-30b-a3b's 16 layers
-# at 22% of the experts), sampling (1: bench/sampling.py, a decode round's sampling, the race's
+# at 22% of the experts; PROFILE_STREAMS sets their --stream-misses, default 4, and
+# PROFILE_PREFETCH their prefetch flag, default --prefetch 4, empty for none), sampling (1: bench/sampling.py, a decode round's sampling, the race's
 # kernels against the sort they replaced, at olmoe's vocabulary and qwen3's), cpu-wake (1: bench/cpu_experts.py over 2 and 3 experts after an
 # 800 us gap, with and without the kernel's threads started 300 us before the call, olmoe's and
 # qwen3's shapes), offload-wake (4: olmoe-1b-7b at 4 GiB and qwen3-30b-a3b's 16 layers at 22%,
-# --stream-misses 3,4, each with and without `wake_cpu`), offload-sampled (4: the same runs
+# --stream-misses 3,4, each with and without `wake_cpu`), cpu-schedule (1.5: bench/cpu_experts.py
+# over 2, 3 and 4 experts after no gap and an 800 us gap, the kernel's tasks handed out
+# (compute-main) against fixed and guided shares (compute-static, compute-guided), olmoe's and
+# qwen3's shapes), offload-schedule (7: olmoe-1b-7b at 4 GiB at --stream-misses 2,3 and
+# qwen3-30b-a3b's 16 layers at 22% at 3,4, each with the kernel's tasks handed out and in each
+# of CPU_SCHEDULES' shares, default static,guided, their requests interleaved), offload-sampled (4: the same runs
 # greedy and with `strata generate`'s default sampling);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
@@ -219,6 +225,16 @@ for stage in "$@"; do
                    --tokens 1 --experts 2,3 --gap-us 800 --wake-us 300 --repeat 15 \
                    --memory pinned)
               done > "$OUT/cpu-wake.txt" 2>&1; grep "| pinned" "$OUT/cpu-wake.txt" | cut -c1-120 ;;
+    cpu-schedule) for preset in olmoe-1b-7b qwen3-30b-a3b; do  # tasks handed out or fixed
+                (cd bench && timeout 120 python3 cpu_experts.py --preset $preset --dtypes bf16 \
+                   --tokens 1 --experts 2,3,4 --gap-us 0,800 --repeat 15 --memory pinned)
+              done > "$OUT/cpu-schedule.txt" 2>&1; grep "| pinned" "$OUT/cpu-schedule.txt" \
+              | cut -c1-100 ;;
+    offload-schedule)  # the CPU kernel's tasks handed out against fixed shares, in the round
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 2,3 \
+               --cpu-schedule "${CPU_SCHEDULES:-static,guided}" --interleave --prefill-tokens 0
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
+               --cpu-schedule "${CPU_SCHEDULES:-static,guided}" --interleave --prefill-tokens 0 ;;
     offload-sampled)  # the CLI's default sampling against greedy in the host-bound round
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3,4 \
                --cli-sampling --prefill-tokens 0
@@ -254,10 +270,12 @@ for stage in "$@"; do
                --stream-misses auto,2,3,4 --prefill-tokens 0 ;;
     offload-profile|offload-profile-qwen3)  # where a round goes: the device's engines, the host
            [ "$stage" = offload-profile-qwen3 ] || offload "$(olmoe_checkpoint)" olmoe-1b-7b \
-               --budget-mib 4096 --stream-misses 4 --prefetch 4 --prefill-tokens 0 \
+               --budget-mib 4096 --stream-misses "${PROFILE_STREAMS:-4}" \
+               ${PROFILE_PREFETCH---prefetch 4} --prefill-tokens 0 \
                --new-tokens 32 --repeat 2 --profile "$OUT/profile"
            [ "$stage" = offload-profile ] || offload "$(checkpoint 0)" qwen3-30b-a3b \
-               --expert-share 0.22 --stream-misses 4 --prefetch 4 --prefill-tokens 0 \
+               --expert-share 0.22 --stream-misses "${PROFILE_STREAMS:-4}" \
+               ${PROFILE_PREFETCH---prefetch 4} --prefill-tokens 0 \
                --new-tokens 32 --repeat 2 --profile "$OUT/profile" ;;
     offload-split)  # the decode calls split around the graphs (`graph_call`) and whole: A/B
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 0,4 \

@@ -20,8 +20,12 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   `strata.engine.cache.prefetch`, its prefetched experts and how many the next layer used;
   an N above a run's staging blobs is skipped; `--wake-cpu` adds each run again with the CPU
   kernel's threads started before each call's routing read, named -wake:
-  `CachedExperts.wake_cpu`; `--cli-sampling` with `strata generate`'s default sampling instead
-  of greedy, named -sampled: the pick's host time in a round the host holds). For
+  `CachedExperts.wake_cpu`; `--cpu-schedule static,guided` with the CPU kernel's tasks in fixed
+  shares a thread (the schedule before) or guided shares, named -static, -guided:
+  `CpuExperts.schedule`; `--interleave` runs those and -wake in the base run's engine, one
+  request of each in turn, so that a machine's drift falls on all alike; `--cli-sampling` with
+  `strata generate`'s default sampling instead of greedy, named -sampled: the pick's host time
+  in a round the host holds). For
   each: the round's time; its misses split between the CPU and the copy engine (experts and
   shares); the bound, max(CPU's miss bytes / host read
   bandwidth, streamed bytes / copy rate) + the device round (summed over the round, so a lower
@@ -58,6 +62,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -82,7 +87,7 @@ from _common import (
     set_kv_env,
     sync,
 )
-from cache import cache_mib_for_share, run_decode, run_prefill
+from cache import cache_mib_for_share, run_decode, run_decode_interleaved, run_prefill
 from round_profile import device_busy, host_functions, per_round
 from strata.engine.cache.build import build_cached_experts, plan_cache, staging_blobs
 from strata.engine.cache.kept_rates import resolve_stream_misses
@@ -314,6 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cli-sampling", action="store_true",
                         help="also run each decode with `strata generate`'s default sampling "
                         "(greedy otherwise), named -sampled")
+    parser.add_argument("--cpu-schedule", default="",
+                        help="comma-separated schedules of the CPU kernel's tasks other than "
+                        "the default dynamic (static: equal fixed shares, the schedule "
+                        "before; guided): also run each decode with each, named -static, "
+                        "-guided (`CpuExperts.schedule`)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run --wake-cpu's and --cpu-schedule's variants in the base run's "
+                        "engine, one request of each in turn (`run_decode_interleaved`), so "
+                        "that the machine's drift falls on all alike")
     parser.add_argument("--wake-cpu", action="store_true",
                         help="also run each decode with the CPU kernel's threads started before "
                         "each call's routing read (`CachedExperts.wake_cpu`), named -wake")
@@ -345,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     loan_batches = [None] if args.loan_upload_batches is None else \
         _counts(parser, "--loan-upload-batches", args.loan_upload_batches)
     prefetch_caps = _counts(parser, "--prefetch", args.prefetch) if args.prefetch else []
+    cpu_schedules = args.cpu_schedule.split(",") if args.cpu_schedule else []
+    if len(set(cpu_schedules)) != len(cpu_schedules) \
+            or not set(cpu_schedules) <= {"static", "guided"}:
+        parser.error(f"--cpu-schedule takes distinct comma-separated static and guided (the "
+                     f"default, dynamic, runs anyway), got {args.cpu_schedule!r}")
     formats = args.experts_dtype.split(",")
     if len(set(formats)) != len(formats) or any(f not in EXPERTS_DTYPES for f in formats):
         parser.error(f"--experts-dtype takes distinct comma-separated values of "
@@ -425,8 +444,13 @@ def main(argv: list[str] | None = None) -> int:
                                               cfg.top_k)
                 return engine_around(model, None, max_context), notes
 
+            # Variants that only set an attribute of the cache run in the base run's engine,
+            # their requests interleaved with its own under --interleave.
+            settings = [*(["-wake"] if args.wake_cpu else []),
+                        *(f"-{schedule}" for schedule in cpu_schedules)]
+            together = settings if args.interleave else []
             variants = [("", 0), *([("-whole", 0)] if args.whole_calls else []),
-                        *([("-wake", 0)] if args.wake_cpu else []),
+                        *((setting, 0) for setting in settings if setting not in together),
                         *([("-sampled", 0)] if args.cli_sampling else []),
                         *((f"-prefetch{cap}", cap) for cap in prefetch_caps)]
             for stream, (variant, cap) in ((stream, variant) for stream in streams
@@ -438,18 +462,37 @@ def main(argv: list[str] | None = None) -> int:
                 engine, notes = cached_engine(stream, decode_context, loan=False,
                                               prefetch=cap)
                 engine.cache.split_calls = variant != "-whole"
-                engine.cache.wake_cpu = variant == "-wake"
+
+                def set_up(setting: str, cache=engine.cache) -> None:
+                    cache.wake_cpu = setting == "-wake"
+                    cache.cpu.schedule = setting[1:] if setting[1:] in cpu_schedules \
+                        else "dynamic"
+
                 with engine:
                     for note in notes:
                         say(note)
-                    run = run_decode(engine, prompt, args.new_tokens, args.repeat,
-                                     decode_context, cuda_graphs=not args.eager,
-                                     piecewise=not args.eager,
-                                     sampling=cli_sampling() if variant == "-sampled" else None)
-                    run["startup"] = engine.cache.budget.startup_line()
-                    run["notes"] = notes
-                    run["slots"] = engine.cache.arena.n_slots
-                    run["experts_dtype"] = fmt
+                    if variant == "" and together:
+                        named = run_decode_interleaved(
+                            engine, prompt, args.new_tokens, args.repeat, decode_context,
+                            {setting: functools.partial(set_up, setting)
+                             for setting in ["", *together]},
+                            cuda_graphs=not args.eager, piecewise=not args.eager)
+                        decoded = {f"decode-stream-{stream}{setting}{suffix}": run
+                                   for setting, run in named.items()}
+                        set_up("")
+                    else:
+                        set_up(variant)
+                        decoded = {name: run_decode(
+                            engine, prompt, args.new_tokens, args.repeat, decode_context,
+                            cuda_graphs=not args.eager, piecewise=not args.eager,
+                            sampling=cli_sampling() if variant == "-sampled" else None)}
+                    for run in decoded.values():
+                        run["startup"] = engine.cache.budget.startup_line()
+                        run["notes"] = notes
+                        run["slots"] = engine.cache.arena.n_slots
+                        run["experts_dtype"] = fmt
+                        run["interleaved"] = len(decoded) > 1
+                    run = decoded[name]
                     if args.profile:
                         run["profile"] = profile_decode(engine, prompt, args, decode_context,
                                                         Path(args.profile) / f"{name}.host.txt")
@@ -460,15 +503,16 @@ def main(argv: list[str] | None = None) -> int:
                 del engine  # and its graphs
                 model.experts = None
                 free_memory(device)
-                run["round"] = round_figures(run, store.blob_bytes, machine, device_round_ms,
-                                             cfg.n_layers, full_layers)
-                runs[name] = run
-                r = run["round"]
-                ahead = run.get("prefetch")
-                say(f"{name}: {r['round_ms']:.2f} ms a round (bound {r['bound_ms']:.2f}), "
-                    f"host-side {r['host_ms']:.2f} ms" + (
-                        f", prefetched {ahead['prefetched_experts']} experts, used "
-                        f"{ahead['used']}" if ahead else ""))
+                for run_name, run in decoded.items():
+                    run["round"] = round_figures(run, store.blob_bytes, machine,
+                                                 device_round_ms, cfg.n_layers, full_layers)
+                    runs[run_name] = run
+                    r = run["round"]
+                    ahead = run.get("prefetch")
+                    say(f"{run_name}: {r['round_ms']:.2f} ms a round (bound {r['bound_ms']:.2f}), "
+                        f"host-side {r['host_ms']:.2f} ms" + (
+                            f", prefetched {ahead['prefetched_experts']} experts, used "
+                            f"{ahead['used']}" if ahead else ""))
             for batches in loan_batches if args.prefill_tokens else []:
                 with _loan_upload_batches(batches):  # read when the cache is built
                     engine, notes = cached_engine(streams[0], prefill_context, loan=True)

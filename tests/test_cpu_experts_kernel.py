@@ -42,12 +42,13 @@ def _blobs(n_experts: int, f: int, d: int, seed: int) -> torch.Tensor:
     return (torch.randn(n_experts, 3 * f * d, generator=gen) * d**-0.5).bfloat16()
 
 
-def _run(blobs, experts, starts, x, f, threads, fmt=_cpu_experts.FORMAT_BF16):
+def _run(blobs, experts, starts, x, f, threads, fmt=_cpu_experts.FORMAT_BF16,
+         schedule="dynamic"):
     """blobs: bf16 [E, 3*F*D] (FORMAT_BF16) or uint8 [E, int8 blob bytes] (FORMAT_INT8)."""
     out = torch.full((x.shape[0], x.shape[1]), 7.0, dtype=torch.bfloat16)
     _cpu_experts.compute(blobs.contiguous().view(torch.uint8).numpy(), fmt,
                          np.asarray(experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
-                         x.float().numpy(), _u16(out), f, threads)
+                         x.float().numpy(), _u16(out), f, threads, schedule)
     return out
 
 
@@ -111,12 +112,14 @@ def calls(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(calls(), st.integers(2, 5))
-def test_the_kernel_is_the_reference_within_bf16_roundings_at_any_thread_count(call, threads):
+@given(calls(), st.integers(2, 5), st.sampled_from(sorted(_cpu_experts.SCHEDULES)))
+def test_the_kernel_is_the_reference_within_bf16_roundings_at_any_thread_count(call, threads,
+                                                                               schedule):
+    """The same bytes on one thread and on several, whichever way the tasks reach them."""
     blobs, experts, starts, x, f = call
     one = _run(blobs, experts, starts, x, f, 1)
-    assert torch.equal(_run(blobs, experts, starts, x, f, threads).view(torch.int16),
-                       one.view(torch.int16))
+    assert torch.equal(_run(blobs, experts, starts, x, f, threads, schedule=schedule)
+                       .view(torch.int16), one.view(torch.int16))
     assert _within_roundings(one, blobs, experts, starts, x, f)
 
 
@@ -142,8 +145,9 @@ def test_int8_blobs_are_their_dequantized_weights_within_bf16_roundings(call, th
     assert blobs.shape[1] == int8_blob_bytes(f, x.shape[1]) == _cpu_experts.blob_bytes(
         _cpu_experts.FORMAT_INT8, f, x.shape[1])
     one = _run(blobs, experts, starts, x, f, 1, _cpu_experts.FORMAT_INT8)
-    assert torch.equal(_run(blobs, experts, starts, x, f, threads, _cpu_experts.FORMAT_INT8)
-                       .view(torch.int16), one.view(torch.int16))
+    for schedule in _cpu_experts.SCHEDULES:
+        assert torch.equal(_run(blobs, experts, starts, x, f, threads, _cpu_experts.FORMAT_INT8,
+                                schedule).view(torch.int16), one.view(torch.int16))
     assert _within_roundings(one, weights, experts, starts, x, f)
 
 
@@ -272,6 +276,8 @@ def test_an_int8_blob_is_its_parts_and_refuses_bad_shapes():
     (dict(experts=[0, 2]), r"expert 2 is out of range \[0, 2\)"),
     (dict(experts=[-1, 0]), r"expert -1 is out of range"),
     (dict(threads=0), r"n_threads must be >= 1, got 0"),
+    (dict(schedule="auto"), r"schedule must be one of \['dynamic', 'guided', 'static'\], "
+                            r"got 'auto'"),
 ])
 def test_bad_arguments_are_refused_before_anything_is_written(change, message):
     f, d = 8, 16
@@ -284,7 +290,7 @@ def test_bad_arguments_are_refused_before_anything_is_written(change, message):
                              np.asarray(change.get("experts", [0, 1]), dtype=np.int64),
                              np.asarray(change.get("starts", [0, 1, 3]), dtype=np.int64),
                              x.float().numpy(), _u16(out), change.get("f", f),
-                             change.get("threads", 2))
+                             change.get("threads", 2), change.get("schedule", "dynamic"))
     assert torch.equal(out, before)
 
 

@@ -13,6 +13,7 @@ FORMAT_BF16: int
 FORMAT_INT8: int
 FORMAT_INT4_G32: int
 FORMAT_INT4_G64: int
+SCHEDULES: dict[str, int]
 
 def blob_bytes(fmt: int, expert_width: int, hidden_size: int) -> int:
     """Bytes of one blob of format `fmt` for F and D; ValueError for an unknown format, or an
@@ -27,6 +28,7 @@ def compute(
     out: np.ndarray,
     expert_width: int,
     n_threads: int,
+    schedule: str = "dynamic",
 ) -> None:
     """Compute `experts` of one layer over their rows, into `out`.
 
@@ -41,10 +43,14 @@ def compute(
         out: uint16 [R, D]: each row's output as bf16 bits (written, not read).
         expert_width: F.
         n_threads: the OpenMP threads of both passes, >= 1.
+        schedule: how the passes' tasks reach the threads, a key of `SCHEDULES`: "dynamic"
+            (one at a time to whichever thread asks, the default: threads that wake late from
+            sleep take fewer), "static" (equal fixed shares) or "guided" (large shares first,
+            single tasks at the end); the same bytes whichever.
 
     Raises:
         ValueError: an unknown format, shapes that disagree, an expert out of range, bad
-            row_starts or n_threads < 1, before anything is written.
+            row_starts, n_threads < 1 or an unknown schedule, before anything is written.
     """
 
 def wake(n_threads: int) -> None:

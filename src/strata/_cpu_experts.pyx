@@ -164,59 +164,107 @@ cdef inline void _outputs4(const uint8_t *blob, int fmt, int64_t d, int64_t f_wi
         out[r + j, d] = strata_f32_to_bf16(ys[j])
 
 
-cdef void _activations(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
-                       const int64_t[::1] row_starts, const float[:, ::1] x,
-                       float[:, ::1] act, int64_t f_width, int64_t d_hidden,
-                       int n_threads) noexcept nogil:
-    cdef int64_t n_blocks = (f_width + BLOCK_ROWS - 1) // BLOCK_ROWS
-    cdef int64_t scales_at = _scales_at(fmt, f_width, d_hidden)
-    cdef int64_t task, i, f, f_end, r, r_end
-    cdef const uint8_t *blob
+cdef inline void _activation_task(const uint8_t[:, ::1] blobs, int fmt,
+                                  const int64_t[::1] experts, const int64_t[::1] row_starts,
+                                  const float[:, ::1] x, float[:, ::1] act, int64_t f_width,
+                                  int64_t d_hidden, int64_t n_blocks, int64_t scales_at,
+                                  int64_t task) noexcept nogil:
+    """Pass 1's task `task`: act[r, f] for one block of BLOCK_ROWS f of one expert, every row."""
+    cdef int64_t i = task // n_blocks
+    cdef const uint8_t *blob = &blobs[experts[i], 0]
+    cdef int64_t f = (task % n_blocks) * BLOCK_ROWS
+    cdef int64_t f_end = min(f + BLOCK_ROWS, f_width)
+    cdef int64_t r, r_end
     cdef float g, u
-    for task in prange(experts.shape[0] * n_blocks, num_threads=n_threads, schedule="static"):
-        i = task // n_blocks
-        blob = &blobs[experts[i], 0]
-        f = (task % n_blocks) * BLOCK_ROWS
-        f_end = min(f + BLOCK_ROWS, f_width)
-        while f < f_end:
-            r = row_starts[i]
-            r_end = row_starts[i + 1]
-            while fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
-                _activations4(blob, fmt, f, f_width, d_hidden, scales_at, x, act, r)
-                r = r + 4
-            for r in range(r, r_end):
-                g = _round(_dot(blob, fmt, f * d_hidden, f, scales_at, d_hidden, &x[r, 0]))
-                u = _round(_dot(blob, fmt, (f_width + f) * d_hidden, f_width + f, scales_at,
-                                d_hidden, &x[r, 0]))
-                act[r, f] = _round(_round(g / (1.0 + expf(-g))) * u)
-            f = f + 1
+    while f < f_end:
+        r = row_starts[i]
+        r_end = row_starts[i + 1]
+        while fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
+            _activations4(blob, fmt, f, f_width, d_hidden, scales_at, x, act, r)
+            r = r + 4
+        while r < r_end:
+            g = _round(_dot(blob, fmt, f * d_hidden, f, scales_at, d_hidden, &x[r, 0]))
+            u = _round(_dot(blob, fmt, (f_width + f) * d_hidden, f_width + f, scales_at,
+                            d_hidden, &x[r, 0]))
+            act[r, f] = _round(_round(g / (1.0 + expf(-g))) * u)
+            r = r + 1
+        f = f + 1
 
 
-cdef void _outputs(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
-                   const int64_t[::1] row_starts, const float[:, ::1] act,
-                   uint16_t[:, ::1] out, int64_t f_width, int64_t d_hidden,
-                   int n_threads) noexcept nogil:
-    cdef int64_t n_blocks = (d_hidden + BLOCK_ROWS - 1) // BLOCK_ROWS
-    cdef int64_t scales_at = _scales_at(fmt, f_width, d_hidden)
+cdef inline void _output_task(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
+                              const int64_t[::1] row_starts, const float[:, ::1] act,
+                              uint16_t[:, ::1] out, int64_t f_width, int64_t d_hidden,
+                              int64_t n_blocks, int64_t scales_at, int64_t task) noexcept nogil:
+    """Pass 2's task `task`: out[r, d] for one block of BLOCK_ROWS d of one expert, every row."""
     cdef int64_t down_at = 2 * f_width * d_hidden  # elements before down's first row
-    cdef int64_t task, i, d, d_end, r, r_end
-    cdef const uint8_t *blob
-    for task in prange(experts.shape[0] * n_blocks, num_threads=n_threads, schedule="static"):
-        i = task // n_blocks
-        blob = &blobs[experts[i], 0]
-        d = (task % n_blocks) * BLOCK_ROWS
-        d_end = min(d + BLOCK_ROWS, d_hidden)
-        while d < d_end:
-            r = row_starts[i]
-            r_end = row_starts[i + 1]
-            while fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
-                _outputs4(blob, fmt, d, f_width, down_at, scales_at, act, out, r)
-                r = r + 4
-            for r in range(r, r_end):
-                out[r, d] = strata_f32_to_bf16(_dot(blob, fmt, down_at + d * f_width,
-                                                    2 * f_width + d, scales_at, f_width,
-                                                    &act[r, 0]))
-            d = d + 1
+    cdef int64_t i = task // n_blocks
+    cdef const uint8_t *blob = &blobs[experts[i], 0]
+    cdef int64_t d = (task % n_blocks) * BLOCK_ROWS
+    cdef int64_t d_end = min(d + BLOCK_ROWS, d_hidden)
+    cdef int64_t r, r_end
+    while d < d_end:
+        r = row_starts[i]
+        r_end = row_starts[i + 1]
+        while fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
+            _outputs4(blob, fmt, d, f_width, down_at, scales_at, act, out, r)
+            r = r + 4
+        while r < r_end:
+            out[r, d] = strata_f32_to_bf16(_dot(blob, fmt, down_at + d * f_width,
+                                                2 * f_width + d, scales_at, f_width,
+                                                &act[r, 0]))
+            r = r + 1
+        d = d + 1
+
+
+# How a pass's tasks reach the threads (`compute`'s `schedule`). Between a decode round's calls
+# the host waits for the device long enough for idle threads to sleep, and they wake at
+# different times (bench/results/offload-omp-wait-h200-2026-12-03.md). With equal fixed shares
+# (static) a pass lasts until the last thread to wake has done its share; handed out one at a
+# time (dynamic, the default) the threads already up take the tasks of those still waking, at
+# the cost of each thread's long runs of adjacent rows; guided hands out large shares first and
+# single tasks at the end. Which thread computes a task never changes its bytes.
+cdef enum:
+    _DYNAMIC = 0
+    _STATIC = 1
+    _GUIDED = 2
+SCHEDULES = {"dynamic": _DYNAMIC, "static": _STATIC, "guided": _GUIDED}
+
+
+cdef inline void _task(bint outputs, const uint8_t[:, ::1] blobs, int fmt,
+                       const int64_t[::1] experts, const int64_t[::1] row_starts,
+                       const float[:, ::1] x, float[:, ::1] act, uint16_t[:, ::1] out,
+                       int64_t f_width, int64_t d_hidden, int64_t n_blocks, int64_t scales_at,
+                       int64_t task) noexcept nogil:
+    if outputs:
+        _output_task(blobs, fmt, experts, row_starts, act, out, f_width, d_hidden, n_blocks,
+                     scales_at, task)
+    else:
+        _activation_task(blobs, fmt, experts, row_starts, x, act, f_width, d_hidden, n_blocks,
+                         scales_at, task)
+
+
+cdef void _pass(bint outputs, const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
+                const int64_t[::1] row_starts, const float[:, ::1] x, float[:, ::1] act,
+                uint16_t[:, ::1] out, int64_t f_width, int64_t d_hidden, int n_threads,
+                int schedule) noexcept nogil:
+    """Pass 1 (act from x: F rows an expert) or, with `outputs`, pass 2 (out from act: D rows
+    an expert), its tasks of BLOCK_ROWS rows handed to the threads as `schedule` says."""
+    cdef int64_t n_blocks = ((d_hidden if outputs else f_width) + BLOCK_ROWS - 1) // BLOCK_ROWS
+    cdef int64_t scales_at = _scales_at(fmt, f_width, d_hidden)
+    cdef int64_t n_tasks = experts.shape[0] * n_blocks
+    cdef int64_t task
+    if schedule == _DYNAMIC:
+        for task in prange(n_tasks, num_threads=n_threads, schedule="dynamic"):
+            _task(outputs, blobs, fmt, experts, row_starts, x, act, out, f_width, d_hidden,
+                  n_blocks, scales_at, task)
+    elif schedule == _GUIDED:
+        for task in prange(n_tasks, num_threads=n_threads, schedule="guided"):
+            _task(outputs, blobs, fmt, experts, row_starts, x, act, out, f_width, d_hidden,
+                  n_blocks, scales_at, task)
+    else:
+        for task in prange(n_tasks, num_threads=n_threads, schedule="static"):
+            _task(outputs, blobs, fmt, experts, row_starts, x, act, out, f_width, d_hidden,
+                  n_blocks, scales_at, task)
 
 
 cdef void _arrive(int64_t task) noexcept nogil:
@@ -245,7 +293,7 @@ def wake(int n_threads):
 
 def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
-            int64_t expert_width, int n_threads):
+            int64_t expert_width, int n_threads, str schedule="dynamic"):
     """Compute `experts` of one layer over their rows, into `out`.
 
     blobs uint8 [E, blob_bytes(fmt, F, D)]: the layer's blobs (the store's bytes, not a copy);
@@ -253,7 +301,10 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     experts int64 [M]: the blob row of each expert of the call; row_starts int64 [M+1]: expert
     i owns rows [row_starts[i], row_starts[i+1]) of `x` and `out`; x float32 [R, D]: each
     row's input; out uint16 [R, D]: each row's output as bf16 bits (written, not read);
-    expert_width: F; n_threads: the threads of both passes (>= 1).
+    expert_width: F; n_threads: the threads of both passes (>= 1); schedule: how the passes'
+    tasks reach the threads, one of `SCHEDULES`: "dynamic" (one at a time to whichever thread
+    asks, the default), "static" (equal fixed shares) or "guided" (large shares first); the
+    same bytes whichever.
 
     Raises ValueError for shapes that disagree or an expert out of range, before any work.
     """
@@ -280,12 +331,15 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             raise ValueError(f"expert {experts[i]} is out of range [0, {blobs.shape[0]})")
     if n_threads < 1:
         raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    cdef int schedule_id = SCHEDULES[schedule]
     if n_rows == 0:
         return
     act = np.empty((n_rows, expert_width), dtype=np.float32)  # [R, F]
     cdef float[:, ::1] act_view = act
     with nogil:
-        _activations(blobs, fmt, experts, row_starts, x, act_view, expert_width, d_hidden,
-                     n_threads)
-        _outputs(blobs, fmt, experts, row_starts, act_view, out, expert_width, d_hidden,
-                 n_threads)
+        _pass(False, blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
+              d_hidden, n_threads, schedule_id)
+        _pass(True, blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
+              d_hidden, n_threads, schedule_id)

@@ -129,8 +129,8 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
         quantized = {"kernel-int8", "kernel-int4", "compute-int8", "compute-int4"} \
             if run["dtype"] == "bf16" else set()
         assert set(run["us_per_expert"]) == set(run["gbps"]) == {
-            "bare", "compute-torch", "compute-main", "compute-worker", "worker-main-busy",
-            *quantized}
+            "bare", "compute-torch", "compute-main", "compute-static", "compute-guided",
+            "compute-worker", "worker-main-busy", *quantized}
         assert run["kernel"] == ("strata" if run["dtype"] == "bf16" else "torch")
     assert result["host_read_gbps"] > 0
     assert bench.main(["--preset", "tiny", "--repeat", "1", "--dtypes", "fp32",

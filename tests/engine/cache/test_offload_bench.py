@@ -19,7 +19,8 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "6", "--prefill-tokens",
             "160", "--prefill-chunk", "80", "--host-read-mib", "16", "--loan-keep-slots", "0",
             "--repeat", "1", "--stream-misses", "auto,1", "--expert-share", "0.25", "--json",
-            "--whole-calls", "--prefetch", "1,2", "--wake-cpu", "--cli-sampling"]
+            "--whole-calls", "--prefetch", "1,2", "--wake-cpu", "--cli-sampling",
+            "--cpu-schedule", "static"]
     assert bench.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["machine"]["host_read_bytes_per_s"] > 0
@@ -28,11 +29,14 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     runs = report["runs"]
     # Off CUDA auto streams nothing, and 1 stages 1 blob: no prefetch run of auto, nor of 2.
     assert set(runs) == {"decode-stream-auto", "decode-stream-auto-whole",
-                         "decode-stream-auto-wake", "decode-stream-auto-sampled",
-                         "decode-stream-1", "decode-stream-1-whole", "decode-stream-1-wake",
+                         "decode-stream-auto-wake", "decode-stream-auto-static",
+                         "decode-stream-auto-sampled", "decode-stream-1",
+                         "decode-stream-1-whole", "decode-stream-1-wake", "decode-stream-1-static",
                          "decode-stream-1-sampled", "decode-stream-1-prefetch1", "prefill-loan"}
     # Waking the CPU's threads before each routing read changes no token.
     assert runs["decode-stream-1-wake"]["tokens"] == runs["decode-stream-1"]["tokens"]
+    # Nor does the CPU kernel's schedule (its tasks in fixed shares a thread).
+    assert runs["decode-stream-1-static"]["tokens"] == runs["decode-stream-1"]["tokens"]
     # The CLI's sampling: other tokens than greedy's, the same ones run to run.
     sampled = runs["decode-stream-1-sampled"]
     assert sampled["deterministic"] and sampled["tokens"] != runs["decode-stream-1"]["tokens"]
@@ -55,6 +59,35 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     assert prompt["uploaded_bytes"] > 0 and 0 < prompt["upload_s"] < prompt["forward_s"]
     assert prefill["prefill_chunk"] == 80  # the asked chunk, reported with the run
     assert prefill["scaled_tok_s"] == prefill["prefill_tok_s"]  # the preset's own depth
+
+
+def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys, monkeypatch):
+    """--interleave: the schedules and the wake-up run in the base run's engine, a request of
+    each in turn, each reported as its own run with the base's tokens."""
+    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
+    monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")  # the bench sets it: restored after the test
+    bench = load_bench("offload.py")
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--prefill-tokens", "0",
+            "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
+            "--stream-misses", "1", "--expert-share", "0.25", "--json", "--interleave",
+            "--wake-cpu", "--cpu-schedule", "static,guided"]
+    assert bench.main(argv) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    names = ["decode-stream-1", "decode-stream-1-wake", "decode-stream-1-static",
+             "decode-stream-1-guided"]
+    assert sorted(runs) == sorted(names)
+    for name in names:
+        run = runs[name]
+        assert run["interleaved"] and run["deterministic"]
+        assert len(run["decode_ms_per_round_each"]) == 2
+        assert run["tokens"] == runs["decode-stream-1"]["tokens"]
+        # One request's counts (the same books for every setting), not the requests' sum.
+        assert {k: run["cache"][k] for k in ("passes", "hits", "cpu_experts", "streamed_experts")
+                } == {k: runs["decode-stream-1"]["cache"][k]
+                      for k in ("passes", "hits", "cpu_experts", "streamed_experts")}
+        assert run["cache"]["passes"] == 4  # the prompt's and 3 rounds
+    with pytest.raises(SystemExit):
+        bench.main([*argv[:-1], "fixed"])
 
 
 def test_the_offload_bench_runs_a_prefill_for_each_count_of_upload_batches(capsys,

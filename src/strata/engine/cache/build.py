@@ -111,8 +111,9 @@ def default_stream_misses(config: ModelConfig, device: torch.device) -> int:
     host memory. With the rates measured together in whole calls it tied this on olmoe (19.76
     against 19.92 ms a round, bench/results/offload-loan-h200-2026-12-02.md) and was 1.17x
     slower on a 16-layer qwen3 (18.64 against 15.87 ms, offload-host-h200-2026-12-02.md).
-    `auto` now splits by calls timed as the round splits them (`rates.MissRates.staged_s`),
-    not yet measured in a round."""
+    `auto` now splits by calls timed as the round splits them (`rates.MissRates.staged_s`):
+    on olmoe at 4 GiB that streamed 0,1,2,2,3,3,4,4,4 and ran 18.22 ms a round, against 16.96
+    for N = 2 and 18.01 for N = 4 (bench/results/offload-balance-staged-h200-2026-12-03.md)."""
     return config.top_k // 2 if device.type == "cuda" else 0
 
 

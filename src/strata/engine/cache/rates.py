@@ -35,7 +35,11 @@ streamed nothing below 4 misses (bench/results/offload-host-h200-2026-12-02.md).
 the next graph run it (the s blobs staged, the other M - s experts computed on the CPU
 meanwhile, then the staged experts computed on the device after their uploads). The split
 takes each M's fastest s from it first, then from `joint_s`: a table kept by a strata that
-measured neither, or only whole calls, splits as it did.
+measured neither, or only whole calls, splits as it did. In a round on the H200 that split
+(0,1,2,2,3,3,4,4,4 on olmoe-1b-7b at 4 GiB) was still 1.07x slower than streaming a fixed 2
+(bench/results/offload-balance-staged-h200-2026-12-03.md): calls timed back to back do not
+pay what a round's calls do on the CPU's side, whose threads wake after each wait for the
+device.
 
 The times depend on the machine and the configuration (`RatesKey`: the GPU's name, the CPU's
 model, the CPU experts' threads, the dtype and the expert's shape), not on the weights, and the

@@ -12,9 +12,9 @@ matmuls in the store's dtype, each spread by torch over its intra-op threads. `S
 =torch` sends every expert the second way (the path before the kernel, to measure against).
 
 Experts run in ascending order and each output row has its own place, and the kernel computes
-each output value on one thread in one order, so the result does not depend on timing or on
-the kernel's thread count; torch's matmuls may split their sums by the thread count, so that
-count is fixed for a run.
+each output value on one thread in one order, so the result does not depend on timing, on
+the kernel's thread count or on how it hands its tasks to the threads (`CpuExperts.schedule`);
+torch's matmuls may split their sums by the thread count, so that count is fixed for a run.
 
 The calls run on the thread that makes them: the cache issues the device's share first (kernels
 run asynchronously), then computes the misses here, so the two overlap without a second thread.
@@ -100,6 +100,14 @@ class CpuExperts:
         self._stacks = [BlobStack(store.layer_blobs(layer), store.dtype, store.quant,
                                   store.expert_width, store.hidden_size)
                         for layer in range(store.n_layers)]
+        # How strata's kernel hands its tasks to its threads (`_cpu_experts.compute`'s
+        # `schedule`): "dynamic", one at a time to whichever asks, 1.09-1.10x the rounds that
+        # the CPU holds on the H200 against "static", equal fixed shares, the schedule before
+        # (bench/results/offload-balance-staged-h200-2026-12-03.md); "guided" is there to be
+        # measured. The benchmarks set it for their A/B (bench/cpu_experts.py's
+        # `compute-static` and `compute-guided`, bench/offload.py --cpu-schedule); the same
+        # bytes whichever.
+        self.schedule = "dynamic"
 
     def wake(self) -> None:
         """Start the threads strata's kernel computes on (`_cpu_experts.wake`), so that a call
@@ -157,7 +165,7 @@ class CpuExperts:
             np.ascontiguousarray(experts, dtype=np.int64),
             np.ascontiguousarray(starts - lo, dtype=np.int64),
             x_rows[lo:hi].float().numpy(), _u16(out[lo:hi]), self.store.expert_width,
-            self.cpu_threads or torch.get_num_threads())
+            self.cpu_threads or torch.get_num_threads(), self.schedule)
 
     def _kernel_some(self, layer: int, x_rows: torch.Tensor, out: torch.Tensor,
                      routed: Routed, chosen: np.ndarray) -> None:
