@@ -1,12 +1,15 @@
-"""BlobCopies on the host: whole blobs copied by address into the buffer's rows, as torch's
-copies would put them; a bad row or expert refused before any copy; a driver error named (the
-driver's path itself runs in the CUDA tests of the streamed misses)."""
+"""BlobCopies and ByteCopies on the host: whole blobs copied by address into the buffer's rows,
+as torch's copies would put them; a bad row or expert refused before any copy; a driver error
+named, with the copy it failed (the driver's path itself runs in the CUDA tests of the streamed
+misses and of the split calls)."""
 
+import numpy as np
 import pytest
 import torch
 
+from strata.engine.cache.host_rows import HostRows
 from strata.engine.experts import ExpertStore
-from strata.engine.experts.blob_copies import BlobCopies
+from strata.engine.experts.blob_copies import BlobCopies, ByteCopies
 
 
 def _store(n_layers: int = 2, n_experts: int = 5) -> ExpertStore:
@@ -43,31 +46,49 @@ def test_a_buffer_of_other_rows_is_refused():
         BlobCopies(store, torch.zeros((3, store.blob_bytes + 1), dtype=torch.uint8))
 
 
+class Result(int):
+    pass
+
+
+class FakeDriver:  # the driver's failure, injected
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    @staticmethod
+    def CUstream(handle):
+        return handle
+
+    @staticmethod
+    def cuMemcpyHtoDAsync(dst, src, n_bytes, stream):
+        return (Result(700),)
+
+    @staticmethod
+    def cuGetErrorName(result):
+        return (0, b"CUDA_ERROR_ILLEGAL_ADDRESS")
+
+
 def test_a_driver_error_is_named(monkeypatch):
-    class Result(int):
-        pass
-
-    class FakeDriver:  # the driver's failure, injected
-        class CUresult:
-            CUDA_SUCCESS = 0
-
-        @staticmethod
-        def CUstream(handle):
-            return handle
-
-        @staticmethod
-        def cuMemcpyHtoDAsync(dst, src, n_bytes, stream):
-            return (Result(700),)
-
-        @staticmethod
-        def cuGetErrorName(result):
-            return (0, b"CUDA_ERROR_ILLEGAL_ADDRESS")
-
     store = _store()
     dest = torch.zeros((3, store.blob_bytes), dtype=torch.uint8)
     copies = BlobCopies(store, dest)
-    copies._driver = FakeDriver
+    copies.copies._driver = FakeDriver
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     with pytest.raises(RuntimeError, match=r"cuMemcpyHtoDAsync of expert \(1, 2\) failed: "
                                            r".*CUDA_ERROR_ILLEGAL_ADDRESS"):
         copies.queue(1, [(0, 2)])
+
+
+def test_a_driver_error_staging_the_cpu_rows_is_named(monkeypatch):
+    host = HostRows(torch.device("cpu"))
+    host.cpu_out(4, 1, 6, torch.bfloat16)
+    host._copies._driver = FakeDriver
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    with pytest.raises(RuntimeError, match=r"cuMemcpyHtoDAsync of the CPU's rows failed: "
+                                           r".*CUDA_ERROR_ILLEGAL_ADDRESS"):
+        host.stage_cpu_rows(4, 6, torch.bfloat16, np.array([2]))
+
+
+def test_bytes_are_copied_between_the_addresses_given():
+    src, dst = torch.arange(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
+    ByteCopies(torch.device("cpu")).to_device(dst.data_ptr() + 4, src.data_ptr() + 2, 8, "bytes")
+    assert dst[4:12].tolist() == list(range(2, 10)) and not dst[:4].any() and not dst[12:].any()

@@ -15,7 +15,9 @@ Dimension letters: D hidden size, R rows.
 - `cpu_out` / `stage_cpu_rows` / `scatter_cpu_rows`, for a call split around piecewise graphs
   (`strata.engine.cache.graph_call`): the CPU writes its misses' rows straight into a host
   buffer kept for them (pinned on CUDA), which goes to the device with the rows' targets in one
-  copy; the next graph writes them where the targets say (`scatter_cpu_rows`, no host work).
+  copy, by address through the driver (`ByteCopies`: no torch views or `copy_` dispatch
+  between the CPU's rows and the next graph); the next graph writes them where the targets say
+  (`scatter_cpu_rows`, no host work).
 
 The kept buffers are rewritten by the next call only after its routing's read, which waits
 for the stream to run past every copy queued by this call (each call's copies are queued
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from strata.engine.experts.blob_copies import ByteCopies
 
 __all__ = ["HostRows"]
 
@@ -48,6 +52,7 @@ class HostRows:
         self._cpu_host_views: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cpu_device_views: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cpu_names_rows = False
+        self._copies = ByteCopies(self.device)
 
     def x_to_host(self, x: torch.Tensor) -> torch.Tensor:
         """x [1, D] on the host, once the stream has run to here (the caller's next read of
@@ -123,7 +128,8 @@ class HostRows:
         view[:n] = targets
         view[n:] = 0  # the scratch row
         n_bytes = 8 * top_k + n * hidden_size * dtype.itemsize  # the targets and the R rows
-        self._cpu_device[:n_bytes].copy_(self._cpu_host[:n_bytes], non_blocking=True)
+        self._copies.to_device(self._cpu_device.data_ptr(), self._cpu_host.data_ptr(), n_bytes,
+                               "the CPU's rows")
         self._cpu_names_rows = True
 
     def scatter_cpu_rows(self, rows: torch.Tensor) -> None:

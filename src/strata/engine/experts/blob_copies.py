@@ -1,16 +1,18 @@
-"""Copies of whole expert blobs from the host store into a device buffer, by address.
+"""Copies between host and device memory by address: whole expert blobs from the host store
+into a device buffer (`BlobCopies`), and any kept host buffer to a device one (`ByteCopies`).
 
 A decode call streams a few experts a layer. Through torch each copy costs two views (the
 staging row, the store's row) and a `copy_` dispatch: about 15-20 µs of host time a copy on
 the H200, on the path between a layer's routing read and its next graph
 (bench/results/offload-host-h200-2026-12-02.md). Here a copy is one driver call,
 `cuMemcpyHtoDAsync`, on torch's current stream (so ordered exactly as torch's `copy_` there
-is), between addresses computed once per store. On the host (no device) the same addresses are
-copied with `memmove`, synchronously: the host twin that the tests run.
+is), between addresses computed once. On the host (no device) the same addresses are copied
+with `memmove`, synchronously: the host twin that the tests run.
 
-The store's memory lives as long as the store, and the device buffer as long as its owner,
-which outlive every copy queued into it; so torch's bookkeeping of pinned blocks (which holds
-a freed pinned block back until its copies are done) is not needed here.
+The memory on both sides lives as long as its owner (the store, a cache's kept buffers), which
+outlives every copy queued from or into it; so torch's bookkeeping of pinned blocks (which
+holds a freed pinned block back until its copies are done) is not needed here. A kept host
+buffer is rewritten only once the copies queued from it have run (its owner says why).
 """
 
 from __future__ import annotations
@@ -21,7 +23,33 @@ import torch
 
 from strata.engine.experts.store import ExpertStore
 
-__all__ = ["BlobCopies"]
+__all__ = ["BlobCopies", "ByteCopies"]
+
+
+class ByteCopies:
+    """Copies of n bytes from host memory to memory of `device`, by address (see the module):
+    on CUDA queued on torch's current stream, on the host done now."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = torch.device(device)
+        self._driver = None
+        if self._device.type == "cuda":
+            from cuda.bindings import driver
+
+            self._driver = driver
+
+    def to_device(self, dst: int, src: int, n_bytes: int, what: str) -> None:
+        """Copy n_bytes from host address `src` to device address `dst`; RuntimeError naming
+        `what` (the copy, for the message) and the driver's error."""
+        if self._driver is None:
+            ctypes.memmove(dst, src, n_bytes)
+            return
+        driver = self._driver
+        stream = driver.CUstream(torch._C._cuda_getCurrentRawStream(self._device.index))
+        (result,) = driver.cuMemcpyHtoDAsync(dst, src, n_bytes, stream)
+        if result != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemcpyHtoDAsync of {what} failed: "
+                               f"{driver.cuGetErrorName(result)[1]}")
 
 
 class BlobCopies:
@@ -40,12 +68,7 @@ class BlobCopies:
         self.n_dest = dest.shape[0]
         self._sources = [(blobs.data_ptr(), blobs.stride(0)) for blobs in layers]
         self._dest, self._dest_stride = dest.data_ptr(), dest.stride(0)
-        self._device = dest.device
-        self._driver = None
-        if dest.is_cuda:
-            from cuda.bindings import driver
-
-            self._driver = driver
+        self.copies = ByteCopies(dest.device)
 
     def queue(self, layer: int, copies: list[tuple[int, int]]) -> None:
         """Copy each (row of dest, expert of `layer`) in `copies`, in order: on CUDA queued on
@@ -56,17 +79,7 @@ class BlobCopies:
             if not (0 <= row < self.n_dest and 0 <= expert < self.n_experts):
                 raise IndexError(f"blob copy ({row}, {expert}) out of range: rows [0, "
                                  f"{self.n_dest}), experts [0, {self.n_experts})")
-        if self._driver is None:
-            for row, expert in copies:
-                ctypes.memmove(self._dest + row * self._dest_stride,
-                               source + expert * source_stride, self.n_bytes)
-            return
-        driver = self._driver
-        stream = driver.CUstream(torch._C._cuda_getCurrentRawStream(self._device.index))
         for row, expert in copies:
-            (result,) = driver.cuMemcpyHtoDAsync(self._dest + row * self._dest_stride,
-                                                 source + expert * source_stride, self.n_bytes,
-                                                 stream)
-            if result != driver.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuMemcpyHtoDAsync of expert ({layer}, {expert}) failed: "
-                                   f"{driver.cuGetErrorName(result)[1]}")
+            self.copies.to_device(self._dest + row * self._dest_stride,
+                                  source + expert * source_stride, self.n_bytes,
+                                  f"expert ({layer}, {expert})")

@@ -267,7 +267,8 @@ class StreamedMisses:
         view[:self.n_blobs] = -1
         view[:n] = blobs
         view[self.n_blobs:self.n_blobs + n] = rows
-        self.stage_map.copy_(self._stage_entries, non_blocking=True)
+        self._copies.copies.to_device(self.stage_map.data_ptr(), self._stage_entries.data_ptr(),
+                                      self._stage_entries.nbytes, "the stage map")
         self._map_names_blobs = True
         return len(uploads)
 
