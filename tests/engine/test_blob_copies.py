@@ -92,3 +92,19 @@ def test_bytes_are_copied_between_the_addresses_given():
     src, dst = torch.arange(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
     ByteCopies(torch.device("cpu")).to_device(dst.data_ptr() + 4, src.data_ptr() + 2, 8, "bytes")
     assert dst[4:12].tolist() == list(range(2, 10)) and not dst[:4].any() and not dst[12:].any()
+
+
+@pytest.mark.cuda
+def test_bytes_go_from_pinned_memory_to_the_device_on_the_current_stream():
+    """The driver's path: queued on torch's current stream (a side stream here), ordered
+    before what that stream runs next; a device named without its index takes the current."""
+    src = torch.arange(64, dtype=torch.uint8).pin_memory()
+    dst = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        ByteCopies(torch.device("cuda")).to_device(dst.data_ptr() + 8, src.data_ptr(), 16,
+                                                   "bytes")
+        copied = dst.clone()  # on the side stream, after the copy
+    side.synchronize()
+    assert copied[8:24].tolist() == list(range(16)) and not copied[:8].any()
+    assert not copied[24:].any()

@@ -37,6 +37,8 @@ class ByteCopies:
             from cuda.bindings import driver
 
             self._driver = driver
+            if self._device.index is None:  # "cuda": the current device's stream
+                self._device = torch.device("cuda", torch.cuda.current_device())
 
     def to_device(self, dst: int, src: int, n_bytes: int, what: str) -> None:
         """Copy n_bytes from host address `src` to device address `dst`; RuntimeError naming
