@@ -23,7 +23,9 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   `CachedExperts.wake_cpu`; `--cpu-schedule static,guided` with the CPU kernel's tasks in fixed
   shares a thread (the schedule before) or guided shares, named -static, -guided:
   `CpuExperts.schedule`; `--interleave` runs those and -wake in the base run's engine, one
-  request of each in turn, so that a machine's drift falls on all alike; `--cli-sampling` with
+  request of each in turn, so that a machine's drift falls on all alike, and with
+  `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
+  (the counts compared with the same slots); `--cli-sampling` with
   `strata generate`'s default sampling instead of greedy, named -sampled: the pick's host time
   in a round the host holds). For
   each: the round's time; its misses split between the CPU and the copy engine (experts and
@@ -93,6 +95,7 @@ from strata.engine.cache.build import build_cached_experts, plan_cache, staging_
 from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.experts import ResidentExperts
 from strata.engine.experts.quant import EXPERTS_DTYPES, experts_quant_for
+from strata.engine.experts.streamed import StreamSplit
 from strata.engine.model.checkpoint import Checkpoint, expert_store
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.presets import get_preset
@@ -328,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="run --wake-cpu's and --cpu-schedule's variants in the base run's "
                         "engine, one request of each in turn (`run_decode_interleaved`), so "
                         "that the machine's drift falls on all alike")
+    parser.add_argument("--split-counts", default="",
+                        help="with --interleave, comma-separated N: also run each decode "
+                        "streaming min(N, M) of a layer's M misses through the run's own "
+                        "staging buffer (N up to its blobs), named -splitN: counts compared "
+                        "with the same slots, interleaved")
     parser.add_argument("--wake-cpu", action="store_true",
                         help="also run each decode with the CPU kernel's threads started before "
                         "each call's routing read (`CachedExperts.wake_cpu`), named -wake")
@@ -359,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     loan_batches = [None] if args.loan_upload_batches is None else \
         _counts(parser, "--loan-upload-batches", args.loan_upload_batches)
     prefetch_caps = _counts(parser, "--prefetch", args.prefetch) if args.prefetch else []
+    split_counts = _counts(parser, "--split-counts", args.split_counts) \
+        if args.split_counts else []
+    if split_counts and not args.interleave:
+        parser.error("--split-counts runs in the base run's engine: give --interleave too")
     cpu_schedules = args.cpu_schedule.split(",") if args.cpu_schedule else []
     if len(set(cpu_schedules)) != len(cpu_schedules) \
             or not set(cpu_schedules) <= {"static", "guided"}:
@@ -463,19 +475,29 @@ def main(argv: list[str] | None = None) -> int:
                                               prefetch=cap)
                 engine.cache.split_calls = variant != "-whole"
 
-                def set_up(setting: str, cache=engine.cache) -> None:
+                streamer = engine.cache.streamer
+                rule = streamer.split_rule if streamer is not None else None
+                # -splitN: this engine's staging buffer, streaming min(N, M) of M misses.
+                splits = [f"-split{n}" for n in split_counts
+                          if streamer is not None and n <= streamer.n_blobs]
+
+                def set_up(setting: str, cache=engine.cache, rule=rule) -> None:
                     cache.wake_cpu = setting == "-wake"
                     cache.cpu.schedule = setting[1:] if setting[1:] in cpu_schedules \
                         else "dynamic"
+                    if cache.streamer is not None:
+                        cache.streamer.split_rule = StreamSplit.fixed(
+                            int(setting.removeprefix("-split")), cfg.top_k) \
+                            if setting.startswith("-split") else rule
 
                 with engine:
                     for note in notes:
                         say(note)
-                    if variant == "" and together:
+                    if variant == "" and together + splits:
                         named = run_decode_interleaved(
                             engine, prompt, args.new_tokens, args.repeat, decode_context,
                             {setting: functools.partial(set_up, setting)
-                             for setting in ["", *together]},
+                             for setting in ["", *together, *splits]},
                             cuda_graphs=not args.eager, piecewise=not args.eager)
                         decoded = {f"decode-stream-{stream}{setting}{suffix}": run
                                    for setting, run in named.items()}

@@ -69,25 +69,30 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     bench = load_bench("offload.py")
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--prefill-tokens", "0",
             "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
-            "--stream-misses", "1", "--expert-share", "0.25", "--json", "--interleave",
-            "--wake-cpu", "--cpu-schedule", "static,guided"]
+            "--stream-misses", "2", "--expert-share", "0.25", "--json", "--interleave",
+            "--wake-cpu", "--cpu-schedule", "static,guided", "--split-counts", "1,3"]
     assert bench.main(argv) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
-    names = ["decode-stream-1", "decode-stream-1-wake", "decode-stream-1-static",
-             "decode-stream-1-guided"]
+    # -split3 is skipped: the run's staging buffer holds 2 blobs.
+    names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-static",
+             "decode-stream-2-guided", "decode-stream-2-split1"]
     assert sorted(runs) == sorted(names)
-    for name in names:
-        run = runs[name]
+    counts = ("passes", "hits", "cpu_experts", "streamed_experts")
+    base = runs["decode-stream-2"]
+    split = runs.pop("decode-stream-2-split1")  # streams 1 of a call's misses, not 2
+    assert 0 < split["round"]["streamed_experts_per_round"] \
+        < base["round"]["streamed_experts_per_round"]
+    for run in [*runs.values(), split]:
         assert run["interleaved"] and run["deterministic"]
         assert len(run["decode_ms_per_round_each"]) == 2
-        assert run["tokens"] == runs["decode-stream-1"]["tokens"]
-        # One request's counts (the same books for every setting), not the requests' sum.
-        assert {k: run["cache"][k] for k in ("passes", "hits", "cpu_experts", "streamed_experts")
-                } == {k: runs["decode-stream-1"]["cache"][k]
-                      for k in ("passes", "hits", "cpu_experts", "streamed_experts")}
-        assert run["cache"]["passes"] == 4  # the prompt's and 3 rounds
+        assert run["cache"]["passes"] == 4  # one request's counts: the prompt's and 3 rounds
+    for run in runs.values():  # the settings change no token and no count
+        assert run["tokens"] == base["tokens"]
+        assert {k: run["cache"][k] for k in counts} == {k: base["cache"][k] for k in counts}
     with pytest.raises(SystemExit):
-        bench.main([*argv[:-1], "fixed"])
+        bench.main([*argv[:-3], "fixed"])  # not a schedule
+    with pytest.raises(SystemExit):
+        bench.main([a for a in argv if a != "--interleave"])  # split counts need it
 
 
 def test_the_offload_bench_runs_a_prefill_for_each_count_of_upload_batches(capsys,
