@@ -116,6 +116,22 @@ def test_a_bad_thread_count_is_refused():
             CpuExperts(_store(torch.float32), bad)
 
 
+def test_every_schedule_gives_the_same_bytes_and_a_bad_one_is_refused_when_set():
+    store = _store(torch.bfloat16)
+    cpu = CpuExperts(store, 3)
+    routed = Routed.of(np.array([[1, 3], [3, 6]]))
+    x = torch.randn(4, store.hidden_size, generator=torch.Generator().manual_seed(7)).bfloat16()
+    assert cpu.schedule == "dynamic"  # the default
+    dynamic = cpu.compute(0, x, routed)
+    for name in ("static", "guided"):
+        cpu.schedule = name
+        assert torch.equal(cpu.compute(0, x, routed).view(torch.int16), dynamic.view(torch.int16))
+    with pytest.raises(ValueError, match=r"schedule must be one of \['dynamic', 'guided', "
+                                         r"'static'\], got 'fast'"):
+        cpu.schedule = "fast"
+    assert cpu.schedule == "guided"  # unchanged by the refused name
+
+
 def test_the_cpu_experts_bench_runs_and_reports(capsys):
     bench = load_bench("cpu_experts.py")
     assert bench.main(["--preset", "tiny", "--repeat", "1", "--tokens", "1,4", "--read-mib", "8",

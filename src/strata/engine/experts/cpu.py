@@ -100,14 +100,25 @@ class CpuExperts:
         self._stacks = [BlobStack(store.layer_blobs(layer), store.dtype, store.quant,
                                   store.expert_width, store.hidden_size)
                         for layer in range(store.n_layers)]
-        # How strata's kernel hands its tasks to its threads (`_cpu_experts.compute`'s
-        # `schedule`): "dynamic", one at a time to whichever asks, 1.09-1.10x the rounds that
-        # the CPU holds on the H200 against "static", equal fixed shares, the schedule before
-        # (bench/results/offload-balance-staged-h200-2026-12-03.md); "guided" is there to be
-        # measured. The benchmarks set it for their A/B (bench/cpu_experts.py's
-        # `compute-static` and `compute-guided`, bench/offload.py --cpu-schedule); the same
-        # bytes whichever.
         self.schedule = "dynamic"
+
+    @property
+    def schedule(self) -> str:
+        """How strata's kernel hands its tasks to its threads (`_cpu_experts.compute`'s
+        `schedule`): "dynamic", one at a time to whichever asks, the default, 1.09-1.10x the
+        rounds that the CPU holds on the H200 against "static", equal fixed shares, the
+        schedule before (bench/results/offload-balance-staged-h200-2026-12-03.md); "guided"
+        is there to be measured. The benchmarks set it for their A/B (bench/cpu_experts.py's
+        `compute-static` and `compute-guided`, bench/offload.py --cpu-schedule); the same
+        bytes whichever. ValueError when set to another name."""
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, name: str) -> None:
+        if name not in _cpu_experts.SCHEDULES:
+            raise ValueError(f"schedule must be one of {sorted(_cpu_experts.SCHEDULES)}, got "
+                             f"{name!r}")
+        self._schedule = name
 
     def wake(self) -> None:
         """Start the threads strata's kernel computes on (`_cpu_experts.wake`), so that a call
