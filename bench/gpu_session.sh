@@ -90,7 +90,9 @@
 # qwen3-30b-a3b's 16 layers at 22% at 3,4, each with the kernel's tasks handed out and in each
 # of CPU_SCHEDULES' shares, default static,guided, their requests interleaved), offload-counts
 # (4: both at --stream-misses 4 with 2 and 3 streamed through the same staging buffer, the
-# requests interleaved, 5 repeats), offload-sampled (4: the same runs
+# requests interleaved, 5 repeats), offload-async (5: olmoe at --stream-misses 2,4 and
+# qwen3's 16 layers at 3,4, each with and without the CPU's misses on their own thread,
+# `CachedExperts.async_cpu`, interleaved), offload-sampled (4: the same runs
 # greedy and with `strata generate`'s default sampling);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
@@ -237,6 +239,11 @@ for stage in "$@"; do
                --cpu-schedule "${CPU_SCHEDULES:-static,guided}" --interleave --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
                --cpu-schedule "${CPU_SCHEDULES:-static,guided}" --interleave --prefill-tokens 0 ;;
+    offload-async)  # the CPU's misses on their own thread against the engine's, interleaved
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 2,4 \
+               --async-cpu --interleave --repeat 5 --prefill-tokens 0
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
+               --async-cpu --interleave --repeat 5 --prefill-tokens 0 ;;
     offload-counts)  # how many misses to stream: 4 (the default), 3 and 2 interleaved
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 4 \
                --interleave --split-counts 2,3 --repeat 5 --prefill-tokens 0

@@ -22,7 +22,9 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   kernel's threads started before each call's routing read, named -wake:
   `CachedExperts.wake_cpu`; `--cpu-schedule static,guided` with the CPU kernel's tasks in fixed
   shares a thread (the schedule before) or guided shares, named -static, -guided:
-  `CpuExperts.schedule`; `--interleave` runs those and -wake in the base run's engine, one
+  `CpuExperts.schedule`; `--async-cpu` with the CPU's misses started on a thread of their
+  own right after each call's routing read, named -async: `CachedExperts.async_cpu`;
+  `--interleave` runs those and -wake in the base run's engine, one
   request of each in turn, so that a machine's drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
   (the counts compared with the same slots); `--cli-sampling` with
@@ -336,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
                         "streaming min(N, M) of a layer's M misses through the run's own "
                         "staging buffer (N up to its blobs), named -splitN: counts compared "
                         "with the same slots, interleaved")
+    parser.add_argument("--async-cpu", action="store_true",
+                        help="also run each decode with the CPU's misses on the CPU's own "
+                        "thread, started right after each call's routing read "
+                        "(`CachedExperts.async_cpu`), named -async")
     parser.add_argument("--wake-cpu", action="store_true",
                         help="also run each decode with the CPU kernel's threads started before "
                         "each call's routing read (`CachedExperts.wake_cpu`), named -wake")
@@ -459,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             # Variants that only set an attribute of the cache run in the base run's engine,
             # their requests interleaved with its own under --interleave.
             settings = [*(["-wake"] if args.wake_cpu else []),
+                        *(["-async"] if args.async_cpu else []),
                         *(f"-{schedule}" for schedule in cpu_schedules)]
             together = settings if args.interleave else []
             variants = [("", 0), *([("-whole", 0)] if args.whole_calls else []),
@@ -483,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 def set_up(setting: str, cache=engine.cache, rule=rule) -> None:
                     cache.wake_cpu = setting == "-wake"
+                    cache.async_cpu = setting == "-async"
                     cache.cpu.schedule = setting[1:] if setting[1:] in cpu_schedules \
                         else "dynamic"
                     if cache.streamer is not None:

@@ -303,3 +303,43 @@ def test_nan_and_infinity_propagate_as_in_torch():
     out = _run(blobs, [0], [0, 2], x, f, 2)
     expected = _reference(blobs, [0], [0, 2], x, f)
     assert torch.equal(out.isnan(), expected.isnan())
+
+
+@settings(max_examples=60, deadline=None)
+@given(calls(), st.integers(1, 4), st.sampled_from(sorted(_cpu_experts.SCHEDULES)))
+def test_a_call_on_the_worker_thread_gives_compute_s_bytes(call, threads, schedule):
+    """CpuWorker.start returns at once and the call runs on the worker's thread; after wait,
+    out holds compute's bytes. One worker serves call after call."""
+    blobs, experts, starts, x, f = call
+    expected = _run(blobs, experts, starts, x, f, threads, schedule=schedule)
+    worker = _cpu_experts.CpuWorker()
+    for _ in range(2):
+        out = torch.full(expected.shape, 7.0, dtype=torch.bfloat16)
+        worker.start(blobs.contiguous().view(torch.uint8).numpy(), _cpu_experts.FORMAT_BF16,
+                     np.asarray(experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
+                     x.float().numpy(), _u16(out), f, threads, schedule)
+        worker.wait()
+        assert not worker.pending
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
+def test_the_worker_takes_one_call_at_a_time_and_checks_each_as_compute_does():
+    f, d = 8, 16
+    blobs = _blobs(2, f, d, 0).view(torch.uint8).numpy()
+    x = torch.randn(3, d).float().numpy()
+    out = torch.zeros(3, d, dtype=torch.bfloat16)
+    args = (blobs, 0, np.array([0, 1], dtype=np.int64), np.array([0, 1, 3], dtype=np.int64), x,
+            _u16(out), f, 2)
+    worker = _cpu_experts.CpuWorker()
+    with pytest.raises(ValueError, match=r"expert 5 is out of range \[0, 2\)"):
+        worker.start(blobs, 0, np.array([0, 5], dtype=np.int64), *args[3:])
+    assert not worker.pending  # nothing started
+    worker.wait()  # none in flight: returns at once
+    worker.start(*args)
+    with pytest.raises(RuntimeError, match=r"a call is in flight on this CpuWorker: wait\(\)"):
+        worker.start(*args)
+    worker.wait()
+    assert not worker.pending and out.abs().sum() > 0
+    worker.start(*args)
+    del worker  # in flight: waited for before the thread stops
+    assert out.abs().sum() > 0

@@ -57,3 +57,30 @@ def wake(n_threads: int) -> None:
     """Start the n_threads OpenMP team `compute` runs on (an empty task a thread), so that its
     threads are up when the next call comes; returns once all have arrived. ValueError for
     n_threads < 1."""
+
+class CpuWorker:
+    """One thread that runs `compute`'s calls while the thread that posts them goes on: the
+    master of an OpenMP team of its own. One call at a time; the call's arrays are kept
+    referenced until `wait`. OSError when the thread cannot be started."""
+
+    def start(
+        self,
+        blobs: np.ndarray,
+        fmt: int,
+        experts: np.ndarray,
+        row_starts: np.ndarray,
+        x: np.ndarray,
+        out: np.ndarray,
+        expert_width: int,
+        n_threads: int,
+        schedule: str = "dynamic",
+    ) -> None:
+        """Start `compute` with these arguments on the worker's thread and return at once.
+        ValueError as `compute` raises it; RuntimeError while a call is in flight."""
+
+    def wait(self) -> None:
+        """Return when the call in flight is done (at once when none is)."""
+
+    @property
+    def pending(self) -> bool:
+        """Whether a call is in flight (started and not waited for)."""

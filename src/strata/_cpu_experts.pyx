@@ -116,16 +116,34 @@ cdef inline float _dot(const uint8_t *blob, int fmt, int64_t start, int64_t row,
     return strata_dot_i4_g64_f32(blob + start // 2, scales + start // 64, x, n)
 
 
+cdef struct Call:
+    # One call's operands as raw pointers into the C-contiguous arrays `compute` checked, so
+    # that a thread without the GIL can take the call whole (`CpuWorker`).
+    const uint8_t *blobs  # [E, blob_bytes]
+    int64_t blob_bytes
+    int fmt
+    const int64_t *experts  # [M]
+    const int64_t *row_starts  # [M+1]
+    int64_t n_experts
+    const float *x  # [R, D]
+    float *act  # [R, F]
+    uint16_t *out  # [R, D]
+    int64_t f_width
+    int64_t d_hidden
+    int n_threads
+    int schedule
+
+
 cdef inline void _dot4(const uint8_t *blob, int fmt, int64_t start, int64_t row,
-                       int64_t scales_at, int64_t n, const float[:, ::1] x, int64_t r,
+                       int64_t scales_at, int64_t n, const float *x, int64_t x_stride,
                        float *out) noexcept nogil:
-    """out[j] = `_dot` of a quantized row with x[r + j], j = 0..3, the row read once (the same
-    bytes as four `_dot`s)."""
+    """out[j] = `_dot` of a quantized row with the row x + j * x_stride, j = 0..3, the row
+    read once (the same bytes as four `_dot`s)."""
     cdef float scale
     cdef const float *rows[4]
     cdef int j
     for j in range(4):
-        rows[j] = &x[r + j, 0]
+        rows[j] = x + j * x_stride
     if fmt == _INT8:
         memcpy(&scale, blob + scales_at + 4 * row, 4)  # a blob's scales need not be aligned
         strata_dot4_i8_f32(<const int8_t *>blob + start, rows, n, out)
@@ -136,82 +154,83 @@ cdef inline void _dot4(const uint8_t *blob, int fmt, int64_t start, int64_t row,
                            + start // _group(fmt), rows, n, _group(fmt), out)
 
 
-cdef inline void _activations4(const uint8_t *blob, int fmt, int64_t f, int64_t f_width,
-                                int64_t d_hidden, int64_t scales_at, const float[:, ::1] x,
-                                float[:, ::1] act, int64_t r) noexcept nogil:
+cdef inline void _activations4(const Call *c, const uint8_t *blob, int64_t f,
+                                int64_t scales_at, int64_t r) noexcept nogil:
     """act[r..r+3, f] of a quantized expert, its gate and up rows f read once for the four (the
     sums on this call's stack: a thread's own)."""
+    cdef int64_t d_hidden = c.d_hidden
+    cdef const float *x = c.x + r * d_hidden
     cdef float gs[4]
     cdef float us[4]
     cdef float g, u
     cdef int j
-    _dot4(blob, fmt, f * d_hidden, f, scales_at, d_hidden, x, r, gs)
-    _dot4(blob, fmt, (f_width + f) * d_hidden, f_width + f, scales_at, d_hidden, x, r, us)
+    _dot4(blob, c.fmt, f * d_hidden, f, scales_at, d_hidden, x, d_hidden, gs)
+    _dot4(blob, c.fmt, (c.f_width + f) * d_hidden, c.f_width + f, scales_at, d_hidden, x,
+          d_hidden, us)
     for j in range(4):
         g = _round(gs[j])
         u = _round(us[j])
-        act[r + j, f] = _round(_round(g / (1.0 + expf(-g))) * u)
+        c.act[(r + j) * c.f_width + f] = _round(_round(g / (1.0 + expf(-g))) * u)
 
 
-cdef inline void _outputs4(const uint8_t *blob, int fmt, int64_t d, int64_t f_width,
-                           int64_t down_at, int64_t scales_at, const float[:, ::1] act,
-                           uint16_t[:, ::1] out, int64_t r) noexcept nogil:
+cdef inline void _outputs4(const Call *c, const uint8_t *blob, int64_t d, int64_t down_at,
+                           int64_t scales_at, int64_t r) noexcept nogil:
     """out[r..r+3, d] of a quantized expert, its down row d read once for the four."""
+    cdef int64_t f_width = c.f_width
     cdef float ys[4]
     cdef int j
-    _dot4(blob, fmt, down_at + d * f_width, 2 * f_width + d, scales_at, f_width, act, r, ys)
+    _dot4(blob, c.fmt, down_at + d * f_width, 2 * f_width + d, scales_at, f_width,
+          c.act + r * f_width, f_width, ys)
     for j in range(4):
-        out[r + j, d] = strata_f32_to_bf16(ys[j])
+        c.out[(r + j) * c.d_hidden + d] = strata_f32_to_bf16(ys[j])
 
 
-cdef inline void _activation_task(const uint8_t[:, ::1] blobs, int fmt,
-                                  const int64_t[::1] experts, const int64_t[::1] row_starts,
-                                  const float[:, ::1] x, float[:, ::1] act, int64_t f_width,
-                                  int64_t d_hidden, int64_t n_blocks, int64_t scales_at,
+cdef inline void _activation_task(const Call *c, int64_t n_blocks, int64_t scales_at,
                                   int64_t task) noexcept nogil:
     """Pass 1's task `task`: act[r, f] for one block of BLOCK_ROWS f of one expert, every row."""
     cdef int64_t i = task // n_blocks
-    cdef const uint8_t *blob = &blobs[experts[i], 0]
+    cdef const uint8_t *blob = c.blobs + c.experts[i] * c.blob_bytes
+    cdef int64_t d_hidden = c.d_hidden, f_width = c.f_width
     cdef int64_t f = (task % n_blocks) * BLOCK_ROWS
     cdef int64_t f_end = min(f + BLOCK_ROWS, f_width)
     cdef int64_t r, r_end
     cdef float g, u
     while f < f_end:
-        r = row_starts[i]
-        r_end = row_starts[i + 1]
-        while fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
-            _activations4(blob, fmt, f, f_width, d_hidden, scales_at, x, act, r)
+        r = c.row_starts[i]
+        r_end = c.row_starts[i + 1]
+        while c.fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
+            _activations4(c, blob, f, scales_at, r)
             r = r + 4
         while r < r_end:
-            g = _round(_dot(blob, fmt, f * d_hidden, f, scales_at, d_hidden, &x[r, 0]))
-            u = _round(_dot(blob, fmt, (f_width + f) * d_hidden, f_width + f, scales_at,
-                            d_hidden, &x[r, 0]))
-            act[r, f] = _round(_round(g / (1.0 + expf(-g))) * u)
+            g = _round(_dot(blob, c.fmt, f * d_hidden, f, scales_at, d_hidden,
+                            c.x + r * d_hidden))
+            u = _round(_dot(blob, c.fmt, (f_width + f) * d_hidden, f_width + f, scales_at,
+                            d_hidden, c.x + r * d_hidden))
+            c.act[r * f_width + f] = _round(_round(g / (1.0 + expf(-g))) * u)
             r = r + 1
         f = f + 1
 
 
-cdef inline void _output_task(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
-                              const int64_t[::1] row_starts, const float[:, ::1] act,
-                              uint16_t[:, ::1] out, int64_t f_width, int64_t d_hidden,
-                              int64_t n_blocks, int64_t scales_at, int64_t task) noexcept nogil:
+cdef inline void _output_task(const Call *c, int64_t n_blocks, int64_t scales_at,
+                              int64_t task) noexcept nogil:
     """Pass 2's task `task`: out[r, d] for one block of BLOCK_ROWS d of one expert, every row."""
+    cdef int64_t d_hidden = c.d_hidden, f_width = c.f_width
     cdef int64_t down_at = 2 * f_width * d_hidden  # elements before down's first row
     cdef int64_t i = task // n_blocks
-    cdef const uint8_t *blob = &blobs[experts[i], 0]
+    cdef const uint8_t *blob = c.blobs + c.experts[i] * c.blob_bytes
     cdef int64_t d = (task % n_blocks) * BLOCK_ROWS
     cdef int64_t d_end = min(d + BLOCK_ROWS, d_hidden)
     cdef int64_t r, r_end
     while d < d_end:
-        r = row_starts[i]
-        r_end = row_starts[i + 1]
-        while fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
-            _outputs4(blob, fmt, d, f_width, down_at, scales_at, act, out, r)
+        r = c.row_starts[i]
+        r_end = c.row_starts[i + 1]
+        while c.fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
+            _outputs4(c, blob, d, down_at, scales_at, r)
             r = r + 4
         while r < r_end:
-            out[r, d] = strata_f32_to_bf16(_dot(blob, fmt, down_at + d * f_width,
-                                                2 * f_width + d, scales_at, f_width,
-                                                &act[r, 0]))
+            c.out[r * d_hidden + d] = strata_f32_to_bf16(_dot(
+                blob, c.fmt, down_at + d * f_width, 2 * f_width + d, scales_at, f_width,
+                c.act + r * f_width))
             r = r + 1
         d = d + 1
 
@@ -230,41 +249,38 @@ cdef enum:
 SCHEDULES = {"dynamic": _DYNAMIC, "static": _STATIC, "guided": _GUIDED}
 
 
-cdef inline void _task(bint outputs, const uint8_t[:, ::1] blobs, int fmt,
-                       const int64_t[::1] experts, const int64_t[::1] row_starts,
-                       const float[:, ::1] x, float[:, ::1] act, uint16_t[:, ::1] out,
-                       int64_t f_width, int64_t d_hidden, int64_t n_blocks, int64_t scales_at,
+cdef inline void _task(const Call *c, bint outputs, int64_t n_blocks, int64_t scales_at,
                        int64_t task) noexcept nogil:
     if outputs:
-        _output_task(blobs, fmt, experts, row_starts, act, out, f_width, d_hidden, n_blocks,
-                     scales_at, task)
+        _output_task(c, n_blocks, scales_at, task)
     else:
-        _activation_task(blobs, fmt, experts, row_starts, x, act, f_width, d_hidden, n_blocks,
-                         scales_at, task)
+        _activation_task(c, n_blocks, scales_at, task)
 
 
-cdef void _pass(bint outputs, const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
-                const int64_t[::1] row_starts, const float[:, ::1] x, float[:, ::1] act,
-                uint16_t[:, ::1] out, int64_t f_width, int64_t d_hidden, int n_threads,
-                int schedule) noexcept nogil:
+cdef void _pass(const Call *c, bint outputs) noexcept nogil:
     """Pass 1 (act from x: F rows an expert) or, with `outputs`, pass 2 (out from act: D rows
-    an expert), its tasks of BLOCK_ROWS rows handed to the threads as `schedule` says."""
-    cdef int64_t n_blocks = ((d_hidden if outputs else f_width) + BLOCK_ROWS - 1) // BLOCK_ROWS
-    cdef int64_t scales_at = _scales_at(fmt, f_width, d_hidden)
-    cdef int64_t n_tasks = experts.shape[0] * n_blocks
+    an expert), its tasks of BLOCK_ROWS rows handed to the call's threads as its schedule
+    says."""
+    cdef int64_t n_blocks = ((c.d_hidden if outputs else c.f_width) + BLOCK_ROWS - 1) \
+        // BLOCK_ROWS
+    cdef int64_t scales_at = _scales_at(c.fmt, c.f_width, c.d_hidden)
+    cdef int64_t n_tasks = c.n_experts * n_blocks
     cdef int64_t task
-    if schedule == _DYNAMIC:
-        for task in prange(n_tasks, num_threads=n_threads, schedule="dynamic"):
-            _task(outputs, blobs, fmt, experts, row_starts, x, act, out, f_width, d_hidden,
-                  n_blocks, scales_at, task)
-    elif schedule == _GUIDED:
-        for task in prange(n_tasks, num_threads=n_threads, schedule="guided"):
-            _task(outputs, blobs, fmt, experts, row_starts, x, act, out, f_width, d_hidden,
-                  n_blocks, scales_at, task)
+    if c.schedule == _DYNAMIC:
+        for task in prange(n_tasks, num_threads=c.n_threads, schedule="dynamic"):
+            _task(c, outputs, n_blocks, scales_at, task)
+    elif c.schedule == _GUIDED:
+        for task in prange(n_tasks, num_threads=c.n_threads, schedule="guided"):
+            _task(c, outputs, n_blocks, scales_at, task)
     else:
-        for task in prange(n_tasks, num_threads=n_threads, schedule="static"):
-            _task(outputs, blobs, fmt, experts, row_starts, x, act, out, f_width, d_hidden,
-                  n_blocks, scales_at, task)
+        for task in prange(n_tasks, num_threads=c.n_threads, schedule="static"):
+            _task(c, outputs, n_blocks, scales_at, task)
+
+
+cdef void _run(const Call *c) noexcept nogil:
+    """Both passes of a call."""
+    _pass(c, False)
+    _pass(c, True)
 
 
 cdef void _arrive(int64_t task) noexcept nogil:
@@ -291,23 +307,10 @@ def wake(int n_threads):
             _arrive(task)
 
 
-def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
+cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
-            int64_t expert_width, int n_threads, str schedule="dynamic"):
-    """Compute `experts` of one layer over their rows, into `out`.
-
-    blobs uint8 [E, blob_bytes(fmt, F, D)]: the layer's blobs (the store's bytes, not a copy);
-    fmt: a FORMAT_*;
-    experts int64 [M]: the blob row of each expert of the call; row_starts int64 [M+1]: expert
-    i owns rows [row_starts[i], row_starts[i+1]) of `x` and `out`; x float32 [R, D]: each
-    row's input; out uint16 [R, D]: each row's output as bf16 bits (written, not read);
-    expert_width: F; n_threads: the threads of both passes (>= 1); schedule: how the passes'
-    tasks reach the threads, one of `SCHEDULES`: "dynamic" (one at a time to whichever thread
-    asks, the default), "static" (equal fixed shares) or "guided" (large shares first); the
-    same bytes whichever.
-
-    Raises ValueError for shapes that disagree or an expert out of range, before any work.
-    """
+            int64_t expert_width, int n_threads, str schedule):
+    """`compute`'s checks of a call (ValueError naming what is wrong), before any work."""
     cdef int64_t d_hidden = x.shape[1]
     cdef int64_t n_rows = x.shape[0]
     cdef Py_ssize_t i
@@ -333,13 +336,57 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
         raise ValueError(f"n_threads must be >= 1, got {n_threads}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-    cdef int schedule_id = SCHEDULES[schedule]
+
+
+def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
+            const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
+            int64_t expert_width, int n_threads, str schedule="dynamic"):
+    """Compute `experts` of one layer over their rows, into `out`.
+
+    blobs uint8 [E, blob_bytes(fmt, F, D)]: the layer's blobs (the store's bytes, not a copy);
+    fmt: a FORMAT_*;
+    experts int64 [M]: the blob row of each expert of the call; row_starts int64 [M+1]: expert
+    i owns rows [row_starts[i], row_starts[i+1]) of `x` and `out`; x float32 [R, D]: each
+    row's input; out uint16 [R, D]: each row's output as bf16 bits (written, not read);
+    expert_width: F; n_threads: the threads of both passes (>= 1); schedule: how the passes'
+    tasks reach the threads, one of `SCHEDULES`: "dynamic" (one at a time to whichever thread
+    asks, the default), "static" (equal fixed shares) or "guided" (large shares first); the
+    same bytes whichever.
+
+    Raises ValueError for shapes that disagree or an expert out of range, before any work.
+    """
+    _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule)
+    cdef int64_t n_rows = x.shape[0]
     if n_rows == 0:
         return
     act = np.empty((n_rows, expert_width), dtype=np.float32)  # [R, F]
     cdef float[:, ::1] act_view = act
+    cdef Call call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
+                           n_threads, SCHEDULES[schedule])
     with nogil:
-        _pass(False, blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
-              d_hidden, n_threads, schedule_id)
-        _pass(True, blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
-              d_hidden, n_threads, schedule_id)
+        _run(&call)
+
+
+cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
+                const int64_t[::1] row_starts, const float[:, ::1] x, float[:, ::1] act,
+                uint16_t[:, ::1] out, int64_t expert_width, int n_threads, int schedule):
+    """The Call over checked arrays of at least one row (the pointers are theirs: the caller
+    keeps the arrays alive until the call has run)."""
+    cdef Call call
+    call.blobs = &blobs[0, 0]
+    call.blob_bytes = blobs.shape[1]
+    call.fmt = fmt
+    call.experts = &experts[0]
+    call.row_starts = &row_starts[0]
+    call.n_experts = experts.shape[0]
+    call.x = &x[0, 0]
+    call.act = &act[0, 0]
+    call.out = &out[0, 0]
+    call.f_width = expert_width
+    call.d_hidden = x.shape[1]
+    call.n_threads = n_threads
+    call.schedule = schedule
+    return call
+
+
+include "_cpu_experts_worker.pxi"

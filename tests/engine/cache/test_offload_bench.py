@@ -70,12 +70,13 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--prefill-tokens", "0",
             "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
             "--stream-misses", "2", "--expert-share", "0.25", "--json", "--interleave",
-            "--wake-cpu", "--cpu-schedule", "static,guided", "--split-counts", "1,3"]
+            "--wake-cpu", "--async-cpu", "--cpu-schedule", "static,guided",
+            "--split-counts", "1,3"]
     assert bench.main(argv) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.
-    names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-static",
-             "decode-stream-2-guided", "decode-stream-2-split1"]
+    names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-async",
+             "decode-stream-2-static", "decode-stream-2-guided", "decode-stream-2-split1"]
     assert sorted(runs) == sorted(names)
     counts = ("passes", "hits", "cpu_experts", "streamed_experts")
     base = runs["decode-stream-2"]

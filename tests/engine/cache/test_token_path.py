@@ -91,13 +91,34 @@ def test_waking_the_cpu_threads_before_the_routing_read_changes_no_byte(split, m
     assert len(woken) == 32
 
 
-def _same_bytes(store, share, policy, stream, repeats, device, split=False, wake_cpu=False):
+@pytest.mark.parametrize("dtype,share,policy,stream,repeats", CASES,
+                         ids=["-".join(str(v) for v in case) for case in CASES])
+def test_a_split_call_with_its_cpu_misses_on_their_own_thread_gives_the_same_bytes(
+        dtype, share, policy, stream, repeats, monkeypatch):
+    """`CachedExperts.async_cpu`: a split call's CPU misses start on the CPU's own thread right
+    after the routing read and are waited for after the uploads; the bytes, books and counts
+    are the token path's. bf16's decode misses take that thread; fp32's (torch's matmuls), and
+    an expert of more rows than the kernel takes, do not and are computed as before."""
+    started = []
+    start = CpuExperts.start
+    monkeypatch.setattr(CpuExperts, "start",
+                        lambda cpu, *args: started.append(start(cpu, *args)) or started[-1])
+    _same_bytes(small_store(DTYPES[dtype]), share, policy, stream, repeats, "cpu", split=True,
+                async_cpu=True)
+    # (With repeated ids an expert may have more rows than the kernel takes: computed now.)
+    assert any(started) == (dtype == "bf16" and share < 1.0)
+    assert all(started) or dtype == "fp32" or repeats
+
+
+def _same_bytes(store, share, policy, stream, repeats, device, split=False, wake_cpu=False,
+                async_cpu=False):
     """The general path against the token path, or (`split`) the token path against the split
-    call; `wake_cpu` on the latter."""
+    call; `wake_cpu` and `async_cpu` on the latter."""
     n_slots = round(share * store.n_layers * store.n_experts)
     general = make_cache(store, n_slots, policy, stream, token_path=split, device=device)
     token = make_cache(store, n_slots, policy, stream, token_path=True, device=device)
     token.wake_cpu = wake_cpu
+    token.async_cpu = async_cpu
     try:
         for call in token_calls(store, 32, seed=int(share * 10) + stream, repeats=repeats,
                            device=device):
@@ -162,3 +183,26 @@ def test_a_tracing_wrapper_still_sees_observe():
     finally:
         cached.close()
 
+
+
+def test_a_failure_while_the_cpu_misses_run_on_their_thread_waits_for_them(monkeypatch):
+    """An upload that fails after the CPU's misses started: the call waits for them before the
+    error goes up, so no thread writes the kept buffer after the call, and the next call runs."""
+    from strata.engine.cache import graph_call
+
+    store = small_store(torch.bfloat16)
+    cache = make_cache(store, round(0.25 * store.n_layers * store.n_experts), "coldest-in-loan",
+                       1, token_path=True)
+    cache.async_cpu = True
+    calls = list(token_calls(store, 4, seed=3, repeats=False))
+    stage = graph_call._stage_uploads
+    monkeypatch.setattr(graph_call, "_stage_uploads",
+                        lambda *args: (_ for _ in ()).throw(RuntimeError("injected")))
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            split_call(cache, *calls[0])
+        assert not cache.cpu._worker.pending  # waited for, not left running
+        monkeypatch.setattr(graph_call, "_stage_uploads", stage)
+        split_call(cache, *calls[1])  # the next call starts its own
+    finally:
+        cache.close()

@@ -140,12 +140,12 @@ class CachedExperts:
         # 1.07-1.20x faster rounds on the H200 (bench/results/offload-split-h200-2026-12-02.md);
         # False keeps them whole, the A/B's baseline (bench/offload.py --whole-calls).
         self.split_calls = True
-        # Start the CPU kernel's threads (`CpuExperts.wake`) before each decode call's routing
-        # read, while the host waits for the device: a small CPU call after a gap paid 70-220
-        # us for their wake-up (bench/results/offload-omp-wait-h200-2026-12-03.md). Off: in
-        # rounds it won 2-13% at 4 streamed misses and lost 11-16% at 3 (bench/offload.py
-        # --wake-cpu, the same results file); the same bytes either way.
-        self.wake_cpu = False
+        # wake_cpu: the CPU kernel's threads started (`CpuExperts.wake`) before each decode
+        # call's routing read; off: in rounds it won 2-13% at 4 streamed misses, lost 11-16% at
+        # 3 (bench/results/offload-omp-wait-h200-2026-12-03.md). async_cpu: a split call's CPU
+        # misses run on the CPU's own thread (`CpuExperts.start`) while this one queues the
+        # uploads (`graph_call.fill_misses`); off until measured (bench/offload.py --async-cpu).
+        self.wake_cpu = self.async_cpu = False  # either way the same bytes
         self.heat = DeviceHeat(table, self.device)  # routing counted on the device-only path
         self._last_layer = -1  # the layer of the open pass's latest call; -1: no pass is open
         self._loaned = False

@@ -40,7 +40,13 @@ from typing import Any
 import torch
 
 from strata.engine.cache.stats import PhaseStats
-from strata.engine.cache.token_call import cpu_rows, device_time, split_call
+from strata.engine.cache.token_call import (
+    cpu_rows,
+    device_time,
+    finish_cpu_rows,
+    split_call,
+    start_cpu_rows,
+)
 from strata.engine.experts import grouped, weighted_sum
 
 __all__ = ["fill_misses", "resident_rows", "sum_rows"]
@@ -77,6 +83,29 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
     policy and `stats` told as `token_forward` tells them."""
     top_k = topk_ids.shape[1]
     call = split_call(cache, layer, x, topk_ids, stats)
+    host_rows, hidden_size = cache.host_rows, x.shape[1]
+    out = targets = started = None
+    if call.misses is not None:  # computed into the kept host buffer, then sent in one copy
+        out = host_rows.cpu_out(top_k, call.misses.n_rows, hidden_size, rows.dtype)  # [R, D]
+        targets = call.misses.rows + 1  # row k of the call is row k + 1 of `rows`
+        if cache.async_cpu:  # on the CPU's own thread while this one issues the uploads
+            started = start_cpu_rows(cache, layer, call.x_host, call.misses, stats, out)
+    try:
+        _stage_uploads(cache, layer, call, stats)
+    finally:  # the CPU's thread writes `out`: never left running past this call
+        if started is not None:
+            finish_cpu_rows(cache, stats, started)
+    if started is None and call.misses is not None:
+        cpu_rows(cache, layer, call.x_host, call.misses, stats, out)
+    with device_time(stats):
+        host_rows.stage_cpu_rows(top_k, hidden_size, rows.dtype, targets)
+    if cache.checked.admits and call.n_missed:
+        cache.admit_misses(layer, call.missed_experts(top_k))
+
+
+def _stage_uploads(cache: Any, layer: int, call: Any, stats: PhaseStats) -> None:
+    """`fill_misses`' uploads: the call's streamed misses staged (or the stage map cleared),
+    then the next layer's predicted misses prefetched where the cache predicts them."""
     # The next layer's predictions, read while the stream is drained by the routing's read:
     # before this layer's uploads, which a later read would wait for.
     predicted = cache.prefetch.read(layer) if cache.prefetch is not None else []
@@ -92,16 +121,6 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
         with device_time(stats):
             stats.uploaded_bytes += cache.prefetch.issue(layer, predicted, cache.table,
                                                          cache.streamer) * blob_bytes
-    host_rows, hidden_size = cache.host_rows, x.shape[1]
-    targets = None
-    if call.misses is not None:  # computed into the kept host buffer, then sent in one copy
-        out = host_rows.cpu_out(top_k, call.misses.n_rows, hidden_size, rows.dtype)  # [R, D]
-        cpu_rows(cache, layer, call.x_host, call.misses, stats, out)
-        targets = call.misses.rows + 1  # row k of the call is row k + 1 of `rows`
-    with device_time(stats):
-        host_rows.stage_cpu_rows(top_k, hidden_size, rows.dtype, targets)
-    if cache.checked.admits and call.n_missed:
-        cache.admit_misses(layer, call.missed_experts(top_k))
 
 
 def sum_rows(cache: Any, x: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor

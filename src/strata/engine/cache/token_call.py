@@ -29,8 +29,8 @@ from strata.engine.cache.stats import PhaseStats
 from strata.engine.experts.combine import weighted_sum
 from strata.engine.experts.routed import Routed
 
-__all__ = ["TokenSplit", "cpu_rows", "device_time", "split_call", "streamed_rows",
-           "token_forward"]
+__all__ = ["TokenSplit", "cpu_rows", "device_time", "finish_cpu_rows", "split_call",
+           "start_cpu_rows", "streamed_rows", "token_forward"]
 
 
 class TokenSplit(NamedTuple):
@@ -111,6 +111,26 @@ def cpu_rows(cache: Any, layer: int, x_host: torch.Tensor, misses: Routed,
     stats.cpu_experts += misses.n_experts
     stats.cpu_tokens += misses.n_rows
     return rows
+
+
+def start_cpu_rows(cache: Any, layer: int, x_host: torch.Tensor, misses: Routed,
+                   stats: PhaseStats, out: torch.Tensor) -> float | None:
+    """Start `cpu_rows`' call into `out` on the CPU's own thread (`CpuExperts.start`) and
+    return when it started (`time.perf_counter`), for `finish_cpu_rows`; None, having started
+    nothing, for a call that thread does not take (`cpu_rows` computes it then)."""
+    started = time.perf_counter()
+    x_rows = x_host.expand(misses.n_rows, -1).contiguous()  # [R, D]
+    if not cache.cpu.start(layer, x_rows, misses, out):
+        return None
+    stats.cpu_experts += misses.n_experts
+    stats.cpu_tokens += misses.n_rows
+    return started
+
+
+def finish_cpu_rows(cache: Any, stats: PhaseStats, started: float) -> None:
+    """Wait for `start_cpu_rows`' call; its time from the start counts as the CPU's."""
+    cache.cpu.finish()
+    stats.cpu_s += time.perf_counter() - started
 
 
 def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,

@@ -16,11 +16,14 @@ each output value on one thread in one order, so the result does not depend on t
 the kernel's thread count or on how it hands its tasks to the threads (`CpuExperts.schedule`);
 torch's matmuls may split their sums by the thread count, so that count is fixed for a run.
 
-The calls run on the thread that makes them: the cache issues the device's share first (kernels
+`compute` runs on the thread that calls it: the cache issues the device's share first (kernels
 run asynchronously), then computes the misses here, so the two overlap without a second thread.
-A worker thread was measured to cost 1.7-2.8x per expert on the 16-core GPU machine
-(bench/cpu_experts.py, `worker`): its intra-op team and the calling thread's contend for the
-same cores.
+A Python worker thread was measured to cost 1.7-2.8x per expert on the 16-core GPU machine
+(bench/cpu_experts.py, `worker`): it needs the GIL to start each call, and its intra-op team
+and the calling thread's contend for the same cores. `start` / `finish` run a decode call of
+strata's kernel on a native thread instead (`_cpu_experts.CpuWorker`: no GIL, an OpenMP team
+of its own one thread smaller than the caller's count), so that the caller can queue the
+call's uploads meanwhile (`CachedExperts.async_cpu`, off until measured on the GPU).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ class CpuExperts:
                                   store.expert_width, store.hidden_size)
                         for layer in range(store.n_layers)]
         self.schedule = "dynamic"
+        self._worker = None  # `start`'s thread, made on first use
 
     @property
     def schedule(self) -> str:
@@ -125,6 +129,40 @@ class CpuExperts:
         soon after finds them up; nothing where these calls go through torch."""
         if self.kernel == "strata":
             _cpu_experts.wake(self.cpu_threads or torch.get_num_threads())
+
+    def start(self, layer: int, x_rows: torch.Tensor, routed: Routed, out: torch.Tensor) -> bool:
+        """Start `compute(layer, x_rows, routed, out)` on a thread of its own and return at
+        once, where the call is strata's kernel's whole (a quantized store's, or a bf16 one's
+        of up to `KERNEL_MAX_ROWS` rows an expert: a decode call); `finish` returns when out
+        holds its rows. Returns False, and starts nothing, for any other call.
+
+        The thread (`_cpu_experts.CpuWorker`, made on first use) is the master of an OpenMP
+        team of its own, one thread fewer than `compute`'s so that the caller keeps a core for
+        what it does meanwhile; the bytes are `compute`'s whatever the count. One call at a
+        time: RuntimeError while one is in flight."""
+        if self.kernel != "strata" or (self.store.quant is None and not (
+                np.diff(routed.starts) <= KERNEL_MAX_ROWS).all()):
+            return False
+        if out.shape != (routed.n_rows, self.store.hidden_size) \
+                or out.dtype != self.store.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{routed.n_rows}, "
+                             f"{self.store.hidden_size}] {self.store.dtype} tensor, got "
+                             f"{list(out.shape)} {out.dtype}")
+        if self._worker is None:
+            self._worker = _cpu_experts.CpuWorker()
+        n_threads = self.cpu_threads or torch.get_num_threads()
+        lo, hi = int(routed.starts[0]), int(routed.starts[-1])
+        self._worker.start(
+            self._blobs[layer], self._format, np.ascontiguousarray(routed.experts, np.int64),
+            np.ascontiguousarray(routed.starts - lo, np.int64),
+            x_rows[lo:hi].to(self.store.dtype).float().numpy(), _u16(out[lo:hi]),
+            self.store.expert_width, max(1, n_threads - 1), self.schedule)
+        return True
+
+    def finish(self) -> None:
+        """Return when the call `start` started is done (at once when none is)."""
+        if self._worker is not None:
+            self._worker.wait()
 
     def compute(self, layer: int, x_rows: torch.Tensor, routed: Routed,
                 out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,80 @@
+# Included by _cpu_experts.pyx: `CpuWorker`, a call of the kernel run on a thread of its own.
+
+cdef extern from "_cpu_experts_worker.h" nogil:
+    ctypedef struct strata_worker:
+        pass
+    int strata_worker_start(strata_worker *w)
+    void strata_worker_post(strata_worker *w, void (*run)(void *) noexcept nogil, void *job)
+    void strata_worker_wait(strata_worker *w)
+    void strata_worker_stop(strata_worker *w)
+
+
+cdef void _run_job(void *job) noexcept nogil:
+    _run(<const Call *>job)
+
+
+cdef class CpuWorker:
+    """One thread that runs `compute`'s calls while the thread that posts them goes on.
+
+    `start` checks a call as `compute` does and hands it to the worker's thread, which runs
+    both passes on an OpenMP team of its own (it is the team's master; the poster's thread is
+    not in it) and returns at once; `wait` returns when it is done, and `out` holds its rows.
+    One call at a time. The arrays stay referenced here until `wait`, so the call never reads
+    freed memory. Between calls the thread spins about 2 ms for the next, then sleeps.
+    The bytes are `compute`'s: the same passes over the same tasks.
+    """
+
+    cdef strata_worker _worker
+    cdef bint _running
+    cdef bint _pending
+    cdef Call _call
+    cdef object _keep  # the arrays of the call in flight
+
+    def __cinit__(self):
+        self._running = False
+        self._pending = False
+        self._keep = None
+        cdef int error = strata_worker_start(&self._worker)
+        if error:
+            raise OSError(error, "could not start the CPU experts' worker thread")
+        self._running = True
+
+    def __dealloc__(self):
+        if self._running:
+            with nogil:
+                strata_worker_wait(&self._worker)
+                strata_worker_stop(&self._worker)
+
+    def start(self, const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
+              const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
+              int64_t expert_width, int n_threads, str schedule="dynamic"):
+        """Start `compute(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads,
+        schedule)` on the worker's thread and return. ValueError as `compute` raises it,
+        RuntimeError while a call is in flight (`wait` for it first); nothing starts then."""
+        if self._pending:
+            raise RuntimeError("a call is in flight on this CpuWorker: wait() for it first")
+        _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule)
+        if x.shape[0] == 0:
+            return
+        act = np.empty((x.shape[0], expert_width), dtype=np.float32)  # [R, F]
+        cdef float[:, ::1] act_view = act
+        self._call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
+                           n_threads, SCHEDULES[schedule])
+        self._keep = (blobs, experts, row_starts, x, out, act)
+        self._pending = True
+        with nogil:
+            strata_worker_post(&self._worker, _run_job, &self._call)
+
+    def wait(self):
+        """Return when the call in flight is done (at once when none is)."""
+        if not self._pending:
+            return
+        with nogil:
+            strata_worker_wait(&self._worker)
+        self._pending = False
+        self._keep = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a call is in flight (started and not waited for)."""
+        return bool(self._pending)
