@@ -24,7 +24,7 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   shares a thread (the schedule before) or guided shares, named -static, -guided:
   `CpuExperts.schedule`; `--async-cpu` with the CPU's misses started on a thread of their
   own right after each call's routing read, named -async: `CachedExperts.async_cpu`;
-  `--interleave` runs those and -wake in the base run's engine, one
+  `--interleave` runs those (-static, -guided, -async) and -wake in the base run's engine, one
   request of each in turn, so that a machine's drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
   (the counts compared with the same slots); `--cli-sampling` with
@@ -330,9 +330,10 @@ def main(argv: list[str] | None = None) -> int:
                         "before; guided): also run each decode with each, named -static, "
                         "-guided (`CpuExperts.schedule`)")
     parser.add_argument("--interleave", action="store_true",
-                        help="run --wake-cpu's and --cpu-schedule's variants in the base run's "
-                        "engine, one request of each in turn (`run_decode_interleaved`), so "
-                        "that the machine's drift falls on all alike")
+                        help="run --wake-cpu's, --async-cpu's and --cpu-schedule's variants "
+                        "in the base run's engine, one request of each in turn "
+                        "(`run_decode_interleaved`), so that the machine's drift falls on all "
+                        "alike")
     parser.add_argument("--split-counts", default="",
                         help="with --interleave, comma-separated N: also run each decode "
                         "streaming min(N, M) of a layer's M misses through the run's own "
