@@ -7,7 +7,8 @@
 #   bash bench/gpu_session.sh offload                                     # about 7 minutes
 #   PACK=1 OUT=$OUT bash bench/gpu_session.sh tests profile-decode16     # one .tgz back
 #
-# Stages (minutes, roughly): tests (1: pytest -m cuda), kernels (1: bench/grouped_experts.py,
+# Stages (minutes, roughly): tests (4: pytest -m cuda over CUDA_TESTS, default tests, under
+# TESTS_TIMEOUT seconds, default 420), kernels (1: bench/grouped_experts.py,
 # the bf16 and the quantized decode kernels),
 # host (0.2: bench/cache_host.py, the host's share of a cache layer call, on that machine's
 # CPU), layer-call (1: bench/layer_call.py on the GPU, one-token calls through the decode path
@@ -90,7 +91,8 @@
 # qwen3-30b-a3b's 16 layers at 22% at 3,4, each with the kernel's tasks handed out and in each
 # of CPU_SCHEDULES' shares, default static,guided, their requests interleaved), offload-counts
 # (4: both at --stream-misses 4 with 2 and 3 streamed through the same staging buffer, the
-# requests interleaved, 5 repeats), offload-async (5: olmoe at --stream-misses 2,4 and
+# requests interleaved, 5 repeats), offload-counts-async (5: the same, 4 repeats, each count
+# also with the CPU's misses on their own thread), offload-async (5: olmoe at --stream-misses 2,4 and
 # qwen3's 16 layers at 3,4, each with and without the CPU's misses on their own thread,
 # `CachedExperts.async_cpu`, interleaved), offload-sampled (4: the same runs
 # greedy and with `strata generate`'s default sampling);
@@ -141,7 +143,8 @@ for stage in "$@"; do
     case $stage in
     tests) # tests/serve needs the serve stage's packages (carried wheels), not there by default.
            skip=$(python3 -c "import openai" 2> /dev/null || echo "--ignore=tests/serve")
-           timeout 200 python3 -m pytest -m cuda tests -q -p no:cacheprovider $skip \
+           timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m cuda ${CUDA_TESTS:-tests} -q \
+               -p no:cacheprovider $skip \
                > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
     kernels) (cd bench && timeout 300 python3 grouped_experts.py) > "$OUT/kernels.txt" 2>&1
              cat "$OUT/kernels.txt" ;;
@@ -249,6 +252,11 @@ for stage in "$@"; do
                --interleave --split-counts 2,3 --repeat 5 --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 4 \
                --interleave --split-counts 2,3 --repeat 5 --prefill-tokens 0 ;;
+    offload-counts-async)  # the counts, each with and without the CPU's own thread
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 4 \
+               --interleave --split-counts 2,3 --async-cpu --repeat 4 --prefill-tokens 0
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 4 \
+               --interleave --split-counts 2,3 --async-cpu --repeat 4 --prefill-tokens 0 ;;
     offload-sampled)  # the CLI's default sampling against greedy in the host-bound round
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3,4 \
                --cli-sampling --prefill-tokens 0

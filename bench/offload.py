@@ -27,7 +27,8 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   `--interleave` runs those (-static, -guided, -async) and -wake in the base run's engine, one
   request of each in turn, so that a machine's drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
-  (the counts compared with the same slots); `--cli-sampling` with
+  (the counts compared with the same slots; with `--async-cpu` each again as -splitN-async);
+  `--cli-sampling` with
   `strata generate`'s default sampling instead of greedy, named -sampled: the pick's host time
   in a round the host holds). For
   each: the round's time; its misses split between the CPU and the copy engine (experts and
@@ -338,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --interleave, comma-separated N: also run each decode "
                         "streaming min(N, M) of a layer's M misses through the run's own "
                         "staging buffer (N up to its blobs), named -splitN: counts compared "
-                        "with the same slots, interleaved")
+                        "with the same slots, interleaved (with --async-cpu each count again "
+                        "as -splitN-async)")
     parser.add_argument("--async-cpu", action="store_true",
                         help="also run each decode with the CPU's misses on the CPU's own "
                         "thread, started right after each call's routing read "
@@ -485,18 +487,20 @@ def main(argv: list[str] | None = None) -> int:
 
                 streamer = engine.cache.streamer
                 rule = streamer.split_rule if streamer is not None else None
-                # -splitN: this engine's staging buffer, streaming min(N, M) of M misses.
-                splits = [f"-split{n}" for n in split_counts
-                          if streamer is not None and n <= streamer.n_blobs]
+                # -splitN: this engine's staging buffer, streaming min(N, M) of M misses;
+                # with --async-cpu each count again with the CPU's own thread, -splitN-async.
+                splits = [f"-split{n}{mode}" for n in split_counts
+                          if streamer is not None and n <= streamer.n_blobs
+                          for mode in ["", *(["-async"] if args.async_cpu else [])]]
 
                 def set_up(setting: str, cache=engine.cache, rule=rule) -> None:
+                    count = setting.removeprefix("-split").partition("-")[0]
                     cache.wake_cpu = setting == "-wake"
-                    cache.async_cpu = setting == "-async"
+                    cache.async_cpu = setting.endswith("-async")
                     cache.cpu.schedule = setting[1:] if setting[1:] in cpu_schedules \
                         else "dynamic"
                     if cache.streamer is not None:
-                        cache.streamer.split_rule = StreamSplit.fixed(
-                            int(setting.removeprefix("-split")), cfg.top_k) \
+                        cache.streamer.split_rule = StreamSplit.fixed(int(count), cfg.top_k) \
                             if setting.startswith("-split") else rule
 
                 with engine:

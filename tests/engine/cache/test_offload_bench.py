@@ -75,21 +75,25 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     assert bench.main(argv) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.
+    # With --async-cpu each count runs again with the CPU's own thread: -split1-async.
     names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-async",
-             "decode-stream-2-static", "decode-stream-2-guided", "decode-stream-2-split1"]
+             "decode-stream-2-static", "decode-stream-2-guided", "decode-stream-2-split1",
+             "decode-stream-2-split1-async"]
     assert sorted(runs) == sorted(names)
     counts = ("passes", "hits", "cpu_experts", "streamed_experts")
     base = runs["decode-stream-2"]
     split = runs.pop("decode-stream-2-split1")  # streams 1 of a call's misses, not 2
+    split_async = runs.pop("decode-stream-2-split1-async")
     assert 0 < split["round"]["streamed_experts_per_round"] \
         < base["round"]["streamed_experts_per_round"]
-    for run in [*runs.values(), split]:
+    for run in [*runs.values(), split, split_async]:
         assert run["interleaved"] and run["deterministic"]
         assert len(run["decode_ms_per_round_each"]) == 2
         assert run["cache"]["passes"] == 4  # one request's counts: the prompt's and 3 rounds
-    for run in runs.values():  # the settings change no token and no count
-        assert run["tokens"] == base["tokens"]
-        assert {k: run["cache"][k] for k in counts} == {k: base["cache"][k] for k in counts}
+    # The settings change no token and no count: against the base, or the count's own run.
+    for run, same in [*((run, base) for run in runs.values()), (split_async, split)]:
+        assert run["tokens"] == same["tokens"]
+        assert {k: run["cache"][k] for k in counts} == {k: same["cache"][k] for k in counts}
     with pytest.raises(SystemExit):
         bench.main([*argv[:-3], "fixed"])  # not a schedule
     with pytest.raises(SystemExit):

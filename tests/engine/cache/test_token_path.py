@@ -110,6 +110,19 @@ def test_a_split_call_with_its_cpu_misses_on_their_own_thread_gives_the_same_byt
     assert all(started) or dtype == "fp32" or repeats
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("share,stream", [(0.5, 0), (0.5, 2), (0.0, 2)],
+                         ids=["half-0", "half-2", "empty-2"])
+def test_a_split_call_with_its_cpu_misses_on_their_own_thread_gives_the_same_bytes_on_cuda(
+        share, stream):
+    """The same on CUDA: the CPU's thread computes while this one queues the uploads, the
+    stage map and the CPU rows' copy on the device's stream."""
+    store = store_of(cached_checkpoint("qwen3_moe", "small", dtype=torch.bfloat16),
+                     pin_memory=True)
+    _same_bytes(store, share, "coldest-in-loan", stream, False, "cuda", split=True,
+                async_cpu=True)
+
+
 def _same_bytes(store, share, policy, stream, repeats, device, split=False, wake_cpu=False,
                 async_cpu=False):
     """The general path against the token path, or (`split`) the token path against the split
