@@ -16,6 +16,9 @@ CPU's last-level cache and the figures are too good):
 - `compute-static`, `compute-guided`: the same with the kernel's tasks in equal fixed shares a
   thread (`CpuExperts.schedule` "static": the schedule before) and in OpenMP's guided shares
   (large first), against `compute-main`'s handed out one at a time ("dynamic");
+- `compute-pfN` (`--prefetch-bytes N[,N...]`): `compute-main` with each bf16 weight row's next
+  cache lines asked for N bytes ahead of the kernel's reads (`CpuExperts.prefetch_bytes`;
+  `compute-main` leaves it to the hardware's prefetchers, which stop at each 4 KiB page);
 - `kernel-int8`, `kernel-int4` (bf16 stores): strata's kernel over the same experts quantized
   to int8 (per output channel, a little over half the bytes) and to int4 (groups of 32 along
   the input, 0.31x the bytes; `strata.engine.experts.quant`), called directly on the main
@@ -185,7 +188,8 @@ def _blob_bytes(column: str, store: ExpertStore, quantized: dict | None) -> int:
 
 def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             repeat: int, quantized: dict[str, list[np.ndarray]] | None = None,
-            gap_us: float = 0.0, wake_us: float | None = None) -> dict:
+            gap_us: float = 0.0, wake_us: float | None = None,
+            prefetches: tuple[int, ...] = ()) -> dict:
     routed = routing(n_tokens, top_k, store.n_experts)
     gen = torch.Generator().manual_seed(1)
     x_rows = torch.randn(routed.n_rows, store.hidden_size, generator=gen).to(store.dtype)
@@ -196,6 +200,9 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
     for schedule in ("static", "guided"):
         scheduled[f"compute-{schedule}"] = CpuExperts(store, threads)
         scheduled[f"compute-{schedule}"].schedule = schedule
+    for n_bytes in prefetches:  # compute-pfN: the weights prefetched N bytes ahead
+        scheduled[f"compute-pf{n_bytes}"] = CpuExperts(store, threads)
+        scheduled[f"compute-pf{n_bytes}"].prefetch_bytes = n_bytes
     # `compute-int8`, `compute-int4`: CpuExperts over a store of those blobs, as the cache
     # calls it (the kernel up to KERNEL_MAX_ROWS rows an expert, dequantized matmuls beyond).
     quantized_cpu = {
@@ -267,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wake-us", type=float, default=None,
                         help="also run each gap > 0 with the kernel's threads started this "
                         "many microseconds before its end")
+    parser.add_argument("--prefetch-bytes", default="",
+                        help="comma-separated multiples of 64: also time compute-main with the "
+                        "weights prefetched that many bytes ahead, columns compute-pfN")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--layers", type=int, default=4,
                         help="layers in the store, read round robin (default 4)")
@@ -288,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(us < 0 for us in gaps) or bad_experts:
         parser.error(f"--gap-us takes comma-separated microseconds >= 0 and --experts counts "
                      f">= 1, got {args.gap_us!r} and {args.experts!r}")
+    prefetches = tuple(int(n) for n in args.prefetch_bytes.split(",") if n.isdigit())
+    if len(prefetches) != len([n for n in args.prefetch_bytes.split(",") if n]) \
+            or any(n % 64 or not n for n in prefetches):
+        parser.error(f"--prefetch-bytes takes comma-separated multiples of 64 > 0, got "
+                     f"{args.prefetch_bytes!r}")
     memories = args.memory.split(",")
     if set(memories) - {"pageable", "pinned", "registered"}:
         parser.error(f"--memory takes pageable, pinned, registered; got {args.memory!r}")
@@ -312,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 if wake_us is None or gap_us > wake_us:
                     runs.append({"memory": memory, "dtype": name, **measure(
                         store, n_tokens, top_k, args.threads, args.repeat, quantized, gap_us,
-                        wake_us)})
+                        wake_us, prefetches)})
     result = {
         "command": " ".join(["python", "bench/cpu_experts.py", *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(), "machine": platform.processor()
@@ -324,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{result['command']}  ({result['machine']}, torch {result['torch']})")
     print(f"host read bandwidth: {read_gbps:.1f} GB/s (float32 sum over {args.read_mib} MiB)")
-    columns = ("compute-torch", "compute-main", "compute-static", "compute-guided", *QUANTIZED,
+    columns = ("compute-torch", "compute-main", "compute-static", "compute-guided",
+               *(f"compute-pf{n}" for n in prefetches), *QUANTIZED,
                *(name.replace("kernel", "compute") for name in QUANTIZED), "compute-worker",
                "worker-main-busy")
     print("| memory | dtype | T | experts | gap us | wake us | threads main/worker | "

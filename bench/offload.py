@@ -22,10 +22,12 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   kernel's threads started before each call's routing read, named -wake:
   `CachedExperts.wake_cpu`; `--cpu-schedule static,guided` with the CPU kernel's tasks in fixed
   shares a thread (the schedule before) or guided shares, named -static, -guided:
-  `CpuExperts.schedule`; `--async-cpu` with the CPU's misses started on a thread of their
-  own right after each call's routing read, named -async: `CachedExperts.async_cpu`;
-  `--interleave` runs those (-static, -guided, -async) and -wake in the base run's engine, one
-  request of each in turn, so that a machine's drift falls on all alike, and with
+  `CpuExperts.schedule`; `--cpu-prefetch N[,N...]` with the CPU kernel's weights prefetched N
+  bytes ahead of its reads, named -cpupfN: `CpuExperts.prefetch_bytes`; `--async-cpu` with the
+  CPU's misses started on a thread of their own right after each call's routing read, named
+  -async: `CachedExperts.async_cpu`; `--interleave` runs those (-static, -guided, -cpupfN,
+  -async) and -wake in the base run's engine, one request of each in turn, so that a
+  machine's drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
   (the counts compared with the same slots; with `--async-cpu` each again as -splitN-async);
   `--cli-sampling` with
@@ -330,8 +332,13 @@ def main(argv: list[str] | None = None) -> int:
                         "the default dynamic (static: equal fixed shares, the schedule "
                         "before; guided): also run each decode with each, named -static, "
                         "-guided (`CpuExperts.schedule`)")
+    parser.add_argument("--cpu-prefetch", default="",
+                        help="comma-separated multiples of 64: also run each decode with the "
+                        "CPU kernel's bf16 weights prefetched that many bytes ahead of its "
+                        "reads, named -cpupfN (`CpuExperts.prefetch_bytes`)")
     parser.add_argument("--interleave", action="store_true",
-                        help="run --wake-cpu's, --async-cpu's and --cpu-schedule's variants "
+                        help="run --wake-cpu's, --async-cpu's, --cpu-schedule's and "
+                        "--cpu-prefetch's variants "
                         "in the base run's engine, one request of each in turn "
                         "(`run_decode_interleaved`), so that the machine's drift falls on all "
                         "alike")
@@ -385,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
             or not set(cpu_schedules) <= {"static", "guided"}:
         parser.error(f"--cpu-schedule takes distinct comma-separated static and guided (the "
                      f"default, dynamic, runs anyway), got {args.cpu_schedule!r}")
+    cpu_prefetches = [n for n in args.cpu_prefetch.split(",") if n]
+    if not all(n.isdigit() and int(n) and not int(n) % 64 for n in cpu_prefetches) \
+            or len(set(cpu_prefetches)) != len(cpu_prefetches):
+        parser.error(f"--cpu-prefetch takes distinct comma-separated multiples of 64 > 0, got "
+                     f"{args.cpu_prefetch!r}")
     formats = args.experts_dtype.split(",")
     if len(set(formats)) != len(formats) or any(f not in EXPERTS_DTYPES for f in formats):
         parser.error(f"--experts-dtype takes distinct comma-separated values of "
@@ -469,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             # their requests interleaved with its own under --interleave.
             settings = [*(["-wake"] if args.wake_cpu else []),
                         *(["-async"] if args.async_cpu else []),
-                        *(f"-{schedule}" for schedule in cpu_schedules)]
+                        *(f"-{schedule}" for schedule in cpu_schedules),
+                        *(f"-cpupf{n}" for n in cpu_prefetches)]
             together = settings if args.interleave else []
             variants = [("", 0), *([("-whole", 0)] if args.whole_calls else []),
                         *((setting, 0) for setting in settings if setting not in together),
@@ -499,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
                     cache.async_cpu = setting.endswith("-async")
                     cache.cpu.schedule = setting[1:] if setting[1:] in cpu_schedules \
                         else "dynamic"
+                    cache.cpu.prefetch_bytes = int(setting.removeprefix("-cpupf")) \
+                        if setting.startswith("-cpupf") else 0
                     if cache.streamer is not None:
                         cache.streamer.split_rule = StreamSplit.fixed(int(count), cfg.top_k) \
                             if setting.startswith("-split") else rule

@@ -43,12 +43,12 @@ def _blobs(n_experts: int, f: int, d: int, seed: int) -> torch.Tensor:
 
 
 def _run(blobs, experts, starts, x, f, threads, fmt=_cpu_experts.FORMAT_BF16,
-         schedule="dynamic"):
+         schedule="dynamic", prefetch_bytes=0):
     """blobs: bf16 [E, 3*F*D] (FORMAT_BF16) or uint8 [E, int8 blob bytes] (FORMAT_INT8)."""
     out = torch.full((x.shape[0], x.shape[1]), 7.0, dtype=torch.bfloat16)
     _cpu_experts.compute(blobs.contiguous().view(torch.uint8).numpy(), fmt,
                          np.asarray(experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
-                         x.float().numpy(), _u16(out), f, threads, schedule)
+                         x.float().numpy(), _u16(out), f, threads, schedule, prefetch_bytes)
     return out
 
 
@@ -112,14 +112,17 @@ def calls(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(calls(), st.integers(2, 5), st.sampled_from(sorted(_cpu_experts.SCHEDULES)))
-def test_the_kernel_is_the_reference_within_bf16_roundings_at_any_thread_count(call, threads,
-                                                                               schedule):
-    """The same bytes on one thread and on several, whichever way the tasks reach them."""
+@given(calls(), st.integers(2, 5), st.sampled_from(sorted(_cpu_experts.SCHEDULES)),
+       st.sampled_from([0, 64, 1024, 4096]))
+def test_the_kernel_is_the_reference_within_bf16_roundings_at_any_thread_count(
+        call, threads, schedule, prefetch_bytes):
+    """The same bytes on one thread and on several, whichever way the tasks reach them and
+    however far ahead the weights are prefetched (past a blob's end too: never a fault)."""
     blobs, experts, starts, x, f = call
     one = _run(blobs, experts, starts, x, f, 1)
-    assert torch.equal(_run(blobs, experts, starts, x, f, threads, schedule=schedule)
-                       .view(torch.int16), one.view(torch.int16))
+    assert torch.equal(_run(blobs, experts, starts, x, f, threads, schedule=schedule,
+                            prefetch_bytes=prefetch_bytes).view(torch.int16),
+                       one.view(torch.int16))
     assert _within_roundings(one, blobs, experts, starts, x, f)
 
 
@@ -278,6 +281,9 @@ def test_an_int8_blob_is_its_parts_and_refuses_bad_shapes():
     (dict(threads=0), r"n_threads must be >= 1, got 0"),
     (dict(schedule="auto"), r"schedule must be one of \['dynamic', 'guided', 'static'\], "
                             r"got 'auto'"),
+    (dict(prefetch_bytes=100), r"prefetch_bytes must be a multiple of 64 \(a cache line\) "
+                               r">= 0, got 100"),
+    (dict(prefetch_bytes=-64), r"prefetch_bytes must be a multiple of 64"),
 ])
 def test_bad_arguments_are_refused_before_anything_is_written(change, message):
     f, d = 8, 16
@@ -290,7 +296,8 @@ def test_bad_arguments_are_refused_before_anything_is_written(change, message):
                              np.asarray(change.get("experts", [0, 1]), dtype=np.int64),
                              np.asarray(change.get("starts", [0, 1, 3]), dtype=np.int64),
                              x.float().numpy(), _u16(out), change.get("f", f),
-                             change.get("threads", 2), change.get("schedule", "dynamic"))
+                             change.get("threads", 2), change.get("schedule", "dynamic"),
+                             change.get("prefetch_bytes", 0))
     assert torch.equal(out, before)
 
 
@@ -306,8 +313,10 @@ def test_nan_and_infinity_propagate_as_in_torch():
 
 
 @settings(max_examples=60, deadline=None)
-@given(calls(), st.integers(1, 4), st.sampled_from(sorted(_cpu_experts.SCHEDULES)))
-def test_a_call_on_the_worker_thread_gives_compute_s_bytes(call, threads, schedule):
+@given(calls(), st.integers(1, 4), st.sampled_from(sorted(_cpu_experts.SCHEDULES)),
+       st.sampled_from([0, 512]))
+def test_a_call_on_the_worker_thread_gives_compute_s_bytes(call, threads, schedule,
+                                                           prefetch_bytes):
     """CpuWorker.start returns at once and the call runs on the worker's thread; after wait,
     out holds compute's bytes. One worker serves call after call."""
     blobs, experts, starts, x, f = call
@@ -317,7 +326,7 @@ def test_a_call_on_the_worker_thread_gives_compute_s_bytes(call, threads, schedu
         out = torch.full(expected.shape, 7.0, dtype=torch.bfloat16)
         worker.start(blobs.contiguous().view(torch.uint8).numpy(), _cpu_experts.FORMAT_BF16,
                      np.asarray(experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
-                     x.float().numpy(), _u16(out), f, threads, schedule)
+                     x.float().numpy(), _u16(out), f, threads, schedule, prefetch_bytes)
         worker.wait()
         assert not worker.pending
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16))

@@ -29,6 +29,7 @@ def compute(
     expert_width: int,
     n_threads: int,
     schedule: str = "dynamic",
+    prefetch_bytes: int = 0,
 ) -> None:
     """Compute `experts` of one layer over their rows, into `out`.
 
@@ -47,10 +48,15 @@ def compute(
             (one at a time to whichever thread asks, the default: threads that wake late from
             sleep take fewer), "static" (equal fixed shares) or "guided" (large shares first,
             single tasks at the end); the same bytes whichever.
+        prefetch_bytes: how far ahead of its reads a bf16 weight row's dot product asks for
+            the next cache lines (software prefetch, across the 4 KiB pages where the
+            hardware's prefetchers stop), a multiple of 64; 0, the default: not at all. The
+            same bytes whatever; other formats ignore it.
 
     Raises:
         ValueError: an unknown format, shapes that disagree, an expert out of range, bad
-            row_starts, n_threads < 1 or an unknown schedule, before anything is written.
+            row_starts, n_threads < 1, an unknown schedule or a prefetch_bytes that is not a
+            multiple of 64 >= 0, before anything is written.
     """
 
 def wake(n_threads: int) -> None:
@@ -74,6 +80,7 @@ class CpuWorker:
         expert_width: int,
         n_threads: int,
         schedule: str = "dynamic",
+        prefetch_bytes: int = 0,
     ) -> None:
         """Start `compute` with these arguments on the worker's thread and return at once.
         ValueError as `compute` raises it; RuntimeError while a call is in flight."""

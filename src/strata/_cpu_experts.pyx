@@ -36,7 +36,7 @@ from libc.string cimport memcpy
 import numpy as np
 
 cdef extern from "_cpu_experts_dot.h" nogil:
-    float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n)
+    float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n, int64_t prefetch)
     float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n)
     void strata_dot4_i8_f32(const int8_t *w, const float *const *x, int64_t n, float *out)
     void strata_dot4_i4_f32(const uint8_t *w, const float *scales, const float *const *x,
@@ -99,14 +99,16 @@ cdef inline int64_t _scales_at(int fmt, int64_t f_width, int64_t d_hidden) noexc
 
 
 cdef inline float _dot(const uint8_t *blob, int fmt, int64_t start, int64_t row,
-                       int64_t scales_at, int64_t n, const float *x) noexcept nogil:
+                       int64_t scales_at, int64_t n, const float *x,
+                       int64_t prefetch) noexcept nogil:
     """Row `row` of the blob's rows (gate 0..F-1, up F..2F-1, down 2F..2F+D-1), its n elements
     from element `start`, dotted with x: an int8 row times its scale, an int4 row's groups
-    each times theirs (the scales from byte scales_at on)."""
+    each times theirs (the scales from byte scales_at on). `prefetch`: a bf16 row's elements
+    ahead to ask the cache for (`Call.prefetch`)."""
     cdef float scale
     cdef const float *scales = <const float *>(blob + scales_at)
     if fmt == _BF16:
-        return strata_dot_bf16_f32(<const uint16_t *>blob + start, x, n)
+        return strata_dot_bf16_f32(<const uint16_t *>blob + start, x, n, prefetch)
     if fmt == _INT8:
         memcpy(&scale, blob + scales_at + 4 * row, 4)  # a blob's scales need not be aligned
         return strata_dot_i8_f32(<const int8_t *>blob + start, x, n) * scale
@@ -132,6 +134,7 @@ cdef struct Call:
     int64_t d_hidden
     int n_threads
     int schedule
+    int64_t prefetch  # bf16 weight elements ahead of a dot's reads to prefetch, 0: none
 
 
 cdef inline void _dot4(const uint8_t *blob, int fmt, int64_t start, int64_t row,
@@ -203,9 +206,9 @@ cdef inline void _activation_task(const Call *c, int64_t n_blocks, int64_t scale
             r = r + 4
         while r < r_end:
             g = _round(_dot(blob, c.fmt, f * d_hidden, f, scales_at, d_hidden,
-                            c.x + r * d_hidden))
+                            c.x + r * d_hidden, c.prefetch))
             u = _round(_dot(blob, c.fmt, (f_width + f) * d_hidden, f_width + f, scales_at,
-                            d_hidden, c.x + r * d_hidden))
+                            d_hidden, c.x + r * d_hidden, c.prefetch))
             c.act[r * f_width + f] = _round(_round(g / (1.0 + expf(-g))) * u)
             r = r + 1
         f = f + 1
@@ -230,7 +233,7 @@ cdef inline void _output_task(const Call *c, int64_t n_blocks, int64_t scales_at
         while r < r_end:
             c.out[r * d_hidden + d] = strata_f32_to_bf16(_dot(
                 blob, c.fmt, down_at + d * f_width, 2 * f_width + d, scales_at, f_width,
-                c.act + r * f_width))
+                c.act + r * f_width, c.prefetch))
             r = r + 1
         d = d + 1
 
@@ -309,7 +312,7 @@ def wake(int n_threads):
 
 cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
-            int64_t expert_width, int n_threads, str schedule):
+            int64_t expert_width, int n_threads, str schedule, int64_t prefetch_bytes):
     """`compute`'s checks of a call (ValueError naming what is wrong), before any work."""
     cdef int64_t d_hidden = x.shape[1]
     cdef int64_t n_rows = x.shape[0]
@@ -336,11 +339,15 @@ cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
         raise ValueError(f"n_threads must be >= 1, got {n_threads}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if prefetch_bytes < 0 or prefetch_bytes % 64:
+        raise ValueError(f"prefetch_bytes must be a multiple of 64 (a cache line) >= 0, got "
+                         f"{prefetch_bytes}")
 
 
 def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
-            int64_t expert_width, int n_threads, str schedule="dynamic"):
+            int64_t expert_width, int n_threads, str schedule="dynamic",
+            int64_t prefetch_bytes=0):
     """Compute `experts` of one layer over their rows, into `out`.
 
     blobs uint8 [E, blob_bytes(fmt, F, D)]: the layer's blobs (the store's bytes, not a copy);
@@ -351,25 +358,28 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     expert_width: F; n_threads: the threads of both passes (>= 1); schedule: how the passes'
     tasks reach the threads, one of `SCHEDULES`: "dynamic" (one at a time to whichever thread
     asks, the default), "static" (equal fixed shares) or "guided" (large shares first); the
-    same bytes whichever.
+    same bytes whichever; prefetch_bytes: how far ahead of its reads a bf16 row's dot asks for
+    the weights' next cache lines (a multiple of 64, 0: not at all); the same bytes whatever.
 
     Raises ValueError for shapes that disagree or an expert out of range, before any work.
     """
-    _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule)
+    _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule,
+           prefetch_bytes)
     cdef int64_t n_rows = x.shape[0]
     if n_rows == 0:
         return
     act = np.empty((n_rows, expert_width), dtype=np.float32)  # [R, F]
     cdef float[:, ::1] act_view = act
     cdef Call call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
-                           n_threads, SCHEDULES[schedule])
+                           n_threads, SCHEDULES[schedule], prefetch_bytes)
     with nogil:
         _run(&call)
 
 
 cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
                 const int64_t[::1] row_starts, const float[:, ::1] x, float[:, ::1] act,
-                uint16_t[:, ::1] out, int64_t expert_width, int n_threads, int schedule):
+                uint16_t[:, ::1] out, int64_t expert_width, int n_threads, int schedule,
+                int64_t prefetch_bytes):
     """The Call over checked arrays of at least one row (the pointers are theirs: the caller
     keeps the arrays alive until the call has run)."""
     cdef Call call
@@ -386,6 +396,7 @@ cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts
     call.d_hidden = x.shape[1]
     call.n_threads = n_threads
     call.schedule = schedule
+    call.prefetch = prefetch_bytes // 2  # bf16 elements
     return call
 
 

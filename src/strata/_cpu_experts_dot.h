@@ -51,12 +51,18 @@ static inline uint16_t strata_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* sum_k w[k] * x[k] over n elements: w bf16 (as uint16), x fp32. */
+/* sum_k w[k] * x[k] over n elements: w bf16 (as uint16), x fp32. `prefetch` > 0: each step
+ * also asks for the cache line `prefetch` elements ahead of the weights it reads (past the row's
+ * end too: a decode task reads its rows back to back, and a prefetch never faults), so that
+ * the next lines are on their way while this one is summed, across the 4 KiB page boundaries
+ * where the hardware's own prefetchers stop; it changes no result. */
 STRATA_CLONES
-static float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n) {
+static float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n,
+                                 int64_t prefetch) {
     strata_v16f acc0 = {0}, acc1 = {0};
     int64_t k = 0;
     for (; k + 32 <= n; k += 32) {
+        if (prefetch > 0) __builtin_prefetch(w + k + prefetch, 0, 3);
         strata_v16h h0, h1;
         strata_v16f x0, x1;
         memcpy(&h0, w + k, sizeof h0);

@@ -47,19 +47,21 @@ cdef class CpuWorker:
 
     def start(self, const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
               const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
-              int64_t expert_width, int n_threads, str schedule="dynamic"):
+              int64_t expert_width, int n_threads, str schedule="dynamic",
+              int64_t prefetch_bytes=0):
         """Start `compute(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads,
-        schedule)` on the worker's thread and return. ValueError as `compute` raises it,
+        schedule, prefetch_bytes)` on the worker's thread and return. ValueError as `compute` raises it,
         RuntimeError while a call is in flight (`wait` for it first); nothing starts then."""
         if self._pending:
             raise RuntimeError("a call is in flight on this CpuWorker: wait() for it first")
-        _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule)
+        _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule,
+               prefetch_bytes)
         if x.shape[0] == 0:
             return
         act = np.empty((x.shape[0], expert_width), dtype=np.float32)  # [R, F]
         cdef float[:, ::1] act_view = act
         self._call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
-                           n_threads, SCHEDULES[schedule])
+                           n_threads, SCHEDULES[schedule], prefetch_bytes)
         self._keep = (blobs, experts, row_starts, x, out, act)
         self._pending = True
         with nogil:

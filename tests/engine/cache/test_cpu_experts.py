@@ -132,6 +132,27 @@ def test_every_schedule_gives_the_same_bytes_and_a_bad_one_is_refused_when_set()
     assert cpu.schedule == "guided"  # unchanged by the refused name
 
 
+def test_prefetching_the_weights_changes_no_byte_and_a_bad_distance_is_refused_when_set():
+    """`CpuExperts.prefetch_bytes` reaches the kernel of a call and of a started one."""
+    store = _store(torch.bfloat16)
+    cpu = CpuExperts(store, 3)
+    routed = Routed.of(np.array([[1, 3], [3, 6]]))
+    x = torch.randn(4, store.hidden_size, generator=torch.Generator().manual_seed(7)).bfloat16()
+    assert cpu.prefetch_bytes == 0  # the default: the hardware's prefetchers alone
+    plain = cpu.compute(0, x, routed)
+    cpu.prefetch_bytes = 1024
+    assert torch.equal(cpu.compute(0, x, routed).view(torch.int16), plain.view(torch.int16))
+    out = torch.empty_like(plain)
+    assert cpu.start(0, x, routed, out)
+    cpu.finish()
+    assert torch.equal(out.view(torch.int16), plain.view(torch.int16))
+    for bad in (-64, 100, 64.0):
+        with pytest.raises(ValueError, match=r"prefetch_bytes must be a multiple of 64 \(a "
+                                             r"cache line\) >= 0, got"):
+            cpu.prefetch_bytes = bad
+    assert cpu.prefetch_bytes == 1024  # unchanged by the refused values
+
+
 def test_the_cpu_experts_bench_runs_and_reports(capsys):
     bench = load_bench("cpu_experts.py")
     assert bench.main(["--preset", "tiny", "--repeat", "1", "--tokens", "1,4", "--read-mib", "8",

@@ -71,13 +71,14 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
             "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
             "--stream-misses", "2", "--expert-share", "0.25", "--json", "--interleave",
             "--wake-cpu", "--async-cpu", "--cpu-schedule", "static,guided",
-            "--split-counts", "1,3"]
+            "--cpu-prefetch", "512", "--split-counts", "1,3"]
     assert bench.main(argv) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.
     # With --async-cpu each count runs again with the CPU's own thread: -split1-async.
     names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-async",
-             "decode-stream-2-static", "decode-stream-2-guided", "decode-stream-2-split1",
+             "decode-stream-2-static", "decode-stream-2-guided", "decode-stream-2-cpupf512",
+             "decode-stream-2-split1",
              "decode-stream-2-split1-async"]
     assert sorted(runs) == sorted(names)
     counts = ("passes", "hits", "cpu_experts", "streamed_experts")
@@ -95,7 +96,9 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
         assert run["tokens"] == same["tokens"]
         assert {k: run["cache"][k] for k in counts} == {k: same["cache"][k] for k in counts}
     with pytest.raises(SystemExit):
-        bench.main([*argv[:-3], "fixed"])  # not a schedule
+        bench.main([*argv[:-5], "fixed"])  # not a schedule
+    with pytest.raises(SystemExit):
+        bench.main([*argv[:-3], "100"])  # not a multiple of 64
     with pytest.raises(SystemExit):
         bench.main([a for a in argv if a != "--interleave"])  # split counts need it
 

@@ -104,6 +104,7 @@ class CpuExperts:
                                   store.expert_width, store.hidden_size)
                         for layer in range(store.n_layers)]
         self.schedule = "dynamic"
+        self.prefetch_bytes = 0
         self._worker = None  # `start`'s thread, made on first use
 
     @property
@@ -123,6 +124,22 @@ class CpuExperts:
             raise ValueError(f"schedule must be one of {sorted(_cpu_experts.SCHEDULES)}, got "
                              f"{name!r}")
         self._schedule = name
+
+    @property
+    def prefetch_bytes(self) -> int:
+        """How far ahead of its reads strata's kernel asks for a bf16 weight row's next cache
+        lines (`_cpu_experts.compute`'s `prefetch_bytes`; 0, the default: the hardware's
+        prefetchers alone, which stop at each 4 KiB page). Set by the benchmarks for their A/B
+        (bench/cpu_experts.py `--prefetch-bytes`, bench/offload.py `--cpu-prefetch`); the same
+        bytes whatever. ValueError when set to anything but a multiple of 64 >= 0."""
+        return self._prefetch_bytes
+
+    @prefetch_bytes.setter
+    def prefetch_bytes(self, n_bytes: int) -> None:
+        if not isinstance(n_bytes, int) or n_bytes < 0 or n_bytes % 64:
+            raise ValueError(f"prefetch_bytes must be a multiple of 64 (a cache line) >= 0, "
+                             f"got {n_bytes!r}")
+        self._prefetch_bytes = n_bytes
 
     def wake(self) -> None:
         """Start the threads strata's kernel computes on (`_cpu_experts.wake`), so that a call
@@ -156,7 +173,8 @@ class CpuExperts:
             self._blobs[layer], self._format, np.ascontiguousarray(routed.experts, np.int64),
             np.ascontiguousarray(routed.starts - lo, np.int64),
             x_rows[lo:hi].to(self.store.dtype).float().numpy(), _u16(out[lo:hi]),
-            self.store.expert_width, max(1, n_threads - 1), self.schedule)
+            self.store.expert_width, max(1, n_threads - 1), self.schedule,
+            self.prefetch_bytes)
         return True
 
     def finish(self) -> None:
@@ -214,7 +232,7 @@ class CpuExperts:
             np.ascontiguousarray(experts, dtype=np.int64),
             np.ascontiguousarray(starts - lo, dtype=np.int64),
             x_rows[lo:hi].float().numpy(), _u16(out[lo:hi]), self.store.expert_width,
-            self.cpu_threads or torch.get_num_threads(), self.schedule)
+            self.cpu_threads or torch.get_num_threads(), self.schedule, self.prefetch_bytes)
 
     def _kernel_some(self, layer: int, x_rows: torch.Tensor, out: torch.Tensor,
                      routed: Routed, chosen: np.ndarray) -> None:
