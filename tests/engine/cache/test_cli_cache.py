@@ -3,6 +3,7 @@
 
 import json
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -114,7 +115,12 @@ def test_stream_misses_defaults_to_auto_which_is_0_off_cuda(capsys, ckpt, tmp_pa
     # nothing (no rates file). The fixed default of callers that do not resolve rates stays.
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
     config = ModelConfig.from_dir(ckpt)
-    assert default_stream_misses(config, torch.device("cuda")) == config.top_k // 2 > 0
+    assert default_stream_misses(config, torch.device("cuda")) == \
+        (3 * config.top_k + 4) // 8 > 0
+    for top_k, streamed in [(1, 0), (2, 1), (4, 2), (6, 2), (8, 3), (16, 6)]:
+        # three eighths of K, rounded half up
+        assert default_stream_misses(SimpleNamespace(top_k=top_k), torch.device("cuda")) \
+            == streamed
     assert default_stream_misses(config, torch.device("cpu")) == 0
     for given in ([], ["--stream-misses", "auto"]):
         document, err = _json(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "0.5",

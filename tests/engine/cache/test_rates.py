@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.engine.cache.build import staging_blobs
+from strata.engine.cache.build import default_stream_misses, staging_blobs
 from strata.engine.cache.kept_rates import (
     FORMAT,
     RatesError,
@@ -325,9 +325,9 @@ def test_auto_on_cuda_measures_once_and_repeats(small, tmp_path):
     rates = MissRates.from_entry(next(iter(json.loads(path.read_text())["entries"].values())),
                                  "")
     assert rates.stream_bytes_per_s > 0 and rates.cpu_bytes_per_s > 0
-    # Not given, it is the fixed half of the top-k (faster than auto on the H200), no file read.
+    # Not given, it is the fixed default (faster than auto on the H200), no file read.
     assert resolve_stream_misses(None, config, torch.float32, cuda, path=tmp_path / "none") \
-        == (config.top_k // 2, [])
+        == (default_stream_misses(config, cuda), [])
 
 
 def test_the_engine_options_take_auto(small, tmp_path, monkeypatch):

@@ -97,24 +97,22 @@ class CacheConfig:
 
 
 def default_stream_misses(config: ModelConfig, device: torch.device) -> int:
-    """`--stream-misses` when it is not given: half the model's top-k on CUDA, 0 elsewhere.
+    """`--stream-misses` when it is not given: three eighths of the model's top-k on CUDA,
+    rounded half up (3 of 8, 1 of 2), 0 elsewhere (off the GPU there is no bus to use).
 
-    Measured on the H200 (olmoe-1b-7b at a 4 GiB budget, 5.75 misses a layer; bench/results/
-    cache-h200-2026-11-29.md): an expert uploads in 0.23 ms from pinned memory and computes in
-    0.42-0.46 ms on 16 cores, so the two sides take about the same time per layer at N = 3-4
-    of 8, and N = 6 was only a few percent faster again. Half the top-k leaves room for a
-    slower bus (PCIe 4 moves about half of that). Off the GPU there is no bus to use.
+    Measured on the H200 with the CPU's misses on their own thread (`CachedExperts.async_cpu`,
+    the default), the counts interleaved in one engine (bench/results/
+    offload-async-h200-2026-12-03.md): on olmoe-1b-7b at a 4 GiB budget 3 of 8 ran 18.00 ms a
+    round against 20.04 for 4 and 18.44 for 2; on a 16-layer qwen3-30b-a3b with 22% of its
+    experts cached 17.17 against 17.04 and 18.58 (in separate engines 15.24 against 16.30 for
+    4). With the CPU's thread taking the host's work off its path, the CPU's side of a call
+    costs less than it did, and the balance moved from half the top-k to fewer streamed.
     `auto` (the split from rates measured once per machine, `strata.engine.cache.kept_rates`)
-    was slower than this in the same run, 30.6 against 25.2 ms a round on olmoe at 4 GiB and
-    33.9 against 23.2 on qwen3 (bench/results/offload-h200-2026-12-01.md): the rates are
-    measured with each side alone, while in a round the CPU and the copy engine read the same
-    host memory. With the rates measured together in whole calls it tied this on olmoe (19.76
-    against 19.92 ms a round, bench/results/offload-loan-h200-2026-12-02.md) and was 1.17x
-    slower on a 16-layer qwen3 (18.64 against 15.87 ms, offload-host-h200-2026-12-02.md).
-    `auto` now splits by calls timed as the round splits them (`rates.MissRates.staged_s`):
-    on olmoe at 4 GiB that streamed 0,1,2,2,3,3,4,4,4 and ran 18.22 ms a round, against 16.96
-    for N = 2 and 18.01 for N = 4 (bench/results/offload-balance-staged-h200-2026-12-03.md)."""
-    return config.top_k // 2 if device.type == "cuda" else 0
+    streamed more than the fastest fixed counts in every comparison so far: 18.22 ms a round on
+    olmoe against 16.96 for 2 and 18.01 for 4 (bench/results/
+    offload-balance-staged-h200-2026-12-03.md), the rates' calls being timed back to back,
+    without what a round adds to the CPU's side."""
+    return (3 * config.top_k + 4) // 8 if device.type == "cuda" else 0
 
 
 def plan_cache(

@@ -14,8 +14,8 @@ kernel, a changed machine), and `--stream-misses N` needs no file. A directory t
 written is an error too, for the same reason: every run would measure anew.
 
 `resolve_stream_misses` turns the option's value into what the cache takes: "auto" the balanced
-split (0 off CUDA: no bus), an int N the first min(N, M) misses, None (not given) the fixed half
-of the top-k on CUDA, `default_stream_misses`.
+split (0 off CUDA: no bus), an int N the first min(N, M) misses, None (not given) the fixed
+default, three eighths of the top-k on CUDA, `default_stream_misses`.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def resolve_stream_misses(value: int | str | None, config: ModelConfig, dtype: t
                           device: torch.device, *, cpu_threads: int | None = None,
                           path: Path | None = None) -> tuple[int | StreamSplit, list[str]]:
     """`--stream-misses` as the cache takes it, and the notes to print: an int N stays (the
-    first min(N, M) misses), and None is `default_stream_misses` (half the top-k on CUDA);
+    first min(N, M) misses), and None is `default_stream_misses` (3 of 8 on CUDA);
     "auto" is the balanced split from the kept rates on CUDA and 0 elsewhere (no bus).
     ValueError for a bad value; RatesError (a ValueError) as `kept_rates`."""
     device = torch.device(device)

@@ -40,10 +40,9 @@ class CacheOptions:
     """The options of the expert cache (`--vram-budget-mib`, `--vram-reserve-mib`,
     `--expert-cache` in MiB or "auto" (None: not given, auto too), `--expert-profile`, the
     loan, `--short-read`, `--cpu-threads`, `--stream-misses` "auto" or N (None: not given,
-    half the top-k on CUDA, 0 elsewhere), `--prefetch-misses` N (0: off)), of the elastic K/V
-    (`--kv-grow`) and the policy
-    (`--policy`, `--policy-opt`). ValueError naming the flag for a bad value. A given option
-    (even "auto") turns the cache on."""
+    three eighths of the top-k on CUDA, 0 elsewhere), `--prefetch-misses` N (0: off)), of the
+    elastic K/V (`--kv-grow`) and the policy (`--policy`, `--policy-opt`). ValueError naming
+    the flag for a bad value. A given option (even "auto") turns the cache on."""
 
     vram_budget_mib: float | None = None
     vram_reserve_mib: float | None = None
