@@ -310,38 +310,7 @@ def wake(int n_threads):
             _arrive(task)
 
 
-cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
-            const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
-            int64_t expert_width, int n_threads, str schedule, int64_t prefetch_bytes):
-    """`compute`'s checks of a call (ValueError naming what is wrong), before any work."""
-    cdef int64_t d_hidden = x.shape[1]
-    cdef int64_t n_rows = x.shape[0]
-    cdef Py_ssize_t i
-    if expert_width < 1 or blobs.shape[1] != blob_bytes(fmt, expert_width, d_hidden):
-        raise ValueError(f"blobs must be [E, blob_bytes] = [E, "
-                         f"{blob_bytes(fmt, expert_width, d_hidden)}] for format {fmt}, "
-                         f"F = {expert_width}, D = {d_hidden}, got [{blobs.shape[0]}, "
-                         f"{blobs.shape[1]}]")
-    if out.shape[0] != n_rows or out.shape[1] != d_hidden:
-        raise ValueError(f"out must be [R, D] = [{n_rows}, {d_hidden}], got "
-                         f"[{out.shape[0]}, {out.shape[1]}]")
-    if row_starts.shape[0] != experts.shape[0] + 1 or row_starts[0] != 0 \
-            or row_starts[experts.shape[0]] != n_rows:
-        raise ValueError(f"row_starts must be [M+1] = [{experts.shape[0] + 1}] from 0 to "
-                         f"R = {n_rows}, got {np.asarray(row_starts).tolist()}")
-    for i in range(experts.shape[0]):
-        if row_starts[i + 1] < row_starts[i]:
-            raise ValueError(f"row_starts must not decrease, got "
-                             f"{np.asarray(row_starts).tolist()}")
-        if not 0 <= experts[i] < blobs.shape[0]:
-            raise ValueError(f"expert {experts[i]} is out of range [0, {blobs.shape[0]})")
-    if n_threads < 1:
-        raise ValueError(f"n_threads must be >= 1, got {n_threads}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-    if prefetch_bytes < 0 or prefetch_bytes % 64:
-        raise ValueError(f"prefetch_bytes must be a multiple of 64 (a cache line) >= 0, got "
-                         f"{prefetch_bytes}")
+include "_cpu_experts_call.pxi"
 
 
 def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
@@ -374,30 +343,6 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
                            n_threads, SCHEDULES[schedule], prefetch_bytes)
     with nogil:
         _run(&call)
-
-
-cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
-                const int64_t[::1] row_starts, const float[:, ::1] x, float[:, ::1] act,
-                uint16_t[:, ::1] out, int64_t expert_width, int n_threads, int schedule,
-                int64_t prefetch_bytes):
-    """The Call over checked arrays of at least one row (the pointers are theirs: the caller
-    keeps the arrays alive until the call has run)."""
-    cdef Call call
-    call.blobs = &blobs[0, 0]
-    call.blob_bytes = blobs.shape[1]
-    call.fmt = fmt
-    call.experts = &experts[0]
-    call.row_starts = &row_starts[0]
-    call.n_experts = experts.shape[0]
-    call.x = &x[0, 0]
-    call.act = &act[0, 0]
-    call.out = &out[0, 0]
-    call.f_width = expert_width
-    call.d_hidden = x.shape[1]
-    call.n_threads = n_threads
-    call.schedule = schedule
-    call.prefetch = prefetch_bytes // 2  # bf16 elements
-    return call
 
 
 include "_cpu_experts_worker.pxi"

@@ -141,13 +141,11 @@ class CachedExperts:
         # False keeps them whole, the A/B's baseline (bench/offload.py --whole-calls).
         self.split_calls = True
         # wake_cpu: the CPU kernel's threads started (`CpuExperts.wake`) before each decode
-        # call's routing read; off: in rounds it won 2-13% at 4 streamed misses, lost 11-16% at
-        # 3 (bench/results/offload-omp-wait-h200-2026-12-03.md). async_cpu: a split call's CPU
-        # misses run on the CPU's own thread (`CpuExperts.start`) while this one queues the
-        # uploads (`graph_call.fill_misses`); on: 1.04-1.22x rounds in 8 of 10 interleaved
-        # pairs, the host's share 14-19% (bench/results/offload-async-h200-2026-12-03.md).
-        self.wake_cpu = False  # either way the same bytes
-        self.async_cpu = True
+        # call's routing read; off: it won 2-13% at 4 streamed misses, lost 11-16% at 3 (bench/
+        # results/offload-omp-wait-h200-2026-12-03.md). async_cpu: a split call's CPU misses on
+        # the CPU's own thread (`CpuExperts.start`) while this one queues the uploads; on: 8 of
+        # 10 rounds 1.04-1.22x (offload-async-h200-2026-12-03.md). The same bytes either way.
+        self.wake_cpu, self.async_cpu = False, True
         self.heat = DeviceHeat(table, self.device)  # routing counted on the device-only path
         self._last_layer = -1  # the layer of the open pass's latest call; -1: no pass is open
         self._loaned = False

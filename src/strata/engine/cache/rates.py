@@ -29,9 +29,8 @@ Those calls are whole calls (the device's kernels launched from the host, as
 `token_forward` runs them), while a decode round on CUDA splits its calls around the graphs
 (`strata.engine.cache.graph_call`: the device's share is only its uploads on the host, and
 the staged experts are computed by the next graph). On the H200 the whole calls' split tied
-the fixed half of K (the default then) on olmoe-1b-7b and was 1.17x slower on a 16-layer
-qwen3-30b-a3b, where it streamed nothing below 4 misses
-(bench/results/offload-host-h200-2026-12-02.md). So
+a fixed half of K on olmoe-1b-7b and was 1.17x slower on a 16-layer qwen3-30b-a3b, where it
+streamed nothing below 4 misses (bench/results/offload-host-h200-2026-12-02.md). So
 `staged_s` is measured too: `staged_s[M][s]`, the wall time of a call as `fill_misses` and
 the next graph run it (the s blobs staged, the other M - s experts computed on the CPU
 meanwhile, then the staged experts computed on the device after their uploads). The split
