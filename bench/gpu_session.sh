@@ -94,7 +94,8 @@
 # requests interleaved, 5 repeats), offload-counts-async (5: the same, 4 repeats, each count
 # also with the CPU's misses on their own thread), cpu-prefetch (2: bench/cpu_experts.py over 2
 # and 4 experts after no gap and an 800 us gap, the kernel's weights also prefetched each of
-# PREFETCH_BYTES ahead, default 256,1024,4096: compute-pfN, olmoe's and qwen3's shapes),
+# PREFETCH_BYTES ahead, default 256,1024,4096: compute-pfN, the shapes of CPU_PRESETS, default
+# olmoe-1b-7b and qwen3-30b-a3b, the store in MEMORY's pages, default pinned),
 # offload-cpu-prefetch (4: olmoe at 4 GiB at --stream-misses 2 and qwen3's 16 layers at 3, each
 # also with the weights prefetched each of ROUND_PREFETCH_BYTES ahead, default 512,2048,
 # interleaved), offload-async (5: olmoe at --stream-misses 2,4 and
@@ -242,12 +243,12 @@ for stage in "$@"; do
                    --tokens 1 --experts 2,3,4 --gap-us 0,800 --repeat 15 --memory pinned)
               done > "$OUT/cpu-schedule.txt" 2>&1; grep "| pinned" "$OUT/cpu-schedule.txt" \
               | cut -c1-100 ;;
-    cpu-prefetch) for preset in olmoe-1b-7b qwen3-30b-a3b; do  # the weights prefetched ahead
-                (cd bench && timeout 120 python3 cpu_experts.py --preset $preset --dtypes bf16 \
-                   --tokens 1 --experts 2,4 --gap-us 0,800 --repeat 15 --memory pinned \
-                   --prefetch-bytes "${PREFETCH_BYTES:-256,1024,4096}")
-              done > "$OUT/cpu-prefetch.txt" 2>&1; grep "| pinned" "$OUT/cpu-prefetch.txt" \
-              | cut -c1-100 ;;
+    cpu-prefetch) for preset in ${CPU_PRESETS:-olmoe-1b-7b qwen3-30b-a3b}; do  # prefetched
+                (cd bench && timeout 150 python3 cpu_experts.py --preset $preset --dtypes bf16 \
+                   --tokens 1 --experts 2,4 --gap-us 0,800 --repeat 15 \
+                   --memory "${MEMORY:-pinned}" --prefetch-bytes "${PREFETCH_BYTES:-256,1024,4096}")
+              done > "$OUT/cpu-prefetch.txt" 2>&1
+              grep -E "^\| (pinned|registered|pageable) " "$OUT/cpu-prefetch.txt" | cut -c1-100 ;;
     offload-cpu-prefetch)  # the same in the round, interleaved with the hardware's alone
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 2 \
                --cpu-prefetch "${ROUND_PREFETCH_BYTES:-512,2048}" --interleave --repeat 4 \
