@@ -18,7 +18,8 @@ CPU's last-level cache and the figures are too good):
   (large first), against `compute-main`'s handed out one at a time ("dynamic");
 - `compute-pfN` (`--prefetch-bytes N[,N...]`): `compute-main` with each bf16 weight row's next
   cache lines asked for N bytes ahead of the kernel's reads (`CpuExperts.prefetch_bytes`;
-  `compute-main` leaves it to the hardware's prefetchers, which stop at each 4 KiB page);
+  `compute-main` has the default, `_cpu_experts.PREFETCH_BYTES`; `compute-pf0` leaves it to the
+  hardware's prefetchers, which stop at each 4 KiB page);
 - `kernel-int8`, `kernel-int4` (bf16 stores): strata's kernel over the same experts quantized
   to int8 (per output channel, a little over half the bytes) and to int4 (groups of 32 along
   the input, 0.31x the bytes; `strata.engine.experts.quant`), called directly on the main
@@ -275,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run each gap > 0 with the kernel's threads started this "
                         "many microseconds before its end")
     parser.add_argument("--prefetch-bytes", default="",
-                        help="comma-separated multiples of 64: also time compute-main with the "
-                        "weights prefetched that many bytes ahead, columns compute-pfN")
+                        help="comma-separated multiples of 64 (0: none): also time "
+                        "compute-main with the weights prefetched that many bytes ahead, "
+                        "columns compute-pfN")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--layers", type=int, default=4,
                         help="layers in the store, read round robin (default 4)")
@@ -300,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                      f">= 1, got {args.gap_us!r} and {args.experts!r}")
     prefetches = tuple(int(n) for n in args.prefetch_bytes.split(",") if n.isdigit())
     if len(prefetches) != len([n for n in args.prefetch_bytes.split(",") if n]) \
-            or any(n % 64 or not n for n in prefetches):
-        parser.error(f"--prefetch-bytes takes comma-separated multiples of 64 > 0, got "
+            or any(n % 64 for n in prefetches):
+        parser.error(f"--prefetch-bytes takes comma-separated multiples of 64, got "
                      f"{args.prefetch_bytes!r}")
     memories = args.memory.split(",")
     if set(memories) - {"pageable", "pinned", "registered"}:

@@ -94,11 +94,12 @@
 # requests interleaved, 5 repeats), offload-counts-async (5: the same, 4 repeats, each count
 # also with the CPU's misses on their own thread), cpu-prefetch (2: bench/cpu_experts.py over 2
 # and 4 experts after no gap and an 800 us gap, the kernel's weights also prefetched each of
-# PREFETCH_BYTES ahead, default 256,1024,4096: compute-pfN, the shapes of CPU_PRESETS, default
-# olmoe-1b-7b and qwen3-30b-a3b, the store in MEMORY's pages, default pinned),
+# PREFETCH_BYTES ahead, default 0,8192,16384 (compute-main's is 4096): compute-pfN, the shapes
+# of CPU_PRESETS, default olmoe-1b-7b and qwen3-30b-a3b, the store in MEMORY's pages, default
+# pinned),
 # offload-cpu-prefetch (4: olmoe at 4 GiB at --stream-misses 2 and qwen3's 16 layers at 3, each
-# also with the weights prefetched each of ROUND_PREFETCH_BYTES ahead, default 512,2048,
-# interleaved), offload-async (5: olmoe at --stream-misses 2,4 and
+# also with the weights prefetched each of ROUND_PREFETCH_BYTES ahead, default 0, against the
+# default 4096, interleaved), offload-async (5: olmoe at --stream-misses 2,4 and
 # qwen3's 16 layers at 3,4, each with and without the CPU's misses on their own thread,
 # `CachedExperts.async_cpu`, interleaved), offload-sampled (4: the same runs
 # greedy and with `strata generate`'s default sampling);
@@ -246,15 +247,15 @@ for stage in "$@"; do
     cpu-prefetch) for preset in ${CPU_PRESETS:-olmoe-1b-7b qwen3-30b-a3b}; do  # prefetched
                 (cd bench && timeout 150 python3 cpu_experts.py --preset $preset --dtypes bf16 \
                    --tokens 1 --experts 2,4 --gap-us 0,800 --repeat 15 \
-                   --memory "${MEMORY:-pinned}" --prefetch-bytes "${PREFETCH_BYTES:-256,1024,4096}")
+                   --memory "${MEMORY:-pinned}" --prefetch-bytes "${PREFETCH_BYTES:-0,8192,16384}")
               done > "$OUT/cpu-prefetch.txt" 2>&1
               grep -E "^\| (pinned|registered|pageable) " "$OUT/cpu-prefetch.txt" | cut -c1-100 ;;
     offload-cpu-prefetch)  # the same in the round, interleaved with the hardware's alone
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 2 \
-               --cpu-prefetch "${ROUND_PREFETCH_BYTES:-512,2048}" --interleave --repeat 4 \
+               --cpu-prefetch "${ROUND_PREFETCH_BYTES:-0}" --interleave --repeat 4 \
                --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3 \
-               --cpu-prefetch "${ROUND_PREFETCH_BYTES:-512,2048}" --interleave --repeat 4 \
+               --cpu-prefetch "${ROUND_PREFETCH_BYTES:-0}" --interleave --repeat 4 \
                --prefill-tokens 0 ;;
     offload-schedule)  # the CPU kernel's tasks handed out against fixed shares, in the round
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 2,3 \

@@ -96,6 +96,7 @@ from _common import (
 )
 from cache import cache_mib_for_share, run_decode, run_decode_interleaved, run_prefill
 from round_profile import device_busy, host_functions, per_round
+from strata import _cpu_experts
 from strata.engine.cache.build import build_cached_experts, plan_cache, staging_blobs
 from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.experts import ResidentExperts
@@ -333,9 +334,10 @@ def main(argv: list[str] | None = None) -> int:
                         "before; guided): also run each decode with each, named -static, "
                         "-guided (`CpuExperts.schedule`)")
     parser.add_argument("--cpu-prefetch", default="",
-                        help="comma-separated multiples of 64: also run each decode with the "
-                        "CPU kernel's bf16 weights prefetched that many bytes ahead of its "
-                        "reads, named -cpupfN (`CpuExperts.prefetch_bytes`)")
+                        help="comma-separated multiples of 64 (0: none): also run each decode "
+                        "with the CPU kernel's bf16 weights prefetched that many bytes ahead of "
+                        "its reads, named -cpupfN (`CpuExperts.prefetch_bytes`; the default is "
+                        "`_cpu_experts.PREFETCH_BYTES`)")
     parser.add_argument("--interleave", action="store_true",
                         help="run --wake-cpu's, --async-cpu's, --cpu-schedule's and "
                         "--cpu-prefetch's variants "
@@ -393,9 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cpu-schedule takes distinct comma-separated static and guided (the "
                      f"default, dynamic, runs anyway), got {args.cpu_schedule!r}")
     cpu_prefetches = [n for n in args.cpu_prefetch.split(",") if n]
-    if not all(n.isdigit() and int(n) and not int(n) % 64 for n in cpu_prefetches) \
+    if not all(n.isdigit() and not int(n) % 64 for n in cpu_prefetches) \
             or len(set(cpu_prefetches)) != len(cpu_prefetches):
-        parser.error(f"--cpu-prefetch takes distinct comma-separated multiples of 64 > 0, got "
+        parser.error(f"--cpu-prefetch takes distinct comma-separated multiples of 64, got "
                      f"{args.cpu_prefetch!r}")
     formats = args.experts_dtype.split(",")
     if len(set(formats)) != len(formats) or any(f not in EXPERTS_DTYPES for f in formats):
@@ -513,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                     cache.cpu.schedule = setting[1:] if setting[1:] in cpu_schedules \
                         else "dynamic"
                     cache.cpu.prefetch_bytes = int(setting.removeprefix("-cpupf")) \
-                        if setting.startswith("-cpupf") else 0
+                        if setting.startswith("-cpupf") else _cpu_experts.PREFETCH_BYTES
                     if cache.streamer is not None:
                         cache.streamer.split_rule = StreamSplit.fixed(int(count), cfg.top_k) \
                             if setting.startswith("-split") else rule

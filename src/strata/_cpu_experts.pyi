@@ -14,6 +14,7 @@ FORMAT_INT8: int
 FORMAT_INT4_G32: int
 FORMAT_INT4_G64: int
 SCHEDULES: dict[str, int]
+PREFETCH_BYTES: int  # compute's default prefetch_bytes: 4096
 
 def blob_bytes(fmt: int, expert_width: int, hidden_size: int) -> int:
     """Bytes of one blob of format `fmt` for F and D; ValueError for an unknown format, or an
@@ -29,7 +30,7 @@ def compute(
     expert_width: int,
     n_threads: int,
     schedule: str = "dynamic",
-    prefetch_bytes: int = 0,
+    prefetch_bytes: int = 4096,
 ) -> None:
     """Compute `experts` of one layer over their rows, into `out`.
 
@@ -50,8 +51,8 @@ def compute(
             single tasks at the end); the same bytes whichever.
         prefetch_bytes: how far ahead of its reads a bf16 weight row's dot product asks for
             the next cache lines (software prefetch, across the 4 KiB pages where the
-            hardware's prefetchers stop), a multiple of 64; 0, the default: not at all. The
-            same bytes whatever; other formats ignore it.
+            hardware's prefetchers stop), a multiple of 64; `PREFETCH_BYTES` by default, 0:
+            not at all. The same bytes whatever; other formats ignore it.
 
     Raises:
         ValueError: an unknown format, shapes that disagree, an expert out of range, bad
@@ -80,7 +81,7 @@ class CpuWorker:
         expert_width: int,
         n_threads: int,
         schedule: str = "dynamic",
-        prefetch_bytes: int = 0,
+        prefetch_bytes: int = 4096,
     ) -> None:
         """Start `compute` with these arguments on the worker's thread and return at once.
         ValueError as `compute` raises it; RuntimeError while a call is in flight."""

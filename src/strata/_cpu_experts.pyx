@@ -48,6 +48,13 @@ cdef extern from "_cpu_experts_dot.h" nogil:
     float strata_bf16_to_f32(uint16_t h)
     uint16_t strata_f32_to_bf16(float f)
 
+# How far ahead of its reads a bf16 dot product asks for the weights' next cache lines, by
+# default. The hardware's prefetchers stop at each 4 KiB page, and a decode task streams 32-128
+# KiB of rows: on the H200 machine's Xeon, 4096 bytes ahead made an olmoe-1b-7b expert 1.5-2.0x
+# as fast as none (1-8 experts a call, with and without a gap before it), 256 and 1024 less so
+# (bench/results/offload-async-h200-2026-12-03.md, `bench/cpu_experts.py --prefetch-bytes`).
+PREFETCH_BYTES = 4096
+
 # Rows of a weight matrix one task reads: enough to amortise the task, few enough that a
 # decode call's M * F / BLOCK_ROWS tasks keep 16 threads busy (olmoe: 8 * 1024 / 16 = 512).
 cdef enum:
@@ -316,7 +323,7 @@ include "_cpu_experts_call.pxi"
 def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
             int64_t expert_width, int n_threads, str schedule="dynamic",
-            int64_t prefetch_bytes=0):
+            int64_t prefetch_bytes=PREFETCH_BYTES):
     """Compute `experts` of one layer over their rows, into `out`.
 
     blobs uint8 [E, blob_bytes(fmt, F, D)]: the layer's blobs (the store's bytes, not a copy);
@@ -328,7 +335,8 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     tasks reach the threads, one of `SCHEDULES`: "dynamic" (one at a time to whichever thread
     asks, the default), "static" (equal fixed shares) or "guided" (large shares first); the
     same bytes whichever; prefetch_bytes: how far ahead of its reads a bf16 row's dot asks for
-    the weights' next cache lines (a multiple of 64, 0: not at all); the same bytes whatever.
+    the weights' next cache lines (a multiple of 64; `PREFETCH_BYTES` by default, 0: not at
+    all); the same bytes whatever.
 
     Raises ValueError for shapes that disagree or an expert out of range, before any work.
     """

@@ -48,10 +48,11 @@ cdef class CpuWorker:
     def start(self, const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
               const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
               int64_t expert_width, int n_threads, str schedule="dynamic",
-              int64_t prefetch_bytes=0):
+              int64_t prefetch_bytes=PREFETCH_BYTES):
         """Start `compute(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads,
-        schedule, prefetch_bytes)` on the worker's thread and return. ValueError as `compute` raises it,
-        RuntimeError while a call is in flight (`wait` for it first); nothing starts then."""
+        schedule, prefetch_bytes)` on the worker's thread and return. ValueError as `compute`
+        raises it, RuntimeError while a call is in flight (`wait` for it first); nothing starts
+        then."""
         if self._pending:
             raise RuntimeError("a call is in flight on this CpuWorker: wait() for it first")
         _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata import settings
+from strata import _cpu_experts, settings
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.cpu import KERNEL_MAX_ROWS, CpuExperts
 from strata.engine.experts.routed import Routed
@@ -138,7 +138,8 @@ def test_prefetching_the_weights_changes_no_byte_and_a_bad_distance_is_refused_w
     cpu = CpuExperts(store, 3)
     routed = Routed.of(np.array([[1, 3], [3, 6]]))
     x = torch.randn(4, store.hidden_size, generator=torch.Generator().manual_seed(7)).bfloat16()
-    assert cpu.prefetch_bytes == 0  # the default: the hardware's prefetchers alone
+    assert cpu.prefetch_bytes == _cpu_experts.PREFETCH_BYTES == 4096  # the default
+    cpu.prefetch_bytes = 0  # the hardware's prefetchers alone
     plain = cpu.compute(0, x, routed)
     cpu.prefetch_bytes = 1024
     assert torch.equal(cpu.compute(0, x, routed).view(torch.int16), plain.view(torch.int16))

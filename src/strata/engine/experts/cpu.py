@@ -105,7 +105,7 @@ class CpuExperts:
                                   store.expert_width, store.hidden_size)
                         for layer in range(store.n_layers)]
         self.schedule = "dynamic"
-        self.prefetch_bytes = 0
+        self.prefetch_bytes = _cpu_experts.PREFETCH_BYTES
         self._worker = None  # `start`'s thread, made on first use
 
     @property
@@ -129,8 +129,9 @@ class CpuExperts:
     @property
     def prefetch_bytes(self) -> int:
         """How far ahead of its reads strata's kernel asks for a bf16 weight row's next cache
-        lines (`_cpu_experts.compute`'s `prefetch_bytes`; 0, the default: the hardware's
-        prefetchers alone, which stop at each 4 KiB page). Set by the benchmarks for their A/B
+        lines (`_cpu_experts.compute`'s `prefetch_bytes`): `_cpu_experts.PREFETCH_BYTES` by
+        default, 4096, which made an expert 1.5-2.0x as fast as 0, the hardware's prefetchers
+        alone (they stop at each 4 KiB page). The benchmarks set it for their A/B
         (bench/cpu_experts.py `--prefetch-bytes`, bench/offload.py `--cpu-prefetch`); the same
         bytes whatever. ValueError when set to anything but a multiple of 64 >= 0."""
         return self._prefetch_bytes
