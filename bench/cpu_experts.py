@@ -16,7 +16,7 @@ CPU's last-level cache and the figures are too good):
 - `compute-static`, `compute-guided`: the same with the kernel's tasks in equal fixed shares a
   thread (`CpuExperts.schedule` "static": the schedule before) and in OpenMP's guided shares
   (large first), against `compute-main`'s handed out one at a time ("dynamic");
-- `compute-pfN` (`--prefetch-bytes N[,N...]`): `compute-main` with each bf16 weight row's next
+- `compute-pfN` (`--prefetch-bytes N[,N...]`): `compute-main` with each weight row's next
   cache lines asked for N bytes ahead of the kernel's reads (`CpuExperts.prefetch_bytes`;
   `compute-main` has the default, `_cpu_experts.PREFETCH_BYTES`; `compute-pf0` leaves it to the
   hardware's prefetchers, which stop at each 4 KiB page);

@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                         "-guided (`CpuExperts.schedule`)")
     parser.add_argument("--cpu-prefetch", default="",
                         help="comma-separated multiples of 64 (0: none): also run each decode "
-                        "with the CPU kernel's bf16 weights prefetched that many bytes ahead of "
+                        "with the CPU kernel's weights prefetched that many bytes ahead of "
                         "its reads, named -cpupfN (`CpuExperts.prefetch_bytes`; the default is "
                         "`_cpu_experts.PREFETCH_BYTES`)")
     parser.add_argument("--interleave", action="store_true",

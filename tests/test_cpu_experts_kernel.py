@@ -141,8 +141,10 @@ def test_almost_every_value_is_torch_s_bf16_path_bit_for_bit():
 
 
 @settings(max_examples=100, deadline=None)
-@given(calls(), st.integers(2, 5))
-def test_int8_blobs_are_their_dequantized_weights_within_bf16_roundings(call, threads):
+@given(calls(), st.integers(2, 5), st.sampled_from([0, 64, 4096]))
+def test_int8_blobs_are_their_dequantized_weights_within_bf16_roundings(call, threads,
+                                                                      prefetch_bytes):
+    """The same bytes whatever the threads, the schedule and the prefetch distance."""
     bf16_blobs, experts, starts, x, f = call
     blobs, weights = _int8_blobs(bf16_blobs, f, x.shape[1])
     assert blobs.shape[1] == int8_blob_bytes(f, x.shape[1]) == _cpu_experts.blob_bytes(
@@ -150,7 +152,8 @@ def test_int8_blobs_are_their_dequantized_weights_within_bf16_roundings(call, th
     one = _run(blobs, experts, starts, x, f, 1, _cpu_experts.FORMAT_INT8)
     for schedule in _cpu_experts.SCHEDULES:
         assert torch.equal(_run(blobs, experts, starts, x, f, threads, _cpu_experts.FORMAT_INT8,
-                                schedule).view(torch.int16), one.view(torch.int16))
+                                schedule, prefetch_bytes).view(torch.int16),
+                           one.view(torch.int16))
     assert _within_roundings(one, weights, experts, starts, x, f)
 
 
@@ -176,9 +179,9 @@ def test_rows_taken_four_at_a_time_are_each_row_alone_bit_for_bit(fmt, fd, dd, n
 
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from([32, 64]), st.integers(1, 3), st.integers(1, 2), st.integers(0, 2**16),
-       st.integers(2, 4))
+       st.integers(2, 4), st.sampled_from([0, 64, 4096]))
 def test_int4_blobs_are_their_dequantized_weights_within_bf16_roundings(group, fd, dd, seed,
-                                                                      threads):
+                                                                      threads, prefetch_bytes):
     # F and D multiples of the group; a few experts and rows, as the bf16 property test.
     f, d = group * fd, group * dd
     rng = np.random.default_rng(seed)
@@ -197,7 +200,8 @@ def test_int4_blobs_are_their_dequantized_weights_within_bf16_roundings(group, f
     blobs = torch.stack(blobs)
     assert blobs.shape[1] == int4_blob_bytes(f, d, group) == _cpu_experts.blob_bytes(fmt, f, d)
     one = _run(blobs, experts, starts, x, f, 1, fmt)
-    assert torch.equal(_run(blobs, experts, starts, x, f, threads, fmt).view(torch.int16),
+    assert torch.equal(_run(blobs, experts, starts, x, f, threads, fmt,
+                            prefetch_bytes=prefetch_bytes).view(torch.int16),
                        one.view(torch.int16))
     assert _within_roundings(one, torch.stack(weights), experts, starts, x, f)
 

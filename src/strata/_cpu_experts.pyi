@@ -49,10 +49,11 @@ def compute(
             (one at a time to whichever thread asks, the default: threads that wake late from
             sleep take fewer), "static" (equal fixed shares) or "guided" (large shares first,
             single tasks at the end); the same bytes whichever.
-        prefetch_bytes: how far ahead of its reads a bf16 weight row's dot product asks for
-            the next cache lines (software prefetch, across the 4 KiB pages where the
-            hardware's prefetchers stop), a multiple of 64; `PREFETCH_BYTES` by default, 0:
-            not at all. The same bytes whatever; other formats ignore it.
+        prefetch_bytes: how far ahead of its reads a weight row's dot product asks for the
+            next cache lines (software prefetch, across the 4 KiB pages where the hardware's
+            prefetchers stop), a multiple of 64; `PREFETCH_BYTES` by default, 0: not at all.
+            The same bytes whatever. A quantized row read for four rows of x at once (a
+            prompt's) does not prefetch.
 
     Raises:
         ValueError: an unknown format, shapes that disagree, an expert out of range, bad

@@ -37,18 +37,18 @@ import numpy as np
 
 cdef extern from "_cpu_experts_dot.h" nogil:
     float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n, int64_t prefetch)
-    float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n)
+    float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n, int64_t prefetch)
     void strata_dot4_i8_f32(const int8_t *w, const float *const *x, int64_t n, float *out)
     void strata_dot4_i4_f32(const uint8_t *w, const float *scales, const float *const *x,
                             int64_t n, int group, float *out)
     float strata_dot_i4_g32_f32(const uint8_t *w, const float *scales, const float *x,
-                                int64_t n)
+                                int64_t n, int64_t prefetch)
     float strata_dot_i4_g64_f32(const uint8_t *w, const float *scales, const float *x,
-                                int64_t n)
+                                int64_t n, int64_t prefetch)
     float strata_bf16_to_f32(uint16_t h)
     uint16_t strata_f32_to_bf16(float f)
 
-# How far ahead of its reads a bf16 dot product asks for the weights' next cache lines, by
+# How far ahead of its reads a one-row dot product asks for the weights' next cache lines, by
 # default. The hardware's prefetchers stop at each 4 KiB page, and a decode task streams 32-128
 # KiB of rows: on the H200 machine's Xeon, 4096 bytes ahead made an olmoe-1b-7b expert 1.5-2.0x
 # as fast as none (1-8 experts a call, with and without a gap before it), 256 and 1024 less so
@@ -110,19 +110,19 @@ cdef inline float _dot(const uint8_t *blob, int fmt, int64_t start, int64_t row,
                        int64_t prefetch) noexcept nogil:
     """Row `row` of the blob's rows (gate 0..F-1, up F..2F-1, down 2F..2F+D-1), its n elements
     from element `start`, dotted with x: an int8 row times its scale, an int4 row's groups
-    each times theirs (the scales from byte scales_at on). `prefetch`: a bf16 row's elements
-    ahead to ask the cache for (`Call.prefetch`)."""
+    each times theirs (the scales from byte scales_at on). `prefetch`: the bytes ahead of its
+    reads to ask the cache for (`Call.prefetch`)."""
     cdef float scale
     cdef const float *scales = <const float *>(blob + scales_at)
     if fmt == _BF16:
         return strata_dot_bf16_f32(<const uint16_t *>blob + start, x, n, prefetch)
     if fmt == _INT8:
         memcpy(&scale, blob + scales_at + 4 * row, 4)  # a blob's scales need not be aligned
-        return strata_dot_i8_f32(<const int8_t *>blob + start, x, n) * scale
+        return strata_dot_i8_f32(<const int8_t *>blob + start, x, n, prefetch) * scale
     # int4: F and D are multiples of the group, so every row starts on a group and a byte.
     if fmt == _INT4_G32:
-        return strata_dot_i4_g32_f32(blob + start // 2, scales + start // 32, x, n)
-    return strata_dot_i4_g64_f32(blob + start // 2, scales + start // 64, x, n)
+        return strata_dot_i4_g32_f32(blob + start // 2, scales + start // 32, x, n, prefetch)
+    return strata_dot_i4_g64_f32(blob + start // 2, scales + start // 64, x, n, prefetch)
 
 
 cdef struct Call:
@@ -141,7 +141,7 @@ cdef struct Call:
     int64_t d_hidden
     int n_threads
     int schedule
-    int64_t prefetch  # bf16 weight elements ahead of a dot's reads to prefetch, 0: none
+    int64_t prefetch  # bytes of weights ahead of a one-row dot's reads to prefetch, 0: none
 
 
 cdef inline void _dot4(const uint8_t *blob, int fmt, int64_t start, int64_t row,
@@ -334,8 +334,8 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     expert_width: F; n_threads: the threads of both passes (>= 1); schedule: how the passes'
     tasks reach the threads, one of `SCHEDULES`: "dynamic" (one at a time to whichever thread
     asks, the default), "static" (equal fixed shares) or "guided" (large shares first); the
-    same bytes whichever; prefetch_bytes: how far ahead of its reads a bf16 row's dot asks for
-    the weights' next cache lines (a multiple of 64; `PREFETCH_BYTES` by default, 0: not at
+    same bytes whichever; prefetch_bytes: how far ahead of its reads a row's dot asks for the
+    weights' next cache lines (a multiple of 64; `PREFETCH_BYTES` by default, 0: not at
     all); the same bytes whatever.
 
     Raises ValueError for shapes that disagree or an expert out of range, before any work.

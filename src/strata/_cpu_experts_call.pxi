@@ -55,5 +55,5 @@ cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts
     call.d_hidden = x.shape[1]
     call.n_threads = n_threads
     call.schedule = schedule
-    call.prefetch = prefetch_bytes // 2  # bf16 elements
+    call.prefetch = prefetch_bytes
     return call

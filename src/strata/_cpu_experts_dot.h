@@ -51,18 +51,25 @@ static inline uint16_t strata_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* sum_k w[k] * x[k] over n elements: w bf16 (as uint16), x fp32. `prefetch` > 0: each step
- * also asks for the cache line `prefetch` elements ahead of the weights it reads (past the row's
- * end too: a decode task reads its rows back to back, and a prefetch never faults), so that
- * the next lines are on their way while this one is summed, across the 4 KiB page boundaries
- * where the hardware's own prefetchers stop; it changes no result. */
+/* `prefetch` > 0, in every single-row dot product below: each cache line of weights it starts
+ * reading, it also asks for the line `prefetch` bytes ahead (past the row's end too: a decode
+ * task reads its rows back to back, and a prefetch never faults), so that the next lines are on
+ * their way while this one is summed, across the 4 KiB page boundaries where the hardware's own
+ * prefetchers stop. It changes no result. */
+#define STRATA_PREFETCH(p, offset, prefetch)                                                     \
+    do {                                                                                        \
+        if ((prefetch) > 0 && !((offset) & 63))                                                 \
+            __builtin_prefetch((const char *)(p) + (offset) + (prefetch), 0, 3);                \
+    } while (0)
+
+/* sum_k w[k] * x[k] over n elements: w bf16 (as uint16), x fp32. */
 STRATA_CLONES
 static float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n,
                                  int64_t prefetch) {
     strata_v16f acc0 = {0}, acc1 = {0};
     int64_t k = 0;
     for (; k + 32 <= n; k += 32) {
-        if (prefetch > 0) __builtin_prefetch(w + k + prefetch, 0, 3);
+        STRATA_PREFETCH(w, 2 * k, prefetch); /* 64 bytes a step */
         strata_v16h h0, h1;
         strata_v16f x0, x1;
         memcpy(&h0, w + k, sizeof h0);
@@ -85,11 +92,14 @@ static float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n,
  * on AVX-512, `strata_dot_i8_f32` takes the intrinsics below instead (GCC keeps this loop in
  * 256-bit halves). */
 STRATA_CLONES
-static float strata_dot_i8_f32_lanes(const int8_t *w, const float *x, int64_t n) {
+static float strata_dot_i8_f32_lanes(const int8_t *w, const float *x, int64_t n,
+                                     int64_t prefetch) {
     float acc[32] = {0};
     int64_t k = 0;
-    for (; k + 32 <= n; k += 32)
+    for (; k + 32 <= n; k += 32) {
+        STRATA_PREFETCH(w, k, prefetch);
         for (int lane = 0; lane < 32; lane++) acc[lane] += (float)w[k + lane] * x[k + lane];
+    }
     for (int lane = 0; lane < 16; lane++) acc[lane] += acc[lane + 16];
     float sum = 0.0f;
     for (int lane = 0; lane < 16; lane++) sum += acc[lane];
@@ -107,11 +117,12 @@ static float strata_dot_i8_f32_lanes(const int8_t *w, const float *x, int64_t n)
 #define STRATA_DOT_I8_AVX512(ROWS)                                                              \
     __attribute__((target("avx512f")))                                                          \
     static void strata_dot##ROWS##_i8_f32_avx512(const int8_t *w, const float *const *x,       \
-                                                 int64_t n, float *out) {                       \
+                                                 int64_t n, float *out, int64_t prefetch) {     \
         __m512 acc0[ROWS], acc1[ROWS];                                                          \
         for (int j = 0; j < ROWS; j++) acc0[j] = acc1[j] = _mm512_setzero_ps();                 \
         int64_t k = 0;                                                                          \
         for (; k + 32 <= n; k += 32) {                                                          \
+            STRATA_PREFETCH(w, k, prefetch);                                                    \
             __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                \
                 _mm_loadu_si128((const __m128i *)(w + k))));                                    \
             __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                \
@@ -134,15 +145,16 @@ STRATA_DOT_I8_AVX512(1)
 STRATA_DOT_I8_AVX512(4)
 #endif
 
-static inline float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n) {
+static inline float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n,
+                                      int64_t prefetch) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (__builtin_cpu_supports("avx512f")) {
         float out;
-        strata_dot1_i8_f32_avx512(w, &x, n, &out);
+        strata_dot1_i8_f32_avx512(w, &x, n, &out, prefetch);
         return out;
     }
 #endif
-    return strata_dot_i8_f32_lanes(w, x, n);
+    return strata_dot_i8_f32_lanes(w, x, n, prefetch);
 }
 
 /* out[j] = strata_dot_i8_f32(w, x[j], n) for j = 0..3, the weights read once where AVX-512 is
@@ -151,11 +163,11 @@ static inline void strata_dot4_i8_f32(const int8_t *w, const float *const *x, in
                                       float *out) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (__builtin_cpu_supports("avx512f")) {
-        strata_dot4_i8_f32_avx512(w, x, n, out);
+        strata_dot4_i8_f32_avx512(w, x, n, out, 0);
         return;
     }
 #endif
-    for (int j = 0; j < 4; j++) out[j] = strata_dot_i8_f32_lanes(w, x[j], n);
+    for (int j = 0; j < 4; j++) out[j] = strata_dot_i8_f32_lanes(w, x[j], n, 0);
 }
 
 /* sum over the groups of a row of n int4 weights (n a multiple of GROUP) of scale[g] * sum_k
@@ -165,7 +177,7 @@ static inline void strata_dot4_i8_f32(const int8_t *w, const float *const *x, in
 #define STRATA_DOT_I4(GROUP)                                                                    \
     STRATA_CLONES                                                                               \
     static float strata_dot_i4_g##GROUP##_lanes(const uint8_t *w, const float *scales,        \
-                                                const float *x, int64_t n) {                   \
+                                                const float *x, int64_t n, int64_t prefetch) { \
         /* One partial sum a lane across the groups: independent lanes, vector code. The       \
          * nibbles are sign-extended with 32-bit shifts, which vector units have (byte shifts  \
          * they do not). */                                                                     \
@@ -173,6 +185,7 @@ static inline void strata_dot4_i8_f32(const int8_t *w, const float *const *x, in
         for (int64_t g = 0; g < n / GROUP; g++) {                                               \
             const uint8_t *b = w + g * (GROUP / 2);                                             \
             const float *xg = x + g * GROUP;                                                    \
+            STRATA_PREFETCH(w, g * (GROUP / 2), prefetch);                                      \
             const float scale = scales[g];                                                      \
             for (int lane = 0; lane < GROUP / 2; lane++)                                        \
                 acc[lane] += scale * ((float)((int32_t)((uint32_t)b[lane] << 28) >> 28)         \
@@ -195,7 +208,7 @@ STRATA_DOT_I4(64)
     __attribute__((target("avx512f")))                                                          \
     static void strata_dot##ROWS##_i4_f32_avx512(const uint8_t *w, const float *scales,         \
                                                  const float *const *x, int64_t n, int group,   \
-                                                 float *out) {                                  \
+                                                 float *out, int64_t prefetch) {                \
         const int half = group / 2;                                                             \
         __m512 acc[ROWS];                                                                       \
         for (int j = 0; j < ROWS; j++) acc[j] = _mm512_setzero_ps();                            \
@@ -203,6 +216,7 @@ STRATA_DOT_I4(64)
             __m512 part[ROWS];                                                                  \
             for (int j = 0; j < ROWS; j++) part[j] = _mm512_setzero_ps();                       \
             for (int c = 0; c < half; c += 16) {                                                \
+                STRATA_PREFETCH(w, g * half + c, prefetch);                                     \
                 __m512i v = _mm512_cvtepu8_epi32(                                               \
                     _mm_loadu_si128((const __m128i *)(w + g * half + c)));                      \
                 __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28)); \
@@ -230,7 +244,7 @@ STRATA_DOT_I4_AVX512(4)
 #define STRATA_I4_AVX512(GROUP)                                                                 \
     if (__builtin_cpu_supports("avx512f")) {                                                    \
         float out;                                                                              \
-        strata_dot1_i4_f32_avx512(w, scales, &x, n, GROUP, &out);                               \
+        strata_dot1_i4_f32_avx512(w, scales, &x, n, GROUP, &out, prefetch);                     \
         return out;                                                                             \
     }
 #else
@@ -238,15 +252,15 @@ STRATA_DOT_I4_AVX512(4)
 #endif
 
 static inline float strata_dot_i4_g32_f32(const uint8_t *w, const float *scales, const float *x,
-                                          int64_t n) {
+                                          int64_t n, int64_t prefetch) {
     STRATA_I4_AVX512(32)
-    return strata_dot_i4_g32_lanes(w, scales, x, n);
+    return strata_dot_i4_g32_lanes(w, scales, x, n, prefetch);
 }
 
 static inline float strata_dot_i4_g64_f32(const uint8_t *w, const float *scales, const float *x,
-                                          int64_t n) {
+                                          int64_t n, int64_t prefetch) {
     STRATA_I4_AVX512(64)
-    return strata_dot_i4_g64_lanes(w, scales, x, n);
+    return strata_dot_i4_g64_lanes(w, scales, x, n, prefetch);
 }
 
 /* out[j] = the int4 dot product of a row (groups of `group`) with x[j], j = 0..3, the weights
@@ -255,13 +269,13 @@ static inline void strata_dot4_i4_f32(const uint8_t *w, const float *scales,
                                       const float *const *x, int64_t n, int group, float *out) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (__builtin_cpu_supports("avx512f")) {
-        strata_dot4_i4_f32_avx512(w, scales, x, n, group, out);
+        strata_dot4_i4_f32_avx512(w, scales, x, n, group, out, 0);
         return;
     }
 #endif
     for (int j = 0; j < 4; j++)
-        out[j] = group == 32 ? strata_dot_i4_g32_lanes(w, scales, x[j], n)
-                             : strata_dot_i4_g64_lanes(w, scales, x[j], n);
+        out[j] = group == 32 ? strata_dot_i4_g32_lanes(w, scales, x[j], n, 0)
+                             : strata_dot_i4_g64_lanes(w, scales, x[j], n, 0);
 }
 
 #endif

@@ -128,7 +128,7 @@ class CpuExperts:
 
     @property
     def prefetch_bytes(self) -> int:
-        """How far ahead of its reads strata's kernel asks for a bf16 weight row's next cache
+        """How far ahead of its reads strata's kernel asks for a weight row's next cache
         lines (`_cpu_experts.compute`'s `prefetch_bytes`): `_cpu_experts.PREFETCH_BYTES` by
         default, 4096, which made an expert 1.5-2.0x as fast as 0, the hardware's prefetchers
         alone (they stop at each 4 KiB page). The benchmarks set it for their A/B
