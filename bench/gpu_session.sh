@@ -97,7 +97,7 @@
 # PREFETCH_BYTES ahead, default 0,8192,16384 (compute-main's is 4096): compute-pfN, the shapes
 # of CPU_PRESETS, default olmoe-1b-7b and qwen3-30b-a3b, the store in MEMORY's pages, default
 # pinned),
-# offload-cpu-prefetch (4: olmoe at 4 GiB at --stream-misses 2 and qwen3's 16 layers at 3, each
+# offload-cpu-prefetch (4: olmoe at 4 GiB and qwen3's 16 layers at --stream-misses 3, each
 # also with the weights prefetched each of ROUND_PREFETCH_BYTES ahead, default 0, against the
 # default 4096, interleaved), offload-async (5: olmoe at --stream-misses 2,4 and
 # qwen3's 16 layers at 3,4, each with and without the CPU's misses on their own thread,
@@ -251,7 +251,7 @@ for stage in "$@"; do
               done > "$OUT/cpu-prefetch.txt" 2>&1
               grep -E "^\| (pinned|registered|pageable) " "$OUT/cpu-prefetch.txt" | cut -c1-100 ;;
     offload-cpu-prefetch)  # the same in the round, interleaved with the hardware's alone
-           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 2 \
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3 \
                --cpu-prefetch "${ROUND_PREFETCH_BYTES:-0}" --interleave --repeat 4 \
                --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3 \
