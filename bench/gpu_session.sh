@@ -92,16 +92,18 @@
 # of CPU_SCHEDULES' shares, default static,guided, their requests interleaved), offload-counts
 # (4: both at --stream-misses 4 with 2 and 3 streamed through the same staging buffer, the
 # requests interleaved, 5 repeats), offload-counts-async (5: the same, 4 repeats, each count
-# also with the CPU's misses on their own thread), cpu-prefetch (2: bench/cpu_experts.py over 2
+# also with the CPU's misses on the engine's thread, --sync-cpu), cpu-prefetch (2: bench/cpu_experts.py over 2
 # and 4 experts after no gap and an 800 us gap, the kernel's weights also prefetched each of
 # PREFETCH_BYTES ahead, default 0,8192,16384 (compute-main's is 4096): compute-pfN, the shapes
 # of CPU_PRESETS, default olmoe-1b-7b and qwen3-30b-a3b, the store in MEMORY's pages, default
 # pinned),
 # offload-cpu-prefetch (4: olmoe at 4 GiB and qwen3's 16 layers at --stream-misses 3, each
 # also with the weights prefetched each of ROUND_PREFETCH_BYTES ahead, default 0, against the
-# default 4096, interleaved), offload-async (5: olmoe at --stream-misses 2,4 and
-# qwen3's 16 layers at 3,4, each with and without the CPU's misses on their own thread,
-# `CachedExperts.async_cpu`, interleaved), offload-sampled (4: the same runs
+# default 4096, interleaved), offload-cpu-spin (4: the same runs, each also with the CPU's
+# thread keeping its team spinning between calls, `CpuExperts.keep_team_up`, interleaved),
+# offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
+# CPU's misses on their own thread, `CachedExperts.async_cpu`, and on the engine's, -sync,
+# interleaved), offload-sampled (4: the same runs
 # greedy and with `strata generate`'s default sampling);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
@@ -262,21 +264,26 @@ for stage in "$@"; do
                --cpu-schedule "${CPU_SCHEDULES:-static,guided}" --interleave --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
                --cpu-schedule "${CPU_SCHEDULES:-static,guided}" --interleave --prefill-tokens 0 ;;
+    offload-cpu-spin)  # the CPU's team spinning between a round's calls, or not
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3 \
+               --cpu-spin --interleave --repeat 4 --prefill-tokens 0
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3 \
+               --cpu-spin --interleave --repeat 4 --prefill-tokens 0 ;;
     offload-async)  # the CPU's misses on their own thread against the engine's, interleaved
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 2,4 \
-               --async-cpu --interleave --repeat 5 --prefill-tokens 0
+               --sync-cpu --interleave --repeat 5 --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
-               --async-cpu --interleave --repeat 5 --prefill-tokens 0 ;;
+               --sync-cpu --interleave --repeat 5 --prefill-tokens 0 ;;
     offload-counts)  # how many misses to stream: 4 (the default), 3 and 2 interleaved
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 4 \
                --interleave --split-counts 2,3 --repeat 5 --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 4 \
                --interleave --split-counts 2,3 --repeat 5 --prefill-tokens 0 ;;
-    offload-counts-async)  # the counts, each with and without the CPU's own thread
+    offload-counts-async)  # the counts, each with the CPU's own thread and without
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 4 \
-               --interleave --split-counts 2,3 --async-cpu --repeat 4 --prefill-tokens 0
+               --interleave --split-counts 2,3 --sync-cpu --repeat 4 --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 4 \
-               --interleave --split-counts 2,3 --async-cpu --repeat 4 --prefill-tokens 0 ;;
+               --interleave --split-counts 2,3 --sync-cpu --repeat 4 --prefill-tokens 0 ;;
     offload-sampled)  # the CLI's default sampling against greedy in the host-bound round
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3,4 \
                --cli-sampling --prefill-tokens 0

@@ -23,13 +23,15 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   `CachedExperts.wake_cpu`; `--cpu-schedule static,guided` with the CPU kernel's tasks in fixed
   shares a thread (the schedule before) or guided shares, named -static, -guided:
   `CpuExperts.schedule`; `--cpu-prefetch N[,N...]` with the CPU kernel's weights prefetched N
-  bytes ahead of its reads, named -cpupfN: `CpuExperts.prefetch_bytes`; `--async-cpu` with the
-  CPU's misses started on a thread of their own right after each call's routing read, named
-  -async: `CachedExperts.async_cpu`; `--interleave` runs those (-static, -guided, -cpupfN,
-  -async) and -wake in the base run's engine, one request of each in turn, so that a
-  machine's drift falls on all alike, and with
+  bytes ahead of its reads, named -cpupfN: `CpuExperts.prefetch_bytes`; `--sync-cpu` with the
+  CPU's misses computed on the engine's thread after its uploads, not on a thread of their own
+  from the routing read on (`CachedExperts.async_cpu` off, the way before), named -sync;
+  `--cpu-spin` with the CPU's thread keeping its team spinning between calls, named -spin:
+  `CpuExperts.keep_team_up`; `--interleave` runs those (-static, -guided, -cpupfN, -sync,
+  -spin) and -wake in the base run's engine, one request of each in turn, so that a machine's
+  drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
-  (the counts compared with the same slots; with `--async-cpu` each again as -splitN-async);
+  (the counts compared with the same slots; with `--sync-cpu` each again as -splitN-sync);
   `--cli-sampling` with
   `strata generate`'s default sampling instead of greedy, named -sampled: the pick's host time
   in a round the host holds). For
@@ -296,6 +298,20 @@ def _counts(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
     return counts
 
 
+# The flags that run each decode again with one setting of the cache changed, and their help.
+VARIANT_FLAGS = {
+    "--sync-cpu": "also run each decode with the CPU's misses computed on the engine's thread "
+                  "after its uploads (`CachedExperts.async_cpu` off: the way before), named "
+                  "-sync",
+    "--cpu-spin": "also run each decode with the CPU's thread keeping its OpenMP team spinning "
+                  "between calls (`CpuExperts.keep_team_up`), named -spin",
+    "--wake-cpu": "also run each decode with the CPU kernel's threads started before each "
+                  "call's routing read (`CachedExperts.wake_cpu`), named -wake",
+    "--whole-calls": "also run each decode with the cache's calls whole, not split around the "
+                     "piecewise graphs (`graph_call`): the split's baseline, named -whole",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, preset="olmoe-1b-7b")
@@ -339,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                         "its reads, named -cpupfN (`CpuExperts.prefetch_bytes`; the default is "
                         "`_cpu_experts.PREFETCH_BYTES`)")
     parser.add_argument("--interleave", action="store_true",
-                        help="run --wake-cpu's, --async-cpu's, --cpu-schedule's and "
-                        "--cpu-prefetch's variants "
+                        help="run --wake-cpu's, --sync-cpu's, --cpu-schedule's, "
+                        "--cpu-prefetch's and --cpu-spin's variants "
                         "in the base run's engine, one request of each in turn "
                         "(`run_decode_interleaved`), so that the machine's drift falls on all "
                         "alike")
@@ -348,19 +364,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --interleave, comma-separated N: also run each decode "
                         "streaming min(N, M) of a layer's M misses through the run's own "
                         "staging buffer (N up to its blobs), named -splitN: counts compared "
-                        "with the same slots, interleaved (with --async-cpu each count again "
-                        "as -splitN-async)")
-    parser.add_argument("--async-cpu", action="store_true",
-                        help="also run each decode with the CPU's misses on the CPU's own "
-                        "thread, started right after each call's routing read "
-                        "(`CachedExperts.async_cpu`), named -async")
-    parser.add_argument("--wake-cpu", action="store_true",
-                        help="also run each decode with the CPU kernel's threads started before "
-                        "each call's routing read (`CachedExperts.wake_cpu`), named -wake")
-    parser.add_argument("--whole-calls", action="store_true",
-                        help="also run each decode with the cache's calls whole, not split "
-                        "around the piecewise graphs (`graph_call`): the split's baseline, "
-                        "named -whole")
+                        "with the same slots, interleaved (with --sync-cpu each count again "
+                        "as -splitN-sync)")
+    for flag, text in VARIANT_FLAGS.items():  # each adds a run of every decode, named -<name>
+        parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--profile", metavar="DIR",
                         help="after each decode run's timed requests, profile two more: the "
                         "device's copy engine and compute busy a round (torch's profiler, "
@@ -482,9 +489,10 @@ def main(argv: list[str] | None = None) -> int:
             # Variants that only set an attribute of the cache run in the base run's engine,
             # their requests interleaved with its own under --interleave.
             settings = [*(["-wake"] if args.wake_cpu else []),
-                        *(["-async"] if args.async_cpu else []),
+                        *(["-sync"] if args.sync_cpu else []),
                         *(f"-{schedule}" for schedule in cpu_schedules),
-                        *(f"-cpupf{n}" for n in cpu_prefetches)]
+                        *(f"-cpupf{n}" for n in cpu_prefetches),
+                        *(["-spin"] if args.cpu_spin else [])]
             together = settings if args.interleave else []
             variants = [("", 0), *([("-whole", 0)] if args.whole_calls else []),
                         *((setting, 0) for setting in settings if setting not in together),
@@ -503,15 +511,16 @@ def main(argv: list[str] | None = None) -> int:
                 streamer = engine.cache.streamer
                 rule = streamer.split_rule if streamer is not None else None
                 # -splitN: this engine's staging buffer, streaming min(N, M) of M misses;
-                # with --async-cpu each count again with the CPU's own thread, -splitN-async.
+                # with --sync-cpu each count again on the engine's thread, -splitN-sync.
                 splits = [f"-split{n}{mode}" for n in split_counts
                           if streamer is not None and n <= streamer.n_blobs
-                          for mode in ["", *(["-async"] if args.async_cpu else [])]]
+                          for mode in ["", *(["-sync"] if args.sync_cpu else [])]]
 
                 def set_up(setting: str, cache=engine.cache, rule=rule) -> None:
                     count = setting.removeprefix("-split").partition("-")[0]
                     cache.wake_cpu = setting == "-wake"
-                    cache.async_cpu = setting.endswith("-async")
+                    cache.cpu.keep_team_up = setting == "-spin"
+                    cache.async_cpu = not setting.endswith("-sync")
                     cache.cpu.schedule = setting[1:] if setting[1:] in cpu_schedules \
                         else "dynamic"
                     cache.cpu.prefetch_bytes = int(setting.removeprefix("-cpupf")) \

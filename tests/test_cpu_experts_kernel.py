@@ -7,6 +7,8 @@ one fixed order). Shapes are small and unaligned (D and F not multiples of the k
 vectors or its 16-row blocks), so the tails are exercised.
 """
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -356,3 +358,30 @@ def test_the_worker_takes_one_call_at_a_time_and_checks_each_as_compute_does():
     worker.start(*args)
     del worker  # in flight: waited for before the thread stops
     assert out.abs().sum() > 0
+
+
+def test_a_worker_keeping_its_team_up_gives_compute_s_bytes_and_stops_at_once():
+    """`keep_team_up`: after each call the team spins for the next (up to 2 ms); calls that
+    come within the spin, after it, and after the setting is turned off again give compute's
+    bytes; a worker dropped while its team spins stops."""
+    f, d = 16, 64
+    blobs = _blobs(4, f, d, 3)
+    experts, starts = [2, 0, 3], [0, 1, 3, 4]
+    x = torch.randn(4, d, generator=torch.Generator().manual_seed(5)).bfloat16()
+    expected = _run(blobs, experts, starts, x, f, 3)
+    worker = _cpu_experts.CpuWorker()
+    assert not worker.keep_team_up  # off by default
+    worker.keep_team_up = True
+    for gap_s, on in [(0.0, True), (0.0005, True), (0.005, True), (0.0, False), (0.0, True)]:
+        worker.keep_team_up = on
+        time.sleep(gap_s)  # within the team's spin, or past it
+        out = torch.full(expected.shape, 7.0, dtype=torch.bfloat16)
+        worker.start(blobs.view(torch.uint8).numpy(), _cpu_experts.FORMAT_BF16,
+                     np.asarray(experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
+                     x.float().numpy(), _u16(out), f, 3)
+        worker.wait()
+        assert worker.keep_team_up == on
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    started = time.perf_counter()
+    del worker  # its team spinning for a next call: told to stop, it stops (no hang)
+    assert time.perf_counter() - started < 0.5

@@ -91,5 +91,14 @@ class CpuWorker:
         """Return when the call in flight is done (at once when none is)."""
 
     @property
+    def keep_team_up(self) -> bool:
+        """Whether, after each call, the call's OpenMP team spins for the next (up to 2 ms)
+        rather than going back to OpenMP, whose idle threads soon sleep. Off by default; from
+        the next call that finishes; the same bytes either way."""
+
+    @keep_team_up.setter
+    def keep_team_up(self, on: bool) -> None: ...
+
+    @property
     def pending(self) -> bool:
         """Whether a call is in flight (started and not waited for)."""

@@ -7,6 +7,10 @@
  * a layer, well within that, so a posted job is taken within a few hundred nanoseconds); the
  * waiter spins on `done` the same way. Every field is read and written under the mutex or with
  * atomic loads and stores.
+ *
+ * `park`, when set, runs on the worker's thread after each job, before its own spin: the
+ * extension's hook that keeps the job's OpenMP team spinning for the next job too (a decode
+ * round's next call comes about a millisecond later, by when idle OpenMP threads would sleep).
  */
 #ifndef STRATA_CPU_EXPERTS_WORKER_H
 #define STRATA_CPU_EXPERTS_WORKER_H
@@ -17,7 +21,8 @@
 
 #define STRATA_WORKER_SPIN_NS 2000000L /* 2 ms */
 
-typedef struct strata_worker {
+typedef struct strata_worker strata_worker;
+struct strata_worker {
     pthread_t thread;
     pthread_mutex_t mutex;
     pthread_cond_t cond;
@@ -26,7 +31,9 @@ typedef struct strata_worker {
     int64_t posted; /* jobs posted, all told */
     int64_t done;   /* jobs done, all told */
     int stop;
-} strata_worker;
+    void (*park)(strata_worker *, int64_t, int); /* after job `taken`; NULL: none */
+    int park_threads; /* the team `park` keeps up: the last job's thread count */
+};
 
 static inline int64_t strata_now_ns(void) {
     struct timespec t;
@@ -64,7 +71,10 @@ static void *strata_worker_main(void *arg) {
         pthread_mutex_lock(&w->mutex);
         __atomic_store_n(&w->done, taken, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&w->cond);
+        void (*park)(strata_worker *, int64_t, int) = w->park;
+        int park_threads = w->park_threads;
         pthread_mutex_unlock(&w->mutex);
+        if (park) park(w, taken, park_threads);
     }
 }
 
@@ -75,6 +85,8 @@ static int strata_worker_start(strata_worker *w) {
     w->posted = 0;
     w->done = 0;
     w->stop = 0;
+    w->park = NULL;
+    w->park_threads = 1;
     pthread_mutex_init(&w->mutex, NULL);
     pthread_cond_init(&w->cond, NULL);
     int error = pthread_create(&w->thread, NULL, strata_worker_main, w);
@@ -85,13 +97,23 @@ static int strata_worker_start(strata_worker *w) {
     return error;
 }
 
-/* Post `run(job)`; the caller has waited for the job before (one at a time). */
-static void strata_worker_post(strata_worker *w, void (*run)(void *), void *job) {
+/* Post `run(job)`, whose OpenMP team is `n_threads` strong; the caller has waited for the job
+ * before (one at a time). */
+static void strata_worker_post(strata_worker *w, void (*run)(void *), void *job, int n_threads) {
     pthread_mutex_lock(&w->mutex);
     w->run = run;
     w->job = job;
+    w->park_threads = n_threads;
     __atomic_store_n(&w->posted, w->posted + 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&w->cond);
+    pthread_mutex_unlock(&w->mutex);
+}
+
+/* Set (or, with NULL, clear) the hook run after each job, for the jobs that finish from now. */
+static void strata_worker_set_park(strata_worker *w,
+                                   void (*park)(strata_worker *, int64_t, int)) {
+    pthread_mutex_lock(&w->mutex);
+    w->park = park;
     pthread_mutex_unlock(&w->mutex);
 }
 

@@ -2,15 +2,29 @@
 
 cdef extern from "_cpu_experts_worker.h" nogil:
     ctypedef struct strata_worker:
-        pass
+        int64_t posted
+        int stop
     int strata_worker_start(strata_worker *w)
-    void strata_worker_post(strata_worker *w, void (*run)(void *) noexcept nogil, void *job)
+    void strata_worker_post(strata_worker *w, void (*run)(void *) noexcept nogil, void *job,
+                            int n_threads)
+    void strata_worker_set_park(
+        strata_worker *w, void (*park)(strata_worker *, int64_t, int) noexcept nogil)
     void strata_worker_wait(strata_worker *w)
     void strata_worker_stop(strata_worker *w)
+    int strata_spin_until(const int64_t *counter, int64_t target, const int *stop)
 
 
 cdef void _run_job(void *job) noexcept nogil:
     _run(<const Call *>job)
+
+
+cdef void _park(strata_worker *w, int64_t taken, int n_threads) noexcept nogil:
+    """After job `taken`: each of the job's n_threads team threads spins until the next job is
+    posted, or for the worker's spin time (2 ms), or until the worker stops; so a call that
+    comes within it finds its team up rather than asleep."""
+    cdef int64_t t
+    for t in prange(n_threads, num_threads=n_threads, schedule="static"):
+        strata_spin_until(&w.posted, taken + 1, &w.stop)
 
 
 cdef class CpuWorker:
@@ -27,12 +41,14 @@ cdef class CpuWorker:
     cdef strata_worker _worker
     cdef bint _running
     cdef bint _pending
+    cdef bint _keep_team_up
     cdef Call _call
     cdef object _keep  # the arrays of the call in flight
 
     def __cinit__(self):
         self._running = False
         self._pending = False
+        self._keep_team_up = False
         self._keep = None
         cdef int error = strata_worker_start(&self._worker)
         if error:
@@ -66,7 +82,7 @@ cdef class CpuWorker:
         self._keep = (blobs, experts, row_starts, x, out, act)
         self._pending = True
         with nogil:
-            strata_worker_post(&self._worker, _run_job, &self._call)
+            strata_worker_post(&self._worker, _run_job, &self._call, n_threads)
 
     def wait(self):
         """Return when the call in flight is done (at once when none is)."""
@@ -76,6 +92,25 @@ cdef class CpuWorker:
             strata_worker_wait(&self._worker)
         self._pending = False
         self._keep = None
+
+    @property
+    def keep_team_up(self) -> bool:
+        """Whether, after each call, the call's OpenMP team spins for the next one (up to 2 ms,
+        each thread pausing between its reads) instead of going back to OpenMP, whose idle
+        threads sleep after a short spin and cost the next call their wake-up (70-220 us a
+        call after a 1 ms gap on the H200: bench/results/offload-omp-wait-h200-2026-12-03.md).
+        Off by default: the spinning takes the cores from anything else for those 2 ms. Takes
+        effect from the next call that finishes; the bytes are the same either way."""
+        return bool(self._keep_team_up)
+
+    @keep_team_up.setter
+    def keep_team_up(self, bint on):
+        self._keep_team_up = on
+        with nogil:
+            if on:
+                strata_worker_set_park(&self._worker, _park)
+            else:
+                strata_worker_set_park(&self._worker, NULL)
 
     @property
     def pending(self) -> bool:

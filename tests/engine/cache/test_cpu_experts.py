@@ -147,6 +147,12 @@ def test_prefetching_the_weights_changes_no_byte_and_a_bad_distance_is_refused_w
     assert cpu.start(0, x, routed, out)
     cpu.finish()
     assert torch.equal(out.view(torch.int16), plain.view(torch.int16))
+    assert not cpu.keep_team_up  # off by default; set, it reaches the next started call
+    cpu.keep_team_up = True
+    assert cpu.start(0, x, routed, out)
+    cpu.finish()
+    assert cpu._worker.keep_team_up
+    assert torch.equal(out.view(torch.int16), plain.view(torch.int16))
     for bad in (-64, 100, 64.0):
         with pytest.raises(ValueError, match=r"prefetch_bytes must be a multiple of 64 \(a "
                                              r"cache line\) >= 0, got"):

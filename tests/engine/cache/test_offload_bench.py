@@ -70,29 +70,30 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--prefill-tokens", "0",
             "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
             "--stream-misses", "2", "--expert-share", "0.25", "--json", "--interleave",
-            "--wake-cpu", "--async-cpu", "--cpu-schedule", "static,guided",
+            "--wake-cpu", "--sync-cpu", "--cpu-spin", "--cpu-schedule", "static,guided",
             "--cpu-prefetch", "512", "--split-counts", "1,3"]
     assert bench.main(argv) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.
-    # With --async-cpu each count runs again with the CPU's own thread: -split1-async.
-    names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-async",
+    # With --sync-cpu each count runs again on the engine's thread: -split1-sync.
+    names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-sync",
+             "decode-stream-2-spin",
              "decode-stream-2-static", "decode-stream-2-guided", "decode-stream-2-cpupf512",
              "decode-stream-2-split1",
-             "decode-stream-2-split1-async"]
+             "decode-stream-2-split1-sync"]
     assert sorted(runs) == sorted(names)
     counts = ("passes", "hits", "cpu_experts", "streamed_experts")
     base = runs["decode-stream-2"]
     split = runs.pop("decode-stream-2-split1")  # streams 1 of a call's misses, not 2
-    split_async = runs.pop("decode-stream-2-split1-async")
+    split_sync = runs.pop("decode-stream-2-split1-sync")
     assert 0 < split["round"]["streamed_experts_per_round"] \
         < base["round"]["streamed_experts_per_round"]
-    for run in [*runs.values(), split, split_async]:
+    for run in [*runs.values(), split, split_sync]:
         assert run["interleaved"] and run["deterministic"]
         assert len(run["decode_ms_per_round_each"]) == 2
         assert run["cache"]["passes"] == 4  # one request's counts: the prompt's and 3 rounds
     # The settings change no token and no count: against the base, or the count's own run.
-    for run, same in [*((run, base) for run in runs.values()), (split_async, split)]:
+    for run, same in [*((run, base) for run in runs.values()), (split_sync, split)]:
         assert run["tokens"] == same["tokens"]
         assert {k: run["cache"][k] for k in counts} == {k: same["cache"][k] for k in counts}
     with pytest.raises(SystemExit):

@@ -110,6 +110,22 @@ def test_a_split_call_with_its_cpu_misses_on_their_own_thread_gives_the_same_byt
     assert all(started) or dtype == "fp32" or repeats
 
 
+def test_a_split_call_with_the_cpu_team_kept_up_between_calls_gives_the_same_bytes():
+    """`CpuExperts.keep_team_up` with the CPU's own thread: the team spins between the calls
+    and the bytes, books and counts stay the token path's."""
+    store = small_store(torch.bfloat16)
+    n_slots = round(0.5 * store.n_layers * store.n_experts)
+    general = make_cache(store, n_slots, "sieve", 1, token_path=True, device="cpu")
+    token = make_cache(store, n_slots, "sieve", 1, token_path=True, device="cpu")
+    token.async_cpu, token.cpu.keep_team_up = True, True
+    for call in token_calls(store, 32, seed=3, repeats=False, device="cpu"):
+        expected = general.forward(*call)
+        assert bytes_of(split_call(token, *call)) == bytes_of(expected)
+        assert books(token) == books(general)
+    assert token.cpu._worker is not None and token.cpu._worker.keep_team_up
+    assert counts(token) == counts(general)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("share,stream", [(0.5, 0), (0.5, 2), (0.0, 2)],
                          ids=["half-0", "half-2", "empty-2"])

@@ -106,6 +106,9 @@ class CpuExperts:
                         for layer in range(store.n_layers)]
         self.schedule = "dynamic"
         self.prefetch_bytes = _cpu_experts.PREFETCH_BYTES
+        # `start`'s team spinning between calls (`CpuWorker.keep_team_up`): off until measured
+        # in a round (bench/offload.py --cpu-spin); the same bytes either way.
+        self.keep_team_up = False
         self._worker = None  # `start`'s thread, made on first use
 
     @property
@@ -169,6 +172,7 @@ class CpuExperts:
                              f"{list(out.shape)} {out.dtype}")
         if self._worker is None:
             self._worker = _cpu_experts.CpuWorker()
+        self._worker.keep_team_up = self.keep_team_up
         n_threads = self.cpu_threads or torch.get_num_threads()
         lo, hi = int(routed.starts[0]), int(routed.starts[-1])
         self._worker.start(
