@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from strata import _cpu_experts
 from strata.engine.cache.build import default_stream_misses, staging_blobs
 from strata.engine.cache.kept_rates import (
     FORMAT,
@@ -159,7 +160,7 @@ def test_the_streamer_follows_the_split(small):
 
 
 # --- measuring and keeping ---
-def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path):
+def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypatch):
     _, config = small
     path = tmp_path / "rates.json"
     calls = []
@@ -197,6 +198,12 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path):
     other = RatesKey.of(config, torch.float32, CPU, cpu_threads=2)
     kept_rates(other, lambda: first, path)
     assert set(json.loads(path.read_text())["entries"]) == {key.text(), other.text()}
+    # strata's kernel is named with its prefetch distance: rates kept before a change of it
+    # are another key, measured anew.
+    bf16 = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1)
+    assert bf16.kernel == "strata-pf4096" and "strata-pf4096 kernel" in bf16.text()
+    monkeypatch.setattr(_cpu_experts, "PREFETCH_BYTES", 0)
+    assert RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1).text() != bf16.text()
 
 
 def test_auto_split_reads_the_cache_dir(small, tmp_path, monkeypatch):

@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from strata.engine.experts import ExpertStore, grouped
-from strata.engine.experts.cpu import CpuExperts, kernel_for
+from strata.engine.experts.cpu import CpuExperts, kernel_id
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.streamed import StreamedMisses, StreamSplit
 from strata.engine.model.config import ModelConfig
@@ -85,8 +85,8 @@ MAX_LAYERS = 64
 @dataclass(frozen=True)
 class RatesKey:
     """What the times depend on: the device (a GPU's name; "cpu" for the host twin), the CPU's
-    model, the CPU experts' threads and kernel (`CpuExperts.kernel`), the dtype, and the
-    expert's shape and K."""
+    model, the CPU experts' threads and kernel (`kernel_id`: with its prefetch distance), the
+    dtype, and the expert's shape and K."""
 
     device: str
     cpu: str
@@ -103,7 +103,7 @@ class RatesKey:
         device = torch.device(device)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         return cls(device=name, cpu=cpu_model(), threads=cpu_threads or torch.get_num_threads(),
-                   kernel=kernel_for(dtype), dtype=str(dtype).removeprefix("torch."),
+                   kernel=kernel_id(dtype), dtype=str(dtype).removeprefix("torch."),
                    hidden_size=config.hidden_size, expert_width=config.expert_width,
                    top_k=config.top_k)
 

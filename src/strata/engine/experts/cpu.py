@@ -38,7 +38,7 @@ from strata.engine.experts import ExpertStore
 from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.routed import Routed
 
-__all__ = ["KERNEL_FORMATS", "KERNEL_MAX_ROWS", "CpuExperts", "kernel_for"]
+__all__ = ["KERNEL_FORMATS", "KERNEL_MAX_ROWS", "CpuExperts", "kernel_for", "kernel_id"]
 
 # The kernel's format of each quantized store (`ExpertStore.quant`).
 KERNEL_FORMATS = {"int8": _cpu_experts.FORMAT_INT8, "int4-g32": _cpu_experts.FORMAT_INT4_G32,
@@ -60,6 +60,14 @@ def kernel_for(dtype: torch.dtype, kernel: str | None = None) -> str:
     if kernel not in ("strata", "torch"):
         raise ValueError(f"kernel must be 'strata' or 'torch', got {kernel!r}")
     return kernel if dtype == torch.bfloat16 else "torch"
+
+
+def kernel_id(dtype: torch.dtype) -> str:
+    """`kernel_for(dtype)`, strata's kernel named with its default prefetch distance
+    ("strata-pf4096"): what measured CPU rates depend on, so that rates kept before a change
+    of it are measured again (`strata.engine.cache.rates.RatesKey`)."""
+    kernel = kernel_for(dtype)
+    return f"{kernel}-pf{_cpu_experts.PREFETCH_BYTES}" if kernel == "strata" else kernel
 
 
 def _u16(tensor: torch.Tensor) -> np.ndarray:
