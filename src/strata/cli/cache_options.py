@@ -79,7 +79,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         "--stream-misses", metavar="auto|N",
         help="of a decode layer's missed experts, how many to upload over PCIe and compute on "
         "the device while the CPU computes the rest: N streams the first N (at most the "
-        "model's top-k; default: half of it on CUDA, 0 elsewhere: all on the CPU); auto "
+        "model's top-k; default: three eighths of it on CUDA, rounded half up, 3 of 8; 0 "
+        "elsewhere: all on the CPU); auto "
         "splits them as the calls timed once on this machine and kept in the cache directory "
         "ran fastest",
     )

@@ -1,6 +1,7 @@
 """`strata generate` with the expert cache: when it is used, the startup line, the stats, the
 `cache` object of `--json`, `--trace`, and each bad option as one line with exit status 2."""
 
+import argparse
 import json
 import re
 from types import SimpleNamespace
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from strata.cli.cache_options import add_cache_arguments
 from strata.cli.main import main
 from strata.engine.cache.build import default_stream_misses
 from strata.engine.model.config import ModelConfig
@@ -122,6 +124,10 @@ def test_stream_misses_defaults_to_auto_which_is_0_off_cuda(capsys, ckpt, tmp_pa
         assert default_stream_misses(SimpleNamespace(top_k=top_k), torch.device("cuda")) \
             == streamed
     assert default_stream_misses(config, torch.device("cpu")) == 0
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)  # the flag's help says the same rule
+    assert "three eighths of it on CUDA, rounded half up, 3 of 8" in \
+        " ".join(parser.format_help().split())
     for given in ([], ["--stream-misses", "auto"]):
         document, err = _json(capsys, "--model", str(ckpt), *FAST, "--expert-cache", "0.5",
                               "--no-piecewise-graphs", *given)  # on the CPU: rounds eager

@@ -180,7 +180,8 @@ class CpuExperts:
                              f"{list(out.shape)} {out.dtype}")
         if self._worker is None:
             self._worker = _cpu_experts.CpuWorker()
-        self._worker.keep_team_up = self.keep_team_up
+        if self._worker.keep_team_up != self.keep_team_up:  # set under the worker's mutex
+            self._worker.keep_team_up = self.keep_team_up
         n_threads = self.cpu_threads or torch.get_num_threads()
         lo, hi = int(routed.starts[0]), int(routed.starts[-1])
         self._worker.start(
