@@ -33,16 +33,17 @@
 # at 32, 512, 4,096 and 16,384 prompt tokens against transformers, on olmoe and qwen3 cut to 4
 # layers and mixtral cut to 2), offload (7: issue 17's figures, bench/offload.py, one JSON
 # object a line in
-# offload.jsonl: decode with --stream-misses auto, 0 and 4 beside the bounds, then a 4,096-token
-# prefill with the loan; offload-olmoe (2: olmoe-1b-7b at a 4 GiB budget), offload-qwen3 and
+# offload.jsonl: decode with --stream-misses auto, 0 and 4 (or OFFLOAD_STREAMS, comma-separated)
+# beside the bounds, then a 4,096-token prefill with the loan; offload-olmoe (2: olmoe-1b-7b at a 4 GiB budget), offload-qwen3 and
 # offload-qwen3-skewed (2.5 each: qwen3-30b-a3b, 16 layers, 22% of the experts cached, router
 # skew 0 and 0.5, on the kv-grow checkpoints), offload-olmoe-torch (1.5: the olmoe run with
 # STRATA_CPU_KERNEL=torch, the CPU kernel's baseline), offload-split (4: decode on both at
 # --stream-misses 0 and 4, each with the calls split around the piecewise graphs, the default,
 # and whole),
-# quant-offload-olmoe (5: the olmoe run at --stream-misses 4 with the experts as they are, in
-# int8 and in int4, the same cache MiB),
-# quant-offload-qwen3 (6: the same on qwen3's 16 layers, as they are and int8), quant-decode (3:
+# quant-offload-olmoe (5: the olmoe run at --stream-misses QUANT_STREAMS, default 3, with the
+# experts in each of QUANT_DTYPES, default auto,int8,int4, the same cache MiB, and the prefill of
+# QUANT_PREFILL tokens, default 4096, 0 for none),
+# quant-offload-qwen3 (6: the same on qwen3's 16 layers, QUANT_DTYPES default auto,int8), quant-decode (3:
 # bench/decode.py with every expert resident, bf16 against int8 and int4 experts, each against
 # the bandwidth bound at its bytes, an 8-layer olmoe cut), profile (4: bench/decode_profile.py,
 # the kernels of prompt chunks of 32, 512 and 4,096 tokens and of a decode round, eager, graph
@@ -66,12 +67,13 @@
 # router-route (2: bench/router_route.py, the decode router kernel's launch shapes swept),
 # decode-attention (2: bench/decode_attention.py, the decode attention kernel's launch shapes
 # against the fused SDPA it replaced, each preset's heads at 256 to 16,384 cells),
-# offload-prefetch (5: decode on both at --stream-misses 4, without the next layer's
+# offload-prefetch (5: decode on both, without the next layer's
 # predicted misses prefetched and with up to N of them, for each N of PREFETCH_CAPS,
-# comma-separated, default 1,2,4; offload-prefetch-olmoe, 3: olmoe's alone, at
-# PREFETCH_STREAMS, comma-separated, default 4),
-# offload-balance-olmoe and offload-balance-qwen3 (3 and 4: decode at --stream-misses auto, 2,
-# 3 and 4, the joint rates' split against fixed counts), offload-loan (4: the 4,096-token
+# comma-separated, default 1,2,4, both at PREFETCH_STREAMS, comma-separated, default 4;
+# offload-prefetch-olmoe, 3: olmoe's alone),
+# offload-balance-olmoe and offload-balance-qwen3 (3 and 4: decode at --stream-misses auto, the
+# kept rates' split, with 2 and 3 streamed through its staging buffer, the requests
+# interleaved; the first run on a machine measures the rates), offload-loan (4: the 4,096-token
 # prefill with the loan's uploads in 1 and in 4 pipelined batches, qwen3 then olmoe),
 # decode-shapes (3: bench/decode_shapes.py, the experts' decode kernels' launch shapes timed
 # inside the whole olmoe-1b-7b's decode round; SHAPES_KERNELS=down sweeps one kernel's),
@@ -304,19 +306,19 @@ for stage in "$@"; do
                --stream-misses "${PREFETCH_STREAMS:-4}" --prefetch "${PREFETCH_CAPS:-1,2,4}" \
                --prefill-tokens 0
            [ "$stage" = offload-prefetch-olmoe ] || offload "$(checkpoint 0)" qwen3-30b-a3b \
-               --expert-share 0.22 --stream-misses 4 --prefetch "${PREFETCH_CAPS:-1,2,4}" \
+               --expert-share 0.22 --stream-misses "${PREFETCH_STREAMS:-4}" --prefetch "${PREFETCH_CAPS:-1,2,4}" \
                --prefill-tokens 0 ;;
     offload-loan)  # the loan's uploads in 4 pipelined batches against 1: the prefill's A/B
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 4 \
                --new-tokens 2 --loan-upload-batches 1,4
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 4 \
                --new-tokens 2 --loan-upload-batches 1,4 ;;
-    offload-balance-olmoe)  # how many misses to stream: the joint rates' auto against fixed
-           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses auto,2,3,4 \
-               --prefill-tokens 0 ;;
+    offload-balance-olmoe)  # how many misses to stream: the kept rates' auto against fixed
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses auto \
+               --interleave --split-counts 2,3 --repeat 4 --prefill-tokens 0 ;;
     offload-balance-qwen3)
-           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 \
-               --stream-misses auto,2,3,4 --prefill-tokens 0 ;;
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses auto \
+               --interleave --split-counts 2,3 --repeat 4 --prefill-tokens 0 ;;
     offload-profile|offload-profile-qwen3)  # where a round goes: the device's engines, the host
            [ "$stage" = offload-profile-qwen3 ] || offload "$(olmoe_checkpoint)" olmoe-1b-7b \
                --budget-mib 4096 --stream-misses "${PROFILE_STREAMS:-4}" \
@@ -332,21 +334,24 @@ for stage in "$@"; do
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 0,4 \
                --whole-calls --prefill-tokens 0 ;;
     offload|offload-olmoe|offload-qwen3|offload-qwen3-skewed)
+           streams=${OFFLOAD_STREAMS:+--stream-misses $OFFLOAD_STREAMS}  # else auto,0,4
            if [ "$stage" = offload ] || [ "$stage" = offload-olmoe ]; then
-               offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096
+               offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 $streams
            fi
            if [ "$stage" = offload ] || [ "$stage" = offload-qwen3 ]; then
-               offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22
+               offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 $streams
            fi
            if [ "$stage" = offload ] || [ "$stage" = offload-qwen3-skewed ]; then
-               offload "$(checkpoint 0.5)" qwen3-30b-a3b --expert-share 0.22
+               offload "$(checkpoint 0.5)" qwen3-30b-a3b --expert-share 0.22 $streams
            fi ;;
     quant-offload-olmoe)
            OFFLOAD_TIMEOUT=400 offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 \
-               --stream-misses 4 --experts-dtype auto,int8,int4 ;;
+               --stream-misses "${QUANT_STREAMS:-3}" --experts-dtype "${QUANT_DTYPES:-auto,int8,int4}" \
+               --prefill-tokens "${QUANT_PREFILL:-4096}" ;;
     quant-offload-qwen3)
            OFFLOAD_TIMEOUT=480 offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 \
-               --stream-misses 4 --experts-dtype auto,int8 ;;
+               --stream-misses "${QUANT_STREAMS:-3}" --experts-dtype "${QUANT_DTYPES:-auto,int8}" \
+               --prefill-tokens "${QUANT_PREFILL:-4096}" ;;
     quant-decode) (cd bench && timeout 300 python3 decode.py --preset olmoe-1b-7b --layers 8 \
                      --new-tokens 64 --repeat 3 --no-transformers --experts-dtype int8,int4 \
                      --json) > "$OUT/quant-decode.json" 2> "$OUT/quant-decode.err"

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from strata.engine.cache.host_rows import HostRows
-from strata.engine.cache.rates import RatesKey, _synthetic_store
+from strata.engine.cache.rate_calls import synthetic_store
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.streamed import StreamedMisses
 from strata.engine.model.presets import PRESETS, get_preset
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     config = get_preset(args.preset)  # the expert's shape: hidden_size, expert_width, top_k
     dtype = torch.bfloat16
-    key = RatesKey.of(config, dtype, device)
-    store = _synthetic_store(key, dtype, device.type == "cuda", args.store_mib << 20)
+    store = synthetic_store(config.hidden_size, config.expert_width, config.top_k, dtype,
+                            device.type == "cuda", args.store_mib << 20)
     top_k = config.top_k
     streamer = StreamedMisses(store, device, top_k)
     host_rows = HostRows(device)

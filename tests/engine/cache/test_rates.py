@@ -5,12 +5,14 @@ import dataclasses
 import itertools
 import json
 import math
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from strata import _cpu_experts
+from strata.engine.cache import rates as rates_module
 from strata.engine.cache.build import default_stream_misses, staging_blobs
 from strata.engine.cache.kept_rates import (
     FORMAT,
@@ -20,6 +22,7 @@ from strata.engine.cache.kept_rates import (
     rates_path,
     resolve_stream_misses,
 )
+from strata.engine.cache.rate_calls import TimedCalls, synthetic_store
 from strata.engine.cache.rates import MissRates, RatesKey, balanced_split, measure_rates
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.streamed import StreamedMisses, StreamSplit
@@ -204,6 +207,56 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypat
     assert bf16.kernel == "strata-pf4096" and "strata-pf4096 kernel" in bf16.text()
     monkeypatch.setattr(_cpu_experts, "PREFETCH_BYTES", 0)
     assert RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1).text() != bf16.text()
+
+
+def test_the_key_names_how_the_calls_were_timed(small, monkeypatch):
+    """Rates timed back to back (an earlier strata's) are another key than rates timed as a
+    round runs its calls: measured anew, not read."""
+    _, config = small
+    key = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1)
+    assert key.timing == rates_module.TIMING == "round-gap500us"
+    assert key.text().endswith("| timed round-gap500us")
+    monkeypatch.setattr(rates_module, "TIMING", "back-to-back")
+    assert dataclasses.replace(key, timing=rates_module.TIMING).text() != key.text()
+
+
+def _bf16_calls(gap_s: float) -> TimedCalls:
+    """Timed calls over a bf16 synthetic store (strata's kernel, which the CPU's thread takes):
+    D 64, F 32, K 4, on the host twin."""
+    store = synthetic_store(64, 32, 4, torch.bfloat16, False, 1 << 16)
+    return TimedCalls(store, 4, CPU, 2, gap_s=gap_s)
+
+
+def test_a_split_call_is_timed_as_a_round_runs_it():
+    """After an untimed gap, the CPU's share on its own thread while the uploads are queued:
+    its rows are `compute`'s, and the gap is not in the time."""
+    calls = _bf16_calls(gap_s=0.05)
+    started = time.perf_counter()
+    taken = calls.call(3, 1, split=True)  # 2 on the CPU, 1 streamed
+    assert time.perf_counter() - started >= 0.05 > taken
+    assert calls.cpu_started == 1
+    layer = 1  # the call's CPU share read the store's second layer (round robin)
+    expected = calls.cpu.compute(layer, calls.x_host[:2], calls.routed[2])
+    assert torch.equal(calls.out[:2], expected)
+    assert calls.call(2, 2, split=True) > 0 and calls.cpu_started == 1  # no CPU share
+    assert calls.call(3, 1, split=False) > 0 and calls.cpu_started == 1  # whole: inline
+
+
+def test_a_failed_upload_still_waits_for_the_cpus_thread(monkeypatch):
+    """Fault injection: the uploads raise while the CPU's thread computes into the kept
+    buffer; the call waits for that thread before the error leaves it, and the next call
+    runs."""
+    calls = _bf16_calls(gap_s=0.0)
+    finished = []
+    real_finish = calls.cpu.finish
+    monkeypatch.setattr(calls.cpu, "finish", lambda: (real_finish(), finished.append(1)))
+    monkeypatch.setattr(calls.streamer, "stage", lambda *a: (_ for _ in ()).throw(
+        RuntimeError("injected: the upload failed")))
+    with pytest.raises(RuntimeError, match="injected"):
+        calls.call(4, 1, split=True)
+    assert finished == [1]
+    monkeypatch.undo()
+    assert calls.call(4, 1, split=True) > 0 and calls.cpu_started == 1
 
 
 def test_auto_split_reads_the_cache_dir(small, tmp_path, monkeypatch):

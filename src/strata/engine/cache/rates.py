@@ -39,54 +39,55 @@ measured neither, or only whole calls, splits as it did. In a round on the H200 
 (0,1,2,2,3,3,4,4,4 on olmoe-1b-7b at 4 GiB) was still 1.07x slower than streaming a fixed 2
 (bench/results/offload-balance-staged-h200-2026-12-03.md): calls timed back to back do not
 pay what a round's calls do on the CPU's side, whose threads wake after each wait for the
-device.
+device. So the calls of both sides are now timed as a round runs them
+(`strata.engine.cache.rate_calls`): each after an untimed wait of the host, a split call's
+CPU share on the CPU's own thread; the key names the timing (`TIMING`), so rates kept by a
+strata that timed calls back to back are measured anew.
 
 The times depend on the machine and the configuration (`RatesKey`: the GPU's name, the CPU's
 model, the CPU experts' threads, the dtype and the expert's shape), not on the weights, and the
 split made from them is part of what the output bytes depend on: they are measured once and
 kept (`strata.engine.cache.kept_rates`), never taken during a run.
 
-`measure_rates` uses a synthetic store of the model's expert shape (the checkpoint is not loaded
-yet when the budget is planned, and the staging buffer is part of the budget): a few layers of K
-experts each, pinned on CUDA as the real store is, read round robin so that each call reads
-weights no recent call read (a CPU's last-level cache would flatter one layer), as the engine's
-misses do. The medians of `REPEAT` timed rounds after an untimed one; each table made
-non-decreasing in k. Off CUDA the same code runs as the host twin (a host-to-host copy for the
-upload, `perf_counter` for the clock), which is what the tests exercise.
+`measure_rates` times its calls over a synthetic store of the model's expert shape
+(`rate_calls.synthetic_store`: the checkpoint is not loaded yet when the budget is planned,
+and the staging buffer is part of the budget). The medians of `REPEAT` timed rounds after an
+untimed one; each side's table made non-decreasing in k. Off CUDA the same code runs as the
+host twin (a host-to-host copy for the upload, `perf_counter` for the clock), which is what
+the tests exercise.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
 import math
 import platform
 import statistics
-import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from strata.engine.experts import ExpertStore, grouped
-from strata.engine.experts.cpu import CpuExperts, kernel_id
-from strata.engine.experts.routed import Routed
-from strata.engine.experts.streamed import StreamedMisses, StreamSplit
+from strata.engine.cache.rate_calls import ROUND_GAP_S, TimedCalls, samples, synthetic_store
+from strata.engine.experts.cpu import kernel_id
+from strata.engine.experts.streamed import StreamSplit
 from strata.engine.model.config import ModelConfig
 
 __all__ = ["MissRates", "RatesKey", "balanced_split", "cpu_model", "measure_rates"]
 
 REPEAT = 7  # timed rounds of every k, after one untimed
 TARGET_BYTES = 512 << 20  # the synthetic store: at least this many bytes, read round robin
-MAX_LAYERS = 64
+# How the calls are timed (`rate_calls`), part of the key: rates kept by a strata that timed
+# them otherwise are measured anew. "round-gap500us": each call after the round's untimed gap
+# of 0.5 ms, a split call's CPU share on the CPU's own thread.
+TIMING = f"round-gap{round(ROUND_GAP_S * 1e6)}us"
 
 
 @dataclass(frozen=True)
 class RatesKey:
     """What the times depend on: the device (a GPU's name; "cpu" for the host twin), the CPU's
     model, the CPU experts' threads and kernel (`kernel_id`: with its prefetch distance), the
-    dtype, and the expert's shape and K."""
+    dtype, the expert's shape and K, and how the calls were timed (`TIMING`)."""
 
     device: str
     cpu: str
@@ -96,6 +97,7 @@ class RatesKey:
     hidden_size: int
     expert_width: int
     top_k: int
+    timing: str = TIMING
 
     @classmethod
     def of(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -116,7 +118,8 @@ class RatesKey:
         """The key of its entry in the file: readable, one line."""
         return (f"{self.device} | {self.cpu} | {self.threads} threads, {self.kernel} kernel | "
                 f"{self.dtype} | "
-                f"D {self.hidden_size} F {self.expert_width} K {self.top_k}")
+                f"D {self.hidden_size} F {self.expert_width} K {self.top_k} | "
+                f"timed {self.timing}")
 
 
 def cpu_model() -> str:
@@ -258,110 +261,6 @@ _HOW_TIMED = {"split": "both sides timed together in calls split around the grap
               "": "each side timed alone"}
 
 
-def _synthetic_store(key: RatesKey, dtype: torch.dtype, pin: bool,
-                     target_bytes: int) -> ExpertStore:
-    """Layers of K experts of the key's shape, at least `target_bytes` in all (at most
-    MAX_LAYERS layers), filled with small values, pinned when `pin`."""
-    k, blob = key.top_k, key.blob_bytes
-    n_layers = max(1, min(MAX_LAYERS, -(-target_bytes // (k * blob))))
-    buffer = torch.empty((n_layers, k, blob), dtype=torch.uint8, pin_memory=pin)
-    gen = torch.Generator().manual_seed(0)
-    numel = blob // torch.empty((), dtype=dtype).element_size()
-    pattern = (torch.randn(numel, generator=gen) * key.hidden_size ** -0.5).to(dtype)
-    buffer.copy_(pattern.view(torch.uint8).expand_as(buffer))
-    return ExpertStore(list(buffer.unbind(0)), key.hidden_size, key.expert_width, dtype)
-
-
-class _Calls:
-    """The calls `_samples` times over a synthetic store, each reading the store's next layer
-    (round robin): one side alone, or a call of both."""
-
-    def __init__(self, store: ExpertStore, key: RatesKey, dtype: torch.dtype,
-                 device: torch.device, cpu_threads: int | None) -> None:
-        self.store, self.device, self.cuda = store, device, device.type == "cuda"
-        self.cpu = CpuExperts(store, cpu_threads)
-        self.streamer = StreamedMisses(store, device, key.top_k)
-        self.x_host = torch.full((key.top_k, key.hidden_size), 0.01, dtype=dtype)  # [K, D]
-        self.x_dev = self.x_host[:1].to(device)  # [1, D]
-        self.rows = torch.zeros((key.top_k + 1, key.hidden_size), dtype=dtype,
-                                device=device)  # [K + 1, D], as `fill_misses` fills them
-        # routed[k]: experts 0..k-1, one row each (routed[0] unused).
-        self.routed = [Routed.of(np.arange(max(k, 1))[None, :]) for k in range(key.top_k + 1)]
-        self._layers = itertools.count()
-        # Calls are split only where the experts' kernels read nothing for an unused staging
-        # blob (`CachedExperts.splits_calls`); the host twin times them too, for its tests.
-        self.splits = not self.cuda or not grouped.copies_weights(device)
-
-    def _layer(self) -> int:
-        return next(self._layers) % self.store.n_layers
-
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def stream(self, k: int) -> float:
-        """k blobs uploaded and computed, on the device's clock on CUDA."""
-        layer = self._layer()
-        if not self.cuda:
-            start = time.perf_counter()
-            self.streamer.compute(layer, self.x_dev, self.routed[k])
-            return time.perf_counter() - start
-        self._sync()
-        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        begin.record()
-        self.streamer.compute(layer, self.x_dev, self.routed[k])
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1000
-
-    def on_cpu(self, k: int) -> float:
-        layer = self._layer()
-        start = time.perf_counter()
-        self.cpu.compute(layer, self.x_host[:k], self.routed[k])
-        return time.perf_counter() - start
-
-    def call(self, m: int, s: int, split: bool) -> float:
-        """M misses, s streamed. Whole, as `token_forward` runs one: the device's share
-        launched first. Split, as `fill_misses` and the next graph run one: the uploads and
-        the stage map queued (no kernel), then, after the CPU's share, the staged experts."""
-        stream_layer, cpu_layer = self._layer(), self._layer()
-        self._sync()
-        start = time.perf_counter()
-        if split:
-            streamed = self.routed[s] if s else None
-            self.streamer.stage(stream_layer, streamed, streamed.rows + 1 if s else None)
-        elif s:
-            self.streamer.compute(stream_layer, self.x_dev, self.routed[s])
-        if m - s:
-            self.cpu.compute(cpu_layer, self.x_host[:m - s], self.routed[m - s])
-        if split:
-            self.streamer.staged_rows(self.x_dev, self.rows)  # after the uploads
-        self._sync()
-        return time.perf_counter() - start
-
-
-def _samples(store: ExpertStore, key: RatesKey, dtype: torch.dtype, device: torch.device,
-             cpu_threads: int | None, repeat: int) -> tuple[list, ...]:
-    """(stream, cpu, joint, staged): `repeat` timings in seconds of each side for each k
-    (index 0 empty), and of a whole and a split call for each M and s (joint[M][s],
-    staged[M][s]; row 0 empty; staged [] where calls are not split)."""
-    calls = _Calls(store, key, dtype, device, cpu_threads)
-    sides = [[] for _ in range(key.top_k + 1)], [[] for _ in range(key.top_k + 1)]
-    grids = tuple([[[] for _ in range(m + 1)] for m in range(key.top_k + 1)] for _ in range(2))
-    for round_ in range(repeat + 1):  # the first untimed
-        for k in range(1, key.top_k + 1):
-            times = [(sides[0][k], calls.stream(k)), (sides[1][k], calls.on_cpu(k))]
-            for s in range(k + 1):
-                times.append((grids[0][k][s], calls.call(k, s, split=False)))
-                if calls.splits:
-                    times.append((grids[1][k][s], calls.call(k, s, split=True)))
-            if round_:
-                for samples, t in times:
-                    samples.append(t)
-    joint_t, staged_t = grids
-    return *sides, joint_t, staged_t if calls.splits else []
-
-
 def _table(samples: list[list[float]]) -> tuple[float, ...]:
     """[0.0, median of k = 1, ...], made non-decreasing."""
     out = [0.0]
@@ -379,10 +278,11 @@ def measure_rates(key: RatesKey, dtype: torch.dtype, device: torch.device, *,
         device = torch.device("cuda", torch.cuda.current_device())
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
-    store = _synthetic_store(key, dtype, device.type == "cuda", target_bytes)
+    store = synthetic_store(key.hidden_size, key.expert_width, key.top_k, dtype,
+                            device.type == "cuda", target_bytes)
     try:
-        stream_t, cpu_t, joint_t, staged_t = _samples(store, key, dtype, device, cpu_threads,
-                                                      repeat)
+        stream_t, cpu_t, joint_t, staged_t = samples(
+            TimedCalls(store, key.top_k, device, cpu_threads), key.top_k, repeat)
     finally:
         del store
         if device.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
