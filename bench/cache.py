@@ -189,9 +189,14 @@ def cache_mib_for_share(ckpt, dtype, share: float) -> float:
     """The `--expert-cache` MiB that holds `share` of the experts (at least one slot)."""
     config = ModelConfig.from_dir(ckpt)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    slot_bytes = slot_bytes_for(3 * config.expert_width * config.hidden_size * itemsize)
+    return share_mib(config, 3 * config.expert_width * config.hidden_size * itemsize, share)
+
+
+def share_mib(config: ModelConfig, blob_bytes: int, share: float) -> float:
+    """The `--expert-cache` MiB that holds `share` of the experts (at least one slot) in slots
+    of `blob_bytes` blobs (a quantized store's are smaller)."""
     slots = max(1, round(share * config.n_layers * config.n_experts))
-    return slots * slot_bytes / MIB
+    return slots * slot_bytes_for(blob_bytes) / MIB
 
 
 def _split(cache: dict) -> dict:

@@ -43,7 +43,8 @@
 # quant-offload-olmoe (5: the olmoe run at --stream-misses QUANT_STREAMS, default 3, with the
 # experts in each of QUANT_DTYPES, default auto,int8,int4, the same cache MiB, and the prefill of
 # QUANT_PREFILL tokens, default 4096, 0 for none),
-# quant-offload-qwen3 (6: the same on qwen3's 16 layers, QUANT_DTYPES default auto,int8), quant-decode (3:
+# quant-offload-qwen3 (6: the same on qwen3's 16 layers, QUANT_DTYPES default auto,int8;
+# QUANT_ARGS=--share-per-format caches 22% of the experts in each format), quant-decode (3:
 # bench/decode.py with every expert resident, bf16 against int8 and int4 experts, each against
 # the bandwidth bound at its bytes, an 8-layer olmoe cut), profile (4: bench/decode_profile.py,
 # the kernels of prompt chunks of 32, 512 and 4,096 tokens and of a decode round, eager, graph
@@ -351,7 +352,7 @@ for stage in "$@"; do
     quant-offload-qwen3)
            OFFLOAD_TIMEOUT=480 offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 \
                --stream-misses "${QUANT_STREAMS:-3}" --experts-dtype "${QUANT_DTYPES:-auto,int8}" \
-               --prefill-tokens "${QUANT_PREFILL:-4096}" ;;
+               --prefill-tokens "${QUANT_PREFILL:-4096}" ${QUANT_ARGS:-} ;;
     quant-decode) (cd bench && timeout 300 python3 decode.py --preset olmoe-1b-7b --layers 8 \
                      --new-tokens 64 --repeat 3 --no-transformers --experts-dtype int8,int4 \
                      --json) > "$OUT/quant-decode.json" 2> "$OUT/quant-decode.err"

@@ -52,9 +52,10 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
 
 With `--experts-dtype` (comma-separated, e.g. `auto,int8,int4`) all of it is measured for each
 format, the experts quantized at load into a store of their own, at the same cache MiB (so a
-quantized cache holds more slots) and beside the same machine figures: the device round, the
-decode runs (their names end in the format) and the prefill, each bound counted at the format's
-bytes.
+quantized cache holds more slots; with `--share-per-format` each format's cache holds
+`--expert-share` of the experts instead, at its own blob size) and beside the same machine
+figures: the device round, the decode runs (their names end in the format) and the prefill,
+each bound counted at the format's bytes.
 
 Per-layer figures and tok/s scaled to the preset's full depth (`--full-layers`, default the
 preset's) are printed beside the measured ones for a shortened model, saying so.
@@ -96,7 +97,13 @@ from _common import (
     set_kv_env,
     sync,
 )
-from cache import cache_mib_for_share, run_decode, run_decode_interleaved, run_prefill
+from cache import (
+    cache_mib_for_share,
+    run_decode,
+    run_decode_interleaved,
+    run_prefill,
+    share_mib,
+)
 from round_profile import device_busy, host_functions, per_round
 from strata import _cpu_experts
 from strata.engine.cache.build import build_cached_experts, plan_cache, staging_blobs
@@ -377,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--experts-dtype", default="auto",
                         help="comma-separated --experts-dtype values, the runs of each (auto)")
+    parser.add_argument("--share-per-format", action="store_true",
+                        help="with --expert-share: each format's cache holds that share of the "
+                        "experts at its own blob size (default: every format gets the MiB "
+                        "that hold the share at the checkpoint's)")
     parser.add_argument("--full-layers", type=int,
                         help="scale per-layer figures to this depth (default: the preset's)")
     add_kv_env_arguments(parser)  # --loan-keep-slots, --chunk-bytes for tiny models
@@ -410,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(formats)) != len(formats) or any(f not in EXPERTS_DTYPES for f in formats):
         parser.error(f"--experts-dtype takes distinct comma-separated values of "
                      f"{', '.join(EXPERTS_DTYPES)}, got {args.experts_dtype!r}")
+    if args.share_per_format and args.budget_mib:
+        parser.error("--share-per-format sizes each format's cache by --expert-share, which "
+                     "--budget-mib replaces: give one of them")
     set_kv_env(args)
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
@@ -472,14 +486,17 @@ def main(argv: list[str] | None = None) -> int:
                                            say)
             device_rounds[fmt] = device_round_ms
 
+            sized = {**common, "expert_cache_mib": share_mib(
+                cfg, store.blob_bytes, args.expert_share)} if args.share_per_format else common
+
             def cached_engine(stream, max_context: int, loan: bool, store=store, quant=quant,
-                              prefetch=0):
+                              prefetch=0, sized=sized):
                 value, notes = resolve_stream_misses(stream, cfg, dtype, device,
                                                      cpu_threads=args.cpu_threads)
                 config = plan_cache(cfg, dtype, device, rank=rank, max_context=max_context,
                                     prefill_chunk=args.prefill_chunk, prefill_loan=loan,
                                     stream_misses=value, experts_quant=quant,
-                                    prefetch_misses=prefetch, **common)
+                                    prefetch_misses=prefetch, **sized)
                 model.experts = build_cached_experts(config, store, device)
                 if prefetch:
                     model.experts.use_routers([layer.moe.router for layer in model.layers],

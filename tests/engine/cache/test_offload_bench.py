@@ -154,6 +154,14 @@ def test_the_offload_bench_measures_each_experts_dtype(capsys, monkeypatch):
     with pytest.raises(SystemExit):  # argparse's error: a usage line naming the values
         bench.main([*argv[:-1], "auto,int3"])
     assert "--experts-dtype takes distinct comma-separated values" in capsys.readouterr().err
+    # --share-per-format: each format's cache holds the share of the experts, at its blob size.
+    assert bench.main([*argv, "--share-per-format", "--prefill-tokens", "0", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert runs["decode-stream-1-int8"]["slots"] == runs["decode-stream-1-auto"]["slots"]
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--share-per-format", "--budget-mib", "64"])
+    assert "--share-per-format sizes each format's cache by --expert-share" \
+        in capsys.readouterr().err
 
 
 def test_the_stream_issue_bench_times_each_part_for_each_k(capsys):
