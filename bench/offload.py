@@ -587,8 +587,10 @@ def main(argv: list[str] | None = None) -> int:
                     runs[run_name] = run
                     r = run["round"]
                     ahead = run.get("prefetch")
+                    cpu_rate = f" ({r['cpu_gb_s']:.1f} GB/s)" if r["cpu_gb_s"] else ""
                     say(f"{run_name}: {r['round_ms']:.2f} ms a round (bound {r['bound_ms']:.2f}), "
-                        f"host-side {r['host_ms']:.2f} ms" + (
+                        f"host-side {r['host_ms']:.2f} ms, CPU experts {r['cpu_ms']:.2f}"
+                        f"{cpu_rate}, wait {r['wait_ms']:.2f}" + (
                             f", prefetched {ahead['prefetched_experts']} experts, used "
                             f"{ahead['used']}" if ahead else ""))
             for batches in loan_batches if args.prefill_tokens else []:

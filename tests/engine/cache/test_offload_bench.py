@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -22,7 +23,11 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
             "--whole-calls", "--prefetch", "1,2", "--wake-cpu", "--cli-sampling",
             "--cpu-schedule", "static"]
     assert bench.main(argv) == 0
-    report = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    # Each run's progress line: the round, its bound, and where its time went.
+    assert re.search(r"decode-stream-1: [\d.]+ ms a round \(bound [\d.]+\), host-side [\d.]+ "
+                     r"ms, CPU experts [\d.]+ \([\d.]+ GB/s\), wait [\d.]+", err)
     assert report["machine"]["host_read_bytes_per_s"] > 0
     assert report["machine"]["copy_bytes_per_s"] is None  # no bus off CUDA
     assert report["device_round_ms"] > 0
