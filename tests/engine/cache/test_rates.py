@@ -220,17 +220,20 @@ def test_the_key_names_how_the_calls_were_timed(small, monkeypatch):
     assert dataclasses.replace(key, timing=rates_module.TIMING).text() != key.text()
 
 
-def _bf16_calls(gap_s: float) -> TimedCalls:
+def _bf16_calls(gap_s: float, device: torch.device = CPU) -> TimedCalls:
     """Timed calls over a bf16 synthetic store (strata's kernel, which the CPU's thread takes):
-    D 64, F 32, K 4, on the host twin."""
-    store = synthetic_store(64, 32, 4, torch.bfloat16, False, 1 << 16)
-    return TimedCalls(store, 4, CPU, 2, gap_s=gap_s)
+    D 64, F 32, K 4, on `device` (pinned on CUDA)."""
+    store = synthetic_store(64, 32, 4, torch.bfloat16, device.type == "cuda", 1 << 16)
+    return TimedCalls(store, 4, device, 2, gap_s=gap_s)
 
 
-def test_a_split_call_is_timed_as_a_round_runs_it():
+@pytest.mark.parametrize("device", [CPU, pytest.param(torch.device("cuda"),
+                                                      marks=pytest.mark.cuda)])
+def test_a_split_call_is_timed_as_a_round_runs_it(device):
     """After an untimed gap, the CPU's share on its own thread while the uploads are queued:
     its rows are `compute`'s, and the gap is not in the time."""
-    calls = _bf16_calls(gap_s=0.05)
+    calls = _bf16_calls(gap_s=0.05, device=device)
+    assert calls.splits  # the host twin; on CUDA, the Triton kernels the engine splits with
     started = time.perf_counter()
     taken = calls.call(3, 1, split=True)  # 2 on the CPU, 1 streamed
     assert time.perf_counter() - started >= 0.05 > taken
