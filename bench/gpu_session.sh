@@ -104,6 +104,8 @@
 # also with the weights prefetched each of ROUND_PREFETCH_BYTES ahead, default 0, against the
 # default 4096, interleaved), offload-cpu-spin (4: the same runs, each also with the CPU's
 # thread keeping its team spinning between calls, `CpuExperts.keep_team_up`, interleaved),
+# offload-cpu-shrink (4: the same runs, each also with the engine thread's OpenMP pool shrunk
+# before the CPU's thread computes, `CpuExperts.shrink_caller_team`, interleaved),
 # offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
 # CPU's misses on their own thread, `CachedExperts.async_cpu`, and on the engine's, -sync,
 # interleaved), offload-sampled (4: the same runs
@@ -272,6 +274,11 @@ for stage in "$@"; do
                --cpu-spin --interleave --repeat 4 --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3 \
                --cpu-spin --interleave --repeat 4 --prefill-tokens 0 ;;
+    offload-cpu-shrink)  # the engine thread's OpenMP pool shrunk before the CPU's calls, or not
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3 \
+               --cpu-shrink --interleave --repeat 4 --prefill-tokens 0
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3 \
+               --cpu-shrink --interleave --repeat 4 --prefill-tokens 0 ;;
     offload-async)  # the CPU's misses on their own thread against the engine's, interleaved
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 2,4 \
                --sync-cpu --interleave --repeat 5 --prefill-tokens 0

@@ -27,8 +27,10 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   CPU's misses computed on the engine's thread after its uploads, not on a thread of their own
   from the routing read on (`CachedExperts.async_cpu` off, the way before), named -sync;
   `--cpu-spin` with the CPU's thread keeping its team spinning between calls, named -spin:
-  `CpuExperts.keep_team_up`; `--interleave` runs those (-static, -guided, -cpupfN, -sync,
-  -spin) and -wake in the base run's engine, one request of each in turn, so that a machine's
+  `CpuExperts.keep_team_up`; `--cpu-shrink` with the engine thread's OpenMP pool shrunk
+  before the CPU's thread computes, named -shrink: `CpuExperts.shrink_caller_team`;
+  `--interleave` runs those (-static, -guided, -cpupfN, -sync, -spin, -shrink) and -wake in
+  the base run's engine, one request of each in turn, so that a machine's
   drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
   (the counts compared with the same slots; with `--sync-cpu` each again as -splitN-sync);
@@ -312,6 +314,9 @@ VARIANT_FLAGS = {
                   "-sync",
     "--cpu-spin": "also run each decode with the CPU's thread keeping its OpenMP team spinning "
                   "between calls (`CpuExperts.keep_team_up`), named -spin",
+    "--cpu-shrink": "also run each decode with the engine thread's OpenMP pool shrunk before "
+                    "the CPU's thread computes, so that the two teams fit the CPUs "
+                    "(`CpuExperts.shrink_caller_team`), named -shrink",
     "--wake-cpu": "also run each decode with the CPU kernel's threads started before each "
                   "call's routing read (`CachedExperts.wake_cpu`), named -wake",
     "--whole-calls": "also run each decode with the cache's calls whole, not split around the "
@@ -363,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                         "`_cpu_experts.PREFETCH_BYTES`)")
     parser.add_argument("--interleave", action="store_true",
                         help="run --wake-cpu's, --sync-cpu's, --cpu-schedule's, "
-                        "--cpu-prefetch's and --cpu-spin's variants "
+                        "--cpu-prefetch's, --cpu-spin's and --cpu-shrink's variants "
                         "in the base run's engine, one request of each in turn "
                         "(`run_decode_interleaved`), so that the machine's drift falls on all "
                         "alike")
@@ -509,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
                         *(["-sync"] if args.sync_cpu else []),
                         *(f"-{schedule}" for schedule in cpu_schedules),
                         *(f"-cpupf{n}" for n in cpu_prefetches),
-                        *(["-spin"] if args.cpu_spin else [])]
+                        *(["-spin"] if args.cpu_spin else []),
+                        *(["-shrink"] if args.cpu_shrink else [])]
             together = settings if args.interleave else []
             variants = [("", 0), *([("-whole", 0)] if args.whole_calls else []),
                         *((setting, 0) for setting in settings if setting not in together),
@@ -537,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                     count = setting.removeprefix("-split").partition("-")[0]
                     cache.wake_cpu = setting == "-wake"
                     cache.cpu.keep_team_up = setting == "-spin"
+                    cache.cpu.shrink_caller_team = setting == "-shrink"
                     cache.async_cpu = not setting.endswith("-sync")
                     cache.cpu.schedule = setting[1:] if setting[1:] in cpu_schedules \
                         else "dynamic"

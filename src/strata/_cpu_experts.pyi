@@ -66,6 +66,11 @@ def wake(n_threads: int) -> None:
     threads are up when the next call comes; returns once all have arrived. ValueError for
     n_threads < 1."""
 
+def shrink_team() -> None:
+    """Run an empty two-thread OpenMP region on the calling thread, so that libgomp keeps one
+    idle thread for it and lets the others exit: with fewer OpenMP threads than CPUs, idle
+    threads spin before they sleep (about a microsecond otherwise)."""
+
 class CpuWorker:
     """One thread that runs `compute`'s calls while the thread that posts them goes on: the
     master of an OpenMP team of its own. One call at a time; the call's arrays are kept

@@ -317,6 +317,23 @@ def wake(int n_threads):
             _arrive(task)
 
 
+def shrink_team():
+    """Run an empty two-thread OpenMP region on the calling thread, which leaves one idle
+    thread in its pool: libgomp lets the others exit.
+
+    libgomp spins its idle threads for a while before they sleep, but only 100 times (about a
+    microsecond) while the process holds more OpenMP threads than CPUs. A thread that ran a
+    large team (the engine's, for the prompt's CPU misses or torch's own operations) keeps those
+    threads, and with them a `CpuWorker`'s team outnumbers the CPUs: its threads then sleep at
+    every barrier, and each pass of each call waits for them to wake (on a 2-core machine each
+    of its threads slept about twice a call beside a caller's pool, and not at all without
+    one). Shrunk, the caller's pool and the worker's team fit the CPUs again."""
+    cdef int64_t task
+    with nogil:
+        for task in prange(2, num_threads=2, schedule="static"):
+            _arrive(task)
+
+
 include "_cpu_experts_call.pxi"
 
 

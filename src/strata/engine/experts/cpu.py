@@ -117,6 +117,11 @@ class CpuExperts:
         # `start`'s team spinning between calls (`CpuWorker.keep_team_up`): off until measured
         # in a round (bench/offload.py --cpu-spin); the same bytes either way.
         self.keep_team_up = False
+        # `start` shrinking its caller's OpenMP pool first, after anything that may have grown
+        # it (`_cpu_experts.shrink_team`): off until measured in a round (bench/offload.py
+        # --cpu-shrink); the same bytes either way.
+        self.shrink_caller_team = False
+        self._caller_team_grown = True  # a new engine's load ran torch's own teams
         self._worker = None  # `start`'s thread, made on first use
 
     @property
@@ -159,6 +164,7 @@ class CpuExperts:
         soon after finds them up; nothing where these calls go through torch."""
         if self.kernel == "strata":
             _cpu_experts.wake(self.cpu_threads or torch.get_num_threads())
+            self._caller_team_grown = True
 
     def start(self, layer: int, x_rows: torch.Tensor, routed: Routed, out: torch.Tensor) -> bool:
         """Start `compute(layer, x_rows, routed, out)` on a thread of its own and return at
@@ -168,8 +174,12 @@ class CpuExperts:
 
         The thread (`_cpu_experts.CpuWorker`, made on first use) is the master of an OpenMP
         team of its own, one thread fewer than `compute`'s so that the caller keeps a core for
-        what it does meanwhile; the bytes are `compute`'s whatever the count. One call at a
-        time: RuntimeError while one is in flight."""
+        what it does meanwhile; the bytes are `compute`'s whatever the count. With
+        `shrink_caller_team`, the caller's own OpenMP pool is first cut to one idle thread if a
+        `compute` or `wake` (or, before any, the load) may have grown it, so that the two teams
+        fit the CPUs and the worker's threads spin between barriers instead of sleeping
+        (`_cpu_experts.shrink_team`). One call at a time: RuntimeError while one is in
+        flight."""
         if self.kernel != "strata" or (self.store.quant is None and not (
                 np.diff(routed.starts) <= KERNEL_MAX_ROWS).all()):
             return False
@@ -178,6 +188,9 @@ class CpuExperts:
             raise ValueError(f"out must be a contiguous [{routed.n_rows}, "
                              f"{self.store.hidden_size}] {self.store.dtype} tensor, got "
                              f"{list(out.shape)} {out.dtype}")
+        if self.shrink_caller_team and self._caller_team_grown:
+            _cpu_experts.shrink_team()  # see there: the caller's idle threads let go
+            self._caller_team_grown = False
         if self._worker is None:
             self._worker = _cpu_experts.CpuWorker()
         if self._worker.keep_team_up != self.keep_team_up:  # set under the worker's mutex
@@ -213,6 +226,7 @@ class CpuExperts:
         caller_threads = torch.get_num_threads()
         if self.cpu_threads is not None and self.cpu_threads != caller_threads:
             torch.set_num_threads(self.cpu_threads)
+        self._caller_team_grown = True  # the kernel's team, or torch's, on this thread
         try:
             return self._compute(layer, x_rows, routed, out)
         finally:
