@@ -104,6 +104,8 @@
 # also with the weights prefetched each of ROUND_PREFETCH_BYTES ahead, default 0, against the
 # default 4096, interleaved), offload-cpu-spin (4: the same runs, each also with the CPU's
 # thread keeping its team spinning between calls, `CpuExperts.keep_team_up`, interleaved),
+# cpu-sleeps (0.5: bench/cpu_sleeps.py, how often the CPU thread's OpenMP threads sleep a call
+# beside the engine thread's team and with it shrunk, olmoe's and qwen3's shapes),
 # offload-cpu-shrink (4: the same runs, each also with the engine thread's OpenMP pool shrunk
 # before the CPU's thread computes, `CpuExperts.shrink_caller_team`, interleaved),
 # offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
@@ -274,6 +276,9 @@ for stage in "$@"; do
                --cpu-spin --interleave --repeat 4 --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3 \
                --cpu-spin --interleave --repeat 4 --prefill-tokens 0 ;;
+    cpu-sleeps) for preset in olmoe-1b-7b qwen3-30b-a3b; do  # the worker's threads' sleeps a call
+                  (cd bench && timeout 120 python3 cpu_sleeps.py --preset $preset)
+                done > "$OUT/cpu-sleeps.txt" 2>&1; cat "$OUT/cpu-sleeps.txt" ;;
     offload-cpu-shrink)  # the engine thread's OpenMP pool shrunk before the CPU's calls, or not
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3 \
                --cpu-shrink --interleave --repeat 4 --prefill-tokens 0

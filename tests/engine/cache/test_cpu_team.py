@@ -2,6 +2,7 @@
 idle threads go, and `CpuExperts.shrink_caller_team` does it before a call on the worker
 whenever something may have grown the pool, with the same bytes."""
 
+import json
 import os
 import time
 
@@ -12,6 +13,7 @@ from strata import _cpu_experts
 from strata.engine.cache.rate_calls import synthetic_store
 from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.routed import Routed
+from support.bench_scripts import load_bench
 
 
 def _threads() -> int:
@@ -64,3 +66,17 @@ def test_a_call_on_the_worker_shrinks_the_callers_team_once_after_it_grew(monkey
     on_worker()
     cpu.wake()
     assert torch.equal(on_worker(), expected) and shrunk == [1, 1, 1]
+
+
+def test_the_sleeps_bench_reports_each_mode(capsys):
+    """bench/cpu_sleeps.py runs (on the GPU machine it tells whether the shrink stops the
+    worker's threads sleeping); its figures for both modes."""
+    bench = load_bench("cpu_sleeps.py")
+    assert bench.main(["--preset", "tiny", "--calls", "3", "--gap-us", "0", "--store-mib", "1",
+                       "--threads", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [m["mode"] for m in report["modes"]] == list(bench.MODES)
+    for mode in report["modes"]:
+        assert mode["call_us"] > 0
+        sleeps = mode["switches_per_call"]
+        assert sleeps["sum"] >= sleeps["largest"] >= 0 and len(sleeps["threads"]) >= 1
