@@ -122,6 +122,9 @@ class Gate:
     def __init__(self) -> None:
         self.open = threading.Event()
         self.holding = threading.Event()  # a request is held now
+        # ("start" or "end", max_new) of each generation, in the order the engine ran them:
+        # the server's own order, which no client's thread scheduling can blur.
+        self.ran: list[tuple[str, int]] = []
 
     def release(self) -> None:
         self.open.set()
@@ -132,6 +135,13 @@ class Gate:
             generate = served.engine.generate
 
             def gated_generate(prompt, options, on_text=None, should_stop=None):
+                self.ran.append(("start", options.max_new))
+                try:
+                    return held_generate(prompt, options, on_text, should_stop)
+                finally:
+                    self.ran.append(("end", options.max_new))
+
+            def held_generate(prompt, options, on_text, should_stop):
                 if options.max_new < self.LONG:
                     return generate(prompt, options, on_text, should_stop)
                 rounds = [0]
