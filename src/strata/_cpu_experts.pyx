@@ -325,9 +325,9 @@ def shrink_team():
     microsecond) while the process holds more OpenMP threads than CPUs. A thread that ran a
     large team (the engine's, for the prompt's CPU misses or torch's own operations) keeps those
     threads, and with them a `CpuWorker`'s team outnumbers the CPUs: its threads then sleep at
-    every barrier, and each pass of each call waits for them to wake (on a 2-core machine each
-    of its threads slept about twice a call beside a caller's pool, and not at all without
-    one). Shrunk, the caller's pool and the worker's team fit the CPUs again."""
+    every barrier, and each pass of each call waits for them to wake (bench/cpu_sleeps.py
+    counts those sleeps). Shrunk, the caller's pool and the worker's team fit the CPUs
+    again."""
     cdef int64_t task
     with nogil:
         for task in prange(2, num_threads=2, schedule="static"):
