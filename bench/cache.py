@@ -56,6 +56,7 @@ from strata.engine.cache.budget import MIB
 from strata.engine.cache.build import plan_cache
 from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.cache.loan import KEEP_SLOTS_ENV
+from strata.engine.experts.quant import expert_blob_bytes
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.init_model import write_checkpoint
 from strata.engine.model.moe import load_model
@@ -188,8 +189,8 @@ def run_accelerate(ckpt, device, dtype, prompt, n_new, budget_mib) -> dict | Non
 def cache_mib_for_share(ckpt, dtype, share: float) -> float:
     """The `--expert-cache` MiB that holds `share` of the experts (at least one slot)."""
     config = ModelConfig.from_dir(ckpt)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return share_mib(config, 3 * config.expert_width * config.hidden_size * itemsize, share)
+    return share_mib(config, expert_blob_bytes(config.expert_width, config.hidden_size, dtype),
+                     share)
 
 
 def share_mib(config: ModelConfig, blob_bytes: int, share: float) -> float:

@@ -328,10 +328,7 @@ def shrink_team():
     every barrier, and each pass of each call waits for them to wake (bench/cpu_sleeps.py
     counts those sleeps). Shrunk, the caller's pool and the worker's team fit the CPUs
     again."""
-    cdef int64_t task
-    with nogil:
-        for task in prange(2, num_threads=2, schedule="static"):
-            _arrive(task)
+    wake(2)  # a two-thread team: what is left of the pool is its one other thread
 
 
 include "_cpu_experts_call.pxi"

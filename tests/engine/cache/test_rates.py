@@ -209,15 +209,21 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypat
     assert RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1).text() != bf16.text()
 
 
-def test_the_key_names_how_the_calls_were_timed(small, monkeypatch):
-    """Rates timed back to back (an earlier strata's) are another key than rates timed as a
-    round runs its calls: measured anew, not read."""
+def test_the_key_names_how_the_calls_were_timed(small, tmp_path):
+    """Rates timed back to back (an earlier strata's entry) are another key than rates timed
+    as a round runs its calls: a file holding only them is measured anew, not read."""
     _, config = small
     key = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1)
     assert key.timing == rates_module.TIMING == "round-gap500us"
     assert key.text().endswith("| timed round-gap500us")
-    monkeypatch.setattr(rates_module, "TIMING", "back-to-back")
-    assert dataclasses.replace(key, timing=rates_module.TIMING).text() != key.text()
+    path = tmp_path / "rates.json"
+    older = _rates([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], key.blob_bytes)
+    kept_rates(dataclasses.replace(key, timing="back-to-back"), lambda: older, path)
+    measured = []
+    kept = kept_rates(key, lambda: measured.append(1) or _rates(
+        [0, 2, 4, 6, 8], [0, 1, 2, 3, 4], key.blob_bytes), path)
+    assert measured == [1] and kept.stream_s == (0.0, 2.0, 4.0, 6.0, 8.0)
+    assert len(json.loads(path.read_text())["entries"]) == 2  # the older entry stays
 
 
 def _bf16_calls(gap_s: float, device: torch.device = CPU) -> TimedCalls:

@@ -30,6 +30,7 @@ import torch
 
 from strata.engine.experts import ExpertStore, grouped
 from strata.engine.experts.cpu import CpuExperts
+from strata.engine.experts.quant import expert_blob_bytes
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.streamed import StreamedMisses
 
@@ -43,7 +44,7 @@ def synthetic_store(hidden_size: int, expert_width: int, top_k: int, dtype: torc
                     pin: bool, target_bytes: int) -> ExpertStore:
     """Layers of K experts of the shape, at least `target_bytes` in all (at most MAX_LAYERS
     layers), filled with small values, pinned when `pin`."""
-    blob = 3 * expert_width * hidden_size * torch.empty((), dtype=dtype).element_size()
+    blob = expert_blob_bytes(expert_width, hidden_size, dtype)
     n_layers = max(1, min(MAX_LAYERS, -(-target_bytes // (top_k * blob))))
     buffer = torch.empty((n_layers, top_k, blob), dtype=torch.uint8, pin_memory=pin)
     gen = torch.Generator().manual_seed(0)

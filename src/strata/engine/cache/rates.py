@@ -70,6 +70,7 @@ import torch
 
 from strata.engine.cache.rate_calls import ROUND_GAP_S, TimedCalls, samples, synthetic_store
 from strata.engine.experts.cpu import kernel_id
+from strata.engine.experts.quant import expert_blob_bytes
 from strata.engine.experts.streamed import StreamSplit
 from strata.engine.model.config import ModelConfig
 
@@ -111,8 +112,7 @@ class RatesKey:
 
     @property
     def blob_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return 3 * self.expert_width * self.hidden_size * itemsize
+        return expert_blob_bytes(self.expert_width, self.hidden_size, getattr(torch, self.dtype))
 
     def text(self) -> str:
         """The key of its entry in the file: readable, one line."""
