@@ -33,7 +33,8 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   the base run's engine, one request of each in turn, so that a machine's
   drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
-  (the counts compared with the same slots; with `--sync-cpu` each again as -splitN-sync);
+  (the counts compared with the same slots; with `--sync-cpu` each again as -splitN-sync,
+  with `--cpu-shrink` as -splitN-shrink);
   `--cli-sampling` with
   `strata generate`'s default sampling instead of greedy, named -sampled: the pick's host time
   in a round the host holds). For
@@ -377,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                         "streaming min(N, M) of a layer's M misses through the run's own "
                         "staging buffer (N up to its blobs), named -splitN: counts compared "
                         "with the same slots, interleaved (with --sync-cpu each count again "
-                        "as -splitN-sync)")
+                        "as -splitN-sync, with --cpu-shrink as -splitN-shrink)")
     for flag, text in VARIANT_FLAGS.items():  # each adds a run of every decode, named -<name>
         parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--profile", metavar="DIR",
@@ -534,16 +535,18 @@ def main(argv: list[str] | None = None) -> int:
                 streamer = engine.cache.streamer
                 rule = streamer.split_rule if streamer is not None else None
                 # -splitN: this engine's staging buffer, streaming min(N, M) of M misses;
-                # with --sync-cpu each count again on the engine's thread, -splitN-sync.
+                # with --sync-cpu each count again on the engine's thread, -splitN-sync, and
+                # with --cpu-shrink again with the caller's team shrunk, -splitN-shrink.
                 splits = [f"-split{n}{mode}" for n in split_counts
                           if streamer is not None and n <= streamer.n_blobs
-                          for mode in ["", *(["-sync"] if args.sync_cpu else [])]]
+                          for mode in ["", *(["-sync"] if args.sync_cpu else []),
+                                       *(["-shrink"] if args.cpu_shrink else [])]]
 
                 def set_up(setting: str, cache=engine.cache, rule=rule) -> None:
                     count = setting.removeprefix("-split").partition("-")[0]
                     cache.wake_cpu = setting == "-wake"
                     cache.cpu.keep_team_up = setting == "-spin"
-                    cache.cpu.shrink_caller_team = setting == "-shrink"
+                    cache.cpu.shrink_caller_team = setting.endswith("-shrink")
                     cache.async_cpu = not setting.endswith("-sync")
                     cache.cpu.schedule = setting[1:] if setting[1:] in cpu_schedules \
                         else "dynamic"

@@ -80,25 +80,28 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     assert bench.main(argv) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.
-    # With --sync-cpu each count runs again on the engine's thread: -split1-sync.
+    # With --sync-cpu each count runs again on the engine's thread, -split1-sync, and with
+    # --cpu-shrink with the caller's team shrunk, -split1-shrink.
     names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-sync",
              "decode-stream-2-spin", "decode-stream-2-shrink",
              "decode-stream-2-static", "decode-stream-2-guided", "decode-stream-2-cpupf512",
              "decode-stream-2-split1",
-             "decode-stream-2-split1-sync"]
+             "decode-stream-2-split1-sync", "decode-stream-2-split1-shrink"]
     assert sorted(runs) == sorted(names)
     counts = ("passes", "hits", "cpu_experts", "streamed_experts")
     base = runs["decode-stream-2"]
     split = runs.pop("decode-stream-2-split1")  # streams 1 of a call's misses, not 2
     split_sync = runs.pop("decode-stream-2-split1-sync")
+    split_shrink = runs.pop("decode-stream-2-split1-shrink")
     assert 0 < split["round"]["streamed_experts_per_round"] \
         < base["round"]["streamed_experts_per_round"]
-    for run in [*runs.values(), split, split_sync]:
+    for run in [*runs.values(), split, split_sync, split_shrink]:
         assert run["interleaved"] and run["deterministic"]
         assert len(run["decode_ms_per_round_each"]) == 2
         assert run["cache"]["passes"] == 4  # one request's counts: the prompt's and 3 rounds
     # The settings change no token and no count: against the base, or the count's own run.
-    for run, same in [*((run, base) for run in runs.values()), (split_sync, split)]:
+    for run, same in [*((run, base) for run in runs.values()), (split_sync, split),
+                      (split_shrink, split)]:
         assert run["tokens"] == same["tokens"]
         assert {k: run["cache"][k] for k in counts} == {k: same["cache"][k] for k in counts}
     with pytest.raises(SystemExit):
