@@ -60,15 +60,20 @@ def test_a_call_on_the_worker_shrinks_the_callers_team_once_after_it_grew(monkey
         return out
 
     expected = cpu.compute(0, x, routed)
-    assert torch.equal(on_worker(), expected) and shrunk == []  # off by default
-    cpu.shrink_caller_team = True
+    assert cpu.shrink_caller_team  # on by default
     assert torch.equal(on_worker(), expected) and shrunk == [1]  # grown by the compute above
     on_worker()
     assert shrunk == [1]  # nothing grew it since
+    cpu.shrink_caller_team = False  # the way before: never
+    cpu.compute(0, x, routed)
+    assert torch.equal(on_worker(), expected) and shrunk == [1]
+    cpu.shrink_caller_team = True  # the compute above grew it: shrunk at the next call
+    on_worker()
+    assert shrunk == [1, 1]
     cpu.compute(0, x, routed)  # this thread's team (a prompt's CPU misses)
     on_worker()
     cpu.wake()
-    assert torch.equal(on_worker(), expected) and shrunk == [1, 1, 1]
+    assert torch.equal(on_worker(), expected) and shrunk == [1, 1, 1, 1]
 
 
 def test_the_sleeps_bench_reports_each_mode(capsys):

@@ -210,20 +210,22 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypat
 
 
 def test_the_key_names_how_the_calls_were_timed(small, tmp_path):
-    """Rates timed back to back (an earlier strata's entry) are another key than rates timed
-    as a round runs its calls: a file holding only them is measured anew, not read."""
+    """Rates timed otherwise by an earlier strata (back to back; in a round's gaps with the
+    caller's OpenMP pool left grown) are another key than rates timed as a round runs its
+    calls now: a file holding only them is measured anew, not read."""
     _, config = small
     key = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1)
-    assert key.timing == rates_module.TIMING == "round-gap500us"
-    assert key.text().endswith("| timed round-gap500us")
+    assert key.timing == rates_module.TIMING == "round-gap500us-shrunk"
+    assert key.text().endswith("| timed round-gap500us-shrunk")
     path = tmp_path / "rates.json"
     older = _rates([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], key.blob_bytes)
-    kept_rates(dataclasses.replace(key, timing="back-to-back"), lambda: older, path)
+    for timing in ("back-to-back", "round-gap500us"):
+        kept_rates(dataclasses.replace(key, timing=timing), lambda: older, path)
     measured = []
     kept = kept_rates(key, lambda: measured.append(1) or _rates(
         [0, 2, 4, 6, 8], [0, 1, 2, 3, 4], key.blob_bytes), path)
     assert measured == [1] and kept.stream_s == (0.0, 2.0, 4.0, 6.0, 8.0)
-    assert len(json.loads(path.read_text())["entries"]) == 2  # the older entry stays
+    assert len(json.loads(path.read_text())["entries"]) == 3  # the older entries stay
 
 
 def _bf16_calls(gap_s: float, device: torch.device = CPU) -> TimedCalls:

@@ -118,9 +118,11 @@ class CpuExperts:
         # in a round (bench/offload.py --cpu-spin); the same bytes either way.
         self.keep_team_up = False
         # `start` shrinking its caller's OpenMP pool first, after anything that may have grown
-        # it (`_cpu_experts.shrink_team`): off until measured in a round (bench/offload.py
-        # --cpu-shrink); the same bytes either way.
-        self.shrink_caller_team = False
+        # it (`_cpu_experts.shrink_team`): on the H200 the worker's threads slept 64 times a
+        # call beside the caller's pool and never with it shrunk, a call 1.35-1.61x as fast,
+        # the rounds 0.94-1.60x (7 of 8 pairs won; bench/results/offload-shrink-h200-2026-12-03.md).
+        # The same bytes either way; bench/offload.py --no-cpu-shrink runs the way before.
+        self.shrink_caller_team = True
         self._caller_team_grown = True  # a new engine's load ran torch's own teams
         self._worker = None  # `start`'s thread, made on first use
 
