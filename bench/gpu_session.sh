@@ -106,9 +106,10 @@
 # thread keeping its team spinning between calls, `CpuExperts.keep_team_up`, interleaved),
 # cpu-sleeps (0.5: bench/cpu_sleeps.py, how often the CPU thread's OpenMP threads sleep a call
 # beside the engine thread's team and with it shrunk, olmoe's and qwen3's shapes),
-# offload-cpu-shrink (4: the same runs, each also with the engine thread's OpenMP pool shrunk
-# before the CPU's thread computes, `CpuExperts.shrink_caller_team`, interleaved),
-# offload-counts-shrink (4: 3 and 2 streamed, each with the pool shrunk and not, interleaved),
+# offload-cpu-shrink (4: the same runs, each also with the engine thread's OpenMP pool left
+# grown, not shrunk before the CPU's thread computes, `CpuExperts.shrink_caller_team` off,
+# interleaved), offload-counts-shrink (4: 3 and 2 streamed, each with the pool shrunk and not,
+# interleaved),
 # offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
 # CPU's misses on their own thread, `CachedExperts.async_cpu`, and on the engine's, -sync,
 # interleaved), offload-sampled (4: the same runs
@@ -280,16 +281,16 @@ for stage in "$@"; do
     cpu-sleeps) for preset in olmoe-1b-7b qwen3-30b-a3b; do  # the worker's threads' sleeps a call
                   (cd bench && timeout 120 python3 cpu_sleeps.py --preset $preset)
                 done > "$OUT/cpu-sleeps.txt" 2>&1; cat "$OUT/cpu-sleeps.txt" ;;
-    offload-cpu-shrink)  # the engine thread's OpenMP pool shrunk before the CPU's calls, or not
+    offload-cpu-shrink)  # the engine thread's pool shrunk before the CPU's calls (the default) or not
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3 \
-               --cpu-shrink --interleave --repeat 4 --prefill-tokens 0
+               --no-cpu-shrink --interleave --repeat 4 --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3 \
-               --cpu-shrink --interleave --repeat 4 --prefill-tokens 0 ;;
+               --no-cpu-shrink --interleave --repeat 4 --prefill-tokens 0 ;;
     offload-counts-shrink)  # 3 and 2 streamed, each with the engine thread's pool shrunk or not
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3 \
-               --cpu-shrink --interleave --split-counts 2 --repeat 5 --prefill-tokens 0
+               --no-cpu-shrink --interleave --split-counts 2 --repeat 5 --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3 \
-               --cpu-shrink --interleave --split-counts 2 --repeat 5 --prefill-tokens 0 ;;
+               --no-cpu-shrink --interleave --split-counts 2 --repeat 5 --prefill-tokens 0 ;;
     offload-async)  # the CPU's misses on their own thread against the engine's, interleaved
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 2,4 \
                --sync-cpu --interleave --repeat 5 --prefill-tokens 0

@@ -27,14 +27,15 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   CPU's misses computed on the engine's thread after its uploads, not on a thread of their own
   from the routing read on (`CachedExperts.async_cpu` off, the way before), named -sync;
   `--cpu-spin` with the CPU's thread keeping its team spinning between calls, named -spin:
-  `CpuExperts.keep_team_up`; `--cpu-shrink` with the engine thread's OpenMP pool shrunk
-  before the CPU's thread computes, named -shrink: `CpuExperts.shrink_caller_team`;
-  `--interleave` runs those (-static, -guided, -cpupfN, -sync, -spin, -shrink) and -wake in
+  `CpuExperts.keep_team_up`; `--no-cpu-shrink` with the engine thread's OpenMP pool left as
+  it grows, not shrunk before the CPU's thread computes (`CpuExperts.shrink_caller_team` off,
+  the way before), named -noshrink;
+  `--interleave` runs those (-static, -guided, -cpupfN, -sync, -spin, -noshrink) and -wake in
   the base run's engine, one request of each in turn, so that a machine's
   drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
   (the counts compared with the same slots; with `--sync-cpu` each again as -splitN-sync,
-  with `--cpu-shrink` as -splitN-shrink);
+  with `--no-cpu-shrink` as -splitN-noshrink);
   `--cli-sampling` with
   `strata generate`'s default sampling instead of greedy, named -sampled: the pick's host time
   in a round the host holds). For
@@ -315,9 +316,9 @@ VARIANT_FLAGS = {
                   "-sync",
     "--cpu-spin": "also run each decode with the CPU's thread keeping its OpenMP team spinning "
                   "between calls (`CpuExperts.keep_team_up`), named -spin",
-    "--cpu-shrink": "also run each decode with the engine thread's OpenMP pool shrunk before "
-                    "the CPU's thread computes, so that the two teams fit the CPUs "
-                    "(`CpuExperts.shrink_caller_team`), named -shrink",
+    "--no-cpu-shrink": "also run each decode with the engine thread's OpenMP pool left as it "
+                       "grows, not shrunk before the CPU's thread computes "
+                       "(`CpuExperts.shrink_caller_team` off: the way before), named -noshrink",
     "--wake-cpu": "also run each decode with the CPU kernel's threads started before each "
                   "call's routing read (`CachedExperts.wake_cpu`), named -wake",
     "--whole-calls": "also run each decode with the cache's calls whole, not split around the "
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                         "`_cpu_experts.PREFETCH_BYTES`)")
     parser.add_argument("--interleave", action="store_true",
                         help="run --wake-cpu's, --sync-cpu's, --cpu-schedule's, "
-                        "--cpu-prefetch's, --cpu-spin's and --cpu-shrink's variants "
+                        "--cpu-prefetch's, --cpu-spin's and --no-cpu-shrink's variants "
                         "in the base run's engine, one request of each in turn "
                         "(`run_decode_interleaved`), so that the machine's drift falls on all "
                         "alike")
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                         "streaming min(N, M) of a layer's M misses through the run's own "
                         "staging buffer (N up to its blobs), named -splitN: counts compared "
                         "with the same slots, interleaved (with --sync-cpu each count again "
-                        "as -splitN-sync, with --cpu-shrink as -splitN-shrink)")
+                        "as -splitN-sync, with --no-cpu-shrink as -splitN-noshrink)")
     for flag, text in VARIANT_FLAGS.items():  # each adds a run of every decode, named -<name>
         parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--profile", metavar="DIR",
@@ -516,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                         *(f"-{schedule}" for schedule in cpu_schedules),
                         *(f"-cpupf{n}" for n in cpu_prefetches),
                         *(["-spin"] if args.cpu_spin else []),
-                        *(["-shrink"] if args.cpu_shrink else [])]
+                        *(["-noshrink"] if args.no_cpu_shrink else [])]
             together = settings if args.interleave else []
             variants = [("", 0), *([("-whole", 0)] if args.whole_calls else []),
                         *((setting, 0) for setting in settings if setting not in together),
@@ -536,17 +537,18 @@ def main(argv: list[str] | None = None) -> int:
                 rule = streamer.split_rule if streamer is not None else None
                 # -splitN: this engine's staging buffer, streaming min(N, M) of M misses;
                 # with --sync-cpu each count again on the engine's thread, -splitN-sync, and
-                # with --cpu-shrink again with the caller's team shrunk, -splitN-shrink.
+                # with --no-cpu-shrink again with the caller's team left grown,
+                # -splitN-noshrink.
                 splits = [f"-split{n}{mode}" for n in split_counts
                           if streamer is not None and n <= streamer.n_blobs
                           for mode in ["", *(["-sync"] if args.sync_cpu else []),
-                                       *(["-shrink"] if args.cpu_shrink else [])]]
+                                       *(["-noshrink"] if args.no_cpu_shrink else [])]]
 
                 def set_up(setting: str, cache=engine.cache, rule=rule) -> None:
                     count = setting.removeprefix("-split").partition("-")[0]
                     cache.wake_cpu = setting == "-wake"
                     cache.cpu.keep_team_up = setting == "-spin"
-                    cache.cpu.shrink_caller_team = setting.endswith("-shrink")
+                    cache.cpu.shrink_caller_team = not setting.endswith("-noshrink")
                     cache.async_cpu = not setting.endswith("-sync")
                     cache.cpu.schedule = setting[1:] if setting[1:] in cpu_schedules \
                         else "dynamic"

@@ -22,7 +22,7 @@ from strata.engine.cache.kept_rates import (
     rates_path,
     resolve_stream_misses,
 )
-from strata.engine.cache.rate_calls import TimedCalls, synthetic_store
+from strata.engine.cache.rate_calls import TimedCalls, samples, synthetic_store
 from strata.engine.cache.rates import MissRates, RatesKey, balanced_split, measure_rates
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.streamed import StreamedMisses, StreamSplit
@@ -215,17 +215,17 @@ def test_the_key_names_how_the_calls_were_timed(small, tmp_path):
     calls now: a file holding only them is measured anew, not read."""
     _, config = small
     key = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1)
-    assert key.timing == rates_module.TIMING == "round-gap500us-shrunk"
-    assert key.text().endswith("| timed round-gap500us-shrunk")
+    assert key.timing == rates_module.TIMING == "round-gap500us-shrunk-grouped"
+    assert key.text().endswith("| timed round-gap500us-shrunk-grouped")
     path = tmp_path / "rates.json"
     older = _rates([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], key.blob_bytes)
-    for timing in ("back-to-back", "round-gap500us"):
+    for timing in ("back-to-back", "round-gap500us", "round-gap500us-shrunk"):
         kept_rates(dataclasses.replace(key, timing=timing), lambda: older, path)
     measured = []
     kept = kept_rates(key, lambda: measured.append(1) or _rates(
         [0, 2, 4, 6, 8], [0, 1, 2, 3, 4], key.blob_bytes), path)
     assert measured == [1] and kept.stream_s == (0.0, 2.0, 4.0, 6.0, 8.0)
-    assert len(json.loads(path.read_text())["entries"]) == 3  # the older entries stay
+    assert len(json.loads(path.read_text())["entries"]) == 4  # the older entries stay
 
 
 def _bf16_calls(gap_s: float, device: torch.device = CPU) -> TimedCalls:
@@ -251,6 +251,31 @@ def test_a_split_call_is_timed_as_a_round_runs_it(device):
     assert torch.equal(calls.out[:2], expected)
     assert calls.call(2, 2, split=True) > 0 and calls.cpu_started == 1  # no CPU share
     assert calls.call(3, 1, split=False) > 0 and calls.cpu_started == 1  # whole: inline
+
+
+def test_the_engine_threads_calls_and_the_split_calls_are_timed_in_turn(monkeypatch):
+    """A round of samples times the engine thread's calls, then the split ones: the caller's
+    OpenMP pool is shrunk once a round (the first split call after a `compute`), not before
+    every split call, as no round of decode makes and lets go of its threads each layer."""
+    calls = _bf16_calls(gap_s=0.0)
+    order, shrunk = [], []
+    monkeypatch.setattr(_cpu_experts, "shrink_team", lambda: shrunk.append(len(order)))
+    for name in ("stream", "on_cpu", "call"):
+        real = getattr(calls, name)
+        monkeypatch.setattr(calls, name, lambda *a, real=real, name=name, **kw: (
+            order.append("split" if kw.get("split") else name), real(*a, **kw))[1])
+    repeat, top_k = 2, 4
+    stream, cpu, joint, staged = samples(calls, top_k, repeat)
+    assert all(len(stream[k]) == len(cpu[k]) == repeat for k in range(1, top_k + 1))
+    assert all(len(joint[m][s]) == len(staged[m][s]) == repeat
+               for m in range(1, top_k + 1) for s in range(m + 1))
+    per_round = len(order) // (repeat + 1)
+    n_split = sum(m + 1 for m in range(1, top_k + 1))  # (M, s) pairs
+    for round_ in range(repeat + 1):
+        kinds = order[round_ * per_round:(round_ + 1) * per_round]
+        assert kinds[-n_split:] == ["split"] * n_split and "split" not in kinds[:-n_split]
+    assert len(shrunk) == repeat + 1  # once a round, at its first split call with a CPU share
+    assert calls.cpu_started == (repeat + 1) * (n_split - top_k)  # s < M: a CPU share
 
 
 def test_a_failed_upload_still_waits_for_the_cpus_thread(monkeypatch):

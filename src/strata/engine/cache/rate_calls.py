@@ -149,18 +149,26 @@ class TimedCalls:
 def samples(calls: TimedCalls, top_k: int, repeat: int) -> tuple[list, ...]:
     """(stream, cpu, joint, staged): `repeat` timings in seconds of each side for each k
     (index 0 empty), and of a whole and a split call for each M and s (joint[M][s],
-    staged[M][s]; row 0 empty; staged [] where calls are not split)."""
+    staged[M][s]; row 0 empty; staged [] where calls are not split).
+
+    Each round times every call of the engine's thread (each side alone, the whole calls),
+    then every split call. A round of decode runs one kind or the other throughout, and the
+    CPU's OpenMP teams follow the kind: the engine thread's pool grows for its `compute`, and
+    the CPU's own thread shrinks it before its first call after (`CpuExperts.start`); taking
+    the kinds in turn call by call would time that pool's threads made and let go on every
+    call, which no round pays."""
     sides = [[] for _ in range(top_k + 1)], [[] for _ in range(top_k + 1)]
     grids = tuple([[[] for _ in range(m + 1)] for m in range(top_k + 1)] for _ in range(2))
     for round_ in range(repeat + 1):  # the first untimed
+        times = []
         for k in range(1, top_k + 1):
-            times = [(sides[0][k], calls.stream(k)), (sides[1][k], calls.on_cpu(k))]
-            for s in range(k + 1):
-                times.append((grids[0][k][s], calls.call(k, s, split=False)))
-                if calls.splits:
-                    times.append((grids[1][k][s], calls.call(k, s, split=True)))
-            if round_:
-                for sampled, t in times:
-                    sampled.append(t)
+            times += [(sides[0][k], calls.stream(k)), (sides[1][k], calls.on_cpu(k))]
+            times += [(grids[0][k][s], calls.call(k, s, split=False)) for s in range(k + 1)]
+        if calls.splits:
+            times += [(grids[1][k][s], calls.call(k, s, split=True))
+                      for k in range(1, top_k + 1) for s in range(k + 1)]
+        if round_:
+            for sampled, t in times:
+                sampled.append(t)
     joint_t, staged_t = grids
     return *sides, joint_t, staged_t if calls.splits else []
