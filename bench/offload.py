@@ -601,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
                     ahead = run.get("prefetch")
                     cpu_rate = f" ({r['cpu_gb_s']:.1f} GB/s)" if r["cpu_gb_s"] else ""
                     say(f"{run_name}: {r['round_ms']:.2f} ms a round (bound {r['bound_ms']:.2f}), "
+                        f"{r['ms_per_layer']:.3f} ms a layer, "
                         f"host-side {r['host_ms']:.2f} ms, CPU experts {r['cpu_ms']:.2f}"
                         f"{cpu_rate}, wait {r['wait_ms']:.2f}" + (
                             f", prefetched {ahead['prefetched_experts']} experts, used "
@@ -627,7 +628,11 @@ def main(argv: list[str] | None = None) -> int:
                 run["scaled_tok_s"] = run["prefill_tok_s"] * cfg.n_layers / full_layers
                 name = f"prefill-loan{suffix}" + (f"-b{batches}" if batches is not None else "")
                 runs[name] = run
-                say(f"{name}: {run['prefill_s']:.3f} s, {uploaded / GB:.3f} GB uploaded")
+                bound = f" (upload bound {run['upload_bound_s']:.3f} s, " \
+                    f"{run['over_bound']:.2f}x)" if run["upload_bound_s"] else ""
+                say(f"{name}: {run['prefill_s']:.3f} s{bound}, {uploaded / GB:.3f} GB uploaded, "
+                    f"{run['prefill_tok_s']:,.0f} tok/s, {run['scaled_tok_s']:,.0f} scaled to "
+                    f"{full_layers} layers")
             store = None  # a quantized store's pinned memory goes before the next one's
         sync(device)
 

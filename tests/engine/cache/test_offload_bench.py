@@ -26,8 +26,11 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     out, err = capsys.readouterr()
     report = json.loads(out)
     # Each run's progress line: the round, its bound, and where its time went.
-    assert re.search(r"decode-stream-1: [\d.]+ ms a round \(bound [\d.]+\), host-side [\d.]+ "
-                     r"ms, CPU experts [\d.]+ \([\d.]+ GB/s\), wait [\d.]+", err)
+    assert re.search(r"decode-stream-1: [\d.]+ ms a round \(bound [\d.]+\), [\d.]+ ms a layer, "
+                     r"host-side [\d.]+ ms, CPU experts [\d.]+ \([\d.]+ GB/s\), wait [\d.]+", err)
+    # The prompt's: its time, the uploads, tok/s and scaled (no copy rate off CUDA: no bound).
+    assert re.search(r"prefill-loan: [\d.]+ s, [\d.]+ GB uploaded, [\d,]+ tok/s, [\d,]+ scaled "
+                     r"to \d+ layers", err)
     assert report["machine"]["host_read_bytes_per_s"] > 0
     assert report["machine"]["copy_bytes_per_s"] is None  # no bus off CUDA
     assert report["device_round_ms"] > 0
