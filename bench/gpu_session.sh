@@ -83,7 +83,8 @@
 # each decode run profiled: the device's copy engine and compute busy a round, the host's top
 # functions in $OUT/profile; offload-profile-qwen3, 3: the same on qwen3-30b-a3b's 16 layers
 # at 22% of the experts; PROFILE_STREAMS sets their --stream-misses, default 4, and
-# PROFILE_PREFETCH their prefetch flag, default --prefetch 4, empty for none), sampling (1: bench/sampling.py, a decode round's sampling, the race's
+# PROFILE_PREFETCH their prefetch flag, default --prefetch 4, empty for none; PROFILE_ARGS more
+# of offload.py's flags, e.g. --experts-dtype int8 --share-per-format), sampling (1: bench/sampling.py, a decode round's sampling, the race's
 # kernels against the sort they replaced, at olmoe's vocabulary and qwen3's), cpu-wake (1: bench/cpu_experts.py over 2 and 3 experts after an
 # 800 us gap, with and without the kernel's threads started 300 us before the call, olmoe's and
 # qwen3's shapes), offload-wake (4: olmoe-1b-7b at 4 GiB and qwen3-30b-a3b's 16 layers at 22%,
@@ -343,11 +344,11 @@ for stage in "$@"; do
            [ "$stage" = offload-profile-qwen3 ] || offload "$(olmoe_checkpoint)" olmoe-1b-7b \
                --budget-mib 4096 --stream-misses "${PROFILE_STREAMS:-4}" \
                ${PROFILE_PREFETCH---prefetch 4} --prefill-tokens 0 \
-               --new-tokens 32 --repeat 2 --profile "$OUT/profile"
+               --new-tokens 32 --repeat 2 --profile "$OUT/profile" ${PROFILE_ARGS:-}
            [ "$stage" = offload-profile ] || offload "$(checkpoint 0)" qwen3-30b-a3b \
                --expert-share 0.22 --stream-misses "${PROFILE_STREAMS:-4}" \
                ${PROFILE_PREFETCH---prefetch 4} --prefill-tokens 0 \
-               --new-tokens 32 --repeat 2 --profile "$OUT/profile" ;;
+               --new-tokens 32 --repeat 2 --profile "$OUT/profile" ${PROFILE_ARGS:-} ;;
     offload-split)  # the decode calls split around the graphs (`graph_call`) and whole: A/B
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 0,4 \
                --whole-calls --prefill-tokens 0
