@@ -525,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
                         *((f"-prefetch{cap}", cap) for cap in prefetch_caps)]
             for stream, (variant, cap) in ((stream, variant) for stream in streams
                                            for variant in variants):
-                if cap > staging_blobs(resolve_stream_misses(
+                # Resolved here only for a cap: the engine's own resolve then says whether auto's
+                # rates were measured now or read.
+                if cap and cap > staging_blobs(resolve_stream_misses(
                         stream, cfg, dtype, device, cpu_threads=args.cpu_threads)[0]):
                     continue  # fewer staging blobs (none: 0, or auto off CUDA) than the cap
                 name = f"decode-stream-{stream}{variant}{suffix}"
