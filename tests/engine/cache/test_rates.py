@@ -253,7 +253,7 @@ def test_a_split_call_is_timed_as_a_round_runs_it(device):
     assert calls.call(3, 1, split=False) > 0 and calls.cpu_started == 1  # whole: inline
 
 
-def test_the_engine_threads_calls_and_the_split_calls_are_timed_in_turn(monkeypatch):
+def test_the_engine_threads_calls_and_the_split_calls_are_timed_apart_each_round(monkeypatch):
     """A round of samples times the engine thread's calls, then the split ones: the caller's
     OpenMP pool is shrunk once a round (the first split call after a `compute`), not before
     every split call, as no round of decode makes and lets go of its threads each layer."""

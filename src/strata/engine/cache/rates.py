@@ -41,8 +41,10 @@ measured neither, or only whole calls, splits as it did. In a round on the H200 
 pay what a round's calls do on the CPU's side, whose threads wake after each wait for the
 device. So the calls of both sides are now timed as a round runs them
 (`strata.engine.cache.rate_calls`): each after an untimed wait of the host, a split call's
-CPU share on the CPU's own thread; the key names the timing (`TIMING`), so rates kept by a
-strata that timed calls back to back are measured anew.
+CPU share on the CPU's own thread (the caller's OpenMP pool shrunk first, as in a round), the
+engine thread's calls and the split calls one kind after the other each round; the key names
+the timing (`TIMING`), so rates kept by a strata that timed calls otherwise are measured
+anew.
 
 The times depend on the machine and the configuration (`RatesKey`: the GPU's name, the CPU's
 model, the CPU experts' threads, the dtype and the expert's shape), not on the weights, and the
@@ -82,7 +84,8 @@ TARGET_BYTES = 512 << 20  # the synthetic store: at least this many bytes, read 
 # them otherwise are measured anew. "round-gap500us-shrunk-grouped": each call after the
 # round's untimed gap of 0.5 ms, a split call's CPU share on the CPU's own thread with the
 # caller's OpenMP pool shrunk first (`CpuExperts.shrink_caller_team`, on by default), the
-# engine thread's calls and the split calls timed in turn a round (`rate_calls.samples`).
+# engine thread's calls and the split calls timed apart, one kind after the other, each round
+# (`rate_calls.samples`).
 TIMING = f"round-gap{round(ROUND_GAP_S * 1e6)}us-shrunk-grouped"
 
 

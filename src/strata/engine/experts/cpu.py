@@ -114,8 +114,10 @@ class CpuExperts:
                         for layer in range(store.n_layers)]
         self.schedule = "dynamic"
         self.prefetch_bytes = _cpu_experts.PREFETCH_BYTES
-        # `start`'s team spinning between calls (`CpuWorker.keep_team_up`): off until measured
-        # in a round (bench/offload.py --cpu-spin); the same bytes either way.
+        # `start`'s team spinning between calls (`CpuWorker.keep_team_up`): off, its rounds
+        # 0.95-1.12x on the H200 (bench/offload.py --cpu-spin; bench/results/
+        # offload-shrink-h200-2026-12-03.md), its threads holding their cores between calls;
+        # the same bytes either way.
         self.keep_team_up = False
         # `start` shrinking its caller's OpenMP pool first, after anything that may have grown
         # it (`_cpu_experts.shrink_team`): on the H200 the worker's threads slept 64 times a
