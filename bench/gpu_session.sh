@@ -110,7 +110,10 @@
 # offload-cpu-shrink (4: the same runs, each also with the engine thread's OpenMP pool left
 # grown, not shrunk before the CPU's thread computes, `CpuExperts.shrink_caller_team` off,
 # interleaved), offload-counts-shrink (4: 3 and 2 streamed, each with the pool shrunk and not,
-# interleaved),
+# interleaved), prompt-experts (1: bench/prompt_experts.py, a prompt chunk's grouped experts
+# step by step on one layer of each shape at PROMPT_TOKENS, default 4096,16384, and the
+# activation as one kernel against torch's two), cpu-int8 (1: bench/cpu_experts.py on qwen3's
+# shape, 3 and 4 experts a call after a 500 us gap, bf16 against int8 experts, pinned),
 # offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
 # CPU's misses on their own thread, `CachedExperts.async_cpu`, and on the engine's, -sync,
 # interleaved), offload-sampled (4: the same runs
@@ -123,6 +126,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: stages pass it to scripts run from bench/
 if [ -n "${PACK:-}" ]; then  # every output in one file, $OUT/gpu-out.tgz: the device tool
     PACKED=$OUT              # brings back at most 8 files a call
     OUT=$(mktemp -d)
@@ -167,6 +171,10 @@ for stage in "$@"; do
                > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
     kernels) (cd bench && timeout 300 python3 grouped_experts.py) > "$OUT/kernels.txt" 2>&1
              cat "$OUT/kernels.txt" ;;
+    prompt-experts) (cd bench && timeout 200 python3 prompt_experts.py \
+                        --tokens "${PROMPT_TOKENS:-4096,16384}" --json-out "$OUT/prompt-experts.json") \
+                        > "$OUT/prompt-experts.txt" 2>&1
+                    cat "$OUT/prompt-experts.txt" ;;
     host) (cd bench && timeout 120 python3 cache_host.py) > "$OUT/host.txt" 2>&1
           cat "$OUT/host.txt" ;;
     layer-call) # Real widths: the CPU's experts on every core, as the engine runs them.
@@ -246,6 +254,10 @@ for stage in "$@"; do
     decode-attention) (cd bench && timeout 300 python3 decode_attention.py) \
                       > "$OUT/decode-attention.json" 2> "$OUT/decode-attention.err"
                   grep "bench/" "$OUT/decode-attention.json"; tail -3 "$OUT/decode-attention.err" ;;
+    cpu-int8) (cd bench && timeout 150 python3 cpu_experts.py --preset qwen3-30b-a3b \
+                  --dtypes bf16 --tokens 1 --experts 3,4 --gap-us 500 --repeat 15 \
+                  --memory pinned) > "$OUT/cpu-int8.txt" 2>&1
+              grep "| pinned\|bandwidth" "$OUT/cpu-int8.txt" | cut -c1-400 ;;
     cpu-wake) for preset in olmoe-1b-7b qwen3-30b-a3b; do
                 (cd bench && timeout 100 python3 cpu_experts.py --preset $preset --dtypes bf16 \
                    --tokens 1 --experts 2,3 --gap-us 800 --wake-us 300 --repeat 15 \

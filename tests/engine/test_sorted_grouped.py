@@ -65,3 +65,15 @@ def test_expert_runs_group_the_rows_by_expert_as_counting_does(case):
     assert ends.dtype == torch.int32 and ends.shape == (n_experts,)
     assert torch.equal(ends.long(), torch.cumsum(torch.bincount(ids, minlength=n_experts), 0))
     assert torch.equal(order, torch.argsort(ids, stable=True))  # ascending within an expert
+
+
+@pytest.mark.parametrize("n_experts", [256, 300, 32768, 40000])
+def test_expert_runs_past_a_byte_of_ids_sort_as_int64_does(n_experts):
+    # The ids are sorted as uint8, int16 or int32 by their count: the same order and ends.
+    gen = torch.Generator().manual_seed(n_experts)
+    ids = torch.cat([torch.randint(0, n_experts, (500,), generator=gen),
+                     torch.tensor([0, n_experts - 1, n_experts - 1])])
+    order, ends = sorted_grouped.expert_runs(ids, n_experts)
+    assert torch.equal(order, torch.argsort(ids, stable=True))
+    assert ends.shape == (n_experts,) and int(ends[-1]) == ids.numel()
+    assert torch.equal(ends.long(), torch.cumsum(torch.bincount(ids, minlength=n_experts), 0))

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from strata.engine.cache.arena import Arena
 from strata.engine.experts import sorted_grouped
+from strata.engine.experts.activation import silu_and_mul
 from strata.engine.experts.routed import Routed
 
 __all__ = ["compute_from_slots"]
@@ -37,7 +38,7 @@ def compute_from_slots(
     slots = np.asarray(slots).reshape(-1)
     if slots.size != routed.n_experts:
         raise ValueError(f"{slots.size} slots for {routed.n_experts} experts")
-    f, top_k = arena.expert_width, routed.top_k
+    top_k = routed.top_k
     if grouped is not False and arena.quant is None and sorted_grouped.available(x):
         # Each row's token and slot, [2, R] in one upload; the rows sorted by slot keep
         # routed.rows' order within a slot, the loop's.
@@ -57,6 +58,6 @@ def compute_from_slots(
     for i, (gate_up, down) in enumerate(weights):
         lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
         h = F.linear(x.index_select(0, rows[lo:hi] // top_k), gate_up)  # [n, 2F]
-        act = F.silu(h[:, :f]) * h[:, f:]  # [n, F]
+        act = silu_and_mul(h)  # [n, F]
         y[lo:hi] = F.linear(act, down)  # [n, D]
     return y

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from strata.engine._dependent_triton import wait_for_prior
+from strata.engine.experts._activation_triton import silu_mul
 
 
 @triton.jit
@@ -50,8 +51,7 @@ def store_act(gate_sum, up_sum, act_ptr, r, act_stride, f, f_in):
     dtype = act_ptr.dtype.element_ty
     gate = gate_sum.to(dtype).to(tl.float32)
     up = up_sum.to(dtype).to(tl.float32)
-    silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(act_ptr + r * act_stride + f, (silu * up).to(dtype), mask=f_in)
+    tl.store(act_ptr + r * act_stride + f, silu_mul(gate, up, dtype), mask=f_in)
 
 
 @triton.jit

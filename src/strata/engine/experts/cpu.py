@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from strata import _cpu_experts, settings
 from strata.engine.experts import ExpertStore
+from strata.engine.experts.activation import silu_and_mul
 from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.routed import Routed
 
@@ -285,11 +286,10 @@ class CpuExperts:
     def _matmuls(self, layer: int, x_rows: torch.Tensor, out: torch.Tensor, routed: Routed,
                  chosen: np.ndarray) -> None:
         """Each expert `chosen` [m] (indices into routed.experts) as two torch matmuls."""
-        f = self.store.expert_width
         # [2F, D], [D, F] each: views, or dequantized in batches for a quantized store.
         weights = self._stacks[layer].each_weights(routed.experts[chosen].tolist())
         for i, (gate_up, down) in zip(chosen.tolist(), weights, strict=True):
             lo, hi = int(routed.starts[i]), int(routed.starts[i + 1])
             h = F.linear(x_rows[lo:hi], gate_up)  # [n, 2F]
-            act = F.silu(h[:, :f]) * h[:, f:]  # [n, F]
+            act = silu_and_mul(h)  # [n, F]
             out[lo:hi] = F.linear(act, down)  # [n, D]

@@ -34,9 +34,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from strata.engine import dependent_launch
+from strata.engine.experts.activation import silu_and_mul
 
 __all__ = ["copies_weights", "expert_rows", "expert_rows_gathered", "expert_rows_triton",
            "expert_sum_triton", "sum_arrivals"]
@@ -112,9 +112,8 @@ def expert_rows_gathered(
 ) -> torch.Tensor:
     """`expert_rows` by copying the R experts' weights out (`index_select`) and two batched
     matmuls."""
-    f = down.shape[2]
     h = torch.bmm(gate_up.index_select(0, index), x_rows.unsqueeze(-1)).squeeze(-1)  # [R, 2F]
-    act = F.silu(h[:, :f]) * h[:, f:]  # [R, F]
+    act = silu_and_mul(h)  # [R, F]
     return torch.bmm(down.index_select(0, index), act.unsqueeze(-1)).squeeze(-1)  # [R, D]
 
 

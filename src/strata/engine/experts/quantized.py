@@ -26,9 +26,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from strata.engine import dependent_launch
+from strata.engine.experts.activation import silu_and_mul
 from strata.engine.experts.quant import blob_bytes, dequantize_blobs, format_group
 
 __all__ = ["quantized_rows", "quantized_rows_gathered", "quantized_rows_triton"]
@@ -102,7 +102,7 @@ def quantized_rows_gathered(blobs: torch.Tensor, fmt: str, index: torch.Tensor,
     gate_up, down = dequantize_blobs(blobs.index_select(0, index), fmt, f, x_rows.shape[1],
                                      x_rows.dtype)  # [R, 2F, D], [R, D, F]
     h = torch.bmm(gate_up, x_rows.unsqueeze(-1)).squeeze(-1)  # [R, 2F]
-    act = F.silu(h[:, :f]) * h[:, f:]  # [R, F]
+    act = silu_and_mul(h)  # [R, F]
     return torch.bmm(down, act.unsqueeze(-1)).squeeze(-1)  # [R, D]
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.engine.experts import grouped, sorted_grouped
+from strata.engine.experts.activation import silu_and_mul
 from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.combine import weighted_sum
 from strata.engine.experts.store import ExpertStore
@@ -138,7 +139,6 @@ class ResidentExperts:
 
     def _per_expert(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         n_tokens, top_k = topk_ids.shape
-        f = self.expert_width
         ids = topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(ids, stable=True)  # [T*K] rows grouped by expert, tokens ascending
         counts = torch.bincount(ids, minlength=self.n_experts).tolist()  # the one host sync
@@ -150,6 +150,6 @@ class ResidentExperts:
             count = counts[expert]
             rows = order[end - count : end]  # [n] flat (token, k) rows routed to `expert`
             h = F.linear(x.index_select(0, rows // top_k), gate_up)  # [n, 2F]
-            act = F.silu(h[:, :f]) * h[:, f:]  # [n, F]
+            act = silu_and_mul(h)  # [n, F]
             out.index_copy_(0, rows, F.linear(act, down))  # [n, D]
         return out
