@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     add_model_arguments(parser, preset="qwen3-30b-a3b")
     add_proportion_arguments(parser)
     parser.add_argument("--stream-misses", type=int,
-                        help="the cache's --stream-misses (default: strata generate's)")
+                        help="the cache's --stream-misses (default: the fixed three eighths "
+                        "of the top-k on CUDA, as the earlier results ran; strata generate's "
+                        "default is auto)")
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--chat-tokens", type=int, default=32)
     parser.add_argument("--chat-new", type=int, default=128)

@@ -78,11 +78,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--stream-misses", metavar="auto|N",
         help="of a decode layer's missed experts, how many to upload over PCIe and compute on "
-        "the device while the CPU computes the rest: N streams the first N (at most the "
-        "model's top-k; default: three eighths of it on CUDA, rounded half up, 3 of 8; 0 "
-        "elsewhere: all on the CPU); auto "
-        "splits them as the calls timed once on this machine and kept in the cache directory "
-        "ran fastest",
+        "the device while the CPU computes the rest: auto (the default) splits them as the "
+        "calls timed once on this machine and kept in the cache directory ran fastest (0 off "
+        "CUDA: all on the CPU); N streams the first N (at most the model's top-k)",
     )
     group.add_argument(
         "--prefetch-misses", type=int, default=0, metavar="N",

@@ -97,21 +97,19 @@ class CacheConfig:
 
 
 def default_stream_misses(config: ModelConfig, device: torch.device) -> int:
-    """`--stream-misses` when it is not given: three eighths of the model's top-k on CUDA,
-    rounded half up (3 of 8, 1 of 2), 0 elsewhere (off the GPU there is no bus to use).
+    """A fixed `--stream-misses`: three eighths of the model's top-k on CUDA, rounded half up
+    (3 of 8, 1 of 2), 0 elsewhere (off the GPU there is no bus to use). The default is `auto`
+    (`strata.engine.cache.kept_rates.resolve_stream_misses`); this count sizes a cache before
+    it is known whether one is used at all, so that auto's rates are measured only where one
+    is (`strata.engine.runtime.options.plan_cache_options`).
 
-    Measured on the H200 with the CPU's misses on their own thread (`CachedExperts.async_cpu`,
-    the default), the counts interleaved in one engine (bench/results/
-    offload-async-h200-2026-12-03.md): on olmoe-1b-7b at a 4 GiB budget 3 of 8 ran 18.00 ms a
-    round against 20.04 for 4 and 18.44 for 2; on a 16-layer qwen3-30b-a3b with 22% of its
-    experts cached 17.17 against 17.04 and 18.58 (in separate engines 15.24 against 16.30 for
-    4). With the CPU's thread taking the host's work off its path, the CPU's side of a call
-    costs less than it did, and the balance moved from half the top-k to fewer streamed.
-    `auto` (the split from rates measured once per machine, `strata.engine.cache.kept_rates`)
-    streamed more than the fastest fixed counts in every comparison so far: 18.22 ms a round on
-    olmoe against 16.96 for 2 and 18.01 for 4 (bench/results/
-    offload-balance-staged-h200-2026-12-03.md), the rates' calls being timed back to back,
-    without what a round adds to the CPU's side."""
+    It was the default until auto's rates were timed as a round runs its calls. On the H200
+    (bench/results/offload-balance-h200-2026-12-03.md), the counts interleaved in one engine:
+    on olmoe-1b-7b at a 4 GiB budget auto ran 13.87 ms a round against 14.68 for 2 and 17.19
+    for this 3; on a 16-layer qwen3-30b-a3b with 22% of its experts cached 13.78 against 13.52
+    and 16.17, and with its experts in int8 10.00 against 10.03 and 11.21. Earlier, with the CPU's side slower, 3 had been the fastest fixed count (18.00
+    ms against 18.44 for 2 and 20.04 for 4 on olmoe, offload-async-h200-2026-12-03.md): which
+    count is fastest moves with the machine, which is what auto measures."""
     return (3 * config.top_k + 4) // 8 if device.type == "cuda" else 0
 
 

@@ -13,9 +13,11 @@ output bytes, against the earlier runs; deleting the file is the way to measure 
 kernel, a changed machine), and `--stream-misses N` needs no file. A directory that cannot be
 written is an error too, for the same reason: every run would measure anew.
 
-`resolve_stream_misses` turns the option's value into what the cache takes: "auto" the balanced
-split (0 off CUDA: no bus), an int N the first min(N, M) misses, None (not given) the fixed
-default, three eighths of the top-k on CUDA, `default_stream_misses`.
+`resolve_stream_misses` turns the option's value into what the cache takes: "auto", and None
+(not given: auto is the default), the balanced split (0 off CUDA: no bus), an int N the first
+min(N, M) misses. `default_stream_misses` is the fixed count a caller sizes with before it
+knows whether a cache is used at all (`strata.engine.runtime.options`), so that the rates are
+measured only where one is.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from pathlib import Path
 import torch
 
 from strata import settings
-from strata.engine.cache.build import default_stream_misses
 from strata.engine.cache.rates import TARGET_BYTES, MissRates, RatesKey, measure_rates
 from strata.engine.experts.streamed import StreamSplit
 from strata.engine.model.config import ModelConfig
@@ -174,14 +175,12 @@ def resolve_stream_misses(value: int | str | None, config: ModelConfig, dtype: t
                           device: torch.device, *, cpu_threads: int | None = None,
                           path: Path | None = None) -> tuple[int | StreamSplit, list[str]]:
     """`--stream-misses` as the cache takes it, and the notes to print: an int N stays (the
-    first min(N, M) misses), and None is `default_stream_misses` (3 of 8 on CUDA);
-    "auto" is the balanced split from the kept rates on CUDA and 0 elsewhere (no bus).
-    ValueError for a bad value; RatesError (a ValueError) as `kept_rates`."""
+    first min(N, M) misses); "auto", and None (the default), is the balanced split from the
+    kept rates on CUDA and 0 elsewhere (no bus). ValueError for a bad value; RatesError (a
+    ValueError) as `kept_rates`."""
     device = torch.device(device)
     k = config.top_k
-    if value is None:
-        value = default_stream_misses(config, device)
-    if value == "auto":
+    if value is None or value == "auto":
         if device.type != "cuda":
             return 0, []
         threads = cpu_threads or torch.get_num_threads()

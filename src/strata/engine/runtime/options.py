@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata.engine.cache.build import CacheConfig, plan_cache, staging_blobs
+from strata.engine.cache.build import (
+    CacheConfig,
+    default_stream_misses,
+    plan_cache,
+    staging_blobs,
+)
 from strata.engine.cache.defaults import DEFAULT_SHORT_READ
 from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.experts.quant import EXPERTS_DTYPES, experts_quant_for
@@ -40,7 +45,7 @@ class CacheOptions:
     """The options of the expert cache (`--vram-budget-mib`, `--vram-reserve-mib`,
     `--expert-cache` in MiB or "auto" (None: not given, auto too), `--expert-profile`, the
     loan, `--short-read`, `--cpu-threads`, `--stream-misses` "auto" or N (None: not given,
-    three eighths of the top-k on CUDA, 0 elsewhere), `--prefetch-misses` N (0: off)), of the
+    auto: 0 off CUDA), `--prefetch-misses` N (0: off)), of the
     elastic K/V (`--kv-grow`) and the policy (`--policy`, `--policy-opt`). ValueError naming
     the flag for a bad value. A given option (even "auto") turns the cache on."""
 
@@ -149,9 +154,11 @@ def plan_cache_options(
     SettingError for a bad `STRATA_KV_GROW*` or `STRATA_LOAN_KEEP_SLOTS`; RatesError (a
     ValueError) for a rates file that cannot be read or written (`--stream-misses auto`).
 
-    `--stream-misses auto` reads the split from the rates kept for this machine, measuring
-    them first where there are none (`strata.engine.cache.kept_rates`), and says so in the
-    notes (a given `--stream-misses` turns the cache on, so they are always used).
+    `--stream-misses auto`, the default, reads the split from the rates kept for this
+    machine, measuring them first where there are none (`strata.engine.cache.kept_rates`), and
+    says so in the notes. Not given, it is resolved only once the cache is known to be used
+    (sized first with a fixed count, `default_stream_misses`): a model whose experts all fit
+    measures nothing. Given, it turns the cache on, so its rates are always used.
     """
     stream = options.stream_misses
     if stream is not None and stream != "auto" and not 0 <= stream <= config.top_k:
@@ -172,6 +179,11 @@ def plan_cache_options(
         short_read=options.short_read or DEFAULT_SHORT_READ, events=registry.pm,
         experts_quant=experts_quant, kv_dtype=kv_dtype,
     )
+    device = torch.device(device)
+    if stream is None and device.type == "cuda" and not options.asks_for_the_cache(kv_grow) \
+            and _all_resident(config, dtype, device, {
+                **sizing, "stream_misses": default_stream_misses(config, device)}):
+        return CachePlan(None)  # before auto's rates: they are measured only for a cache
     sizing["stream_misses"], stream_notes = resolve_stream_misses(
         stream, config, dtype, device, cpu_threads=options.cpu_threads)
     notes += stream_notes
@@ -195,6 +207,15 @@ def plan_cache_options(
         cache.backend.close()
         return CachePlan(None)
     return CachePlan(cache, notes, kv_grow_config)
+
+
+def _all_resident(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  sizing: dict) -> bool:
+    """Whether a cache planned with `sizing` (a fixed count of streamed misses) would hold
+    every expert, so that, no cache option given, none is used."""
+    cache = plan_cache(config, dtype, device, **sizing)
+    cache.backend.close()
+    return cache.budget.holds_every_expert
 
 
 @dataclass(frozen=True)
