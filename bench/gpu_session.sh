@@ -456,3 +456,6 @@ for stage in "$@"; do
     *) echo "gpu_session.sh: unknown stage $stage" >&2; exit 2 ;;
     esac
 done
+# The rates `--stream-misses auto` kept on this machine (its tables a k at a time), if any.
+cp "${STRATA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/strata}/rates.json" "$OUT/" 2> /dev/null \
+    || true
