@@ -107,9 +107,10 @@ def default_stream_misses(config: ModelConfig, device: torch.device) -> int:
     (bench/results/offload-balance-h200-2026-12-03.md), the counts interleaved in one engine:
     on olmoe-1b-7b at a 4 GiB budget auto ran 13.87 ms a round against 14.68 for 2 and 17.19
     for this 3; on a 16-layer qwen3-30b-a3b with 22% of its experts cached 13.78 against 13.52
-    and 16.17, and with its experts in int8 10.00 against 10.03 and 11.21. Earlier, with the CPU's side slower, 3 had been the fastest fixed count (18.00
-    ms against 18.44 for 2 and 20.04 for 4 on olmoe, offload-async-h200-2026-12-03.md): which
-    count is fastest moves with the machine, which is what auto measures."""
+    and 16.17, and with its experts in int8 10.00 against 10.03 and 11.21. Earlier, with the
+    CPU's side slower, 3 had been the fastest fixed count (18.00 ms against 18.44 for 2 and
+    20.04 for 4 on olmoe, offload-async-h200-2026-12-03.md): which count is fastest moves with
+    the machine, which is what auto measures."""
     return (3 * config.top_k + 4) // 8 if device.type == "cuda" else 0
 
 
