@@ -11,8 +11,8 @@ the gathered decode path, the CPU's torch path) turns it into act [R, F] here:
   the dtype, then the product), with the sigmoid of the decode kernels (`silu_mul`, which
   they call too), so the decode and the prompt paths on one device round alike; against
   torch's own silu a few values (under 2% on the H200) differ by one or two steps of the
-  dtype, which is why it is one device's choice, never a routed data's. On the H200 it took
-  2.3-4.0x less time than torch's two (bench/results/prompt-experts-h200-2026-12-03.md);
+  dtype, which is why it is one device's choice, never a routed data's. On the H200 it ran
+  2.3-4.0x as fast as torch's two (bench/results/prompt-experts-h200-2026-12-03.md);
 - elsewhere (the CPU, float32, no Triton, and under `torch.compile`, where inductor fuses the
   two itself): torch's `F.silu(gate) * up`.
 """
