@@ -448,8 +448,7 @@ def test_the_engine_options_take_auto(small, tmp_path, monkeypatch):
     assert not (tmp_path / "rates.json").exists()
 
 
-def test_the_default_measures_rates_only_for_a_cache_that_is_used(small, tmp_path,
-                                                                 monkeypatch):
+def test_the_default_measures_rates_only_for_a_cache_that_is_used(small, monkeypatch):
     # Not given, --stream-misses is auto; on CUDA its rates are resolved (measured on a first
     # run) only once a cache sized with the fixed count is known to be used: where every
     # expert fits and no cache option is given, nothing is resolved. The sizing and the
@@ -496,8 +495,7 @@ def test_the_default_on_cuda_measures_nothing_where_every_expert_fits(small, tmp
     plan = plan_cache_options(CacheOptions(), config, torch.float32, torch.device("cuda"),
                               max_context=128, prefill_chunk=48)
     assert plan.config is None and not (tmp_path / "rates.json").exists()
-    used = plan_cache_options(CacheOptions(vram_budget_mib=None, expert_cache_mib=None,
-                                           cpu_threads=1), config, torch.float32,
+    used = plan_cache_options(CacheOptions(cpu_threads=1), config, torch.float32,  # a cache
                               torch.device("cuda"), max_context=128, prefill_chunk=48)
     try:
         assert isinstance(used.config.stream_misses, StreamSplit)
