@@ -255,7 +255,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         CACHE_DIR,
         "where `strata generate` keeps the built-in tiny model it creates on a first run, and "
-        "the expert cache keeps the rates `--stream-misses auto` measured (rates.json)",
+        "the expert cache keeps the rates `--stream-misses auto` (the default on CUDA) "
+        "measured (rates.json)",
         "a directory path",
         "`$XDG_CACHE_HOME/strata`, else `~/.cache/strata`",
         "cache_dir",
