@@ -113,7 +113,9 @@
 # interleaved), prompt-experts (1: bench/prompt_experts.py, a prompt chunk's grouped experts
 # step by step on one layer of each shape at PROMPT_TOKENS, default 4096,16384, and the
 # activation as one kernel against torch's two), cpu-int8 (1: bench/cpu_experts.py on qwen3's
-# shape, 3 and 4 experts a call after a 500 us gap, bf16 against int8 experts, pinned),
+# shape, 3 and 4 experts a call (CPU_INT8_EXPERTS) after a 500 us gap, bf16 against int8
+# experts, pinned), rates-probe (1.5: bench/rates_probe.py, every timed call of
+# `--stream-misses auto`'s rates round by round, qwen3-30b-a3b's and olmoe-1b-7b's shapes),
 # offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
 # CPU's misses on their own thread, `CachedExperts.async_cpu`, and on the engine's, -sync,
 # interleaved), offload-sampled (4: the same runs
@@ -255,9 +257,12 @@ for stage in "$@"; do
                       > "$OUT/decode-attention.json" 2> "$OUT/decode-attention.err"
                   grep "bench/" "$OUT/decode-attention.json"; tail -3 "$OUT/decode-attention.err" ;;
     cpu-int8) (cd bench && timeout 150 python3 cpu_experts.py --preset qwen3-30b-a3b \
-                  --dtypes bf16 --tokens 1 --experts 3,4 --gap-us 500 --repeat 15 \
+                  --dtypes bf16 --tokens 1 --experts "${CPU_INT8_EXPERTS:-3,4}" --gap-us 500 \
+                  --repeat 15 \
                   --memory pinned) > "$OUT/cpu-int8.txt" 2>&1
               grep "| pinned\|bandwidth" "$OUT/cpu-int8.txt" | cut -c1-400 ;;
+    rates-probe) (cd bench && timeout 200 python3 rates_probe.py \
+                     --json-out "$OUT/rates-probe.jsonl") 2>&1 | tee "$OUT/rates-probe.txt" ;;
     cpu-wake) for preset in olmoe-1b-7b qwen3-30b-a3b; do
                 (cd bench && timeout 100 python3 cpu_experts.py --preset $preset --dtypes bf16 \
                    --tokens 1 --experts 2,3 --gap-us 800 --wake-us 300 --repeat 15 \
