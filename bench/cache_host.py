@@ -11,13 +11,24 @@ holding a quarter of the experts, uniform fill) through:
 - `resident`: `ResidentExperts.forward`, the runtime's decode path (the reference: a handful of
   torch ops, no books);
 - `cache`: `CachedExperts.forward` with every miss on the CPU;
-- `cache-streamN`: the same with `--stream-misses N`.
+- `cache-streamN`: the same with `--stream-misses N`;
+- with `--split`, `split` and `split-streamN`: the host's part of the same calls split as a
+  decode round on CUDA runs them around its piecewise graphs (`CachedExperts.fill_misses`
+  alone: the books, the policy, the CPU's misses on their own thread, the streamed blobs and
+  the stage map queued; `resident_rows` and `sum_rows`, which a graph holds there, run untimed
+  on either side). On the host the copies are `memmove`s, not driver calls, so this times the
+  Python, numpy and torch work around them.
 
-and reports microseconds a call (the least of `--repeat` passes over the calls, on `--threads`
+`--dtype bf16 --experts-dtype int8` runs the experts as an int8 store computing in bf16 (the
+CPU's misses through strata's kernel, as on the GPU machine); the default is fp32 experts
+(torch's matmuls).
+
+It reports microseconds a call (the least of `--repeat` passes over the calls, on `--threads`
 torch threads) and each against `resident` measured in the same run.
 
     python bench/cache_host.py
     python bench/cache_host.py --experts 128 --top-k 8 --stream 4 --json
+    python bench/cache_host.py --experts 128 --top-k 8 --split --dtype bf16 --experts-dtype int8
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import torch
 
 from strata.engine.cache.build import plan_cache
 from strata.engine.experts import ResidentExperts
+from strata.engine.experts.quant import expert_blob_bytes
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.init_model import write_checkpoint
 from strata.engine.model.layers import route
@@ -62,6 +74,23 @@ def time_calls(forward, calls, repeat: int) -> float:
     return min(times)
 
 
+def time_split(experts, calls, repeat: int) -> float:
+    """`time_calls` for the host's part of a split call (`fill_misses`): each call's
+    `resident_rows` and `sum_rows` run around it untimed."""
+    def one_pass() -> float:
+        spent = 0.0
+        for layer, x, ids, weights in calls:
+            rows = experts.resident_rows(layer, x, ids)  # [K + 1, D]
+            start = time.perf_counter()
+            experts.fill_misses(layer, x, ids, weights, rows)
+            spent += time.perf_counter() - start
+            experts.sum_rows(x, rows, weights)
+        return spent / len(calls) * 1e6
+
+    one_pass()
+    return min(one_pass() for _ in range(repeat))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, default=64, help="E, experts a layer")
@@ -72,8 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=7, help="timed passes (the least)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the tiny matmuls gain nothing from more)")
+    parser.add_argument("--split", action="store_true",
+                        help="also time the host's part of the calls split around the graphs")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                        help="the model's dtype")
+    parser.add_argument("--experts-dtype", default="auto", choices=["auto", "int8"],
+                        help="the experts' store: the model's dtype, or int8")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    quant = None if args.experts_dtype == "auto" else args.experts_dtype
+    if quant is not None and dtype != torch.bfloat16:
+        parser.error("--experts-dtype int8 computes in bf16: pass --dtype bf16 with it")
     os.environ["STRATA_VMM_CHUNK_BYTES"] = str(CHUNK_BYTES)
     torch.set_num_threads(args.threads)
     shape = dataclasses.replace(
@@ -83,35 +122,39 @@ def main(argv: list[str] | None = None) -> int:
     cpu = torch.device("cpu")
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="strata-bench-host-") as tmp:
-        ckpt = write_checkpoint(Path(tmp) / "ckpt", "qwen3_moe", shape, dtype=torch.float32)
+        ckpt = write_checkpoint(Path(tmp) / "ckpt", "qwen3_moe", shape, dtype=dtype)
         cfg = ModelConfig.from_dir(ckpt)
         gen = torch.Generator().manual_seed(0)
         calls = []
         for i in range(args.calls):
-            x = torch.randn(1, cfg.hidden_size, generator=gen)  # [1, D]
+            x = torch.randn(1, cfg.hidden_size, generator=gen).to(dtype)  # [1, D]
             ids, weights = route(torch.randn(1, cfg.n_experts, generator=gen), cfg.top_k, False)
             calls.append((i % cfg.n_layers, x, ids, weights))
         model = load_model(ckpt, device=cpu)
         assert isinstance(model.experts, ResidentExperts)
         results["resident"] = time_calls(model.experts.forward, calls, args.repeat)
-        blob_mib = 3 * cfg.expert_width * cfg.hidden_size * 4 / 2**20
+        blob_mib = expert_blob_bytes(cfg.expert_width, cfg.hidden_size, dtype, quant) / 2**20
         quarter_mib = cfg.n_layers * cfg.n_experts * blob_mib / 4
         streams = [0, *(int(n) for n in args.stream.split(",") if n)]
         for n in streams:
-            cache = plan_cache(cfg, torch.float32, cpu, max_context=64, prefill_chunk=16,
+            cache = plan_cache(cfg, dtype, cpu, max_context=64, prefill_chunk=16,
                                expert_cache_mib=quarter_mib, prefill_loan=False,
-                               rank=uniform_rank(cfg.n_layers, cfg.n_experts), stream_misses=n)
-            model = load(ckpt, device=cpu, cache=cache).model
+                               rank=uniform_rank(cfg.n_layers, cfg.n_experts), stream_misses=n,
+                               experts_quant=quant)
+            model = load(ckpt, device=cpu, cache=cache, experts_quant=quant).model
             experts = model.experts
             experts.begin_request()
             experts.set_phase("decode")
-            results[f"cache-stream{n}" if n else "cache"] = time_calls(experts.forward, calls,
-                                                                        args.repeat)
+            suffix = f"-stream{n}" if n else ""
+            results["cache" + suffix] = time_calls(experts.forward, calls, args.repeat)
+            if args.split:
+                results["split" + suffix] = time_split(experts, calls, args.repeat)
             experts.close()
     document = {
         "machine": platform.processor() or platform.machine(), "threads":
         torch.get_num_threads(), "torch": torch.__version__,
         "date": datetime.date.today().isoformat(), "experts": args.experts,
+        "dtype": args.dtype, "experts_dtype": args.experts_dtype,
         "top_k": args.top_k, "us_per_call": results,
         "over_resident": {name: us / results["resident"] for name, us in results.items()},
     }
@@ -119,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(document))
         return 0
     print(f"host share of a decode layer call (E={args.experts}, K={args.top_k}, D=64, F=32, a "
-          f"quarter of the experts cached), {document['machine']}, {document['threads']} "
+          f"quarter of the experts cached, {args.dtype}, experts {args.experts_dtype}), "
+          f"{document['machine']}, {document['threads']} "
           f"threads; the least of {args.repeat} passes of {args.calls} calls")
     print(f"{'path':<16}{'us/call':>10}{'x resident':>12}")
     for name, us in results.items():

@@ -278,7 +278,9 @@ def test_an_int8_blob_is_its_parts_and_refuses_bad_shapes():
     (dict(f=7), r"blobs must be \[E, blob_bytes\]"),
     (dict(fmt=9), r"fmt must be FORMAT_BF16 \(0\), FORMAT_INT8 \(1\), FORMAT_INT4_G32 \(2\) "
                   r"or FORMAT_INT4_G64 \(3\), got 9"),
-    (dict(out_rows=2), r"out must be \[R, D\] = \[3, 16\]"),
+    (dict(out_rows=2), r"x must be \[R, D\] or \[1, D\] and out \[R, D\], got x \[3, 16\] "
+                       r"and out \[2, 16\]"),
+    (dict(x_rows=2), r"x must be \[R, D\] or \[1, D\] and out \[R, D\], got x \[2, 16\]"),
     (dict(starts=[0, 2, 2]), r"row_starts must be \[M\+1\] = \[3\] from 0 to R = 3"),
     (dict(starts=[0, 1]), r"row_starts must be \[M\+1\] = \[3\]"),
     (dict(starts=[0, 3, 2, 3], experts=[0, 1, 1]), r"row_starts must not decrease"),
@@ -294,7 +296,7 @@ def test_an_int8_blob_is_its_parts_and_refuses_bad_shapes():
 def test_bad_arguments_are_refused_before_anything_is_written(change, message):
     f, d = 8, 16
     blobs = _blobs(2, f, d, 0)
-    x = torch.randn(3, d).bfloat16()
+    x = torch.randn(change.get("x_rows", 3), d).bfloat16()
     out = torch.full((change.get("out_rows", 3), d), 7.0, dtype=torch.bfloat16)
     before = out.clone()
     with pytest.raises(ValueError, match=message):
@@ -305,6 +307,41 @@ def test_bad_arguments_are_refused_before_anything_is_written(change, message):
                              change.get("threads", 2), change.get("schedule", "dynamic"),
                              change.get("prefetch_bytes", 0))
     assert torch.equal(out, before)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["bf16", "int8", "int4-g32"]), st.integers(1, 2), st.integers(1, 2),
+       st.lists(st.integers(0, 9), min_size=1, max_size=3), st.integers(0, 2**16),
+       st.booleans())
+def test_one_row_of_x_read_by_every_row_gives_the_bytes_of_its_copies(fmt, fd, dd, counts,
+                                                                     seed, on_worker):
+    """x [1, D] (a decode call's one token) against the same row copied R times, through
+    `compute` and `CpuWorker.start`: the same bytes, on the rows taken one by one and four at a
+    time."""
+    f, d = 32 * fd, 64 * dd
+    n_experts = len(counts)
+    blobs = _blobs(n_experts, f, d, seed)
+    if fmt != "bf16":
+        blobs = torch.stack([make_blob(fmt, t[: f * d].view(f, d), t[f * d : 2 * f * d].view(f, d),
+                                       t[2 * f * d :].view(d, f)) for t in blobs.float()])
+    code = {"bf16": _cpu_experts.FORMAT_BF16, "int8": _cpu_experts.FORMAT_INT8,
+            "int4-g32": _cpu_experts.FORMAT_INT4_G32}[fmt]
+    starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    n_rows = int(starts[-1])
+    one = torch.randn(1, d, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    outs = []
+    for x in (one.expand(n_rows, d).contiguous(), one):
+        out = torch.full((n_rows, d), 7.0, dtype=torch.bfloat16)
+        args = (blobs.contiguous().view(torch.uint8).numpy(), code,
+                np.arange(n_experts, dtype=np.int64), starts, x.float().numpy(), _u16(out), f, 2)
+        if on_worker:
+            worker = _cpu_experts.CpuWorker()
+            worker.start(*args)
+            worker.wait()
+        else:
+            _cpu_experts.compute(*args)
+        outs.append(out)
+    assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16))
 
 
 def test_nan_and_infinity_propagate_as_in_torch():

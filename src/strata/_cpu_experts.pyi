@@ -40,8 +40,9 @@ def compute(
         fmt: FORMAT_BF16, FORMAT_INT8, FORMAT_INT4_G32 or FORMAT_INT4_G64.
         experts: int64 [M]: the blob row of each expert of the call.
         row_starts: int64 [M+1] from 0 to R, not decreasing: expert i owns rows
-            [row_starts[i], row_starts[i+1]) of `x` and `out`.
-        x: float32 [R, D]: each row's input.
+            [row_starts[i], row_starts[i+1]) of `out` (and of `x`).
+        x: float32 [R, D]: each row's input; or [1, D]: the one input every row reads (a
+            decode call's token, not copied R times).
         out: uint16 [R, D]: each row's output as bf16 bits (written, not read).
         expert_width: F.
         n_threads: the OpenMP threads of both passes, >= 1.

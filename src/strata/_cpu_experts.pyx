@@ -134,7 +134,8 @@ cdef struct Call:
     const int64_t *experts  # [M]
     const int64_t *row_starts  # [M+1]
     int64_t n_experts
-    const float *x  # [R, D]
+    const float *x  # [R, D], or [1, D] that every row reads (x_stride 0)
+    int64_t x_stride  # elements from one row's input to the next: D, or 0
     float *act  # [R, F]
     uint16_t *out  # [R, D]
     int64_t f_width
@@ -169,14 +170,14 @@ cdef inline void _activations4(const Call *c, const uint8_t *blob, int64_t f,
     """act[r..r+3, f] of a quantized expert, its gate and up rows f read once for the four (the
     sums on this call's stack: a thread's own)."""
     cdef int64_t d_hidden = c.d_hidden
-    cdef const float *x = c.x + r * d_hidden
+    cdef const float *x = c.x + r * c.x_stride
     cdef float gs[4]
     cdef float us[4]
     cdef float g, u
     cdef int j
-    _dot4(blob, c.fmt, f * d_hidden, f, scales_at, d_hidden, x, d_hidden, gs)
+    _dot4(blob, c.fmt, f * d_hidden, f, scales_at, d_hidden, x, c.x_stride, gs)
     _dot4(blob, c.fmt, (c.f_width + f) * d_hidden, c.f_width + f, scales_at, d_hidden, x,
-          d_hidden, us)
+          c.x_stride, us)
     for j in range(4):
         g = _round(gs[j])
         u = _round(us[j])
@@ -213,9 +214,9 @@ cdef inline void _activation_task(const Call *c, int64_t n_blocks, int64_t scale
             r = r + 4
         while r < r_end:
             g = _round(_dot(blob, c.fmt, f * d_hidden, f, scales_at, d_hidden,
-                            c.x + r * d_hidden, c.prefetch))
+                            c.x + r * c.x_stride, c.prefetch))
             u = _round(_dot(blob, c.fmt, (f_width + f) * d_hidden, f_width + f, scales_at,
-                            d_hidden, c.x + r * d_hidden, c.prefetch))
+                            d_hidden, c.x + r * c.x_stride, c.prefetch))
             c.act[r * f_width + f] = _round(_round(g / (1.0 + expf(-g))) * u)
             r = r + 1
         f = f + 1
@@ -343,8 +344,9 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     blobs uint8 [E, blob_bytes(fmt, F, D)]: the layer's blobs (the store's bytes, not a copy);
     fmt: a FORMAT_*;
     experts int64 [M]: the blob row of each expert of the call; row_starts int64 [M+1]: expert
-    i owns rows [row_starts[i], row_starts[i+1]) of `x` and `out`; x float32 [R, D]: each
-    row's input; out uint16 [R, D]: each row's output as bf16 bits (written, not read);
+    i owns rows [row_starts[i], row_starts[i+1]) of `out` (and of `x`); x float32 [R, D]:
+    each row's input, or [1, D]: the one input every row reads (a decode call's token); out
+    uint16 [R, D]: each row's output as bf16 bits (written, not read);
     expert_width: F; n_threads: the threads of both passes (>= 1); schedule: how the passes'
     tasks reach the threads, one of `SCHEDULES`: "dynamic" (one at a time to whichever thread
     asks, the default), "static" (equal fixed shares) or "guided" (large shares first); the
@@ -356,7 +358,7 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     """
     _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule,
            prefetch_bytes)
-    cdef int64_t n_rows = x.shape[0]
+    cdef int64_t n_rows = out.shape[0]
     if n_rows == 0:
         return
     act = np.empty((n_rows, expert_width), dtype=np.float32)  # [R, F]

@@ -6,16 +6,16 @@ cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             int64_t expert_width, int n_threads, str schedule, int64_t prefetch_bytes):
     """`compute`'s checks of a call (ValueError naming what is wrong), before any work."""
     cdef int64_t d_hidden = x.shape[1]
-    cdef int64_t n_rows = x.shape[0]
+    cdef int64_t n_rows = out.shape[0]
     cdef Py_ssize_t i
     if expert_width < 1 or blobs.shape[1] != blob_bytes(fmt, expert_width, d_hidden):
         raise ValueError(f"blobs must be [E, blob_bytes] = [E, "
                          f"{blob_bytes(fmt, expert_width, d_hidden)}] for format {fmt}, "
                          f"F = {expert_width}, D = {d_hidden}, got [{blobs.shape[0]}, "
                          f"{blobs.shape[1]}]")
-    if out.shape[0] != n_rows or out.shape[1] != d_hidden:
-        raise ValueError(f"out must be [R, D] = [{n_rows}, {d_hidden}], got "
-                         f"[{out.shape[0]}, {out.shape[1]}]")
+    if (x.shape[0] != n_rows and x.shape[0] != 1) or out.shape[1] != d_hidden:
+        raise ValueError(f"x must be [R, D] or [1, D] and out [R, D], got x [{x.shape[0]}, "
+                         f"{d_hidden}] and out [{out.shape[0]}, {out.shape[1]}]")
     if row_starts.shape[0] != experts.shape[0] + 1 or row_starts[0] != 0 \
             or row_starts[experts.shape[0]] != n_rows:
         raise ValueError(f"row_starts must be [M+1] = [{experts.shape[0] + 1}] from 0 to "
@@ -49,6 +49,7 @@ cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts
     call.row_starts = &row_starts[0]
     call.n_experts = experts.shape[0]
     call.x = &x[0, 0]
+    call.x_stride = 0 if x.shape[0] == 1 else x.shape[1]  # [1, D]: every row reads the one
     call.act = &act[0, 0]
     call.out = &out[0, 0]
     call.f_width = expert_width

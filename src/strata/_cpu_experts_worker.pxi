@@ -73,9 +73,9 @@ cdef class CpuWorker:
             raise RuntimeError("a call is in flight on this CpuWorker: wait() for it first")
         _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule,
                prefetch_bytes)
-        if x.shape[0] == 0:
+        if out.shape[0] == 0:
             return
-        act = np.empty((x.shape[0], expert_width), dtype=np.float32)  # [R, F]
+        act = np.empty((out.shape[0], expert_width), dtype=np.float32)  # [R, F]
         cdef float[:, ::1] act_view = act
         self._call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
                            n_threads, SCHEDULES[schedule], prefetch_bytes)

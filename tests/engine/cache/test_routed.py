@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from strata._residency import ResidencyTable
 from strata.engine.experts.routed import Routed
 
 
@@ -41,6 +42,30 @@ def test_of_and_group_match_the_reference(routing, data):
     in_group = mask & np.isin(ids, list(kept))
     assert _as_dict(group) == _reference(ids, in_group) and group.top_k == routed.top_k
     assert group.starts[0] == 0 and group.starts[-1] == group.n_rows
+    # Views of the parent's arrays, read-only as its own (no copies on a decode call's path).
+    for array in (group.experts, group.starts, group.rows):
+        assert array.dtype == np.int64 and not array.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            array[:1] = 0
+    assert routed.group(0, routed.n_experts) is routed
+
+
+@given(st.integers(1, 8), st.data())
+def test_the_books_split_of_one_token_is_its_misses_grouped(top_k, data):
+    """`Routed.of_split` over `ResidencyTable.split_token`'s layout: the missed rows grouped by
+    expert as `Routed.of` groups them, read-only."""
+    n_experts = data.draw(st.integers(top_k, 12))
+    ids = np.array([data.draw(st.permutations(range(n_experts)))[:top_k]], dtype=np.int64)
+    resident = data.draw(st.sets(st.sampled_from(ids[0].tolist())))
+    table = ResidencyTable(1, n_experts, len(resident) + 1, 64, 64)
+    for slot, expert in enumerate(sorted(resident)):
+        table.assign(slot, 0, expert)
+    split = np.zeros(5 * top_k + 1, dtype=np.int64)
+    n_hits, n_missed = table.split_token(0, ids, split)
+    misses = Routed.of_split(split, top_k, n_hits, n_missed)
+    mask = ~np.isin(ids, sorted(resident))
+    assert _as_dict(misses) == _reference(ids, mask) and misses.top_k == top_k
+    assert not misses.rows.flags.writeable and split.flags.writeable
 
 
 @given(routings, st.data())

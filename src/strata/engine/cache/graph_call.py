@@ -41,8 +41,8 @@ import torch
 
 from strata.engine.cache.stats import PhaseStats
 from strata.engine.cache.token_call import (
+    DeviceTime,
     cpu_rows,
-    device_time,
     finish_cpu_rows,
     split_call,
     start_cpu_rows,
@@ -97,7 +97,7 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
             finish_cpu_rows(cache, stats, started)
     if started is None and call.misses is not None:
         cpu_rows(cache, layer, call.x_host, call.misses, stats, out)
-    with device_time(stats):
+    with DeviceTime(stats):
         host_rows.stage_cpu_rows(top_k, hidden_size, rows.dtype, targets)
     if cache.checked.admits and call.n_missed:
         cache.admit_misses(layer, call.missed_experts(top_k))
@@ -111,14 +111,14 @@ def _stage_uploads(cache: Any, layer: int, call: Any, stats: PhaseStats) -> None
     predicted = cache.prefetch.read(layer) if cache.prefetch is not None else []
     blob_bytes = cache.store.blob_bytes
     if call.streamed is not None:
-        with device_time(stats):
+        with DeviceTime(stats):
             uploaded = cache.streamer.stage(layer, call.streamed, call.streamed.rows + 1)
         stats.streamed_experts += call.streamed.n_experts
         stats.uploaded_bytes += uploaded * blob_bytes  # less those prefetched
     elif cache.streamer is not None:
         cache.streamer.stage(layer, None, None)  # a map left from an earlier call: cleared
     if predicted:  # after this layer's uploads: the next one's likely misses
-        with device_time(stats):
+        with DeviceTime(stats):
             stats.uploaded_bytes += cache.prefetch.issue(layer, predicted, cache.table,
                                                          cache.streamer) * blob_bytes
 

@@ -44,12 +44,14 @@ class HostRows:
         self._pin = self.device.type == "cuda"
         self._x: torch.Tensor | None = None  # [1, D]
         self._indices: torch.Tensor | None = None  # int64 [n], the largest asked for
+        self._index_views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # by n, of it
         # The CPU's rows of a split call: [K] int64 targets then [K, D] rows, as bytes, on the
         # host and on the device (`_cpu_staging`); whether the device's names any row.
         self._cpu_host: torch.Tensor | None = None
         self._cpu_device: torch.Tensor | None = None
         self._cpu_shape: tuple[int, int, torch.dtype] | None = None
         self._cpu_host_views: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cpu_targets: np.ndarray | None = None  # int64 [K], the host views' targets
         self._cpu_device_views: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cpu_names_rows = False
         self._copies = ByteCopies(self.device)
@@ -74,8 +76,12 @@ class HostRows:
         is read (see the module)."""
         if self._indices is None or self._indices.numel() < n:
             self._indices = torch.empty(n, dtype=torch.int64, pin_memory=self._pin)
-        buffer = self._indices[:n]
-        return buffer, buffer.numpy()
+            self._index_views = {}
+        views = self._index_views.get(n)  # a decode call asks for the same n each layer
+        if views is None:
+            buffer = self._indices[:n]
+            views = self._index_views[n] = (buffer, buffer.numpy())
+        return views
 
     def indices_to_device(self, indices: torch.Tensor) -> torch.Tensor:
         """int64 [n] of an `index_buffer` on the device (queued on the stream; on the host, the
@@ -102,6 +108,7 @@ class HostRows:
             self._cpu_names_rows = False
             self._cpu_host_views = _cpu_views(self._cpu_host, top_k, hidden_size, dtype)
             self._cpu_device_views = _cpu_views(self._cpu_device, top_k, hidden_size, dtype)
+            self._cpu_targets = self._cpu_host_views[0].numpy()  # the same memory, for the host
         return self._cpu_host_views
 
     def cpu_out(self, top_k: int, n_rows: int, hidden_size: int, dtype: torch.dtype
@@ -115,7 +122,7 @@ class HostRows:
         """Send the R rows `cpu_out` holds with their targets [R] (rows of the call's
         [K + 1, D] rows, >= 1) to the device, for `scatter_cpu_rows`; None: no CPU rows (the
         targets cleared, one copy skipped when they are clear already)."""
-        host_targets, _ = self._cpu_staging(top_k, hidden_size, dtype)
+        self._cpu_staging(top_k, hidden_size, dtype)
         n = 0 if targets is None else targets.size
         if not n:
             # Cleared on the device: a call without a routing read (every expert resident)
@@ -124,7 +131,7 @@ class HostRows:
                 self._cpu_device[:8 * top_k].zero_()
                 self._cpu_names_rows = False
             return
-        view = host_targets.numpy()
+        view = self._cpu_targets
         view[:n] = targets
         view[n:] = 0  # the scratch row
         n_bytes = 8 * top_k + n * hidden_size * dtype.itemsize  # the targets and the R rows

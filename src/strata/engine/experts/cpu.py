@@ -73,7 +73,7 @@ def kernel_id(dtype: torch.dtype) -> str:
 
 def _u16(tensor: torch.Tensor) -> np.ndarray:
     """The same bytes as a uint16 numpy array (a view: bf16 bits)."""
-    return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.view(torch.uint16).numpy()
 
 
 class CpuExperts:
@@ -175,7 +175,8 @@ class CpuExperts:
         """Start `compute(layer, x_rows, routed, out)` on a thread of its own and return at
         once, where the call is strata's kernel's whole (a quantized store's, or a bf16 one's
         of up to `KERNEL_MAX_ROWS` rows an expert: a decode call); `finish` returns when out
-        holds its rows. Returns False, and starts nothing, for any other call.
+        holds its rows. Returns False, and starts nothing, for any other call. x_rows may also
+        be [1, D]: the one input every row reads (a decode call's token, not copied R times).
 
         The thread (`_cpu_experts.CpuWorker`, made on first use) is the master of an OpenMP
         team of its own, one thread fewer than `compute`'s so that the caller keeps a core for
@@ -202,12 +203,15 @@ class CpuExperts:
             self._worker.keep_team_up = self.keep_team_up
         n_threads = self.cpu_threads or torch.get_num_threads()
         lo, hi = int(routed.starts[0]), int(routed.starts[-1])
+        starts = routed.starts if lo == 0 else routed.starts - lo
+        x = x_rows if x_rows.shape[0] == 1 else x_rows[lo:hi]  # [1, D]: every row's input
+        if x.dtype != self.store.dtype:
+            x = x.to(self.store.dtype)
         self._worker.start(
             self._blobs[layer], self._format, np.ascontiguousarray(routed.experts, np.int64),
-            np.ascontiguousarray(routed.starts - lo, np.int64),
-            x_rows[lo:hi].to(self.store.dtype).float().numpy(), _u16(out[lo:hi]),
-            self.store.expert_width, max(1, n_threads - 1), self.schedule,
-            self.prefetch_bytes)
+            np.ascontiguousarray(starts, np.int64), x.float().numpy(),
+            _u16(out if lo == 0 and hi == out.shape[0] else out[lo:hi]),
+            self.store.expert_width, max(1, n_threads - 1), self.schedule, self.prefetch_bytes)
         return True
 
     def finish(self) -> None:

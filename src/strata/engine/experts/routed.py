@@ -44,6 +44,19 @@ class Routed:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
 
     @classmethod
+    def _of_valid(cls, experts: np.ndarray, starts: np.ndarray, rows: np.ndarray,
+                  top_k: int) -> Routed:
+        """A Routed of parts that are valid by construction (slices of a valid one, the books'
+        split), without `__post_init__`'s checks: a decode call makes a few of these a layer,
+        and the checks were a third of the time it spent grouping its misses on the host."""
+        routed = object.__new__(cls)
+        for name, value in (("experts", experts), ("starts", starts), ("rows", rows)):
+            value.flags.writeable = False
+            object.__setattr__(routed, name, value)
+        object.__setattr__(routed, "top_k", top_k)
+        return routed
+
+    @classmethod
     def of(cls, expert_ids: np.ndarray, mask: np.ndarray | None = None) -> Routed:
         """The rows of ids int [T, K] where `mask` bool [T, K] is True (None: every row)."""
         ids = np.asarray(expert_ids)
@@ -69,16 +82,20 @@ class Routed:
         """The missed rows of one token as `ResidencyTable.split_token` wrote them into `split`
         int64 (it returned `n_hits`, `n_experts`): views of `split`, made read-only."""
         k2, k3, k4 = 2 * top_k, 3 * top_k, 4 * top_k
-        return cls(split[k3:k3 + n_experts], split[k4:k4 + n_experts + 1],
-                   split[k2:k2 + top_k - n_hits], top_k)
+        return cls._of_valid(split[k3:k3 + n_experts], split[k4:k4 + n_experts + 1],
+                             split[k2:k2 + top_k - n_hits], top_k)
 
     def group(self, lo: int, hi: int) -> Routed:
-        """The rows of experts[lo:hi] (0 <= lo <= hi <= M) as a Routed of their own."""
+        """The rows of experts[lo:hi] (0 <= lo <= hi <= M) as a Routed of their own: views of
+        this one's read-only arrays where they can be (valid as long as this one's are)."""
         if not 0 <= lo <= hi <= self.n_experts:
             raise ValueError(f"experts [{lo}, {hi}) are not within [0, {self.n_experts}]")
+        if lo == 0 and hi == self.n_experts:
+            return self
         r0, r1 = int(self.starts[lo]), int(self.starts[hi])
-        return Routed(self.experts[lo:hi].copy(), self.starts[lo : hi + 1] - r0,
-                      self.rows[r0:r1].copy(), self.top_k)
+        starts = self.starts[lo:hi + 1]
+        return Routed._of_valid(self.experts[lo:hi], starts if r0 == 0 else starts - r0,
+                                self.rows[r0:r1], self.top_k)
 
     def pick(self, indices: np.ndarray) -> Routed:
         """The rows of experts[indices] (indices int, ascending, distinct, within [0, M)) as a

@@ -138,6 +138,7 @@ class StreamedMisses:
         self._pin = torch.device(device).type == "cuda"
         self._stage_entries = torch.empty(2 * n_blobs, dtype=torch.int64,
                                           pin_memory=self._pin)  # the map's host side, kept
+        self._stage_view = self._stage_entries.numpy()  # the same memory, for the host
         # Prefetching: the uploads' own stream on CUDA; the layer whose predicted misses are
         # staged, and their blobs by expert.
         self._copy_stream = torch.cuda.Stream(device) if prefetch and self._pin else None
@@ -156,7 +157,7 @@ class StreamedMisses:
         misses, those first (all of them), then the first others by id up to the count."""
         m = misses.n_experts
         n = min(self.n_blobs, m) if self.split_rule is None else self.split_rule.streamed(m)
-        ready = [] if layer != self._prefetched_layer else [
+        ready = [] if layer != self._prefetched_layer or not self._prefetched else [
             i for i, expert in enumerate(misses.experts.tolist()) if expert in self._prefetched]
         if ready:
             others = [i for i in range(m) if i not in ready]  # ready: at most N entries
@@ -165,8 +166,9 @@ class StreamedMisses:
             return misses.pick(chosen), misses.pick(rest) if rest else None
         if n == 0:
             return None, misses
-        rest = misses.group(n, m) if n < m else None
-        return misses.group(0, n), rest
+        if n == m:
+            return misses, None
+        return misses.group(0, n), misses.group(n, m)
 
     def compute(self, layer: int, x: torch.Tensor, streamed: Routed) -> torch.Tensor:
         """[R, D] on the device, rows in `streamed.rows` order: the experts' blobs copied from
@@ -188,6 +190,9 @@ class StreamedMisses:
         stream, or when prefetching on the copy stream, after what the compute stream has
         queued (nothing reads a blob while it is written)."""
         if not copies:
+            return
+        if self._copy_stream is None:
+            self._copies.queue(layer, copies)
             return
         with self._on_copy_stream():
             self._copies.queue(layer, copies)
@@ -242,18 +247,25 @@ class StreamedMisses:
             n, blobs, uploads = 0, [], []
         else:
             n = streamed.n_experts
-            if streamed.n_rows != n or rows is None or rows.shape != (n,) or (n and rows.min() < 1):
+            targets = [] if rows is None else rows.tolist()
+            if streamed.n_rows != n or rows is None or rows.shape != (n,) \
+                    or (n and min(targets) < 1):
                 raise ValueError(f"a stage map is one row >= 1 per streamed expert: {n} "
                                  f"experts, {streamed.n_rows} rows, rows {rows}")
             if n > self.n_blobs:
                 raise ValueError(f"{n} streamed experts do not fit {self.n_blobs} staging blobs")
             experts = streamed.experts.tolist()
             base = (layer % 2) * self.n_blobs if self.prefetching else 0
-            taken = {prefetched[e] for e in experts if e in prefetched}
-            free = iter([b for b in range(base, base + self.n_blobs) if b not in taken])
-            blobs = [prefetched[e] if e in prefetched else next(free) for e in experts]
-            uploads = [(b, e) for b, e in zip(blobs, experts, strict=True) if e not in prefetched]
-            self.prefetch_used += n - len(uploads)
+            if prefetched:  # those there already keep their blobs; the others take free ones
+                taken = {prefetched[e] for e in experts if e in prefetched}
+                free = iter([b for b in range(base, base + self.n_blobs) if b not in taken])
+                blobs = [prefetched[e] if e in prefetched else next(free) for e in experts]
+                uploads = [(b, e) for b, e in zip(blobs, experts, strict=True)
+                           if e not in prefetched]
+                self.prefetch_used += n - len(uploads)
+            else:
+                blobs = list(range(base, base + n))
+                uploads = list(zip(blobs, experts, strict=True))
             self._upload(layer, uploads)
             self._wait_for_uploads()  # the next graph reads this layer's blobs
         if not n:  # cleared on the device: this call may have read no routing (see below)
@@ -262,11 +274,11 @@ class StreamedMisses:
             return 0
         # The kept host map is rewritten only after this call's routing was read, which ran
         # the stream past the copy of the last call's map.
-        view = self._stage_entries.numpy()
-        view[:] = 0
-        view[:self.n_blobs] = -1
+        view, n_blobs = self._stage_view, self.n_blobs
         view[:n] = blobs
-        view[self.n_blobs:self.n_blobs + n] = rows
+        view[n:n_blobs] = -1
+        view[n_blobs:n_blobs + n] = targets
+        view[n_blobs + n:] = 0
         self._copies.copies.to_device(self.stage_map.data_ptr(), self._stage_entries.data_ptr(),
                                       self._stage_entries.nbytes, "the stage map")
         self._map_names_blobs = True
