@@ -13,9 +13,10 @@ CPU's last-level cache and the figures are too good):
   on the main thread: each expert as two torch matmuls (the path before strata's kernel);
 - `compute-main`: `CpuExperts.compute` on the main thread, as the cache calls it (bf16: strata's
   kernel, `strata._cpu_experts`, for experts of up to `KERNEL_MAX_ROWS` rows);
-- `compute-static`, `compute-guided`: the same with the kernel's tasks in equal fixed shares a
-  thread (`CpuExperts.schedule` "static": the schedule before) and in OpenMP's guided shares
-  (large first), against `compute-main`'s handed out one at a time ("dynamic");
+- `compute-static`, `compute-guided`, `compute-steal`: the same with the kernel's tasks in
+  equal fixed shares a thread (`CpuExperts.schedule` "static"), in OpenMP's guided shares
+  (large first) and in fixed shares that a thread done with its own takes from ("steal"),
+  against `compute-main`'s schedule (`CpuExperts`' default);
 - `compute-pfN` (`--prefetch-bytes N[,N...]`): `compute-main` with each weight row's next
   cache lines asked for N bytes ahead of the kernel's reads (`CpuExperts.prefetch_bytes`;
   `compute-main` has the default, `_cpu_experts.PREFETCH_BYTES`; `compute-pf0` leaves it to the
@@ -197,8 +198,8 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
     scratch = torch.zeros(64)
     cpu = CpuExperts(store, threads)
     cpu_torch = CpuExperts(store, threads, kernel="torch")
-    scheduled = {}  # compute-static, compute-guided: the kernel's other schedules
-    for schedule in ("static", "guided"):
+    scheduled = {}  # compute-static, compute-guided, compute-steal: the kernel's schedules
+    for schedule in ("static", "guided", "steal"):
         scheduled[f"compute-{schedule}"] = CpuExperts(store, threads)
         scheduled[f"compute-{schedule}"].schedule = schedule
     for n_bytes in prefetches:  # compute-pfN: the weights prefetched N bytes ahead
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{result['command']}  ({result['machine']}, torch {result['torch']})")
     print(f"host read bandwidth: {read_gbps:.1f} GB/s (float32 sum over {args.read_mib} MiB)")
-    columns = ("compute-torch", "compute-main", "compute-static", "compute-guided",
+    columns = ("compute-torch", "compute-main", "compute-static", "compute-guided", "compute-steal",
                *(f"compute-pf{n}" for n in prefetches), *QUANTIZED,
                *(name.replace("kernel", "compute") for name in QUANTIZED), "compute-worker",
                "worker-main-busy")

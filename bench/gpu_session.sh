@@ -93,7 +93,7 @@
 # (compute-main) against fixed and guided shares (compute-static, compute-guided), olmoe's and
 # qwen3's shapes), offload-schedule (7: olmoe-1b-7b at 4 GiB at --stream-misses 2,3 and
 # qwen3-30b-a3b's 16 layers at 22% at 3,4, each with the kernel's tasks handed out and in each
-# of CPU_SCHEDULES' shares, default static,guided, their requests interleaved), offload-counts
+# of CPU_SCHEDULES' shares, default steal,static, their requests interleaved), offload-counts
 # (4: both at --stream-misses 4 with 2 and 3 streamed through the same staging buffer, the
 # requests interleaved, 5 repeats), offload-counts-async (5: the same, 4 repeats, each count
 # also with the CPU's misses on the engine's thread, --sync-cpu), cpu-prefetch (2: bench/cpu_experts.py over 2
@@ -288,9 +288,9 @@ for stage in "$@"; do
                --prefill-tokens 0 ;;
     offload-schedule)  # the CPU kernel's tasks handed out against fixed shares, in the round
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 2,3 \
-               --cpu-schedule "${CPU_SCHEDULES:-static,guided}" --interleave --prefill-tokens 0
+               --cpu-schedule "${CPU_SCHEDULES:-steal,static}" --interleave --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
-               --cpu-schedule "${CPU_SCHEDULES:-static,guided}" --interleave --prefill-tokens 0 ;;
+               --cpu-schedule "${CPU_SCHEDULES:-steal,static}" --interleave --prefill-tokens 0 ;;
     offload-cpu-spin)  # the CPU's team spinning between a round's calls, or not
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3 \
                --cpu-spin --interleave --repeat 4 --prefill-tokens 0

@@ -20,10 +20,11 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   `strata.engine.cache.prefetch`, its prefetched experts and how many the next layer used;
   an N above a run's staging blobs is skipped; `--wake-cpu` adds each run again with the CPU
   kernel's threads started before each call's routing read, named -wake:
-  `CachedExperts.wake_cpu`; `--cpu-schedule static,guided` with the CPU kernel's tasks in fixed
-  shares a thread (the schedule before) or guided shares, named -static, -guided:
-  `CpuExperts.schedule`; `--cpu-prefetch N[,N...]` with the CPU kernel's weights prefetched N
-  bytes ahead of its reads, named -cpupfN: `CpuExperts.prefetch_bytes`; `--sync-cpu` with the
+  `CachedExperts.wake_cpu`; `--cpu-schedule static,guided,steal` with the CPU kernel's tasks
+  in fixed shares a thread (the schedule before), guided shares or fixed shares that a thread
+  done with its own takes from, named -static, -guided, -steal: `CpuExperts.schedule`;
+  `--cpu-prefetch N[,N...]` with the CPU kernel's weights prefetched N bytes ahead of its
+  reads, named -cpupfN: `CpuExperts.prefetch_bytes`; `--sync-cpu` with the
   CPU's misses computed on the engine's thread after its uploads, not on a thread of their own
   from the routing read on (`CachedExperts.async_cpu` off, the way before), named -sync;
   `--cpu-spin` with the CPU's thread keeping its team spinning between calls, named -spin:
@@ -361,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-schedule", default="",
                         help="comma-separated schedules of the CPU kernel's tasks other than "
                         "the default dynamic (static: equal fixed shares, the schedule "
-                        "before; guided): also run each decode with each, named -static, "
-                        "-guided (`CpuExperts.schedule`)")
+                        "before; guided; steal: fixed shares a thread done with its own "
+                        "takes from): also run each decode with each, named -static, -guided, "
+                        "-steal (`CpuExperts.schedule`)")
     parser.add_argument("--cpu-prefetch", default="",
                         help="comma-separated multiples of 64 (0: none): also run each decode "
                         "with the CPU kernel's weights prefetched that many bytes ahead of "
@@ -416,9 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--split-counts runs in the base run's engine: give --interleave too")
     cpu_schedules = args.cpu_schedule.split(",") if args.cpu_schedule else []
     if len(set(cpu_schedules)) != len(cpu_schedules) \
-            or not set(cpu_schedules) <= {"static", "guided"}:
-        parser.error(f"--cpu-schedule takes distinct comma-separated static and guided (the "
-                     f"default, dynamic, runs anyway), got {args.cpu_schedule!r}")
+            or not set(cpu_schedules) <= {"static", "guided", "steal"}:
+        parser.error(f"--cpu-schedule takes distinct comma-separated static, guided and steal "
+                     f"(the default, dynamic, runs anyway), got {args.cpu_schedule!r}")
     cpu_prefetches = [n for n in args.cpu_prefetch.split(",") if n]
     if not all(n.isdigit() and not int(n) % 64 for n in cpu_prefetches) \
             or len(set(cpu_prefetches)) != len(cpu_prefetches):

@@ -287,7 +287,7 @@ def test_an_int8_blob_is_its_parts_and_refuses_bad_shapes():
     (dict(experts=[0, 2]), r"expert 2 is out of range \[0, 2\)"),
     (dict(experts=[-1, 0]), r"expert -1 is out of range"),
     (dict(threads=0), r"n_threads must be >= 1, got 0"),
-    (dict(schedule="auto"), r"schedule must be one of \['dynamic', 'guided', 'static'\], "
+    (dict(schedule="auto"), r"schedule must be one of \['dynamic', 'guided', 'static', 'steal'\], "
                             r"got 'auto'"),
     (dict(prefetch_bytes=100), r"prefetch_bytes must be a multiple of 64 \(a cache line\) "
                                r">= 0, got 100"),
@@ -422,3 +422,23 @@ def test_a_worker_keeping_its_team_up_gives_compute_s_bytes_and_stops_at_once():
     started = time.perf_counter()
     del worker  # its team spinning for a next call: told to stop, it stops (no hang)
     assert time.perf_counter() - started < 0.5
+
+
+@pytest.mark.parametrize("schedule", sorted(_cpu_experts.SCHEDULES))
+def test_the_second_pass_reads_every_act_value_the_first_wrote(schedule):
+    """Both passes run in one OpenMP region, pass 2 after every pass-1 task is done
+    (`_cpu_experts_passes.h`): with more threads than cores, every call gives one thread's
+    bytes. Without that wait a thread with no pass-1 task left would read act rows another is
+    still writing (this test failed so)."""
+    # Few long pass-1 tasks (F / 16 of them, D long each) and many short pass-2 ones: most
+    # threads have no pass-1 task and go straight on to pass 2.
+    f, d, n_experts = 64, 4096, 1
+    blobs = _blobs(n_experts, f, d, 3)
+    starts = [0, 2]  # one expert: every pass-2 task reads the act rows pass 1 writes
+    # Two inputs in turn: a stale act row left by the other's call gives other bytes.
+    xs = [torch.randn(2, d, generator=torch.Generator().manual_seed(seed)).bfloat16()
+          for seed in (4, 5)]
+    expected = [_run(blobs, range(n_experts), starts, x, f, 1, schedule=schedule) for x in xs]
+    for i in range(20):
+        got = _run(blobs, range(n_experts), starts, xs[i % 2], f, 8, schedule=schedule)
+        assert torch.equal(got.view(torch.int16), expected[i % 2].view(torch.int16))

@@ -15,6 +15,7 @@ FORMAT_INT4_G32: int
 FORMAT_INT4_G64: int
 SCHEDULES: dict[str, int]
 PREFETCH_BYTES: int  # compute's default prefetch_bytes: 4096
+REVISION: int  # the kernel's revision, part of the kept rates' key: 2
 
 def blob_bytes(fmt: int, expert_width: int, hidden_size: int) -> int:
     """Bytes of one blob of format `fmt` for F and D; ValueError for an unknown format, or an
@@ -48,8 +49,11 @@ def compute(
         n_threads: the OpenMP threads of both passes, >= 1.
         schedule: how the passes' tasks reach the threads, a key of `SCHEDULES`: "dynamic"
             (one at a time to whichever thread asks, the default: threads that wake late from
-            sleep take fewer), "static" (equal fixed shares) or "guided" (large shares first,
-            single tasks at the end); the same bytes whichever.
+            sleep take fewer), "static" (equal fixed shares), "guided" (large shares first,
+            single tasks at the end) or "steal" (equal fixed shares, each taken in order by
+            its thread and, once a thread's own is done, by it from the others'); the same
+            bytes whichever. No thread waits for the team before its first task, and pass 2
+            starts once pass 1's tasks are done.
         prefetch_bytes: how far ahead of its reads a weight row's dot product asks for the
             next cache lines (software prefetch, across the 4 KiB pages where the hardware's
             prefetchers stop), a multiple of 64; `PREFETCH_BYTES` by default, 0: not at all.

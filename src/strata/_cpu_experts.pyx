@@ -55,6 +55,12 @@ cdef extern from "_cpu_experts_dot.h" nogil:
 # (bench/results/offload-async-h200-2026-12-03.md, `bench/cpu_experts.py --prefetch-bytes`).
 PREFETCH_BYTES = 4096
 
+# The kernel's revision, part of the key of the rates `--stream-misses auto` keeps
+# (`strata.engine.experts.cpu.kernel_id`): raised by a change that moves the kernel's times, so
+# that rates measured before it are measured again. 2: a call's two passes in one OpenMP region
+# with no barrier of the team before the first task (`_cpu_experts_passes.h`).
+REVISION = 2
+
 # Rows of a weight matrix one task reads: enough to amortise the task, few enough that a
 # decode call's M * F / BLOCK_ROWS tasks keep 16 threads busy (olmoe: 8 * 1024 / 16 = 512).
 cdef enum:
@@ -252,46 +258,45 @@ cdef inline void _output_task(const Call *c, int64_t n_blocks, int64_t scales_at
 # (static) a pass lasts until the last thread to wake has done its share; handed out one at a
 # time (dynamic, the default) the threads already up take the tasks of those still waking, at
 # the cost of each thread's long runs of adjacent rows; guided hands out large shares first and
-# single tasks at the end. Which thread computes a task never changes its bytes.
-cdef enum:
-    _DYNAMIC = 0
-    _STATIC = 1
-    _GUIDED = 2
-SCHEDULES = {"dynamic": _DYNAMIC, "static": _STATIC, "guided": _GUIDED}
+# single tasks at the end; steal gives each thread a fixed share to take in order (its long
+# runs of adjacent rows, as static) and lets a thread done with its own take from the others'
+# (as dynamic lets it). Which thread computes a task never changes its bytes. The passes run
+# in `_cpu_experts_passes.h`, where no thread waits for the team before its first task.
+cdef extern from "_cpu_experts_passes.h" nogil:
+    ctypedef void (*strata_task)(const void *call, int64_t task) noexcept nogil
+    enum:
+        STRATA_DYNAMIC
+        STRATA_STATIC
+        STRATA_GUIDED
+        STRATA_STEAL
+    void strata_two_passes(const void *call, int n_threads, int schedule, strata_task pass1,
+                           int64_t n1, strata_task pass2, int64_t n2)
+
+SCHEDULES = {"dynamic": STRATA_DYNAMIC, "static": STRATA_STATIC, "guided": STRATA_GUIDED,
+             "steal": STRATA_STEAL}
 
 
-cdef inline void _task(const Call *c, bint outputs, int64_t n_blocks, int64_t scales_at,
-                       int64_t task) noexcept nogil:
-    if outputs:
-        _output_task(c, n_blocks, scales_at, task)
-    else:
-        _activation_task(c, n_blocks, scales_at, task)
+cdef inline int64_t _blocks(int64_t n_rows) noexcept nogil:
+    """The tasks of BLOCK_ROWS rows that n_rows rows of an expert make."""
+    return (n_rows + BLOCK_ROWS - 1) // BLOCK_ROWS
 
 
-cdef void _pass(const Call *c, bint outputs) noexcept nogil:
-    """Pass 1 (act from x: F rows an expert) or, with `outputs`, pass 2 (out from act: D rows
-    an expert), its tasks of BLOCK_ROWS rows handed to the call's threads as its schedule
-    says."""
-    cdef int64_t n_blocks = ((c.d_hidden if outputs else c.f_width) + BLOCK_ROWS - 1) \
-        // BLOCK_ROWS
-    cdef int64_t scales_at = _scales_at(c.fmt, c.f_width, c.d_hidden)
-    cdef int64_t n_tasks = c.n_experts * n_blocks
-    cdef int64_t task
-    if c.schedule == _DYNAMIC:
-        for task in prange(n_tasks, num_threads=c.n_threads, schedule="dynamic"):
-            _task(c, outputs, n_blocks, scales_at, task)
-    elif c.schedule == _GUIDED:
-        for task in prange(n_tasks, num_threads=c.n_threads, schedule="guided"):
-            _task(c, outputs, n_blocks, scales_at, task)
-    else:
-        for task in prange(n_tasks, num_threads=c.n_threads, schedule="static"):
-            _task(c, outputs, n_blocks, scales_at, task)
+cdef void _pass1_task(const void *call, int64_t task) noexcept nogil:
+    cdef const Call *c = <const Call *>call
+    _activation_task(c, _blocks(c.f_width), _scales_at(c.fmt, c.f_width, c.d_hidden), task)
+
+
+cdef void _pass2_task(const void *call, int64_t task) noexcept nogil:
+    cdef const Call *c = <const Call *>call
+    _output_task(c, _blocks(c.d_hidden), _scales_at(c.fmt, c.f_width, c.d_hidden), task)
 
 
 cdef void _run(const Call *c) noexcept nogil:
-    """Both passes of a call."""
-    _pass(c, False)
-    _pass(c, True)
+    """Both passes of a call in one OpenMP region: pass 1 (act from x, F rows an expert), then,
+    once its tasks are all done, pass 2 (out from act, D rows an expert), each in tasks of
+    BLOCK_ROWS rows handed to the call's threads as its schedule says."""
+    strata_two_passes(c, c.n_threads, c.schedule, _pass1_task, c.n_experts * _blocks(c.f_width),
+                      _pass2_task, c.n_experts * _blocks(c.d_hidden))
 
 
 cdef void _arrive(int64_t task) noexcept nogil:
@@ -349,8 +354,9 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     uint16 [R, D]: each row's output as bf16 bits (written, not read);
     expert_width: F; n_threads: the threads of both passes (>= 1); schedule: how the passes'
     tasks reach the threads, one of `SCHEDULES`: "dynamic" (one at a time to whichever thread
-    asks, the default), "static" (equal fixed shares) or "guided" (large shares first); the
-    same bytes whichever; prefetch_bytes: how far ahead of its reads a row's dot asks for the
+    asks, the default), "static" (equal fixed shares), "guided" (large shares first) or
+    "steal" (fixed shares, which a thread done with its own takes from); the same bytes
+    whichever; prefetch_bytes: how far ahead of its reads a row's dot asks for the
     weights' next cache lines (a multiple of 64; `PREFETCH_BYTES` by default, 0: not at
     all); the same bytes whatever.
 

@@ -123,13 +123,13 @@ def test_every_schedule_gives_the_same_bytes_and_a_bad_one_is_refused_when_set()
     x = torch.randn(4, store.hidden_size, generator=torch.Generator().manual_seed(7)).bfloat16()
     assert cpu.schedule == "dynamic"  # the default
     dynamic = cpu.compute(0, x, routed)
-    for name in ("static", "guided"):
+    for name in ("static", "guided", "steal"):
         cpu.schedule = name
         assert torch.equal(cpu.compute(0, x, routed).view(torch.int16), dynamic.view(torch.int16))
     with pytest.raises(ValueError, match=r"schedule must be one of \['dynamic', 'guided', "
-                                         r"'static'\], got 'fast'"):
+                                         r"'static', 'steal'\], got 'fast'"):
         cpu.schedule = "fast"
-    assert cpu.schedule == "guided"  # unchanged by the refused name
+    assert cpu.schedule == "steal"  # unchanged by the refused name
 
 
 def test_prefetching_the_weights_changes_no_byte_and_a_bad_distance_is_refused_when_set():
@@ -174,6 +174,7 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
             if run["dtype"] == "bf16" else set()
         assert set(run["us_per_expert"]) == set(run["gbps"]) == {
             "bare", "compute-torch", "compute-main", "compute-static", "compute-guided",
+            "compute-steal",
             "compute-worker", "worker-main-busy", *quantized}
         assert run["kernel"] == ("strata" if run["dtype"] == "bf16" else "torch")
     assert result["host_read_gbps"] > 0

@@ -64,11 +64,13 @@ def kernel_for(dtype: torch.dtype, kernel: str | None = None) -> str:
 
 
 def kernel_id(dtype: torch.dtype) -> str:
-    """`kernel_for(dtype)`, strata's kernel named with its default prefetch distance
-    ("strata-pf4096"): what measured CPU rates depend on, so that rates kept before a change
-    of it are measured again (`strata.engine.cache.rates.RatesKey`)."""
+    """`kernel_for(dtype)`, strata's kernel named with its revision and default prefetch
+    distance ("strata-r2-pf4096"): what measured CPU rates depend on, so that rates kept before
+    a change of either are measured again (`strata.engine.cache.rates.RatesKey`)."""
     kernel = kernel_for(dtype)
-    return f"{kernel}-pf{_cpu_experts.PREFETCH_BYTES}" if kernel == "strata" else kernel
+    if kernel != "strata":
+        return kernel
+    return f"{kernel}-r{_cpu_experts.REVISION}-pf{_cpu_experts.PREFETCH_BYTES}"
 
 
 def _u16(tensor: torch.Tensor) -> np.ndarray:
@@ -135,9 +137,12 @@ class CpuExperts:
         `schedule`): "dynamic", one at a time to whichever asks, the default, 1.09-1.10x the
         rounds that the CPU holds on the H200 against "static", equal fixed shares, the
         schedule before (bench/results/offload-balance-staged-h200-2026-12-03.md); "guided"
-        is there to be measured. The benchmarks set it for their A/B (bench/cpu_experts.py's
-        `compute-static` and `compute-guided`, bench/offload.py --cpu-schedule); the same
-        bytes whichever. ValueError when set to another name."""
+        and "steal" (fixed shares, which a thread done with its own takes from: 0.72-0.76x
+        dynamic's time alone on the 2-core development machine, bench/results/
+        cpu-passes-cpu-2026-12-04.md) are there to be measured in rounds. The benchmarks set
+        it for their A/B (bench/cpu_experts.py's `compute-static`, `compute-guided` and
+        `compute-steal`, bench/offload.py --cpu-schedule); the same bytes whichever.
+        ValueError when set to another name."""
         return self._schedule
 
     @schedule.setter
