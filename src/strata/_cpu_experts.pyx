@@ -265,15 +265,15 @@ cdef inline void _output_task(const Call *c, int64_t n_blocks, int64_t scales_at
 cdef extern from "_cpu_experts_passes.h" nogil:
     ctypedef void (*strata_task)(const void *call, int64_t task) noexcept nogil
     enum:
-        STRATA_DYNAMIC
-        STRATA_STATIC
-        STRATA_GUIDED
-        STRATA_STEAL
+        SCHEDULE_DYNAMIC
+        SCHEDULE_STATIC
+        SCHEDULE_GUIDED
+        SCHEDULE_STEAL
     void strata_two_passes(const void *call, int n_threads, int schedule, strata_task pass1,
                            int64_t n1, strata_task pass2, int64_t n2)
 
-SCHEDULES = {"dynamic": STRATA_DYNAMIC, "static": STRATA_STATIC, "guided": STRATA_GUIDED,
-             "steal": STRATA_STEAL}
+SCHEDULES = {"dynamic": SCHEDULE_DYNAMIC, "static": SCHEDULE_STATIC, "guided": SCHEDULE_GUIDED,
+             "steal": SCHEDULE_STEAL}
 
 
 cdef inline int64_t _blocks(int64_t n_rows) noexcept nogil:

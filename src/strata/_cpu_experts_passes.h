@@ -35,9 +35,9 @@ typedef void (*strata_task)(const void *call, int64_t task);
 /* The schedules, as strata._cpu_experts names them: tasks one at a time to whichever thread
  * asks, equal fixed shares, large shares first, and fixed shares taken in order by their
  * threads and, once a thread's own is done, by it from the others' (`strata_steal`). */
-enum { STRATA_DYNAMIC = 0, STRATA_STATIC = 1, STRATA_GUIDED = 2, STRATA_STEAL = 3 };
+enum { SCHEDULE_DYNAMIC = 0, SCHEDULE_STATIC = 1, SCHEDULE_GUIDED = 2, SCHEDULE_STEAL = 3 };
 
-/* One thread's share of a pass's tasks for STRATA_STEAL: the next task to take and the end,
+/* One thread's share of a pass's tasks for SCHEDULE_STEAL: the next task to take and the end,
  * alone on a cache line so that a thread taking its own tasks touches no other's line. */
 typedef struct {
     int64_t next;
@@ -68,7 +68,7 @@ static inline int64_t strata_take(const void *call, strata_task task, strata_sha
     return ran;
 }
 
-/* STRATA_STEAL for this thread: its own share first, in order (one run of adjacent rows, as
+/* SCHEDULE_STEAL for this thread: its own share first, in order (one run of adjacent rows, as
  * static gives), then what is left of the others', the next thread's first (so that a thread
  * still asleep holds no task back, as dynamic allows). */
 static int64_t strata_steal(const void *call, strata_task task, strata_share *shares,
@@ -86,13 +86,13 @@ static int64_t strata_steal(const void *call, strata_task task, strata_share *sh
 static inline int64_t strata_pass(const void *call, strata_task task, int64_t n, int schedule)
 {
     int64_t t, ran = 0;
-    if (schedule == STRATA_STATIC) {
+    if (schedule == SCHEDULE_STATIC) {
 #pragma omp for schedule(static) nowait
         for (t = 0; t < n; t++) {
             task(call, t);
             ran++;
         }
-    } else if (schedule == STRATA_GUIDED) {
+    } else if (schedule == SCHEDULE_GUIDED) {
 #pragma omp for schedule(guided) nowait
         for (t = 0; t < n; t++) {
             task(call, t);
@@ -122,17 +122,17 @@ static inline void strata_wait_done(const int64_t *done, int64_t n)
 }
 
 /* Pass 1's n1 tasks, then, once all of them are done, pass 2's n2, on n_threads threads.
- * STRATA_STEAL's shares are allocated here; should that fail, the call runs as STRATA_DYNAMIC
+ * SCHEDULE_STEAL's shares are allocated here; should that fail, the call runs as SCHEDULE_DYNAMIC
  * (the same bytes). */
 static void strata_two_passes(const void *call, int n_threads, int schedule,
                               strata_task pass1, int64_t n1, strata_task pass2, int64_t n2)
 {
     int64_t done = 0; /* pass 1's tasks finished, by all threads */
-    strata_share *shares = NULL; /* STRATA_STEAL: [2 * n_threads], pass 1's then pass 2's */
-    if (schedule == STRATA_STEAL) {
+    strata_share *shares = NULL; /* SCHEDULE_STEAL: [2 * n_threads], pass 1's then pass 2's */
+    if (schedule == SCHEDULE_STEAL) {
         shares = aligned_alloc(64, 2 * (size_t)n_threads * sizeof(strata_share));
         if (shares == NULL) {
-            schedule = STRATA_DYNAMIC;
+            schedule = SCHEDULE_DYNAMIC;
         } else {
             strata_share_out(shares, n_threads, n1);
             strata_share_out(shares + n_threads, n_threads, n2);
