@@ -30,7 +30,7 @@ are added in another order).
 
 from cython.parallel cimport prange
 from libc.math cimport expf
-from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t
+from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uintptr_t
 from libc.string cimport memcpy
 
 import numpy as np
@@ -149,6 +149,7 @@ cdef struct Call:
     int n_threads
     int schedule
     int64_t prefetch  # bytes of weights ahead of a one-row dot's reads to prefetch, 0: none
+    void *shares  # steal: the passes' 2 * n_threads shares, 64-byte aligned (`_shares`); else NULL
 
 
 cdef inline void _dot4(const uint8_t *blob, int fmt, int64_t start, int64_t row,
@@ -269,8 +270,10 @@ cdef extern from "_cpu_experts_passes.h" nogil:
         SCHEDULE_STATIC
         SCHEDULE_GUIDED
         SCHEDULE_STEAL
-    void strata_two_passes(const void *call, int n_threads, int schedule, strata_task pass1,
-                           int64_t n1, strata_task pass2, int64_t n2)
+    enum:
+        SHARE_BYTES  # sizeof(strata_share): a cache line
+    void strata_two_passes(const void *call, int n_threads, int schedule, void *shares,
+                           strata_task pass1, int64_t n1, strata_task pass2, int64_t n2)
 
 SCHEDULES = {"dynamic": SCHEDULE_DYNAMIC, "static": SCHEDULE_STATIC, "guided": SCHEDULE_GUIDED,
              "steal": SCHEDULE_STEAL}
@@ -295,7 +298,8 @@ cdef void _run(const Call *c) noexcept nogil:
     """Both passes of a call in one OpenMP region: pass 1 (act from x, F rows an expert), then,
     once its tasks are all done, pass 2 (out from act, D rows an expert), each in tasks of
     BLOCK_ROWS rows handed to the call's threads as its schedule says."""
-    strata_two_passes(c, c.n_threads, c.schedule, _pass1_task, c.n_experts * _blocks(c.f_width),
+    strata_two_passes(c, c.n_threads, c.schedule, c.shares, _pass1_task,
+                      c.n_experts * _blocks(c.f_width),
                       _pass2_task, c.n_experts * _blocks(c.d_hidden))
 
 
@@ -369,8 +373,9 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
         return
     act = np.empty((n_rows, expert_width), dtype=np.float32)  # [R, F]
     cdef float[:, ::1] act_view = act
+    shares = _shares(n_threads, SCHEDULES[schedule])
     cdef Call call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
-                           n_threads, SCHEDULES[schedule], prefetch_bytes)
+                           n_threads, SCHEDULES[schedule], prefetch_bytes, shares)
     with nogil:
         _run(&call)
 

@@ -35,13 +35,30 @@ cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
                          f"{prefetch_bytes}")
 
 
+cdef object _shares(int n_threads, int schedule):
+    """For SCHEDULE_STEAL, the memory of the passes' 2 * n_threads shares (a cache line each,
+    and one more so that they can start on a line: `_call` aligns them); None for the other
+    schedules. Made here, so that the passes allocate nothing and a failure is Python's
+    MemoryError before any work."""
+    if schedule != SCHEDULE_STEAL:
+        return None
+    return np.empty((2 * n_threads + 1) * SHARE_BYTES, dtype=np.uint8)
+
+
 cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
                 const int64_t[::1] row_starts, const float[:, ::1] x, float[:, ::1] act,
                 uint16_t[:, ::1] out, int64_t expert_width, int n_threads, int schedule,
-                int64_t prefetch_bytes):
-    """The Call over checked arrays of at least one row (the pointers are theirs: the caller
-    keeps the arrays alive until the call has run)."""
+                int64_t prefetch_bytes, object shares):
+    """The Call over checked arrays of at least one row, and `shares` from `_shares` (the
+    pointers are theirs: the caller keeps the arrays alive until the call has run)."""
     cdef Call call
+    cdef uint8_t[::1] share_bytes
+    cdef uintptr_t at
+    call.shares = NULL
+    if shares is not None:
+        share_bytes = shares
+        at = <uintptr_t>&share_bytes[0]
+        call.shares = <void *>((at + SHARE_BYTES - 1) & ~(<uintptr_t>SHARE_BYTES - 1))
     call.blobs = &blobs[0, 0]
     call.blob_bytes = blobs.shape[1]
     call.fmt = fmt

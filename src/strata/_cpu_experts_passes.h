@@ -21,7 +21,6 @@
 #include <omp.h>
 #include <sched.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -38,12 +37,15 @@ typedef void (*strata_task)(const void *call, int64_t task);
 enum { SCHEDULE_DYNAMIC = 0, SCHEDULE_STATIC = 1, SCHEDULE_GUIDED = 2, SCHEDULE_STEAL = 3 };
 
 /* One thread's share of a pass's tasks for SCHEDULE_STEAL: the next task to take and the end,
- * alone on a cache line so that a thread taking its own tasks touches no other's line. */
+ * alone on a cache line (the caller's array of them aligned to 64 bytes) so that a thread
+ * taking its own tasks touches no other's line. */
+enum { SHARE_BYTES = 64 };
 typedef struct {
     int64_t next;
     int64_t end;
-    char pad[48];
+    char pad[SHARE_BYTES - 2 * sizeof(int64_t)];
 } strata_share;
+_Static_assert(sizeof(strata_share) == SHARE_BYTES, "a share is one cache line");
 
 /* Split [0, n) into n_shares equal shares, in order. */
 static void strata_share_out(strata_share *shares, int n_shares, int64_t n)
@@ -122,35 +124,30 @@ static inline void strata_wait_done(const int64_t *done, int64_t n)
 }
 
 /* Pass 1's n1 tasks, then, once all of them are done, pass 2's n2, on n_threads threads.
- * SCHEDULE_STEAL's shares are allocated here; should that fail, the call runs as SCHEDULE_DYNAMIC
- * (the same bytes). */
+ * `shares`: for SCHEDULE_STEAL, 2 * n_threads of them, 64-byte aligned, for pass 1 and pass 2
+ * (the caller's memory: nothing is allocated here, so nothing here can fail); else unused. */
 static void strata_two_passes(const void *call, int n_threads, int schedule,
-                              strata_task pass1, int64_t n1, strata_task pass2, int64_t n2)
+                              strata_share *shares, strata_task pass1, int64_t n1,
+                              strata_task pass2, int64_t n2)
 {
     int64_t done = 0; /* pass 1's tasks finished, by all threads */
-    strata_share *shares = NULL; /* SCHEDULE_STEAL: [2 * n_threads], pass 1's then pass 2's */
-    if (schedule == SCHEDULE_STEAL) {
-        shares = aligned_alloc(64, 2 * (size_t)n_threads * sizeof(strata_share));
-        if (shares == NULL) {
-            schedule = SCHEDULE_DYNAMIC;
-        } else {
-            strata_share_out(shares, n_threads, n1);
-            strata_share_out(shares + n_threads, n_threads, n2);
-        }
+    int steal = schedule == SCHEDULE_STEAL;
+    if (steal) {
+        strata_share_out(shares, n_threads, n1);
+        strata_share_out(shares + n_threads, n_threads, n2);
     }
 #pragma omp parallel num_threads(n_threads)
     {
-        int64_t ran = shares ? strata_steal(call, pass1, shares, n_threads)
-                             : strata_pass(call, pass1, n1, schedule);
+        int64_t ran = steal ? strata_steal(call, pass1, shares, n_threads)
+                            : strata_pass(call, pass1, n1, schedule);
         if (ran)
             __atomic_fetch_add(&done, ran, __ATOMIC_RELEASE);
         strata_wait_done(&done, n1);
-        if (shares)
+        if (steal)
             strata_steal(call, pass2, shares + n_threads, n_threads);
         else
             strata_pass(call, pass2, n2, schedule);
     }
-    free(shares);
 }
 
 #endif

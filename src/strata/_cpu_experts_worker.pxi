@@ -77,9 +77,10 @@ cdef class CpuWorker:
             return
         act = np.empty((out.shape[0], expert_width), dtype=np.float32)  # [R, F]
         cdef float[:, ::1] act_view = act
+        shares = _shares(n_threads, SCHEDULES[schedule])
         self._call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
-                           n_threads, SCHEDULES[schedule], prefetch_bytes)
-        self._keep = (blobs, experts, row_starts, x, out, act)
+                           n_threads, SCHEDULES[schedule], prefetch_bytes, shares)
+        self._keep = (blobs, experts, row_starts, x, out, act, shares)
         self._pending = True
         with nogil:
             strata_worker_post(&self._worker, _run_job, &self._call, n_threads)
