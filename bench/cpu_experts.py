@@ -27,6 +27,11 @@ CPU's last-level cache and the figures are too good):
   thread: what quantized experts would read; `compute-int8`, `compute-int4`: `CpuExperts` over
   stores of those blobs, as the cache calls it (the kernel up to `KERNEL_MAX_ROWS` rows an
   expert, dequantized torch matmuls beyond);
+- `start-dynamic`, `start-steal` (T = 1, strata's kernel), and `start-dynamic-int8` and the
+  like over each quantized store: the call as the cache runs a decode call on CUDA,
+  `CpuExperts.start` on the kernel's own worker thread (a team one thread short of the cores)
+  with the token's one row, then `finish`, under each schedule: under "steal" the thread
+  waiting in `finish` takes the call's tasks too, as one more thread of the team;
 - `compute-worker`: the same on a worker thread (one `ThreadPoolExecutor` thread), the design
   the cache had before: adds the hand-over and a second intra-op team (the worker's count is
   printed beside the main thread's);
@@ -183,9 +188,36 @@ def kernel_call(blobs: np.ndarray, fmt: int, x_rows: torch.Tensor, routed: Route
 
 
 def _blob_bytes(column: str, store: ExpertStore, quantized: dict | None) -> int:
-    """The bytes an expert of `column` reads: its quantized blob's, else the store's."""
-    name = column.replace("compute", "kernel")
+    """The bytes an expert of `column` reads: its quantized blob's (a column ending in
+    "-int8" or "-int4"), else the store's."""
+    name = "kernel-" + column.rsplit("-", 1)[-1]
     return quantized[name][0].shape[1] if name in (quantized or {}) else store.blob_bytes
+
+
+def started_columns(cpu: CpuExperts, quantized_cpu: dict[str, CpuExperts], n_tokens: int,
+                    threads: int | None) -> dict[str, CpuExperts]:
+    """`start-SCHEDULE` and `start-SCHEDULE-int8`/`-int4`: a CpuExperts per schedule ("dynamic",
+    "steal") over the store and each quantized one, for a decode call (T = 1) where strata's
+    kernel computes it; none otherwise."""
+    if n_tokens != 1 or cpu.kernel != "strata":
+        return {}
+    stores = {"": cpu.store, **{name.removeprefix("compute"): q.store
+                                for name, q in quantized_cpu.items()}}
+    columns = {}
+    for suffix, store in stores.items():
+        for schedule in ("dynamic", "steal"):
+            columns[f"start-{schedule}{suffix}"] = CpuExperts(store, threads)
+            columns[f"start-{schedule}{suffix}"].schedule = schedule
+    return columns
+
+
+def start_and_finish(cpu: CpuExperts, layer: int, x_one: torch.Tensor, routed: Routed,
+                     out: torch.Tensor) -> None:
+    """A decode call as the cache runs it on CUDA: `start` on the worker's thread with the
+    token's one row x_one [1, D], then `finish` (which, under "steal", takes tasks too)."""
+    if not cpu.start(layer, x_one, routed, out):
+        raise RuntimeError("CpuExperts.start did not take a decode call")
+    cpu.finish()
 
 
 def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
@@ -212,6 +244,8 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             [torch.from_numpy(blobs) for blobs in layers], store.hidden_size,
             store.expert_width, store.dtype, QUANTIZED[name][2]), threads)
         for name, layers in (quantized or {}).items()}
+    started = started_columns(cpu, quantized_cpu, n_tokens, threads)
+    out = torch.empty((routed.n_rows, store.hidden_size), dtype=store.dtype)  # [R, D]
     pool = ThreadPoolExecutor(max_workers=1)
     calls = itertools.count()
     waking = {"wake": cpu.wake, "wake_us": wake_us} if wake_us is not None else {}
@@ -244,6 +278,9 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             **{name: median_us(lambda c=c: c.compute(layer(), x_rows, routed), repeat, gap_us,
                                **waking)
                for name, c in scheduled.items()},
+            **{name: median_us(lambda c=c: start_and_finish(c, layer(), x_rows[:1], routed,
+                                                            out), repeat, gap_us, **waking)
+               for name, c in started.items()},
             "compute-worker": median_us(lambda: on_worker().result(), repeat, gap_us,
                                         **waking),
             "worker-main-busy": median_us(lambda: busy_until_done(on_worker(), scratch),
@@ -344,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host read bandwidth: {read_gbps:.1f} GB/s (float32 sum over {args.read_mib} MiB)")
     columns = ("compute-torch", "compute-main", "compute-static", "compute-guided", "compute-steal",
                *(f"compute-pf{n}" for n in prefetches), *QUANTIZED,
-               *(name.replace("kernel", "compute") for name in QUANTIZED), "compute-worker",
-               "worker-main-busy")
+               *(name.replace("kernel", "compute") for name in QUANTIZED),
+               *(f"start-{schedule}{suffix}" for suffix in ("", "-int8")
+                 for schedule in ("dynamic", "steal")), "compute-worker", "worker-main-busy")
     print("| memory | dtype | T | experts | gap us | wake us | threads main/worker | "
           "bare us (GB/s, share) | "
           + " | ".join(columns) + " |")

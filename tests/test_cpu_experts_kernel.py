@@ -309,6 +309,22 @@ def test_bad_arguments_are_refused_before_anything_is_written(change, message):
     assert torch.equal(out, before)
 
 
+def test_a_steal_call_of_more_tasks_than_a_share_holds_is_refused():
+    """A steal share packs a pass's task numbers in 32 bits: a call of 2**31 tasks or more
+    (M * ceil(D / 16) here: 2**20 experts of D = 2**15) is refused by name, and runs under
+    another schedule. Rows: none, so that the call costs nothing but its checks."""
+    f, d, n_experts = 16, 2**15, 2**20
+    blobs = _blobs(1, f, d, 0).view(torch.uint8).numpy()
+    args = (blobs, 0, np.zeros(n_experts, dtype=np.int64),
+            np.zeros(n_experts + 1, dtype=np.int64), np.zeros((1, d), dtype=np.float32),
+            np.zeros((0, d), dtype=np.uint16), f, 2)
+    with pytest.raises(ValueError, match=r"a 'steal' call takes fewer than 2\*\*31 tasks a pass "
+                                         r"\(M \* ceil\(F / 16\) and M \* ceil\(D / 16\)\), "
+                                         r"got M = 1048576, F = 16, D = 32768"):
+        _cpu_experts.compute(*args, "steal")
+    _cpu_experts.compute(*args, "dynamic")
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from(["bf16", "int8", "int4-g32"]), st.integers(1, 2), st.integers(1, 2),
        st.lists(st.integers(0, 9), min_size=1, max_size=3), st.integers(0, 2**16),
@@ -442,3 +458,43 @@ def test_the_second_pass_reads_every_act_value_the_first_wrote(schedule):
     for i in range(20):
         got = _run(blobs, range(n_experts), starts, xs[i % 2], f, 8, schedule=schedule)
         assert torch.equal(got.view(torch.int16), expected[i % 2].view(torch.int16))
+
+
+def test_a_steal_call_s_waiter_takes_its_tasks_and_the_bytes_stay_compute_s():
+    """Under "steal", `CpuWorker.wait` runs the call's tasks on the waiting thread as one more
+    thread of the team and returns how many it ran; under the others it only waits (0). A
+    call long enough that the waiter arrives while tasks are left: it takes some."""
+    f, d, n_experts = 256, 1024, 8
+    blobs = _blobs(n_experts, f, d, 6)
+    starts = list(range(n_experts + 1))
+    x = torch.randn(n_experts, d, generator=torch.Generator().manual_seed(7)).bfloat16()
+    expected = _run(blobs, range(n_experts), starts, x, f, 1)
+    worker = _cpu_experts.CpuWorker()
+    for schedule in ["steal", "dynamic", "steal"]:
+        out = torch.full(expected.shape, 7.0, dtype=torch.bfloat16)
+        worker.start(blobs.view(torch.uint8).numpy(), _cpu_experts.FORMAT_BF16,
+                     np.arange(n_experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
+                     x.float().numpy(), _u16(out), f, 1, schedule)
+        ran = worker.wait()
+        # Of 8 * (256 + 1024) / 16 = 640 tasks, on a team of one thread besides the waiter.
+        assert 0 < ran <= 640 if schedule == "steal" else ran == 0
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert worker.wait() == 0  # none in flight
+
+
+def test_the_second_pass_waits_for_the_pass_1_tasks_a_waiter_took():
+    """A steal call's waiter takes pass-1 tasks too (`CpuWorker.wait`); the team's pass 2
+    waits for them as for its own: every call gives one thread's bytes."""
+    f, d = 64, 4096  # 4 long pass-1 tasks, 256 short pass-2 ones: the waiter takes pass-1's
+    blobs = _blobs(1, f, d, 3)
+    xs = [torch.randn(2, d, generator=torch.Generator().manual_seed(seed)).bfloat16()
+          for seed in (4, 5)]
+    expected = [_run(blobs, [0], [0, 2], x, f, 1) for x in xs]
+    worker = _cpu_experts.CpuWorker()
+    for i in range(20):
+        out = torch.full((2, d), 7.0, dtype=torch.bfloat16)
+        worker.start(blobs.view(torch.uint8).numpy(), _cpu_experts.FORMAT_BF16,
+                     np.zeros(1, dtype=np.int64), np.array([0, 2], dtype=np.int64),
+                     xs[i % 2].float().numpy(), _u16(out), f, 8, "steal")
+        worker.wait()
+        assert torch.equal(out.view(torch.int16), expected[i % 2].view(torch.int16))

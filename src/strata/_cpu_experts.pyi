@@ -51,9 +51,10 @@ def compute(
             (one at a time to whichever thread asks, the default: threads that wake late from
             sleep take fewer), "static" (equal fixed shares), "guided" (large shares first,
             single tasks at the end) or "steal" (equal fixed shares, each taken in order by
-            its thread and, once a thread's own is done, by it from the others'); the same
-            bytes whichever. No thread waits for the team before its first task, and pass 2
-            starts once pass 1's tasks are done.
+            its thread and, once a thread's own is done, by it from the back of the
+            others'; fewer than 2**31 tasks a pass); the same bytes whichever. No thread
+            waits for the team before its first task, and pass 2 starts once pass 1's tasks
+            are done.
         prefetch_bytes: how far ahead of its reads a weight row's dot product asks for the
             next cache lines (software prefetch, across the 4 KiB pages where the hardware's
             prefetchers stop), a multiple of 64; `PREFETCH_BYTES` by default, 0: not at all.
@@ -63,7 +64,8 @@ def compute(
     Raises:
         ValueError: an unknown format, shapes that disagree, an expert out of range, bad
             row_starts, n_threads < 1, an unknown schedule or a prefetch_bytes that is not a
-            multiple of 64 >= 0, before anything is written.
+            multiple of 64 >= 0, or a "steal" call of 2**31 tasks a pass or more, before
+            anything is written.
     """
 
 def wake(n_threads: int) -> None:
@@ -97,8 +99,11 @@ class CpuWorker:
         """Start `compute` with these arguments on the worker's thread and return at once.
         ValueError as `compute` raises it; RuntimeError while a call is in flight."""
 
-    def wait(self) -> None:
-        """Return when the call in flight is done (at once when none is)."""
+    def wait(self) -> int:
+        """Return when the call in flight is done (at once when none is), and how many of its
+        tasks the calling thread ran: under the "steal" schedule it takes the call's tasks as
+        one more thread of the team (from the back of the team's shares) until none is left;
+        under the others it only waits (0). The same bytes either way."""
 
     @property
     def keep_team_up(self) -> bool:

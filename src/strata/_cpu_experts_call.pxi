@@ -30,19 +30,25 @@ cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
         raise ValueError(f"n_threads must be >= 1, got {n_threads}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if schedule == "steal" and experts.shape[0] * _blocks(max(expert_width, d_hidden)) >= 2**31:
+        raise ValueError(f"a 'steal' call takes fewer than 2**31 tasks a pass (M * ceil(F / "
+                         f"{BLOCK_ROWS}) and M * ceil(D / {BLOCK_ROWS})), got M = "
+                         f"{experts.shape[0]}, F = {expert_width}, D = {d_hidden}: split it, "
+                         f"or use another schedule")
     if prefetch_bytes < 0 or prefetch_bytes % 64:
         raise ValueError(f"prefetch_bytes must be a multiple of 64 (a cache line) >= 0, got "
                          f"{prefetch_bytes}")
 
 
 cdef object _shares(int n_threads, int schedule):
-    """For SCHEDULE_STEAL, the memory of the passes' 2 * n_threads shares (a cache line each,
-    and one more so that they can start on a line: `_call` aligns them); None for the other
-    schedules. Made here, so that the passes allocate nothing and a failure is Python's
-    MemoryError before any work."""
+    """For SCHEDULE_STEAL, the memory of the call's state: 2 * n_threads + 1 shares
+    (`strata_steal_init`; `_check` saw that a pass's tasks fit a share), a cache line each,
+    and one line more so that they can start on a line (`_call` aligns them and sets them);
+    None for the other schedules. Made here, so that the passes allocate nothing and a
+    failure is Python's MemoryError before any work."""
     if schedule != SCHEDULE_STEAL:
         return None
-    return np.empty((2 * n_threads + 1) * SHARE_BYTES, dtype=np.uint8)
+    return np.empty((2 * n_threads + 2) * SHARE_BYTES, dtype=np.uint8)
 
 
 cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
@@ -54,11 +60,6 @@ cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts
     cdef Call call
     cdef uint8_t[::1] share_bytes
     cdef uintptr_t at
-    call.shares = NULL
-    if shares is not None:
-        share_bytes = shares
-        at = <uintptr_t>&share_bytes[0]
-        call.shares = <void *>((at + SHARE_BYTES - 1) & ~(<uintptr_t>SHARE_BYTES - 1))
     call.blobs = &blobs[0, 0]
     call.blob_bytes = blobs.shape[1]
     call.fmt = fmt
@@ -74,4 +75,10 @@ cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts
     call.n_threads = n_threads
     call.schedule = schedule
     call.prefetch = prefetch_bytes
+    call.shares = NULL
+    if shares is not None:  # the steal state, set before any thread takes part
+        share_bytes = shares
+        at = <uintptr_t>&share_bytes[0]
+        call.shares = <void *>((at + SHARE_BYTES - 1) & ~(<uintptr_t>SHARE_BYTES - 1))
+        strata_steal_init(call.shares, n_threads, _tasks1(&call), _tasks2(&call))
     return call

@@ -14,6 +14,10 @@
  * barrier of the team), then takes pass 2's: a thread still waking holds no one up until the
  * region's end, where OpenMP waits for every thread (by then it has woken, found no task and
  * left). Which thread runs a task never changes its bytes: each task writes its own outputs.
+ *
+ * Under SCHEDULE_STEAL the tasks are taken from shares in the call's memory, not handed out by
+ * OpenMP, so a thread outside the team can take part too: the thread that waits for a
+ * CpuWorker's call, which would otherwise spin idle beside the team (`strata_steal_passes`).
  */
 #ifndef STRATA_CPU_EXPERTS_PASSES_H
 #define STRATA_CPU_EXPERTS_PASSES_H
@@ -33,53 +37,62 @@ typedef void (*strata_task)(const void *call, int64_t task);
 
 /* The schedules, as strata._cpu_experts names them: tasks one at a time to whichever thread
  * asks, equal fixed shares, large shares first, and fixed shares taken in order by their
- * threads and, once a thread's own is done, by it from the others' (`strata_steal`). */
+ * threads and, once a thread's own is done, by it from the back of the others'
+ * (`strata_steal`). */
 enum { SCHEDULE_DYNAMIC = 0, SCHEDULE_STATIC = 1, SCHEDULE_GUIDED = 2, SCHEDULE_STEAL = 3 };
 
-/* One thread's share of a pass's tasks for SCHEDULE_STEAL: the next task to take and the end,
- * alone on a cache line (the caller's array of them aligned to 64 bytes) so that a thread
- * taking its own tasks touches no other's line. */
+/* One thread's share of a pass's tasks for SCHEDULE_STEAL: the tasks [next, end) not yet taken,
+ * packed in one word (next in the low 32 bits, end in the high) so that its owner taking from
+ * the front and other threads taking from the back agree with one compare-and-swap; alone on
+ * a cache line (the caller's array of them aligned to 64 bytes), so that a thread taking its
+ * own tasks touches no other's line. */
 enum { SHARE_BYTES = 64 };
 typedef struct {
-    int64_t next;
-    int64_t end;
-    char pad[SHARE_BYTES - 2 * sizeof(int64_t)];
+    uint64_t range;
+    char pad[SHARE_BYTES - sizeof(uint64_t)];
 } strata_share;
 _Static_assert(sizeof(strata_share) == SHARE_BYTES, "a share is one cache line");
 
-/* Split [0, n) into n_shares equal shares, in order. */
+/* Split [0, n) into n_shares equal shares, in order (n < 2^31: `_check` sees to it). */
 static void strata_share_out(strata_share *shares, int n_shares, int64_t n)
 {
     for (int i = 0; i < n_shares; i++) {
-        shares[i].next = n * i / n_shares;
-        shares[i].end = n * (i + 1) / n_shares;
+        uint64_t next = (uint64_t)(n * i / n_shares), end = (uint64_t)(n * (i + 1) / n_shares);
+        shares[i].range = next | end << 32;
     }
 }
 
-/* Take tasks of `share` one at a time until none is left; returns how many were run. */
-static inline int64_t strata_take(const void *call, strata_task task, strata_share *share)
+/* Take one task of `share`: its first (`from_back` 0) or its last; -1 when none is left. */
+static inline int64_t strata_take(strata_share *share, int from_back)
+{
+    uint64_t range = __atomic_load_n(&share->range, __ATOMIC_RELAXED);
+    for (;;) {
+        uint64_t next = range & 0xffffffffu, end = range >> 32;
+        if (next >= end)
+            return -1;
+        uint64_t taken = from_back ? range - ((uint64_t)1 << 32) : range + 1;
+        if (__atomic_compare_exchange_n(&share->range, &range, taken, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED))
+            return (int64_t)(from_back ? end - 1 : next);
+    }
+}
+
+/* SCHEDULE_STEAL for one thread: with `own`, share `first` from its front, in order (one run
+ * of adjacent rows, as static gives); then what is left of the others', the next share's
+ * first, each from its back (so that a thread still asleep holds no task back, as dynamic
+ * allows, and the share's owner, once up, still finds its front in order). A helper from
+ * outside the team has no share of its own (`own` 0). Returns how many tasks it ran. */
+static int64_t strata_steal(const void *call, strata_task task, strata_share *shares,
+                            int n_shares, int first, int own)
 {
     int64_t t, ran = 0;
-    while (__atomic_load_n(&share->next, __ATOMIC_RELAXED) < share->end) {
-        t = __atomic_fetch_add(&share->next, 1, __ATOMIC_RELAXED);
-        if (t >= share->end)
-            break;
-        task(call, t);
-        ran++;
+    for (int k = 0; k < n_shares; k++) {
+        int from_back = k > 0 || !own;
+        while ((t = strata_take(&shares[(first + k) % n_shares], from_back)) >= 0) {
+            task(call, t);
+            ran++;
+        }
     }
-    return ran;
-}
-
-/* SCHEDULE_STEAL for this thread: its own share first, in order (one run of adjacent rows, as
- * static gives), then what is left of the others', the next thread's first (so that a thread
- * still asleep holds no task back, as dynamic allows). */
-static int64_t strata_steal(const void *call, strata_task task, strata_share *shares,
-                            int n_shares)
-{
-    int me = omp_get_thread_num();
-    int64_t ran = 0;
-    for (int k = 0; k < n_shares; k++)
-        ran += strata_take(call, task, &shares[(me + k) % n_shares]);
     return ran;
 }
 
@@ -123,30 +136,54 @@ static inline void strata_wait_done(const int64_t *done, int64_t n)
     }
 }
 
-/* Pass 1's n1 tasks, then, once all of them are done, pass 2's n2, on n_threads threads.
- * `shares`: for SCHEDULE_STEAL, 2 * n_threads of them, 64-byte aligned, for pass 1 and pass 2
- * (the caller's memory: nothing is allocated here, so nothing here can fail); else unused. */
+/* A SCHEDULE_STEAL call's state, 2 * n_threads + 1 shares (64-byte aligned, the caller's memory:
+ * nothing is allocated here, so nothing here can fail): pass 1's n_threads shares of its n1
+ * tasks, pass 2's of its n2, and one whose word counts pass 1's tasks done. Set before the
+ * call is run, and before any helper takes part. */
+static void strata_steal_init(strata_share *shares, int n_threads, int64_t n1, int64_t n2)
+{
+    strata_share_out(shares, n_threads, n1);
+    strata_share_out(shares + n_threads, n_threads, n2);
+    shares[2 * n_threads].range = 0;
+}
+
+/* One thread's part of a SCHEDULE_STEAL call whose state `strata_steal_init` set: pass 1's
+ * tasks it can take, its own share `first` first (`own`: a thread of the call's team); then,
+ * once all of pass 1's are done, pass 2's. Run by each thread of the team, and by any other
+ * thread that helps (`CpuWorker.wait`'s, `own` 0): tasks are taken one at a time from the
+ * shares, so each runs once whoever takes part. Returns how many tasks this thread ran. */
+static int64_t strata_steal_passes(const void *call, strata_share *shares, int n_threads,
+                                   int first, int own, strata_task pass1, int64_t n1,
+                                   strata_task pass2)
+{
+    int64_t *done = (int64_t *)&shares[2 * n_threads].range;
+    int64_t ran = strata_steal(call, pass1, shares, n_threads, first, own);
+    if (ran)
+        __atomic_fetch_add(done, ran, __ATOMIC_RELEASE);
+    strata_wait_done(done, n1);
+    return ran + strata_steal(call, pass2, shares + n_threads, n_threads, first, own);
+}
+
+/* Pass 1's n1 tasks, then, once all of them are done, pass 2's n2, on n_threads threads, as
+ * `schedule` says; for SCHEDULE_STEAL, `shares` holds the state `strata_steal_init` set (else
+ * it is unused). */
 static void strata_two_passes(const void *call, int n_threads, int schedule,
                               strata_share *shares, strata_task pass1, int64_t n1,
                               strata_task pass2, int64_t n2)
 {
-    int64_t done = 0; /* pass 1's tasks finished, by all threads */
-    int steal = schedule == SCHEDULE_STEAL;
-    if (steal) {
-        strata_share_out(shares, n_threads, n1);
-        strata_share_out(shares + n_threads, n_threads, n2);
+    int64_t done = 0; /* pass 1's tasks finished, by all threads (but SCHEDULE_STEAL's) */
+    if (schedule == SCHEDULE_STEAL) {
+#pragma omp parallel num_threads(n_threads)
+        strata_steal_passes(call, shares, n_threads, omp_get_thread_num(), 1, pass1, n1, pass2);
+        return;
     }
 #pragma omp parallel num_threads(n_threads)
     {
-        int64_t ran = steal ? strata_steal(call, pass1, shares, n_threads)
-                            : strata_pass(call, pass1, n1, schedule);
+        int64_t ran = strata_pass(call, pass1, n1, schedule);
         if (ran)
             __atomic_fetch_add(&done, ran, __ATOMIC_RELEASE);
         strata_wait_done(&done, n1);
-        if (steal)
-            strata_steal(call, pass2, shares + n_threads, n_threads);
-        else
-            strata_pass(call, pass2, n2, schedule);
+        strata_pass(call, pass2, n2, schedule);
     }
 }
 

@@ -185,7 +185,8 @@ class CpuExperts:
 
         The thread (`_cpu_experts.CpuWorker`, made on first use) is the master of an OpenMP
         team of its own, one thread fewer than `compute`'s so that the caller keeps a core for
-        what it does meanwhile; the bytes are `compute`'s whatever the count. With
+        what it does meanwhile (under "steal", the caller's core joins the call in `finish`);
+        the bytes are `compute`'s whatever the count. With
         `shrink_caller_team`, the caller's own OpenMP pool is first cut to one idle thread if a
         `compute` or `wake` (or, before any, the load) may have grown it, so that the two teams
         fit the CPUs and the worker's threads spin between barriers instead of sleeping
@@ -220,7 +221,10 @@ class CpuExperts:
         return True
 
     def finish(self) -> None:
-        """Return when the call `start` started is done (at once when none is)."""
+        """Return when the call `start` started is done (at once when none is). Under the
+        "steal" schedule this thread takes the call's tasks too until none is left, as one
+        more thread of the worker's team (`_cpu_experts.CpuWorker.wait`), rather than waiting
+        idle beside it."""
         if self._worker is not None:
             self._worker.wait()
 
