@@ -90,8 +90,9 @@
 # qwen3's shapes), offload-wake (4: olmoe-1b-7b at 4 GiB and qwen3-30b-a3b's 16 layers at 22%,
 # --stream-misses 3,4, each with and without `wake_cpu`), cpu-schedule (1.5: bench/cpu_experts.py
 # over 2, 3 and 4 experts after no gap and an 800 us gap, the kernel's tasks handed out
-# (compute-main) against fixed and guided shares (compute-static, compute-guided), olmoe's and
-# qwen3's shapes), offload-schedule (7: olmoe-1b-7b at 4 GiB at --stream-misses 2,3 and
+# (compute-main) against fixed, guided and stolen shares (compute-static, compute-guided,
+# compute-steal), and on the worker thread as a round's decode call runs (start-dynamic against
+# start-steal, whose waiter takes part), olmoe's and qwen3's shapes), offload-schedule (7: olmoe-1b-7b at 4 GiB at --stream-misses 2,3 and
 # qwen3-30b-a3b's 16 layers at 22% at 3,4, each with the kernel's tasks handed out and in each
 # of CPU_SCHEDULES' shares, default steal,static, their requests interleaved), offload-counts
 # (4: both at --stream-misses 4 with 2 and 3 streamed through the same staging buffer, the
@@ -114,7 +115,7 @@
 # step by step on one layer of each shape at PROMPT_TOKENS, default 4096,16384, and the
 # activation as one kernel against torch's two), cpu-int8 (1: bench/cpu_experts.py on qwen3's
 # shape, 3 and 4 experts a call (CPU_INT8_EXPERTS) after a 500 us gap, bf16 against int8
-# experts, pinned), rates-probe (1.5: bench/rates_probe.py, every timed call of
+# experts, pinned, each also on the worker thread under dynamic and steal: start-*), rates-probe (1.5: bench/rates_probe.py, every timed call of
 # `--stream-misses auto`'s rates round by round, qwen3-30b-a3b's and olmoe-1b-7b's shapes),
 # offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
 # CPU's misses on their own thread, `CachedExperts.async_cpu`, and on the engine's, -sync,
@@ -272,7 +273,7 @@ for stage in "$@"; do
                 (cd bench && timeout 120 python3 cpu_experts.py --preset $preset --dtypes bf16 \
                    --tokens 1 --experts 2,3,4 --gap-us 0,800 --repeat 15 --memory pinned)
               done > "$OUT/cpu-schedule.txt" 2>&1; grep "| pinned" "$OUT/cpu-schedule.txt" \
-              | cut -c1-100 ;;
+              | cut -c1-400 ;;
     cpu-prefetch) for preset in ${CPU_PRESETS:-olmoe-1b-7b qwen3-30b-a3b}; do  # prefetched
                 (cd bench && timeout 150 python3 cpu_experts.py --preset $preset --dtypes bf16 \
                    --tokens 1 --experts 2,4 --gap-us 0,800 --repeat 15 \

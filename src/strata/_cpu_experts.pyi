@@ -51,8 +51,8 @@ def compute(
             (one at a time to whichever thread asks, the default: threads that wake late from
             sleep take fewer), "static" (equal fixed shares), "guided" (large shares first,
             single tasks at the end) or "steal" (equal fixed shares, each taken in order by
-            its thread and, once a thread's own is done, by it from the back of the
-            others'; fewer than 2**31 tasks a pass); the same bytes whichever. No thread
+            its thread, a thread done with its own taking the back half of another's; fewer
+            than 2**31 tasks a pass); the same bytes whichever. No thread
             waits for the team before its first task, and pass 2 starts once pass 1's tasks
             are done.
         prefetch_bytes: how far ahead of its reads a weight row's dot product asks for the
@@ -102,7 +102,7 @@ class CpuWorker:
     def wait(self) -> int:
         """Return when the call in flight is done (at once when none is), and how many of its
         tasks the calling thread ran: under the "steal" schedule it takes the call's tasks as
-        one more thread of the team (from the back of the team's shares) until none is left;
+        one more thread of the team (halves of the team's shares) until none is left;
         under the others it only waits (0). The same bytes either way."""
 
     @property

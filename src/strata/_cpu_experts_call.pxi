@@ -41,14 +41,14 @@ cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
 
 
 cdef object _shares(int n_threads, int schedule):
-    """For SCHEDULE_STEAL, the memory of the call's state: 2 * n_threads + 1 shares
+    """For SCHEDULE_STEAL, the memory of the call's state: 2 * (n_threads + 1) + 1 shares
     (`strata_steal_init`; `_check` saw that a pass's tasks fit a share), a cache line each,
     and one line more so that they can start on a line (`_call` aligns them and sets them);
     None for the other schedules. Made here, so that the passes allocate nothing and a
     failure is Python's MemoryError before any work."""
     if schedule != SCHEDULE_STEAL:
         return None
-    return np.empty((2 * n_threads + 2) * SHARE_BYTES, dtype=np.uint8)
+    return np.empty((2 * n_threads + 4) * SHARE_BYTES, dtype=np.uint8)
 
 
 cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,

@@ -37,15 +37,15 @@ typedef void (*strata_task)(const void *call, int64_t task);
 
 /* The schedules, as strata._cpu_experts names them: tasks one at a time to whichever thread
  * asks, equal fixed shares, large shares first, and fixed shares taken in order by their
- * threads and, once a thread's own is done, by it from the back of the others'
- * (`strata_steal`). */
+ * threads, a thread done with its own taking the back half of another's (`strata_steal`). */
 enum { SCHEDULE_DYNAMIC = 0, SCHEDULE_STATIC = 1, SCHEDULE_GUIDED = 2, SCHEDULE_STEAL = 3 };
 
 /* One thread's share of a pass's tasks for SCHEDULE_STEAL: the tasks [next, end) not yet taken,
  * packed in one word (next in the low 32 bits, end in the high) so that its owner taking from
- * the front and other threads taking from the back agree with one compare-and-swap; alone on
- * a cache line (the caller's array of them aligned to 64 bytes), so that a thread taking its
- * own tasks touches no other's line. */
+ * the front and a thief taking the back half agree with one compare-and-swap; alone on a
+ * cache line (the caller's array of them aligned to 64 bytes), so that a thread taking its own
+ * tasks touches no other's line. A share's word says which tasks are left in it and nothing
+ * else, so a compare-and-swap that finds the word it read is right whatever happened between. */
 enum { SHARE_BYTES = 64 };
 typedef struct {
     uint64_t range;
@@ -53,47 +53,72 @@ typedef struct {
 } strata_share;
 _Static_assert(sizeof(strata_share) == SHARE_BYTES, "a share is one cache line");
 
-/* Split [0, n) into n_shares equal shares, in order (n < 2^31: `_check` sees to it). */
-static void strata_share_out(strata_share *shares, int n_shares, int64_t n)
+static inline uint64_t strata_range(uint64_t next, uint64_t end) { return next | end << 32; }
+
+/* Split [0, n) into n_owners equal shares, in order, and leave shares [n_owners, n_shares)
+ * empty (n < 2^31: `_check` sees to it). */
+static void strata_share_out(strata_share *shares, int n_owners, int n_shares, int64_t n)
 {
-    for (int i = 0; i < n_shares; i++) {
-        uint64_t next = (uint64_t)(n * i / n_shares), end = (uint64_t)(n * (i + 1) / n_shares);
-        shares[i].range = next | end << 32;
-    }
+    for (int i = 0; i < n_shares; i++)
+        shares[i].range = i < n_owners ? strata_range((uint64_t)(n * i / n_owners),
+                                                      (uint64_t)(n * (i + 1) / n_owners))
+                                       : 0;
 }
 
-/* Take one task of `share`: its first (`from_back` 0) or its last; -1 when none is left. */
-static inline int64_t strata_take(strata_share *share, int from_back)
+/* Take the first task of `share`; -1 when none is left. */
+static inline int64_t strata_take(strata_share *share)
 {
     uint64_t range = __atomic_load_n(&share->range, __ATOMIC_RELAXED);
     for (;;) {
         uint64_t next = range & 0xffffffffu, end = range >> 32;
         if (next >= end)
             return -1;
-        uint64_t taken = from_back ? range - ((uint64_t)1 << 32) : range + 1;
-        if (__atomic_compare_exchange_n(&share->range, &range, taken, 1, __ATOMIC_RELAXED,
+        if (__atomic_compare_exchange_n(&share->range, &range, range + 1, 1, __ATOMIC_RELAXED,
                                         __ATOMIC_RELAXED))
-            return (int64_t)(from_back ? end - 1 : next);
+            return (int64_t)next;
     }
 }
 
-/* SCHEDULE_STEAL for one thread: with `own`, share `first` from its front, in order (one run
- * of adjacent rows, as static gives); then what is left of the others', the next share's
- * first, each from its back (so that a thread still asleep holds no task back, as dynamic
- * allows, and the share's owner, once up, still finds its front in order). A helper from
- * outside the team has no share of its own (`own` 0). Returns how many tasks it ran. */
-static int64_t strata_steal(const void *call, strata_task task, strata_share *shares,
-                            int n_shares, int first, int own)
+/* Move the back half of `victim`'s tasks (at least one) into `own`, whose tasks are all taken
+ * (only its owner stores into it, and others only take from it); returns whether any moved. */
+static inline int strata_take_half(strata_share *victim, strata_share *own)
 {
+    uint64_t range = __atomic_load_n(&victim->range, __ATOMIC_RELAXED);
+    for (;;) {
+        uint64_t next = range & 0xffffffffu, end = range >> 32;
+        if (next >= end)
+            return 0;
+        uint64_t middle = end - (end - next + 1) / 2;
+        if (__atomic_compare_exchange_n(&victim->range, &range, strata_range(next, middle), 1,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            __atomic_store_n(&own->range, strata_range(middle, end), __ATOMIC_RELAXED);
+            return 1;
+        }
+    }
+}
+
+/* SCHEDULE_STEAL for the thread whose share is `me` of n_shares: its own share's tasks in
+ * order (one run of adjacent rows, as static gives); then, until no share has any left, the
+ * back half of the next share that has some, moved into its own and taken in order likewise
+ * (so that a thread still asleep holds no task back, as dynamic allows, while every thread's
+ * reads stay in runs of adjacent rows, its owner's and the thief's). Returns how many tasks it
+ * ran. */
+static int64_t strata_steal(const void *call, strata_task task, strata_share *shares,
+                            int n_shares, int me)
+{
+    strata_share *own = &shares[me];
     int64_t t, ran = 0;
-    for (int k = 0; k < n_shares; k++) {
-        int from_back = k > 0 || !own;
-        while ((t = strata_take(&shares[(first + k) % n_shares], from_back)) >= 0) {
+    for (;;) {
+        while ((t = strata_take(own)) >= 0) {
             task(call, t);
             ran++;
         }
+        int k = 1;
+        while (k < n_shares && !strata_take_half(&shares[(me + k) % n_shares], own))
+            k++;
+        if (k == n_shares)
+            return ran;
     }
-    return ran;
 }
 
 /* Run tasks [0, n) of `task` over the team as `schedule` says; returns how many this thread
@@ -136,32 +161,31 @@ static inline void strata_wait_done(const int64_t *done, int64_t n)
     }
 }
 
-/* A SCHEDULE_STEAL call's state, 2 * n_threads + 1 shares (64-byte aligned, the caller's memory:
- * nothing is allocated here, so nothing here can fail): pass 1's n_threads shares of its n1
- * tasks, pass 2's of its n2, and one whose word counts pass 1's tasks done. Set before the
- * call is run, and before any helper takes part. */
+/* A SCHEDULE_STEAL call's state on n_threads threads and one helper, 2 * (n_threads + 1) + 1
+ * shares (64-byte aligned, the caller's memory: nothing is allocated here, so nothing here can
+ * fail): pass 1's n1 tasks in n_threads equal shares and the helper's, empty; pass 2's n2
+ * likewise; and one whose word counts pass 1's tasks done. Set before the call is run, and
+ * before the helper takes part. */
 static void strata_steal_init(strata_share *shares, int n_threads, int64_t n1, int64_t n2)
 {
-    strata_share_out(shares, n_threads, n1);
-    strata_share_out(shares + n_threads, n_threads, n2);
-    shares[2 * n_threads].range = 0;
+    strata_share_out(shares, n_threads, n_threads + 1, n1);
+    strata_share_out(shares + n_threads + 1, n_threads, n_threads + 1, n2);
+    shares[2 * (n_threads + 1)].range = 0;
 }
 
-/* One thread's part of a SCHEDULE_STEAL call whose state `strata_steal_init` set: pass 1's
- * tasks it can take, its own share `first` first (`own`: a thread of the call's team); then,
- * once all of pass 1's are done, pass 2's. Run by each thread of the team, and by any other
- * thread that helps (`CpuWorker.wait`'s, `own` 0): tasks are taken one at a time from the
- * shares, so each runs once whoever takes part. Returns how many tasks this thread ran. */
+/* One thread's part of a SCHEDULE_STEAL call whose state `strata_steal_init` set, its share
+ * `me` (a thread of the team: its number; the helper, `CpuWorker.wait`'s thread: n_threads):
+ * pass 1's tasks it can take; then, once all of pass 1's are done, pass 2's. Each task runs
+ * once whoever takes part. Returns how many tasks this thread ran. */
 static int64_t strata_steal_passes(const void *call, strata_share *shares, int n_threads,
-                                   int first, int own, strata_task pass1, int64_t n1,
-                                   strata_task pass2)
+                                   int me, strata_task pass1, int64_t n1, strata_task pass2)
 {
-    int64_t *done = (int64_t *)&shares[2 * n_threads].range;
-    int64_t ran = strata_steal(call, pass1, shares, n_threads, first, own);
+    int64_t *done = (int64_t *)&shares[2 * (n_threads + 1)].range;
+    int64_t ran = strata_steal(call, pass1, shares, n_threads + 1, me);
     if (ran)
         __atomic_fetch_add(done, ran, __ATOMIC_RELEASE);
     strata_wait_done(done, n1);
-    return ran + strata_steal(call, pass2, shares + n_threads, n_threads, first, own);
+    return ran + strata_steal(call, pass2, shares + n_threads + 1, n_threads + 1, me);
 }
 
 /* Pass 1's n1 tasks, then, once all of them are done, pass 2's n2, on n_threads threads, as
@@ -174,7 +198,7 @@ static void strata_two_passes(const void *call, int n_threads, int schedule,
     int64_t done = 0; /* pass 1's tasks finished, by all threads (but SCHEDULE_STEAL's) */
     if (schedule == SCHEDULE_STEAL) {
 #pragma omp parallel num_threads(n_threads)
-        strata_steal_passes(call, shares, n_threads, omp_get_thread_num(), 1, pass1, n1, pass2);
+        strata_steal_passes(call, shares, n_threads, omp_get_thread_num(), pass1, n1, pass2);
         return;
     }
 #pragma omp parallel num_threads(n_threads)

@@ -137,9 +137,10 @@ class CpuExperts:
         `schedule`): "dynamic", one at a time to whichever asks, the default, 1.09-1.10x the
         rounds that the CPU holds on the H200 against "static", equal fixed shares, the
         schedule before (bench/results/offload-balance-staged-h200-2026-12-03.md); "guided"
-        and "steal" (fixed shares, which a thread done with its own takes from: 0.72-0.76x
-        dynamic's time alone on the 2-core development machine, bench/results/
-        cpu-passes-cpu-2026-12-04.md) are there to be measured in rounds. The benchmarks set
+        and "steal" (fixed shares, a thread done with its own taking the back half of
+        another's, and the thread waiting in `finish` taking part: 0.59-0.66x dynamic's time
+        alone on the 2-core development machine, bench/results/cpu-passes-cpu-2026-12-04.md
+        and cpu-steal-cpu-2026-12-04.md) are there to be measured in rounds. The benchmarks set
         it for their A/B (bench/cpu_experts.py's `compute-static`, `compute-guided` and
         `compute-steal`, bench/offload.py --cpu-schedule); the same bytes whichever.
         ValueError when set to another name."""
