@@ -498,3 +498,29 @@ def test_the_second_pass_waits_for_the_pass_1_tasks_a_waiter_took():
                      xs[i % 2].float().numpy(), _u16(out), f, 8, "steal")
         worker.wait()
         assert torch.equal(out.view(torch.int16), expected[i % 2].view(torch.int16))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 6), st.sampled_from(sorted(_cpu_experts.SCHEDULES)), st.integers(0, 300),
+       st.integers(0, 300), st.sampled_from([0, 50, 2000, 30000]), st.booleans())
+def test_every_task_runs_once_and_pass_2_after_all_of_pass_1(n_threads, schedule, n1, n2,
+                                                              spins, helper):
+    """The passes' scheduling over tasks that only count (`tally_passes`): each task runs
+    exactly once, under every schedule and with the waiting thread taking part ('steal'), and
+    no pass-2 task begins before every pass-1 task has finished. (The kernel's bytes cannot
+    show a task run twice.) With more threads than cores and tasks that take a while, threads
+    are preempted mid-task and steal from each other."""
+    helper = helper and schedule == "steal"
+    runs1, runs2, seen, helped = _cpu_experts.tally_passes(n_threads, schedule, n1, n2, spins,
+                                                           helper)
+    assert runs1.tolist() == [1] * n1 and runs2.tolist() == [1] * n2
+    assert seen.tolist() == [n1] * n2
+    assert 0 <= helped <= n1 + n2 and (helper or helped == 0)
+
+
+def test_tally_passes_refuses_bad_arguments():
+    for args, kwargs in [((0, "steal", 1, 1), {}), ((2, "auto", 1, 1), {}),
+                         ((2, "steal", -1, 1), {}), ((2, "steal", 1, 2**31), {}),
+                         ((2, "dynamic", 1, 1), {"helper": True})]:
+        with pytest.raises(ValueError, match=r"tally_passes takes n_threads >= 1, a schedule"):
+            _cpu_experts.tally_passes(*args, **kwargs)

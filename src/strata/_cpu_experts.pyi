@@ -78,6 +78,20 @@ def shrink_team() -> None:
     idle thread for it and lets the others exit: with fewer OpenMP threads than CPUs, idle
     threads spin before they sleep (about a microsecond otherwise)."""
 
+def tally_passes(
+    n_threads: int,
+    schedule: str,
+    n1: int,
+    n2: int,
+    spins: int = 0,
+    helper: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """For the tests: n1 pass-1 and n2 pass-2 tasks that only count, run as `compute` runs a
+    call's (n_threads threads, `schedule`; with `helper`, on a worker thread while the caller
+    takes part, "steal" only). Returns (runs1 [n1], runs2 [n2], seen [n2], helped): the times
+    each task ran, the pass-1 tasks finished when each pass-2 task began, and the tasks the
+    calling thread ran. Each task spins `spins` times. ValueError for a bad argument."""
+
 class CpuWorker:
     """One thread that runs `compute`'s calls while the thread that posts them goes on: the
     master of an OpenMP team of its own. One call at a time; the call's arrays are kept

@@ -335,3 +335,4 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
 
 
 include "_cpu_experts_worker.pxi"
+include "_cpu_experts_tally.pxi"

@@ -51,6 +51,19 @@ cdef object _shares(int n_threads, int schedule):
     return np.empty((2 * n_threads + 4) * SHARE_BYTES, dtype=np.uint8)
 
 
+cdef void *_steal_state(object shares, int n_threads, int64_t n1, int64_t n2) except? NULL:
+    """The first cache line of `shares` (from `_shares`), where the steal state of a call of n1
+    and n2 tasks on n_threads threads is now set, before any thread takes part; NULL for
+    None (another schedule)."""
+    if shares is None:
+        return NULL
+    cdef uint8_t[::1] share_bytes = shares
+    cdef uintptr_t at = <uintptr_t>&share_bytes[0]
+    cdef void *state = <void *>((at + SHARE_BYTES - 1) & ~(<uintptr_t>SHARE_BYTES - 1))
+    strata_steal_init(state, n_threads, n1, n2)
+    return state
+
+
 cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
                 const int64_t[::1] row_starts, const float[:, ::1] x, float[:, ::1] act,
                 uint16_t[:, ::1] out, int64_t expert_width, int n_threads, int schedule,
@@ -58,8 +71,6 @@ cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts
     """The Call over checked arrays of at least one row, and `shares` from `_shares` (the
     pointers are theirs: the caller keeps the arrays alive until the call has run)."""
     cdef Call call
-    cdef uint8_t[::1] share_bytes
-    cdef uintptr_t at
     call.blobs = &blobs[0, 0]
     call.blob_bytes = blobs.shape[1]
     call.fmt = fmt
@@ -75,10 +86,5 @@ cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts
     call.n_threads = n_threads
     call.schedule = schedule
     call.prefetch = prefetch_bytes
-    call.shares = NULL
-    if shares is not None:  # the steal state, set before any thread takes part
-        share_bytes = shares
-        at = <uintptr_t>&share_bytes[0]
-        call.shares = <void *>((at + SHARE_BYTES - 1) & ~(<uintptr_t>SHARE_BYTES - 1))
-        strata_steal_init(call.shares, n_threads, _tasks1(&call), _tasks2(&call))
+    call.shares = _steal_state(shares, n_threads, _tasks1(&call), _tasks2(&call))
     return call
