@@ -24,9 +24,10 @@ CPU's last-level cache and the figures are too good):
 - `kernel-int8`, `kernel-int4` (bf16 stores): strata's kernel over the same experts quantized
   to int8 (per output channel, a little over half the bytes) and to int4 (groups of 32 along
   the input, 0.31x the bytes; `strata.engine.experts.quant`), called directly on the main
-  thread: what quantized experts would read; `compute-int8`, `compute-int4`: `CpuExperts` over
-  stores of those blobs, as the cache calls it (the kernel up to `KERNEL_MAX_ROWS` rows an
-  expert, dequantized torch matmuls beyond);
+  thread: what quantized experts would read (`kernel-int8-steal`, `kernel-int4-steal`: the
+  same under the "steal" schedule, at any T: a prompt's calls too); `compute-int8`,
+  `compute-int4`: `CpuExperts` over stores of those blobs, as the cache calls it (the kernel up
+  to `KERNEL_MAX_ROWS` rows an expert, dequantized torch matmuls beyond);
 - `start-dynamic`, `start-steal` (T = 1, strata's kernel), and `start-dynamic-int8` and the
   like over each quantized store: the call as the cache runs a decode call on CUDA,
   `CpuExperts.start` on the kernel's own worker thread (a team one thread short of the cores)
@@ -181,17 +182,19 @@ def quantized_layers(store: ExpertStore, make_blob) -> list[np.ndarray]:
 
 
 def kernel_call(blobs: np.ndarray, fmt: int, x_rows: torch.Tensor, routed: Routed,
-                expert_width: int, threads: int) -> None:
+                expert_width: int, threads: int, schedule: str = "dynamic") -> None:
     out = np.empty((routed.n_rows, x_rows.shape[1]), dtype=np.uint16)
     _cpu_experts.compute(blobs, fmt, routed.experts, routed.starts, x_rows.float().numpy(),
-                         out, expert_width, threads)
+                         out, expert_width, threads, schedule)
 
 
 def _blob_bytes(column: str, store: ExpertStore, quantized: dict | None) -> int:
-    """The bytes an expert of `column` reads: its quantized blob's (a column ending in
-    "-int8" or "-int4"), else the store's."""
-    name = "kernel-" + column.rsplit("-", 1)[-1]
-    return quantized[name][0].shape[1] if name in (quantized or {}) else store.blob_bytes
+    """The bytes an expert of `column` reads: its quantized blob's (a column naming "-int8" or
+    "-int4"), else the store's."""
+    for name in quantized or {}:
+        if name.removeprefix("kernel") in column:
+            return quantized[name][0].shape[1]
+    return store.blob_bytes
 
 
 def started_columns(cpu: CpuExperts, quantized_cpu: dict[str, CpuExperts], n_tokens: int,
@@ -263,11 +266,12 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
         per_expert = {
             "bare": median_us(lambda: bare(store, layer(), x_rows, routed), repeat, gap_us,
                               **waking),
-            **{name: median_us(lambda name=name: kernel_call(
+            **{name + suffix: median_us(lambda name=name, schedule=schedule: kernel_call(
                 quantized[name][layer()], QUANTIZED[name][0], x_rows, routed,
-                store.expert_width, threads or torch.get_num_threads()), repeat, gap_us,
-                **waking)
-               for name in quantized or {}},
+                store.expert_width, threads or torch.get_num_threads(), schedule), repeat,
+                gap_us, **waking)
+               for name in quantized or {}
+               for suffix, schedule in (("", "dynamic"), ("-steal", "steal"))},
             **{name: median_us(lambda q=q: q.compute(layer(), x_rows, routed), repeat, gap_us,
                                **waking)
                for name, q in quantized_cpu.items()},
@@ -380,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['command']}  ({result['machine']}, torch {result['torch']})")
     print(f"host read bandwidth: {read_gbps:.1f} GB/s (float32 sum over {args.read_mib} MiB)")
     columns = ("compute-torch", "compute-main", "compute-static", "compute-guided", "compute-steal",
-               *(f"compute-pf{n}" for n in prefetches), *QUANTIZED,
+               *(f"compute-pf{n}" for n in prefetches),
+               *(name + suffix for name in QUANTIZED for suffix in ("", "-steal")),
                *(name.replace("kernel", "compute") for name in QUANTIZED),
                *(f"start-{schedule}{suffix}" for suffix in ("", "-int8")
                  for schedule in ("dynamic", "steal")), "compute-worker", "worker-main-busy")

@@ -170,8 +170,8 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
     for run in result["runs"]:
         assert run["experts"] >= 1 and run["rows"] == run["tokens"] * 2
         assert run["ratio_to_bare"]["bare"] == 1.0
-        quantized = {"kernel-int8", "kernel-int4", "compute-int8", "compute-int4"} \
-            if run["dtype"] == "bf16" else set()
+        quantized = {"kernel-int8", "kernel-int4", "kernel-int8-steal", "kernel-int4-steal",
+                     "compute-int8", "compute-int4"} if run["dtype"] == "bf16" else set()
         # The worker path's columns: decode calls (T = 1) through strata's kernel (bf16).
         started = {f"start-{schedule}{suffix}" for schedule in ("dynamic", "steal")
                    for suffix in ("", "-int8", "-int4")} \
@@ -182,8 +182,10 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
             "compute-worker", "worker-main-busy", *quantized, *started}
         if started:  # a quantized column's GB/s counts its blobs' bytes, the others the store's
             bytes_of = {name: run["gbps"][name] * run["us_per_expert"][name]
-                        for name in ("start-steal", "start-steal-int8", "compute-int8")}
-            assert bytes_of["start-steal-int8"] == pytest.approx(bytes_of["compute-int8"])
+                        for name in ("start-steal", "start-steal-int8", "compute-int8",
+                                     "kernel-int8-steal")}
+            assert bytes_of["start-steal-int8"] == pytest.approx(bytes_of["compute-int8"]) \
+                == pytest.approx(bytes_of["kernel-int8-steal"])
             assert bytes_of["start-steal-int8"] < 0.6 * bytes_of["start-steal"]
         assert run["kernel"] == ("strata" if run["dtype"] == "bf16" else "torch")
     assert result["host_read_gbps"] > 0
