@@ -46,7 +46,9 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   bound); the CPU experts' GB/s and its share of the host read bandwidth; the host-side time
   of a round: the round less the CPU experts' time and the cache's time waiting for the device
   (`CacheStats`: `cpu_s`, `wait_s`), i.e. issuing, booking and everything around the kernels
-  (a wait outside the cache, such as sampling's read of the token, counts as host-side);
+  (a wait outside the cache, such as sampling's read of the token, counts as host-side); under
+  `--cpu-schedule steal`, the share of the CPU kernel's tasks the engine's thread ran while it
+  waited for them (`CacheStats`: `cpu_waiter_tasks` of `cpu_tasks`);
 - prefill of a `--prefill-tokens` prompt at the same cache with the prompt loan: its time, the
   expert bytes it uploaded and the upload bound (bytes / copy rate) beside it, and where the
   time went: the cache's uploads (`upload_s`: the host's time queueing them, which is their
@@ -219,6 +221,8 @@ def round_figures(run: dict, blob_bytes: int, machine: dict, device_round_ms: fl
         "cpu_gb_s": cpu_rate / GB if cpu_rate else None,
         "cpu_share_of_host_read": cpu_rate / machine["host_read_bytes_per_s"]
         if cpu_rate else None,
+        "cpu_waiter_task_share": d["cpu_waiter_tasks"] / d["cpu_tasks"]
+        if d["cpu_tasks"] else None,
         "ms_per_layer": round_ms / n_layers,
         "scaled_tok_s": 1000 / (round_ms / n_layers * full_layers),
     }
@@ -703,7 +707,10 @@ def print_report(result: dict, args) -> None:
         print(f"  misses a round {r['misses_per_round']:.2f}: CPU {r['cpu_experts_per_round']:.2f}"
               f", copies {r['streamed_experts_per_round']:.2f} (CPU / copy {shares}); CPU "
               f"experts {r['cpu_ms']:.2f} ms ({cpu_rate}); waiting {r['wait_ms']:.2f} ms; "
-              f"host-side {r['host_ms']:.2f} ms ({100 * r['host_share']:.0f}% of the round)")
+              f"host-side {r['host_ms']:.2f} ms ({100 * r['host_share']:.0f}% of the round)"
+              + ("" if not r["cpu_waiter_task_share"] else
+                 f"; the engine's thread ran {100 * r['cpu_waiter_task_share']:.0f}% of the "
+                 f"CPU's tasks"))
         if scaled:
             print(f"  {r['ms_per_layer']:.3f} ms a layer: {r['scaled_tok_s']:.1f} tok/s scaled to "
                   f"{result['full_layers']} layers")

@@ -16,6 +16,7 @@ FORMAT_INT4_G64: int
 SCHEDULES: dict[str, int]
 PREFETCH_BYTES: int  # compute's default prefetch_bytes: 4096
 REVISION: int  # the kernel's revision, part of the kept rates' key: 2
+TASK_ROWS: int  # weight rows a task reads: a call's tasks are M * (ceil(F / 16) + ceil(D / 16))
 
 def blob_bytes(fmt: int, expert_width: int, hidden_size: int) -> int:
     """Bytes of one blob of format `fmt` for F and D; ValueError for an unknown format, or an

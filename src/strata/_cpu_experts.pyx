@@ -65,6 +65,7 @@ REVISION = 2
 # decode call's M * F / BLOCK_ROWS tasks keep 16 threads busy (olmoe: 8 * 1024 / 16 = 512).
 cdef enum:
     BLOCK_ROWS = 16
+TASK_ROWS = BLOCK_ROWS  # for Python: a call's tasks are M * (ceil(F / 16) + ceil(D / 16))
 
 # The blobs' formats (`blob_bytes` of each: the layout above).
 cdef enum:

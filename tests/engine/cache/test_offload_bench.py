@@ -61,6 +61,8 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
         assert r["bound_ms"] >= r["device_round_ms"] and r["over_bound"] > 0
         assert r["host_ms"] == r["round_ms"] - r["cpu_ms"] - r["wait_ms"]
         assert r["cpu_gb_s"] > 0 and r["cpu_share_of_host_read"] > 0
+        # Off CUDA no call is split, so none runs on the CPU's own thread: no tasks counted.
+        assert r["cpu_waiter_task_share"] is None
     prefill = runs["prefill-loan"]
     assert prefill["cache"]["lent_slots"] > 0 and prefill["upload_bound_s"] is None
     prompt = prefill["cache"]["prompt"]

@@ -110,20 +110,48 @@ def test_a_split_call_with_its_cpu_misses_on_their_own_thread_gives_the_same_byt
     assert all(started) or dtype == "fp32" or repeats
 
 
+def _async_caches(share, stream):
+    """A bf16 store, and over it a general-path cache and a token-path one whose split calls
+    run their CPU misses on the CPU's own thread (`async_cpu`), `share` of the experts cached
+    and `stream` misses a call streamed (sieve)."""
+    store = small_store(torch.bfloat16)
+    n_slots = round(share * store.n_layers * store.n_experts)
+    general = make_cache(store, n_slots, "sieve", stream, token_path=True, device="cpu")
+    token = make_cache(store, n_slots, "sieve", stream, token_path=True, device="cpu")
+    token.async_cpu = True
+    return store, general, token
+
+
 def test_a_split_call_with_the_cpu_team_kept_up_between_calls_gives_the_same_bytes():
     """`CpuExperts.keep_team_up` with the CPU's own thread: the team spins between the calls
     and the bytes, books and counts stay the token path's."""
-    store = small_store(torch.bfloat16)
-    n_slots = round(0.5 * store.n_layers * store.n_experts)
-    general = make_cache(store, n_slots, "sieve", 1, token_path=True, device="cpu")
-    token = make_cache(store, n_slots, "sieve", 1, token_path=True, device="cpu")
-    token.async_cpu, token.cpu.keep_team_up = True, True
+    store, general, token = _async_caches(0.5, 1)
+    token.cpu.keep_team_up = True
     for call in token_calls(store, 32, seed=3, repeats=False, device="cpu"):
         expected = general.forward(*call)
         assert bytes_of(split_call(token, *call)) == bytes_of(expected)
         assert books(token) == books(general)
     assert token.cpu._worker is not None and token.cpu._worker.keep_team_up
     assert counts(token) == counts(general)
+
+
+@pytest.mark.parametrize("schedule", ["dynamic", "steal"])
+def test_the_cpu_s_tasks_and_those_the_engine_thread_ran_are_counted(schedule):
+    """Split calls with their CPU misses on the CPU's own thread: `cpu_tasks` counts the
+    kernel's tasks of those calls (`CpuExperts.tasks`), `cpu_waiter_tasks` the ones the engine's
+    thread ran while it waited (under "steal" only); the bytes stay the token path's."""
+    store, general, token = _async_caches(0.25, 0)
+    token.cpu.schedule = schedule
+    for call in token_calls(store, 32, seed=4, repeats=False, device="cpu"):
+        assert bytes_of(split_call(token, *call)) == bytes_of(general.forward(*call))
+    stats = token.stats.decode
+    blocks = -(-store.expert_width // 16) - (-store.hidden_size // 16)  # F and D in tasks
+    assert stats.cpu_experts > 0 and stats.cpu_tasks == stats.cpu_experts * blocks
+    assert general.stats.decode.cpu_tasks == 0  # computed on the engine's thread: not counted
+    if schedule == "steal":
+        assert 0 <= stats.cpu_waiter_tasks <= stats.cpu_tasks
+    else:
+        assert stats.cpu_waiter_tasks == 0
 
 
 @pytest.mark.cuda

@@ -8,8 +8,11 @@ host), `device_s` issuing the device's share (hits, the loan), `upload_s` the ca
 uploads (admissions and refills, which the thread waits for; the loan's batches, which it only
 queues unless `STRATA_LOAN_UPLOAD_BATCHES` is 1: `device_s` holds the loan's), `cpu_s`
 computing misses on the CPU (while the device runs its share), `forward_s` everything inside
-the expert cache. Rounds replayed from a CUDA graph (every expert resident) count their calls,
-lookups and hits, but no times.
+the expert cache. Of the CPU's calls run on its own thread (a decode call's, on CUDA),
+`cpu_tasks` counts the kernel's tasks (`CpuExperts.tasks`) and `cpu_waiter_tasks` those the
+engine's thread ran while it waited for them (the "steal" schedule's, `CpuExperts.finish`).
+Rounds replayed from a CUDA graph (every expert resident) count their calls, lookups and hits,
+but no times.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class PhaseStats:
     lookups: int = 0
     cpu_experts: int = 0
     cpu_tokens: int = 0
+    cpu_tasks: int = 0
+    cpu_waiter_tasks: int = 0
     loan_experts: int = 0
     streamed_experts: int = 0
     uploaded_bytes: int = 0

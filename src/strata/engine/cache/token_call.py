@@ -136,12 +136,14 @@ def start_cpu_rows(cache: Any, layer: int, x_host: torch.Tensor, misses: Routed,
         return None
     stats.cpu_experts += misses.n_experts
     stats.cpu_tokens += misses.n_rows
+    stats.cpu_tasks += cache.cpu.tasks(misses)
     return started
 
 
 def finish_cpu_rows(cache: Any, stats: PhaseStats, started: float) -> None:
-    """Wait for `start_cpu_rows`' call; its time from the start counts as the CPU's."""
-    cache.cpu.finish()
+    """Wait for `start_cpu_rows`' call (taking part in it under "steal"); its time from the
+    start counts as the CPU's."""
+    stats.cpu_waiter_tasks += cache.cpu.finish()
     stats.cpu_s += time.perf_counter() - started
 
 

@@ -221,13 +221,20 @@ class CpuExperts:
             self.store.expert_width, max(1, n_threads - 1), self.schedule, self.prefetch_bytes)
         return True
 
-    def finish(self) -> None:
-        """Return when the call `start` started is done (at once when none is). Under the
-        "steal" schedule this thread takes the call's tasks too until none is left, as one
-        more thread of the worker's team (`_cpu_experts.CpuWorker.wait`), rather than waiting
-        idle beside it."""
-        if self._worker is not None:
-            self._worker.wait()
+    def finish(self) -> int:
+        """Return when the call `start` started is done (at once when none is), and how many
+        of its tasks (`tasks`) this thread ran. Under the "steal" schedule this thread takes
+        the call's tasks too until none is left, as one more thread of the worker's team
+        (`_cpu_experts.CpuWorker.wait`), rather than waiting idle beside it; under the others
+        it runs none."""
+        return self._worker.wait() if self._worker is not None else 0
+
+    def tasks(self, routed: Routed) -> int:
+        """The tasks strata's kernel splits a call of `routed`'s experts into: each expert's F
+        rows of gate and up, and its D rows of down, `_cpu_experts.TASK_ROWS` at a time."""
+        blocks = -(-self.store.expert_width // _cpu_experts.TASK_ROWS) \
+            - (-self.store.hidden_size // _cpu_experts.TASK_ROWS)
+        return routed.n_experts * blocks
 
     def compute(self, layer: int, x_rows: torch.Tensor, routed: Routed,
                 out: torch.Tensor | None = None) -> torch.Tensor:
