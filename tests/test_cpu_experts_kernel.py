@@ -413,10 +413,12 @@ def test_the_worker_takes_one_call_at_a_time_and_checks_each_as_compute_does():
     assert out.abs().sum() > 0
 
 
-def test_a_worker_keeping_its_team_up_gives_compute_s_bytes_and_stops_at_once():
+@pytest.mark.parametrize("schedule", ["dynamic", "steal"])
+def test_a_worker_keeping_its_team_up_gives_compute_s_bytes_and_stops_at_once(schedule):
     """`keep_team_up`: after each call the team spins for the next (up to 2 ms); calls that
     come within the spin, after it, and after the setting is turned off again give compute's
-    bytes; a worker dropped while its team spins stops."""
+    bytes, under "steal" with the waiter taking part too; a worker dropped while its team
+    spins stops."""
     f, d = 16, 64
     blobs = _blobs(4, f, d, 3)
     experts, starts = [2, 0, 3], [0, 1, 3, 4]
@@ -431,7 +433,7 @@ def test_a_worker_keeping_its_team_up_gives_compute_s_bytes_and_stops_at_once():
         out = torch.full(expected.shape, 7.0, dtype=torch.bfloat16)
         worker.start(blobs.view(torch.uint8).numpy(), _cpu_experts.FORMAT_BF16,
                      np.asarray(experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
-                     x.float().numpy(), _u16(out), f, 3)
+                     x.float().numpy(), _u16(out), f, 3, schedule)
         worker.wait()
         assert worker.keep_team_up == on
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
