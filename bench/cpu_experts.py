@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                *(f"compute-pf{n}" for n in prefetches),
                *(name + suffix for name in QUANTIZED for suffix in ("", "-steal")),
                *(name.replace("kernel", "compute") for name in QUANTIZED),
-               *(f"start-{schedule}{suffix}" for suffix in ("", "-int8")
+               *(f"start-{schedule}{suffix}" for suffix in ("", "-int8", "-int4")
                  for schedule in ("dynamic", "steal")), "compute-worker", "worker-main-busy")
     print("| memory | dtype | T | experts | gap us | wake us | threads main/worker | "
           "bare us (GB/s, share) | "

@@ -16,7 +16,6 @@ FORMAT_INT4_G64: int
 SCHEDULES: dict[str, int]
 PREFETCH_BYTES: int  # compute's default prefetch_bytes: 4096
 REVISION: int  # the kernel's revision, part of the kept rates' key: 2
-TASK_ROWS: int  # weight rows a task reads: a call's tasks are M * (ceil(F / 16) + ceil(D / 16))
 
 def blob_bytes(fmt: int, expert_width: int, hidden_size: int) -> int:
     """Bytes of one blob of format `fmt` for F and D; ValueError for an unknown format, or an
@@ -53,9 +52,8 @@ def compute(
             sleep take fewer), "static" (equal fixed shares), "guided" (large shares first,
             single tasks at the end) or "steal" (equal fixed shares, each taken in order by
             its thread, a thread done with its own taking the back half of another's; fewer
-            than 2**31 tasks a pass); the same bytes whichever. No thread
-            waits for the team before its first task, and pass 2 starts once pass 1's tasks
-            are done.
+            than 2**31 tasks a pass); the same bytes whichever. No thread waits for the team
+            before its first task, and pass 2 starts once pass 1's tasks are done.
         prefetch_bytes: how far ahead of its reads a weight row's dot product asks for the
             next cache lines (software prefetch, across the 4 KiB pages where the hardware's
             prefetchers stop), a multiple of 64; `PREFETCH_BYTES` by default, 0: not at all.
@@ -78,6 +76,10 @@ def shrink_team() -> None:
     """Run an empty two-thread OpenMP region on the calling thread, so that libgomp keeps one
     idle thread for it and lets the others exit: with fewer OpenMP threads than CPUs, idle
     threads spin before they sleep (about a microsecond otherwise)."""
+
+def n_tasks(n_experts: int, expert_width: int, hidden_size: int) -> int:
+    """The tasks a call of n_experts experts of width F and hidden size D makes, both passes:
+    M * (ceil(F / 16) + ceil(D / 16))."""
 
 def tally_passes(
     n_threads: int,

@@ -65,7 +65,6 @@ REVISION = 2
 # decode call's M * F / BLOCK_ROWS tasks keep 16 threads busy (olmoe: 8 * 1024 / 16 = 512).
 cdef enum:
     BLOCK_ROWS = 16
-TASK_ROWS = BLOCK_ROWS  # for Python: a call's tasks are M * (ceil(F / 16) + ceil(D / 16))
 
 # The blobs' formats (`blob_bytes` of each: the layout above).
 cdef enum:
@@ -150,7 +149,7 @@ cdef struct Call:
     int n_threads
     int schedule
     int64_t prefetch  # bytes of weights ahead of a one-row dot's reads to prefetch, 0: none
-    void *shares  # steal: the passes' 2 * n_threads shares, 64-byte aligned (`_shares`); else NULL
+    void *shares  # steal: the call's shares and count, 64-byte aligned (`_steal_state`); else NULL
 
 
 cdef inline void _dot4(const uint8_t *blob, int fmt, int64_t start, int64_t row,

@@ -57,6 +57,12 @@ cdef inline int64_t _tasks2(const Call *c) noexcept nogil:
     return c.n_experts * _blocks(c.d_hidden)
 
 
+def n_tasks(int64_t n_experts, int64_t expert_width, int64_t hidden_size):
+    """The tasks a call of n_experts experts of width F and hidden size D makes, both passes:
+    M * (ceil(F / 16) + ceil(D / 16))."""
+    return n_experts * (_blocks(expert_width) + _blocks(hidden_size))
+
+
 cdef void _run(const Call *c) noexcept nogil:
     """Both passes of a call in one OpenMP region: pass 1 (act from x, F rows an expert), then,
     once its tasks are all done, pass 2 (out from act, D rows an expert), each in tasks of

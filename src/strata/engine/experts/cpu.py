@@ -231,10 +231,9 @@ class CpuExperts:
 
     def tasks(self, routed: Routed) -> int:
         """The tasks strata's kernel splits a call of `routed`'s experts into: each expert's F
-        rows of gate and up, and its D rows of down, `_cpu_experts.TASK_ROWS` at a time."""
-        blocks = -(-self.store.expert_width // _cpu_experts.TASK_ROWS) \
-            - (-self.store.hidden_size // _cpu_experts.TASK_ROWS)
-        return routed.n_experts * blocks
+        rows of gate and up, and its D rows of down, 16 at a time (`_cpu_experts.n_tasks`)."""
+        return _cpu_experts.n_tasks(routed.n_experts, self.store.expert_width,
+                                    self.store.hidden_size)
 
     def compute(self, layer: int, x_rows: torch.Tensor, routed: Routed,
                 out: torch.Tensor | None = None) -> torch.Tensor:
