@@ -214,21 +214,23 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypat
 
 def test_the_key_names_how_the_calls_were_timed(small, tmp_path):
     """Rates timed otherwise by an earlier strata (back to back; in a round's gaps with the
-    caller's OpenMP pool left grown) are another key than rates timed as a round runs its
-    calls now: a file holding only them is measured anew, not read."""
+    caller's OpenMP pool left grown; with its regrowth timed as one expert's CPU time) are
+    another key than rates timed as a round runs its calls now: a file holding only them is
+    measured anew, not read."""
     _, config = small
     key = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1)
-    assert key.timing == rates_module.TIMING == "round-gap500us-shrunk-grouped"
-    assert key.text().endswith("| timed round-gap500us-shrunk-grouped")
+    assert key.timing == rates_module.TIMING == "round-gap500us-shrunk-grouped-grown"
+    assert key.text().endswith("| timed round-gap500us-shrunk-grouped-grown")
     path = tmp_path / "rates.json"
     older = _rates([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], key.blob_bytes)
-    for timing in ("back-to-back", "round-gap500us", "round-gap500us-shrunk"):
+    for timing in ("back-to-back", "round-gap500us", "round-gap500us-shrunk",
+                   "round-gap500us-shrunk-grouped"):
         kept_rates(dataclasses.replace(key, timing=timing), lambda: older, path)
     measured = []
     kept = kept_rates(key, lambda: measured.append(1) or _rates(
         [0, 2, 4, 6, 8], [0, 1, 2, 3, 4], key.blob_bytes), path)
     assert measured == [1] and kept.stream_s == (0.0, 2.0, 4.0, 6.0, 8.0)
-    assert len(json.loads(path.read_text())["entries"]) == 4  # the older entries stay
+    assert len(json.loads(path.read_text())["entries"]) == 5  # the older entries stay
 
 
 def _bf16_calls(gap_s: float, device: torch.device = CPU) -> TimedCalls:
@@ -261,13 +263,14 @@ def test_a_split_call_is_timed_as_a_round_runs_it(device):
 
 
 def test_the_engine_threads_calls_and_the_split_calls_are_timed_apart_each_round(monkeypatch):
-    """A round of samples times the engine thread's calls, then the split ones: the caller's
-    OpenMP pool is shrunk once a round (the first split call after a `compute`), not before
-    every split call, as no round of decode makes and lets go of its threads each layer."""
+    """A round of samples grows the caller's OpenMP pool untimed, times the engine thread's
+    calls, then the split ones: the pool is shrunk once a round (the first split call after a
+    `compute`), not before every split call, as no round of decode makes and lets go of its
+    threads each layer, and made again before the engine thread's first timed call."""
     calls = _bf16_calls(gap_s=0.0)
     order, shrunk = [], []
     monkeypatch.setattr(_cpu_experts, "shrink_team", lambda: shrunk.append(len(order)))
-    for name in ("stream", "on_cpu", "call"):
+    for name in ("grow_caller_team", "stream", "on_cpu", "call"):
         real = getattr(calls, name)
         monkeypatch.setattr(calls, name, lambda *a, real=real, name=name, **kw: (
             order.append("split" if kw.get("split") else name), real(*a, **kw))[1])
@@ -280,6 +283,7 @@ def test_the_engine_threads_calls_and_the_split_calls_are_timed_apart_each_round
     n_split = sum(m + 1 for m in range(1, top_k + 1))  # (M, s) pairs
     for round_ in range(repeat + 1):
         kinds = order[round_ * per_round:(round_ + 1) * per_round]
+        assert kinds[0] == "grow_caller_team" and kinds.count("grow_caller_team") == 1
         assert kinds[-n_split:] == ["split"] * n_split and "split" not in kinds[:-n_split]
     assert len(shrunk) == repeat + 1  # once a round, at its first split call with a CPU share
     assert calls.cpu_started == (repeat + 1) * (n_split - top_k)  # s < M: a CPU share

@@ -81,12 +81,13 @@ __all__ = ["MissRates", "RatesKey", "balanced_split", "cpu_model", "measure_rate
 REPEAT = 7  # timed rounds of every k, after one untimed
 TARGET_BYTES = 512 << 20  # the synthetic store: at least this many bytes, read round robin
 # How the calls are timed (`rate_calls`), part of the key: rates kept by a strata that timed
-# them otherwise are measured anew. "round-gap500us-shrunk-grouped": each call after the
+# them otherwise are measured anew. "round-gap500us-shrunk-grouped-grown": each call after the
 # round's untimed gap of 0.5 ms, a split call's CPU share on the CPU's own thread with the
 # caller's OpenMP pool shrunk first (`CpuExperts.shrink_caller_team`, on by default), the
-# engine thread's calls and the split calls timed apart, one kind after the other, each round
+# engine thread's calls and the split calls timed apart, one kind after the other, each round,
+# and the engine thread's pool grown again by an untimed call before its calls are timed
 # (`rate_calls.samples`).
-TIMING = f"round-gap{round(ROUND_GAP_S * 1e6)}us-shrunk-grouped"
+TIMING = f"round-gap{round(ROUND_GAP_S * 1e6)}us-shrunk-grouped-grown"
 
 
 @dataclass(frozen=True)
