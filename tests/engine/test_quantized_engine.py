@@ -72,6 +72,82 @@ def test_resident_quantized_experts_compute_as_their_weights(reference, fmt, dty
 
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+def test_a_quantized_prompt_takes_grouped_products_where_they_run(reference, fmt, monkeypatch):
+    """Where the grouped products run (bf16 on Hopper; forced here, as torch's `_grouped_mm`
+    runs on the CPU too), a prompt chunk's quantized experts are computed a batch of blobs at
+    a time (`BlobStack.grouped_rows`), resident and from the cache's slots: the same bytes as
+    the fake-quantized weights' through that path, close to the loop over the experts."""
+    from strata import _vmm
+    from strata.engine.cache.arena import Arena
+    from strata.engine.cache.from_slots import compute_from_slots
+    from strata.engine.experts import sorted_grouped
+    from strata.engine.experts.blobs import BlobStack
+    from strata.engine.experts.routed import Routed
+
+    store = store_of(cached_checkpoint("qwen3_moe", "tiny", dtype=torch.float32),
+                     dtype=torch.bfloat16, quant=fmt)
+    quantized = ResidentExperts(store, "cpu")
+    plain = ResidentExperts(store_of(reference(fmt), dtype=torch.bfloat16), "cpu")
+    loop = ResidentExperts(store, "cpu", grouped_prefill=False)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
+    ids, weights = route(torch.randn(9, 8, generator=gen), 2, False)
+    calls = []
+    real = BlobStack.grouped_rows
+    monkeypatch.setattr(BlobStack, "grouped_rows",
+                        lambda self, *a: calls.append(self.quant) or real(self, *a))
+    monkeypatch.setattr(sorted_grouped, "available", lambda x: True)
+    got = quantized.forward(1, x, ids, weights)
+    assert calls == [fmt]
+    # Its weights through the same path (forced, plain bf16 takes it in `_per_expert` too).
+    assert torch.equal(got, plain.forward(1, x, ids, weights)) and calls == [fmt, None]
+    scale = loop.forward(1, x, ids, weights).float().abs().max()
+    assert (got.float() - loop.forward(1, x, ids, weights).float()).abs().max() <= scale / 64
+
+    slot_bytes = slot_bytes_for(store.blob_bytes)
+    arena = Arena(_vmm.HostBackend(1 << 16), store.n_experts, slot_bytes,
+                  hidden_size=store.hidden_size, expert_width=store.expert_width,
+                  dtype=store.dtype, quant=fmt)
+    try:
+        arena.upload(list(range(store.n_experts)),
+                     np.stack([np.ones(store.n_experts, np.int64),
+                               np.arange(store.n_experts)], 1), store)
+        routed = Routed.of(ids.numpy())
+        slots = routed.experts  # expert e in slot e
+        from_slots = compute_from_slots(arena, x, routed, slots)
+        assert calls == [fmt, None, fmt]
+        looped = compute_from_slots(arena, x, routed, slots, grouped=False)
+        assert (from_slots.float() - looped.float()).abs().max() <= \
+            looped.float().abs().max() / 64
+        order = torch.tensor(routed.rows)  # the resident path's rows, (token, k) order
+        resident_rows = quantized._per_expert(1, x, ids)
+        assert torch.equal(from_slots, resident_rows[order])
+    finally:
+        arena.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
+def test_on_hopper_a_quantized_prompt_runs_grouped_products_and_repeats(fmt):
+    """bf16 on the GPU: a prompt chunk's quantized resident experts through
+    `BlobStack.grouped_rows`, agreeing with the loop over the experts and repeating its bytes."""
+    from strata.engine.experts import sorted_grouped
+
+    store = store_of(cached_checkpoint("qwen3_moe", "small"), dtype=torch.bfloat16, quant=fmt)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, store.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    if not sorted_grouped.available(x):
+        pytest.skip("the grouped products run for bf16 on Hopper and later")
+    ids, weights = route(torch.randn(40, store.n_experts, generator=gen), 4, False)
+    ids, weights = ids.cuda(), weights.cuda()
+    grouped = ResidentExperts(store, "cuda")
+    got = grouped.forward(0, x, ids, weights)
+    assert torch.equal(got, grouped.forward(0, x, ids, weights))
+    loop = ResidentExperts(store, "cuda", grouped_prefill=False).forward(0, x, ids, weights)
+    assert (got.float() - loop.float()).abs().max() <= loop.float().abs().max() * 2.0**-6
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
 def test_a_quantized_engine_generates_what_its_weights_do(reference, fmt, monkeypatch):
     """Resident, through a small cache (hits, CPU misses, streamed misses, the loan), with the
     elastic K/V: tokens and first logits equal to the fake-quantized checkpoint's."""

@@ -181,3 +181,38 @@ def test_under_torch_compile_the_quantized_experts_are_the_same_kernels(fmt):
     quantized.define_compiled_op()
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     assert torch.equal(compiled(x_rows), layer(x_rows))
+
+
+@pytest.mark.parametrize("fmt", [None, *WEIGHT_FORMATS])
+def test_grouped_rows_compute_each_run_through_its_blob(fmt, monkeypatch):
+    """`BlobStack.grouped_rows` (a prompt chunk's quantized experts as grouped products a batch
+    of blobs, on the CPU here as torch's `_grouped_mm` runs there too): each run of rows through
+    its own blob, in any order of blobs, an empty run too, across batch boundaries (batches of
+    two blobs) as in one batch; bad counts are refused."""
+    from strata.engine.experts import blobs as blobs_module
+    from strata.engine.experts.blobs import BlobStack
+
+    f, d = 64, 128
+    if fmt is None:
+        gen = torch.Generator().manual_seed(4)
+        plain = (torch.randn(5, 3 * f * d, generator=gen) / d**0.5).to(torch.bfloat16)
+        weights = [(w[: 2 * f * d].view(2 * f, d).float(), w[2 * f * d :].view(d, f).float())
+                   for w in plain]
+        stack = BlobStack(plain.view(torch.uint8), torch.bfloat16, None, f, d)
+    else:
+        raw, weights = _blobs(fmt, 5, f, d, seed=4)
+        stack = BlobStack(raw, torch.bfloat16, fmt, f, d)
+    indices, counts = [3, 0, 4, 1], [5, 0, 2, 6]
+    x_sorted = torch.randn(13, d, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    experts = torch.repeat_interleave(torch.tensor(indices), torch.tensor(counts))  # [13]
+    want = _reference(weights, experts, x_sorted.float())
+    whole = stack.grouped_rows(indices, x_sorted, counts)
+    assert whole.shape == (13, d) and whole.dtype == torch.bfloat16
+    assert _relative(whole, want) < 2e-2  # bf16 rows
+    monkeypatch.setattr(blobs_module, "DEQUANT_BATCH_BYTES", 2 * 3 * f * d * 4)
+    assert blobs_module.dequant_batch(f, d) == 2
+    torch.testing.assert_close(stack.grouped_rows(indices, x_sorted, counts), whole)
+    assert stack.grouped_rows([], x_sorted[:0], []).shape == (0, d)
+    for bad in ([5, 0, 2], [5, 0, 2, 5], [5, -1, 3, 6]):
+        with pytest.raises(ValueError, match="one count >= 0 per index summing to the 13 rows"):
+            stack.grouped_rows(indices, x_sorted, bad)

@@ -150,6 +150,13 @@ class Arena:
         blobs dequantized a batch at a time)."""
         return self.stack.each_weights([self._check_slot(slot) for slot in slots])
 
+    def grouped_rows(self, slots: Sequence[int], x_sorted: torch.Tensor,
+                     counts: Sequence[int]) -> torch.Tensor:
+        """[R, D]: x_sorted's rows by runs of counts[i] through the blob in slots[i], in
+        grouped products a batch of blobs (`BlobStack.grouped_rows`)."""
+        return self.stack.grouped_rows([self._check_slot(slot) for slot in slots], x_sorted,
+                                       counts)
+
     def expert_rows(self, slot_index: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
         """[R, D]: row r is the expert in slot slot_index[r] over x_rows[r] (the decode path,
         `BlobStack.expert_rows`); slot_index int64 [R] on the arena's device."""

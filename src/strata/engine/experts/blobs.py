@@ -15,6 +15,9 @@ computes, whatever the blobs' format (`ExpertStore.quant`):
   paths (T tokens over one expert): views for unquantized blobs, a dequantized copy otherwise,
   which the chunk's tokens share; `each_weights(indices)` the same for many, quantized blobs
   dequantized `dequant_batch` at a time (one set of launches a batch, not an expert);
+- `grouped_rows(indices, x_sorted, counts)`, a prompt chunk's rows sorted by expert through
+  their blobs in two grouped products a batch (`strata.engine.experts.sorted_grouped`):
+  quantized blobs dequantized a batch at a time, as `each_weights` does, and computed together;
 - `gate_up_all()` / `down_all()`: [S, 2F, D] / [S, D, F] views, unquantized stacks only (the
   grouped prefill products read them).
 """
@@ -23,13 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from strata.engine.experts.grouped import expert_rows
 from strata.engine.experts.quant import dequantize_blobs
 from strata.engine.experts.quantized import quantized_rows
+from strata.engine.experts.sorted_grouped import grouped_products
 
-__all__ = ["DEQUANT_BATCH_BYTES", "BlobStack", "dequant_batch"]
+__all__ = ["DEQUANT_BATCH_BYTES", "BlobStack", "dequant_batch", "to_device_async"]
 
 # `each_weights` dequantizes at most this many bytes of float32 weights at once (the
 # dequantization's intermediate; its output in the compute dtype is another itemsize / 4 of it).
@@ -39,6 +44,14 @@ DEQUANT_BATCH_BYTES = 128 << 20
 def dequant_batch(expert_width: int, hidden_size: int) -> int:
     """Experts `each_weights` dequantizes at once: DEQUANT_BATCH_BYTES of float32, at least 1."""
     return max(1, DEQUANT_BATCH_BYTES // (3 * expert_width * hidden_size * 4))
+
+
+def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (an index, a prompt chunk's runs) on `device`; on CUDA through
+    pinned memory, so that the copy does not wait for the stream: a pageable one would, and
+    with it for the uploads (the prompt loan's) queued before it."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" \
+        else host.to(device)
 
 
 class BlobStack:
@@ -95,15 +108,54 @@ class BlobStack:
             for i in indices:
                 yield self._gate_up[i], self._down[i]
             return
+        for _, gate_up, down in self._batches(list(indices)):
+            yield from zip(gate_up, down, strict=True)  # [2F, D], [D, F] each
+
+    def grouped_rows(self, indices: Sequence[int], x_sorted: torch.Tensor,
+                     counts: Sequence[int]) -> torch.Tensor:
+        """[R, D]: rows x_sorted [R, D] sorted by expert, the first counts[0] through blob
+        indices[0], the next counts[1] through indices[1], and so on (sum(counts) == R), as
+        `sorted_grouped.grouped_products` computes them: two grouped products a batch of
+        `dequant_batch(F, D)` blobs, quantized blobs dequantized once for the batch's rows
+        (the loop over `each_weights` makes five launches an expert). Where `_grouped_mm`
+        runs (`sorted_grouped`)."""
+        indices, counts = list(indices), [int(n) for n in counts]
+        if len(counts) != len(indices) or sum(counts) != x_sorted.shape[0] or min(
+                counts, default=0) < 0:
+            raise ValueError(f"counts must be one count >= 0 per index summing to the "
+                             f"{x_sorted.shape[0]} rows, got {len(counts)} counts summing to "
+                             f"{sum(counts)} for {len(indices)} indices")
+        y = x_sorted.new_empty(x_sorted.shape)  # [R, D]
+        if not indices:
+            return y
+        # Every batch's ends from one upload: the runs' ends within the batch, on the device.
+        ends = torch.tensor(np.cumsum([0, *counts]), dtype=torch.int64)  # [n + 1]
+        ends_dev = to_device_async(ends.to(torch.int32), x_sorted.device)
+        for lo, gate_up, down in self._batches(indices):
+            hi = lo + gate_up.shape[0]
+            first, last = int(ends[lo]), int(ends[hi])
+            y[first:last] = grouped_products(gate_up, down, x_sorted[first:last],
+                                             ends_dev[lo + 1 : hi + 1] - first)  # [n, D]
+        return y
+
+    def _batches(self, indices: list[int]
+                 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(lo, gate_up [B, 2F, D], down [B, D, F]) of indices[lo:lo + B], for consecutive
+        batches of B = `dequant_batch(F, D)` (the last shorter): the weights dequantized, or
+        for unquantized blobs gathered (a copy; the views serve one blob at a time)."""
         batch = dequant_batch(self.expert_width, self.hidden_size)
-        indices = list(indices)
         for lo in range(0, len(indices), batch):
+            chosen = indices[lo : lo + batch]
             # Stacked from views, not gathered by an index tensor: an index made on the host
             # and copied to the device would wait for the work queued before it.
-            chosen = torch.stack([self.blobs[i] for i in indices[lo : lo + batch]])
+            if self.quant is None:
+                yield (lo, torch.stack([self._gate_up[i] for i in chosen]),
+                       torch.stack([self._down[i] for i in chosen]))
+                continue
+            chosen = torch.stack([self.blobs[i] for i in chosen])
             gate_up, down = dequantize_blobs(chosen, self.quant, self.expert_width,
                                              self.hidden_size, self.dtype)
-            yield from zip(gate_up, down, strict=True)  # [2F, D], [D, F] each
+            yield lo, gate_up, down
 
     def _unquantized(self, what: str) -> None:
         if self.quant is not None:

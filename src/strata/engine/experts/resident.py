@@ -45,8 +45,8 @@ class ResidentExperts:
     Per layer, gate_up [E, 2F, D] and down [E, D, F] are strided views into one [E, blob]
     buffer (on the CPU with the store's dtype, the store's own memory: no copy). A store of
     quantized blobs (`ExpertStore.quant`) stays quantized on the device, read through its
-    `BlobStack`: decode by the quantized kernels, a prompt chunk expert by expert, each
-    dequantized once for its tokens (the grouped products read only unquantized views).
+    `BlobStack`: decode by the quantized kernels, a prompt chunk a batch of experts at a time,
+    each dequantized once for its tokens (the grouped products read the others in place).
 
     Two paths, chosen by T alone (never by routed data, so capture-safe for decode):
     - T == 1 (decode, what a CUDA graph captures): the K routed experts by
@@ -57,9 +57,11 @@ class ResidentExperts:
       workspace this path takes (`strata.engine.cache.budget.workspace_bytes`).
     - otherwise (a prompt chunk, however short): where `sorted_grouped.available` (bf16 on a
       Hopper GPU) and `grouped_prefill` is not False, two grouped matrix products over the rows
-      sorted by expert (`strata.engine.experts.sorted_grouped`), no host sync; elsewhere a loop
-      over the experts actually routed, each over its tokens (sorted by expert), reading the
-      weights in place, with one host sync for the per-expert counts.
+      sorted by expert (`strata.engine.experts.sorted_grouped`), no host sync; quantized
+      experts there are dequantized a batch at a time, two grouped products a batch
+      (`BlobStack.grouped_rows`), after one host sync for the per-expert counts; elsewhere a
+      loop over the experts actually routed, each over its tokens (sorted by expert), reading
+      the weights in place, with that one host sync.
     Each (token, k) output lands in its own row of a [T*K, D] buffer (the grouped products' rows
     stay sorted by expert), then the K rows are weighted and summed in order
     (`strata.engine.experts.combine.weighted_sum`): no atomics, a fixed summation order.
@@ -144,6 +146,13 @@ class ResidentExperts:
         counts = torch.bincount(ids, minlength=self.n_experts).tolist()  # the one host sync
         out = x.new_empty(n_tokens * top_k, x.shape[1])  # [T*K, D]
         routed = [expert for expert, count in enumerate(counts) if count]
+        if self.grouped_prefill is not False and sorted_grouped.available(x):
+            # Quantized blobs (an unquantized stack takes `sorted_grouped_sum` in `forward`):
+            # dequantized a batch at a time, two grouped products a batch.
+            y = self._stacks[layer].grouped_rows(
+                routed, x.index_select(0, order // top_k),
+                [counts[expert] for expert in routed])  # [T*K, D] sorted by expert
+            return out.index_copy_(0, order, y)
         ends = np.cumsum([counts[expert] for expert in routed]).tolist()
         weights = self._stacks[layer].each_weights(routed)  # dequantized in batches if need be
         for expert, end, (gate_up, down) in zip(routed, ends, weights, strict=True):

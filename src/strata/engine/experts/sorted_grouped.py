@@ -22,8 +22,8 @@ import torch
 from strata.engine.experts.activation import silu_and_mul
 from strata.engine.experts.combine import weighted_sum
 
-__all__ = ["available", "available_for", "expert_runs", "sorted_grouped_rows",
-           "sorted_grouped_sum"]
+__all__ = ["available", "available_for", "expert_runs", "grouped_products",
+           "sorted_grouped_rows", "sorted_grouped_sum"]
 
 
 def available(x: torch.Tensor) -> bool:
@@ -83,6 +83,14 @@ def _sorted_products(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
     top_k = topk_ids.shape[1]
     order, ends = expert_runs(topk_ids.reshape(-1), n_experts)  # [R], [E]
     x_sorted = x.index_select(0, order // top_k)  # [R, D]
+    return grouped_products(gate_up, down, x_sorted, ends), order  # [R, D], [R]
+
+
+def grouped_products(gate_up: torch.Tensor, down: torch.Tensor, x_sorted: torch.Tensor,
+                     ends: torch.Tensor) -> torch.Tensor:
+    """[R, D]: rows x_sorted [R, D] sorted by expert, expert e's run ending at ends[e] (int32
+    [E], on x's device), each through expert e of gate_up [E, 2F, D] and down [E, D, F]
+    (SwiGLU), in two grouped products, every expert in one kernel each."""
     h = torch._grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs=ends)  # [R, 2F]
     act = silu_and_mul(h)  # [R, F]
-    return torch._grouped_mm(act, down.transpose(-2, -1), offs=ends), order  # [R, D], [R]
+    return torch._grouped_mm(act, down.transpose(-2, -1), offs=ends)  # [R, D]
