@@ -10,8 +10,14 @@ warm-up), the whole call, and, side by side, the activation as one kernel
 kernels it replaced. The products' share is their FLOPs (2 * R * 3 * F * D, R = T * K rows)
 against `--matmul-tflops` (790: the H200's measured bf16 rate), as bench/decode.py prints it.
 
+With `--experts-dtype int8,int4` the same layer's experts are quantized too and each format's
+resident prompt call (`ResidentExperts.forward`) is timed two ways: the grouped products a
+batch of dequantized blobs at a time (`BlobStack.grouped_rows`, the default) and the loop over
+the experts (`grouped_prefill=False`, the path before), beside bf16's whole call.
+
     python bench/prompt_experts.py                        # CUDA (sm90+) only
     python bench/prompt_experts.py --tokens 4096,16384 --json-out prompt-experts.json
+    python bench/prompt_experts.py --shapes qwen3-30b-a3b --experts-dtype int8,int4
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from strata.engine.experts import ExpertStore, ResidentExperts
 from strata.engine.experts.activation import silu_and_mul
 from strata.engine.experts.combine import weighted_sum
+from strata.engine.experts.quant import make_blob
 from strata.engine.experts.sorted_grouped import available, expert_runs, sorted_grouped_sum
 from strata.engine.model.presets import get_preset
 
@@ -48,7 +56,24 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def one_shape(preset_name: str, n_tokens: int, repeat: int, matmul_tflops: float) -> dict:
+def quantized_ms(blobs: torch.Tensor, fmt: str, f: int, d: int, x: torch.Tensor,
+                 ids: torch.Tensor, weights: torch.Tensor, repeat: int) -> dict:
+    """ms of one resident prompt call over the layer `blobs` [E, 3FD] bf16 quantized to `fmt`:
+    "grouped" (the default path) and "loop" (`grouped_prefill=False`)."""
+    host = blobs.cpu()
+    layer = torch.stack([make_blob(fmt, w[: f * d].view(f, d).float(),
+                                   w[f * d : 2 * f * d].view(f, d).float(),
+                                   w[2 * f * d :].view(d, f).float()) for w in host])  # [E, b]
+    store = ExpertStore([layer], d, f, torch.bfloat16, quant=fmt)
+    out = {}
+    for name, grouped in (("grouped", None), ("loop", False)):
+        experts = ResidentExperts(store, x.device, grouped_prefill=grouped)
+        out[name] = timed(lambda experts=experts: experts.forward(0, x, ids, weights), repeat)
+    return out
+
+
+def one_shape(preset_name: str, n_tokens: int, repeat: int, matmul_tflops: float,
+              experts_dtypes: tuple[str, ...] = ()) -> dict:
     """The steps' ms for one layer of `preset_name` over a chunk of `n_tokens` tokens."""
     p = get_preset(preset_name)
     e, k, d, f = p.n_experts, p.top_k, p.hidden_size, p.expert_width
@@ -88,12 +113,15 @@ def one_shape(preset_name: str, n_tokens: int, repeat: int, matmul_tflops: float
     ms["whole"] = timed(lambda: sorted_grouped_sum(gate_up, down, x, ids, weights), repeat)
     flops = 2 * r * 3 * f * d
     products_ms = ms["gate_up"] + ms["down"]
+    quantized = {fmt: quantized_ms(blobs, fmt, f, d, x, ids, weights, repeat)
+                 for fmt in experts_dtypes}
     return {
         "shape": preset_name, "tokens": n_tokens, "experts": e, "top_k": k, "hidden": d,
         "width": f, "ms": ms, "steps_ms": sum(ms[name] for name in steps),
         "products_share": flops / (products_ms * 1e-3) / (matmul_tflops * 1e12),
         "whole_share": flops / (ms["whole"] * 1e-3) / (matmul_tflops * 1e12),
         "activation_speedup": ms["activation_torch"] / ms["activation"],
+        "quantized_ms": quantized,
     }
 
 
@@ -105,6 +133,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--matmul-tflops", type=float, default=790.0)
     parser.add_argument("--json-out", help="also write the figures as one JSON object here")
+    parser.add_argument("--experts-dtype", default="",
+                        help="comma-separated quantized formats also timed (int8, int4-g32, "
+                             "int4-g64): grouped a batch at a time against the loop")
     args = parser.parse_args(argv)
     probe = torch.zeros(1, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available()
                         else "cpu")
@@ -112,7 +143,8 @@ def main(argv=None) -> int:
         print("prompt_experts.py times the grouped products: bf16 on a CUDA GPU of compute "
               "capability 9.0 or later", file=sys.stderr)
         return 2
-    rows = [one_shape(shape, int(tokens), args.repeat, args.matmul_tflops)
+    fmts = tuple(fmt for fmt in args.experts_dtype.split(",") if fmt)
+    rows = [one_shape(shape, int(tokens), args.repeat, args.matmul_tflops, fmts)
             for shape in args.shapes.split(",") for tokens in args.tokens.split(",")]
     result = {"command": "python bench/prompt_experts.py " + " ".join(argv or sys.argv[1:]),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -130,6 +162,10 @@ def main(argv=None) -> int:
             print(f"  {name:<10} {ms[name]:8.3f} ms  {100 * ms[name] / row['steps_ms']:5.1f}%")
         print(f"  activation: one kernel {ms['activation']:.3f} ms, torch's two "
               f"{ms['activation_torch']:.3f} ms ({row['activation_speedup']:.2f}x)")
+        for fmt, q in row["quantized_ms"].items():
+            print(f"  {fmt}: grouped a batch at a time {q['grouped']:.3f} ms, the loop "
+                  f"{q['loop']:.3f} ms ({q['loop'] / q['grouped']:.2f}x), bf16's whole call "
+                  f"{ms['whole']:.3f} ms ({q['grouped'] / ms['whole']:.2f}x of it)")
     return 0
 
 
