@@ -56,12 +56,17 @@ def _relative(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
-def test_the_blobs_dequantize_to_the_weights_they_stand_for(fmt):
+def test_the_blobs_dequantize_to_the_weights_they_stand_for(fmt, dtype):
+    """In float32 exactly the weights; in bf16 those weights rounded once (the product in
+    float32, then cast), from blobs further apart than a blob (read in place)."""
     blobs, weights = _blobs(fmt, 3, 64, 128, seed=1)
-    gate_up, down = dequantize_blobs(blobs, fmt, 64, 128, torch.float32)
+    gate_up, down = dequantize_blobs(blobs, fmt, 64, 128, dtype)
+    assert gate_up.dtype == down.dtype == dtype
     for e, (w_gate_up, w_down) in enumerate(weights):
-        assert torch.equal(gate_up[e], w_gate_up) and torch.equal(down[e], w_down)
+        assert torch.equal(gate_up[e], w_gate_up.to(dtype))
+        assert torch.equal(down[e], w_down.to(dtype))
 
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
