@@ -66,4 +66,3 @@ def compute_from_slots(
         act = silu_and_mul(h)  # [n, F]
         y[lo:hi] = F.linear(act, down)  # [n, D]
     return y
-
