@@ -7,7 +7,10 @@ a preset's expert shape and prints, per k, each side's samples round by round, t
 the kept (non-decreasing) figure and the rate it gives, then the split; with `--json-out`, the
 samples as JSON too. Where a median is slow, the rounds show whether every round is slow at
 that k (a cost of the call's place in the round, e.g. the first call of a kind after the other
-kind) or one round is (noise).
+kind) or one round is (noise). On the H200 it showed the first: k = 1 on the CPU took 1.2-3.6
+ms where k = 2 took 0.5, the engine thread's OpenMP pool made again after the split calls had
+shrunk it, until each round grew it untimed first (bench/results/rates-probe-h200-2026-12-04.txt
+and rates-probe-grown-h200-2026-12-04.txt).
 
     python bench/rates_probe.py --preset qwen3-30b-a3b --repeat 7
 """
