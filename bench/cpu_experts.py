@@ -32,7 +32,10 @@ CPU's last-level cache and the figures are too good):
   like over each quantized store: the call as the cache runs a decode call on CUDA,
   `CpuExperts.start` on the kernel's own worker thread (a team one thread short of the cores)
   with the token's one row, then `finish`, under each schedule: under "steal" the thread
-  waiting in `finish` takes the call's tasks too, as one more thread of the team;
+  waiting in `finish` takes the call's tasks too, as one more thread of the team, and
+  `start-steal-alone` is steal with that thread only waiting (`CpuExperts.caller_helps` off:
+  on the H200 steal won on the calling thread's team and lost on the worker's, and this
+  tells the helper's part from the team's);
 - `compute-worker`: the same on a worker thread (one `ThreadPoolExecutor` thread), the design
   the cache had before: adds the hand-over and a second intra-op team (the worker's count is
   printed beside the main thread's);
@@ -200,17 +203,19 @@ def _blob_bytes(column: str, store: ExpertStore, quantized: dict | None) -> int:
 def started_columns(cpu: CpuExperts, quantized_cpu: dict[str, CpuExperts], n_tokens: int,
                     threads: int | None) -> dict[str, CpuExperts]:
     """`start-SCHEDULE` and `start-SCHEDULE-int8`/`-int4`: a CpuExperts per schedule ("dynamic",
-    "steal") over the store and each quantized one, for a decode call (T = 1) where strata's
-    kernel computes it; none otherwise."""
+    "steal", and "steal-alone": steal with the thread in `finish` only waiting,
+    `caller_helps` off) over the store and each quantized one, for a decode call (T = 1)
+    where strata's kernel computes it; none otherwise."""
     if n_tokens != 1 or cpu.kernel != "strata":
         return {}
     stores = {"": cpu.store, **{name.removeprefix("compute"): q.store
                                 for name, q in quantized_cpu.items()}}
     columns = {}
     for suffix, store in stores.items():
-        for schedule in ("dynamic", "steal"):
-            columns[f"start-{schedule}{suffix}"] = CpuExperts(store, threads)
-            columns[f"start-{schedule}{suffix}"].schedule = schedule
+        for schedule in ("dynamic", "steal", "steal-alone"):
+            cpu = columns[f"start-{schedule}{suffix}"] = CpuExperts(store, threads)
+            cpu.schedule = schedule.removesuffix("-alone")
+            cpu.caller_helps = not schedule.endswith("-alone")
     return columns
 
 
@@ -388,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                *(name + suffix for name in QUANTIZED for suffix in ("", "-steal")),
                *(name.replace("kernel", "compute") for name in QUANTIZED),
                *(f"start-{schedule}{suffix}" for suffix in ("", "-int8", "-int4")
-                 for schedule in ("dynamic", "steal")), "compute-worker", "worker-main-busy")
+                 for schedule in ("dynamic", "steal", "steal-alone")), "compute-worker",
+               "worker-main-busy")
     print("| memory | dtype | T | experts | gap us | wake us | threads main/worker | "
           "bare us (GB/s, share) | "
           + " | ".join(columns) + " |")

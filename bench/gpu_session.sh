@@ -92,9 +92,11 @@
 # over 2, 3 and 4 experts after no gap and an 800 us gap, the kernel's tasks handed out
 # (compute-main) against fixed, guided and stolen shares (compute-static, compute-guided,
 # compute-steal), and on the worker thread as a round's decode call runs (start-dynamic against
-# start-steal, whose waiter takes part), olmoe's and qwen3's shapes), offload-schedule (7: olmoe-1b-7b at 4 GiB at --stream-misses 2,3 and
+# start-steal, whose waiter takes part, and start-steal-alone, whose waiter only waits), olmoe's
+# and qwen3's shapes), offload-schedule (7: olmoe-1b-7b at 4 GiB at --stream-misses 2,3 and
 # qwen3-30b-a3b's 16 layers at 22% at 3,4, each with the kernel's tasks handed out and in each
-# of CPU_SCHEDULES' shares, default steal,static, their requests interleaved), offload-counts
+# of CPU_SCHEDULES' shares, default steal,static (steal-alone: steal, the engine's thread
+# only waiting), their requests interleaved), offload-counts
 # (4: both at --stream-misses 4 with 2 and 3 streamed through the same staging buffer, the
 # requests interleaved, 5 repeats), offload-counts-async (5: the same, 4 repeats, each count
 # also with the CPU's misses on the engine's thread, --sync-cpu), cpu-prefetch (2: bench/cpu_experts.py over 2

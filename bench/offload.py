@@ -22,7 +22,9 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   kernel's threads started before each call's routing read, named -wake:
   `CachedExperts.wake_cpu`; `--cpu-schedule static,guided,steal` with the CPU kernel's tasks
   in fixed shares a thread (the schedule before), guided shares or fixed shares that a thread
-  done with its own takes from, named -static, -guided, -steal: `CpuExperts.schedule`;
+  done with its own takes from, named -static, -guided, -steal: `CpuExperts.schedule`
+  (`steal-alone`: steal with the engine's thread only waiting, `CpuExperts.caller_helps`
+  off);
   `--cpu-prefetch N[,N...]` with the CPU kernel's weights prefetched N bytes ahead of its
   reads, named -cpupfN: `CpuExperts.prefetch_bytes`; `--sync-cpu` with the
   CPU's misses computed on the engine's thread after its uploads, not on a thread of their own
@@ -367,8 +369,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated schedules of the CPU kernel's tasks other than "
                         "the default dynamic (static: equal fixed shares, the schedule "
                         "before; guided; steal: fixed shares a thread done with its own "
-                        "takes from): also run each decode with each, named -static, -guided, "
-                        "-steal (`CpuExperts.schedule`)")
+                        "takes from; steal-alone: steal, the engine's thread only waiting): "
+                        "also run each decode with each, named -static, -guided, -steal, "
+                        "-steal-alone (`CpuExperts.schedule`, `caller_helps`)")
     parser.add_argument("--cpu-prefetch", default="",
                         help="comma-separated multiples of 64 (0: none): also run each decode "
                         "with the CPU kernel's weights prefetched that many bytes ahead of "
@@ -422,9 +425,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--split-counts runs in the base run's engine: give --interleave too")
     cpu_schedules = args.cpu_schedule.split(",") if args.cpu_schedule else []
     if len(set(cpu_schedules)) != len(cpu_schedules) \
-            or not set(cpu_schedules) <= {"static", "guided", "steal"}:
-        parser.error(f"--cpu-schedule takes distinct comma-separated static, guided and steal "
-                     f"(the default, dynamic, runs anyway), got {args.cpu_schedule!r}")
+            or not set(cpu_schedules) <= {"static", "guided", "steal", "steal-alone"}:
+        parser.error(f"--cpu-schedule takes distinct comma-separated static, guided, steal and "
+                     f"steal-alone (the default, dynamic, runs anyway), got "
+                     f"{args.cpu_schedule!r}")
     cpu_prefetches = [n for n in args.cpu_prefetch.split(",") if n]
     if not all(n.isdigit() and not int(n) % 64 for n in cpu_prefetches) \
             or len(set(cpu_prefetches)) != len(cpu_prefetches):
@@ -558,8 +562,9 @@ def main(argv: list[str] | None = None) -> int:
                     cache.cpu.keep_team_up = setting == "-spin"
                     cache.cpu.shrink_caller_team = not setting.endswith("-noshrink")
                     cache.async_cpu = not setting.endswith("-sync")
-                    cache.cpu.schedule = setting[1:] if setting[1:] in cpu_schedules \
-                        else "dynamic"
+                    chosen = setting[1:] if setting[1:] in cpu_schedules else "dynamic"
+                    cache.cpu.schedule = chosen.removesuffix("-alone")
+                    cache.cpu.caller_helps = not chosen.endswith("-alone")
                     cache.cpu.prefetch_bytes = int(setting.removeprefix("-cpupf")) \
                         if setting.startswith("-cpupf") else _cpu_experts.PREFETCH_BYTES
                     if cache.streamer is not None:

@@ -464,22 +464,24 @@ def test_the_second_pass_reads_every_act_value_the_first_wrote(schedule):
 
 def test_a_steal_call_s_waiter_takes_its_tasks_and_the_bytes_stay_compute_s():
     """Under "steal", `CpuWorker.wait` runs the call's tasks on the waiting thread as one more
-    thread of the team and returns how many it ran; under the others it only waits (0). A
-    call long enough that the waiter arrives while tasks are left: it takes some."""
+    thread of the team and returns how many it ran; under the others, and without `help`, it
+    only waits (0). A call long enough that the waiter arrives while tasks are left: it takes
+    some."""
     f, d, n_experts = 256, 1024, 8
     blobs = _blobs(n_experts, f, d, 6)
     starts = list(range(n_experts + 1))
     x = torch.randn(n_experts, d, generator=torch.Generator().manual_seed(7)).bfloat16()
     expected = _run(blobs, range(n_experts), starts, x, f, 1)
     worker = _cpu_experts.CpuWorker()
-    for schedule in ["steal", "dynamic", "steal"]:
+    for schedule, help in [("steal", True), ("dynamic", True), ("steal", False),
+                           ("steal", True)]:
         out = torch.full(expected.shape, 7.0, dtype=torch.bfloat16)
         worker.start(blobs.view(torch.uint8).numpy(), _cpu_experts.FORMAT_BF16,
                      np.arange(n_experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
                      x.float().numpy(), _u16(out), f, 1, schedule)
-        ran = worker.wait()
+        ran = worker.wait(help)
         # Of 8 * (256 + 1024) / 16 = 640 tasks, on a team of one thread besides the waiter.
-        assert 0 < ran <= 640 if schedule == "steal" else ran == 0
+        assert 0 < ran <= 640 if schedule == "steal" and help else ran == 0
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
     assert worker.wait() == 0  # none in flight
 

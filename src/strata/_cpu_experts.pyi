@@ -116,11 +116,12 @@ class CpuWorker:
         """Start `compute` with these arguments on the worker's thread and return at once.
         ValueError as `compute` raises it; RuntimeError while a call is in flight."""
 
-    def wait(self) -> int:
+    def wait(self, help: bool = True) -> int:
         """Return when the call in flight is done (at once when none is), and how many of its
-        tasks the calling thread ran: under the "steal" schedule it takes the call's tasks as
-        one more thread of the team (halves of the team's shares) until none is left;
-        under the others it only waits (0). The same bytes either way."""
+        tasks the calling thread ran: under the "steal" schedule, with `help`, it takes the
+        call's tasks as one more thread of the team (halves of the team's shares) until none
+        is left; without `help`, or under the others, it only waits (0). The same bytes either
+        way."""
 
     @property
     def keep_team_up(self) -> bool:

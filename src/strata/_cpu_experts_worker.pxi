@@ -85,20 +85,21 @@ cdef class CpuWorker:
         with nogil:
             strata_worker_post(&self._worker, _run_job, &self._call, n_threads)
 
-    def wait(self):
+    def wait(self, bint help=True):
         """Return when the call in flight is done (at once when none is), and how many of its
         tasks the calling thread ran.
 
-        Under the "steal" schedule the calling thread first takes the call's tasks as one more
-        thread of its team (`_help`) until none is left, rather than spinning idle beside the
-        team: the worker's team is one thread short of the cores, leaving this thread its
-        core for what it does between `start` and `wait`. Under the other schedules it only
-        waits, and returns 0. The bytes are the same either way."""
+        Under the "steal" schedule, with `help`, the calling thread first takes the call's
+        tasks as one more thread of its team (`_help`) until none is left, rather than
+        spinning idle beside the team: the worker's team is one thread short of the cores,
+        leaving this thread its core for what it does between `start` and `wait`. Without
+        `help` (a benchmark's A/B), and under the other schedules, it only waits, and returns
+        0. The bytes are the same either way."""
         cdef int64_t ran = 0
         if not self._pending:
             return 0
         with nogil:
-            if self._call.shares != NULL:
+            if help and self._call.shares != NULL:
                 ran = _help(&self._call)
             strata_worker_wait(&self._worker)
         self._pending = False

@@ -173,7 +173,7 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
         quantized = {"kernel-int8", "kernel-int4", "kernel-int8-steal", "kernel-int4-steal",
                      "compute-int8", "compute-int4"} if run["dtype"] == "bf16" else set()
         # The worker path's columns: decode calls (T = 1) through strata's kernel (bf16).
-        started = {f"start-{schedule}{suffix}" for schedule in ("dynamic", "steal")
+        started = {f"start-{schedule}{suffix}" for schedule in ("dynamic", "steal", "steal-alone")
                    for suffix in ("", "-int8", "-int4")} \
             if run["dtype"] == "bf16" and run["tokens"] == 1 else set()
         assert set(run["us_per_expert"]) == set(run["gbps"]) == {

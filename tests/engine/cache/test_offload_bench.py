@@ -81,7 +81,7 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
             "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
             "--stream-misses", "2", "--expert-share", "0.25", "--json", "--interleave",
             "--wake-cpu", "--sync-cpu", "--cpu-spin", "--no-cpu-shrink", "--cpu-schedule",
-            "static,steal", "--cpu-prefetch", "512", "--split-counts", "1,3"]
+            "static,steal,steal-alone", "--cpu-prefetch", "512", "--split-counts", "1,3"]
     assert bench.main(argv) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.
@@ -89,7 +89,8 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     # --no-cpu-shrink with the caller's team left grown, -split1-noshrink.
     names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-sync",
              "decode-stream-2-spin", "decode-stream-2-noshrink",
-             "decode-stream-2-static", "decode-stream-2-steal", "decode-stream-2-cpupf512",
+             "decode-stream-2-static", "decode-stream-2-steal", "decode-stream-2-steal-alone",
+             "decode-stream-2-cpupf512",
              "decode-stream-2-split1",
              "decode-stream-2-split1-sync", "decode-stream-2-split1-noshrink"]
     assert sorted(runs) == sorted(names)
@@ -98,6 +99,7 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     split = runs.pop("decode-stream-2-split1")  # streams 1 of a call's misses, not 2
     split_sync = runs.pop("decode-stream-2-split1-sync")
     split_shrink = runs.pop("decode-stream-2-split1-noshrink")
+    assert runs["decode-stream-2-steal-alone"]["cache"]["cpu_waiter_tasks"] == 0  # only waits
     assert 0 < split["round"]["streamed_experts_per_round"] \
         < base["round"]["streamed_experts_per_round"]
     for run in [*runs.values(), split, split_sync, split_shrink]:

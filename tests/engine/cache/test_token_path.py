@@ -135,13 +135,15 @@ def test_a_split_call_with_the_cpu_team_kept_up_between_calls_gives_the_same_byt
     assert counts(token) == counts(general)
 
 
-@pytest.mark.parametrize("schedule", ["dynamic", "steal"])
+@pytest.mark.parametrize("schedule", ["dynamic", "steal", "steal-alone"])
 def test_the_cpu_s_tasks_and_those_the_engine_thread_ran_are_counted(schedule):
     """Split calls with their CPU misses on the CPU's own thread: `cpu_tasks` counts the
     kernel's tasks of those calls (`CpuExperts.tasks`), `cpu_waiter_tasks` the ones the engine's
-    thread ran while it waited (under "steal" only); the bytes stay the token path's."""
+    thread ran while it waited (under "steal" only, and none with `caller_helps` off); the
+    bytes stay the token path's."""
     store, general, token = _async_caches(0.25, 0)
-    token.cpu.schedule = schedule
+    token.cpu.schedule = schedule.removesuffix("-alone")
+    token.cpu.caller_helps = schedule != "steal-alone"
     for call in token_calls(store, 32, seed=4, repeats=False, device="cpu"):
         assert bytes_of(split_call(token, *call)) == bytes_of(general.forward(*call))
     stats = token.stats.decode

@@ -128,6 +128,10 @@ class CpuExperts:
         # the rounds 0.94-1.60x (7 of 8 pairs won; bench/results/offload-shrink-h200-2026-12-03.md).
         # The same bytes either way; bench/offload.py --no-cpu-shrink runs the way before.
         self.shrink_caller_team = True
+        # Under "steal", the thread waiting in `finish` taking the call's tasks as one more
+        # thread of the worker's team (`CpuWorker.wait`'s `help`); False only waits, for the
+        # benchmarks' A/B (bench/cpu_experts.py's `start-steal-alone`). The same bytes.
+        self.caller_helps = True
         self._caller_team_grown = True  # a new engine's load ran torch's own teams
         self._worker = None  # `start`'s thread, made on first use
 
@@ -226,8 +230,8 @@ class CpuExperts:
         of its tasks (`tasks`) this thread ran. Under the "steal" schedule this thread takes
         the call's tasks too until none is left, as one more thread of the worker's team
         (`_cpu_experts.CpuWorker.wait`), rather than waiting idle beside it; under the others
-        it runs none."""
-        return self._worker.wait() if self._worker is not None else 0
+        it runs none, nor without `caller_helps`."""
+        return self._worker.wait(self.caller_helps) if self._worker is not None else 0
 
     def tasks(self, routed: Routed) -> int:
         """The tasks strata's kernel splits a call of `routed`'s experts into: each expert's F
