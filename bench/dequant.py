@@ -27,6 +27,7 @@ import torch
 
 from strata.engine.experts.blobs import dequant_batch
 from strata.engine.experts.quant import (
+    WEIGHT_FORMATS,
     _unpack_int4,
     blob_bytes,
     dequantize_blobs,
@@ -91,12 +92,16 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
+    formats = args.formats.split(",")
+    if not set(formats) <= set(WEIGHT_FORMATS) or len(set(formats)) != len(formats):
+        parser.error(f"--formats takes distinct comma-separated formats of "
+                     f"{', '.join(WEIGHT_FORMATS)}, got {args.formats!r}")
     p = get_preset(args.preset)
     f, d, device = p.expert_width, p.hidden_size, torch.device(args.device)
     n_blobs = dequant_batch(f, d)  # one batch, as the prompt path dequantizes it
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for fmt in args.formats.split(","):
+    for fmt in formats:
         one = make_blob(fmt, torch.randn(f, d, generator=gen), torch.randn(f, d, generator=gen),
                         torch.randn(d, f, generator=gen))
         blobs = one.expand(n_blobs, -1).contiguous().to(device)  # [B, blob]

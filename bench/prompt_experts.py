@@ -10,14 +10,14 @@ warm-up), the whole call, and, side by side, the activation as one kernel
 kernels it replaced. The products' share is their FLOPs (2 * R * 3 * F * D, R = T * K rows)
 against `--matmul-tflops` (790: the H200's measured bf16 rate), as bench/decode.py prints it.
 
-With `--experts-dtype int8,int4` the same layer's experts are quantized too and each format's
+With `--experts-dtype int8,int4-g32` the same layer's experts are quantized too and each format's
 resident prompt call (`ResidentExperts.forward`) is timed two ways: the grouped products a
 batch of dequantized blobs at a time (`BlobStack.grouped_rows`, the default) and the loop over
 the experts (`grouped_prefill=False`, the path before), beside bf16's whole call.
 
     python bench/prompt_experts.py                        # CUDA (sm90+) only
     python bench/prompt_experts.py --tokens 4096,16384 --json-out prompt-experts.json
-    python bench/prompt_experts.py --shapes qwen3-30b-a3b --experts-dtype int8,int4
+    python bench/prompt_experts.py --shapes qwen3-30b-a3b --experts-dtype int8,int4-g32
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from strata.engine.experts import ExpertStore, ResidentExperts
 from strata.engine.experts.activation import silu_and_mul
 from strata.engine.experts.combine import weighted_sum
-from strata.engine.experts.quant import make_blob
+from strata.engine.experts.quant import WEIGHT_FORMATS, make_blob
 from strata.engine.experts.sorted_grouped import available, expert_runs, sorted_grouped_sum
 from strata.engine.model.presets import get_preset
 
@@ -137,13 +137,16 @@ def main(argv=None) -> int:
                         help="comma-separated quantized formats also timed (int8, int4-g32, "
                              "int4-g64): grouped a batch at a time against the loop")
     args = parser.parse_args(argv)
+    fmts = tuple(fmt for fmt in args.experts_dtype.split(",") if fmt)
+    if not set(fmts) <= set(WEIGHT_FORMATS) or len(set(fmts)) != len(fmts):
+        parser.error(f"--experts-dtype takes distinct comma-separated formats of "
+                     f"{', '.join(WEIGHT_FORMATS)}, got {args.experts_dtype!r}")
     probe = torch.zeros(1, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available()
                         else "cpu")
     if not available(probe):
         print("prompt_experts.py times the grouped products: bf16 on a CUDA GPU of compute "
               "capability 9.0 or later", file=sys.stderr)
         return 2
-    fmts = tuple(fmt for fmt in args.experts_dtype.split(",") if fmt)
     rows = [one_shape(shape, int(tokens), args.repeat, args.matmul_tflops, fmts)
             for shape in args.shapes.split(",") for tokens in args.tokens.split(",")]
     result = {"command": "python bench/prompt_experts.py " + " ".join(argv or sys.argv[1:]),

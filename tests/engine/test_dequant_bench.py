@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from support.bench_scripts import load_bench
 
 
@@ -18,3 +20,5 @@ def test_the_dequant_bench_checks_its_candidate_and_times_it(tmp_path, capsys):
     assert all(row["same_bytes"] and row["ms"]["one_pass"] > 0 and row["ms"]["float32_copy"] > 0
                for row in result["rows"])
     assert "| int4-g64 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "small", "--formats", "int4"])  # int4-g32 or int4-g64
