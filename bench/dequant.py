@@ -1,13 +1,15 @@
-"""The prompt path's dequantization of a batch of quantized experts, against a one-pass candidate.
+"""A batch of quantized experts dequantized: the Triton kernels against torch's arithmetic.
 
 `strata.engine.experts.quant.dequantize_blobs` turns a batch of int8 or int4 blobs into the
 weights they stand for in the compute dtype (`BlobStack.grouped_rows` and `each_weights` call it
-once a batch of `dequant_batch` blobs): the integers widened to a float32 copy, multiplied into
-another, then cast, about five passes over memory where one would do. On the H200 it is most of
-an int8 prompt chunk's expert time (bench/results/offload-int8-h200-2026-12-04.md). The
-candidate here (`one_pass`) multiplies the integers by their scales once, writing the compute
-dtype; both give the same bytes (checked here too). Timed on `--device` (CUDA events there, the
-host's clock on the CPU), median of `--repeat` after one warm-up.
+once a batch of `dequant_batch` blobs). On CUDA it runs `dequantize_blobs_triton`, each weight
+read once and written once; `dequantize_blobs_torch`, the path elsewhere, widens the integers to
+a float32 copy, multiplies it into another, then casts: about five passes over memory. Both give
+the same bytes (checked here too). Beside them, a copy of the weights' bytes in the compute
+dtype (read and written once: more bytes than the kernels move, so a kernel at the memory's
+rate takes less), and the kernels' rate over the bytes they read and write. Timed on
+`--device` (CUDA events there, the host's clock on the CPU, where only torch's path runs),
+median of `--repeat` after one warm-up.
 
     python bench/dequant.py --preset qwen3-30b-a3b --formats int8,int4-g32
     python bench/dequant.py --device cuda --json-out dequant.json
@@ -28,42 +30,12 @@ import torch
 from strata.engine.experts.blobs import dequant_batch
 from strata.engine.experts.quant import (
     WEIGHT_FORMATS,
-    _unpack_int4,
     blob_bytes,
-    dequantize_blobs,
-    format_group,
+    dequantize_blobs_torch,
+    dequantize_blobs_triton,
     make_blob,
 )
 from strata.engine.model.presets import get_preset
-
-
-def one_pass(blobs, fmt, f, d, dtype):
-    """The candidate: each matrix one multiplication of its int8 integers (int8 read in place
-    from the blobs' bytes) by its float32 scales, writing `dtype`: torch computes the product in
-    float32 and rounds it once as it writes, as the copy's cast does."""
-    b, n = blobs.shape[0], 3 * f * d
-    blobs = blobs[:, : blob_bytes(fmt, f, d)]
-    group = format_group(fmt)
-    if not group:
-        q = blobs[:, :n].view(torch.int8)  # [B, 3FD]: views of the blobs' bytes
-        scales = blobs[:, n:].contiguous().view(torch.float32)  # [B, 2F + D]
-        return (_scaled(q[:, : 2 * f * d].unflatten(1, (2 * f, d)), scales[:, : 2 * f, None],
-                        dtype),
-                _scaled(q[:, 2 * f * d :].unflatten(1, (d, f)), scales[:, 2 * f :, None], dtype))
-    packed = blobs[:, : n // 2].contiguous()
-    scales = blobs[:, n // 2 :].contiguous().view(torch.float32)  # [B, 3FD / G]
-    gate_up_q = _unpack_int4(packed[:, : f * d], 2 * f, d, group)  # [B, 2F, D] int8
-    down_q = _unpack_int4(packed[:, f * d :], d, f, group)  # [B, D, F] int8
-    gate_up_s = scales[:, : 2 * f * d // group].view(b, 2 * f, d // group)
-    down_s = scales[:, 2 * f * d // group :].view(b, d, f // group)
-    gate_up = _scaled(gate_up_q.view(b, 2 * f, d // group, group), gate_up_s[..., None], dtype)
-    down = _scaled(down_q.view(b, d, f // group, group), down_s[..., None], dtype)
-    return gate_up.view(b, 2 * f, d), down.view(b, d, f)
-
-
-def _scaled(q, scales, dtype):
-    """q (int8) times scales (float32, broadcast), computed in float32, written in `dtype`."""
-    return torch.mul(q, scales, out=torch.empty(q.shape, dtype=dtype, device=q.device))
 
 
 def median_ms(fn, repeat: int, cuda: bool) -> float:
@@ -100,20 +72,32 @@ def main(argv=None) -> int:
     f, d, device = p.expert_width, p.hidden_size, torch.device(args.device)
     n_blobs = dequant_batch(f, d)  # one batch, as the prompt path dequantizes it
     gen = torch.Generator().manual_seed(0)
+    kernels = device.type == "cuda"  # the interpreter on the CPU would time Python
     rows = []
     for fmt in formats:
         one = make_blob(fmt, torch.randn(f, d, generator=gen), torch.randn(f, d, generator=gen),
                         torch.randn(d, f, generator=gen))
         blobs = one.expand(n_blobs, -1).contiguous().to(device)  # [B, blob]
-        got, want = (fn(blobs, fmt, f, d, torch.bfloat16)
-                     for fn in (one_pass, dequantize_blobs))
-        same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        ms = {name: median_ms(lambda fn=fn, blobs=blobs, fmt=fmt: fn(blobs, fmt, f, d,
-                                                                   torch.bfloat16),
-                              args.repeat, device.type == "cuda")
-              for name, fn in (("one_pass", one_pass), ("float32_copy", dequantize_blobs))}
-        rows.append({"format": fmt, "blobs": n_blobs, "same_bytes": same, "ms": ms,
-                     "ratio": ms["one_pass"] / ms["float32_copy"]})
+        want = dequantize_blobs_torch(blobs, fmt, f, d, torch.bfloat16)
+        weights = torch.cat([w.reshape(-1) for w in want])  # the copy's source
+        steps = {"torch": lambda fmt=fmt, blobs=blobs: dequantize_blobs_torch(
+                     blobs, fmt, f, d, torch.bfloat16),
+                 "copy": weights.clone}
+        same = True
+        if kernels:
+            got = dequantize_blobs_triton(blobs, fmt, f, d, torch.bfloat16)
+            same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            steps["kernels"] = lambda fmt=fmt, blobs=blobs: dequantize_blobs_triton(
+                blobs, fmt, f, d, torch.bfloat16)
+        ms = {name: median_ms(fn, args.repeat, kernels) for name, fn in steps.items()}
+        moved = n_blobs * blob_bytes(fmt, f, d) + weights.numel() * weights.element_size()
+        row = {"format": fmt, "blobs": n_blobs, "same_bytes": same, "ms": ms,
+               "bytes_moved": moved}
+        if kernels:
+            row["kernels_vs_torch"] = ms["kernels"] / ms["torch"]
+            row["kernels_vs_copy"] = ms["kernels"] / ms["copy"]
+            row["kernels_gb_s"] = moved / ms["kernels"] / 1e6
+        rows.append(row)
     result = {"command": "python bench/dequant.py " + " ".join(argv or sys.argv[1:]),
               "preset": args.preset, "device": str(device),
               "machine": platform.processor() or platform.machine(),
@@ -124,11 +108,16 @@ def main(argv=None) -> int:
             json.dump(result, out)
     print(f"{result['command']}  ({device}, {torch.get_num_threads()} threads, torch "
           f"{torch.__version__})")
-    print("| format | blobs | one pass ms | float32 copy ms | one pass / copy | same bytes |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    print("| format | blobs | torch ms | copy of the weights ms | kernels ms | kernels / torch "
+          "| kernels / copy | kernels GB/s | same bytes |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
-        print(f"| {row['format']} | {row['blobs']} | {row['ms']['one_pass']:.2f} | "
-              f"{row['ms']['float32_copy']:.2f} | {row['ratio']:.2f}x | {row['same_bytes']} |")
+        ms = row["ms"]
+        kernel_cells = (f"{ms['kernels']:.3f} | {row['kernels_vs_torch']:.2f}x | "
+                        f"{row['kernels_vs_copy']:.2f}x | {row['kernels_gb_s']:,.0f}"
+                        if "kernels" in ms else "- | - | - | -")
+        print(f"| {row['format']} | {row['blobs']} | {ms['torch']:.3f} | {ms['copy']:.3f} | "
+              f"{kernel_cells} | {row['same_bytes']} |")
     return 0 if all(row["same_bytes"] for row in rows) else 1
 
 

@@ -27,10 +27,15 @@ costs in accuracy (bench/quant_accuracy.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from strata.engine import dependent_launch
+
 __all__ = ["EXPERTS_DTYPES", "INT4_GROUPS", "INT4_MAX", "INT8_MAX", "WEIGHT_FORMATS", "blob_bytes",
-           "dequantize_blobs", "dequantize_int4", "dequantize_int8", "expert_blob_bytes",
+           "dequantize_blobs", "dequantize_blobs_torch", "dequantize_blobs_triton",
+           "dequantize_int4", "dequantize_int8", "expert_blob_bytes",
            "experts_quant_for", "fake_quantize",
            "format_group", "int4_blob", "int4_blob_bytes", "int8_blob", "int8_blob_bytes",
            "int8_parts", "make_blob", "quantize_int4", "quantize_int8"]
@@ -221,19 +226,33 @@ def _unpack_int4(packed: torch.Tensor, n_rows: int, cols: int, group: int) -> to
 def dequantize_blobs(blobs: torch.Tensor, fmt: str, expert_width: int, hidden_size: int,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """blobs uint8 [B, >= blob_bytes] of `fmt` -> (gate_up [B, 2F, D], down [B, D, F]) in
-    `dtype`: the weights they stand for, computed in float32 then cast."""
+    `dtype`: each weight its integer times its scale in float32, rounded once to `dtype`.
+
+    On CUDA with Triton (outside `torch.compile`'s tracing), with the blobs' scales 4-byte
+    aligned: `dequantize_blobs_triton`, one pass over the bytes. Elsewhere
+    `dequantize_blobs_torch`, the same bytes."""
+    if (blobs.is_cuda and not torch.compiler.is_compiling() and _dequant_kernels() is not None
+            and _scales_aligned(blobs, fmt, expert_width, hidden_size)):
+        return dequantize_blobs_triton(blobs, fmt, expert_width, hidden_size, dtype)
+    return dequantize_blobs_torch(blobs, fmt, expert_width, hidden_size, dtype)
+
+
+def dequantize_blobs_torch(blobs: torch.Tensor, fmt: str, expert_width: int, hidden_size: int,
+                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dequantize_blobs` by torch's arithmetic on any device: the integers widened to float32
+    copies, multiplied by their scales, then cast (about five passes over the weights' bytes)."""
     f, d = expert_width, hidden_size
     b, n = blobs.shape[0], 3 * f * d
     blobs = blobs[:, : blob_bytes(fmt, f, d)]
     group = format_group(fmt)
     if not group:
         q = blobs[:, :n].contiguous().view(torch.int8).float()  # [B, 3FD]
-        scales = blobs[:, n:].contiguous().view(torch.float32)  # [B, 2F + D]
+        scales = _floats(blobs[:, n:])  # [B, 2F + D]
         gate_up = q[:, : 2 * f * d].view(b, 2 * f, d) * scales[:, : 2 * f, None]
         down = q[:, 2 * f * d :].view(b, d, f) * scales[:, 2 * f :, None]
         return gate_up.to(dtype), down.to(dtype)
     packed = blobs[:, : n // 2].contiguous()
-    scales = blobs[:, n // 2 :].contiguous().view(torch.float32)  # [B, 3FD / G]
+    scales = _floats(blobs[:, n // 2 :])  # [B, 3FD / G]
     gate_up_q = _unpack_int4(packed[:, : f * d], 2 * f, d, group).float()  # [B, 2F, D]
     down_q = _unpack_int4(packed[:, f * d :], d, f, group).float()  # [B, D, F]
     gate_up_s = scales[:, : 2 * f * d // group].view(b, 2 * f, d // group)
@@ -241,3 +260,79 @@ def dequantize_blobs(blobs: torch.Tensor, fmt: str, expert_width: int, hidden_si
     gate_up = (gate_up_q.view(b, 2 * f, d // group, group) * gate_up_s[..., None])
     down = (down_q.view(b, d, f // group, group) * down_s[..., None])
     return gate_up.view(b, 2 * f, d).to(dtype), down.view(b, d, f).to(dtype)
+
+
+def _floats(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, 4S] -> float32 [B, S]: a view where the bytes are contiguous and 4-byte
+    aligned, else a copy that is (a view needs the alignment)."""
+    scale_bytes = scale_bytes.contiguous()
+    if scale_bytes.storage_offset() % 4 or scale_bytes.stride(0) % 4:
+        # one blob's row is contiguous whatever its stride, and may sit anywhere
+        scale_bytes = scale_bytes.new_empty(scale_bytes.shape).copy_(scale_bytes)
+    return scale_bytes.view(torch.float32)
+
+
+DEQUANT_BLOCK_R = 16  # rows of one matrix a kernel program writes
+DEQUANT_BLOCK_C = 256  # and columns: a multiple of every int4 group
+
+
+@functools.cache
+def _dequant_kernels():
+    """The Triton kernel module, or None without Triton."""
+    try:
+        from strata.engine.experts import _dequant_triton
+    except ImportError:
+        return None
+    return _dequant_triton
+
+
+def _scales_aligned(blobs: torch.Tensor, fmt: str, expert_width: int, hidden_size: int) -> bool:
+    """Whether every blob's float32 scales start on a 4-byte boundary (the kernels load them in
+    place; torch's path copies them)."""
+    n = 3 * expert_width * hidden_size
+    scales_at = n // 2 if format_group(fmt) else n
+    return (blobs.data_ptr() + scales_at) % 4 == 0 and blobs.stride(0) % 4 == 0
+
+
+def dequantize_blobs_triton(blobs: torch.Tensor, fmt: str, expert_width: int,
+                            hidden_size: int, dtype: torch.dtype
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dequantize_blobs` by the Triton kernels (`_dequant_triton`), two launches: the gate and
+    up rows, then the down rows, each weight read once and written once. Under Triton's
+    interpreter on the CPU (TRITON_INTERPRET=1 set before import) it is how the tests check the
+    kernels without a GPU. ValueError for blobs that are not uint8 [B, >= blob_bytes] with
+    contiguous bytes and 4-byte aligned scales."""
+    kernels = _dequant_kernels()
+    if kernels is None:
+        raise RuntimeError("dequantize_blobs_triton needs Triton (pip install triton)")
+    f, d = expert_width, hidden_size
+    group, n = format_group(fmt), 3 * f * d
+    if (blobs.dtype != torch.uint8 or blobs.dim() != 2 or blobs.shape[1] < blob_bytes(fmt, f, d)
+            or blobs.stride(1) != 1 or not _scales_aligned(blobs, fmt, f, d)):
+        raise ValueError(f"blobs must be uint8 [B, >= {blob_bytes(fmt, f, d)}] with contiguous "
+                         f"bytes and 4-byte aligned scales, got {blobs.dtype} "
+                         f"{list(blobs.shape)} with strides {list(blobs.stride())}")
+    b = blobs.shape[0]
+    gate_up = torch.empty((b, 2 * f, d), dtype=dtype, device=blobs.device)
+    down = torch.empty((b, d, f), dtype=dtype, device=blobs.device)
+    # (out, rows R, columns C, byte of its integers, byte of its scales) of the two matrices:
+    # the gate and up rows first, then the down rows (the module docstring's layouts)
+    per_weight = 2 if group else 1  # weights a byte
+    scales_at = n // per_weight
+    gate_up_scales = 2 * f * d // group if group else 2 * f
+    matrices = ((gate_up, 2 * f, d, 0, scales_at),
+                (down, d, f, 2 * f * d // per_weight, scales_at + 4 * gate_up_scales))
+    options = dependent_launch.kernel_options(blobs.device)
+    for out, rows, cols, q_at, matrix_scales_at in matrices:
+        if not out.numel():
+            continue
+        grid = (b, -(-rows // DEQUANT_BLOCK_R), -(-cols // DEQUANT_BLOCK_C))
+        if group:
+            kernels.int4_rows[grid](blobs, out, blobs.stride(0), q_at, matrix_scales_at, rows,
+                                    cols, out.stride(0), GROUP=group, BLOCK_R=DEQUANT_BLOCK_R,
+                                    BLOCK_C=DEQUANT_BLOCK_C, **options)
+        else:
+            kernels.int8_rows[grid](blobs, out, blobs.stride(0), q_at, matrix_scales_at, rows,
+                                    cols, out.stride(0), BLOCK_R=DEQUANT_BLOCK_R,
+                                    BLOCK_C=DEQUANT_BLOCK_C, **options)
+    return gate_up, down
