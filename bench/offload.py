@@ -279,6 +279,18 @@ def profile_decode(engine, prompt, args, max_context: int, host_path: Path) -> d
     return busy
 
 
+def profile_prefill(engine, prompt, max_context: int, prefill_chunk: int | None,
+                    host_path: Path) -> dict:
+    """The device's busy time over one more prefill of `prompt` (`round_profile.device_busy`)
+    and the host's top functions over another, written to `host_path`."""
+    options = GenerateOptions(max_new=1, max_context=max_context, temperature=0.0,
+                              ignore_stop=True, prefill_chunk=prefill_chunk)
+    busy = device_busy(lambda: fresh_request(engine, prompt, options))
+    host_path.parent.mkdir(parents=True, exist_ok=True)
+    host_path.write_text(host_functions(lambda: fresh_request(engine, prompt, options)))
+    return busy
+
+
 def stream_values(text: str) -> list[int | str]:
     """`--stream-misses`' comma-separated values: auto or ints."""
     values: list[int | str] = []
@@ -395,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="after each decode run's timed requests, profile two more: the "
                         "device's copy engine and compute busy a round (torch's profiler, "
                         "`profile` in the run's JSON) and the host's top functions "
-                        "(cProfile, DIR/<run>.host.txt)")
+                        "(cProfile, DIR/<run>.host.txt); after each prefill run's, one "
+                        "more of each: the device's busy time over the whole prompt")
     parser.add_argument("--host-read-mib", type=int, default=2048)
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--experts-dtype", default="auto",
@@ -625,6 +638,12 @@ def main(argv: list[str] | None = None) -> int:
                 with engine:
                     run = run_prefill(engine, long_prompt, args.repeat, prefill_context,
                                       prefill_chunk=args.prefill_chunk)
+                    name = f"prefill-loan{suffix}" + (f"-b{batches}" if batches is not None
+                                                      else "")
+                    if args.profile:
+                        run["profile"] = profile_prefill(
+                            engine, long_prompt, prefill_context, args.prefill_chunk,
+                            Path(args.profile) / f"{name}.host.txt")
                     run["startup"] = engine.cache.budget.startup_line()
                     run["prefill_chunk"] = args.prefill_chunk or \
                         engine.cache.budget.prefill_chunk
@@ -639,13 +658,16 @@ def main(argv: list[str] | None = None) -> int:
                 run["over_bound"] = run["prefill_s"] / run["upload_bound_s"] \
                     if run["upload_bound_s"] else None
                 run["scaled_tok_s"] = run["prefill_tok_s"] * cfg.n_layers / full_layers
-                name = f"prefill-loan{suffix}" + (f"-b{batches}" if batches is not None else "")
                 runs[name] = run
                 bound = f" (upload bound {run['upload_bound_s']:.3f} s, " \
                     f"{run['over_bound']:.2f}x)" if run["upload_bound_s"] else ""
+                busy = run.get("profile")
                 say(f"{name}: {run['prefill_s']:.3f} s{bound}, {uploaded / GB:.3f} GB uploaded, "
                     f"{run['prefill_tok_s']:,.0f} tok/s, {run['scaled_tok_s']:,.0f} scaled to "
-                    f"{full_layers} layers")
+                    f"{full_layers} layers" + (
+                        f"; profiled: copies {busy['copies_us'] / 1e3:.1f} ms, compute "
+                        f"{busy['compute_us'] / 1e3:.1f}, both {busy['both_us'] / 1e3:.1f}, "
+                        f"span {busy['span_us'] / 1e3:.1f}" if busy else ""))
             store = None  # a quantized store's pinned memory goes before the next one's
         sync(device)
 

@@ -212,3 +212,15 @@ def test_the_round_profile_unions_and_overlaps_intervals():
     _, other = profile._union_us([(2_000, 6_000), (8_000, 12_000)])
     assert profile._overlap_us(merged, other) == 1.0 + 1.0 + 1.0
     assert profile.per_round({"a": 2.0}, {"a": 10.0}, 4) == {"a": 2.0}
+
+
+def test_the_offload_bench_profiles_a_prefill_run(capsys, tmp_path):
+    bench = load_bench("offload.py")
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "2", "--prefill-tokens",
+            "128", "--host-read-mib", "16", "--repeat", "1", "--stream-misses", "1",
+            "--expert-share", "0.25", "--json", "--profile", str(tmp_path)]
+    assert bench.main(argv) == 0
+    run = json.loads(capsys.readouterr().out)["runs"]["prefill-loan"]
+    assert run["profile"] == {}  # no device timeline off CUDA
+    host = (tmp_path / "prefill-loan.host.txt").read_text()
+    assert "function calls" in host and "routed_forward" in host  # the cache's prompt calls
