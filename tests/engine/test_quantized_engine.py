@@ -79,7 +79,7 @@ def test_a_quantized_prompt_takes_grouped_products_where_they_run(reference, fmt
     the fake-quantized weights' through that path, close to the loop over the experts."""
     from strata import _vmm
     from strata.engine.cache.arena import Arena
-    from strata.engine.cache.from_slots import compute_from_slots
+    from strata.engine.cache.from_slots import SlotsIndex, compute_from_slots
     from strata.engine.experts import sorted_grouped
     from strata.engine.experts.blobs import BlobStack
     from strata.engine.experts.routed import Routed
@@ -122,6 +122,17 @@ def test_a_quantized_prompt_takes_grouped_products_where_they_run(reference, fmt
         order = torch.tensor(routed.rows)  # the resident path's rows, (token, k) order
         resident_rows = quantized._per_expert(1, x, ids)
         assert torch.equal(from_slots, resident_rows[order])
+        # One index uploaded for every expert, read a group at a time (the prompt loan's
+        # batches): the same rows, on both paths.
+        index = SlotsIndex.upload(routed, slots, x.device)
+        mid = routed.n_experts // 2
+        for grouped, whole in ((None, from_slots), (False, looped)):
+            parts = [compute_from_slots(arena, x, routed.group(lo, hi), slots[lo:hi],
+                                        grouped=grouped, index=index.part(lo, hi))
+                     for lo, hi in ((0, mid), (mid, routed.n_experts))]
+            assert torch.equal(torch.cat(parts), whole)
+        with pytest.raises(ValueError, match=r"the index covers \d+ rows of \d+ experts"):
+            compute_from_slots(arena, x, routed.group(0, mid), slots[:mid], index=index)
     finally:
         arena.close()
 

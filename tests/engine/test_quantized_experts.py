@@ -217,6 +217,11 @@ def test_grouped_rows_compute_each_run_through_its_blob(fmt, monkeypatch):
     monkeypatch.setattr(blobs_module, "DEQUANT_BATCH_BYTES", 2 * 3 * f * d * 4)
     assert blobs_module.dequant_batch(f, d) == 2
     torch.testing.assert_close(stack.grouped_rows(indices, x_sorted, counts), whole)
+    given = torch.tensor([0, 5, 5, 7, 13])  # the runs' ends, uploaded by a caller before
+    assert torch.equal(stack.grouped_rows(indices, x_sorted, counts, given),
+                       stack.grouped_rows(indices, x_sorted, counts))
+    with pytest.raises(ValueError, match=r"ends must be \[5\]"):
+        stack.grouped_rows(indices, x_sorted, counts, given[:4])
     assert stack.grouped_rows([], x_sorted[:0], []).shape == (0, d)
     for bad in ([5, 0, 2], [5, 0, 2, 5], [5, -1, 3, 6]):
         with pytest.raises(ValueError, match="one count >= 0 per index summing to the 13 rows"):

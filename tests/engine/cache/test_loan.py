@@ -179,6 +179,37 @@ def test_pipelined_uploads_give_the_bytes_books_and_counts_of_one_batch(setup, n
     assert runs[0][2] > 0
 
 
+def test_each_layer_uploads_its_index_once_before_its_blobs(setup, monkeypatch):
+    """`compute_misses` sends every batch's index to the device in one copy queued before the
+    layer's blobs (a copy behind them waits for all of them), and no batch uploads another."""
+    from strata.engine.cache import from_slots
+
+    model, store = setup
+    cached = _cache(store, 20, short_read=8, keep_slots=4, upload_batches=4)
+    order = []
+    real_index, real_upload = from_slots.to_device_async, cached.loan.executor.upload_queued
+    monkeypatch.setattr(from_slots, "to_device_async",
+                        lambda host, device: order.append("index") or real_index(host, device))
+    monkeypatch.setattr(cached.loan.executor, "upload_queued",
+                        lambda *args: order.append("blobs") or real_upload(*args))
+    loan_calls = []
+    real_compute = cached.loan.compute_misses
+
+    def compute_misses(layer, x, misses):
+        order.clear()
+        out = real_compute(layer, x, misses)
+        loan_calls.append(list(order))
+        return out
+
+    monkeypatch.setattr(cached.loan, "compute_misses", compute_misses)
+    try:
+        _prefill(model, cached)
+    finally:
+        cached.close()
+    assert loan_calls and all(calls[0] == "index" and calls.count("index") == 1
+                              and calls.count("blobs") > 1 for calls in loan_calls), loan_calls
+
+
 def test_a_failed_upload_mid_layer_leaves_the_books_and_the_loan_usable(setup, monkeypatch):
     """Fault injection: the third queued upload of a pass raises. The error reaches the
     caller, the books hold what they held (the loan's uploads are bytes only), the lent slots

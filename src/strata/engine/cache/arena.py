@@ -151,11 +151,11 @@ class Arena:
         return self.stack.each_weights([self._check_slot(slot) for slot in slots])
 
     def grouped_rows(self, slots: Sequence[int], x_sorted: torch.Tensor,
-                     counts: Sequence[int]) -> torch.Tensor:
+                     counts: Sequence[int], ends: torch.Tensor | None = None) -> torch.Tensor:
         """[R, D]: x_sorted's rows by runs of counts[i] through the blob in slots[i], in
-        grouped products a batch of blobs (`BlobStack.grouped_rows`)."""
+        grouped products a batch of blobs (`BlobStack.grouped_rows`, whose `ends` this is)."""
         return self.stack.grouped_rows([self._check_slot(slot) for slot in slots], x_sorted,
-                                       counts)
+                                       counts, ends)
 
     def expert_rows(self, slot_index: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
         """[R, D]: row r is the expert in slot slot_index[r] over x_rows[r] (the decode path,

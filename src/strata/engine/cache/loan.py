@@ -22,7 +22,9 @@ The cycle, driven by `CachedExperts` through its `loan` hooks:
    there while the next ones upload; with more, batches alternating between the two halves of
    the lent slots, a batch's upload waiting for the compute of the batch before it in the same
    slots. The host waits for none of it: the compute stream waits for each batch's upload
-   (an event), and the copy stream for the kernels that last read the slots. With
+   (an event), and the copy stream for the kernels that last read the slots. Every batch's
+   index (rows, slots, runs) goes up in one copy before the blobs are queued: a small copy
+   behind them would wait for all of them in the copy engine, and every compute with it. With
    `upload_batches` 1, each batch (all M, or N at a time) is uploaded complete, the host
    waiting, and then computed: the path before the pipelining, kept to measure against.
 3. `end_prompt` (the phase turns to decode, or the request ends): the policy's `refill` fills the
@@ -51,7 +53,7 @@ from strata.engine.cache.defaults import (
     DEFAULT_UPLOAD_BATCHES,
 )
 from strata.engine.cache.executor import CacheExecutor
-from strata.engine.cache.from_slots import compute_from_slots
+from strata.engine.cache.from_slots import SlotsIndex, compute_from_slots
 from strata.engine.experts.routed import Routed
 
 __all__ = [
@@ -228,9 +230,15 @@ class PromptLoan:
         # layer's loan compute, not this layer's hits queued since (the copies overlap them);
         # on a loan's first call, everything queued so far.
         start = self._last_read if self._last_read is not None else record_event(x.device)
+        # Every batch's index in one upload, queued before the blobs (`SlotsIndex`: behind
+        # them it would hold each batch's compute back until the last blob is in).
+        slots = np.empty(misses.n_experts, dtype=np.int64)  # [M]: each expert's lent slot
+        for b0, b1, first in plan:
+            slots[b0:b1] = self.lent[first:first + b1 - b0]
+        index = SlotsIndex.upload(misses, slots, x.device)
         loaded: list[torch.cuda.Event | None] = []
         computed: list[torch.cuda.Event | None] = []
-        for b, (b0, b1, first) in enumerate(plan):
+        for b, (b0, b1, _) in enumerate(plan):
             # Queue every upload whose slots are free once the computes queued so far have
             # run: all of them at once in distinct slots, else one batch ahead.
             while len(loaded) < len(plan) and reuses[len(loaded)] < b:
@@ -242,7 +250,7 @@ class PromptLoan:
             wait_for(loaded[b], x.device)  # the compute reads the slots once they are there
             r0, r1 = int(misses.starts[b0]), int(misses.starts[b1])
             out[r0:r1] = compute_from_slots(self.executor.arena, x, misses.group(b0, b1),
-                                            self.lent[first:first + b1 - b0])
+                                            slots[b0:b1], index=index.part(b0, b1))
             computed.append(record_event(x.device))
             self._last_read = computed[-1]  # the stream runs in order: after every batch
         self.streamed_experts += misses.n_experts

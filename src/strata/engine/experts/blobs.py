@@ -112,13 +112,15 @@ class BlobStack:
             yield from zip(gate_up, down, strict=True)  # [2F, D], [D, F] each
 
     def grouped_rows(self, indices: Sequence[int], x_sorted: torch.Tensor,
-                     counts: Sequence[int]) -> torch.Tensor:
+                     counts: Sequence[int], ends: torch.Tensor | None = None) -> torch.Tensor:
         """[R, D]: rows x_sorted [R, D] sorted by expert, the first counts[0] through blob
         indices[0], the next counts[1] through indices[1], and so on (sum(counts) == R), as
         `sorted_grouped.grouped_products` computes them: two grouped products a batch of
         `dequant_batch(F, D)` blobs, quantized blobs dequantized once for the batch's rows
         (the loop over `each_weights` makes five launches an expert). Where `_grouped_mm`
-        runs (`sorted_grouped`)."""
+        runs (`sorted_grouped`). `ends`: the runs' ends [n + 1] from 0, on the device already
+        (a caller that uploaded them earlier: one upload queued behind a prompt loan's blobs
+        would hold the computes back until every blob is in); None: uploaded here."""
         indices, counts = list(indices), [int(n) for n in counts]
         if len(counts) != len(indices) or sum(counts) != x_sorted.shape[0] or min(
                 counts, default=0) < 0:
@@ -129,13 +131,18 @@ class BlobStack:
         if not indices:
             return y
         # Every batch's ends from one upload: the runs' ends within the batch, on the device.
-        ends = torch.tensor(np.cumsum([0, *counts]), dtype=torch.int64)  # [n + 1]
-        ends_dev = to_device_async(ends.to(torch.int32), x_sorted.device)
+        host_ends = np.cumsum([0, *counts]).tolist()  # [n + 1]
+        if ends is None:
+            ends = to_device_async(torch.tensor(host_ends, dtype=torch.int32), x_sorted.device)
+        elif ends.shape != (len(indices) + 1,):
+            raise ValueError(f"ends must be [{len(indices) + 1}] (the runs' ends from 0), got "
+                             f"{list(ends.shape)}")
         for lo, gate_up, down in self._batches(indices):
             hi = lo + gate_up.shape[0]
-            first, last = int(ends[lo]), int(ends[hi])
-            y[first:last] = grouped_products(gate_up, down, x_sorted[first:last],
-                                             ends_dev[lo + 1 : hi + 1] - first)  # [n, D]
+            first, last = host_ends[lo], host_ends[hi]
+            y[first:last] = grouped_products(
+                gate_up, down, x_sorted[first:last],
+                (ends[lo + 1 : hi + 1] - first).to(torch.int32))  # [n, D]
         return y
 
     def _batches(self, indices: list[int]
