@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -35,6 +36,26 @@ def host_read_bytes_per_s(mib: int, repeat: int = 5) -> float:
         buffer.sum()
         times.append(time.perf_counter() - start)
     return buffer.numel() * 4 / min(times)
+
+
+def median_ms(fn, repeat: int, cuda: bool = False) -> float:
+    """Milliseconds `fn()` takes, the median of `repeat` after one warm-up: CUDA events around
+    each call when `cuda` (the device's time of what it queues), else the host's clock."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
 
 
 def free_memory(device: torch.device) -> None:

@@ -21,12 +21,11 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 import sys
-import time
 
 import torch
 
+from _common import median_ms
 from strata.engine.experts.blobs import dequant_batch
 from strata.engine.experts.quant import (
     WEIGHT_FORMATS,
@@ -36,24 +35,6 @@ from strata.engine.experts.quant import (
     make_blob,
 )
 from strata.engine.model.presets import get_preset
-
-
-def median_ms(fn, repeat: int, cuda: bool) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        if cuda:
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:

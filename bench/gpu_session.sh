@@ -117,8 +117,10 @@
 # step by step on one layer of each shape at PROMPT_TOKENS, default 4096,16384, and the
 # activation as one kernel against torch's two; PROMPT_DTYPES, e.g. int8,int4-g32: each
 # format's resident prompt call too, grouped a batch at a time against the loop), dequant
-# (0.5: bench/dequant.py on qwen3-30b-a3b's experts, a prompt batch's dequantization against
-# the one-pass candidate, int8 and int4-g32), cpu-int8 (1: bench/cpu_experts.py on qwen3's
+# (0.5: bench/dequant.py on qwen3-30b-a3b's experts, a prompt batch's dequantization by
+# the Triton kernels against torch's float32 copies, int8 and int4-g32), routed-sort (0.2:
+# bench/routed_sort.py, a prompt chunk's routing grouped by expert on the host, narrow sort keys
+# against int64), cpu-int8 (1: bench/cpu_experts.py on qwen3's
 # shape, 3 and 4 experts a call (CPU_INT8_EXPERTS) after a 500 us gap, bf16 against int8
 # experts, pinned, each also on the worker thread under dynamic and steal: start-*), rates-probe (1.5: bench/rates_probe.py, every timed call of
 # `--stream-misses auto`'s rates round by round, qwen3-30b-a3b's and olmoe-1b-7b's shapes),
@@ -179,6 +181,8 @@ for stage in "$@"; do
                > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
     kernels) (cd bench && timeout 300 python3 grouped_experts.py) > "$OUT/kernels.txt" 2>&1
              cat "$OUT/kernels.txt" ;;
+    routed-sort) (cd bench && timeout 60 python3 routed_sort.py \
+                     --json-out "$OUT/routed-sort.json") 2>&1 | tee "$OUT/routed-sort.txt" ;;
     dequant) (cd bench && timeout 120 python3 dequant.py --device cuda --formats int8,int4-g32 \
                  --repeat 20 --json-out "$OUT/dequant.json") 2>&1 | tee "$OUT/dequant.txt" ;;
     prompt-experts) (cd bench && timeout 200 python3 prompt_experts.py \

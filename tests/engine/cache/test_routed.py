@@ -30,6 +30,31 @@ routings = st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 9)).fl
         arrays(np.bool_, (tke[0], tke[1]))))
 
 
+wide_routings = st.sampled_from([9, 300, 70_000, 1 << 40]).flatmap(
+    lambda n_experts: st.tuples(
+        arrays(np.int64, (5, 4), elements=st.integers(0, n_experts - 1)),
+        arrays(np.bool_, (5, 4))))
+
+
+@given(wide_routings)
+def test_of_sorts_ids_of_every_width_as_the_reference(routing):
+    """The sort keys narrow to uint8 or uint16 where the ids fit (radix sorts), stay int64
+    where they do not; the groups are the reference's either way."""
+    ids, mask = routing
+    assert _as_dict(Routed.of(ids, mask)) == _reference(ids, mask)
+
+
+def test_sort_keys_take_the_narrowest_type_that_holds_the_ids():
+    from strata.engine.experts.routed import sort_keys
+
+    for top, dtype in ((255, np.uint8), (256, np.uint16), (65_535, np.uint16),
+                       (65_536, np.int64)):
+        keys = sort_keys(np.array([3, top, 0], dtype=np.int64))
+        assert keys.dtype == dtype and keys.tolist() == [3, top, 0]
+    assert sort_keys(np.array([-1, 2])).dtype == np.int64  # not narrowed: order would change
+    assert sort_keys(np.empty(0, dtype=np.int64)).size == 0
+
+
 @given(routings, st.data())
 def test_of_and_group_match_the_reference(routing, data):
     ids, mask = routing
