@@ -217,6 +217,21 @@ def test_grouped_rows_compute_each_run_through_its_blob(fmt, monkeypatch):
     monkeypatch.setattr(blobs_module, "DEQUANT_BATCH_BYTES", 2 * 3 * f * d * 4)
     assert blobs_module.dequant_batch(f, d) == 2
     torch.testing.assert_close(stack.grouped_rows(indices, x_sorted, counts), whole)
+    # Adjacent blobs (batches [1, 2] and [3, 4] here) are read in place, not stacked.
+    adjacent, seen = [1, 2, 3, 4], []
+    real_products = blobs_module.grouped_products
+    monkeypatch.setattr(blobs_module, "grouped_products",
+                        lambda gate_up, *a: seen.append(gate_up) or real_products(gate_up, *a))
+    if fmt is not None:
+        real_dequant = blobs_module.dequantize_blobs
+        monkeypatch.setattr(blobs_module, "dequantize_blobs",
+                            lambda blobs, *a: seen.append(blobs) or real_dequant(blobs, *a))
+    got = stack.grouped_rows(adjacent, x_sorted, counts)
+    experts = torch.repeat_interleave(torch.tensor(adjacent), torch.tensor(counts))
+    assert _relative(got, _reference(weights, experts, x_sorted.float())) < 2e-2
+    viewed = stack.blobs if fmt is not None else stack.gate_up_all()
+    firsts = [t.data_ptr() for t in seen[:: 2 if fmt is not None else 1]]
+    assert firsts == [viewed[1].data_ptr(), viewed[3].data_ptr()]
     given = torch.tensor([0, 5, 5, 7, 13])  # the runs' ends, uploaded by a caller before
     assert torch.equal(stack.grouped_rows(indices, x_sorted, counts, given),
                        stack.grouped_rows(indices, x_sorted, counts))

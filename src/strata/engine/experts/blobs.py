@@ -149,18 +149,24 @@ class BlobStack:
                  ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(lo, gate_up [B, 2F, D], down [B, D, F]) of indices[lo:lo + B], for consecutive
         batches of B = `dequant_batch(F, D)` (the last shorter): the weights dequantized, or
-        for unquantized blobs gathered (a copy; the views serve one blob at a time)."""
+        for unquantized blobs their views where the batch's blobs are adjacent, else
+        gathered (a copy)."""
         batch = dequant_batch(self.expert_width, self.hidden_size)
         for lo in range(0, len(indices), batch):
             chosen = indices[lo : lo + batch]
-            # Stacked from views, not gathered by an index tensor: an index made on the host
-            # and copied to the device would wait for the work queued before it.
+            # Adjacent blobs (every expert of a long prompt's layer, a loan's lent slots) are
+            # one strided view, read in place; others are stacked from views, not gathered by
+            # an index tensor: an index made on the host and copied to the device would wait
+            # for the work queued before it.
+            adjacent = chosen == list(range(chosen[0], chosen[0] + len(chosen)))
+            run = slice(chosen[0], chosen[0] + len(chosen))
             if self.quant is None:
-                yield (lo, torch.stack([self._gate_up[i] for i in chosen]),
-                       torch.stack([self._down[i] for i in chosen]))
+                yield (lo, self._gate_up[run], self._down[run]) if adjacent else \
+                    (lo, torch.stack([self._gate_up[i] for i in chosen]),
+                     torch.stack([self._down[i] for i in chosen]))
                 continue
-            chosen = torch.stack([self.blobs[i] for i in chosen])
-            gate_up, down = dequantize_blobs(chosen, self.quant, self.expert_width,
+            blobs = self.blobs[run] if adjacent else torch.stack([self.blobs[i] for i in chosen])
+            gate_up, down = dequantize_blobs(blobs, self.quant, self.expert_width,
                                              self.hidden_size, self.dtype)
             yield lo, gate_up, down
 
