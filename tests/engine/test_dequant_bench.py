@@ -18,8 +18,9 @@ def test_the_dequant_bench_times_each_format(tmp_path, capsys):
                        "--repeat", "2", "--json-out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [row["format"] for row in result["rows"]] == ["int8", "int4-g32", "int4-g64"]
-    assert all(row["same_bytes"] and row["ms"]["torch"] > 0 and row["ms"]["copy"] > 0
+    # the kernels run on CUDA only: nothing compared here, and none is claimed
+    assert all(row["same_bytes"] is None and row["ms"]["torch"] > 0 and row["ms"]["copy"] > 0
                and "kernels" not in row["ms"] for row in result["rows"])
-    assert "| int4-g64 | " in capsys.readouterr().out
+    assert "| - | - | - | - | - |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--preset", "small", "--formats", "int4"])  # int4-g32 or int4-g64

@@ -88,7 +88,8 @@ def workspace_bytes(
       `strata.engine.experts.grouped.copies_weights`, i.e. off CUDA or without Triton): the K
       routed experts' blobs (`experts_quant`: and their dequantized copies); a prompt chunk of
       any length reads its experts in place (quantized: `dequant_batch` experts dequantized at
-      a time, through float32);
+      a time, through float32 on torch's path; the CUDA kernels write the compute dtype only,
+      so this stays an upper bound there);
     - the routed rows [C*K, 2F + D] in fp32, twice; the activations, 16 x [C, width];
     - the logits [V] in fp32, twice;
     - the staging buffer of `--stream-misses` (`stream_blobs` blobs), when there is one;
