@@ -31,6 +31,46 @@ def test_blobs_are_copied_into_the_rows_asked_for():
     assert torch.equal(dest[2], store.blob(0, 0))
 
 
+def _counted(copies: BlobCopies) -> list[int]:
+    """The byte counts of the copies `copies` makes from now on, in order."""
+    made, to_device = [], copies.copies.to_device
+
+    def counting(dst, src, n_bytes, what):
+        made.append(n_bytes)
+        to_device(dst, src, n_bytes, what)
+
+    copies.copies.to_device = counting
+    return made
+
+
+def test_a_run_of_consecutive_experts_into_consecutive_rows_is_one_copy():
+    store = _store(n_experts=8)
+    dest = torch.zeros((6, store.blob_bytes), dtype=torch.uint8)
+    copies = BlobCopies(store, dest)
+    made = _counted(copies)
+    # rows 1-3 from experts 4-6 (one run), row 0 from 7 (the run breaks: row 4 would follow),
+    # row 5 from 2
+    copies.queue(1, [(1, 4), (2, 5), (3, 6), (0, 7), (5, 2)])
+    assert made == [3 * store.blob_bytes, store.blob_bytes, store.blob_bytes]
+    for row, expert in ((1, 4), (2, 5), (3, 6), (0, 7), (5, 2)):
+        assert torch.equal(dest[row], store.blob(1, expert))
+    assert not dest[4].any()
+
+
+def test_rows_spaced_unlike_the_store_are_copied_one_by_one():
+    """Slots padded past the blob: a run is not one span of bytes, so each blob is its own
+    copy and the padding between them is left as it was."""
+    store = _store(n_experts=4)
+    padded = torch.full((3, store.blob_bytes + 32), 7, dtype=torch.uint8)
+    copies = BlobCopies(store, padded[:, : store.blob_bytes])
+    made = _counted(copies)
+    copies.queue(0, [(0, 1), (1, 2), (2, 3)])
+    assert made == [store.blob_bytes] * 3
+    for row in range(3):
+        assert torch.equal(padded[row, : store.blob_bytes], store.blob(0, row + 1))
+    assert (padded[:, store.blob_bytes :] == 7).all()
+
+
 @pytest.mark.parametrize("bad", [(3, 0), (-1, 0), (0, 5), (0, -1)])
 def test_a_row_or_expert_out_of_range_is_refused_before_any_copy(bad):
     store = _store()
@@ -76,6 +116,9 @@ def test_a_driver_error_is_named(monkeypatch):
     with pytest.raises(RuntimeError, match=r"cuMemcpyHtoDAsync of expert \(1, 2\) failed: "
                                            r".*CUDA_ERROR_ILLEGAL_ADDRESS"):
         copies.queue(1, [(0, 2)])
+    with pytest.raises(RuntimeError, match=r"cuMemcpyHtoDAsync of experts \(1, 2\.\.3\) "
+                                           r"failed"):
+        copies.queue(1, [(0, 2), (1, 3)])  # a run, named whole
 
 
 def test_a_driver_error_staging_the_cpu_rows_is_named(monkeypatch):

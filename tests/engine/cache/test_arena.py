@@ -85,6 +85,34 @@ def test_a_queued_upload_on_the_host_is_complete_and_has_no_event(store):
         arena.close()
 
 
+@pytest.mark.parametrize("pad", [0, 256], ids=["unpadded", "padded"])
+def test_an_upload_copies_a_run_of_experts_into_a_run_of_slots_at_once(store, pad,
+                                                                        monkeypatch):
+    """Consecutive experts of a layer into consecutive slots (a loan's misses into its lent
+    slots) are one copy where slots are as long as blobs; padded slots take one copy a blob
+    and keep their padding; a run never crosses layers."""
+    from strata.engine.experts.blob_copies import ByteCopies
+
+    made, to_device = [], ByteCopies.to_device
+    monkeypatch.setattr(ByteCopies, "to_device", lambda self, dst, src, n_bytes, what: (
+        made.append(n_bytes), to_device(self, dst, src, n_bytes, what)))
+    arena = _arena(store, 6, slot_bytes=store.blob_bytes + pad)
+    try:
+        arena.slots_view().fill_(9)
+        experts = np.array([[0, 5], [0, 6], [0, 7], [1, 0], [1, 1], [1, 3]])
+        arena.upload([1, 2, 3, 4, 5, 0], experts, store)
+        blob = store.blob_bytes
+        assert made == ([3 * blob, 2 * blob, blob] if not pad else [blob] * 6)
+        view = arena.slots_view()
+        for slot, (layer, expert) in zip([1, 2, 3, 4, 5, 0], experts, strict=True):
+            assert torch.equal(view[slot, :blob], store.blob(int(layer), int(expert)))
+        assert (view[:, blob:] == 9).all()
+    finally:
+        arena.close()
+    with pytest.raises(IndexError, match="out of range"):
+        arena.upload([0], np.array([[0, 1]]), store)  # the slots are gone
+
+
 @pytest.mark.parametrize("queued", [False, True], ids=["upload", "upload_queued"])
 def test_bad_uploads_copy_nothing(store, queued):
     arena = _arena(store, 3)
@@ -149,6 +177,10 @@ def test_cuda_upload_from_pinned_store(store):
         view = arena.slots_view().cpu()
         assert torch.equal(view[1, : store.blob_bytes], store.blob(0, 4))
         assert torch.equal(view[2, : store.blob_bytes], store.blob(1, 7))
+        arena.upload([0, 1, 2], np.array([[1, 4], [1, 5], [1, 6]]), pinned)  # one copy
+        assert torch.equal(arena.slots_view()[:, : store.blob_bytes].cpu(),
+                           store.layer_blobs(1)[4:7])
+        arena.upload([1, 2], np.array([[0, 4], [1, 7]]), pinned)
         arena.copy_slot(2, 0)
         assert torch.equal(arena.slots_view()[0].cpu(), view[2])
         # Queued: after an event of the compute stream, done at the returned event, the host

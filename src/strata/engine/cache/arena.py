@@ -24,6 +24,7 @@ import torch
 
 from strata import _vmm
 from strata.engine.experts import ExpertStore
+from strata.engine.experts.blob_copies import BlobCopies
 from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.quant import expert_blob_bytes
 
@@ -108,6 +109,9 @@ class Arena:
             self._slots = torch.empty((0, self.slot_bytes), dtype=torch.uint8, device=self.device)
         else:
             self._slots = self._range.view(0, (self.n_slots, self.slot_bytes), torch.uint8)
+        # (store, its copies into the slots): made by the first upload from a store, by the
+        # slots' addresses, so made again with the views
+        self._blob_copies: tuple[ExpertStore, BlobCopies] | None = None
         self.stack = BlobStack(self._slots, self.dtype, self.quant, self.expert_width,
                                self.hidden_size)  # [S, slot_bytes]
 
@@ -175,11 +179,11 @@ class Arena:
         if not slots.size:
             return 0
         if self._copy_stream is None:
-            self._copy(slots, experts, store, non_blocking=False)
+            self._copy(slots, experts, store)
         else:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
-                self._copy(slots, experts, store, non_blocking=True)
+                self._copy(slots, experts, store)
             self._copy_stream.synchronize()  # the batch's one sync: complete before any read
         return int(slots.size) * self.blob_bytes
 
@@ -194,12 +198,12 @@ class Arena:
         returns, and there is no event (None). Checked as `upload` checks."""
         slots, experts = self._checked_copies(slots, experts, store)
         if self._copy_stream is None:
-            self._copy(slots, experts, store, non_blocking=False)
+            self._copy(slots, experts, store)
             return None
         if after is not None:
             self._copy_stream.wait_event(after)
         with torch.cuda.stream(self._copy_stream):
-            self._copy(slots, experts, store, non_blocking=True)
+            self._copy(slots, experts, store)
             return record_event(self.device)
 
     def _checked_copies(self, slots: Sequence[int] | np.ndarray, experts: np.ndarray,
@@ -215,20 +219,30 @@ class Arena:
             raise ValueError(
                 f"the store's blobs are {store.blob_bytes} bytes, the arena's {self.blob_bytes}"
             )
-        for slot in slots:
-            self._check_slot(slot)
+        bad = (slots < 0) | (slots >= self.n_slots)
+        if bad.any():
+            self._check_slot(slots[bad][0])  # IndexError naming it
         if np.unique(slots).size != slots.size:
             raise ValueError(f"slots {slots.tolist()} name a slot twice")
-        for layer, expert in experts:
-            store.blob(int(layer), int(expert))  # IndexError for one out of range
+        bad = (experts < 0).any(axis=1) | (experts[:, 0] >= store.n_layers) | \
+            (experts[:, 1] >= store.n_experts)
+        if bad.any():
+            store.blob(*(int(i) for i in experts[bad][0]))  # IndexError naming it
         return slots, experts
 
-    def _copy(self, slots: np.ndarray, experts: np.ndarray, store: ExpertStore,
-              non_blocking: bool) -> None:
-        """The checked copies, on the current stream."""
-        for slot, (layer, expert) in zip(slots, experts, strict=True):
-            blob = store.blob(int(layer), int(expert))
-            self._slots[slot, : self.blob_bytes].copy_(blob, non_blocking=non_blocking)
+    def _copy(self, slots: np.ndarray, experts: np.ndarray, store: ExpertStore) -> None:
+        """The checked copies, on the current stream (on the host, done now): by address, a
+        run of consecutive experts into consecutive slots one copy (`BlobCopies`)."""
+        if self._blob_copies is None or self._blob_copies[0] is not store:
+            self._blob_copies = (store, BlobCopies(store, self._slots[:, : self.blob_bytes]))
+        copies = self._blob_copies[1]
+        # One call a run of copies from one layer (a refill may span layers).
+        cuts = np.flatnonzero(np.diff(experts[:, 0])) + 1
+        for run in np.split(np.arange(slots.size), cuts):
+            if run.size:
+                copies.queue(int(experts[run[0], 0]),
+                             list(zip(slots[run].tolist(), experts[run, 1].tolist(),
+                                       strict=True)))
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy slot `src`'s bytes to slot `dst` on the device, complete when it returns."""
@@ -324,6 +338,7 @@ class Arena:
         """Unmap and release the slots; the views must not be used afterwards. Idempotent."""
         if self._range is not None:
             self._slots = torch.empty((0, self.slot_bytes), dtype=torch.uint8, device=self.device)
+            self._blob_copies = None  # a copy after close finds no slot (IndexError)
             self.stack = BlobStack(self._slots, self.dtype, self.quant, self.expert_width,
                                    self.hidden_size)
             self._range.close()

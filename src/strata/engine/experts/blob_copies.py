@@ -74,14 +74,27 @@ class BlobCopies:
 
     def queue(self, layer: int, copies: list[tuple[int, int]]) -> None:
         """Copy each (row of dest, expert of `layer`) in `copies`, in order: on CUDA queued on
-        torch's current stream, on the host done now. IndexError for a row or an expert out of
-        range (checked before any copy); RuntimeError naming the driver's error."""
+        torch's current stream, on the host done now. A run of copies into consecutive rows
+        from consecutive experts is one copy where the two buffers space their rows alike (the
+        run is then one span of bytes on each side: a prompt loan's misses into its lent
+        slots, a layer's blobs into a slot per expert). IndexError for a row or an expert out
+        of range (checked before any copy); RuntimeError naming the driver's error."""
         source, source_stride = self._sources[layer]
+        copies = [(int(row), int(expert)) for row, expert in copies]
         for row, expert in copies:
             if not (0 <= row < self.n_dest and 0 <= expert < self.n_experts):
                 raise IndexError(f"blob copy ({row}, {expert}) out of range: rows [0, "
                                  f"{self.n_dest}), experts [0, {self.n_experts})")
-        for row, expert in copies:
+        spans = source_stride == self._dest_stride
+        i = 0
+        while i < len(copies):
+            row, expert = copies[i]
+            n = 1
+            while spans and i + n < len(copies) and copies[i + n] == (row + n, expert + n):
+                n += 1
+            what = f"expert ({layer}, {expert})" if n == 1 else \
+                f"experts ({layer}, {expert}..{expert + n - 1})"
             self.copies.to_device(self._dest + row * self._dest_stride,
-                                  source + expert * source_stride, self.n_bytes,
-                                  f"expert ({layer}, {expert})")
+                                  source + expert * source_stride,
+                                  (n - 1) * source_stride + self.n_bytes, what)
+            i += n
