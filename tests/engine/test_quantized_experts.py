@@ -214,8 +214,10 @@ def test_grouped_rows_compute_each_run_through_its_blob(fmt, monkeypatch):
     whole = stack.grouped_rows(indices, x_sorted, counts)
     assert whole.shape == (13, d) and whole.dtype == torch.bfloat16
     assert _relative(whole, want) < 2e-2  # bf16 rows
-    monkeypatch.setattr(blobs_module, "DEQUANT_BATCH_BYTES", 2 * 3 * f * d * 4)
-    assert blobs_module.dequant_batch(f, d) == 2
+    # Batches of 2: bf16 takes 2 bytes a weight, and 4 more through torch's float32 copies.
+    weight_bytes = 2 if fmt is None else 6
+    monkeypatch.setattr(blobs_module, "DEQUANT_BATCH_BYTES", 2 * 3 * f * d * weight_bytes)
+    assert blobs_module.dequant_batch(f, d, weight_bytes) == 2
     torch.testing.assert_close(stack.grouped_rows(indices, x_sorted, counts), whole)
     # Adjacent blobs (batches [1, 2] and [3, 4] here) are read in place, not stacked.
     adjacent, seen = [1, 2, 3, 4], []
@@ -241,3 +243,31 @@ def test_grouped_rows_compute_each_run_through_its_blob(fmt, monkeypatch):
     for bad in ([5, 0, 2], [5, 0, 2, 5], [5, -1, 3, 6]):
         with pytest.raises(ValueError, match="one count >= 0 per index summing to the 13 rows"):
             stack.grouped_rows(indices, x_sorted, bad)
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+def test_batches_fill_their_memory_by_the_path_that_dequantizes_them(kernels, monkeypatch):
+    """Where the kernels dequantize (bf16 out, no float32 copies) a batch holds three times the
+    blobs torch's path does in the same DEQUANT_BATCH_BYTES, and the batches of a call are of
+    even sizes; the rows are the same either way."""
+    from strata.engine.experts import blobs as blobs_module
+    from strata.engine.experts.blobs import BlobStack
+
+    f, d = 64, 128
+    raw, _ = _blobs("int8", 16, f, d, seed=6)
+    stack = BlobStack(raw, torch.bfloat16, "int8", f, d)
+    monkeypatch.setattr(blobs_module, "DEQUANT_BATCH_BYTES", 3 * f * d * 6 * 2)
+    monkeypatch.setattr(blobs_module, "dequant_kernels_run", lambda *a: kernels)
+    sizes, real_dequant = [], blobs_module.dequantize_blobs
+    monkeypatch.setattr(blobs_module, "dequantize_blobs",
+                        lambda blobs, *a: sizes.append(blobs.shape[0]) or real_dequant(blobs, *a))
+    indices, counts = list(range(13)), [2] * 13
+    x_sorted = torch.randn(26, d, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    got = stack.grouped_rows(indices, x_sorted, counts)
+    # 2 blobs a batch through float32 (6 bytes a weight), 6 through the kernels (2 bytes): 13
+    # blobs in 7 batches of 2 and 1, or in 3 of 5, 5 and 3 (not 6, 6 and 1)
+    assert sizes == ([5, 5, 3] if kernels else [2] * 6 + [1])
+    sizes.clear()
+    monkeypatch.setattr(blobs_module, "DEQUANT_BATCH_BYTES", 1 << 30)  # one batch
+    torch.testing.assert_close(stack.grouped_rows(indices, x_sorted, counts), got)
+    assert sizes == [13]

@@ -29,7 +29,7 @@ from strata.engine.model.moe import load_model
 from strata.engine.runtime.load import load
 from strata.policies import Policy, PolicyError
 from strata.policies.registry import load_registry
-from support.checkpoints import cached_checkpoint
+from support.checkpoints import cached_checkpoint, store_of
 
 CHUNK_BYTES = 65536
 PROMPT = torch.arange(3, 63)  # 60 tokens: one pass routes to every expert of the tiny model
@@ -54,7 +54,7 @@ def _cache(store, n_slots, policy="coldest-in-loan", **loan):
     table = ResidencyTable(store.n_layers, store.n_experts, n_slots, slot_bytes, CHUNK_BYTES)
     arena = Arena(_vmm.HostBackend(CHUNK_BYTES), n_slots, slot_bytes,
                   hidden_size=store.hidden_size, expert_width=store.expert_width,
-                  dtype=store.dtype)
+                  dtype=store.dtype, quant=store.quant)
     policy = policy if isinstance(policy, Policy) else load_registry().create(policy)
     cached = CachedExperts(store, arena, table, CheckedPolicy(policy, table), "cpu",
                            loan=LoanOptions(**loan) if loan else None)
@@ -208,6 +208,32 @@ def test_each_layer_uploads_its_index_once_before_its_blobs(setup, monkeypatch):
         cached.close()
     assert loan_calls and all(calls[0] == "index" and calls.count("index") == 1
                               and calls.count("blobs") > 1 for calls in loan_calls), loan_calls
+
+
+def test_a_quantized_loan_batch_fits_one_dequantization_batch(monkeypatch):
+    """With quantized slots no upload batch holds more experts than `BlobStack.batch_blobs`
+    (each batch is then one set of dequantization launches), whatever `upload_batches` asks;
+    the logits are those of one batch a layer."""
+    from strata.engine.cache import loan as loan_module
+    from strata.engine.experts.blobs import BlobStack
+
+    ckpt = cached_checkpoint("qwen3_moe", "small", dtype=torch.float32)
+    model, store = load_model(ckpt), store_of(ckpt, quant="int8")
+    monkeypatch.setattr(loan_module, "MIN_BATCH_EXPERTS", 1)
+    monkeypatch.setattr(BlobStack, "batch_blobs", lambda self: 3)
+    runs = []
+    for batches in (1, 2):
+        cached = _cache(store, 20, short_read=8, keep_slots=4, upload_batches=batches)
+        sizes, real_upload = [], cached.loan.executor.upload_queued
+        monkeypatch.setattr(cached.loan.executor, "upload_queued",
+                            lambda slots, *args, sizes=sizes, real=real_upload: (
+                                sizes.append(len(slots)), real(slots, *args))[1])
+        try:
+            runs.append(_prefill(model, cached))
+        finally:
+            cached.close()
+    assert sizes and max(sizes) == 3, sizes  # 2 batches asked, of up to 8 misses each
+    assert torch.equal(runs[1], runs[0])
 
 
 def test_a_failed_upload_mid_layer_leaves_the_books_and_the_loan_usable(setup, monkeypatch):

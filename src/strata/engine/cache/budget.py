@@ -88,8 +88,8 @@ def workspace_bytes(
       `strata.engine.experts.grouped.copies_weights`, i.e. off CUDA or without Triton): the K
       routed experts' blobs (`experts_quant`: and their dequantized copies); a prompt chunk of
       any length reads its experts in place (quantized: `dequant_batch` experts dequantized at
-      a time, through float32 on torch's path; the CUDA kernels write the compute dtype only,
-      so this stays an upper bound there);
+      a time, DEQUANT_BATCH_BYTES at most: through float32 on torch's path, the compute dtype
+      only through the CUDA kernels, whose batches are that many times larger);
     - the routed rows [C*K, 2F + D] in fp32, twice; the activations, 16 x [C, width];
     - the logits [V] in fp32, twice;
     - the staging buffer of `--stream-misses` (`stream_blobs` blobs), when there is one;
@@ -117,8 +117,10 @@ def workspace_bytes(
         attention = 2 * n * cfg.n_heads * cfg.head_dim * itemsize if copies else 0
     gathered = gathered_bytes(cfg, dtype, experts_quant) if gathers else 0
     if experts_quant is not None:  # a prompt chunk's experts, dequantized a batch at a time
-        batch = min(dequant_batch(f, d), cfg.n_experts)  # a layer call's experts at most
-        gathered = max(gathered, batch * 3 * f * d * (4 + itemsize))
+        # a layer call's experts at most; the larger of the two paths' batches (torch's
+        # through float32, the kernels' in the compute dtype only)
+        gathered = max(gathered, *(min(dequant_batch(f, d, w), cfg.n_experts) * 3 * f * d * w
+                                   for w in (4 + itemsize, itemsize)))
     rows = 2 * c * k * (2 * f + d) * 4
     width = max(d, cfg.q_width + 2 * cfg.kv_width, cfg.shared_expert_width or 0)
     activations = 16 * c * width * itemsize

@@ -21,10 +21,12 @@ The cycle, driven by `CachedExperts` through its `loan` hooks:
    in distinct slots, all queued on the copy stream at once, each computed as soon as it is
    there while the next ones upload; with more, batches alternating between the two halves of
    the lent slots, a batch's upload waiting for the compute of the batch before it in the same
-   slots. The host waits for none of it: the compute stream waits for each batch's upload
-   (an event), and the copy stream for the kernels that last read the slots. Every batch's
-   index (rows, slots, runs) goes up in one copy before the blobs are queued: a small copy
-   behind them would wait for all of them in the copy engine, and every compute with it. With
+   slots; quantized slots take more batches where one would hold more experts than a
+   dequantization batch (`BlobStack.batch_blobs`). The host waits for none of it: the compute
+   stream waits for each batch's upload (an event), and the copy stream for the kernels that
+   last read the slots. Every batch's index (rows, slots, runs) goes up in one copy before the
+   blobs are queued: a small copy behind them would wait for all of them in the copy engine,
+   and every compute with it. With
    `upload_batches` 1, each batch (all M, or N at a time) is uploaded complete, the host
    waiting, and then computed: the path before the pipelining, kept to measure against.
 3. `end_prompt` (the phase turns to decode, or the request ends): the policy's `refill` fills the
@@ -224,7 +226,12 @@ class PromptLoan:
                 "lent slot while the loan is open"
             )
         out = x.new_empty((misses.n_rows, x.shape[1]))  # [R, D]
-        plan = upload_plan(misses.n_experts, self.lent.size, self.options.upload_batches)
+        batches = self.options.upload_batches
+        if batches > 1 and self.executor.arena.quant is not None:
+            # No batch larger than one dequantization batch: each is computed in one set of
+            # launches (a batch of 25 where 21 fit would take two, the second of 4).
+            batches = max(batches, -(-misses.n_experts // self.executor.arena.stack.batch_blobs()))
+        plan = upload_plan(misses.n_experts, self.lent.size, batches)
         reuses = [_reuses(plan, b) for b in range(len(plan))]
         # The first uploads wait for the last kernel that read the lent slots: the previous
         # layer's loan compute, not this layer's hits queued since (the copies overlap them);

@@ -2,11 +2,15 @@
 there).
 
 Legend: B blobs, R rows of one matrix, C its columns, G an int4 group; BR, BC the block sizes.
-A launch turns one matrix of every blob (the gate and up rows [2F, D], or the down rows
-[D, F]) into out [B, R, C]: its integers at byte `q_at` of each blob, its float32 scales at
-byte `scales_at` (the layouts of `strata.engine.experts.quant`), blob b at `blobs_ptr +
-b * blob_stride`. Each weight is its integer times its scale in float32, rounded once to out's
-dtype: torch's `q.float() * s` then `.to(dtype)`, so the bytes are the same.
+One launch turns every blob's two matrices (the gate and up rows [2F, D], the down rows
+[D, F]) into gate_up [B, 2F, D] and down [B, D, F]: program (p, b) writes tile p of blob b,
+the gate and up rows' tiles first, then the down rows' (tiles on the grid's first axis, whose
+limit is 2^31 - 1, not 65,535). A matrix's integers sit at byte `q_at`
+of each blob and its float32 scales at byte `scales_at` (the layouts of
+`strata.engine.experts.quant`), blob b at `blobs_ptr + b * blob_stride`. Each weight is its
+integer times its scale in float32, rounded once to the output's dtype: torch's
+`q.float() * s` then `.to(dtype)`, so the bytes are the same. One launch, not one a matrix:
+a prompt's layer dequantizes many batches, and each launch costs tens of µs of host time.
 """
 
 import triton
@@ -16,36 +20,30 @@ from strata.engine._dependent_triton import wait_for_prior
 
 
 @triton.jit
-def int8_rows(blobs_ptr, out_ptr, blob_stride, q_at, scales_at, R, C, out_stride,
-              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False):
-    # Program (b, i, j): out[b, i*BR : (i+1)*BR, j*BC : (j+1)*BC], one scale a row.
-    wait_for_prior(USE_PDL)
-    blob = blobs_ptr + tl.program_id(0).to(tl.int64) * blob_stride
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
-    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
+def _int8_tile(blob, out, q_at, scales_at, R, C, tile_r, tile_c,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # out[tile_r*BR : (tile_r+1)*BR, tile_c*BC : (tile_c+1)*BC] of one [R, C] matrix, one
+    # scale a row.
+    rows = tile_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    cols = tile_c * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
     rows_in = rows < R
     both = rows_in[:, None] & (cols < C)[None, :]
     at = rows[:, None].to(tl.int64) * C + cols[None, :]  # [BR, BC] element of the matrix
     q = tl.load((blob + q_at).to(tl.pointer_type(tl.int8)) + at, mask=both, other=0)
     scale = tl.load((blob + scales_at).to(tl.pointer_type(tl.float32)) + rows, mask=rows_in,
                     other=0.0)
-    out = out_ptr + tl.program_id(0).to(tl.int64) * out_stride
-    tl.store(out + at, (q.to(tl.float32) * scale[:, None]).to(out_ptr.dtype.element_ty),
-             mask=both)
+    tl.store(out + at, (q.to(tl.float32) * scale[:, None]).to(out.dtype.element_ty), mask=both)
 
 
 @triton.jit
-def int4_rows(blobs_ptr, out_ptr, blob_stride, q_at, scales_at, R, C, out_stride,
-              GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-              USE_PDL: tl.constexpr = False):
-    # Program (b, i, j) as int8_rows', BC a multiple of G (and C one, so a group is all in or
-    # all out). Byte k of a block holds, of group k // (G/2), weight k % (G/2) in its low
-    # nibble and weight G/2 + k % (G/2) in its high one; one scale a group.
-    wait_for_prior(USE_PDL)
-    blob = blobs_ptr + tl.program_id(0).to(tl.int64) * blob_stride
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+def _int4_tile(blob, out, q_at, scales_at, R, C, tile_r, tile_c, GROUP: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # The tile as _int8_tile's, BC a multiple of G (and C one, so a group is all in or all
+    # out). Byte k of a block holds, of group k // (G/2), weight k % (G/2) in its low nibble
+    # and weight G/2 + k % (G/2) in its high one; one scale a group.
+    rows = tile_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
     k = tl.arange(0, BLOCK_C // 2)  # [BC/2] byte of the block's row
-    group = tl.program_id(2) * (BLOCK_C // GROUP) + k // (GROUP // 2)  # [BC/2] group of the row
+    group = tile_c * (BLOCK_C // GROUP) + k // (GROUP // 2)  # [BC/2] group of the row
     first = group * GROUP  # [BC/2] the group's first column
     lo_col = first + k % (GROUP // 2)  # [BC/2] the column a low nibble stands for
     both = (rows < R)[:, None] & (first < C)[None, :]
@@ -56,7 +54,39 @@ def int4_rows(blobs_ptr, out_ptr, blob_stride, q_at, scales_at, R, C, out_stride
     hi = (byte << 24) >> 28
     scale = tl.load((blob + scales_at).to(tl.pointer_type(tl.float32))
                     + row_at // GROUP + group[None, :], mask=both, other=0.0)  # [BR, BC/2]
-    out = out_ptr + tl.program_id(0).to(tl.int64) * out_stride + row_at + lo_col[None, :]
-    dtype = out_ptr.dtype.element_ty
-    tl.store(out, (lo.to(tl.float32) * scale).to(dtype), mask=both)
-    tl.store(out + GROUP // 2, (hi.to(tl.float32) * scale).to(dtype), mask=both)
+    at = out + row_at + lo_col[None, :]
+    dtype = out.dtype.element_ty
+    tl.store(at, (lo.to(tl.float32) * scale).to(dtype), mask=both)
+    tl.store(at + GROUP // 2, (hi.to(tl.float32) * scale).to(dtype), mask=both)
+
+
+@triton.jit
+def _tile(blob, out, q_at, scales_at, R, C, tile_r, tile_c, GROUP: tl.constexpr,
+          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # One tile of int8 (GROUP 0) or int4 weights.
+    if GROUP == 0:
+        _int8_tile(blob, out, q_at, scales_at, R, C, tile_r, tile_c, BLOCK_R, BLOCK_C)
+    else:
+        _int4_tile(blob, out, q_at, scales_at, R, C, tile_r, tile_c, GROUP, BLOCK_R, BLOCK_C)
+
+
+@triton.jit
+def dequant_blobs(blobs_ptr, gate_up_ptr, down_ptr, blob_stride, gate_up_stride, down_stride,
+                  down_q_at, gate_up_scales_at, down_scales_at, F, D, GROUP: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # Program (p, b): the gate and up rows' tiles [2F, D] first, then the down rows' [D, F];
+    # GROUP 0 for int8, else int4's group.
+    wait_for_prior(USE_PDL)
+    p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    blob = blobs_ptr + b * blob_stride
+    gate_up_cols = tl.cdiv(D, BLOCK_C)
+    gate_up_tiles = tl.cdiv(2 * F, BLOCK_R) * gate_up_cols
+    if p < gate_up_tiles:
+        _tile(blob, gate_up_ptr + b * gate_up_stride, 0, gate_up_scales_at, 2 * F, D,
+              p // gate_up_cols, p % gate_up_cols, GROUP, BLOCK_R, BLOCK_C)
+    else:
+        p -= gate_up_tiles
+        down_cols = tl.cdiv(F, BLOCK_C)
+        _tile(blob, down_ptr + b * down_stride, down_q_at, down_scales_at, D, F,
+              p // down_cols, p % down_cols, GROUP, BLOCK_R, BLOCK_C)

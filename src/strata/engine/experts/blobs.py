@@ -30,20 +30,24 @@ import numpy as np
 import torch
 
 from strata.engine.experts.grouped import expert_rows
-from strata.engine.experts.quant import dequantize_blobs
+from strata.engine.experts.quant import dequant_kernels_run, dequantize_blobs
 from strata.engine.experts.quantized import quantized_rows
 from strata.engine.experts.sorted_grouped import grouped_products
 
 __all__ = ["DEQUANT_BATCH_BYTES", "BlobStack", "dequant_batch", "to_device_async"]
 
-# `each_weights` dequantizes at most this many bytes of float32 weights at once (the
-# dequantization's intermediate; its output in the compute dtype is another itemsize / 4 of it).
-DEQUANT_BATCH_BYTES = 128 << 20
+# A batch of `each_weights` / `grouped_rows` takes at most this many bytes of device memory:
+# its weights in the compute dtype (dequantized, or gathered from blobs that are not adjacent)
+# and, on torch's dequantization path, a float32 copy of each. In bf16 that is 7 of
+# qwen3-30b-a3b's experts through float32, 21 through the kernels: a third of the launches.
+DEQUANT_BATCH_BYTES = 192 << 20
 
 
-def dequant_batch(expert_width: int, hidden_size: int) -> int:
-    """Experts `each_weights` dequantizes at once: DEQUANT_BATCH_BYTES of float32, at least 1."""
-    return max(1, DEQUANT_BATCH_BYTES // (3 * expert_width * hidden_size * 4))
+def dequant_batch(expert_width: int, hidden_size: int, weight_bytes: int) -> int:
+    """Experts a batch takes at once when each weight costs `weight_bytes` of device memory
+    (the compute dtype's itemsize, plus 4 on torch's dequantization path):
+    DEQUANT_BATCH_BYTES of them, at least 1."""
+    return max(1, DEQUANT_BATCH_BYTES // (3 * expert_width * hidden_size * weight_bytes))
 
 
 def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -103,7 +107,7 @@ class BlobStack:
     def each_weights(self, indices: Sequence[int]
                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """`weights(i)` for each i of `indices`, in order; quantized blobs dequantized
-        `dequant_batch(F, D)` at a time (the same values as one by one)."""
+        `dequant_batch` at a time (the same values as one by one)."""
         if self.quant is None:
             for i in indices:
                 yield self._gate_up[i], self._down[i]
@@ -116,7 +120,7 @@ class BlobStack:
         """[R, D]: rows x_sorted [R, D] sorted by expert, the first counts[0] through blob
         indices[0], the next counts[1] through indices[1], and so on (sum(counts) == R), as
         `sorted_grouped.grouped_products` computes them: two grouped products a batch of
-        `dequant_batch(F, D)` blobs, quantized blobs dequantized once for the batch's rows
+        `dequant_batch` blobs, quantized blobs dequantized once for the batch's rows
         (the loop over `each_weights` makes five launches an expert). Where `_grouped_mm`
         runs (`sorted_grouped`). `ends`: the runs' ends [n + 1] from 0, on the device already
         (a caller that uploaded them earlier: one upload queued behind a prompt loan's blobs
@@ -127,9 +131,8 @@ class BlobStack:
             raise ValueError(f"counts must be one count >= 0 per index summing to the "
                              f"{x_sorted.shape[0]} rows, got {len(counts)} counts summing to "
                              f"{sum(counts)} for {len(indices)} indices")
-        y = x_sorted.new_empty(x_sorted.shape)  # [R, D]
         if not indices:
-            return y
+            return x_sorted.new_empty(x_sorted.shape)
         # Every batch's ends from one upload: the runs' ends within the batch, on the device.
         host_ends = np.cumsum([0, *counts]).tolist()  # [n + 1]
         if ends is None:
@@ -137,21 +140,38 @@ class BlobStack:
         elif ends.shape != (len(indices) + 1,):
             raise ValueError(f"ends must be [{len(indices) + 1}] (the runs' ends from 0), got "
                              f"{list(ends.shape)}")
+        ends = ends.to(torch.int32)  # one conversion, not one a batch
         for lo, gate_up, down in self._batches(indices):
             hi = lo + gate_up.shape[0]
             first, last = host_ends[lo], host_ends[hi]
-            y[first:last] = grouped_products(
-                gate_up, down, x_sorted[first:last],
-                (ends[lo + 1 : hi + 1] - first).to(torch.int32))  # [n, D]
+            batch_ends = ends[lo + 1 : hi + 1]  # [n]
+            rows = grouped_products(gate_up, down, x_sorted[first:last],
+                                    batch_ends - first if first else batch_ends)  # [n, D]
+            if hi == len(indices) and lo == 0:
+                return rows  # one batch: its rows are the whole
+            if lo == 0:
+                y = x_sorted.new_empty(x_sorted.shape)  # [R, D]
+            y[first:last] = rows
         return y
+
+    def batch_blobs(self) -> int:
+        """The most blobs a batch of `each_weights` / `grouped_rows` holds: `dequant_batch` at
+        the compute dtype's itemsize a weight, plus 4 where torch's path dequantizes them
+        (float32 copies; not where the kernels do, `quant.dequant_kernels_run`)."""
+        f, d = self.expert_width, self.hidden_size
+        float_copies = self.quant is not None and not dequant_kernels_run(self.blobs, self.quant,
+                                                                          f, d)
+        return dequant_batch(f, d, self.dtype.itemsize + 4 * float_copies)
 
     def _batches(self, indices: list[int]
                  ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(lo, gate_up [B, 2F, D], down [B, D, F]) of indices[lo:lo + B], for consecutive
-        batches of B = `dequant_batch(F, D)` (the last shorter): the weights dequantized, or
+        batches of at most `dequant_batch` (the last shorter): the weights dequantized, or
         for unquantized blobs their views where the batch's blobs are adjacent, else
         gathered (a copy)."""
-        batch = dequant_batch(self.expert_width, self.hidden_size)
+        batch = self.batch_blobs()
+        # As many batches as that takes, of even sizes (25 blobs in 13 and 12, not 21 and 4).
+        batch = -(-len(indices) // -(-len(indices) // batch)) if indices else batch
         for lo in range(0, len(indices), batch):
             chosen = indices[lo : lo + batch]
             # Adjacent blobs (every expert of a long prompt's layer, a loan's lent slots) are

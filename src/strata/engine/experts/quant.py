@@ -231,10 +231,19 @@ def dequantize_blobs(blobs: torch.Tensor, fmt: str, expert_width: int, hidden_si
     On CUDA with Triton (outside `torch.compile`'s tracing), with the blobs' scales 4-byte
     aligned: `dequantize_blobs_triton`, one pass over the bytes. Elsewhere
     `dequantize_blobs_torch`, the same bytes."""
-    if (blobs.is_cuda and not torch.compiler.is_compiling() and _dequant_kernels() is not None
-            and _scales_aligned(blobs, fmt, expert_width, hidden_size)):
+    if dequant_kernels_run(blobs, fmt, expert_width, hidden_size):
         return dequantize_blobs_triton(blobs, fmt, expert_width, hidden_size, dtype)
     return dequantize_blobs_torch(blobs, fmt, expert_width, hidden_size, dtype)
+
+
+def dequant_kernels_run(blobs: torch.Tensor, fmt: str, expert_width: int,
+                        hidden_size: int) -> bool:
+    """Whether `dequantize_blobs` takes these blobs through the kernels (which write only the
+    compute dtype) rather than torch's float32 copies: on CUDA with Triton, outside
+    `torch.compile`'s tracing, with the blobs' scales 4-byte aligned."""
+    return (blobs.is_cuda and not torch.compiler.is_compiling()
+            and _dequant_kernels() is not None
+            and _scales_aligned(blobs, fmt, expert_width, hidden_size))
 
 
 def dequantize_blobs_torch(blobs: torch.Tensor, fmt: str, expert_width: int, hidden_size: int,
@@ -297,8 +306,8 @@ def _scales_aligned(blobs: torch.Tensor, fmt: str, expert_width: int, hidden_siz
 def dequantize_blobs_triton(blobs: torch.Tensor, fmt: str, expert_width: int,
                             hidden_size: int, dtype: torch.dtype
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`dequantize_blobs` by the Triton kernels (`_dequant_triton`), two launches: the gate and
-    up rows, then the down rows, each weight read once and written once. Under Triton's
+    """`dequantize_blobs` by a Triton kernel (`_dequant_triton`), one launch for both matrices
+    of every blob, each weight read once and written once. Under Triton's
     interpreter on the CPU (TRITON_INTERPRET=1 set before import) it is how the tests check the
     kernels without a GPU. ValueError for blobs that are not uint8 [B, >= blob_bytes] with
     contiguous bytes and 4-byte aligned scales."""
@@ -315,24 +324,18 @@ def dequantize_blobs_triton(blobs: torch.Tensor, fmt: str, expert_width: int,
     b = blobs.shape[0]
     gate_up = torch.empty((b, 2 * f, d), dtype=dtype, device=blobs.device)
     down = torch.empty((b, d, f), dtype=dtype, device=blobs.device)
-    # (out, rows R, columns C, byte of its integers, byte of its scales) of the two matrices:
-    # the gate and up rows first, then the down rows (the module docstring's layouts)
+    if not (b and f and d):
+        return gate_up, down
+    # Bytes in a blob (the module docstring's layouts): the down rows' integers, the gate and
+    # up rows' scales, the down rows'.
     per_weight = 2 if group else 1  # weights a byte
-    scales_at = n // per_weight
-    gate_up_scales = 2 * f * d // group if group else 2 * f
-    matrices = ((gate_up, 2 * f, d, 0, scales_at),
-                (down, d, f, 2 * f * d // per_weight, scales_at + 4 * gate_up_scales))
-    options = dependent_launch.kernel_options(blobs.device)
-    for out, rows, cols, q_at, matrix_scales_at in matrices:
-        if not out.numel():
-            continue
-        grid = (b, -(-rows // DEQUANT_BLOCK_R), -(-cols // DEQUANT_BLOCK_C))
-        if group:
-            kernels.int4_rows[grid](blobs, out, blobs.stride(0), q_at, matrix_scales_at, rows,
-                                    cols, out.stride(0), GROUP=group, BLOCK_R=DEQUANT_BLOCK_R,
-                                    BLOCK_C=DEQUANT_BLOCK_C, **options)
-        else:
-            kernels.int8_rows[grid](blobs, out, blobs.stride(0), q_at, matrix_scales_at, rows,
-                                    cols, out.stride(0), BLOCK_R=DEQUANT_BLOCK_R,
-                                    BLOCK_C=DEQUANT_BLOCK_C, **options)
+    gate_up_scales_at = n // per_weight
+    down_scales_at = gate_up_scales_at + 4 * (2 * f * d // group if group else 2 * f)
+    tiles = (-(-2 * f // DEQUANT_BLOCK_R) * -(-d // DEQUANT_BLOCK_C)
+             + -(-d // DEQUANT_BLOCK_R) * -(-f // DEQUANT_BLOCK_C))  # both matrices'
+    args = (blobs, gate_up, down, blobs.stride(0), gate_up.stride(0), down.stride(0),
+            2 * f * d // per_weight, gate_up_scales_at, down_scales_at, f, d)
+    options = dict(BLOCK_R=DEQUANT_BLOCK_R, BLOCK_C=DEQUANT_BLOCK_C,
+                   **dependent_launch.kernel_options(blobs.device))
+    kernels.dequant_blobs[(tiles, b)](*args, GROUP=group, **options)
     return gate_up, down
