@@ -116,7 +116,9 @@
 # interleaved), prompt-experts (1: bench/prompt_experts.py, a prompt chunk's grouped experts
 # step by step on one layer of each shape at PROMPT_TOKENS, default 4096,16384, and the
 # activation as one kernel against torch's two; PROMPT_DTYPES, e.g. int8,int4-g32: each
-# format's resident prompt call too, grouped a batch at a time against the loop), dequant
+# format's resident prompt call too, grouped a batch at a time against the loop), offload-ab (4: the int8 loaned prompt on an 8-layer qwen3 cut, a
+# baseline tree (src/ with AB_PATCH, `git diff BASE -- src`, taken back) against this one,
+# interleaved AB_ROUNDS times, default 2; AB_ARGS adds offload.py flags), dequant
 # (0.5: bench/dequant.py on qwen3-30b-a3b's experts, a prompt batch's dequantization by
 # the Triton kernels against torch's float32 copies, int8 and int4-g32), routed-sort (0.2:
 # bench/routed_sort.py, a prompt chunk's routing grouped by expert on the host, narrow sort keys
@@ -183,6 +185,27 @@ for stage in "$@"; do
              cat "$OUT/kernels.txt" ;;
     routed-sort) (cd bench && timeout 60 python3 routed_sort.py \
                      --json-out "$OUT/routed-sort.json") 2>&1 | tee "$OUT/routed-sort.txt" ;;
+    offload-ab) # The 4,096-token loaned prompt of qwen3-30b-a3b's 8-layer cut in int8 at 22% of
+           # its experts, the baseline and this tree interleaved AB_ROUNDS times (default 2):
+           # the baseline is src/ with AB_PATCH (`git diff BASE -- src`) taken back, run from
+           # a copy through PYTHONPATH (the built modules shared: the patch must not touch them)
+           base=/tmp/strata-ab-base; rm -rf "$base"; mkdir -p "$base"; cp -r src "$base/"
+           patch -s -R -p1 -d "$base" < "${AB_PATCH:?a diff of src/ from the baseline}" || exit 1
+           dir=/tmp/strata-qwen3-8l
+           [ -f "$dir/config.json" ] || python3 -c "import sys; from strata.cli.main import \
+               main; sys.exit(main())" init-model --preset qwen3-30b-a3b --layers 8 "$dir" \
+               > /dev/null 2>> "$OUT/init-model.log"
+           for round in $(seq "${AB_ROUNDS:-2}"); do
+             for side in base new; do
+               path=$([ $side = base ] && echo "$base/src" || echo "")
+               (cd bench && PYTHONPATH=$path timeout 200 python3 offload.py --model "$dir" \
+                  --preset qwen3-30b-a3b --stream-misses 0 --new-tokens 2 --repeat 3 --json \
+                  --expert-share 0.22 --experts-dtype int8 --share-per-format \
+                  --prefill-tokens 4096 ${AB_ARGS:-}) 2>> "$OUT/offload-ab.err" \
+                  | sed "s/^{/{\"side\": \"$side\", \"round\": $round, /" >> "$OUT/offload-ab.jsonl"
+               echo "$side $round: $(grep -c . "$OUT/offload-ab.jsonl") lines"
+             done
+           done; grep "bench/" "$OUT/offload-ab.err" | tail -8 ;;
     dequant) (cd bench && timeout 120 python3 dequant.py --device cuda --formats int8,int4-g32 \
                  --repeat 20 --json-out "$OUT/dequant.json") 2>&1 | tee "$OUT/dequant.txt" ;;
     prompt-experts) (cd bench && timeout 200 python3 prompt_experts.py \
