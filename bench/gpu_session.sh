@@ -116,9 +116,11 @@
 # interleaved), prompt-experts (1: bench/prompt_experts.py, a prompt chunk's grouped experts
 # step by step on one layer of each shape at PROMPT_TOKENS, default 4096,16384, and the
 # activation as one kernel against torch's two; PROMPT_DTYPES, e.g. int8,int4-g32: each
-# format's resident prompt call too, grouped a batch at a time against the loop), offload-ab (4: the int8 loaned prompt on an 8-layer qwen3 cut, a
+# format's resident prompt call too, grouped a batch at a time against the loop),
+# offload-ab (4: the int8 loaned prompt on an AB_LAYERS-layer (default 8) qwen3 cut, a
 # baseline tree (src/ with AB_PATCH, `git diff BASE -- src`, taken back) against this one,
-# interleaved AB_ROUNDS times, default 2; AB_ARGS adds offload.py flags), dequant
+# interleaved AB_ROUNDS times, default 2, both run by this tree's bench/offload.py;
+# AB_ARGS adds offload.py flags), dequant
 # (0.5: bench/dequant.py on qwen3-30b-a3b's experts, a prompt batch's dequantization by
 # the Triton kernels against torch's float32 copies, int8 and int4-g32), routed-sort (0.2:
 # bench/routed_sort.py, a prompt chunk's routing grouped by expert on the host, narrow sort keys
@@ -191,10 +193,10 @@ for stage in "$@"; do
            # a copy through PYTHONPATH (the built modules shared: the patch must not touch them)
            base=/tmp/strata-ab-base; rm -rf "$base"; mkdir -p "$base"; cp -r src "$base/"
            patch -s -R -p1 -d "$base" < "${AB_PATCH:?a diff of src/ from the baseline}" || exit 1
-           dir=/tmp/strata-qwen3-8l
+           dir=/tmp/strata-qwen3-${AB_LAYERS:-8}l
            [ -f "$dir/config.json" ] || python3 -c "import sys; from strata.cli.main import \
-               main; sys.exit(main())" init-model --preset qwen3-30b-a3b --layers 8 "$dir" \
-               > /dev/null 2>> "$OUT/init-model.log"
+               main; sys.exit(main())" init-model --preset qwen3-30b-a3b --layers \
+               "${AB_LAYERS:-8}" "$dir" > /dev/null 2>> "$OUT/init-model.log"
            for round in $(seq "${AB_ROUNDS:-2}"); do
              for side in base new; do
                path=$([ $side = base ] && echo "$base/src" || echo "")
