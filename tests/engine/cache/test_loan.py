@@ -179,35 +179,44 @@ def test_pipelined_uploads_give_the_bytes_books_and_counts_of_one_batch(setup, n
     assert runs[0][2] > 0
 
 
-def test_each_layer_uploads_its_index_once_before_its_blobs(setup, monkeypatch):
-    """`compute_misses` sends every batch's index to the device in one copy queued before the
-    layer's blobs (a copy behind them waits for all of them), and no batch uploads another."""
-    from strata.engine.cache import from_slots
+def test_a_loaned_layer_uploads_its_indexes_then_its_blobs_then_launches_its_hits(
+        setup, monkeypatch):
+    """A loaned layer sends the hits' index and the loan's (every batch's, in one copy) to the
+    device first, then queues the loan's blobs, and only then launches the hits' kernels: a
+    copy queued behind the blobs would wait for all of them (and every kernel behind it), and
+    the copy engine idles until the blobs are queued. The test fails on either old order:
+    blobs, blobs, index, index; or the hits' index and kernels before the loan's blobs."""
+    from strata.engine.cache import from_slots, routed_call
 
     model, store = setup
     cached = _cache(store, 20, short_read=8, keep_slots=4, upload_batches=4)
-    order = []
+    order, layers = [], []
     real_index, real_upload = from_slots.to_device_async, cached.loan.executor.upload_queued
+    real_compute, real_issue = routed_call.compute_from_slots, routed_call._issue_device_share
     monkeypatch.setattr(from_slots, "to_device_async",
                         lambda host, device: order.append("index") or real_index(host, device))
     monkeypatch.setattr(cached.loan.executor, "upload_queued",
                         lambda *args: order.append("blobs") or real_upload(*args))
-    loan_calls = []
-    real_compute = cached.loan.compute_misses
+    monkeypatch.setattr(routed_call, "compute_from_slots",
+                        lambda *a, **kw: order.append("hits") or real_compute(*a, **kw))
 
-    def compute_misses(layer, x, misses):
+    def issue(*args):
         order.clear()
-        out = real_compute(layer, x, misses)
-        loan_calls.append(list(order))
-        return out
+        result = real_issue(*args)
+        layers.append(list(order))
+        return result
 
-    monkeypatch.setattr(cached.loan, "compute_misses", compute_misses)
+    monkeypatch.setattr(routed_call, "_issue_device_share", issue)
     try:
         _prefill(model, cached)
     finally:
         cached.close()
-    assert loan_calls and all(calls[0] == "index" and calls.count("index") == 1
-                              and calls.count("blobs") > 1 for calls in loan_calls), loan_calls
+    loaned = [calls for calls in layers if "blobs" in calls]
+    assert loaned and any("hits" in calls for calls in loaned), layers
+    for calls in loaned:
+        hits = calls.count("hits")  # the hits' compute: one call, its index uploaded before
+        assert calls == ["index"] * (1 + hits) + ["blobs"] * (len(calls) - 1 - 2 * hits) + \
+            ["hits"] * hits, calls
 
 
 def test_a_quantized_loan_batch_fits_one_dequantization_batch(monkeypatch):

@@ -12,7 +12,7 @@ Per layer call, on the engine's thread:
    by the arena's `expert_rows` (on CUDA with Triton, kernels that read the slots in place;
    elsewhere a gather and two bmm), every index uploaded in one copy; otherwise by
    `compute_from_slots` (no weight copy); in a pass the prompt loan took, the misses go to the
-   loan too;
+   loan too, its uploads queued before the hits are launched;
 4. while the device runs them, the misses are computed on the CPU on this thread
    (`CpuExperts`: each distinct expert once, from the host store), their rows copied back
    (from pinned memory on CUDA). With `stream_misses` (an int N > 0, or a `StreamSplit`), a

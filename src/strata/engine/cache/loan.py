@@ -26,7 +26,8 @@ The cycle, driven by `CachedExperts` through its `loan` hooks:
    stream waits for each batch's upload (an event), and the copy stream for the kernels that
    last read the slots. Every batch's index (rows, slots, runs) goes up in one copy before the
    blobs are queued: a small copy behind them would wait for all of them in the copy engine,
-   and every compute with it. With
+   and every compute with it. The layer call queues the uploads (`queue_misses`) before it
+   launches the layer's hits, and the batches' computes after them (`compute_queued`). With
    `upload_batches` 1, each batch (all M, or N at a time) is uploaded complete, the host
    waiting, and then computed: the path before the pipelining, kept to measure against.
 3. `end_prompt` (the phase turns to decode, or the request ends): the policy's `refill` fills the
@@ -41,7 +42,7 @@ may fill one, e.g. the elastic K/V must not grow mid-prompt), and the loan compu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -64,6 +65,7 @@ __all__ = [
     "DEFAULT_UPLOAD_BATCHES",
     "KEEP_SLOTS_ENV",
     "MIN_BATCH_EXPERTS",
+    "LoanLayer",
     "LoanOptions",
     "PromptLoan",
     "loan_slots",
@@ -168,6 +170,26 @@ class LoanOptions:
         return loan_slots(n_slots, n_experts, self.keep_slots, self.max_fraction, floor)
 
 
+@dataclass
+class LoanLayer:
+    """One layer's misses between `PromptLoan.queue_misses` and `compute_queued`: its input x
+    [T, D], the `misses`, the `plan` (`upload_plan`) and each batch's `reuses` (`_reuses`),
+    each expert's lent slot `slots` [M] and their `index` on the device, `start` (what the
+    first uploads wait for), and the events so far: each batch's upload (`loaded`) and
+    compute (`computed`)."""
+
+    layer: int
+    x: torch.Tensor
+    misses: Routed
+    plan: list[tuple[int, int, int]]
+    reuses: list[int]
+    slots: np.ndarray
+    index: SlotsIndex
+    start: torch.cuda.Event | None
+    loaded: list[torch.cuda.Event | None] = field(default_factory=list)
+    computed: list[torch.cuda.Event | None] = field(default_factory=list)
+
+
 class PromptLoan:
     """Lends the top slots of the cache whose decisions `executor` carries out to prompt
     passes longer than `options.short_read` tokens; `policy` (bound to the same books) decides
@@ -214,7 +236,16 @@ class PromptLoan:
     def compute_misses(self, layer: int, x: torch.Tensor, misses: Routed) -> torch.Tensor:
         """[R, D] on the device, rows in `misses.rows` order: the missed experts streamed
         through the lent slots in the batches of `upload_plan` (step 2 of the module's
-        docstring). On CUDA the rows are queued, not computed, when it returns."""
+        docstring). On CUDA the rows are queued, not computed, when it returns. The same as
+        `compute_queued(queue_misses(...))`, which a caller splits to queue other work (the
+        layer's hits) between the uploads and the computes."""
+        return self.compute_queued(self.queue_misses(layer, x, misses))
+
+    def queue_misses(self, layer: int, x: torch.Tensor, misses: Routed) -> LoanLayer:
+        """Step 2's first half: plan `layer`'s misses through the lent slots, upload their
+        index, and queue every upload that waits for no compute of this layer (all of them
+        when the misses fit the lent slots, else the first batches). Returns what
+        `compute_queued` takes; nothing else may use the loan in between."""
         if not self.active:
             raise ValueError("compute_misses: no loan is open (begin_pass opens one)")
         taken = self.lent[self.table.owner[self.lent] >= 0]
@@ -225,14 +256,12 @@ class PromptLoan:
                 f"lent slots {taken.tolist()} hold experts in the books; nothing may fill a "
                 "lent slot while the loan is open"
             )
-        out = x.new_empty((misses.n_rows, x.shape[1]))  # [R, D]
         batches = self.options.upload_batches
         if batches > 1 and self.executor.arena.quant is not None:
             # No batch larger than one dequantization batch: each is computed in one set of
             # launches (a batch of 25 where 21 fit would take two, the second of 4).
             batches = max(batches, -(-misses.n_experts // self.executor.arena.stack.batch_blobs()))
         plan = upload_plan(misses.n_experts, self.lent.size, batches)
-        reuses = [_reuses(plan, b) for b in range(len(plan))]
         # The first uploads wait for the last kernel that read the lent slots: the previous
         # layer's loan compute, not this layer's hits queued since (the copies overlap them);
         # on a loan's first call, everything queued so far.
@@ -242,26 +271,37 @@ class PromptLoan:
         slots = np.empty(misses.n_experts, dtype=np.int64)  # [M]: each expert's lent slot
         for b0, b1, first in plan:
             slots[b0:b1] = self.lent[first:first + b1 - b0]
-        index = SlotsIndex.upload(misses, slots, x.device)
-        loaded: list[torch.cuda.Event | None] = []
-        computed: list[torch.cuda.Event | None] = []
-        for b, (b0, b1, _) in enumerate(plan):
-            # Queue every upload whose slots are free once the computes queued so far have
-            # run: all of them at once in distinct slots, else one batch ahead.
-            while len(loaded) < len(plan) and reuses[len(loaded)] < b:
-                q0, q1, q_first = plan[len(loaded)]
-                reused = reuses[len(loaded)]
-                loaded.append(self._upload(layer, misses.experts[q0:q1],
-                                           self.lent[q_first:q_first + q1 - q0],
-                                           start if reused < 0 else computed[reused]))
-            wait_for(loaded[b], x.device)  # the compute reads the slots once they are there
+        job = LoanLayer(layer, x, misses, plan, [_reuses(plan, b) for b in range(len(plan))],
+                        slots, SlotsIndex.upload(misses, slots, x.device), start)
+        self._queue_uploads(job, 0)
+        return job
+
+    def compute_queued(self, job: LoanLayer) -> torch.Tensor:
+        """Step 2's second half: each batch of `job` computed from its slots once its upload is
+        in, the uploads that waited for a compute queued as soon as it is; [R, D] as
+        `compute_misses` returns."""
+        x, misses = job.x, job.misses
+        out = x.new_empty((misses.n_rows, x.shape[1]))  # [R, D]
+        for b, (b0, b1, _) in enumerate(job.plan):
+            self._queue_uploads(job, b)
+            wait_for(job.loaded[b], x.device)  # the compute reads the slots once they are there
             r0, r1 = int(misses.starts[b0]), int(misses.starts[b1])
             out[r0:r1] = compute_from_slots(self.executor.arena, x, misses.group(b0, b1),
-                                            slots[b0:b1], index=index.part(b0, b1))
-            computed.append(record_event(x.device))
-            self._last_read = computed[-1]  # the stream runs in order: after every batch
+                                            job.slots[b0:b1], index=job.index.part(b0, b1))
+            job.computed.append(record_event(x.device))
+            self._last_read = job.computed[-1]  # the stream runs in order: after every batch
         self.streamed_experts += misses.n_experts
         return out
+
+    def _queue_uploads(self, job: LoanLayer, b: int) -> None:
+        """Queue every upload of `job` whose slots are free once the computes of its batches
+        before `b` have run: all of them at once in distinct slots, else one batch ahead."""
+        while len(job.loaded) < len(job.plan) and job.reuses[len(job.loaded)] < b:
+            q0, q1, q_first = job.plan[len(job.loaded)]
+            reused = job.reuses[len(job.loaded)]
+            job.loaded.append(self._upload(job.layer, job.misses.experts[q0:q1],
+                                           self.lent[q_first:q_first + q1 - q0],
+                                           job.start if reused < 0 else job.computed[reused]))
 
     def _upload(self, layer: int, experts: np.ndarray, slots: np.ndarray,
                 after: torch.cuda.Event | None) -> torch.cuda.Event | None:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from strata.engine.cache.from_slots import compute_from_slots
+from strata.engine.cache.from_slots import SlotsIndex, compute_from_slots
 from strata.engine.cache.stats import PhaseStats
 from strata.engine.experts import weighted_sum
 from strata.engine.experts.routed import Routed, rows_to_device
@@ -97,22 +97,32 @@ def _issue_device_share(cache: Any, layer: int, x: torch.Tensor, ids: np.ndarray
         hit_slots, hit_rows,
         streamed.rows if streamed is not None else None,
         misses.rows if misses is not None else None)
-    if hit_slots is not None:
+    loan_layer, hits_index = None, None
+    if hits is not None:
+        # Each hit expert's slot: that of its first row (one slot per expert).
+        hit_slots = slots.reshape(-1)[hits.rows[hits.starts[:-1]]]
+    if misses is not None and cache.loaned:
+        # The loan's uploads are queued before the hits' launches: the copy engine idles from
+        # the routing's read until they are. Every index goes up before the blobs (a copy
+        # behind them would wait for all of them, and the hits' kernels with it).
+        assert cache.loan is not None
+        if hits is not None:
+            hits_index = SlotsIndex.upload(hits, hit_slots, x.device)
+        loan_layer = cache.loan.queue_misses(layer, x, misses)
+    if hit_slots is not None and hits is None:
         # T == 1: every hit row reads the one token; all of them in one call.
         y = cache.arena.expert_rows(slot_index, x.expand(hit_slots.size, -1))  # [R, D]
         out.index_copy_(0, hit_index, y)
     elif hits is not None:
-        # Each hit expert's slot: that of its first row (one slot per expert).
-        hit_slots = slots.reshape(-1)[hits.rows[hits.starts[:-1]]]
-        out.index_copy_(0, hit_index, compute_from_slots(cache.arena, x, hits, hit_slots))
+        out.index_copy_(0, hit_index, compute_from_slots(cache.arena, x, hits, hit_slots,
+                                                         index=hits_index))
     if streamed is not None:
         assert cache.streamer is not None  # only it splits streamed rows off
         out.index_copy_(0, streamed_index, cache.streamer.compute(layer, x, streamed))
         stats.streamed_experts += streamed.n_experts
         stats.uploaded_bytes += streamed.n_experts * cache.store.blob_bytes
-    if misses is not None and cache.loaned:
-        assert cache.loan is not None
-        out.index_copy_(0, miss_index, cache.loan.compute_misses(layer, x, misses))
+    if loan_layer is not None:
+        out.index_copy_(0, miss_index, cache.loan.compute_queued(loan_layer))
         stats.loan_experts += misses.n_experts
         return None
     return miss_index
