@@ -259,7 +259,7 @@ class PromptLoan:
         batches = self.options.upload_batches
         if batches > 1 and self.executor.arena.quant is not None:
             # No batch larger than one dequantization batch: each is computed in one set of
-            # launches (a batch of 25 where 21 fit would take two, the second of 4).
+            # launches (a batch of 25 where 21 fit would take two).
             batches = max(batches, -(-misses.n_experts // self.executor.arena.stack.batch_blobs()))
         plan = upload_plan(misses.n_experts, self.lent.size, batches)
         # The first uploads wait for the last kernel that read the lent slots: the previous

@@ -5,12 +5,12 @@ Legend: B blobs, R rows of one matrix, C its columns, G an int4 group; BR, BC th
 One launch turns every blob's two matrices (the gate and up rows [2F, D], the down rows
 [D, F]) into gate_up [B, 2F, D] and down [B, D, F]: program (p, b) writes tile p of blob b,
 the gate and up rows' tiles first, then the down rows' (tiles on the grid's first axis, whose
-limit is 2^31 - 1, not 65,535). A matrix's integers sit at byte `q_at`
-of each blob and its float32 scales at byte `scales_at` (the layouts of
-`strata.engine.experts.quant`), blob b at `blobs_ptr + b * blob_stride`. Each weight is its
-integer times its scale in float32, rounded once to the output's dtype: torch's
-`q.float() * s` then `.to(dtype)`, so the bytes are the same. One launch, not one a matrix:
-a prompt's layer dequantizes many batches, and each launch costs tens of µs of host time.
+limit is 2^31 - 1, not 65,535). A matrix's integers sit at byte `q_at` of each blob and its
+float32 scales at byte `scales_at` (the layouts of `strata.engine.experts.quant`), blob b at
+`blobs_ptr + b * blob_stride`. Each weight is its integer times its scale in float32, rounded
+once to the output's dtype: torch's `q.float() * s` then `.to(dtype)`, so the bytes are the
+same. One launch, not one a matrix: a prompt's layer dequantizes many batches, and each
+launch costs tens of µs of host time.
 """
 
 import triton
@@ -54,10 +54,10 @@ def _int4_tile(blob, out, q_at, scales_at, R, C, tile_r, tile_c, GROUP: tl.const
     hi = (byte << 24) >> 28
     scale = tl.load((blob + scales_at).to(tl.pointer_type(tl.float32))
                     + row_at // GROUP + group[None, :], mask=both, other=0.0)  # [BR, BC/2]
-    at = out + row_at + lo_col[None, :]
+    dst = out + row_at + lo_col[None, :]  # [BR, BC/2] where the low nibbles' weights go
     dtype = out.dtype.element_ty
-    tl.store(at, (lo.to(tl.float32) * scale).to(dtype), mask=both)
-    tl.store(at + GROUP // 2, (hi.to(tl.float32) * scale).to(dtype), mask=both)
+    tl.store(dst, (lo.to(tl.float32) * scale).to(dtype), mask=both)
+    tl.store(dst + GROUP // 2, (hi.to(tl.float32) * scale).to(dtype), mask=both)
 
 
 @triton.jit
