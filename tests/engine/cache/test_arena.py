@@ -196,3 +196,17 @@ def test_cuda_upload_from_pinned_store(store):
         assert torch.equal(copied.cpu(), store.blob(1, 3))
     finally:
         arena.close()
+
+
+def test_every_preset_s_blobs_fill_their_slots_in_every_format():
+    """docs/prompt-loan.md: a loan's run of blobs is one copy because slots are as long as
+    blobs; that holds for every preset in every experts format."""
+    from strata.engine.experts.quant import WEIGHT_FORMATS, expert_blob_bytes
+    from strata.engine.model.presets import PRESETS, get_preset
+
+    for name in PRESETS:
+        preset = get_preset(name)
+        for quant in (None, *WEIGHT_FORMATS):
+            blob = expert_blob_bytes(preset.expert_width, preset.hidden_size, torch.bfloat16,
+                                     quant)
+            assert slot_bytes_for(blob) == blob, (name, quant)
