@@ -213,6 +213,7 @@ def test_a_loaned_layer_uploads_its_indexes_then_its_blobs_then_launches_its_hit
         cached.close()
     loaned = [calls for calls in layers if "blobs" in calls]
     assert loaned and any("hits" in calls for calls in loaned), layers
+    assert any(calls.count("blobs") > 1 for calls in loaned), layers  # batches, pipelined
     for calls in loaned:
         hits = calls.count("hits")  # the hits' compute: one call, its index uploaded before
         assert calls == ["index"] * (1 + hits) + ["blobs"] * (len(calls) - 1 - 2 * hits) + \
