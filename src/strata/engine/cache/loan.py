@@ -247,7 +247,7 @@ class PromptLoan:
         when the misses fit the lent slots, else the first batches). Returns what
         `compute_queued` takes; nothing else may use the loan in between."""
         if not self.active:
-            raise ValueError("compute_misses: no loan is open (begin_pass opens one)")
+            raise ValueError("the prompt loan's misses: no loan is open (begin_pass opens one)")
         taken = self.lent[self.table.owner[self.lent] >= 0]
         if taken.size:
             # Someone put an expert into a lent slot (a move into the loan region while the

@@ -19,8 +19,9 @@ def sort_keys(ids: np.ndarray) -> np.ndarray:
     """ids int [R] as the narrowest unsigned integers that hold them (uint8 below 256, uint16
     below 65,536), else as they are: the same stable order, but numpy sorts 8- and 16-bit
     integers by radix, in one or two passes, where int64 takes a merge sort (`Routed.of` of a
-    4,096-token chunk's misses 3.7-4.8x as fast on the development machine:
-    bench/results/routed-sort-cpu-2026-12-04.md)."""
+    4,096-token chunk's misses 3.7-4.8x as fast on the development machine,
+    bench/results/routed-sort-cpu-2026-12-04.md; 5x on the H200's host,
+    bench/results/prompt-host-h200-2026-12-04.md)."""
     if not ids.size or ids.min() < 0:
         return ids
     top = ids.max()
