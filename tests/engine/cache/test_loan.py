@@ -179,33 +179,44 @@ def test_pipelined_uploads_give_the_bytes_books_and_counts_of_one_batch(setup, n
     assert runs[0][2] > 0
 
 
-def test_a_loaned_layer_uploads_its_indexes_then_its_blobs_then_launches_its_hits(
+def test_a_loaned_layer_queues_its_first_blobs_then_its_indexes_then_the_rest_then_its_hits(
         setup, monkeypatch):
-    """A loaned layer sends the hits' index and the loan's (every batch's, in one copy) to the
-    device first, then queues the loan's blobs, and only then launches the hits' kernels: a
-    copy queued behind the blobs would wait for all of them (and every kernel behind it), and
-    the copy engine idles until the blobs are queued. The test fails on either old order:
-    blobs, blobs, index, index; or the hits' index and kernels before the loan's blobs."""
+    """A loaned layer queues its first upload batch as soon as it knows which experts it
+    misses (the copy engine idles from the routing's read until then), then sends the rows,
+    the hits' index and the loan's (every batch's, in one copy; pinned, so the host does not
+    wait for the blobs ahead of them), then queues the loan's other batches, and only then
+    launches the hits' kernels: a copy queued behind all the blobs would wait for all of them
+    (and every kernel behind it). The test fails on every earlier order: blobs, blobs, index,
+    index; the hits' index and kernels before the loan's blobs; every index before any blob."""
     from strata.engine.cache import from_slots, routed_call
+    from strata.engine.experts import routed
 
     model, store = setup
     cached = _cache(store, 20, short_read=8, keep_slots=4, upload_batches=4)
     order, layers = [], []
     real_index, real_upload = from_slots.to_device_async, cached.loan.executor.upload_queued
+    real_rows = routed.to_device_async
     real_compute, real_issue = routed_call.compute_from_slots, routed_call._issue_device_share
+    real_start = routed_call._queue_loan_start
     monkeypatch.setattr(from_slots, "to_device_async",
                         lambda host, device: order.append("index") or real_index(host, device))
+    monkeypatch.setattr(routed, "to_device_async",
+                        lambda host, device: order.append("rows") or real_rows(host, device))
     monkeypatch.setattr(cached.loan.executor, "upload_queued",
                         lambda *args: order.append("blobs") or real_upload(*args))
     monkeypatch.setattr(routed_call, "compute_from_slots",
                         lambda *a, **kw: order.append("hits") or real_compute(*a, **kw))
 
-    def issue(*args):
+    def start(*args):
         order.clear()
+        return real_start(*args)
+
+    def issue(*args):
         result = real_issue(*args)
         layers.append(list(order))
         return result
 
+    monkeypatch.setattr(routed_call, "_queue_loan_start", start)
     monkeypatch.setattr(routed_call, "_issue_device_share", issue)
     try:
         _prefill(model, cached)
@@ -216,8 +227,34 @@ def test_a_loaned_layer_uploads_its_indexes_then_its_blobs_then_launches_its_hit
     assert any(calls.count("blobs") > 1 for calls in loaned), layers  # batches, pipelined
     for calls in loaned:
         hits = calls.count("hits")  # the hits' compute: one call, its index uploaded before
-        assert calls == ["index"] * (1 + hits) + ["blobs"] * (len(calls) - 1 - 2 * hits) + \
-            ["hits"] * hits, calls
+        n_blobs = calls.count("blobs")
+        assert calls == ["blobs", "rows"] + ["index"] * (1 + hits) + \
+            ["blobs"] * (n_blobs - 1) + ["hits"] * hits, calls
+
+
+def test_the_loans_rows_must_follow_the_experts_it_queued_first(setup):
+    """`queue_misses` refuses a first batch queued for other experts or another layer, and
+    `compute_queued` a layer whose rows it was never given, naming what is wrong; the
+    right rows after a refusal still compute."""
+    _, store = setup
+    cached = _cache(store, 20, short_read=8, keep_slots=4, upload_batches=4)
+    try:
+        loan = cached.loan
+        assert loan.begin_pass(64, "prompt")
+        x = torch.randn(4, store.hidden_size, dtype=store.dtype)
+        ids = np.array([[0, 1], [2, 1], [0, 3], [3, 2]])
+        misses = Routed.of(ids)
+        job = loan.queue_first(0, x, misses.experts)
+        with pytest.raises(ValueError, match="never given their rows"):
+            loan.compute_queued(job)
+        with pytest.raises(ValueError, match=r"not the ones queued first \(layer 0"):
+            loan.queue_misses(0, x, Routed.of(ids[:2]), job)
+        with pytest.raises(ValueError, match="not the ones queued first"):
+            loan.queue_misses(1, x, misses, job)
+        rows = loan.compute_queued(loan.queue_misses(0, x, misses, job))
+        assert torch.equal(rows, loan.compute_misses(0, x, misses))
+    finally:
+        cached.close()
 
 
 def test_a_quantized_loan_batch_fits_one_dequantization_batch(monkeypatch):

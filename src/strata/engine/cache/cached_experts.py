@@ -6,13 +6,13 @@ layer, L layers, S slots, R routed (token, k) rows.
 Per layer call, on the engine's thread:
 1. the routed ids go to the host (the one device-to-host sync of the layer; in decode the
    token's x [1, D] is copied to the host just before, so the misses' inputs need no second
-   one: `HostRows`) and the books' `lookup` splits the T*K rows into hits and misses;
+   one: `HostRows`) and the books' `lookup` splits the T*K rows into hits and misses; in a
+   pass the prompt loan took, the loan's first upload batch is queued at once;
 2. the routing is recorded in the books' heat, then the policy's `observe` is told;
 3. the hits are issued to the device straight from their slots: when T == 1 (decode) at once
    by the arena's `expert_rows` (on CUDA with Triton, kernels that read the slots in place;
    elsewhere a gather and two bmm), every index uploaded in one copy; otherwise by
-   `compute_from_slots` (no weight copy); in a pass the prompt loan took, the misses go to the
-   loan too, its uploads queued before the hits are launched;
+   `compute_from_slots` (no weight copy); a loaned pass's misses too, queued first;
 4. while the device runs them, the misses are computed on the CPU on this thread
    (`CpuExperts`: each distinct expert once, from the host store), their rows copied back
    (from pinned memory on CUDA). With `stream_misses` (an int N > 0, or a `StreamSplit`), a

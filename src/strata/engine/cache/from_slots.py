@@ -35,12 +35,13 @@ class SlotsIndex:
     """What `compute_from_slots` reads on the device for a `Routed`'s rows from their slots, in
     one upload: each row's token and slot, and the experts' runs.
 
-    One upload, and made before a prompt loan queues its blobs: a copy to the device queued
-    behind the blobs (on any stream: the host-to-device copies share one copy engine, in
-    order) waits for all of them, and every kernel behind it in its stream waits with it, so
-    no batch's compute would overlap the next batch's upload (on the H200, an int8 prompt's
-    copies and computes never overlapped until the loan uploaded its index first). `part`
-    gives a group of the experts' views, without another upload."""
+    One upload from pinned memory, and made before a prompt loan queues its blobs but the
+    first batch's: a copy to the device queued behind the blobs (on any stream: the
+    host-to-device copies share one copy engine, in order) waits for all of them, and every
+    kernel behind it in its stream waits with it, so no batch's compute would overlap the next
+    batch's upload (on the H200, an int8 prompt's copies and computes never overlapped until
+    the loan uploaded its index ahead of its blobs). `part` gives a group of the experts'
+    views, without another upload."""
 
     tokens: torch.Tensor  # int64 [R]: each row's token (row // K)
     row_slots: torch.Tensor  # int64 [R]: each row's slot

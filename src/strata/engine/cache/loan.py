@@ -24,10 +24,12 @@ The cycle, driven by `CachedExperts` through its `loan` hooks:
    slots; quantized slots take more batches where one would hold more experts than a
    dequantization batch (`BlobStack.batch_blobs`). The host waits for none of it: the compute
    stream waits for each batch's upload (an event), and the copy stream for the kernels that
-   last read the slots. Every batch's index (rows, slots, runs) goes up in one copy before the
-   blobs are queued: a small copy behind them would wait for all of them in the copy engine,
-   and every compute with it. The layer call queues the uploads (`queue_misses`) before it
-   launches the layer's hits, and the batches' computes after them (`compute_queued`). With
+   last read the slots. The layer call queues the first batch's blobs as soon as it knows
+   which experts it misses (`queue_first`), before it groups the rows: the copy engine idles
+   from the routing's read until then. Every batch's index (rows, slots, runs) then goes up
+   in one copy, behind the first batch only: a small copy behind all the blobs would wait for
+   all of them in the copy engine, and every compute with it. Then the other batches' blobs
+   (`queue_misses`), the layer's hits, and the batches' computes (`compute_queued`). With
    `upload_batches` 1, each batch (all M, or N at a time) is uploaded complete, the host
    waiting, and then computed: the path before the pipelining, kept to measure against.
 3. `end_prompt` (the phase turns to decode, or the request ends): the policy's `refill` fills the
@@ -172,22 +174,24 @@ class LoanOptions:
 
 @dataclass
 class LoanLayer:
-    """One layer's misses between `PromptLoan.queue_misses` and `compute_queued`: its input x
-    [T, D], the `misses`, the `plan` (`upload_plan`) and each batch's `reuses` (`_reuses`),
-    each expert's lent slot `slots` [M] and their `index` on the device, `start` (what the
-    first uploads wait for), and the events so far: each batch's upload (`loaded`) and
-    compute (`computed`)."""
+    """One layer's misses from `PromptLoan.queue_first` to `compute_queued`: its input x
+    [T, D], the missed `experts` [M] (ascending), the `plan` (`upload_plan`) and each batch's
+    `reuses` (`_reuses`), each expert's lent slot `slots` [M], `start` (what the first
+    uploads wait for), the events so far: each batch's upload (`loaded`) and compute
+    (`computed`); and, once `queue_misses` has them, the `misses`' rows and their `index` on
+    the device."""
 
     layer: int
     x: torch.Tensor
-    misses: Routed
+    experts: np.ndarray
     plan: list[tuple[int, int, int]]
     reuses: list[int]
     slots: np.ndarray
-    index: SlotsIndex
     start: torch.cuda.Event | None
     loaded: list[torch.cuda.Event | None] = field(default_factory=list)
     computed: list[torch.cuda.Event | None] = field(default_factory=list)
+    misses: Routed | None = None
+    index: SlotsIndex | None = None
 
 
 class PromptLoan:
@@ -241,38 +245,50 @@ class PromptLoan:
         layer's hits) between the uploads and the computes."""
         return self.compute_queued(self.queue_misses(layer, x, misses))
 
-    def queue_misses(self, layer: int, x: torch.Tensor, misses: Routed) -> LoanLayer:
-        """Step 2's first half: plan `layer`'s misses through the lent slots, upload their
-        index, and queue every upload that waits for no compute of this layer (all of them
-        when the misses fit the lent slots, else the first batches). Returns what
-        `compute_queued` takes; nothing else may use the loan in between."""
-        if not self.active:
-            raise ValueError("the prompt loan's misses: no loan is open (begin_pass opens one)")
-        taken = self.lent[self.table.owner[self.lent] >= 0]
-        if taken.size:
-            # Someone put an expert into a lent slot (a move into the loan region while the
-            # K/V grew mid-prompt, say): streaming would overwrite it behind the books' back.
-            raise RuntimeError(
-                f"lent slots {taken.tolist()} hold experts in the books; nothing may fill a "
-                "lent slot while the loan is open"
-            )
+    def queue_first(self, layer: int, x: torch.Tensor, experts: np.ndarray) -> LoanLayer:
+        """Step 2's start, as soon as the routing is read: plan `layer`'s missed `experts`
+        [M] (ascending, distinct, M >= 1) through the lent slots and queue the first batch's
+        upload. Needs only which experts are missed, not their rows, so the copy engine starts
+        while the host groups them. Returns what `queue_misses` takes on; nothing else may use
+        the loan in between."""
+        self._check_open()
+        experts = np.asarray(experts, dtype=np.int64).reshape(-1)
         batches = self.options.upload_batches
         if batches > 1 and self.executor.arena.quant is not None:
             # No batch larger than one dequantization batch: each is computed in one set of
             # launches (a batch of 25 where 21 fit would take two).
-            batches = max(batches, -(-misses.n_experts // self.executor.arena.stack.batch_blobs()))
-        plan = upload_plan(misses.n_experts, self.lent.size, batches)
+            batches = max(batches, -(-experts.size // self.executor.arena.stack.batch_blobs()))
+        plan = upload_plan(experts.size, self.lent.size, batches)
         # The first uploads wait for the last kernel that read the lent slots: the previous
         # layer's loan compute, not this layer's hits queued since (the copies overlap them);
         # on a loan's first call, everything queued so far.
         start = self._last_read if self._last_read is not None else record_event(x.device)
-        # Every batch's index in one upload, queued before the blobs (`SlotsIndex`: behind
-        # them it would hold each batch's compute back until the last blob is in).
-        slots = np.empty(misses.n_experts, dtype=np.int64)  # [M]: each expert's lent slot
+        slots = np.empty(experts.size, dtype=np.int64)  # [M]: each expert's lent slot
         for b0, b1, first in plan:
             slots[b0:b1] = self.lent[first:first + b1 - b0]
-        job = LoanLayer(layer, x, misses, plan, [_reuses(plan, b) for b in range(len(plan))],
-                        slots, SlotsIndex.upload(misses, slots, x.device), start)
+        job = LoanLayer(layer, x, experts, plan,
+                        [_reuses(plan, b) for b in range(len(plan))], slots, start)
+        self._queue_uploads(job, 0, limit=1)
+        return job
+
+    def queue_misses(self, layer: int, x: torch.Tensor, misses: Routed,
+                     job: LoanLayer | None = None) -> LoanLayer:
+        """Step 2's first half: `job` (from `queue_first` for `misses.experts`; None: made
+        here) given the `misses`' rows: every batch's index uploaded in one copy, then every
+        upload queued that waits for no compute of this layer (all of them when the misses
+        fit the lent slots, else the first batches). Returns what `compute_queued` takes;
+        nothing else may use the loan in between. ValueError for a `job` of other experts."""
+        self._check_open()
+        if job is None:
+            job = self.queue_first(layer, x, misses.experts)
+        elif job.layer != layer or job.misses is not None or \
+                not np.array_equal(job.experts, misses.experts):
+            raise ValueError(f"layer {layer}'s misses (experts {misses.experts.tolist()}) are "
+                             f"not the ones queued first (layer {job.layer}, experts "
+                             f"{job.experts.tolist()})")
+        # Behind the first batch's blobs only (`SlotsIndex`: behind all of them it would hold
+        # each batch's compute back until the last blob is in).
+        job.misses, job.index = misses, SlotsIndex.upload(misses, job.slots, x.device)
         self._queue_uploads(job, 0)
         return job
 
@@ -281,6 +297,9 @@ class PromptLoan:
         in, the uploads that waited for a compute queued as soon as it is; [R, D] as
         `compute_misses` returns."""
         x, misses = job.x, job.misses
+        if misses is None or job.index is None:
+            raise ValueError(f"layer {job.layer}'s loaned misses were queued first but never "
+                             "given their rows (queue_misses)")
         out = x.new_empty((misses.n_rows, x.shape[1]))  # [R, D]
         for b, (b0, b1, _) in enumerate(job.plan):
             self._queue_uploads(job, b)
@@ -293,13 +312,28 @@ class PromptLoan:
         self.streamed_experts += misses.n_experts
         return out
 
-    def _queue_uploads(self, job: LoanLayer, b: int) -> None:
+    def _check_open(self) -> None:
+        """ValueError without an open loan; RuntimeError where the books name a lent slot."""
+        if not self.active:
+            raise ValueError("the prompt loan's misses: no loan is open (begin_pass opens one)")
+        taken = self.lent[self.table.owner[self.lent] >= 0]
+        if taken.size:
+            # Someone put an expert into a lent slot (a move into the loan region while the
+            # K/V grew mid-prompt, say): streaming would overwrite it behind the books' back.
+            raise RuntimeError(
+                f"lent slots {taken.tolist()} hold experts in the books; nothing may fill a "
+                "lent slot while the loan is open"
+            )
+
+    def _queue_uploads(self, job: LoanLayer, b: int, limit: int | None = None) -> None:
         """Queue every upload of `job` whose slots are free once the computes of its batches
-        before `b` have run: all of them at once in distinct slots, else one batch ahead."""
-        while len(job.loaded) < len(job.plan) and job.reuses[len(job.loaded)] < b:
+        before `b` have run: all of them at once in distinct slots, else one batch ahead; no
+        more than `limit` batches queued in all (None: no limit)."""
+        n_plan = len(job.plan) if limit is None else min(limit, len(job.plan))
+        while len(job.loaded) < n_plan and job.reuses[len(job.loaded)] < b:
             q0, q1, q_first = job.plan[len(job.loaded)]
             reused = job.reuses[len(job.loaded)]
-            job.loaded.append(self._upload(job.layer, job.misses.experts[q0:q1],
+            job.loaded.append(self._upload(job.layer, job.experts[q0:q1],
                                            self.lent[q_first:q_first + q1 - q0],
                                            job.start if reused < 0 else job.computed[reused]))
 

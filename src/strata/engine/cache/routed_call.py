@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from strata.engine.cache.from_slots import SlotsIndex, compute_from_slots
+from strata.engine.cache.loan import LoanLayer
 from strata.engine.cache.stats import PhaseStats
 from strata.engine.experts import weighted_sum
 from strata.engine.experts.routed import Routed, rows_to_device
@@ -35,6 +36,7 @@ def routed_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tens
     ids = np.ascontiguousarray(topk_ids.cpu().numpy(), dtype=np.int64)  # [T, K], the sync
     stats.wait_s += time.perf_counter() - started
     slots, hit = cache.table.lookup(layer, ids)  # [T, K] each
+    loan_layer = _queue_loan_start(cache, layer, x, ids, hit) if cache.loaned else None
     cache.table.record(layer, ids)
     cache.checked.observe(cache.checked.view, layer, ids, hit)
     n_hits = int(np.count_nonzero(hit))
@@ -61,7 +63,7 @@ def routed_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tens
     out = x.new_empty((n_tokens * top_k, x.shape[1]))  # [T*K, D]: row t*K + k
     try:
         miss_index = _issue_device_share(cache, layer, x, ids, slots, hit, n_hits, streamed,
-                                         misses, out, stats)
+                                         misses, out, stats, loan_layer)
     finally:
         stats.device_s += time.perf_counter() - started
     if on_cpu:
@@ -78,12 +80,24 @@ def routed_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tens
     return weighted_sum(out, topk_weights, x.dtype)
 
 
+def _queue_loan_start(cache: Any, layer: int, x: torch.Tensor, ids: np.ndarray,
+                      hit: np.ndarray) -> LoanLayer | None:
+    """A loaned layer's first upload batch queued (`PromptLoan.queue_first`) for the experts
+    of ids [T, K] that `hit` [T, K] misses; None when it misses none. Needs no sort of the
+    rows: the distinct missed experts by a count, ascending as `Routed.of` orders them."""
+    assert cache.loan is not None  # `loaned` means a loan is open
+    missed = np.flatnonzero(np.bincount(ids[~hit], minlength=cache.table.n_experts))  # [M]
+    return cache.loan.queue_first(layer, x, missed) if missed.size else None
+
+
 def _issue_device_share(cache: Any, layer: int, x: torch.Tensor, ids: np.ndarray,
                         slots: np.ndarray, hit: np.ndarray, n_hits: int,
                         streamed: Routed | None, misses: Routed | None, out: torch.Tensor,
-                        stats: PhaseStats) -> torch.Tensor | None:
-    """Issue the hits, the streamed misses and the loan's misses into `out` [T*K, D];
-    returns the device rows of the misses left to the CPU (None: none)."""
+                        stats: PhaseStats, loan_layer: LoanLayer | None = None
+                        ) -> torch.Tensor | None:
+    """Issue the hits, the streamed misses and the loan's misses into `out` [T*K, D], the
+    loan's taking on `loan_layer` (its first batch queued already); returns the device rows
+    of the misses left to the CPU (None: none)."""
     n_tokens = ids.shape[0]
     hits = Routed.of(ids, hit) if n_hits and n_tokens > 1 else None
     if hits is not None:
@@ -92,23 +106,24 @@ def _issue_device_share(cache: Any, layer: int, x: torch.Tensor, ids: np.ndarray
         hit_rows = np.flatnonzero(hit.reshape(-1)) if n_hits else None
     hit_slots = slots.reshape(-1)[hit_rows] if hit_rows is not None and hits is None \
         else None
-    # [R] each: the slots, and the rows each share's outputs land in; one upload.
+    # [R] each: the slots, and the rows each share's outputs land in; one upload. Pinned
+    # behind a loan's first batch: from pageable memory the host would wait for its blobs.
     slot_index, hit_index, streamed_index, miss_index = rows_to_device(cache.device,
         hit_slots, hit_rows,
         streamed.rows if streamed is not None else None,
-        misses.rows if misses is not None else None)
-    loan_layer, hits_index = None, None
+        misses.rows if misses is not None else None, pinned=loan_layer is not None)
+    hits_index = None
     if hits is not None:
         # Each hit expert's slot: that of its first row (one slot per expert).
         hit_slots = slots.reshape(-1)[hits.rows[hits.starts[:-1]]]
     if misses is not None and cache.loaned:
-        # The loan's uploads are queued before the hits' launches: the copy engine idles from
-        # the routing's read until they are. Every index goes up before the blobs (a copy
-        # behind them would wait for all of them, and the hits' kernels with it).
+        # The loan's first batch is on its way; the indexes go up behind it, then the loan's
+        # other batches (a copy behind all of them would wait for them, and the hits'
+        # kernels with it), and only then are the hits launched.
         assert cache.loan is not None
         if hits is not None:
             hits_index = SlotsIndex.upload(hits, hit_slots, x.device)
-        loan_layer = cache.loan.queue_misses(layer, x, misses)
+        loan_layer = cache.loan.queue_misses(layer, x, misses, loan_layer)
     if hit_slots is not None and hits is None:
         # T == 1: every hit row reads the one token; all of them in one call.
         y = cache.arena.expert_rows(slot_index, x.expand(hit_slots.size, -1))  # [R, D]

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from strata.engine.experts.blobs import to_device_async
+
 
 def sort_keys(ids: np.ndarray) -> np.ndarray:
     """ids int [R] as the narrowest unsigned integers that hold them (uint8 below 256, uint16
@@ -144,14 +146,17 @@ class Routed:
         return self.rows[self.starts[i] : self.starts[i + 1]]
 
 
-def rows_to_device(device: torch.device, *groups: np.ndarray | None) -> list[torch.Tensor | None]:
+def rows_to_device(device: torch.device, *groups: np.ndarray | None, pinned: bool = False
+                   ) -> list[torch.Tensor | None]:
     """Each int [R_i] array (rows, slots) as an int64 tensor on `device` (None stays None), in
-    one host-to-device copy: on CUDA each copy from pageable memory waits for the stream."""
+    one host-to-device copy: on CUDA from pageable memory, which waits for the stream and the
+    copies queued before it; `pinned` through pinned memory, which waits for neither (a
+    staging copy more on the host)."""
     present = [g for g in groups if g is not None]
     if not present:
         return [None] * len(groups)
-    flat = torch.from_numpy(np.concatenate(present).astype(np.int64, copy=False)).to(
-        device)  # [sum R_i]
+    host = torch.from_numpy(np.concatenate(present).astype(np.int64, copy=False))  # [sum R_i]
+    flat = to_device_async(host, device) if pinned else host.to(device)
     views: list[torch.Tensor | None] = []
     at = 0
     for group in groups:
