@@ -131,7 +131,9 @@
 # offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
 # CPU's misses on their own thread, `CachedExperts.async_cpu`, and on the engine's, -sync,
 # interleaved), offload-sampled (4: the same runs
-# greedy and with `strata generate`'s default sampling);
+# greedy and with `strata generate`'s default sampling), offload-trace (3: qwen3's 16 layers
+# at 22% in int8, `--stream-misses auto`, a decode request traced with each layer call's host
+# steps marked, bench/round_trace.py: $OUT/trace/*.trace.json.gz and offload-trace.jsonl);
 # `offload` runs the first three; the first
 # `--stream-misses auto` on the machine measures its rates into ~/.cache/strata/rates.json, a
 # few seconds, and later runs read them). A new checkpoint adds about a minute to the first
@@ -187,6 +189,11 @@ for stage in "$@"; do
              cat "$OUT/kernels.txt" ;;
     routed-sort) (cd bench && timeout 60 python3 routed_sort.py \
                      --json-out "$OUT/routed-sort.json") 2>&1 | tee "$OUT/routed-sort.txt" ;;
+    offload-trace) (cd bench && timeout 280 python3 offload.py --model "$(checkpoint 0)" \
+               --preset qwen3-30b-a3b --stream-misses auto --new-tokens 48 --repeat 3 --json \
+               --expert-share 0.22 --experts-dtype int8 --share-per-format --prefill-tokens 0 \
+               --trace "$OUT/trace") > "$OUT/offload-trace.jsonl" 2> "$OUT/offload-trace.err"
+           grep "bench/" "$OUT/offload-trace.err" | tail -6 ;;
     offload-ab) # The 4,096-token loaned prompt of qwen3-30b-a3b's 8-layer cut in int8 at 22% of
            # its experts, the baseline and this tree interleaved AB_ROUNDS times (default 2):
            # the baseline is src/ with AB_PATCH (`git diff BASE -- src`) taken back, run from

@@ -114,6 +114,7 @@ from cache import (
     share_mib,
 )
 from round_profile import device_busy, host_functions, per_round
+from round_trace import trace
 from strata import _cpu_experts
 from strata.engine.cache.build import build_cached_experts, plan_cache, staging_blobs
 from strata.engine.cache.kept_rates import resolve_stream_misses
@@ -279,6 +280,15 @@ def profile_decode(engine, prompt, args, max_context: int, host_path: Path) -> d
     return busy
 
 
+def trace_decode(engine, prompt, args, max_context: int, path: Path) -> dict:
+    """A request of `args.new_tokens` / 4 tokens traced (`round_trace.trace`) to `path`: the
+    layer's figures."""
+    options = GenerateOptions(max_new=max(args.new_tokens // 4, 1), max_context=max_context,
+                              temperature=0.0, ignore_stop=True, cuda_graphs=not args.eager,
+                              piecewise_graphs=not args.eager)
+    return trace(lambda: fresh_request(engine, prompt, options), path)
+
+
 def profile_prefill(engine, prompt, max_context: int, prefill_chunk: int | None,
                     host_path: Path) -> dict:
     """The device's busy time over one more prefill of `prompt` (`round_profile.device_busy`)
@@ -409,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
                         "`profile` in the run's JSON) and the host's top functions "
                         "(cProfile, DIR/<run>.host.txt); after each prefill run's, one "
                         "more of each: the device's busy time over the whole prompt")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="after each decode run's timed requests, trace one more of "
+                        "--new-tokens / 4 tokens with the host's steps of each layer call "
+                        "marked (bench/round_trace.py): DIR/<run>.trace.json.gz, and the "
+                        "layer's figures as `trace` in the run's JSON")
     parser.add_argument("--host-read-mib", type=int, default=2048)
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--experts-dtype", default="auto",
@@ -612,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
                     if args.profile:
                         run["profile"] = profile_decode(engine, prompt, args, decode_context,
                                                         Path(args.profile) / f"{name}.host.txt")
+                    if args.trace:
+                        run["trace"] = trace_decode(engine, prompt, args, decode_context,
+                                                    Path(args.trace) / f"{name}.trace.json.gz")
                     streamer = engine.cache.streamer
                     if streamer is not None and streamer.prefetching:
                         run["prefetch"] = {"prefetched_experts": streamer.prefetched_experts,
@@ -632,6 +650,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"{cpu_rate}, wait {r['wait_ms']:.2f}" + (
                             f", prefetched {ahead['prefetched_experts']} experts, used "
                             f"{ahead['used']}" if ahead else ""))
+                    if run.get("trace"):
+                        say(f"{run_name}, traced a layer call: " + ", ".join(
+                            f"{key.removesuffix('_us')} {value:.1f}" for key, value in
+                            run["trace"].items() if key.endswith("_us")) + " µs")
             for batches in loan_batches if args.prefill_tokens else []:
                 with _loan_upload_batches(batches):  # read when the cache is built
                     engine, notes = cached_engine(streams[0], prefill_context, loan=True)

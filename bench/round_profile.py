@@ -21,18 +21,24 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["device_busy", "host_functions", "per_round"]
+__all__ = ["device_busy", "host_functions", "merged", "per_round"]
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as sorted, disjoint intervals (any one unit)."""
+    union: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if union and start <= union[-1][1]:
+            union[-1] = (union[-1][0], max(union[-1][1], end))
+        else:
+            union.append((start, end))
+    return union
 
 
 def _union_us(intervals: list[tuple[int, int]]) -> tuple[float, list[tuple[int, int]]]:
     """(µs covered by the union of [start, end) ns intervals, the merged intervals)."""
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return sum(end - start for start, end in merged) / 1000, merged
+    union = merged(intervals)
+    return sum(end - start for start, end in union) / 1000, union
 
 
 def _overlap_us(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> float:

@@ -2,6 +2,7 @@
 are (the pinned, asynchronous twin runs on CUDA through the cache's own tests)."""
 
 import numpy as np
+import pytest
 import torch
 
 from strata.engine.cache.host_rows import HostRows
@@ -50,3 +51,52 @@ def test_cpu_rows_are_staged_then_scattered_to_their_targets():
     rows = torch.full((top_k + 1, hidden), 9.0, dtype=torch.bfloat16)
     host.scatter_cpu_rows(rows)
     assert torch.equal(rows[1:], torch.full((top_k, hidden), 9.0, dtype=torch.bfloat16))
+
+
+def test_the_routing_is_read_as_it_is_on_the_host_queued_or_not():
+    rows = HostRows(torch.device("cpu"))
+    x, ids = torch.randn(1, 8), torch.tensor([[3, 1, 2]], dtype=torch.int32)
+    rows.queue_routing(x, ids)  # nothing to queue on the host
+    for queued in (True, False):
+        x_host, ids_host = rows.read_routing(x, ids, queued)
+        assert x_host is x  # the host's x is read where it is
+        assert ids_host.dtype == np.int64 and ids_host.tolist() == [[3, 1, 2]]
+
+
+@pytest.mark.cuda
+def test_a_graph_queues_the_routing_read_and_the_host_reads_each_replays():
+    """`queue_routing` captured in a graph, before more work: each replay's x and ids reach
+    the host through the kept buffers, and the read waits for the event, which the graph
+    records before the work after it."""
+    device = torch.device("cuda")
+    rows = HostRows(device)
+    source = torch.zeros(1, 8, device=device)
+    x = torch.empty(1, 8, device=device)
+    ids = torch.empty(1, 4, dtype=torch.int64, device=device)
+    after = torch.zeros(2048, 2048, device=device)
+
+    def step():
+        x.copy_(source + 1)
+        ids.copy_(torch.arange(4, device=device).unsqueeze(0) + source[:, :1].long())
+        rows.queue_routing(x, ids)
+        after.add_(1.0)  # the work a read must not wait for (the hits)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # a warm-up: the buffers and the event are made outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for value in (5.0, 9.0):
+        source.fill_(value)
+        graph.replay()
+        x_host, ids_host = rows.read_routing(x, ids, queued=True)
+        assert torch.equal(x_host, torch.full((1, 8), value + 1))
+        assert ids_host.tolist() == [[int(value) + k for k in range(4)]]
+        assert x_host.is_pinned()
+    torch.cuda.synchronize()
+    x_host, ids_host = rows.read_routing(x, ids, queued=False)  # the stream's own read
+    assert torch.equal(x_host, torch.full((1, 8), 10.0))
+    assert ids_host.tolist() == [[9, 10, 11, 12]]

@@ -10,9 +10,12 @@ slots are in the device mirror of the books), the upload of their slots, the gat
 rows and the weighted sum. On the H200 the hits' launches alone took 0.15 ms of host time a
 layer (bench/results/layer-call-cpu-2026-12-01.md). Split, a call has three parts:
 
-1. `resident_rows`, captured at the end of layer l's graph: each of the K rows computed from
-   the slot the mirror names; a row whose expert is not resident is zeros (the experts'
-   Triton kernels read nothing for a negative slot). The rows are [K + 1, D]: row
+1. `resident_rows`, captured at the end of layer l's graph: x and the routing queued to the
+   host first (`HostRows.queue_routing`), so that the host's read waits for them and not for
+   the hits, which run while it works (on the H200 a layer's int8 hits took 22 µs of the
+   device, bench/results/decode-read-ahead-h200-2026-12-04.md); then each of the K rows
+   computed from the slot the mirror names; a row whose expert is not resident is zeros (the
+   experts' Triton kernels read nothing for a negative slot). The rows are [K + 1, D]: row
    k + 1 is the token's k-th expert's, row 0 a scratch row (see 3);
 2. `fill_misses`, on the host between the graphs: `token_forward`'s steps without the hits.
    These are the books' split, the policy's `observe`, the misses (the CPU's computed into a
@@ -59,6 +62,8 @@ def resident_rows(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tenso
     as they are); row 0 a scratch row. Reads nothing on the host, so a CUDA graph can hold
     it. `cache` is a `CachedExperts` (not imported: it imports this)."""
     top_k = topk_ids.shape[1]
+    # x and the routing to the host first: the host's read waits for them, not for the hits.
+    cache.host_rows.queue_routing(x, topk_ids)
     if cache.prefetch is not None:  # the next layer's likely experts, for `fill_misses`
         cache.prefetch.predict(layer, x)
     slots = cache.mirror[layer].index_select(0, topk_ids.reshape(-1))  # [K] int32, -1: missing
@@ -82,7 +87,7 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
     rows and the streamed ones staged for `sum_rows` to write into `rows`, the books, the
     policy and `stats` told as `token_forward` tells them."""
     top_k = topk_ids.shape[1]
-    call = split_call(cache, layer, x, topk_ids, stats)
+    call = split_call(cache, layer, x, topk_ids, stats, queued=True)
     host_rows, hidden_size = cache.host_rows, x.shape[1]
     out = targets = started = None
     if call.misses is not None:  # computed into the kept host buffer, then sent in one copy

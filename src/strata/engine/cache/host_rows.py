@@ -6,6 +6,11 @@ Dimension letters: D hidden size, R rows.
   asynchronously, just before the routing's read, which waits for it: the misses' inputs then
   need no second read, and no second wait, of the device. The next call rewrites the buffer
   only after this one has read it (`index_select` copies).
+- `queue_routing` / `read_routing`, for a call split around piecewise graphs: x and the
+  routing go to host buffers kept for them, and an event is recorded after them, from inside
+  the graph (queued right after the routing, before the hits' kernels); the host then waits
+  for that event alone, not for the hits the graph runs after it, which overlap the host's
+  work instead of holding up its read.
 - `to_device`: the CPU's output rows [R, D] go to the device from pinned memory on CUDA, so the
   host issues on without waiting for the device's share (a copy from pageable memory waits for
   the stream); the caching host allocator keeps the pinned block until the copy is done.
@@ -21,7 +26,8 @@ Dimension letters: D hidden size, R rows.
 
 The kept buffers are rewritten by the next call only after its routing's read, which waits
 for the stream to run past every copy queued by this call (each call's copies are queued
-before the graph whose output the next call reads). So one buffer of each serves every call;
+before the graph whose output the next call reads; `queue_routing`'s event is in that graph,
+so waiting for it alone is enough too). So one buffer of each serves every call;
 a call that reads no routing (every expert resident) clears the CPU rows' targets on the
 device instead.
 """
@@ -55,6 +61,9 @@ class HostRows:
         self._cpu_device_views: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cpu_names_rows = False
         self._copies = ByteCopies(self.device)
+        # `queue_routing`'s buffers and event by (x's shape and dtype, the ids' shape and
+        # dtype): never freed, since a captured graph writes into them at every replay.
+        self._routing: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
 
     def x_to_host(self, x: torch.Tensor) -> torch.Tensor:
         """x [1, D] on the host, once the stream has run to here (the caller's next read of
@@ -69,6 +78,42 @@ class HostRows:
         """x [1, D] (on this device) readable on the host: x itself on a host device, else
         `x_to_host`'s buffer."""
         return x if self.device.type == "cpu" else self.x_to_host(x)
+
+    def queue_routing(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """On CUDA, queue on the stream (a CUDA graph captures them) the copies of x [1, D] and
+        topk_ids [1, K] into host buffers kept for them (pinned), then an event
+        (`external`: a graph records it where it was captured); `read_routing` then waits for
+        that event only. Nothing on the host, where `read_routing` reads them as they are."""
+        if not self._pin:
+            return
+        x_host, ids_host, read = self._routing_buffers(x, topk_ids)
+        x_host.copy_(x, non_blocking=True)
+        ids_host.copy_(topk_ids, non_blocking=True)
+        read.record()
+
+    def read_routing(self, x: torch.Tensor, topk_ids: torch.Tensor, queued: bool
+                     ) -> tuple[torch.Tensor, np.ndarray]:
+        """(x [1, D] readable on the host, the routing int64 [1, K] as a numpy array of its
+        own) once the device has run to them: with `queued`, what the last `queue_routing` of
+        their shapes queued (the caller's graph ran it), waiting for its event alone; else
+        `x_on_host` and a read of topk_ids, which waits for the whole stream."""
+        if queued and self._pin:
+            x_host, ids_host, read = self._routing_buffers(x, topk_ids)
+            read.synchronize()
+            return x_host, ids_host.numpy().astype(np.int64)  # a copy: the buffer is reused
+        x_host = self.x_on_host(x)
+        return x_host, np.ascontiguousarray(topk_ids.cpu().numpy(), dtype=np.int64)
+
+    def _routing_buffers(self, x: torch.Tensor, topk_ids: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        key = (tuple(x.shape), x.dtype, tuple(topk_ids.shape), topk_ids.dtype)
+        buffers = self._routing.get(key)
+        if buffers is None:
+            buffers = self._routing[key] = (
+                torch.empty(x.shape, dtype=x.dtype, pin_memory=True),
+                torch.empty(topk_ids.shape, dtype=topk_ids.dtype, pin_memory=True),
+                torch.cuda.Event(external=True))
+        return buffers
 
     def index_buffer(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
         """The kept int64 [n] host buffer for `indices_to_device` (pinned on CUDA), and the

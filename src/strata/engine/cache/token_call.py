@@ -59,15 +59,15 @@ class TokenSplit(NamedTuple):
 
 
 def split_call(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
-               stats: PhaseStats) -> TokenSplit:
-    """The host's first steps of a one-token call: x and the routing read (the sync), the
-    books' lookup, record and split, the policy's `observe`, the counts."""
+               stats: PhaseStats, queued: bool = False) -> TokenSplit:
+    """The host's first steps of a one-token call: x and the routing read (the sync; with
+    `queued`, the read `HostRows.queue_routing` queued), the books' lookup, record and split,
+    the policy's `observe`, the counts."""
     top_k = topk_ids.shape[1]
-    x_host = cache.host_rows.x_on_host(x)  # read with the ids
     started = time.perf_counter()
     if cache.wake_cpu:  # while the device runs up to the routing (counted as the wait)
         cache.cpu.wake()
-    ids = np.ascontiguousarray(topk_ids.cpu().numpy(), dtype=np.int64)  # [1, K], the sync
+    x_host, ids = cache.host_rows.read_routing(x, topk_ids, queued)  # [1, D], [1, K]: the sync
     stats.wait_s += time.perf_counter() - started
     buffer, split = cache.host_rows.index_buffer(5 * top_k + 1)  # `split_token`'s layout
     n_hits, n_missed = cache.table.split_token(layer, ids, split)
