@@ -120,7 +120,8 @@
 # offload-ab (4: the int8 loaned prompt on an AB_LAYERS-layer (default 8) qwen3 cut, a
 # baseline tree (src/ with AB_PATCH, `git diff BASE -- src`, taken back) against this one,
 # interleaved AB_ROUNDS times, default 2, both run by this tree's bench/offload.py;
-# AB_ARGS adds offload.py flags), dequant
+# AB_ARGS adds offload.py flags, which win over the stage's own: `--stream-misses auto
+# --new-tokens 48 --prefill-tokens 0` makes it the decode round's A/B), dequant
 # (0.5: bench/dequant.py on qwen3-30b-a3b's experts, a prompt batch's dequantization by
 # the Triton kernels against torch's float32 copies, int8 and int4-g32), routed-sort (0.2:
 # bench/routed_sort.py, a prompt chunk's routing grouped by expert on the host, narrow sort keys
