@@ -14,10 +14,15 @@ gathered path, and the Triton kernels at several block sizes (the first is the d
 check against the gathered path runs before timing. Then the same experts quantized
 (`strata.engine.experts.quant`: int8, int4 in groups of 32) through their Triton kernels
 (`strata.engine.experts.quantized`): GB/s of the bytes each format reads, time against the
-bf16 gathered path, and the error against it (quantization included).
+bf16 gathered path, and the error against it (quantization included). With `--valid-rows
+N,...`, the quantized kernels again over K + 1 rows of which only N name an expert (the others
+-1: a split decode call's hits, `graph_call.resident_rows`, or its few staged misses), GB/s of
+the N experts' bytes: the launch shape of the hits' and staged experts' calls in a round with
+most experts in host RAM.
 
     python bench/grouped_experts.py                     # CUDA only
     python bench/grouped_experts.py --json
+    python bench/grouped_experts.py --presets qwen3-30b-a3b --valid-rows 2,3
 """
 
 from __future__ import annotations
@@ -97,10 +102,25 @@ def time_eager(call, repeat: int) -> float:
     return statistics.median(times)
 
 
-def measure(preset_name: str, n_stacks: int, repeat: int, dtype: torch.dtype) -> dict:
+def partial_rows(index: torch.Tensor, x_rows: torch.Tensor, reference: torch.Tensor,
+                 n_valid: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A call of K + 1 rows of which the last `n_valid` are index[:n_valid]'s experts and the
+    others -1 (nothing read, zeros out): its index [K + 1], its x rows [K + 1, D] (one token)
+    and its expected rows from the K rows' `reference` [K, D]."""
+    k, d = x_rows.shape
+    n_empty = k + 1 - n_valid
+    return (torch.cat((index.new_full((n_empty,), -1), index[:n_valid])),
+            x_rows[:1].expand(k + 1, d),
+            torch.cat((reference.new_zeros((n_empty, d)), reference[:n_valid])))
+
+
+def measure(preset_name: str, n_stacks: int, repeat: int, dtype: torch.dtype,
+            valid_rows: tuple[int, ...] = (), device: torch.device | None = None) -> dict:
+    """Every variant's row for the preset's shape, on `device` (None: CUDA; the tests run it
+    on the CPU under Triton's interpreter, with the timers stubbed)."""
     preset = get_preset(preset_name)
     f, d, e, k = preset.expert_width, preset.hidden_size, preset.n_experts, preset.top_k
-    cuda = torch.device("cuda")
+    cuda = torch.device("cuda") if device is None else device
     gen = torch.Generator(device=cuda).manual_seed(0)
     stacks = []
     for _ in range(n_stacks):
@@ -140,21 +160,30 @@ def measure(preset_name: str, n_stacks: int, repeat: int, dtype: torch.dtype) ->
                                  for g, dn in zip(gate_up, down, strict=True)])
             quantized.append((blobs, index, x_rows))
 
-        read = k * quantized[0][0].shape[1]
-        for act_blocks, down_blocks in QUANT_BLOCKS:
-            def run(blobs, index, x_rows, fmt=fmt, ab=act_blocks, db=down_blocks):
-                return quantized_rows_triton(blobs, fmt, index, x_rows, f, act_blocks=ab,
-                                             down_blocks=db)
+        calls = [("", k, quantized, reference)]  # (label, experts read, stacks, references)
+        for n_valid in valid_rows:
+            partial = [partial_rows(index, x_rows, ref, n_valid)
+                       for (_, index, x_rows), ref in zip(quantized, reference, strict=True)]
+            calls.append((f" {n_valid} of {k + 1} rows", n_valid,
+                          [(blobs, index, x_rows) for (blobs, _, _), (index, x_rows, _)
+                           in zip(quantized, partial, strict=True)],
+                          [expected for _, _, expected in partial]))
+        for label, n_read, stacks_of, references in calls:
+            read = n_read * quantized[0][0].shape[1]
+            for act_blocks, down_blocks in QUANT_BLOCKS:
+                def run(blobs, index, x_rows, fmt=fmt, ab=act_blocks, db=down_blocks):
+                    return quantized_rows_triton(blobs, fmt, index, x_rows, f, act_blocks=ab,
+                                                 down_blocks=db)
 
-            error = max(((run(*stack).float() - ref).norm() / ref.norm()).item()
-                        for stack, ref in zip(quantized, reference, strict=True))
-            ms = time_graph(rotated(run, quantized), repeat) / n_stacks
-            rows.append({"variant": f"{fmt} {act_blocks[0]}x{act_blocks[1]} / "
-                                    f"{down_blocks[0]}x{down_blocks[1]}",
-                         "ms_per_call": ms, "relative_error": error,
-                         "gb_per_s": read / ms / 1e6,
-                         "eager_ms_per_call": time_eager(rotated(run, quantized), repeat)
-                         / n_stacks})
+                error = max(((run(*stack).float() - ref).norm() / ref.norm()).item()
+                            for stack, ref in zip(stacks_of, references, strict=True))
+                ms = time_graph(rotated(run, stacks_of), repeat) / n_stacks
+                rows.append({"variant": f"{fmt} {act_blocks[0]}x{act_blocks[1]} / "
+                                        f"{down_blocks[0]}x{down_blocks[1]}{label}",
+                             "ms_per_call": ms, "relative_error": error,
+                             "gb_per_s": read / ms / 1e6,
+                             "eager_ms_per_call": time_eager(rotated(run, stacks_of), repeat)
+                             / n_stacks})
     gathered = rows[0]["ms_per_call"]
     for row in rows:
         row["speedup_over_gathered"] = gathered / row["ms_per_call"]
@@ -168,12 +197,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stacks", type=int, default=8, help="stacks rotated between calls")
     parser.add_argument("--repeat", type=int, default=50, help="timed replays (median)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    parser.add_argument("--valid-rows", default="",
+                        help="comma-separated N: the quantized kernels also over K + 1 rows of "
+                        "which N name an expert (a split decode call's hits or staged misses)")
     args = parser.parse_args(argv)
+    presets = [get_preset(name) for name in args.presets.split(",")]
+    try:
+        valid_rows = tuple(int(n) for n in args.valid_rows.split(",") if n.strip())
+    except ValueError:
+        parser.error(f"--valid-rows takes comma-separated ints, got {args.valid_rows!r}")
+    top_k = min(preset.top_k for preset in presets)
+    bad = [n for n in valid_rows if not 1 <= n <= top_k]
+    if bad:
+        parser.error(f"--valid-rows: each N must be within [1, K] (K = {top_k}), got {bad[0]}")
     if not torch.cuda.is_available():
         print("bench/grouped_experts.py: needs CUDA (the kernels are Triton's)", file=sys.stderr)
         return 2
-    results = [measure(name, args.stacks, args.repeat, torch.bfloat16)
-               for name in args.presets.split(",")]
+    results = [measure(preset.name, args.stacks, args.repeat, torch.bfloat16, valid_rows)
+               for preset in presets]
     document = {"device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "date": datetime.date.today().isoformat(), "results": results}
     if args.json:
@@ -184,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     for result in results:
         print(f"{result['preset']}: K={result['K']} of E={result['E']}, F={result['F']}, "
               f"D={result['D']}: floor {result['floor_bytes'] / 2**20:.0f} MiB read")
-        print(f"  {'variant':<40}{'ms/call':>9}{'GB/s':>8}{'x gathered':>12}{'rel err':>10}"
+        print(f"  {'variant':<52}{'ms/call':>9}{'GB/s':>8}{'x gathered':>12}{'rel err':>10}"
               f"{'eager ms':>10}")
         for row in result["variants"]:
-            print(f"  {row['variant']:<40}{row['ms_per_call']:>9.4f}{row['gb_per_s']:>8.0f}"
+            print(f"  {row['variant']:<52}{row['ms_per_call']:>9.4f}{row['gb_per_s']:>8.0f}"
                   f"{row['speedup_over_gathered']:>12.2f}{row['relative_error']:>10.1e}"
                   f"{row['eager_ms_per_call']:>10.4f}")
     return 0
