@@ -63,6 +63,17 @@ def test_the_routing_is_read_as_it_is_on_the_host_queued_or_not():
         assert ids_host.dtype == np.int64 and ids_host.tolist() == [[3, 1, 2]]
 
 
+def test_a_queued_read_of_a_routing_never_queued_is_refused():
+    """Where the copies would be pinned (CUDA), a queued read of shapes nothing queued would
+    read buffers nothing wrote: refused, naming the shapes. (Faked on the host: the check
+    comes before any device work.)"""
+    rows = HostRows(torch.device("cpu"))
+    rows._pin = True
+    with pytest.raises(RuntimeError, match=r"no routing of x \[1, 8\] torch.float32 .* "
+                                           r"queue_routing \(resident_rows\) comes first"):
+        rows.read_routing(torch.zeros(1, 8), torch.zeros(1, 2, dtype=torch.int64), queued=True)
+
+
 @pytest.mark.cuda
 def test_a_graph_queues_the_routing_read_and_the_host_reads_each_replays():
     """`queue_routing` captured in a graph, before more work: each replay's x and ids reach

@@ -96,9 +96,16 @@ class HostRows:
         """(x [1, D] readable on the host, the routing int64 [1, K] as a numpy array of its
         own) once the device has run to them: with `queued`, what the last `queue_routing` of
         their shapes queued (the caller's graph ran it), waiting for its event alone; else
-        `x_on_host` and a read of topk_ids, which waits for the whole stream."""
+        `x_on_host` and a read of topk_ids, which waits for the whole stream. RuntimeError
+        for `queued` where nothing of these shapes was ever queued (the buffers would hold
+        nothing)."""
         if queued and self._pin:
-            x_host, ids_host, read = self._routing_buffers(x, topk_ids)
+            buffers = self._routing.get(_routing_key(x, topk_ids))
+            if buffers is None:
+                raise RuntimeError(f"no routing of x {list(x.shape)} {x.dtype} and ids "
+                                   f"{list(topk_ids.shape)} {topk_ids.dtype} was queued: "
+                                   "queue_routing (resident_rows) comes first")
+            x_host, ids_host, read = buffers
             read.synchronize()
             return x_host, ids_host.numpy().astype(np.int64)  # a copy: the buffer is reused
         x_host = self.x_on_host(x)
@@ -106,7 +113,7 @@ class HostRows:
 
     def _routing_buffers(self, x: torch.Tensor, topk_ids: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
-        key = (tuple(x.shape), x.dtype, tuple(topk_ids.shape), topk_ids.dtype)
+        key = _routing_key(x, topk_ids)
         buffers = self._routing.get(key)
         if buffers is None:
             buffers = self._routing[key] = (
@@ -191,6 +198,11 @@ class HostRows:
         self._cpu_staging(top_k, hidden_size, rows.dtype)
         targets, staged = self._cpu_device_views
         rows.index_copy_(0, targets, staged)
+
+
+def _routing_key(x: torch.Tensor, topk_ids: torch.Tensor) -> tuple:
+    """What `queue_routing`'s buffers are kept by: x's and the ids' shapes and dtypes."""
+    return tuple(x.shape), x.dtype, tuple(topk_ids.shape), topk_ids.dtype
 
 
 def _cpu_views(buffer: torch.Tensor, top_k: int, hidden_size: int, dtype: torch.dtype
