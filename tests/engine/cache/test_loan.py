@@ -233,9 +233,9 @@ def test_a_loaned_layer_queues_its_first_blobs_then_its_indexes_then_the_rest_th
 
 
 def test_the_loans_rows_must_follow_the_experts_it_queued_first(setup):
-    """`queue_misses` refuses a first batch queued for other experts or another layer, and
-    `compute_queued` a layer whose rows it was never given, naming what is wrong; the
-    right rows after a refusal still compute."""
+    """`queue_misses` refuses a first batch queued for other experts or another layer, or
+    given its rows already, and `compute_queued` a layer whose rows it was never given,
+    naming what is wrong; the right rows after a refusal still compute."""
     _, store = setup
     cached = _cache(store, 20, short_read=8, keep_slots=4, upload_batches=4)
     try:
@@ -252,6 +252,8 @@ def test_the_loans_rows_must_follow_the_experts_it_queued_first(setup):
         with pytest.raises(ValueError, match="not the ones queued first"):
             loan.queue_misses(1, x, misses, job)
         rows = loan.compute_queued(loan.queue_misses(0, x, misses, job))
+        with pytest.raises(ValueError, match="given their rows already"):
+            loan.queue_misses(0, x, misses, job)
         assert torch.equal(rows, loan.compute_misses(0, x, misses))
     finally:
         cached.close()

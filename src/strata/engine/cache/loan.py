@@ -252,6 +252,10 @@ class PromptLoan:
         while the host groups them. Returns what `queue_misses` takes on; nothing else may use
         the loan in between."""
         self._check_open()
+        return self._queue_first(layer, x, experts)
+
+    def _queue_first(self, layer: int, x: torch.Tensor, experts: np.ndarray) -> LoanLayer:
+        """`queue_first` once the loan is checked open."""
         experts = np.asarray(experts, dtype=np.int64).reshape(-1)
         batches = self.options.upload_batches
         if batches > 1 and self.executor.arena.quant is not None:
@@ -280,9 +284,11 @@ class PromptLoan:
         nothing else may use the loan in between. ValueError for a `job` of other experts."""
         self._check_open()
         if job is None:
-            job = self.queue_first(layer, x, misses.experts)
-        elif job.layer != layer or job.misses is not None or \
-                not np.array_equal(job.experts, misses.experts):
+            job = self._queue_first(layer, x, misses.experts)
+        elif job.misses is not None:
+            raise ValueError(f"layer {job.layer}'s loaned misses were given their rows "
+                             "already: each layer's queue_first takes one queue_misses")
+        elif job.layer != layer or not np.array_equal(job.experts, misses.experts):
             raise ValueError(f"layer {layer}'s misses (experts {misses.experts.tolist()}) are "
                              f"not the ones queued first (layer {job.layer}, experts "
                              f"{job.experts.tolist()})")
