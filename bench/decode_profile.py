@@ -12,7 +12,8 @@ launched plainly instead of as a dependent of the one before (`strata.engine.dep
 with a forward's rotary tables and mask as the torch ops instead of one kernel
 (`ops.ROPE_MASK_KERNEL`), with each layer's sum after attention, the MoE's norm and its
 routing as `add_rms_norm` then `router_route` instead of one kernel (`ops.NORM_ROUTER_KERNEL`),
-and `--compile`'s
+with attention's dense products by cuBLAS instead of the kernel that reads its weights before
+its wait (`products.PRODUCT_KERNEL`), and `--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -46,7 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 from _common import add_model_arguments, byte_tokens, checkpoint_for, sync
 from strata.engine import dependent_launch
 from strata.engine.experts import grouped
-from strata.engine.model import decode_attention, ops
+from strata.engine.model import decode_attention, ops, products
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.prompt_graphs import PromptGraphs
@@ -226,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             # the combine), "attention" (`decode_attention`'s kernel: SDPA's folded path),
             # "pdl" (dependent launches: every kernel launched plainly), "rope-mask" (the
             # rotary tables and mask's kernel: the torch ops), "norm-router" (each layer's sum,
-            # norm and routing after attention as one kernel: two).
+            # norm and routing after attention as one kernel: two), "products" (attention's
+            # one-token products' kernel: F.linear).
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
@@ -239,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                               step_of(True), "rope-mask"))
                 steps.append(("decode, CUDA graph, the norm and the router as two kernels",
                               step_of(True), "norm-router"))
+                steps.append(("decode, CUDA graph, the dense products by cuBLAS",
+                              step_of(True), "products"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             for label, step, without in steps:
                 # The graph is captured here, with or without the part named.
                 saved = (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
-                         ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL)
+                         ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL, products.PRODUCT_KERNEL)
                 arrivals = getattr(model.experts, "_sum_arrivals", None)
                 if without == "ops":
                     ops.use_kernels = lambda x: False
@@ -262,11 +266,14 @@ def main(argv: list[str] | None = None) -> int:
                     ops.ROPE_MASK_KERNEL = False
                 elif without == "norm-router":
                     ops.NORM_ROUTER_KERNEL = False
+                elif without == "products":
+                    products.PRODUCT_KERNEL = False
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:
                     (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
-                     ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL) = saved
+                     ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL,
+                     products.PRODUCT_KERNEL) = saved
                     if without == "sum":
                         model.experts._sum_arrivals = arrivals
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,

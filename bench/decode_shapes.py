@@ -8,10 +8,11 @@ default decode step's CUDA graph with them and times its replays (median of `--r
 two passes, the second in reverse order, so that a drift of the machine's clock shows as a
 disagreement between the passes instead of favouring the variants timed first. One kernel's
 shape moves at a time from the default: the gate_up kernel's (block F x step D, warps,
-stages), then down's (block D x step F, warps, stages).
+stages), then down's (block D x step F, warps, stages), then the dense products' kernel's
+(`products`: weight elements a program, warps; "cuBLAS" is `F.linear` in its place).
 
     python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
-    python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4
+    python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4 --kernels products
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ import torch
 
 from _common import add_model_arguments, checkpoint_for
 from strata.engine.experts import grouped
+from strata.engine.model import products
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 
 DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS[0],
                        grouped.NUM_STAGES[0]),
            "down": (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.NUM_WARPS[1],
-                    grouped.NUM_STAGES[1])}
+                    grouped.NUM_STAGES[1]),
+           "products": (products.TILE_ELEMENTS, products.NUM_WARPS)}
+CUBLAS = (0, 0)  # the products' "shape" that is F.linear in the kernel's place
 # (block, step, warps, stages) tried for each kernel, the other kept at its default.
 TRIED = {
     "gate_up": [(block, step, warps, stages)
@@ -43,6 +47,8 @@ TRIED = {
     "down": [(block, step, warps, stages)
              for block, step in ((32, 128), (16, 256), (64, 128), (32, 256), (16, 128))
              for warps in (4, 8) for stages in (1, 3, 4)],
+    "products": [CUBLAS] + [(tile, warps) for tile in (2048, 4096, 8192, 16384)
+                            for warps in (2, 4, 8)],
 }
 
 
@@ -62,6 +68,9 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
     (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, down_warps, down_stages) = variant["down"]
     grouped.NUM_WARPS = (up_warps, down_warps)
     grouped.NUM_STAGES = (up_stages, down_stages)
+    products.PRODUCT_KERNEL = variant["products"] != CUBLAS
+    if products.PRODUCT_KERNEL:
+        products.TILE_ELEMENTS, products.NUM_WARPS = variant["products"]
     experts._sum_arrivals = grouped.sum_arrivals(hidden_size, device)
 
 
@@ -82,7 +91,10 @@ def round_ms(model, kv, position: int, repeat: int) -> tuple[float, torch.Tensor
 
 
 def label(variant: dict) -> str:
-    return " / ".join("{} {}x{} w{} s{}".format(kernel, *variant[kernel]) for kernel in DEFAULT)
+    parts = ["{} {}x{} w{} s{}".format(kernel, *variant[kernel]) for kernel in ("gate_up", "down")]
+    shape = variant["products"]
+    parts.append("products cuBLAS" if shape == CUBLAS else "products {} w{}".format(*shape))
+    return " / ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                      "max_logit_diff": max(d for _, d in runs)})
     rows.sort(key=lambda row: row["round_ms"])
     for row in rows[:25]:
-        print(f"{row['variant']:<44} {row['round_ms']:.4f} ms  {row['x_default']:.3f}x  "
+        print(f"{row['variant']:<66} {row['round_ms']:.4f} ms  {row['x_default']:.3f}x  "
               f"passes {', '.join(f'{t:.4f}' for t in row['passes_ms'])}  "
               f"logits {row['max_logit_diff']:.2e}")
     meta = {"model": args.model or args.preset, "layers": model.config.n_layers,

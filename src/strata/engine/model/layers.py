@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from strata.engine.experts import Experts
-from strata.engine.model import decode_attention, ops
+from strata.engine.model import decode_attention, ops, products
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.kv_cells import LayerCells
 from strata.engine.model.ops import (
@@ -161,7 +161,9 @@ class Attention:
         causally, the T tokens being the last T of the N cells (a prompt chunk); None without
         `causal` means every cell (one token: decode).
         """
-        qkv = F.linear(x, self.wqkv, self.bqkv)  # [T, H*Dh + 2*G*Dh]
+        # One token's products read their weights beside the kernel before them
+        # (`products`): the norm before this one, attention before the output's.
+        qkv = products.linear(x, self.wqkv, self.bqkv)  # [T, H*Dh + 2*G*Dh]
         # q's and k's heads normed and rotated side by side, k and v stored: one op.
         q = rotate_and_write(qkv, self.heads, cos, sin, positions, cells)  # [T, H, Dh]
         keys, values = cells.read(n_ctx, q.dtype)  # [N, G, Dh] each
@@ -172,7 +174,7 @@ class Attention:
             out = decode_attention.attend_one(q, keys, values, mask, self.scale)
         else:
             out = self._folded(q, keys, values, mask)
-        return F.linear(out, self.wo, self.bo)  # [T, D]
+        return products.linear(out, self.wo, self.bo)  # [T, D]
 
     def _prompt(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """A prompt chunk, the last T of the N cells: causal, aligned at the last cell (row t

@@ -20,9 +20,8 @@ Triton, as one kernel (`_ops_triton`) that rounds where the reference's ops roun
   (`layers.rope_and_mask` takes it where `ROPE_MASK_KERNEL`).
 The routing kernels' launches (`route_triton`, `router_route_triton`,
 `add_norm_router_route_triton`) are `routing_ops`', importable from here too.
-The dense products stay with cuBLAS (`F.linear`): a one-token kernel for them, swept over 48
-launch shapes, lost to it inside the decode graph
-(bench/results/decode-linear-h200-2026-12-02.md).
+A decode step's dense products are `products`': a kernel that reads its weights before the
+kernel before it has finished.
 
 Which runs is chosen by the tensors' device alone, never by their values, so a CUDA graph
 captures the kernels as an eager call runs them (the same bytes), and under `torch.compile`

@@ -1,0 +1,177 @@
+"""`strata.engine.model.products`: where the one-token kernel runs and where `F.linear` does;
+the kernel under Triton's interpreter on the CPU (a fresh interpreter: TRITON_INTERPRET must be
+set before Triton is imported) against the product in float64, within float32's summing error
+and the output's rounding; its refusals; on CUDA, the kernel at the presets' q/k/v and output
+shapes, its bytes the same call to call, replayed from a CUDA graph and launched as a dependent
+of a kernel that writes its token (a program that read the token before its wait would not)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.engine import dependent_launch
+from strata.engine.model import ops, products
+from support.interpreted import run_interpreted
+
+
+def _operands(n_out, k_in, dtype, seed, bias=False):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n_out, k_in, generator=gen) / k_in**0.5).to(dtype)
+    x = (torch.randn(1, k_in, generator=gen) * 2).to(dtype)
+    b = torch.randn(n_out, generator=gen).to(dtype) if bias else None
+    return x, weight, b
+
+
+def _within(got, x, weight, bias):
+    """Whether got [1, N] is the float64 product within float32's summing error over K and one
+    rounding to got's dtype (its mantissa's half step, doubled for the bias's add)."""
+    wide_x, wide_w = x.double(), weight.double()
+    exact = wide_x @ wide_w.T
+    magnitude = wide_x.abs() @ wide_w.abs().T
+    if bias is not None:
+        exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
+    step = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+    bound = magnitude * (x.shape[1] + 2) * 2.0**-23 + exact.abs() * step[got.dtype]
+    return bool(((got.double() - exact).abs() <= bound + 1e-30).all())
+
+
+def test_off_cuda_and_for_more_than_one_token_it_is_f_linear():
+    x, weight, bias = _operands(24, 40, torch.bfloat16, seed=0, bias=True)
+    assert not products.takes(x, weight)  # CPU
+    assert torch.equal(products.linear(x, weight, bias), F.linear(x, weight, bias))
+    rows = torch.cat((x, x))
+    assert torch.equal(products.linear(rows, weight), F.linear(rows, weight))
+
+
+def test_takes_only_one_token_in_bf16_or_fp16_of_rows_it_can_hold(monkeypatch):
+    monkeypatch.setattr(dependent_launch, "supported", lambda device: True)
+
+    class Cuda(torch.Tensor):  # a CPU tensor that says it is on CUDA: `takes` reads shapes only
+        @property
+        def is_cuda(self):
+            return True
+
+    def takes(x, weight):
+        return products.takes(x.as_subclass(Cuda), weight)
+
+    x, weight, _ = _operands(8, 64, torch.bfloat16, seed=1)
+    if products._kernels() is None:
+        pytest.skip("Triton is not installed")
+    assert takes(x, weight)
+    assert takes(x.half(), weight.half())
+    assert not takes(x.float(), weight.float())  # float32: cuBLAS
+    assert not takes(torch.cat((x, x)), weight)  # two tokens
+    assert not takes(x, weight.half())  # dtypes apart
+    assert not takes(x, weight.t().contiguous().t())  # a column-major weight
+    wide = torch.zeros(1, products.MAX_K + 1, dtype=torch.bfloat16)
+    assert not takes(wide, torch.zeros(4, products.MAX_K + 1, dtype=torch.bfloat16))
+    monkeypatch.setattr(products, "PRODUCT_KERNEL", False)
+    assert not takes(x, weight)
+    monkeypatch.setattr(products, "PRODUCT_KERNEL", True)
+    monkeypatch.setattr(dependent_launch, "supported", lambda device: False)
+    assert not takes(x, weight)  # no dependent launches: nothing to gain over cuBLAS
+
+
+def test_bad_operands_are_refused_by_name():
+    x, weight, _ = _operands(8, 64, torch.float32, seed=2)
+    with pytest.raises(ValueError, match=r"one token x \[1, K\].*got x \[2, 64\]"):
+        products.linear_one_triton(torch.cat((x, x)), weight)
+    with pytest.raises(ValueError, match=r"got x \[1, 64\] torch.float16"):
+        products.linear_one_triton(x.half(), weight)
+    with pytest.raises(ValueError, match=r"bias must be \[8\], got \[7\]"):
+        products.linear_one_triton(x, weight, torch.zeros(7))
+    with pytest.raises(ValueError, match="tile_elements must be a power of two, got 96"):
+        products.linear_one_triton(x, weight, tile_elements=96)
+
+
+_INTERPRETED = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_products import _operands, _within
+from strata.engine.model.products import linear_one_triton
+results = []
+for seed, (n_out, k_in, dtype, bias, tile) in enumerate([
+        (37, 96, torch.float32, False, 256),   # K not a power of two; a partial last program
+        (64, 128, torch.float32, True, 512),   # K a power of two (no mask on it), a bias
+        (5, 2048, torch.float16, True, None),  # the default tile: one program, rows masked
+        (33, 40, torch.float16, False, 16),    # a tile narrower than a row: one row a program
+        (0, 16, torch.float32, False, None)]): # no outputs
+    x, weight, b = _operands(n_out, k_in, dtype, seed, bias)
+    got = linear_one_triton(x, weight, b, tile_elements=tile)
+    again = linear_one_triton(x, weight, b, tile_elements=tile)
+    results.append({"shape": list(got.shape) == [1, n_out], "dtype": got.dtype == dtype,
+                    "within": _within(got, x, weight, b),
+                    "same_bytes": torch.equal(got.view(torch.uint8), again.view(torch.uint8))})
+print(json.dumps(results))
+"""
+
+
+def test_the_kernel_under_the_interpreter_is_the_product():
+    pytest.importorskip("triton")
+    import os
+
+    results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
+    assert len(results) == 5
+    for result in results:
+        assert all(result.values()), result
+
+
+# (N, K) of the presets' decode products: olmoe's q/k/v and output, qwen3's, mixtral's.
+SHAPES = [(6144, 2048), (2048, 2048), (5120, 2048), (2048, 4096), (6144, 4096), (4096, 4096)]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_cuda_the_kernel_is_the_product_at_the_presets_shapes(dtype):
+    for seed, (n_out, k_in) in enumerate(SHAPES):
+        x, weight, bias = (t.cuda() if t is not None else None
+                           for t in _operands(n_out, k_in, dtype, seed, bias=seed % 2 == 1))
+        got = products.linear_one_triton(x, weight, bias)
+        assert _within(got.cpu(), x.cpu(), weight.cpu(), bias.cpu() if bias is not None
+                       else None), (n_out, k_in)
+        again = products.linear_one_triton(x, weight, bias)
+        assert torch.equal(got.view(torch.int16), again.view(torch.int16))
+        if _hopper():
+            assert products.takes(x, weight)
+            assert torch.equal(products.linear(x, weight, bias), got)
+
+
+@pytest.mark.cuda
+def test_on_cuda_as_a_dependent_it_reads_the_token_the_kernel_before_wrote(monkeypatch):
+    """A chain of norms and products, each product's token written by the norm just before it
+    (and each norm reading the product before): eager as dependents, eager plainly and
+    replayed from a CUDA graph give the same bytes. A program that read its token before its
+    wait would read a row the norm was still writing."""
+    if not _hopper():
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    gen = torch.Generator().manual_seed(5)
+    weights = [(torch.randn(4096, 4096, generator=gen) / 64).to(torch.bfloat16).cuda()
+               for _ in range(8)]
+    norm = torch.rand(4096, generator=gen).to(torch.bfloat16).cuda()
+    x = torch.randn(1, 4096, generator=gen).to(torch.bfloat16).cuda()
+
+    def chain(x):
+        for weight in weights * 4:
+            x, normed = ops.add_rms_norm(x, None, norm, 1e-6)
+            x = products.linear_one_triton(normed, weight)
+        return x
+
+    monkeypatch.setattr(dependent_launch, "enabled", False)
+    plain = chain(x)
+    monkeypatch.setattr(dependent_launch, "enabled", True)
+    assert torch.equal(chain(x), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
