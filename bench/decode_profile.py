@@ -13,7 +13,9 @@ with a forward's rotary tables and mask as the torch ops instead of one kernel
 (`ops.ROPE_MASK_KERNEL`), with each layer's sum after attention, the MoE's norm and its
 routing as `add_rms_norm` then `router_route` instead of one kernel (`ops.NORM_ROUTER_KERNEL`),
 with attention's dense products by cuBLAS instead of the kernel that reads its weights before
-its wait (`products.PRODUCT_KERNEL`), and `--compile`'s
+its wait (`products.PRODUCT_KERNEL`), two staged changes each switched on (the logits'
+product by that kernel, `products.LOGITS_KERNEL`; the router's weights read before its wait,
+`routing_ops.ROUTER_WEIGHTS_FIRST`), and `--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -47,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 from _common import add_model_arguments, byte_tokens, checkpoint_for, sync
 from strata.engine import dependent_launch
 from strata.engine.experts import grouped
-from strata.engine.model import decode_attention, ops, products
+from strata.engine.model import decode_attention, ops, products, routing_ops
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.prompt_graphs import PromptGraphs
@@ -227,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             # the combine), "attention" (`decode_attention`'s kernel: SDPA's folded path),
             # "pdl" (dependent launches: every kernel launched plainly), "rope-mask" (the
             # rotary tables and mask's kernel: the torch ops), "norm-router" (each layer's sum,
-            # norm and routing after attention as one kernel: two), "products" (attention's
-            # one-token products' kernel: F.linear).
+            # norm and routing after attention as one kernel: two), "products" (the one-token
+            # products' kernel: F.linear); and "+logits", "+router-first": with a staged change
+            # switched on (the logits by that kernel; the router's weights before its wait).
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
@@ -243,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                               step_of(True), "norm-router"))
                 steps.append(("decode, CUDA graph, the dense products by cuBLAS",
                               step_of(True), "products"))
+                steps.append(("decode, CUDA graph, the logits by the kernel", step_of(True),
+                              "+logits"))
+                steps.append(("decode, CUDA graph, the router's weights read before its wait",
+                              step_of(True), "+router-first"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
@@ -252,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             for label, step, without in steps:
                 # The graph is captured here, with or without the part named.
                 saved = (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
-                         ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL, products.PRODUCT_KERNEL)
+                         ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL, products.PRODUCT_KERNEL,
+                         products.LOGITS_KERNEL, routing_ops.ROUTER_WEIGHTS_FIRST)
                 arrivals = getattr(model.experts, "_sum_arrivals", None)
                 if without == "ops":
                     ops.use_kernels = lambda x: False
@@ -268,12 +276,17 @@ def main(argv: list[str] | None = None) -> int:
                     ops.NORM_ROUTER_KERNEL = False
                 elif without == "products":
                     products.PRODUCT_KERNEL = False
+                elif without == "+logits":
+                    products.LOGITS_KERNEL = True
+                elif without == "+router-first":
+                    routing_ops.ROUTER_WEIGHTS_FIRST = True
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:
                     (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
                      ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL,
-                     products.PRODUCT_KERNEL) = saved
+                     products.PRODUCT_KERNEL, products.LOGITS_KERNEL,
+                     routing_ops.ROUTER_WEIGHTS_FIRST) = saved
                     if without == "sum":
                         model.experts._sum_arrivals = arrivals
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,

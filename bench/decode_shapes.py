@@ -9,7 +9,8 @@ two passes, the second in reverse order, so that a drift of the machine's clock 
 disagreement between the passes instead of favouring the variants timed first. One kernel's
 shape moves at a time from the default: the gate_up kernel's (block F x step D, warps,
 stages), then down's (block D x step F, warps, stages), then the dense products' kernel's
-(`products`: weight elements a program, warps; "cuBLAS" is `F.linear` in its place).
+(`products`: weight elements a program, warps; "cuBLAS" is `F.linear` in its place), then
+the logits' product by cuBLAS (the default) or by that kernel (`logits`).
 
     python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
     python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4 --kernels products
@@ -37,7 +38,8 @@ DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped
                        grouped.NUM_STAGES[0]),
            "down": (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.NUM_WARPS[1],
                     grouped.NUM_STAGES[1]),
-           "products": (products.TILE_ELEMENTS, products.NUM_WARPS)}
+           "products": (products.TILE_ELEMENTS, products.NUM_WARPS),
+           "logits": (products.LOGITS_KERNEL,)}
 CUBLAS = (0, 0)  # the products' "shape" that is F.linear in the kernel's place
 # (block, step, warps, stages) tried for each kernel, the other kept at its default.
 TRIED = {
@@ -49,6 +51,7 @@ TRIED = {
              for warps in (4, 8) for stages in (1, 3, 4)],
     "products": [CUBLAS] + [(tile, warps) for tile in (2048, 4096, 8192, 16384)
                             for warps in (2, 4, 8)],
+    "logits": [(False,), (True,)],  # the logits' product by cuBLAS, or by the kernel
 }
 
 
@@ -71,6 +74,7 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
     products.PRODUCT_KERNEL = variant["products"] != CUBLAS
     if products.PRODUCT_KERNEL:
         products.TILE_ELEMENTS, products.NUM_WARPS = variant["products"]
+    (products.LOGITS_KERNEL,) = variant["logits"]
     experts._sum_arrivals = grouped.sum_arrivals(hidden_size, device)
 
 
@@ -94,6 +98,8 @@ def label(variant: dict) -> str:
     parts = ["{} {}x{} w{} s{}".format(kernel, *variant[kernel]) for kernel in ("gate_up", "down")]
     shape = variant["products"]
     parts.append("products cuBLAS" if shape == CUBLAS else "products {} w{}".format(*shape))
+    if variant["logits"][0]:
+        parts.append("logits by the kernel")
     return " / ".join(parts)
 
 

@@ -244,6 +244,7 @@ def test_the_compiled_operators_are_made_once():
 
 def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constants(capsys):
     from strata.engine.experts import grouped
+    from strata.engine.model import products
     from support.bench_scripts import load_bench
 
     bench = load_bench("decode_shapes.py")
@@ -251,10 +252,14 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     assert tried[0] == bench.DEFAULT
     labels = [bench.label(v) for v in tried]
     assert len(set(labels)) == len(labels)
+    assert set(bench.DEFAULT) == {"gate_up", "down", "products", "logits"}
     for variant in tried[1:]:  # exactly one kernel's shape differs from the default
-        assert sum(variant[k] != bench.DEFAULT[k] for k in ("gate_up", "down")) == 1
+        assert sum(variant[k] != bench.DEFAULT[k] for k in bench.DEFAULT) == 1
+    assert bench.CUBLAS in [v["products"] for v in tried]
     saved = (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.GATE_UP_BLOCK_F,
-             grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES)
+             grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES,
+             products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
+             products.LOGITS_KERNEL)
 
     class Experts:
         _sum_arrivals = None
@@ -266,9 +271,18 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         assert experts._sum_arrivals.shape == (2048 // 16,)  # a counter per block of 16 rows
         assert (bench.DEFAULT["gate_up"][3], 1) == grouped.NUM_STAGES
         assert (bench.DEFAULT["gate_up"][2], 4) == grouped.NUM_WARPS
+        bench.apply({**bench.DEFAULT, "products": (8192, 2), "logits": (True,)}, experts, 2048,
+                    torch.device("cpu"))
+        assert products.PRODUCT_KERNEL and products.LOGITS_KERNEL
+        assert (products.TILE_ELEMENTS, products.NUM_WARPS) == (8192, 2)
+        bench.apply({**bench.DEFAULT, "products": bench.CUBLAS}, experts, 2048,
+                    torch.device("cpu"))
+        assert not products.PRODUCT_KERNEL
     finally:
         (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.GATE_UP_BLOCK_F,
-         grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES) = saved
+         grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES,
+         products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
+         products.LOGITS_KERNEL) = saved
     if torch.cuda.is_available():
         return
     assert bench.main(["--device", "cpu"]) == 0

@@ -45,6 +45,16 @@ def test_off_cuda_and_for_more_than_one_token_it_is_f_linear():
     assert torch.equal(products.linear(rows, weight), F.linear(rows, weight))
 
 
+def test_the_logits_take_linear_only_where_switched_on(monkeypatch):
+    x, weight, _ = _operands(24, 40, torch.bfloat16, seed=0)
+    taken = []
+    monkeypatch.setattr(products, "linear", lambda x, w: taken.append(w) or F.linear(x, w))
+    monkeypatch.setattr(products, "LOGITS_KERNEL", False)
+    assert torch.equal(products.logits(x, weight), F.linear(x, weight)) and not taken
+    monkeypatch.setattr(products, "LOGITS_KERNEL", True)
+    assert torch.equal(products.logits(x, weight), F.linear(x, weight)) and len(taken) == 1
+
+
 def test_takes_only_one_token_in_bf16_or_fp16_of_rows_it_can_hold(monkeypatch):
     monkeypatch.setattr(dependent_launch, "supported", lambda device: True)
 
@@ -119,8 +129,10 @@ def test_the_kernel_under_the_interpreter_is_the_product():
         assert all(result.values()), result
 
 
-# (N, K) of the presets' decode products: olmoe's q/k/v and output, qwen3's, mixtral's.
-SHAPES = [(6144, 2048), (2048, 2048), (5120, 2048), (2048, 4096), (6144, 4096), (4096, 4096)]
+# (N, K) of the presets' decode products: olmoe's q/k/v and output, qwen3's, mixtral's, and
+# olmoe's logits.
+SHAPES = [(6144, 2048), (2048, 2048), (5120, 2048), (2048, 4096), (6144, 4096), (4096, 4096),
+          (50304, 2048)]
 
 
 def _hopper() -> bool:
@@ -134,8 +146,7 @@ def test_on_cuda_the_kernel_is_the_product_at_the_presets_shapes(dtype):
         x, weight, bias = (t.cuda() if t is not None else None
                            for t in _operands(n_out, k_in, dtype, seed, bias=seed % 2 == 1))
         got = products.linear_one_triton(x, weight, bias)
-        assert _within(got.cpu(), x.cpu(), weight.cpu(), bias.cpu() if bias is not None
-                       else None), (n_out, k_in)
+        assert _within(got, x, weight, bias), (n_out, k_in)
         again = products.linear_one_triton(x, weight, bias)
         assert torch.equal(got.view(torch.int16), again.view(torch.int16))
         if _hopper():

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.engine.experts import Experts, ExpertStore, ResidentExperts
-from strata.engine.model import families
+from strata.engine.model import families, products
 from strata.engine.model.checkpoint import Checkpoint, expert_store
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.kv_cells import LayerCells
@@ -194,7 +194,7 @@ class MoEModel:
         elif last_only:
             x, delta = x[-1:], delta[-1:]  # [1, D] each
         _, x = add_rms_norm(x, delta, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()  # [T, V]
+        return products.logits(x, self.lm_head).float()  # [T, V]
 
 
 def runtime_dtype(cfg: ModelConfig, dtype: torch.dtype | None) -> torch.dtype:

@@ -19,7 +19,10 @@ inside `torch.compile`'s tracing, a weight row wider than MAX_K. The kernel's su
 float32 in one fixed order (deterministic), not cuBLAS's order: a bf16 decode step's bytes
 differ from `F.linear`'s in the last bit now and then, as a different library's would.
 `PRODUCT_KERNEL` is the switch a benchmark turns off for its A/B (bench/decode_profile.py's
-row "the dense products by cuBLAS").
+row "the dense products by cuBLAS"). `logits` is the last product of a decode step, the
+vocabulary's, the same way where `LOGITS_KERNEL`: staged off until it is timed on a GPU
+against cuBLAS, which reads a whole logits matrix at about 94% of the H200's bandwidth
+(bench/decode_profile.py's row "the logits by the kernel").
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ import torch.nn.functional as F
 
 from strata.engine import dependent_launch
 
-__all__ = ["MAX_K", "PRODUCT_KERNEL", "linear", "linear_one_triton", "takes"]
+__all__ = ["LOGITS_KERNEL", "MAX_K", "PRODUCT_KERNEL", "linear", "linear_one_triton",
+           "logits", "takes"]
 
 PRODUCT_KERNEL = True
+LOGITS_KERNEL = False
 MAX_K = 8192  # a program holds BLOCK_N whole rows in registers: wider rows take F.linear
 # The launch shape: the weight elements a program holds (BLOCK_N rows of BLOCK_K, the power of
 # two at least K; one row at least) and its warps. Small tiles won inside the whole
@@ -74,6 +79,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if takes(x, weight):
         return linear_one_triton(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The vocabulary's product x [T, D] @ weight [V, D]^T -> [T, V]: `linear` where
+    LOGITS_KERNEL, else `F.linear`."""
+    return linear(x, weight) if LOGITS_KERNEL else F.linear(x, weight)
 
 
 def _block(n: int) -> int:
