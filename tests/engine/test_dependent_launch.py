@@ -157,3 +157,64 @@ def test_every_kernel_that_can_be_a_dependent_waits_first():
             "rope_and_mask", "gate_up_act", "down", "down_sum", "combine", "decode_attention",
             "int8_act", "int8_down", "int4_act", "int4_down", *READ_WEIGHTS_FIRST} \
         <= set(switched)
+
+
+def _hopper_ptx(kernel, constexprs, types, num_warps=4):
+    """`kernel` compiled by Triton for compute capability 9.0 as a dependent (no GPU needed:
+    Triton's own ptxas), its PTX. Pointer arguments are bf16 and 16-byte aligned, integers
+    multiples of 16 (what launches from real tensors give), unless `types` says otherwise."""
+    triton = pytest.importorskip("triton", minversion="3.3",  # attrs keyed by argument paths
+                                 reason="the dev extra installs Triton on Linux x86_64")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = {**constexprs, "USE_PDL": True}
+    signature, aligned = {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+        if signature[name] != "fp32":
+            aligned[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "launch_pdl": True})
+    return compiled.asm["ptx"]
+
+
+def _loads_around_the_wait(ptx):
+    before, _, after = ptx.partition("griddepcontrol.wait")
+    assert after, "no griddepcontrol.wait in the kernel"
+    return before.count("ld.global"), after.count("ld.global")
+
+
+def test_compiled_for_hopper_the_products_kernel_loads_its_weights_before_the_wait():
+    """The source rule above, checked where it counts: in the instructions. The weight tile's
+    vector loads come before `griddepcontrol.wait` (the compiler did not sink them past it),
+    the token's after; a wait-first kernel loads nothing before it."""
+    from strata.engine.model import _ops_triton, _products_triton
+
+    ptx = _hopper_ptx(_products_triton.product_one,
+                      {"HAS_BIAS": False, "BLOCK_N": 2, "BLOCK_K": 2048}, {})
+    before, after = _loads_around_the_wait(ptx)
+    # 2 x 2048 bf16 over 128 threads: 32 a thread, four 16-byte loads; then x's.
+    assert before == 4 and "ld.global.v4.b32" in ptx.partition("griddepcontrol.wait")[0]
+    assert after >= 1
+    norm = _hopper_ptx(_ops_triton.add_rms_norm, {"HAS_DELTA": True, "BLOCK_D": 2048},
+                       {"eps": "fp32"}, num_warps=8)
+    assert _loads_around_the_wait(norm)[0] == 0
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_compiled_for_hopper_the_router_reads_its_weights_before_the_wait_where_switched(first):
+    from strata.engine.model import _ops_triton
+
+    types = {"partial_ptr": "*fp32", "arrived_ptr": "*i32", "ids_ptr": "*i64",
+             "weights_ptr": "*fp32", "eps": "fp32"}
+    ptx = _hopper_ptx(_ops_triton.add_norm_router_route,
+                      {"HAS_DELTA": True, "NORMALIZE": True, "SPLITS": 64, "BLOCK_ROW": 2048,
+                       "BLOCK_D": 32, "BLOCK_E": 64, "BLOCK_K": 8, "WEIGHTS_FIRST": first},
+                      types, num_warps=8)
+    before, after = _loads_around_the_wait(ptx)
+    assert (before > 0) == first and after > 0

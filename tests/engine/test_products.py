@@ -105,7 +105,7 @@ from strata.engine.model.products import linear_one_triton
 results = []
 for seed, (n_out, k_in, dtype, bias, tile) in enumerate([
         (37, 96, torch.float32, False, 256),   # K not a power of two; a partial last program
-        (64, 128, torch.float32, True, 512),   # K a power of two (no mask on it), a bias
+        (64, 128, torch.float32, True, 512),   # K a power of two, a bias
         (5, 2048, torch.float16, True, None),  # the default tile: one program, rows masked
         (33, 40, torch.float16, False, 16),    # a tile narrower than a row: one row a program
         (0, 16, torch.float32, False, None)]): # no outputs

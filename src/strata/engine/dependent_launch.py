@@ -13,10 +13,14 @@ dependent-launch-h200-2026-12-02.md): a decode round 1.04x faster on the whole o
 
 The rule that keeps it correct: every kernel launched this way waits first, before it reads or
 writes anything (`_dependent_triton.wait_for_prior`), and only then lets its own dependents be
-set up. So a kernel never runs beside the one it follows, and since that one waited on its own
-predecessor, on any earlier kernel either. Kernels that are not ours (cuBLAS, cuDNN, torch's)
-are launched plainly and wait for ours whole, as always. The bytes do not change: only when
-the next kernel's setup starts does.
+set up. So a kernel never reads what the one it follows writes, and since that one waited on
+its own predecessor, nor what any earlier kernel writes. The one exception is weights, which
+no kernel of a round writes: `products`' kernel loads its weight rows before its wait (and
+`add_norm_router_route` its first block of the router's, where switched on), so that the read
+overlaps the kernel before. tests/engine/test_dependent_launch.py checks the rule in the
+source and, compiled for compute capability 9.0, in the instructions. Kernels that are not
+ours (cuBLAS, cuDNN, torch's) are launched plainly and wait for ours whole, as always. The
+bytes do not change: only when the next kernel's work starts does.
 
 `kernel_options(device)` is what a launch site adds to its kernel's arguments: on a CUDA
 device of capability 9.0 or more with a Triton that has the launch option, the kernel's

@@ -116,7 +116,7 @@ def linear_one_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if n_out:
         _kernels().product_one[(-(-n_out // block_n),)](
             weight, x, bias if bias is not None else weight, out, n_out, k_in,
-            weight.stride(0), HAS_BIAS=bias is not None, EVEN_K=block_k == k_in,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+            weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=num_warps,
             **dependent_launch.kernel_options(x.device))
     return out
