@@ -13,9 +13,10 @@ with a forward's rotary tables and mask as the torch ops instead of one kernel
 (`ops.ROPE_MASK_KERNEL`), with each layer's sum after attention, the MoE's norm and its
 routing as `add_rms_norm` then `router_route` instead of one kernel (`ops.NORM_ROUTER_KERNEL`),
 with attention's dense products by cuBLAS instead of the kernel that reads its weights before
-its wait (`products.PRODUCT_KERNEL`), two staged changes each switched on (the logits'
+its wait (`products.PRODUCT_KERNEL`), three staged changes each switched on (the logits'
 product by that kernel, `products.LOGITS_KERNEL`; the router's weights read before its wait,
-`routing_ops.ROUTER_WEIGHTS_FIRST`), and `--compile`'s
+`routing_ops.ROUTER_WEIGHTS_FIRST`; a short window attended in one program a kv head, its
+cells read before its wait, `decode_attention.SHORT_KERNEL`), and `--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -230,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             # "pdl" (dependent launches: every kernel launched plainly), "rope-mask" (the
             # rotary tables and mask's kernel: the torch ops), "norm-router" (each layer's sum,
             # norm and routing after attention as one kernel: two), "products" (the one-token
-            # products' kernel: F.linear); and "+logits", "+router-first": with a staged change
-            # switched on (the logits by that kernel; the router's weights before its wait).
+            # products' kernel: F.linear); and "+logits", "+router-first", "+short": with a
+            # staged change switched on (the logits by that kernel; the router's weights
+            # before its wait; `attend_short`).
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
@@ -250,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                               "+logits"))
                 steps.append(("decode, CUDA graph, the router's weights read before its wait",
                               step_of(True), "+router-first"))
+                steps.append(("decode, CUDA graph, attention in one program a kv head",
+                              step_of(True), "+short"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
@@ -260,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                 # The graph is captured here, with or without the part named.
                 saved = (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
                          ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL, products.PRODUCT_KERNEL,
-                         products.LOGITS_KERNEL, routing_ops.ROUTER_WEIGHTS_FIRST)
+                         products.LOGITS_KERNEL, routing_ops.ROUTER_WEIGHTS_FIRST,
+                         decode_attention.SHORT_KERNEL)
                 arrivals = getattr(model.experts, "_sum_arrivals", None)
                 if without == "ops":
                     ops.use_kernels = lambda x: False
@@ -280,13 +285,15 @@ def main(argv: list[str] | None = None) -> int:
                     products.LOGITS_KERNEL = True
                 elif without == "+router-first":
                     routing_ops.ROUTER_WEIGHTS_FIRST = True
+                elif without == "+short":
+                    decode_attention.SHORT_KERNEL = True
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:
                     (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
                      ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL,
                      products.PRODUCT_KERNEL, products.LOGITS_KERNEL,
-                     routing_ops.ROUTER_WEIGHTS_FIRST) = saved
+                     routing_ops.ROUTER_WEIGHTS_FIRST, decode_attention.SHORT_KERNEL) = saved
                     if without == "sum":
                         model.experts._sum_arrivals = arrivals
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,

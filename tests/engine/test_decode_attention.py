@@ -29,6 +29,47 @@ def reference(q, keys, values, mask, scale):
     return out.reshape(1, -1)
 
 
+def decode_with(launcher):
+    """A float32 qwen3_moe checkpoint's logits for a 5-token prompt, then 3 decode steps, by
+    the layers' fused path and again with `takes` told yes for one token (the interpreter
+    computes no bf16 products), `launcher` (the name of decode_attention's launch function
+    to count; "attend_short_triton" also switches SHORT_KERNEL on): how far apart they are
+    and how many times the launcher ran."""
+    import tempfile
+    from pathlib import Path
+
+    from strata.engine.kv import new_kv
+    from strata.engine.model import load_model
+    from support.checkpoints import make_checkpoint
+
+    launched = []
+
+    def logits_of(model, on):
+        takes, launch = decode_attention.takes, getattr(decode_attention, launcher)
+        decode_attention.takes = lambda q, k, v: on and q.shape[0] == 1
+        decode_attention.SHORT_KERNEL = on and launcher == "attend_short_triton"
+        setattr(decode_attention, launcher,
+                lambda *args, **kw: launched.append(1) or launch(*args, **kw))
+        try:
+            with new_kv(model, 16) as kv:
+                rows = [model.forward(torch.tensor([3, 1, 4, 1, 5]), 0, kv)]
+                rows += [model.forward(torch.tensor([9 + step]), 5 + step, kv)
+                         for step in range(3)]
+                return torch.cat(rows)
+        finally:
+            decode_attention.takes, decode_attention.SHORT_KERNEL = takes, False
+            setattr(decode_attention, launcher, launch)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_checkpoint(Path(tmp) / "qwen3", "qwen3_moe", dtype=torch.float32)
+        model = load_model(ckpt, dtype=torch.float32)
+        fused, kernel = logits_of(model, False), logits_of(model, True)
+    return {"prompt_equal": torch.equal(fused[:5], kernel[:5]),
+            "error": (fused - kernel).abs().max().item(), "scale": fused.abs().max().item(),
+            "launches": len(launched),
+            "argmax_equal": torch.equal(fused.argmax(-1), kernel.argmax(-1))}
+
+
 def inputs(n_heads, n_kv_heads, head_dim, n_cells, dtype, seed, device="cpu"):
     """q [1, H, Dh] and keys, values [G, N, Dh] as `LayerCells.read` gives them: views of
     cells [N, G, Dh]."""
@@ -40,15 +81,12 @@ def inputs(n_heads, n_kv_heads, head_dim, n_cells, dtype, seed, device="cpu"):
 
 
 _INTERPRETED = r"""
-import json, sys, tempfile
-from pathlib import Path
+import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from test_decode_attention import inputs, reference
-from strata.engine.model import decode_attention, load_model
+from test_decode_attention import decode_with, inputs, reference
+from strata.engine.model import decode_attention
 from strata.engine.model.layers import attention_mask
-from strata.engine.kv import new_kv
-from support.checkpoints import make_checkpoint
 
 results = {"shapes": [], "refused": []}
 # (H, G, Dh, N, position, window, split, block): one kv head for all (R = 8), R = 3, no GQA;
@@ -85,30 +123,8 @@ try:
 except ValueError as err:
     results["refused"].append(str(err))
 
-# A model's decode steps through the kernel (float32 on the CPU, `takes` told yes: models run
-# in bf16 or float32, and the interpreter computes no bf16 products) against the fused path.
-launched = []
-def logits_of(model, kernel):
-    takes, attend = decode_attention.takes, decode_attention.attend_one_triton
-    decode_attention.takes = lambda q, k, v: kernel and q.shape[0] == 1
-    decode_attention.attend_one_triton = (
-        lambda *args, **kw: launched.append(1) or attend(*args, **kw))
-    try:
-        with new_kv(model, 16) as kv:
-            rows = [model.forward(torch.tensor([3, 1, 4, 1, 5]), 0, kv)]
-            rows += [model.forward(torch.tensor([9 + step]), 5 + step, kv) for step in range(3)]
-            return torch.cat(rows)
-    finally:
-        decode_attention.takes, decode_attention.attend_one_triton = takes, attend
-
-with tempfile.TemporaryDirectory() as tmp:
-    ckpt = make_checkpoint(Path(tmp) / "qwen3", "qwen3_moe", dtype=torch.float32)
-    model = load_model(ckpt, dtype=torch.float32)
-    fused, kernel = logits_of(model, False), logits_of(model, True)
-    results["model"] = {"prompt_equal": torch.equal(fused[:5], kernel[:5]),
-                        "error": (fused - kernel).abs().max().item(),
-                        "scale": fused.abs().max().item(), "launches": len(launched),
-                        "argmax_equal": torch.equal(fused.argmax(-1), kernel.argmax(-1))}
+# A model's decode steps through the kernel against the fused path.
+results["model"] = decode_with("attend_one_triton")
 print(json.dumps(results))
 """
 
@@ -202,3 +218,126 @@ def test_on_cuda_ungrouped_heads_past_one_window_keep_the_fused_path():
     assert not decode_attention.takes(q, keys, values)
     grouped, keys, values = inputs(32, 4, 128, 512, torch.bfloat16, 2, "cuda")
     assert decode_attention.takes(grouped, keys, values)
+
+
+_SHORT_INTERPRETED = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_decode_attention import decode_with, inputs, reference
+from strata.engine.model import decode_attention
+from strata.engine.model.layers import attention_mask
+
+results = {"shapes": [], "refused": []}
+# (H, G, Dh, N, position, window): grouped heads with keys and values read before the wait
+# (N * Dh <= 128 * 128); the keys alone (200 cells of 128: 256 * 128 rounded); R = 3 and a
+# window; one cell; no mask.
+for seed, (h, g, dh, n, position, window) in enumerate((
+        (8, 2, 32, 40, 39, None), (4, 1, 128, 200, 150, None), (6, 2, 16, 130, 129, 20),
+        (2, 1, 16, 1, 0, None), (3, 3, 16, 50, None, None))):
+    q, keys, values = inputs(h, g, dh, n, torch.float16, seed)
+    mask = None if position is None else attention_mask(torch.tensor([position]), n, window,
+                                                        torch.float16)
+    at = torch.tensor([n - 1 if position is None else position])
+    exact = reference(q, keys, values, mask, dh ** -0.5)
+    got = decode_attention.attend_short_triton(q, keys, values, mask, dh ** -0.5, at)
+    again = decode_attention.attend_short_triton(q, keys, values, mask, dh ** -0.5, at)
+    results["shapes"].append({"shape": list(got.shape), "repeats": torch.equal(got, again),
+                              "error": ((got.float() - exact).abs().max()
+                                        / exact.abs().max()).item()})
+q, keys, values = inputs(4, 2, 16, 8, torch.float16, 0)
+for args in ((None, torch.tensor([3], dtype=torch.int32)), (None, torch.tensor([1, 2])),
+             (torch.zeros(1, 7, dtype=torch.float16), torch.tensor([3]))):
+    try:
+        decode_attention.attend_short_triton(q, keys, values, args[0], 0.25, args[1])
+    except ValueError as err:
+        results["refused"].append(str(err))
+
+# A model's decode steps through it, as the layer calls it, against the fused path.
+results["model"] = decode_with("attend_short_triton")
+print(json.dumps(results))
+"""
+
+
+def test_the_short_kernel_under_the_interpreter_matches_the_reference():
+    """`attend_short` (staged off: `SHORT_KERNEL`): one program a kv head over every cell,
+    with and without the values read before the wait, against the float32 reference; a
+    model's decode steps through it; bad positions and masks refused."""
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    results = run_interpreted(_SHORT_INTERPRETED, os.path.dirname(__file__))
+    assert [row["shape"] for row in results["shapes"]] == [[1, 256], [1, 512], [1, 96],
+                                                            [1, 32], [1, 48]]
+    for row in results["shapes"]:
+        assert row["repeats"] and row["error"] <= 2e-3, row
+    assert "position as int64 [1], got torch.int32 [1]" in results["refused"][0]
+    assert "got torch.int64 [2]" in results["refused"][1]
+    assert "mask must be [1, 8]" in results["refused"][2]
+    model = results["model"]
+    assert model["launches"] == 3 * 2  # each decode step's layers (the checkpoint has 2)
+    assert model["argmax_equal"] and model["error"] <= 1e-4 * max(model["scale"], 1.0)
+
+
+def test_the_short_kernel_takes_a_window_whose_keys_a_program_holds(monkeypatch):
+    _, keys, _ = inputs(32, 4, 128, 256, torch.bfloat16, 0)
+    at = torch.tensor([255])
+    assert not decode_attention.short_takes(keys, at)  # staged off
+    monkeypatch.setattr(decode_attention, "SHORT_KERNEL", True)
+    assert decode_attention.short_takes(keys, at)
+    assert not decode_attention.short_takes(keys, None)  # the layer did not say where
+    assert not decode_attention.short_takes(keys, torch.tensor([1, 2]))  # two tokens
+    _, longer, _ = inputs(32, 4, 128, 257, torch.bfloat16, 0)
+    assert not decode_attention.short_takes(longer, at)  # 512 x 128 rounded: past the budget
+    _, narrow, _ = inputs(32, 4, 64, 512, torch.bfloat16, 0)
+    assert decode_attention.short_takes(narrow, at)  # 512 x 64 is within it
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_heads, n_kv_heads, n_cells", [(16, 16, 256), (32, 4, 200),
+                                                          (32, 8, 100)])
+def test_on_cuda_the_short_kernel_reads_the_row_written_just_before(monkeypatch, n_heads,
+                                                                     n_kv_heads, n_cells):
+    """As a layer runs it: the rotation's kernel writes the token's k and v at its position,
+    then the short kernel attends, step after step, as dependents and plainly, eager and from
+    a CUDA graph: the same bytes, and the reference's values. A program that kept the row it
+    read before its wait would attend the step before's k and v there."""
+    pytest.importorskip("triton")
+    from strata.engine import dependent_launch
+    from strata.engine.model import ops
+    from strata.engine.model.kv_cells import LayerCells
+    from strata.engine.model.layers import attention_mask, rope_cos_sin, rope_inv_freq
+
+    cuda, head_dim = torch.device("cuda"), 128
+    _, keys, values = inputs(n_heads, n_kv_heads, head_dim, n_cells, torch.bfloat16, 3, "cuda")
+    cells = LayerCells(keys.transpose(0, 1), values.transpose(0, 1))  # [N, G, Dh] each
+    position = torch.tensor([n_cells - 1], device=cuda)
+    mask = attention_mask(position, n_cells, None, torch.bfloat16)
+    cos, sin = rope_cos_sin(position, rope_inv_freq(head_dim, 10000.0, cuda), torch.bfloat16)
+    heads = ops.QKHeads(n_heads, n_kv_heads, head_dim, "none", None, 1e-6, None)
+    gen = torch.Generator(cuda).manual_seed(4)
+    width = (n_heads + 2 * n_kv_heads) * head_dim
+    steps = [torch.randn(1, width, generator=gen, device=cuda).to(torch.bfloat16)
+             for _ in range(6)]
+    monkeypatch.setattr(decode_attention, "SHORT_KERNEL", True)
+
+    def chain():
+        outs = []
+        for qkv in steps:
+            q = ops.rotate_and_write(qkv, heads, cos, sin, position, cells)  # [1, H, Dh]
+            outs.append(decode_attention.attend_one(q, keys, values, mask, head_dim**-0.5,
+                                                    position))
+        return q, torch.cat(outs)
+
+    monkeypatch.setattr(dependent_launch, "enabled", False)
+    q, plain = chain()
+    monkeypatch.setattr(dependent_launch, "enabled", True)
+    assert torch.equal(chain()[1], plain)
+    exact = reference(q, keys, values, mask, head_dim**-0.5)  # the last step's cells
+    assert (plain[-1:].float() - exact).abs().max() <= 1e-2 * exact.abs().max()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = chain()[1]
+    for _ in range(3):
+        replayed.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, plain)

@@ -101,26 +101,29 @@ def test_on_cuda_decode_as_dependents_gives_the_plain_launches_tokens(monkeypatc
     assert torch.equal(dependent.first_logits, plain.first_logits)
 
 
-# Kernels that read their weights before their wait (weights no kernel writes), and the
-# pointer argument that holds them: attention's one-token products, the router's first block.
-READ_WEIGHTS_FIRST = {"product_one": "w_ptr", "add_norm_router_route": "router_ptr"}
+# Kernels that read before their wait, and the pointer arguments they may read there: what no
+# kernel of a round writes. Attention's one-token products and the router their weights; the
+# short attention kernel the round's positions and the cells, which the round writes at one
+# position only (the kernel reads that row again after its wait).
+READ_BEFORE_WAIT = {"product_one": {"w_ptr"}, "add_norm_router_route": {"router_ptr"},
+                    "attend_short": {"k_ptr", "v_ptr", "positions_ptr"}}
 
 
-def _before_wait_only_weights_are_read(path, node, weights):
+def _before_wait_only_these_are_read(path, node, allowed):
     """The statements of `node` before `wait_for_prior(USE_PDL)` (at the top level) mention no
-    pointer argument but `weights` (so they read nothing else, and helpers they call are
+    pointer argument but those `allowed` (so they read nothing else, and helpers they call are
     handed nothing else) and store nothing."""
     import ast
 
     pointers = {a.arg for a in node.args.args if a.arg.endswith("_ptr")}
     for index, stmt in enumerate(node.body):
         if isinstance(stmt, ast.Expr) and ast.unparse(stmt) == "wait_for_prior(USE_PDL)":
-            assert index > 0, f"{path.name}: {node.name} is listed as reading weights first " \
+            assert index > 0, f"{path.name}: {node.name} is listed as reading before its wait " \
                 "but waits first"
             return
         named = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)}
-        assert named & pointers <= {weights}, \
-            f"{path.name}: {node.name} reads {sorted(named & pointers - {weights})} before its wait"
+        assert named & pointers <= allowed, \
+            f"{path.name}: {node.name} reads {sorted(named & pointers - allowed)} before its wait"
         calls = {ast.unparse(n.func) for n in ast.walk(stmt) if isinstance(n, ast.Call)}
         assert not {c for c in calls if c.startswith(("tl.store", "tl.atomic"))}, \
             f"{path.name}: {node.name} writes before its wait"
@@ -130,8 +133,8 @@ def _before_wait_only_weights_are_read(path, node, weights):
 def test_every_kernel_that_can_be_a_dependent_waits_first():
     """The rule `dependent_launch` stands on: a kernel with a USE_PDL switch calls
     `wait_for_prior(USE_PDL)` as its first statement, before it reads or writes anything. A
-    kernel added with the switch but without the wait would race the one before it. The one
-    exception, `READ_WEIGHTS_FIRST`, loads only its weights before the wait."""
+    kernel added with the switch but without the wait would race the one before it. The
+    exceptions, `READ_BEFORE_WAIT`, load only what no kernel of the round writes there."""
     import ast
     from pathlib import Path
 
@@ -147,15 +150,15 @@ def test_every_kernel_that_can_be_a_dependent_waits_first():
                     "USE_PDL" not in [arg.arg for arg in node.args.args]:
                 continue
             switched.append(node.name)
-            if node.name in READ_WEIGHTS_FIRST:
-                _before_wait_only_weights_are_read(path, node, READ_WEIGHTS_FIRST[node.name])
+            if node.name in READ_BEFORE_WAIT:
+                _before_wait_only_these_are_read(path, node, READ_BEFORE_WAIT[node.name])
                 continue
             first = node.body[0]
             assert isinstance(first, ast.Expr) and ast.unparse(first) == \
                 "wait_for_prior(USE_PDL)", f"{path.name}: {node.name} does not wait first"
     assert {"add_rms_norm", "qk_norm_rope", "route", "router_route", "add_norm_router_route",
             "rope_and_mask", "gate_up_act", "down", "down_sum", "combine", "decode_attention",
-            "int8_act", "int8_down", "int4_act", "int4_down", *READ_WEIGHTS_FIRST} \
+            "int8_act", "int8_down", "int4_act", "int4_down", *READ_BEFORE_WAIT} \
         <= set(switched)
 
 
@@ -218,3 +221,22 @@ def test_compiled_for_hopper_the_router_reads_its_weights_before_the_wait_where_
                       types, num_warps=8)
     before, after = _loads_around_the_wait(ptx)
     assert (before > 0) == first and after > 0
+
+
+@pytest.mark.parametrize("cells, values_first", [(128, True), (256, False)])
+def test_compiled_for_hopper_the_short_attention_reads_the_cells_before_the_wait(cells,
+                                                                                 values_first):
+    """The keys' loads (and at 128 cells the values') before the wait; q, the written row and
+    the mask after it, the row as volatile loads (past the L1 cache, which may hold the row
+    read before the wait)."""
+    from strata.engine.model import _attention_triton
+
+    ptx = _hopper_ptx(_attention_triton.attend_short,
+                      {"HAS_MASK": True, "BLOCK_C": cells, "BLOCK_R": 16, "BLOCK_D": 128,
+                       "VALUES_FIRST": values_first},
+                      {"positions_ptr": "*i64", "scale": "fp32"}, num_warps=8)
+    before, after = _loads_around_the_wait(ptx)
+    # [cells, 128] bf16 over 256 threads in 16-byte loads: cells / 16 a matrix, and the position
+    assert before == (2 if values_first else 1) * cells // 16 + 1
+    assert "ld.volatile.global" in ptx.partition("griddepcontrol.wait")[2]
+    assert after >= 2

@@ -14,10 +14,11 @@ dependent-launch-h200-2026-12-02.md): a decode round 1.04x faster on the whole o
 The rule that keeps it correct: every kernel launched this way waits first, before it reads or
 writes anything (`_dependent_triton.wait_for_prior`), and only then lets its own dependents be
 set up. So a kernel never reads what the one it follows writes, and since that one waited on
-its own predecessor, nor what any earlier kernel writes. The one exception is weights, which
-no kernel of a round writes: `products`' kernel loads its weight rows before its wait (and
-`add_norm_router_route` its first block of the router's, where switched on), so that the read
-overlaps the kernel before. tests/engine/test_dependent_launch.py checks the rule in the
+its own predecessor, nor what any earlier kernel writes. The exception is what no kernel of
+a round writes: `products`' kernel loads its weight rows before its wait (and, where switched
+on, `add_norm_router_route` its first block of the router's, and `decode_attention`'s short
+kernel the cells, reading again after its wait the one row the round writes), so that the
+read overlaps the kernel before. tests/engine/test_dependent_launch.py checks the rule in the
 source and, compiled for compute capability 9.0, in the instructions. Kernels that are not
 ours (cuBLAS, cuDNN, torch's) are launched plainly and wait for ours whole, as always. The
 bytes do not change: only when the next kernel's work starts does.

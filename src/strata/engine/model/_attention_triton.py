@@ -2,7 +2,7 @@
 
 Legend: G kv heads, R query heads per kv head (H = G*R), N cells attended, S splits of the
 cells, Dh head dim; BLOCK_* a power of two at least the size (BLOCK_R at least 16: `tl.dot`'s
-least).
+least; BLOCK_C the cells a step, or in `attend_short` every cell).
 """
 
 import triton
@@ -138,3 +138,54 @@ def _merge_at_once(acc_ptr, stats_ptr, g, n_splits, r, r_in, d, d_in, BLOCK_R: t
                          other=0.0, volatile=True)  # [MS, BR, BD]
         acc += tl.sum(weights[:, :, None] * values, axis=0)
     return acc, row_sum
+
+
+@triton.jit
+def attend_short(q_ptr, k_ptr, v_ptr, mask_ptr, positions_ptr, out_ptr, N, R, Dh, scale,
+                 k_head_stride, k_cell_stride, v_head_stride, v_cell_stride,
+                 HAS_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_D: tl.constexpr, VALUES_FIRST: tl.constexpr,
+                 USE_PDL: tl.constexpr = False):
+    # Program g: kv head g's R query heads q [R, Dh] over all N cells at once (N <= BLOCK_C):
+    # no split, so no partials and no merge. Before the wait it loads what no kernel of this
+    # round writes but at one cell: the token's position (an input of the round) and every
+    # cell's keys [BC, BD], and where VALUES_FIRST the values too (held in registers: at 256
+    # cells of 128 dims, keys and values together spill). The one cell this round writes (at
+    # the position: the kernel just before stores its k and v there) is read again after the
+    # wait, past the L1 cache (volatile), into its row; q and the mask (this round's) are read
+    # after the wait too. Scores, softmax and the product as `_online`'s one step: float32, P
+    # rounded to the values' dtype.
+    position = tl.load(positions_ptr).to(tl.int64)
+    g = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    d = tl.arange(0, BLOCK_D)
+    cd_in = (c < N)[:, None] & (d < Dh)[None, :]
+    k_head = k_ptr + g * k_head_stride
+    v_head = v_ptr + g * v_head_stride
+    k = tl.load(k_head + c[:, None].to(tl.int64) * k_cell_stride + d[None, :], mask=cd_in,
+                other=0.0)  # [BC, BD]
+    if VALUES_FIRST:
+        v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=cd_in,
+                    other=0.0)  # [BC, BD]
+    wait_for_prior(USE_PDL)
+    r = tl.arange(0, BLOCK_R)
+    rd_in = (r < R)[:, None] & (d < Dh)[None, :]
+    q = tl.load(q_ptr + (g * R + r[:, None]) * Dh + d[None, :], mask=rd_in, other=0.0)
+    fresh = (c == position)[:, None]  # [BC, 1]: the cell this round wrote
+    k = tl.where(fresh, tl.load(k_head + position * k_cell_stride + d, mask=d < Dh, other=0.0,
+                                volatile=True)[None, :], k)
+    scores = tl.dot(q, tl.trans(k)) * scale  # [BR, BC]
+    if HAS_MASK:
+        scores += tl.load(mask_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+    scores = tl.where((c < N)[None, :], scores, float("-inf"))
+    if not VALUES_FIRST:  # loaded once the keys are spent: both at once would spill
+        v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=cd_in,
+                    other=0.0)  # [BC, BD]
+    v = tl.where(fresh, tl.load(v_head + position * v_cell_stride + d, mask=d < Dh, other=0.0,
+                                volatile=True)[None, :], v)
+    _, row_sum, acc = _online(tl.full([BLOCK_R], float("-inf"), dtype=tl.float32),
+                              tl.zeros([BLOCK_R], dtype=tl.float32),
+                              tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32), scores, v)
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # a row with no cell: zeros
+    tl.store(out_ptr + (g * R + r[:, None]) * Dh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=rd_in)

@@ -18,6 +18,15 @@ Where it runs (`takes`), from bench/decode_attention.py's sweep on the H200
 (1.6x to 5.5x SDPA's speed from 256 to 16,384 cells); without them (R = 1, as olmoe) up to
 `UNGROUPED_MAX_CELLS` cells, past which SDPA's kernel reads the cells faster than this one,
 whose merge is serial in S.
+
+Staged, off until a GPU times it (`SHORT_KERNEL`; bench/decode_profile.py's row "attention in
+one program a kv head"): a short window attended by `attend_short`, one program a kv head
+over every cell, no split and no merge. A round writes the cells at one position only (the
+kernel before attention stores the token's k and v there), so the program reads the keys
+(and at up to 128 cells the values) before its dependent-launch wait, beside that kernel,
+then reads the one written row again after it. At a few hundred cells a decode step's
+attention is a chain of dependent reads (q, the cells, the partials, the merge), about 7 µs
+a layer on the H200; this leaves q, that row and the mask after the wait.
 """
 
 from __future__ import annotations
@@ -28,8 +37,8 @@ import torch
 
 from strata.engine import dependent_launch
 
-__all__ = ["MAX_SPLITS", "UNGROUPED_MAX_CELLS", "attend_one", "attend_one_triton", "launch_shape",
-           "takes"]
+__all__ = ["MAX_SPLITS", "SHORT_KERNEL", "UNGROUPED_MAX_CELLS", "attend_one", "attend_one_triton",
+           "attend_short_triton", "launch_shape", "short_takes", "takes"]
 
 UNGROUPED_MAX_CELLS = 256
 # The most programs a kv head's cells are split across: the merge takes one serial step a
@@ -38,6 +47,14 @@ UNGROUPED_MAX_CELLS = 256
 MAX_SPLITS = 16
 BLOCK_CELLS = 64  # cells a program reads at a time
 MAX_KV_HEADS = 256  # the arrival counters kept per device
+SHORT_KERNEL = False
+# `attend_short` holds a kv head's keys [N, Dh] in registers (and its values where
+# N * Dh <= SHORT_VALUES_FIRST_ELEMENTS): compiled for sm_90 at 8 warps, 256 cells of 128 dims
+# take 232 registers a thread with the values read after the keys are spent, 128 cells 143
+# with both before the wait, neither spilling (both at 256 cells spill).
+SHORT_MAX_ELEMENTS = 256 * 128
+SHORT_VALUES_FIRST_ELEMENTS = 128 * 128
+SHORT_WARPS = 8
 
 
 @functools.cache
@@ -91,21 +108,49 @@ def _block(n: int, least: int = 1) -> int:
     return max(least, 1 << max(n - 1, 0).bit_length())
 
 
+def short_takes(keys: torch.Tensor, positions: torch.Tensor | None) -> bool:
+    """Whether `attend_one` runs `attend_short` over keys [G, N, Dh]: SHORT_KERNEL, the
+    token's position given ([1], int64), and a kv head's keys within SHORT_MAX_ELEMENTS (N
+    and Dh each rounded up to a power of two)."""
+    return (SHORT_KERNEL and positions is not None and positions.shape == (1,)
+            and positions.dtype == torch.int64
+            and _block(keys.shape[1], 16) * _block(keys.shape[2], 16) <= SHORT_MAX_ELEMENTS)
+
+
 def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+               mask: torch.Tensor | None, scale: float,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
     """One token's attention: q [1, H, Dh] over keys, values [G, N, Dh] (query head h reads kv
     head h // R), `mask` [1, N] added to the scores (-inf: not attended) or None (every cell)
-    -> [1, H*Dh] in q's dtype, by the kernel at `launch_shape`. Only where `takes` holds: the
-    layer's fused path is the reference elsewhere."""
+    -> [1, H*Dh] in q's dtype, by the kernel at `launch_shape`, or by `attend_short` where
+    `short_takes` (`positions` [1]: the cell the token's k and v were just written to). Only
+    where `takes` holds: the layer's fused path is the reference elsewhere."""
     if not takes(q, keys, values):
         raise ValueError(
             "attend_one takes one token q [1, H, Dh] in bf16 or fp16 on CUDA (with Triton, "
             "outside a compilation), keys and values [G, N, Dh] of its dtype with contiguous "
             f"head rows, and grouped kv heads (G < H) or N <= {UNGROUPED_MAX_CELLS}; got q "
             f"{list(q.shape)} {q.dtype} on {q.device}, keys {list(keys.shape)} {keys.dtype}")
+    if short_takes(keys, positions):
+        return attend_short_triton(q, keys, values, mask, scale, positions)
     split_cells, warps = launch_shape(keys.shape[1], q.shape[1] // keys.shape[0])
     return attend_one_triton(q, keys, values, mask, scale, split_cells=split_cells,
                              num_warps=warps)
+
+
+def _check_operands(name: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    mask: torch.Tensor | None) -> None:
+    """Refuse, naming them, operands a kernel cannot take: q [1, H, Dh] and keys, values
+    [G, N, Dh] with G dividing H; mask [1, N] with contiguous cells, or None."""
+    _, n_heads, head_dim = q.shape
+    n_kv_heads, n_cells, _ = keys.shape
+    if n_heads % n_kv_heads or values.shape != keys.shape or keys.shape[2] != head_dim:
+        raise ValueError(f"{name} needs q [1, H, Dh] and keys, values [G, N, Dh] with G "
+                         f"dividing H, got q {list(q.shape)}, keys {list(keys.shape)}, "
+                         f"values {list(values.shape)}")
+    if mask is not None and (mask.shape != (1, n_cells) or mask.stride(1) != 1):
+        raise ValueError(f"mask must be [1, {n_cells}] with contiguous cells, got "
+                         f"{list(mask.shape)}")
 
 
 def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -122,10 +167,7 @@ def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     were slower at every shape the sweep measured)."""
     _, n_heads, head_dim = q.shape
     n_kv_heads, n_cells, _ = keys.shape
-    if n_heads % n_kv_heads or values.shape != keys.shape or keys.shape[2] != head_dim:
-        raise ValueError(f"attend_one needs q [1, H, Dh] and keys, values [G, N, Dh] with G "
-                         f"dividing H, got q {list(q.shape)}, keys {list(keys.shape)}, "
-                         f"values {list(values.shape)}")
+    _check_operands("attend_one", q, keys, values, mask)
     if block_cells < 16 or block_cells & (block_cells - 1) or split_cells % block_cells:
         raise ValueError(f"block_cells must be a power of two >= 16 dividing split_cells, got "
                          f"{block_cells} and {split_cells}")
@@ -133,9 +175,6 @@ def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             or merge_splits & (merge_splits - 1)):
         raise ValueError(f"max_splits must be at least 1 and merge_splits 0 or a power of two, "
                          f"got {max_splits} and {merge_splits}")
-    if mask is not None and (mask.shape != (1, n_cells) or mask.stride(1) != 1):
-        raise ValueError(f"mask must be [1, {n_cells}] with contiguous cells, got "
-                         f"{list(mask.shape)}")
     per_kv = n_heads // n_kv_heads  # R
     block_r, block_d = _block(per_kv, 16), _block(head_dim, 16)
     while max_splits is not None and -(-n_cells // split_cells) > max_splits:
@@ -153,5 +192,30 @@ def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         values.stride(0), values.stride(1), HAS_MASK=mask is not None,
         CELLS_PER_SPLIT=split_cells, BLOCK_C=block_cells, BLOCK_R=block_r, BLOCK_D=block_d,
         BLOCK_S=_block(n_splits, 2), MERGE_SPLITS=merge_splits, num_warps=num_warps,
+        **dependent_launch.kernel_options(q.device))
+    return out.view(1, n_heads * head_dim)
+
+
+def attend_short_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        mask: torch.Tensor | None, scale: float, positions: torch.Tensor, *,
+                        num_warps: int = SHORT_WARPS) -> torch.Tensor:
+    """`attend_one` by `attend_short` (under Triton's interpreter on the CPU in tests): one
+    program a kv head over every cell, the keys (and at most SHORT_VALUES_FIRST_ELEMENTS a kv
+    head, the values) read before its wait, the row at positions[0] read again after it."""
+    _, n_heads, head_dim = q.shape
+    n_kv_heads, n_cells, _ = keys.shape
+    _check_operands("attend_short", q, keys, values, mask)
+    if positions.shape != (1,) or positions.dtype != torch.int64:
+        raise ValueError(f"attend_short needs the token's position as int64 [1], got "
+                         f"{positions.dtype} {list(positions.shape)}")
+    block_c, block_d = _block(n_cells, 16), _block(head_dim, 16)
+    q = q.contiguous()
+    out = q.new_empty((n_heads, head_dim))  # [H, Dh]
+    _kernels().attend_short[(n_kv_heads,)](
+        q, keys, values, mask if mask is not None else q, positions, out, n_cells,
+        n_heads // n_kv_heads, head_dim, scale, keys.stride(0), keys.stride(1),
+        values.stride(0), values.stride(1), HAS_MASK=mask is not None, BLOCK_C=block_c,
+        BLOCK_R=_block(n_heads // n_kv_heads, 16), BLOCK_D=block_d,
+        VALUES_FIRST=block_c * block_d <= SHORT_VALUES_FIRST_ELEMENTS, num_warps=num_warps,
         **dependent_launch.kernel_options(q.device))
     return out.view(1, n_heads * head_dim)

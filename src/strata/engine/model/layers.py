@@ -171,7 +171,7 @@ class Attention:
         if causal and mask is None:
             out = self._prompt(q, keys, values)
         elif decode_attention.takes(q, keys, values):  # one token on CUDA: one kernel
-            out = decode_attention.attend_one(q, keys, values, mask, self.scale)
+            out = decode_attention.attend_one(q, keys, values, mask, self.scale, positions)
         else:
             out = self._folded(q, keys, values, mask)
         return products.linear(out, self.wo, self.bo)  # [T, D]
