@@ -10,7 +10,10 @@ disagreement between the passes instead of favouring the variants timed first. O
 shape moves at a time from the default: the gate_up kernel's (block F x step D, warps,
 stages), then down's (block D x step F, warps, stages), then the dense products' kernel's
 (`products`: weight elements a program, warps; "cuBLAS" is `F.linear` in its place), then
-the logits' product by cuBLAS (the default) or by that kernel (`logits`).
+the logits' product by cuBLAS (the default) or by that kernel (`logits`), the router's splits
+of D and whether its weights are read before its wait (`router`), and a short window's
+attention split and merged (the default) or in one program a kv head at some warps
+(`attention`). The last three are the staged changes: one call times them all.
 
     python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
     python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4 --kernels products
@@ -30,7 +33,7 @@ import torch
 
 from _common import add_model_arguments, checkpoint_for
 from strata.engine.experts import grouped
-from strata.engine.model import products
+from strata.engine.model import decode_attention, products, routing_ops
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 
@@ -39,7 +42,9 @@ DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped
            "down": (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.NUM_WARPS[1],
                     grouped.NUM_STAGES[1]),
            "products": (products.TILE_ELEMENTS, products.NUM_WARPS),
-           "logits": (products.LOGITS_KERNEL,)}
+           "logits": (products.LOGITS_KERNEL,),
+           "router": (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST),
+           "attention": (decode_attention.SHORT_KERNEL, decode_attention.SHORT_WARPS)}
 CUBLAS = (0, 0)  # the products' "shape" that is F.linear in the kernel's place
 # (block, step, warps, stages) tried for each kernel, the other kept at its default.
 TRIED = {
@@ -52,6 +57,8 @@ TRIED = {
     "products": [CUBLAS] + [(tile, warps) for tile in (2048, 4096, 8192, 16384)
                             for warps in (2, 4, 8)],
     "logits": [(False,), (True,)],  # the logits' product by cuBLAS, or by the kernel
+    "router": [(splits, first) for splits in (16, 32, 64) for first in (False, True)],
+    "attention": [(False, decode_attention.SHORT_WARPS)] + [(True, warps) for warps in (4, 8, 16)],
 }
 
 
@@ -66,7 +73,8 @@ def variants(kernels: tuple[str, ...] = tuple(TRIED)) -> list[dict]:
 
 
 def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> None:
-    """Set grouped's constants to `variant`, with a `down` arrival counter that fits it."""
+    """Set the kernels' constants to `variant` (grouped's, products', the router's, the
+    decode attention's), with a `down` arrival counter that fits it."""
     (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, up_warps, up_stages) = variant["gate_up"]
     (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, down_warps, down_stages) = variant["down"]
     grouped.NUM_WARPS = (up_warps, down_warps)
@@ -75,6 +83,8 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
     if products.PRODUCT_KERNEL:
         products.TILE_ELEMENTS, products.NUM_WARPS = variant["products"]
     (products.LOGITS_KERNEL,) = variant["logits"]
+    routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST = variant["router"]
+    decode_attention.SHORT_KERNEL, decode_attention.SHORT_WARPS = variant["attention"]
     experts._sum_arrivals = grouped.sum_arrivals(hidden_size, device)
 
 
@@ -100,6 +110,10 @@ def label(variant: dict) -> str:
     parts.append("products cuBLAS" if shape == CUBLAS else "products {} w{}".format(*shape))
     if variant["logits"][0]:
         parts.append("logits by the kernel")
+    splits, first = variant["router"]
+    parts.append(f"router s{splits}" + (" weights first" if first else ""))
+    short, warps = variant["attention"]
+    parts.append(f"attention short w{warps}" if short else "attention split")
     return " / ".join(parts)
 
 
@@ -150,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                      "max_logit_diff": max(d for _, d in runs)})
     rows.sort(key=lambda row: row["round_ms"])
     for row in rows[:25]:
-        print(f"{row['variant']:<66} {row['round_ms']:.4f} ms  {row['x_default']:.3f}x  "
+        print(f"{row['variant']:<100} {row['round_ms']:.4f} ms  {row['x_default']:.3f}x  "
               f"passes {', '.join(f'{t:.4f}' for t in row['passes_ms'])}  "
               f"logits {row['max_logit_diff']:.2e}")
     meta = {"model": args.model or args.preset, "layers": model.config.n_layers,

@@ -244,7 +244,7 @@ def test_the_compiled_operators_are_made_once():
 
 def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constants(capsys):
     from strata.engine.experts import grouped
-    from strata.engine.model import products
+    from strata.engine.model import decode_attention, products, routing_ops
     from support.bench_scripts import load_bench
 
     bench = load_bench("decode_shapes.py")
@@ -252,14 +252,16 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     assert tried[0] == bench.DEFAULT
     labels = [bench.label(v) for v in tried]
     assert len(set(labels)) == len(labels)
-    assert set(bench.DEFAULT) == {"gate_up", "down", "products", "logits"}
+    assert set(bench.DEFAULT) == {"gate_up", "down", "products", "logits", "router",
+                                  "attention"}
     for variant in tried[1:]:  # exactly one kernel's shape differs from the default
         assert sum(variant[k] != bench.DEFAULT[k] for k in bench.DEFAULT) == 1
     assert bench.CUBLAS in [v["products"] for v in tried]
     saved = (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.GATE_UP_BLOCK_F,
              grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES,
              products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
-             products.LOGITS_KERNEL)
+             products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
+             decode_attention.SHORT_KERNEL, decode_attention.SHORT_WARPS)
 
     class Experts:
         _sum_arrivals = None
@@ -278,11 +280,16 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         bench.apply({**bench.DEFAULT, "products": bench.CUBLAS}, experts, 2048,
                     torch.device("cpu"))
         assert not products.PRODUCT_KERNEL
+        bench.apply({**bench.DEFAULT, "router": (16, True), "attention": (True, 16)}, experts,
+                    2048, torch.device("cpu"))
+        assert (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST) == (16, True)
+        assert decode_attention.SHORT_KERNEL and decode_attention.SHORT_WARPS == 16
     finally:
         (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.GATE_UP_BLOCK_F,
          grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES,
          products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
-         products.LOGITS_KERNEL) = saved
+         products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
+         decode_attention.SHORT_KERNEL, decode_attention.SHORT_WARPS) = saved
     if torch.cuda.is_available():
         return
     assert bench.main(["--device", "cpu"]) == 0

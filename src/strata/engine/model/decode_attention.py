@@ -198,10 +198,11 @@ def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def attend_short_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         mask: torch.Tensor | None, scale: float, positions: torch.Tensor, *,
-                        num_warps: int = SHORT_WARPS) -> torch.Tensor:
+                        num_warps: int | None = None) -> torch.Tensor:
     """`attend_one` by `attend_short` (under Triton's interpreter on the CPU in tests): one
     program a kv head over every cell, the keys (and at most SHORT_VALUES_FIRST_ELEMENTS a kv
-    head, the values) read before its wait, the row at positions[0] read again after it."""
+    head, the values) read before its wait, the row at positions[0] read again after it; at
+    `num_warps` (default SHORT_WARPS, read at the call: bench/decode_shapes.py sets it)."""
     _, n_heads, head_dim = q.shape
     n_kv_heads, n_cells, _ = keys.shape
     _check_operands("attend_short", q, keys, values, mask)
@@ -216,6 +217,7 @@ def attend_short_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         n_heads // n_kv_heads, head_dim, scale, keys.stride(0), keys.stride(1),
         values.stride(0), values.stride(1), HAS_MASK=mask is not None, BLOCK_C=block_c,
         BLOCK_R=_block(n_heads // n_kv_heads, 16), BLOCK_D=block_d,
-        VALUES_FIRST=block_c * block_d <= SHORT_VALUES_FIRST_ELEMENTS, num_warps=num_warps,
+        VALUES_FIRST=block_c * block_d <= SHORT_VALUES_FIRST_ELEMENTS,
+        num_warps=SHORT_WARPS if num_warps is None else num_warps,
         **dependent_launch.kernel_options(q.device))
     return out.view(1, n_heads * head_dim)
