@@ -252,6 +252,11 @@ for args in ((None, torch.tensor([3], dtype=torch.int32)), (None, torch.tensor([
         decode_attention.attend_short_triton(q, keys, values, args[0], 0.25, args[1])
     except ValueError as err:
         results["refused"].append(str(err))
+q, keys, values = inputs(4, 2, 128, 300, torch.float16, 0)
+try:
+    decode_attention.attend_short_triton(q, keys, values, None, 0.25, torch.tensor([3]))
+except ValueError as err:
+    results["refused"].append(str(err))
 
 # A model's decode steps through it, as the layer calls it, against the fused path.
 results["model"] = decode_with("attend_short_triton")
@@ -272,6 +277,7 @@ def test_the_short_kernel_under_the_interpreter_matches_the_reference():
     assert "position as int64 [1], got torch.int32 [1]" in results["refused"][0]
     assert "got torch.int64 [2]" in results["refused"][1]
     assert "mask must be [1, 8]" in results["refused"][2]
+    assert "300 cells of 128 (rounded to 512 x 128) are past its 32768" in results["refused"][3]
     model = results["model"]
     assert model["launches"] == 3 * 2  # each decode step's layers (the checkpoint has 2)
     assert model["argmax_equal"] and model["error"] <= 1e-4 * max(model["scale"], 1.0)

@@ -210,6 +210,10 @@ def attend_short_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         raise ValueError(f"attend_short needs the token's position as int64 [1], got "
                          f"{positions.dtype} {list(positions.shape)}")
     block_c, block_d = _block(n_cells, 16), _block(head_dim, 16)
+    if block_c * block_d > SHORT_MAX_ELEMENTS:
+        raise ValueError(f"attend_short holds a kv head's keys in registers: {n_cells} cells of "
+                         f"{head_dim} (rounded to {block_c} x {block_d}) are past its "
+                         f"{SHORT_MAX_ELEMENTS} elements; attend_one_triton splits them")
     q = q.contiguous()
     out = q.new_empty((n_heads, head_dim))  # [H, Dh]
     _kernels().attend_short[(n_kv_heads,)](
