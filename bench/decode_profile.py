@@ -16,7 +16,8 @@ with attention's dense products by cuBLAS instead of the kernel that reads its w
 its wait (`products.PRODUCT_KERNEL`), three staged changes each switched on (the logits'
 product by that kernel, `products.LOGITS_KERNEL`; the router's weights read before its wait,
 `routing_ops.ROUTER_WEIGHTS_FIRST`; a short window attended in one program a kv head, its
-cells read before its wait, `decode_attention.SHORT_KERNEL`), and `--compile`'s
+cells read before its wait, `decode_attention.SHORT_KERNEL`; the same with the rotation and
+the K/V write folded in, `decode_attention.SHORT_ROTATES`), and `--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             # norm and routing after attention as one kernel: two), "products" (the one-token
             # products' kernel: F.linear); and "+logits", "+router-first", "+short": with a
             # staged change switched on (the logits by that kernel; the router's weights
-            # before its wait; `attend_short`).
+            # before its wait; `attend_short`), "+rotate" (`rotate_attend`).
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
@@ -254,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                               step_of(True), "+router-first"))
                 steps.append(("decode, CUDA graph, attention in one program a kv head",
                               step_of(True), "+short"))
+                steps.append(("decode, CUDA graph, the rotation and attention in one program "
+                              "a kv head", step_of(True), "+rotate"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 saved = (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
                          ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL, products.PRODUCT_KERNEL,
                          products.LOGITS_KERNEL, routing_ops.ROUTER_WEIGHTS_FIRST,
-                         decode_attention.SHORT_KERNEL)
+                         decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES)
                 arrivals = getattr(model.experts, "_sum_arrivals", None)
                 if without == "ops":
                     ops.use_kernels = lambda x: False
@@ -285,15 +288,17 @@ def main(argv: list[str] | None = None) -> int:
                     products.LOGITS_KERNEL = True
                 elif without == "+router-first":
                     routing_ops.ROUTER_WEIGHTS_FIRST = True
-                elif without == "+short":
+                elif without in ("+short", "+rotate"):
                     decode_attention.SHORT_KERNEL = True
+                    decode_attention.SHORT_ROTATES = without == "+rotate"
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:
                     (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
                      ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL,
                      products.PRODUCT_KERNEL, products.LOGITS_KERNEL,
-                     routing_ops.ROUTER_WEIGHTS_FIRST, decode_attention.SHORT_KERNEL) = saved
+                     routing_ops.ROUTER_WEIGHTS_FIRST, decode_attention.SHORT_KERNEL,
+                     decode_attention.SHORT_ROTATES) = saved
                     if without == "sum":
                         model.experts._sum_arrivals = arrivals
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,

@@ -12,8 +12,9 @@ stages), then down's (block D x step F, warps, stages), then the dense products'
 (`products`: weight elements a program, warps; "cuBLAS" is `F.linear` in its place), then
 the logits' product by cuBLAS (the default) or by that kernel (`logits`), the router's splits
 of D and whether its weights are read before its wait (`router`), and a short window's
-attention split and merged (the default) or in one program a kv head at some warps
-(`attention`). The last three are the staged changes: one call times them all.
+attention split and merged (the default) or in one program a kv head, the rotation folded
+in or not, at some warps (`attention`). The last three are the staged changes: one call
+times them all.
 
     python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
     python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4 --kernels products
@@ -44,7 +45,8 @@ DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped
            "products": (products.TILE_ELEMENTS, products.NUM_WARPS),
            "logits": (products.LOGITS_KERNEL,),
            "router": (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST),
-           "attention": (decode_attention.SHORT_KERNEL, decode_attention.SHORT_WARPS)}
+           "attention": (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
+                         decode_attention.SHORT_WARPS)}
 CUBLAS = (0, 0)  # the products' "shape" that is F.linear in the kernel's place
 # (block, step, warps, stages) tried for each kernel, the other kept at its default.
 TRIED = {
@@ -58,7 +60,8 @@ TRIED = {
                             for warps in (2, 4, 8)],
     "logits": [(False,), (True,)],  # the logits' product by cuBLAS, or by the kernel
     "router": [(splits, first) for splits in (16, 32, 64) for first in (False, True)],
-    "attention": [(False, decode_attention.SHORT_WARPS)] + [(True, warps) for warps in (4, 8, 16)],
+    "attention": [(False, False, decode_attention.SHORT_WARPS)]
+    + [(True, rotates, warps) for rotates in (False, True) for warps in (4, 8, 16)],
 }
 
 
@@ -84,7 +87,8 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
         products.TILE_ELEMENTS, products.NUM_WARPS = variant["products"]
     (products.LOGITS_KERNEL,) = variant["logits"]
     routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST = variant["router"]
-    decode_attention.SHORT_KERNEL, decode_attention.SHORT_WARPS = variant["attention"]
+    (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
+     decode_attention.SHORT_WARPS) = variant["attention"]
     experts._sum_arrivals = grouped.sum_arrivals(hidden_size, device)
 
 
@@ -112,8 +116,9 @@ def label(variant: dict) -> str:
         parts.append("logits by the kernel")
     splits, first = variant["router"]
     parts.append(f"router s{splits}" + (" weights first" if first else ""))
-    short, warps = variant["attention"]
-    parts.append(f"attention short w{warps}" if short else "attention split")
+    short, rotates, warps = variant["attention"]
+    parts.append((f"attention short{' rotating' if rotates else ''} w{warps}") if short
+                 else "attention split")
     return " / ".join(parts)
 
 

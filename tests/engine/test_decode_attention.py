@@ -29,12 +29,13 @@ def reference(q, keys, values, mask, scale):
     return out.reshape(1, -1)
 
 
-def decode_with(launcher):
-    """A float32 qwen3_moe checkpoint's logits for a 5-token prompt, then 3 decode steps, by
-    the layers' fused path and again with `takes` told yes for one token (the interpreter
-    computes no bf16 products), `launcher` (the name of decode_attention's launch function
-    to count; "attend_short_triton" also switches SHORT_KERNEL on): how far apart they are
-    and how many times the launcher ran."""
+def decode_with(launcher, family="qwen3_moe", preset="tiny"):
+    """A float32 checkpoint's logits (`family`, `preset` cut to 2 layers) for a 5-token
+    prompt, then 3 decode steps, by the layers' fused path and again with `takes` told yes
+    for one token (the interpreter computes no bf16 products), `launcher` (the name of
+    decode_attention's launch function to count; "attend_short_triton" also switches
+    SHORT_KERNEL on, "rotate_attend_triton" tells `rotates` yes for one token): how far apart
+    they are and how many times the launcher ran."""
     import tempfile
     from pathlib import Path
 
@@ -45,9 +46,12 @@ def decode_with(launcher):
     launched = []
 
     def logits_of(model, on):
-        takes, launch = decode_attention.takes, getattr(decode_attention, launcher)
+        takes, rotates = decode_attention.takes, decode_attention.rotates
+        launch = getattr(decode_attention, launcher)
         decode_attention.takes = lambda q, k, v: on and q.shape[0] == 1
         decode_attention.SHORT_KERNEL = on and launcher == "attend_short_triton"
+        if launcher == "rotate_attend_triton":
+            decode_attention.rotates = lambda qkv, *rest: on and qkv.shape[0] == 1
         setattr(decode_attention, launcher,
                 lambda *args, **kw: launched.append(1) or launch(*args, **kw))
         try:
@@ -57,11 +61,13 @@ def decode_with(launcher):
                          for step in range(3)]
                 return torch.cat(rows)
         finally:
-            decode_attention.takes, decode_attention.SHORT_KERNEL = takes, False
+            decode_attention.takes, decode_attention.rotates = takes, rotates
+            decode_attention.SHORT_KERNEL = False
             setattr(decode_attention, launcher, launch)
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = make_checkpoint(Path(tmp) / "qwen3", "qwen3_moe", dtype=torch.float32)
+        ckpt = make_checkpoint(Path(tmp) / "ckpt", family, preset, n_layers=2,
+                               dtype=torch.float32)
         model = load_model(ckpt, dtype=torch.float32)
         fused, kernel = logits_of(model, False), logits_of(model, True)
     return {"prompt_equal": torch.equal(fused[:5], kernel[:5]),
@@ -347,3 +353,105 @@ def test_on_cuda_the_short_kernel_reads_the_row_written_just_before(monkeypatch,
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, plain)
+
+
+_ROTATE_INTERPRETED = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_decode_attention import decode_with, reference
+from test_ops import _qk
+from strata.engine.model import decode_attention, ops
+from strata.engine.model.kv_cells import LayerCells
+from strata.engine.model.layers import attention_mask, rope_cos_sin, rope_inv_freq
+
+results = {"shapes": [], "refused": []}
+# (H, G, Dh, N, position, window, norm): olmoe's norm over every head, qwen3's each head's,
+# none; grouped and not; keys and values before the wait (N * Dh <= 128 * 128) and not.
+for seed, (h, g, dh, n, position, window, norm) in enumerate((
+        (4, 4, 32, 40, 39, None, "full"), (8, 2, 32, 200, 150, None, "head"),
+        (6, 2, 64, 100, 99, 30, "none"), (2, 1, 32, 1, 0, None, "head"))):
+    qkv, heads, _, _ = _qk(1, h, g, dh, norm, torch.float16, seed)
+    at = torch.tensor([position])
+    cos, sin = rope_cos_sin(at, rope_inv_freq(dh, 10000.0, torch.device("cpu")), torch.float16)
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, n, g, dh, generator=gen).to(torch.float16)
+    apart, fused = LayerCells(k.clone(), v.clone()), LayerCells(k.clone(), v.clone())
+    mask = attention_mask(at, n, window, torch.float16)
+    q = ops.rotate_and_write_triton(qkv, heads, cos, sin, at, apart)  # [1, H, Dh]
+    exact = reference(q, apart.k.transpose(0, 1), apart.v.transpose(0, 1), mask, dh ** -0.5)
+    got = decode_attention.rotate_attend_triton(qkv, heads, cos, sin, at, fused, n, mask,
+                                                dh ** -0.5)
+    results["shapes"].append({
+        "shape": list(got.shape), "k_equal": torch.equal(fused.k, apart.k),
+        "v_equal": torch.equal(fused.v, apart.v),
+        "error": ((got.float() - exact).abs().max() / exact.abs().max()).item()})
+qkv, heads, cos, sin = _qk(1, 4, 2, 16, "head", torch.float16, 0)
+cells = LayerCells(*torch.zeros(2, 8, 2, 16, dtype=torch.float16))
+for args in ((qkv, 8), (qkv[:, :-16], 8)):
+    try:
+        decode_attention.rotate_attend_triton(args[0], heads, cos[:1], sin[:1],
+                                              torch.tensor([3]), cells, args[1], None, 0.25)
+    except ValueError as err:
+        results["refused"].append(str(err))
+results["models"] = [decode_with("rotate_attend_triton", family, "small")
+                     for family in ("olmoe", "qwen3_moe")]
+print(json.dumps(results))
+"""
+
+
+def test_the_rotating_short_kernel_under_the_interpreter_is_the_rotation_then_attention():
+    """`rotate_attend` (staged off: `SHORT_ROTATES`): the cells it writes are the rotation's
+    kernel's, byte for byte, for each norm; its attention is the reference's over them; a
+    model's decode steps through it (olmoe's norm over every head, qwen3's each head's)."""
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    results = run_interpreted(_ROTATE_INTERPRETED, os.path.dirname(__file__))
+    assert [row["shape"] for row in results["shapes"]] == [[1, 128], [1, 256], [1, 384],
+                                                            [1, 64]]
+    for row in results["shapes"]:
+        assert row["k_equal"] and row["v_equal"] and row["error"] <= 2e-3, row
+    assert "head dim that is a power of two, at least 32: 8 cells of 16" in results["refused"][0]
+    assert "needs qkv [1, 128] with contiguous columns" in results["refused"][1]
+    for model in results["models"]:
+        assert model["prompt_equal"] and model["launches"] == 3 * 2, model
+        assert model["argmax_equal"] and model["error"] <= 1e-4 * max(model["scale"], 1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+def test_on_cuda_the_rotating_short_kernel_decodes_the_same_tokens_every_way(monkeypatch,
+                                                                              family):
+    """A small bf16 model's greedy decode with the rotation folded into the short kernel: the
+    same tokens from CUDA graphs as dependents and plainly, and eagerly (a program that kept
+    the row it read before its wait, or read the token's projection before the kernel
+    writing it had finished, would not)."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from strata.engine import dependent_launch
+    from strata.engine.model.moe import load_model
+    from strata.engine.model.tokenizer import Tokenizer
+    from strata.engine.runtime.generate import GenerateOptions, generate
+    from support.checkpoints import cached_checkpoint
+
+    ckpt = cached_checkpoint(family, "small", dtype=torch.bfloat16)
+    options = GenerateOptions(max_new=40, max_context=256, temperature=0.0, ignore_stop=True)
+    monkeypatch.setattr(decode_attention, "SHORT_KERNEL", True)
+    monkeypatch.setattr(decode_attention, "SHORT_ROTATES", True)
+    launched = []
+    launch = decode_attention.rotate_attend_triton
+    monkeypatch.setattr(decode_attention, "rotate_attend_triton",
+                        lambda *args, **kw: launched.append(1) or launch(*args, **kw))
+
+    def run(**changes):
+        model, tok = load_model(ckpt, device="cuda"), Tokenizer.from_dir(ckpt)
+        return generate(model, tok, tok.encode("the rotation folded in"),
+                        dataclasses.replace(options, **changes))
+
+    fused = run()
+    assert launched and fused.decode_path == "cuda-graph"
+    monkeypatch.setattr(dependent_launch, "enabled", False)
+    plain = run()
+    monkeypatch.setattr(dependent_launch, "enabled", True)
+    eager = run(cuda_graphs=False)
+    assert fused.tokens == plain.tokens == eager.tokens

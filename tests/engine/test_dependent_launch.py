@@ -103,10 +103,12 @@ def test_on_cuda_decode_as_dependents_gives_the_plain_launches_tokens(monkeypatc
 
 # Kernels that read before their wait, and the pointer arguments they may read there: what no
 # kernel of a round writes. Attention's one-token products and the router their weights; the
-# short attention kernel the round's positions and the cells, which the round writes at one
-# position only (the kernel reads that row again after its wait).
+# short attention kernels the round's positions and the cells, which the round writes at one
+# position only (`attend_short` reads that row again after its wait; `rotate_attend_short`
+# writes it itself, after its wait, and attends the row it wrote).
 READ_BEFORE_WAIT = {"product_one": {"w_ptr"}, "add_norm_router_route": {"router_ptr"},
-                    "attend_short": {"k_ptr", "v_ptr", "positions_ptr"}}
+                    "attend_short": {"k_ptr", "v_ptr", "positions_ptr"},
+                    "rotate_attend_short": {"k_ptr", "v_ptr", "positions_ptr"}}
 
 
 def _before_wait_only_these_are_read(path, node, allowed):
@@ -240,3 +242,23 @@ def test_compiled_for_hopper_the_short_attention_reads_the_cells_before_the_wait
     assert before == (2 if values_first else 1) * cells // 16 + 1
     assert "ld.volatile.global" in ptx.partition("griddepcontrol.wait")[2]
     assert after >= 2
+
+
+@pytest.mark.parametrize("norm", [0, 1, 2])
+def test_compiled_for_hopper_the_rotating_short_kernel_reads_the_cells_before_the_wait(norm):
+    """The keys' halves before the wait (and the position); the projection, the norm's weights
+    and the rotation's tables after it. Compiling also checks what the interpreter does not:
+    the helpers it shares with `qk_norm_rope` type-check (one return type each)."""
+    from strata.engine.model import _attention_triton, _ops_triton
+
+    ptx = _hopper_ptx(_attention_triton.rotate_attend_short,
+                      {"NORM": norm, "HAS_MASK": True, "BLOCK_C": 256, "BLOCK_R": 16,
+                       "BLOCK_P": 32, "HEAD_DIM": 128, "VALUES_FIRST": False},
+                      {"positions_ptr": "*i64", "eps": "fp32", "scale": "fp32"}, num_warps=8)
+    before, after = _loads_around_the_wait(ptx)
+    assert before == 2 * 256 * 64 // (256 * 8) + 1 and after > 0
+    for write in (False, True):
+        rope = _hopper_ptx(_ops_triton.qk_norm_rope,
+                           {"NORM": norm, "WRITE": write, "HEAD_DIM": 128, "BLOCK_P": 32},
+                           {"positions_ptr": "*i64", "eps": "fp32"})
+        assert _loads_around_the_wait(rope)[0] == 0

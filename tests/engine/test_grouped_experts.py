@@ -261,7 +261,8 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
              grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES,
              products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
              products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
-             decode_attention.SHORT_KERNEL, decode_attention.SHORT_WARPS)
+             decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
+             decode_attention.SHORT_WARPS)
 
     class Experts:
         _sum_arrivals = None
@@ -280,16 +281,18 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         bench.apply({**bench.DEFAULT, "products": bench.CUBLAS}, experts, 2048,
                     torch.device("cpu"))
         assert not products.PRODUCT_KERNEL
-        bench.apply({**bench.DEFAULT, "router": (16, True), "attention": (True, 16)}, experts,
-                    2048, torch.device("cpu"))
+        bench.apply({**bench.DEFAULT, "router": (16, True), "attention": (True, True, 16)},
+                    experts, 2048, torch.device("cpu"))
         assert (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST) == (16, True)
-        assert decode_attention.SHORT_KERNEL and decode_attention.SHORT_WARPS == 16
+        assert decode_attention.SHORT_KERNEL and decode_attention.SHORT_ROTATES
+        assert decode_attention.SHORT_WARPS == 16
     finally:
         (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.GATE_UP_BLOCK_F,
          grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES,
          products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
          products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
-         decode_attention.SHORT_KERNEL, decode_attention.SHORT_WARPS) = saved
+         decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
+         decode_attention.SHORT_WARPS) = saved
     if torch.cuda.is_available():
         return
     assert bench.main(["--device", "cpu"]) == 0

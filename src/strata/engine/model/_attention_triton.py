@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from strata.engine._dependent_triton import wait_for_prior
+from strata.engine.model._ops_triton import _rotate_halves, _rstd_heads, _weigh_halves
 
 
 @triton.jit
@@ -174,18 +175,106 @@ def attend_short(q_ptr, k_ptr, v_ptr, mask_ptr, positions_ptr, out_ptr, N, R, Dh
     fresh = (c == position)[:, None]  # [BC, 1]: the cell this round wrote
     k = tl.where(fresh, tl.load(k_head + position * k_cell_stride + d, mask=d < Dh, other=0.0,
                                 volatile=True)[None, :], k)
-    scores = tl.dot(q, tl.trans(k)) * scale  # [BR, BC]
-    if HAS_MASK:
-        scores += tl.load(mask_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
-    scores = tl.where((c < N)[None, :], scores, float("-inf"))
+    scores = _masked(tl.dot(q, tl.trans(k)) * scale, mask_ptr, c, N, HAS_MASK)  # [BR, BC]
     if not VALUES_FIRST:  # loaded once the keys are spent: both at once would spill
         v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=cd_in,
                     other=0.0)  # [BC, BD]
     v = tl.where(fresh, tl.load(v_head + position * v_cell_stride + d, mask=d < Dh, other=0.0,
                                 volatile=True)[None, :], v)
-    _, row_sum, acc = _online(tl.full([BLOCK_R], float("-inf"), dtype=tl.float32),
-                              tl.zeros([BLOCK_R], dtype=tl.float32),
-                              tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32), scores, v)
-    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # a row with no cell: zeros
+    out = _weighted(scores, v, BLOCK_R, BLOCK_D)  # [BR, BD]
     tl.store(out_ptr + (g * R + r[:, None]) * Dh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=rd_in)
+
+
+@triton.jit
+def _masked(scores, mask_ptr, c, N, HAS_MASK: tl.constexpr):
+    # Scores [BR, BC] over cells c with the mask [N] added (HAS_MASK) and -inf past N.
+    if HAS_MASK:
+        scores += tl.load(mask_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+    return tl.where((c < N)[None, :], scores, float("-inf"))
+
+
+@triton.jit
+def _weighted(scores, values, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The softmax of scores [BR, BC] over all cells at once (`_online`'s one step) times the
+    # values [BC, BD], float32 [BR, BD]; a row with no cell attended: zeros.
+    _, row_sum, acc = _online(tl.full([BLOCK_R], float("-inf"), dtype=tl.float32),
+                              tl.zeros([BLOCK_R], dtype=tl.float32),
+                              tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32), scores, values)
+    return acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+
+
+@triton.jit
+def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr,
+                        positions_ptr, out_ptr, N, H, G, R, eps, scale, k_head_stride,
+                        k_cell_stride, v_head_stride, v_cell_stride, NORM: tl.constexpr,
+                        HAS_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        VALUES_FIRST: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # `qk_norm_rope` writing the token's k and v, then `attend_short`, in one launch. Program
+    # g: kv head g. Before the wait, as `attend_short`: the position and the cells' keys (as
+    # halves [BC, Dh/2]) and maybe values. After it, from the token's projection qkv
+    # [(H + 2G) * Dh]: kv head g's R query heads and its key head, normed (NORM as
+    # `qk_norm_rope`'s: "full" over every head of the part, so each program reads them all),
+    # weighted and rotated by `qk_norm_rope`'s helpers (the same roundings), the key and the
+    # value stored to their cells at the position, and put in those rows of the registers
+    # (no read back). Then the scores as two products over the halves, and the softmax.
+    position = tl.load(positions_ptr).to(tl.int64)
+    g = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    c = tl.arange(0, BLOCK_C)
+    j = tl.arange(0, half)
+    d = tl.arange(0, HEAD_DIM)
+    c_in = (c < N)[:, None]
+    k_head = k_ptr + g * k_head_stride
+    v_head = v_ptr + g * v_head_stride
+    k_rows = k_head + c[:, None].to(tl.int64) * k_cell_stride + j[None, :]  # [BC, Dh/2]
+    k1 = tl.load(k_rows, mask=c_in, other=0.0)
+    k2 = tl.load(k_rows + half, mask=c_in, other=0.0)
+    if VALUES_FIRST:
+        v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=c_in,
+                    other=0.0)  # [BC, Dh]
+    wait_for_prior(USE_PDL)
+    dtype = out_ptr.dtype.element_ty
+    r = tl.arange(0, BLOCK_R)[:, None]  # [BR, 1]
+    r_in = r < R
+    q_at = (g * R + r) * HEAD_DIM + j[None, :]  # [BR, Dh/2]: the group's q halves in qkv
+    k_at = (H + g) * HEAD_DIM + j[None, :]  # [1, Dh/2]: its key head's
+    q1 = tl.load(qkv_ptr + q_at, mask=r_in, other=0.0)
+    q2 = tl.load(qkv_ptr + q_at + half, mask=r_in, other=0.0)
+    x1 = tl.load(qkv_ptr + k_at)
+    x2 = tl.load(qkv_ptr + k_at + half)
+    if NORM == 1:  # over every head of the part: all of q's, all of k's
+        p = tl.arange(0, BLOCK_P)[:, None]
+        every_q = p * HEAD_DIM + j[None, :]
+        q_rstd = _rstd_heads(tl.load(qkv_ptr + every_q, mask=p < H, other=0.0),
+                             tl.load(qkv_ptr + every_q + half, mask=p < H, other=0.0), H, eps,
+                             NORM, HEAD_DIM)
+        every_k = (H + p) * HEAD_DIM + j[None, :]
+        k_rstd = _rstd_heads(tl.load(qkv_ptr + every_k, mask=p < G, other=0.0),
+                             tl.load(qkv_ptr + every_k + half, mask=p < G, other=0.0), G, eps,
+                             NORM, HEAD_DIM)
+        q1, q2 = _weigh_halves(q1, q2, q_rstd, norm_w_ptr, q_at, r_in, half, dtype)
+        x1, x2 = _weigh_halves(x1, x2, k_rstd, norm_w_ptr, k_at, k_at >= 0, half, dtype)
+    if NORM == 2:  # each head over its own Dh
+        q1, q2 = _weigh_halves(q1, q2, _rstd_heads(q1, q2, R, eps, NORM, HEAD_DIM), norm_w_ptr,
+                               q_at, r_in, half, dtype)
+        x1, x2 = _weigh_halves(x1, x2, _rstd_heads(x1, x2, 1, eps, NORM, HEAD_DIM), norm_w_ptr,
+                               k_at, k_at >= 0, half, dtype)
+    q1, q2 = _rotate_halves(q1, q2, cos_ptr, sin_ptr, j[None, :], half, dtype)
+    x1, x2 = _rotate_halves(x1, x2, cos_ptr, sin_ptr, j[None, :], half, dtype)  # [1, Dh/2]
+    new_v = tl.load(qkv_ptr + (H + G + g) * HEAD_DIM + d)  # [Dh]: v's heads follow k's
+    cell = position * k_cell_stride
+    tl.store(k_head + cell + j[None, :], x1)
+    tl.store(k_head + cell + half + j[None, :], x2)
+    tl.store(v_head + position * v_cell_stride + d, new_v)
+    fresh = (c == position)[:, None]  # [BC, 1]
+    k1 = tl.where(fresh, x1, k1)
+    k2 = tl.where(fresh, x2, k2)
+    scores = _masked((tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale, mask_ptr,
+                     c, N, HAS_MASK)  # [BR, BC]
+    if not VALUES_FIRST:  # loaded once the keys are spent: both at once would spill
+        v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=c_in,
+                    other=0.0)  # [BC, Dh]
+    out = _weighted(scores, tl.where(fresh, new_v[None, :], v), BLOCK_R, HEAD_DIM)
+    tl.store(out_ptr + (g * R + r) * HEAD_DIM + d[None, :], out.to(dtype), mask=r_in)

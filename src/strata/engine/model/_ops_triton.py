@@ -90,27 +90,10 @@ def qk_norm_rope(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, positions_ptr, 
     x1 = tl.load(qkv_ptr + t * qkv_stride + offsets, mask=p_in, other=0.0)
     x2 = tl.load(qkv_ptr + t * qkv_stride + offsets + half, mask=p_in, other=0.0)
     if NORM != 0:
-        wide1 = x1.to(tl.float32)
-        wide2 = x2.to(tl.float32)
-        squares = wide1 * wide1 + wide2 * wide2  # [BP, Dh/2]
-        if NORM == 1:
-            rstd = tl.math.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0)
-                                 / (n_heads * HEAD_DIM) + eps)
-        else:
-            rstd = tl.math.rsqrt(tl.sum(squares, axis=1)[:, None] / HEAD_DIM + eps)  # [BP, 1]
-        w1 = tl.load(weight_ptr + offsets, mask=p_in, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + offsets + half, mask=p_in, other=0.0).to(tl.float32)
-        x1 = (w1 * (wide1 * rstd).to(dtype).to(tl.float32)).to(dtype)
-        x2 = (w2 * (wide2 * rstd).to(dtype).to(tl.float32)).to(dtype)
-    cos = tl.load(cos_ptr + t * cos_stride + c).to(tl.float32)  # [1, Dh/2]: both halves'
-    sin1 = tl.load(sin_ptr + t * sin_stride + c).to(tl.float32)  # -sin
-    sin2 = tl.load(sin_ptr + t * sin_stride + c + half).to(tl.float32)  # sin
-    wide1 = x1.to(tl.float32)
-    wide2 = x2.to(tl.float32)
-    out1 = ((wide1 * cos).to(dtype).to(tl.float32)
-            + (wide2 * sin1).to(dtype).to(tl.float32)).to(dtype)
-    out2 = ((wide2 * cos).to(dtype).to(tl.float32)
-            + (wide1 * sin2).to(dtype).to(tl.float32)).to(dtype)
+        x1, x2 = _weigh_halves(x1, x2, _rstd_heads(x1, x2, n_heads, eps, NORM, HEAD_DIM),
+                               weight_ptr, offsets, p_in, half, dtype)
+    out1, out2 = _rotate_halves(x1, x2, cos_ptr + t * cos_stride, sin_ptr + t * sin_stride, c,
+                                half, dtype)
     if WRITE:
         if part == 0:
             tl.store(out_ptr + t * out_stride + local, out1, mask=p_in)
@@ -126,6 +109,48 @@ def qk_norm_rope(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, positions_ptr, 
     else:
         tl.store(out_ptr + t * out_stride + offsets, out1, mask=p_in)
         tl.store(out_ptr + t * out_stride + offsets + half, out2, mask=p_in)
+
+
+@triton.jit
+def _rstd_heads(x1, x2, n_heads, eps, NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # The norm's 1 / sqrt(mean + eps) of heads held as halves x1, x2 [BP, Dh/2] (0 past the
+    # heads), in float32: NORM 1 ("full") over all n_heads * Dh values (a scalar), 2 ("head")
+    # over each head's Dh ([BP, 1]).
+    wide1 = x1.to(tl.float32)
+    wide2 = x2.to(tl.float32)
+    squares = wide1 * wide1 + wide2 * wide2  # [BP, Dh/2]
+    if NORM == 1:
+        rstd = tl.math.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / (n_heads * HEAD_DIM)
+                             + eps)
+    else:  # one return: Triton types a function's returns alike, even in an untaken branch
+        rstd = tl.math.rsqrt(tl.sum(squares, axis=1)[:, None] / HEAD_DIM + eps)  # [BP, 1]
+    return rstd
+
+
+@triton.jit
+def _weigh_halves(x1, x2, rstd, weight_ptr, offsets, rows_in, half, dtype: tl.constexpr):
+    # x1, x2 normed by rstd, rounded to dtype, times their weights at offsets (and + half),
+    # rounded again: `ops.rms_norm`'s order (the scale after the cast back).
+    w1 = tl.load(weight_ptr + offsets, mask=rows_in, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + offsets + half, mask=rows_in, other=0.0).to(tl.float32)
+    return ((w1 * (x1.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype),
+            (w2 * (x2.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype))
+
+
+@triton.jit
+def _rotate_halves(x1, x2, cos_row, sin_row, c, half, dtype: tl.constexpr):
+    # Heads' halves x1, x2 [BP, Dh/2] rotated by a token's cos and folded sin rows [Dh]
+    # (`ops.apply_rope`: x*cos + [x2, x1]*sin), each product and the sum rounded to dtype.
+    cos = tl.load(cos_row + c).to(tl.float32)  # [1, Dh/2]: both halves'
+    sin1 = tl.load(sin_row + c).to(tl.float32)  # -sin
+    sin2 = tl.load(sin_row + c + half).to(tl.float32)  # sin
+    wide1 = x1.to(tl.float32)
+    wide2 = x2.to(tl.float32)
+    out1 = ((wide1 * cos).to(dtype).to(tl.float32)
+            + (wide2 * sin1).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((wide2 * cos).to(dtype).to(tl.float32)
+            + (wide1 * sin2).to(dtype).to(tl.float32)).to(dtype)
+    return out1, out2
 
 
 @triton.jit

@@ -26,7 +26,11 @@ kernel before attention stores the token's k and v there), so the program reads 
 (and at up to 128 cells the values) before its dependent-launch wait, beside that kernel,
 then reads the one written row again after it. At a few hundred cells a decode step's
 attention is a chain of dependent reads (q, the cells, the partials, the merge), about 7 µs
-a layer on the H200; this leaves q, that row and the mask after the wait.
+a layer on the H200; this leaves q, that row and the mask after the wait. With
+`SHORT_ROTATES` too, `rotate_attend` folds the rotation's kernel in (`ops.rotate_and_write`:
+q's and k's norms and rotation, k and v stored): each program norms and rotates its own
+heads from the projection, stores its key and value, and attends the row it just made, one
+launch a layer fewer.
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ import functools
 import torch
 
 from strata.engine import dependent_launch
+from strata.engine.model import ops
+from strata.engine.model.kv_cells import LayerCells
 
-__all__ = ["MAX_SPLITS", "SHORT_KERNEL", "UNGROUPED_MAX_CELLS", "attend_one", "attend_one_triton",
-           "attend_short_triton", "launch_shape", "short_takes", "takes"]
+__all__ = ["MAX_SPLITS", "SHORT_KERNEL", "SHORT_ROTATES", "UNGROUPED_MAX_CELLS", "attend_one",
+           "attend_one_triton", "attend_short_triton", "launch_shape", "rotate_attend",
+           "rotate_attend_triton", "rotates", "short_takes", "takes"]
 
 UNGROUPED_MAX_CELLS = 256
 # The most programs a kv head's cells are split across: the merge takes one serial step a
@@ -48,6 +55,10 @@ MAX_SPLITS = 16
 BLOCK_CELLS = 64  # cells a program reads at a time
 MAX_KV_HEADS = 256  # the arrival counters kept per device
 SHORT_KERNEL = False
+# Where SHORT_KERNEL, whether the short kernel also norms and rotates the token's q and k and
+# writes its k and v to the cells (`rotate_attend`: `ops.rotate_and_write`'s kernel folded in,
+# one launch a layer fewer); staged off with it.
+SHORT_ROTATES = False
 # `attend_short` holds a kv head's keys [N, Dh] in registers (and its values where
 # N * Dh <= SHORT_VALUES_FIRST_ELEMENTS): compiled for sm_90 at 8 warps, 256 cells of 128 dims
 # take 232 registers a thread with the values read after the keys are spent, 128 cells 143
@@ -72,12 +83,19 @@ def takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     one token on CUDA with Triton, outside a compilation, in bf16 or fp16, each head's row
     contiguous, and grouped kv heads or at most UNGROUPED_MAX_CELLS cells. Shapes alone
     decide (never values), so a CUDA graph captures what an eager call runs."""
-    return (q.is_cuda and not torch.compiler.is_compiling() and _kernels() is not None
-            and q.dim() == 3 and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16)
-            and keys.dtype == q.dtype and values.dtype == q.dtype
+    return q.dim() == 3 and q.shape[0] == 1 and _one_token_takes(q, q.shape[1], keys, values)
+
+
+def _one_token_takes(x: torch.Tensor, n_heads: int, keys: torch.Tensor,
+                     values: torch.Tensor) -> bool:
+    """`takes` for one token's n_heads query heads, x its q or its projection: x on CUDA
+    with Triton, outside a compilation, in bf16 or fp16 as the keys and values are."""
+    return (x.is_cuda and not torch.compiler.is_compiling() and _kernels() is not None
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and keys.dtype == x.dtype and values.dtype == x.dtype
             and keys.stride(2) == 1 and values.stride(2) == 1
             and keys.shape[0] <= MAX_KV_HEADS
-            and (q.shape[1] > keys.shape[0] or keys.shape[1] <= UNGROUPED_MAX_CELLS))
+            and (n_heads > keys.shape[0] or keys.shape[1] <= UNGROUPED_MAX_CELLS))
 
 
 def launch_shape(n_cells: int, per_kv: int) -> tuple[int, int]:
@@ -138,15 +156,15 @@ def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                              num_warps=warps)
 
 
-def _check_operands(name: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    mask: torch.Tensor | None) -> None:
-    """Refuse, naming them, operands a kernel cannot take: q [1, H, Dh] and keys, values
-    [G, N, Dh] with G dividing H; mask [1, N] with contiguous cells, or None."""
-    _, n_heads, head_dim = q.shape
+def _check_operands(name: str, q_shape: tuple[int, ...], keys: torch.Tensor,
+                    values: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """Refuse, naming them, operands a kernel cannot take: q of shape [1, H, Dh] and keys,
+    values [G, N, Dh] with G dividing H; mask [1, N] with contiguous cells, or None."""
+    _, n_heads, head_dim = q_shape
     n_kv_heads, n_cells, _ = keys.shape
     if n_heads % n_kv_heads or values.shape != keys.shape or keys.shape[2] != head_dim:
         raise ValueError(f"{name} needs q [1, H, Dh] and keys, values [G, N, Dh] with G "
-                         f"dividing H, got q {list(q.shape)}, keys {list(keys.shape)}, "
+                         f"dividing H, got q {list(q_shape)}, keys {list(keys.shape)}, "
                          f"values {list(values.shape)}")
     if mask is not None and (mask.shape != (1, n_cells) or mask.stride(1) != 1):
         raise ValueError(f"mask must be [1, {n_cells}] with contiguous cells, got "
@@ -167,7 +185,7 @@ def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     were slower at every shape the sweep measured)."""
     _, n_heads, head_dim = q.shape
     n_kv_heads, n_cells, _ = keys.shape
-    _check_operands("attend_one", q, keys, values, mask)
+    _check_operands("attend_one", q.shape, keys, values, mask)
     if block_cells < 16 or block_cells & (block_cells - 1) or split_cells % block_cells:
         raise ValueError(f"block_cells must be a power of two >= 16 dividing split_cells, got "
                          f"{block_cells} and {split_cells}")
@@ -205,7 +223,7 @@ def attend_short_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     `num_warps` (default SHORT_WARPS, read at the call: bench/decode_shapes.py sets it)."""
     _, n_heads, head_dim = q.shape
     n_kv_heads, n_cells, _ = keys.shape
-    _check_operands("attend_short", q, keys, values, mask)
+    _check_operands("attend_short", q.shape, keys, values, mask)
     if positions.shape != (1,) or positions.dtype != torch.int64:
         raise ValueError(f"attend_short needs the token's position as int64 [1], got "
                          f"{positions.dtype} {list(positions.shape)}")
@@ -225,3 +243,65 @@ def attend_short_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         num_warps=SHORT_WARPS if num_warps is None else num_warps,
         **dependent_launch.kernel_options(q.device))
     return out.view(1, n_heads * head_dim)
+
+
+def rotates(qkv: torch.Tensor, heads: ops.QKHeads, cells: LayerCells, n_ctx: int,
+            positions: torch.Tensor) -> bool:
+    """Whether a layer's attention of one token runs `rotate_attend`: SHORT_ROTATES, the
+    rotation's kernel would write the cells (`ops.writes_in_kernel`), `takes` and
+    `short_takes` hold for the window's q, keys and values, and a head dim of at least 32 (the
+    scores are two products over its halves, at least 16 wide each). Shapes decide, never
+    values."""
+    if not (SHORT_ROTATES and qkv.dim() == 2 and qkv.shape[0] == 1 and heads.head_dim >= 32
+            and ops.writes_in_kernel(qkv, heads, cells)):
+        return False
+    keys, values = cells.k[:n_ctx].transpose(0, 1), cells.v[:n_ctx].transpose(0, 1)
+    return (_one_token_takes(qkv, heads.n_heads, keys, values)
+            and short_takes(keys, positions))
+
+
+def rotate_attend(qkv: torch.Tensor, heads: ops.QKHeads, cos: torch.Tensor, sin: torch.Tensor,
+                  positions: torch.Tensor, cells: LayerCells, n_ctx: int,
+                  mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`ops.rotate_and_write` of one token's projection qkv [1, (H+2G)*Dh] (its k and v stored
+    at positions [1]), then `attend_one` over cells [0, n_ctx) with `mask` [1, n_ctx] or None
+    -> [1, H*Dh], as one kernel. Only where `rotates` holds."""
+    if not rotates(qkv, heads, cells, n_ctx, positions):
+        raise ValueError(
+            "rotate_attend takes one token's qkv [1, (H+2G)*Dh] whose rotation writes the cells "
+            "in one kernel (ops.writes_in_kernel), a head dim of at least 32, and a window "
+            f"attend_short holds, with SHORT_ROTATES on; got qkv {list(qkv.shape)} "
+            f"{qkv.dtype} on {qkv.device}, head dim {heads.head_dim}, {n_ctx} cells")
+    return rotate_attend_triton(qkv, heads, cos, sin, positions, cells, n_ctx, mask, scale)
+
+
+def rotate_attend_triton(qkv: torch.Tensor, heads: ops.QKHeads, cos: torch.Tensor,
+                         sin: torch.Tensor, positions: torch.Tensor, cells: LayerCells,
+                         n_ctx: int, mask: torch.Tensor | None, scale: float, *,
+                         num_warps: int | None = None) -> torch.Tensor:
+    """`rotate_attend` by its kernel, however the call came (the tests' interpreter)."""
+    h, g, dh = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    keys, values = cells.k[:n_ctx].transpose(0, 1), cells.v[:n_ctx].transpose(0, 1)
+    _check_operands("rotate_attend", (1, h, dh), keys, values, mask)
+    if qkv.shape != (1, (h + 2 * g) * dh) or qkv.stride(1) != 1 or positions.shape != (1,) \
+            or cos.shape != (1, dh) or sin.shape != (1, dh):
+        raise ValueError(f"rotate_attend needs qkv [1, {(h + 2 * g) * dh}] with contiguous "
+                         f"columns, positions [1] and cos, sin [1, {dh}], got qkv "
+                         f"{list(qkv.shape)}, positions {list(positions.shape)}, cos "
+                         f"{list(cos.shape)}")
+    block_c = _block(n_ctx, 16)
+    if block_c * dh > SHORT_MAX_ELEMENTS or dh < 32 or dh & (dh - 1):
+        raise ValueError(f"rotate_attend holds a kv head's keys in registers and a head dim "
+                         f"that is a power of two, at least 32: {n_ctx} cells of {dh} cannot")
+    out = qkv.new_empty((h, dh))  # [H, Dh]
+    weight = heads.weight.contiguous() if heads.weight is not None else qkv  # qkv: not read
+    _kernels().rotate_attend_short[(g,)](
+        qkv, weight, cos, sin, cells.k, cells.v, mask if mask is not None else qkv, positions,
+        out, n_ctx, h, g, h // g, heads.eps, scale, keys.stride(0), keys.stride(1),
+        values.stride(0), values.stride(1), NORM=ops.NORMS[heads.norm],
+        HAS_MASK=mask is not None, BLOCK_C=block_c, BLOCK_R=_block(h // g, 16),
+        BLOCK_P=_block(max(h, g)), HEAD_DIM=dh,
+        VALUES_FIRST=block_c * dh <= SHORT_VALUES_FIRST_ELEMENTS,
+        num_warps=SHORT_WARPS if num_warps is None else num_warps,
+        **dependent_launch.kernel_options(qkv.device))
+    return out.view(1, h * dh)

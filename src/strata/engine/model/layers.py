@@ -164,6 +164,12 @@ class Attention:
         # One token's products read their weights beside the kernel before them
         # (`products`): the norm before this one, attention before the output's.
         qkv = products.linear(x, self.wqkv, self.bqkv)  # [T, H*Dh + 2*G*Dh]
+        if not causal and decode_attention.rotates(qkv, self.heads, cells, n_ctx, positions):
+            # One token over a short window: the rotation, the K/V write and attention as one
+            # kernel.
+            out = decode_attention.rotate_attend(qkv, self.heads, cos, sin, positions, cells,
+                                                 n_ctx, mask, self.scale)  # [1, H*Dh]
+            return products.linear(out, self.wo, self.bo)  # [1, D]
         # q's and k's heads normed and rotated side by side, k and v stored: one op.
         q = rotate_and_write(qkv, self.heads, cos, sin, positions, cells)  # [T, H, Dh]
         keys, values = cells.read(n_ctx, q.dtype)  # [N, G, Dh] each

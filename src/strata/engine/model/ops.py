@@ -49,7 +49,7 @@ from strata.engine.model.routing_ops import (
 
 __all__ = ["QKHeads", "add_norm_router_route", "add_rms_norm", "apply_rope", "qk_norm_rope",
            "rms_norm", "rope_and_mask_triton", "rotate_and_write", "route", "router_route",
-           "use_kernels"]
+           "use_kernels", "writes_in_kernel"]
 
 NORMS = {"none": 0, "full": 1, "head": 2}  # `ModelConfig.qk_norm` -> the kernel's NORM
 # `add_rms_norm`'s kernel holds a row in one program: wider rows run the torch ops.
@@ -178,8 +178,7 @@ def rotate_and_write(qkv: torch.Tensor, heads: QKHeads, cos: torch.Tensor, sin: 
     `LayerCells.write`."""
     h, g, dh = heads.n_heads, heads.n_kv_heads, heads.head_dim
     n_tokens = qkv.shape[0]
-    if (_kernel_takes(qkv, heads) and cells.k_scale is None and cells.k.dtype == qkv.dtype
-            and cells.k.stride()[1:] == (dh, 1) and cells.v.stride() == cells.k.stride()):
+    if writes_in_kernel(qkv, heads, cells):
         q = qkv.new_empty((n_tokens, h, dh))  # [T, H, Dh]
         _launch_qk_norm_rope(qkv, heads, cos, sin, q, (positions, cells.k, cells.v))
         return q
@@ -189,6 +188,15 @@ def rotate_and_write(qkv: torch.Tensor, heads: QKHeads, cos: torch.Tensor, sin: 
         v = v.clamp(-heads.clip, heads.clip)
     cells.write(positions, qk[:, h:], v.reshape(n_tokens, g, dh))
     return qk[:, :h]
+
+
+def writes_in_kernel(qkv: torch.Tensor, heads: QKHeads, cells: LayerCells) -> bool:
+    """Whether `rotate_and_write` is one kernel for qkv and these cells: `qk_norm_rope`'s
+    kernel runs, and the cells are in qkv's dtype (not int8), each cell's heads contiguous
+    rows of Dh, k's and v's laid out alike."""
+    dh = heads.head_dim
+    return (_kernel_takes(qkv, heads) and cells.k_scale is None and cells.k.dtype == qkv.dtype
+            and cells.k.stride()[1:] == (dh, 1) and cells.v.stride() == cells.k.stride())
 
 
 def _kernel_takes(x: torch.Tensor, heads: QKHeads) -> bool:
