@@ -13,6 +13,7 @@ from strata.engine.model.moe import load_model
 from strata.engine.model.tokenizer import Tokenizer
 from strata.engine.runtime.generate import GenerateOptions, generate
 from support.checkpoints import cached_checkpoint
+from support.hopper import compile_for_hopper
 
 
 def test_off_cuda_the_kernels_are_launched_plainly(monkeypatch):
@@ -165,27 +166,8 @@ def test_every_kernel_that_can_be_a_dependent_waits_first():
 
 
 def _hopper_ptx(kernel, constexprs, types, num_warps=4):
-    """`kernel` compiled by Triton for compute capability 9.0 as a dependent (no GPU needed:
-    Triton's own ptxas), its PTX. Pointer arguments are bf16 and 16-byte aligned, integers
-    multiples of 16 (what launches from real tensors give), unless `types` says otherwise."""
-    triton = pytest.importorskip("triton", minversion="3.3",  # attrs keyed by argument paths
-                                 reason="the dev extra installs Triton on Linux x86_64")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    constexprs = {**constexprs, "USE_PDL": True}
-    signature, aligned = {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            continue
-        signature[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
-        if signature[name] != "fp32":
-            aligned[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "launch_pdl": True})
-    return compiled.asm["ptx"]
+    """`kernel` compiled for compute capability 9.0 as a dependent (no GPU needed): its PTX."""
+    return compile_for_hopper(kernel, constexprs, types, num_warps).asm["ptx"]
 
 
 def _loads_around_the_wait(ptx):
