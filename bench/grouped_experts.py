@@ -51,9 +51,14 @@ from strata.engine.model.presets import get_preset
 
 QUANTIZED = ("int8", "int4-g32")
 # The quantized kernels' (act, down) blocks tried: the default first; steps of at least 64 (an
-# int4 group).
+# int4 group). The last three take a whole row of olmoe's and qwen3's experts in one step (D
+# 2048, F up to 1024): a program's whole tile in flight at once, for a split call's few valid
+# rows, whose few programs leave the memory idle at 512-byte steps (0.4 TB/s on the H200,
+# note 2026-12-04e). Compiled for sm_90 none of them spills registers (96 a thread at most for
+# int8 at 8 rows, 255 at 16).
 QUANT_BLOCKS = [((8, 512), (8, 512)), ((16, 256), (16, 256)), ((32, 256), (32, 256)),
-                ((16, 512), (16, 512)), ((4, 1024), (4, 1024)), ((32, 128), (32, 128))]
+                ((16, 512), (16, 512)), ((4, 1024), (4, 1024)), ((32, 128), (32, 128)),
+                ((4, 2048), (4, 1024)), ((8, 2048), (8, 1024)), ((16, 2048), (16, 1024))]
 
 # The bf16 kernels' variants tried, the default first: (gate_up blocks, down blocks, warps of
 # a gate_up and of a down program).
