@@ -226,15 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 return decode_step(model, kv, None, cuda_graphs=graphs, piecewise_graphs=False,
                                    compile=compile)
 
-            # (label, step, what its graph is captured without: None, "ops" (the layer ops'
-            # kernels: their torch code), "sum" (the weighted sum inside `down`: `down`, then
-            # the combine), "attention" (`decode_attention`'s kernel: SDPA's folded path),
-            # "pdl" (dependent launches: every kernel launched plainly), "rope-mask" (the
-            # rotary tables and mask's kernel: the torch ops), "norm-router" (each layer's sum,
-            # norm and routing after attention as one kernel: two), "products" (the one-token
-            # products' kernel: F.linear); and "+logits", "+router-first", "+short": with a
-            # staged change switched on (the logits by that kernel; the router's weights
-            # before its wait; `attend_short`), "+rotate" (`rotate_attend`).
+            # (label, step, the key of `switches` below its graph is captured with: None, the
+            # default; a name, one part left out; "+name", a staged change switched on).
             steps = [("decode, eager", step_of(False), None)]
             if on_cuda:
                 steps.append(("decode, CUDA graph (default)", step_of(True), None))
@@ -262,45 +255,38 @@ def main(argv: list[str] | None = None) -> int:
                                   "sum"))
                 if not args.no_compile:
                     steps.append(("decode, --compile", step_of(True, True), None))
+            # What each row's graph is captured with: (object, attribute, value) set while
+            # it is captured, then put back. "ops": the layer ops' torch code; "attention":
+            # SDPA's folded path; "sum": `down`, then the combine; "pdl": every kernel
+            # launched plainly; "products": F.linear; "+short", "+rotate": `attend_short`,
+            # `rotate_attend`.
+            switches = {
+                None: (),
+                "ops": ((ops, "use_kernels", lambda x: False),),
+                "attention": ((decode_attention, "takes", lambda q, keys, values: False),),
+                "sum": ((model.experts, "_sum_arrivals", None),),
+                "pdl": ((dependent_launch, "enabled", False),),
+                "rope-mask": ((ops, "ROPE_MASK_KERNEL", False),),
+                "norm-router": ((ops, "NORM_ROUTER_KERNEL", False),),
+                "products": ((products, "PRODUCT_KERNEL", False),),
+                "+logits": ((products, "LOGITS_KERNEL", True),),
+                "+router-first": ((routing_ops, "ROUTER_WEIGHTS_FIRST", True),),
+                "+short": ((decode_attention, "SHORT_KERNEL", True),),
+                "+rotate": ((decode_attention, "SHORT_KERNEL", True),
+                            (decode_attention, "SHORT_ROTATES", True)),
+            }
             captured = []  # (row, its round): timed again side by side below
             for label, step, without in steps:
                 # The graph is captured here, with or without the part named.
-                saved = (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
-                         ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL, products.PRODUCT_KERNEL,
-                         products.LOGITS_KERNEL, routing_ops.ROUTER_WEIGHTS_FIRST,
-                         decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES)
-                arrivals = getattr(model.experts, "_sum_arrivals", None)
-                if without == "ops":
-                    ops.use_kernels = lambda x: False
-                elif without == "attention":
-                    decode_attention.takes = lambda q, keys, values: False
-                elif without == "sum":
-                    model.experts._sum_arrivals = None
-                elif without == "pdl":
-                    dependent_launch.enabled = False
-                elif without == "rope-mask":
-                    ops.ROPE_MASK_KERNEL = False
-                elif without == "norm-router":
-                    ops.NORM_ROUTER_KERNEL = False
-                elif without == "products":
-                    products.PRODUCT_KERNEL = False
-                elif without == "+logits":
-                    products.LOGITS_KERNEL = True
-                elif without == "+router-first":
-                    routing_ops.ROUTER_WEIGHTS_FIRST = True
-                elif without in ("+short", "+rotate"):
-                    decode_attention.SHORT_KERNEL = True
-                    decode_attention.SHORT_ROTATES = without == "+rotate"
+                saved = [(owner, name, getattr(owner, name))
+                         for owner, name, _ in switches[without]]
+                for owner, name, value in switches[without]:
+                    setattr(owner, name, value)
                 try:
                     step.prepare(1, args.position, args.position)
                 finally:
-                    (ops.use_kernels, decode_attention.takes, dependent_launch.enabled,
-                     ops.ROPE_MASK_KERNEL, ops.NORM_ROUTER_KERNEL,
-                     products.PRODUCT_KERNEL, products.LOGITS_KERNEL,
-                     routing_ops.ROUTER_WEIGHTS_FIRST, decode_attention.SHORT_KERNEL,
-                     decode_attention.SHORT_ROTATES) = saved
-                    if without == "sum":
-                        model.experts._sum_arrivals = arrivals
+                    for owner, name, value in saved:
+                        setattr(owner, name, value)
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,
                                     args.repeat, 1, args.host_profile and step.path == "eager"))
                 print_summary(rows[-1])

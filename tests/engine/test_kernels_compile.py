@@ -36,7 +36,6 @@ OWN_TYPES = {
         "top_ptr": "*fp32", "sum_ptr": "*fp32", "best_ptr": "*fp32", "id_ptr": "*i32",
         "mass_ptr": "*fp32", "count_ptr": "*i32", "next_best_ptr": "*fp32",
         "next_id_ptr": "*i32", "out_ptr": "*i64"},
-    ("strata.engine.model._ops_triton", "route"): {"logits_ptr": "*bf16"},
 }
 OPS, EXPERTS = "strata.engine.model._ops_triton", "strata.engine.experts"
 # (module, kernel) -> (constexprs, warps): olmoe-1b-7b's and qwen3-30b-a3b's decode shapes.

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from strata.engine._dependent_triton import wait_for_prior
-from strata.engine.model._ops_triton import _rotate_halves, _rstd_heads, _weigh_halves
+from strata.engine.model._ops_triton import rotate_halves, rstd_heads, weigh_halves
 
 
 @triton.jit
@@ -247,22 +247,22 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
     if NORM == 1:  # over every head of the part: all of q's, all of k's
         p = tl.arange(0, BLOCK_P)[:, None]
         every_q = p * HEAD_DIM + j[None, :]
-        q_rstd = _rstd_heads(tl.load(qkv_ptr + every_q, mask=p < H, other=0.0),
+        q_rstd = rstd_heads(tl.load(qkv_ptr + every_q, mask=p < H, other=0.0),
                              tl.load(qkv_ptr + every_q + half, mask=p < H, other=0.0), H, eps,
                              NORM, HEAD_DIM)
         every_k = (H + p) * HEAD_DIM + j[None, :]
-        k_rstd = _rstd_heads(tl.load(qkv_ptr + every_k, mask=p < G, other=0.0),
+        k_rstd = rstd_heads(tl.load(qkv_ptr + every_k, mask=p < G, other=0.0),
                              tl.load(qkv_ptr + every_k + half, mask=p < G, other=0.0), G, eps,
                              NORM, HEAD_DIM)
-        q1, q2 = _weigh_halves(q1, q2, q_rstd, norm_w_ptr, q_at, r_in, half, dtype)
-        x1, x2 = _weigh_halves(x1, x2, k_rstd, norm_w_ptr, k_at, k_at >= 0, half, dtype)
+        q1, q2 = weigh_halves(q1, q2, q_rstd, norm_w_ptr, q_at, r_in, half, dtype)
+        x1, x2 = weigh_halves(x1, x2, k_rstd, norm_w_ptr, k_at, k_at >= 0, half, dtype)
     if NORM == 2:  # each head over its own Dh
-        q1, q2 = _weigh_halves(q1, q2, _rstd_heads(q1, q2, R, eps, NORM, HEAD_DIM), norm_w_ptr,
+        q1, q2 = weigh_halves(q1, q2, rstd_heads(q1, q2, R, eps, NORM, HEAD_DIM), norm_w_ptr,
                                q_at, r_in, half, dtype)
-        x1, x2 = _weigh_halves(x1, x2, _rstd_heads(x1, x2, 1, eps, NORM, HEAD_DIM), norm_w_ptr,
+        x1, x2 = weigh_halves(x1, x2, rstd_heads(x1, x2, 1, eps, NORM, HEAD_DIM), norm_w_ptr,
                                k_at, k_at >= 0, half, dtype)
-    q1, q2 = _rotate_halves(q1, q2, cos_ptr, sin_ptr, j[None, :], half, dtype)
-    x1, x2 = _rotate_halves(x1, x2, cos_ptr, sin_ptr, j[None, :], half, dtype)  # [1, Dh/2]
+    q1, q2 = rotate_halves(q1, q2, cos_ptr, sin_ptr, j[None, :], half, dtype)
+    x1, x2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, j[None, :], half, dtype)  # [1, Dh/2]
     new_v = tl.load(qkv_ptr + (H + G + g) * HEAD_DIM + d)  # [Dh]: v's heads follow k's
     cell = position * k_cell_stride
     tl.store(k_head + cell + j[None, :], x1)

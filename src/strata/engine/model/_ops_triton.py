@@ -90,9 +90,9 @@ def qk_norm_rope(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, positions_ptr, 
     x1 = tl.load(qkv_ptr + t * qkv_stride + offsets, mask=p_in, other=0.0)
     x2 = tl.load(qkv_ptr + t * qkv_stride + offsets + half, mask=p_in, other=0.0)
     if NORM != 0:
-        x1, x2 = _weigh_halves(x1, x2, _rstd_heads(x1, x2, n_heads, eps, NORM, HEAD_DIM),
+        x1, x2 = weigh_halves(x1, x2, rstd_heads(x1, x2, n_heads, eps, NORM, HEAD_DIM),
                                weight_ptr, offsets, p_in, half, dtype)
-    out1, out2 = _rotate_halves(x1, x2, cos_ptr + t * cos_stride, sin_ptr + t * sin_stride, c,
+    out1, out2 = rotate_halves(x1, x2, cos_ptr + t * cos_stride, sin_ptr + t * sin_stride, c,
                                 half, dtype)
     if WRITE:
         if part == 0:
@@ -111,8 +111,10 @@ def qk_norm_rope(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, positions_ptr, 
         tl.store(out_ptr + t * out_stride + offsets + half, out2, mask=p_in)
 
 
+# rstd_heads, weigh_halves and rotate_halves are `qk_norm_rope`'s steps, shared with
+# `_attention_triton.rotate_attend_short` so that the two write the same k bytes.
 @triton.jit
-def _rstd_heads(x1, x2, n_heads, eps, NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+def rstd_heads(x1, x2, n_heads, eps, NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
     # The norm's 1 / sqrt(mean + eps) of heads held as halves x1, x2 [BP, Dh/2] (0 past the
     # heads), in float32: NORM 1 ("full") over all n_heads * Dh values (a scalar), 2 ("head")
     # over each head's Dh ([BP, 1]).
@@ -128,7 +130,7 @@ def _rstd_heads(x1, x2, n_heads, eps, NORM: tl.constexpr, HEAD_DIM: tl.constexpr
 
 
 @triton.jit
-def _weigh_halves(x1, x2, rstd, weight_ptr, offsets, rows_in, half, dtype: tl.constexpr):
+def weigh_halves(x1, x2, rstd, weight_ptr, offsets, rows_in, half, dtype: tl.constexpr):
     # x1, x2 normed by rstd, rounded to dtype, times their weights at offsets (and + half),
     # rounded again: `ops.rms_norm`'s order (the scale after the cast back).
     w1 = tl.load(weight_ptr + offsets, mask=rows_in, other=0.0).to(tl.float32)
@@ -138,7 +140,7 @@ def _weigh_halves(x1, x2, rstd, weight_ptr, offsets, rows_in, half, dtype: tl.co
 
 
 @triton.jit
-def _rotate_halves(x1, x2, cos_row, sin_row, c, half, dtype: tl.constexpr):
+def rotate_halves(x1, x2, cos_row, sin_row, c, half, dtype: tl.constexpr):
     # Heads' halves x1, x2 [BP, Dh/2] rotated by a token's cos and folded sin rows [Dh]
     # (`ops.apply_rope`: x*cos + [x2, x1]*sin), each product and the sum rounded to dtype.
     cos = tl.load(cos_row + c).to(tl.float32)  # [1, Dh/2]: both halves'
