@@ -52,15 +52,19 @@ in a gap, and each call then pays their wake-up. `--wake-us W` starts the kernel
 (`CpuExperts.wake`) W microseconds before the end of each gap, as a host could while it waits
 for the device.
 
+Each `--memory` kind's store also reports the host memory it took (the drop of MemAvailable
+across its making) beside its blobs' bytes.
+
 Ratios to `bare` are in the same run, so they compare across machines. Medians of `--repeat`.
 Each column's GB/s is the experts' bytes over its time, and its share of the host's read
 bandwidth, measured in the same run (`host_read_gbps`: a float32 sum over a `--read-mib` buffer
 on torch's threads, the best of 5).
 
-`--memory` picks where the store's blobs live: `pageable` (plain torch memory), `pinned`
-(`pin_memory=True`: CUDA's page-locked allocation, as the cache's store on CUDA), `registered`
-(an anonymous mapping advised to use huge pages, then page-locked with `cudaHostRegister`):
-the CPU reads the same bytes; only the pages differ. The last two need CUDA.
+`--memory` picks where the store's blobs live: `pageable` (plain torch memory, 4 KiB pages),
+`pinned` (`pin_memory=True`: torch's page-locked allocation, the engine's store until
+2026-12-04), `pages` (`strata.engine.experts.store.host_blobs`, the engine's store now: one
+mapping in huge pages, page-locked with `cuMemHostRegister` where CUDA is there): the CPU reads
+the same bytes; only the pages differ. `pinned` needs CUDA.
 
     python bench/cpu_experts.py                    # bf16 and fp32, torch's threads
     python bench/cpu_experts.py --threads 16 --json
@@ -72,12 +76,12 @@ import argparse
 import datetime
 import itertools
 import json
-import mmap
 import platform
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -89,6 +93,7 @@ from strata.engine.experts import ExpertStore
 from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.quant import int4_blob, int8_blob
 from strata.engine.experts.routed import Routed
+from strata.engine.experts.store import host_blobs
 from strata.engine.model.presets import get_preset
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -100,13 +105,10 @@ def host_buffer(n_bytes: int, memory: str) -> torch.Tensor:
         return torch.empty(n_bytes, dtype=torch.uint8)
     if memory == "pinned":
         return torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
-    mapping = mmap.mmap(-1, n_bytes)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
-    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
-    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), n_bytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister failed: {err}")
-    return buffer
+    pages, blobs = host_blobs(1, 1, n_bytes, "the bench's store")
+    if torch.cuda.is_available():
+        pages.register(torch.cuda.current_device())
+    return blobs.view(-1)
 
 
 def random_store(hidden_size: int, expert_width: int, n_experts: int,
@@ -120,6 +122,15 @@ def random_store(hidden_size: int, expert_width: int, n_experts: int,
         blobs.copy_(typed.view(torch.uint8))
         layers.append(blobs)
     return ExpertStore(layers, hidden_size, expert_width, dtype)
+
+
+def mem_available_bytes() -> int:
+    """The host's MemAvailable (/proc/meminfo): what a store took is the drop across making it
+    (torch's pinned blocks are rounded up to powers of two; `host_blobs`' are not)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
 def routing(n_tokens: int, top_k: int, n_experts: int) -> Routed:
@@ -330,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4,
                         help="layers in the store, read round robin (default 4)")
     parser.add_argument("--memory", default="pageable",
-                        help="comma-separated: pageable, pinned, registered")
+                        help="comma-separated: pageable, pinned, pages")
     parser.add_argument("--read-mib", type=int, default=2048,
                         help="MiB the host read bandwidth is measured over (default 2048)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -353,10 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prefetch-bytes takes comma-separated multiples of 64, got "
                      f"{args.prefetch_bytes!r}")
     memories = args.memory.split(",")
-    if set(memories) - {"pageable", "pinned", "registered"}:
-        parser.error(f"--memory takes pageable, pinned, registered; got {args.memory!r}")
-    if set(memories) - {"pageable"} and not torch.cuda.is_available():
-        parser.error("--memory pinned and registered need CUDA")
+    if set(memories) - {"pageable", "pinned", "pages"}:
+        parser.error(f"--memory takes pageable, pinned, pages; got {args.memory!r}")
+    if "pinned" in memories and not torch.cuda.is_available():
+        parser.error("--memory pinned needs CUDA")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     preset = get_preset(args.preset)
@@ -364,8 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for memory in memories:
         for name in args.dtypes.split(","):
+            store = quantized = None  # the last kind's freed first: its release is not counted
+            available = mem_available_bytes()
             store = random_store(preset.hidden_size, preset.expert_width, preset.n_experts,
                                  DTYPES[name], memory, args.layers)
+            footprint = {"store_bytes": store.n_layers * store.n_experts * store.blob_bytes,
+                         "host_taken_bytes": available - mem_available_bytes()}
             quantized = {column: quantized_layers(store, make_blob)
                          for column, (_, make_blob, _) in QUANTIZED.items()} \
                 if name == "bf16" else None
@@ -374,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             wakes = [None] + ([args.wake_us] if args.wake_us is not None else [])
             for (n_tokens, top_k), gap_us, wake_us in itertools.product(calls, gaps, wakes):
                 if wake_us is None or gap_us > wake_us:
-                    runs.append({"memory": memory, "dtype": name, **measure(
+                    runs.append({"memory": memory, "dtype": name, **footprint, **measure(
                         store, n_tokens, top_k, args.threads, args.repeat, quantized, gap_us,
                         wake_us, prefetches)})
     result = {
@@ -395,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
                *(f"start-{schedule}{suffix}" for suffix in ("", "-int8", "-int4")
                  for schedule in ("dynamic", "steal", "steal-alone")), "compute-worker",
                "worker-main-busy")
+    for run in {(r["memory"], r["dtype"]): r for r in runs}.values():
+        print(f"store in {run['memory']} memory, {run['dtype']}: "
+              f"{run['store_bytes'] / 2**30:.2f} GiB of blobs took "
+              f"{run['host_taken_bytes'] / 2**30:.2f} GiB of the host's available memory")
     print("| memory | dtype | T | experts | gap us | wake us | threads main/worker | "
           "bare us (GB/s, share) | "
           + " | ".join(columns) + " |")

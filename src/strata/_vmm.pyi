@@ -126,3 +126,39 @@ def open_backend(kind: str, **options) -> Backend:
 
 def alive_chunks() -> int:
     """Physical chunks alive in this process, over every backend."""
+
+HUGE_PAGE_BYTES: int
+PAGES_FAULT_OPS: tuple[str, ...]
+
+class HostPages:
+    """`nbytes` of zeroed host memory in one anonymous mapping advised to use huge pages, as a
+    writable buffer (`torch.frombuffer(pages, dtype=torch.uint8)` views it and keeps it alive).
+
+    The mapping is `mapped_bytes`: `nbytes` rounded up to whole huge pages, starting on one.
+    Freed when the last reference goes; registered pages are unregistered first, after the
+    device is synchronised. ValueError for nbytes < 1; VmmError if the mapping fails.
+    """
+
+    def __init__(self, nbytes: int, huge: bool = True) -> None: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def mapped_bytes(self) -> int: ...
+    @property
+    def huge_pages(self) -> bool:
+        """Whether the kernel took the advice to back the pages with huge pages."""
+    @property
+    def registered_device(self) -> int | None:
+        """The CUDA device the pages were registered with, or None."""
+    @property
+    def address(self) -> int: ...
+    def register(self, device: int = 0) -> None:
+        """Page-lock the pages for CUDA (`cuMemHostRegister`, portable), once; VmmError naming
+        the driver's error, the pages left as they were."""
+
+def inject_pages_fault(op: str, nth: int = 1) -> None:
+    """Make the nth next `op` ('map' or 'register') of any HostPages fail with VmmError."""
+
+def clear_pages_faults() -> None: ...
+def alive_host_pages() -> tuple[int, int]:
+    """(HostPages alive in this process, the bytes they map)."""

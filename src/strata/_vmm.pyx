@@ -9,6 +9,10 @@ backend, the backend only weak references to its ranges), so there are no refere
 Atomicity: `map` and `unmap` either finish or leave the range exactly as it was. Faults can be
 injected into `create`, `map`, `access` and `unmap` to test that.
 
+`HostPages` (_vmm_pages.pxi) is the other kind of memory here: one mapping of host pages
+for what lives as long as the model (the expert store), huge-page backed and optionally
+page-locked for CUDA.
+
 Not thread-safe: one owner (the engine's thread) drives a backend and its ranges.
 """
 
@@ -657,6 +661,7 @@ def _runs(indices):
 
 
 include "_vmm_cuda.pxi"
+include "_vmm_pages.pxi"
 
 
 def open_backend(kind, **options):

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError
 
 from strata.engine.experts.quant import expert_blob_bytes, make_blob
-from strata.engine.experts.store import ExpertStore
+from strata.engine.experts.store import ExpertStore, host_blobs
 from strata.engine.model import families
 from strata.engine.model.config import CheckpointError, ModelConfig, read_config_json
 from strata.engine.model.weight_files import (
@@ -106,15 +106,22 @@ def expert_store(
 ) -> ExpertStore:
     """Gather every expert of `ckpt` into blobs of `dtype` (default: the checkpoint's), or,
     with `quant` (a `strata.engine.experts.quant.WEIGHT_FORMATS`), into blobs of that format,
-    quantized here from the checkpoint's weights (`dtype` is then what they compute in)."""
+    quantized here from the checkpoint's weights (`dtype` is then what they compute in).
+
+    The blobs are one mapping of host memory (`strata.engine.experts.store.host_blobs`;
+    ValueError, before any is read, if the host has too little), page-locked for CUDA's copies
+    with `pin_memory` once they are loaded."""
     cfg = ckpt.config
     dtype = dtype or cfg.dtype
     fam = families.family(cfg.family)
     f, d = cfg.expert_width, cfg.hidden_size
     blob_bytes = expert_blob_bytes(f, d, dtype, quant)
+    fmt = quant or str(dtype).removeprefix("torch.")
+    pages, blobs = host_blobs(cfg.n_layers, cfg.n_experts, blob_bytes,
+                              f"{ckpt.path}: its experts as {fmt}")  # ValueError: too big
     layers = []
     for layer in range(cfg.n_layers):
-        buf = torch.empty((cfg.n_experts, blob_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+        buf = blobs[layer]  # [E, blob_bytes]
         typed = buf.view(dtype) if quant is None else None  # [E, 3*F*D]
         for expert in range(cfg.n_experts):
             gate, up, down = (ckpt.tensor(name) for name in fam.expert_names(layer, expert))
@@ -128,4 +135,6 @@ def expert_store(
                 for _ in range(3):
                     on_tensor()
         layers.append(buf)
+    if pin_memory:  # after the loading, so a checkpoint that fails to load locks nothing
+        pages.register(torch.cuda.current_device())
     return ExpertStore(layers, d, f, dtype, quant)
