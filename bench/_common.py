@@ -38,6 +38,15 @@ def host_read_bytes_per_s(mib: int, repeat: int = 5) -> float:
     return buffer.numel() * 4 / min(times)
 
 
+def mem_available_bytes() -> int:
+    """The host's MemAvailable (/proc/meminfo): what an allocation took is its drop across it
+    (torch's pinned blocks are rounded up to powers of two; `host_blobs`' are not)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
 def median_ms(fn, repeat: int, cuda: bool = False) -> float:
     """Milliseconds `fn()` takes, the median of `repeat` after one warm-up: CUDA events around
     each call when `cuda` (the device's time of what it queues), else the host's clock."""

@@ -81,13 +81,12 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from _common import host_read_bytes_per_s
+from _common import host_read_bytes_per_s, mem_available_bytes
 from strata import _cpu_experts
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.cpu import CpuExperts
@@ -122,15 +121,6 @@ def random_store(hidden_size: int, expert_width: int, n_experts: int,
         blobs.copy_(typed.view(torch.uint8))
         layers.append(blobs)
     return ExpertStore(layers, hidden_size, expert_width, dtype)
-
-
-def mem_available_bytes() -> int:
-    """The host's MemAvailable (/proc/meminfo): what a store took is the drop across making it
-    (torch's pinned blocks are rounded up to powers of two; `host_blobs`' are not)."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
 def routing(n_tokens: int, top_k: int, n_experts: int) -> Routed:

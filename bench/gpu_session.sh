@@ -120,6 +120,9 @@
 # step by step on one layer of each shape at PROMPT_TOKENS, default 4096,16384, and the
 # activation as one kernel against torch's two; PROMPT_DTYPES, e.g. int8,int4-g32: each
 # format's resident prompt call too, grouped a batch at a time against the loop),
+# store-load (6: bench/store_load.py on the 16-layer qwen3 cut, the expert store in strata's
+# host pages against a pinned torch tensor a layer, bf16 twice each, int8 once each: load
+# seconds, host memory taken, the CPU kernel's and the uploads' GB/s),
 # offload-ab (4: the int8 loaned prompt on an AB_LAYERS-layer (default 8) qwen3 cut, a
 # baseline tree (src/ with AB_PATCH, `git diff BASE -- src`, taken back) against this one,
 # interleaved AB_ROUNDS times, default 2, both run by this tree's bench/offload.py;
@@ -220,6 +223,12 @@ for stage in "$@"; do
                echo "$side $round: $(grep -c . "$OUT/offload-ab.jsonl") lines"
              done
            done; grep "bench/" "$OUT/offload-ab.err" | tail -8 ;;
+    store-load) model=$(checkpoint 0)  # each load a fresh process: a user's start
+           (cd bench && timeout 280 python3 store_load.py --model "$model" --repeat 2 --json) \
+               > "$OUT/store-load.jsonl" 2> "$OUT/store-load.err"
+           (cd bench && timeout 280 python3 store_load.py --model "$model" --repeat 1 \
+               --experts-dtype int8 --json) >> "$OUT/store-load.jsonl" 2>> "$OUT/store-load.err"
+           tail -3 "$OUT/store-load.err"; cut -c1-300 "$OUT/store-load.jsonl" ;;
     dequant) (cd bench && timeout 120 python3 dequant.py --device cuda --formats int8,int4-g32 \
                  --repeat 20 --json-out "$OUT/dequant.json") 2>&1 | tee "$OUT/dequant.txt" ;;
     prompt-experts) (cd bench && timeout 200 python3 prompt_experts.py \

@@ -45,7 +45,9 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   each: the round's time; its misses split between the CPU and the copy engine (experts and
   shares); the bound, max(CPU's miss bytes / host read
   bandwidth, streamed bytes / copy rate) + the device round (summed over the round, so a lower
-  bound); the CPU experts' GB/s and its share of the host read bandwidth; the host-side time
+  bound); the CPU experts' GB/s and its share of the host read bandwidth (beside which the
+  JSON has the machine's transparent huge page mode and, per experts format, the share of the
+  store the kernel backs with huge pages: the CPU's rate depends on its pages); the host-side time
   of a round: the round less the CPU experts' time and the cache's time waiting for the device
   (`CacheStats`: `cpu_s`, `wait_s`), i.e. issuing, booking and everything around the kernels
   (a wait outside the cache, such as sampling's read of the token, counts as host-side); under
@@ -129,6 +131,7 @@ from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.generate import CACHED_PREFILL_CHUNK, GenerateOptions
 from strata.engine.runtime.load import Loaded, load
 from strata.formats.profile import rank_from_counts, uniform_rank
+from strata.machine import huge_page_bytes, transparent_huge_pages
 from strata.settings import LOAN_UPLOAD_BATCHES
 
 GB = 1e9
@@ -483,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = {"host_read_bytes_per_s": host_read_bytes_per_s(args.host_read_mib),
                "copy_bytes_per_s": copy_bytes_per_s(device, args.copy_mib),
                "joint_bytes_per_s": joint_bytes_per_s(device, args.copy_mib),
-               "threads": torch.get_num_threads()}
+               "threads": torch.get_num_threads(),
+               "transparent_huge_pages": transparent_huge_pages()}
     copy_text = f"{machine['copy_bytes_per_s'] / GB:.1f} GB/s" if machine["copy_bytes_per_s"] \
         else "none (no bus)"
     joint = machine["joint_bytes_per_s"]
@@ -517,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         free_memory(device)
 
         base_store = store
-        device_rounds, blob_bytes = {}, {}
+        device_rounds, blob_bytes, huge_shares = {}, {}, {}
         for fmt in formats:
             quant = experts_quant_for(fmt, dtype)
             suffix = "" if fmt == formats[0] and len(formats) == 1 else f"-{fmt}"
@@ -527,6 +531,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 store = base_store
             blob_bytes[fmt] = store.blob_bytes
+            store_bytes = store.n_layers * store.n_experts * store.blob_bytes
+            huge_shares[fmt] = huge_page_bytes(store.layer_blobs(0).data_ptr(),
+                                               store_bytes) / store_bytes
+            say(f"the store in {fmt}: {huge_shares[fmt]:.0%} of it in huge pages "
+                f"(transparent huge pages: {machine['transparent_huge_pages']})")
             device_round_ms = device_round(model, store, device, prompt, args, decode_context,
                                            say)
             device_rounds[fmt] = device_round_ms
@@ -704,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         "blob_bytes": blob_bytes[formats[0]], "small_cache": small, "machine": machine,
         "device_round_ms": device_rounds[formats[0]], "prefill_chunk": args.prefill_chunk,
         "experts_dtypes": formats, "blob_bytes_by_format": blob_bytes,
-        "device_round_ms_by_format": device_rounds,
+        "device_round_ms_by_format": device_rounds, "store_huge_page_share": huge_shares,
         "runs": runs,
     }
     if args.json:

@@ -13,36 +13,13 @@ import pytest
 import torch
 
 from strata import _vmm
+from strata.engine.cache.rate_calls import synthetic_store
 from strata.engine.experts import store as store_module
 from strata.engine.experts.quant import expert_blob_bytes
 from strata.engine.experts.store import host_blobs
 from strata.engine.model.presets import get_preset
-from strata.machine import MemoryLimit
+from strata.machine import MemoryLimit, huge_page_bytes, transparent_huge_pages
 from support.checkpoints import cached_checkpoint, store_of
-
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def thp_mode() -> str | None:
-    """The kernel's transparent huge page mode ("always", "madvise", "never"), or None."""
-    try:
-        text = THP_MODE.read_text()
-    except OSError:
-        return None
-    return text.split("[", 1)[1].split("]", 1)[0]
-
-
-def anon_huge_kib(address: int) -> int:
-    """AnonHugePages (KiB) of the mapping that holds `address`, from /proc/self/smaps."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(part, 16) for part in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 @pytest.fixture
@@ -84,7 +61,7 @@ def test_pages_are_zeroed_aligned_rounded_and_freed_with_their_last_view():
     assert _vmm.alive_host_pages() == (count, mapped)
 
 
-@pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
+@pytest.mark.skipif(transparent_huge_pages() not in ("always", "madvise"),
                     reason="the kernel gives no transparent huge pages here")
 def test_advised_pages_are_backed_by_huge_pages_and_unadvised_ones_are_not():
     n_bytes = 8 * _vmm.HUGE_PAGE_BYTES
@@ -93,9 +70,9 @@ def test_advised_pages_are_backed_by_huge_pages_and_unadvised_ones_are_not():
     for pages in (huge, small):
         torch.frombuffer(pages, dtype=torch.uint8).fill_(1)  # the first touch maps the pages
     # The kernel may fall short of huge pages when its memory is fragmented: most, not all.
-    assert anon_huge_kib(huge.address) >= n_bytes // 2 // 1024
-    if thp_mode() == "madvise":
-        assert anon_huge_kib(small.address) == 0
+    assert huge_page_bytes(huge.address, huge.mapped_bytes) >= n_bytes // 2
+    if transparent_huge_pages() == "madvise":
+        assert huge_page_bytes(small.address, small.mapped_bytes) == 0
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "4096", None])
@@ -167,6 +144,13 @@ def test_expert_store_holds_its_layers_in_one_mapping(tiny_checkpoint):
     assert first.data_ptr() % _vmm.HUGE_PAGE_BYTES == 0
     for layer in range(store.n_layers):
         assert store.layer_blobs(layer).data_ptr() == first.data_ptr() + layer * layer_bytes
+
+
+def test_the_rates_synthetic_store_is_in_the_real_stores_kind_of_memory():
+    count = _vmm.alive_host_pages()[0]
+    store = synthetic_store(64, 32, 4, torch.bfloat16, False, 1 << 16)
+    assert _vmm.alive_host_pages()[0] == count + 1
+    assert store.layer_blobs(0).data_ptr() % _vmm.HUGE_PAGE_BYTES == 0
 
 
 def test_a_failed_registration_in_expert_store_frees_the_loaded_store(tiny_checkpoint,

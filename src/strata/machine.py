@@ -13,10 +13,12 @@ import os
 import resource
 from dataclasses import dataclass
 
-__all__ = ["CGROUP_MEMORY_MAX", "MemoryLimit", "available_cpus", "bytes_text", "host_limit"]
+__all__ = ["CGROUP_MEMORY_MAX", "MemoryLimit", "available_cpus", "bytes_text", "host_limit",
+           "huge_page_bytes", "transparent_huge_pages"]
 
 # cgroup v2: the memory a container may use ("max": no limit).
 CGROUP_MEMORY_MAX = "/sys/fs/cgroup/memory.max"
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 @dataclass(frozen=True)
@@ -62,3 +64,34 @@ def host_limit() -> MemoryLimit:
 def available_cpus() -> int:
     """The CPUs this process may run on (its affinity mask, which containers narrow)."""
     return len(os.sched_getaffinity(0))
+
+
+def huge_page_bytes(address: int, n_bytes: int) -> int:
+    """About how many bytes of [address, address + n_bytes) of this process's memory the
+    kernel backs with transparent huge pages now: AnonHugePages of /proc/self/smaps summed
+    over the mappings that overlap the span (exact for a span that is whole mappings, as a
+    `strata._vmm.HostPages` is), at most n_bytes; 0 where the kernel does not say."""
+    total, inside = 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+                    lo, hi = (int(part, 16) for part in head.split("-"))
+                    inside = lo < address + n_bytes and address < hi
+                elif inside and head == "AnonHugePages:":
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return min(total, n_bytes)
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's transparent huge page mode: "always", "madvise" (only where advised, as
+    `strata._vmm.HostPages` advises) or "never"; None where the kernel has none."""
+    try:
+        with open(THP_ENABLED) as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None

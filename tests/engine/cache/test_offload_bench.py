@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from strata.machine import transparent_huge_pages
 from support.bench_scripts import load_bench
 
 
@@ -33,6 +34,14 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
                      r"to \d+ layers", err)
     assert report["machine"]["host_read_bytes_per_s"] > 0
     assert report["machine"]["copy_bytes_per_s"] is None  # no bus off CUDA
+    # The store's pages beside the CPU's rate: the kernel's mode, and how much of the store
+    # it backs with huge pages (none where it gives none; tests/test_host_pages.py checks
+    # that advised pages get them).
+    assert report["machine"]["transparent_huge_pages"] == transparent_huge_pages()
+    (share,) = report["store_huge_page_share"].values()
+    assert 0.0 <= share <= 1.0
+    if transparent_huge_pages() in (None, "never"):
+        assert share == 0.0
     assert report["device_round_ms"] > 0
     runs = report["runs"]
     # Off CUDA auto streams nothing, and 1 stages 1 blob: no prefetch run of auto, nor of 2.

@@ -4,8 +4,9 @@ each side alone, or both in one call as a round runs it.
 Dimension letters: K experts per token, M missed experts of a layer call, s streamed, D hidden
 size.
 
-The store is a few layers of K experts of the model's shape, pinned on CUDA as the real store
-is, read round robin so that each call reads weights no recent call read (a CPU's last-level
+The store is a few layers of K experts of the model's shape, in the real store's kind of
+memory (`host_blobs`' huge pages, page-locked on CUDA: the rates depend on the pages), read
+round robin so that each call reads weights no recent call read (a CPU's last-level
 cache would flatter one layer), as the engine's misses do.
 
 A call of both sides is timed as a round runs it, not back to back. In a round the host waits
@@ -32,6 +33,7 @@ from strata.engine.experts import ExpertStore, grouped
 from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.quant import expert_blob_bytes
 from strata.engine.experts.routed import Routed
+from strata.engine.experts.store import host_blobs
 from strata.engine.experts.streamed import StreamedMisses
 
 __all__ = ["MAX_LAYERS", "ROUND_GAP_S", "TimedCalls", "samples", "synthetic_store"]
@@ -43,10 +45,12 @@ ROUND_GAP_S = 0.0005  # the host's wait for the device between two calls, untime
 def synthetic_store(hidden_size: int, expert_width: int, top_k: int, dtype: torch.dtype,
                     pin: bool, target_bytes: int) -> ExpertStore:
     """Layers of K experts of the shape, at least `target_bytes` in all (at most MAX_LAYERS
-    layers), filled with small values, pinned when `pin`."""
+    layers), filled with small values, page-locked for CUDA when `pin`."""
     blob = expert_blob_bytes(expert_width, hidden_size, dtype)
     n_layers = max(1, min(MAX_LAYERS, -(-target_bytes // (top_k * blob))))
-    buffer = torch.empty((n_layers, top_k, blob), dtype=torch.uint8, pin_memory=pin)
+    pages, buffer = host_blobs(n_layers, top_k, blob, "the rates' synthetic store")
+    if pin:
+        pages.register(torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
     numel = blob // torch.empty((), dtype=dtype).element_size()
     pattern = (torch.randn(numel, generator=gen) * hidden_size ** -0.5).to(dtype)
