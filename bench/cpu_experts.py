@@ -63,7 +63,8 @@ on torch's threads, the best of 5).
 `--memory` picks where the store's blobs live: `pageable` (plain torch memory, 4 KiB pages),
 `pinned` (`pin_memory=True`: torch's page-locked allocation, the engine's store until
 2026-12-04), `pages` (`strata.engine.experts.store.host_blobs`, the engine's store now: one
-mapping in huge pages, page-locked with `cuMemHostRegister` where CUDA is there): the CPU reads
+mapping of 4 KiB pages, page-locked with `cuMemHostRegister` where CUDA is there), `huge` (the
+same advised to use 2 MiB pages, as `STRATA_HOST_HUGE_PAGES=1` makes the store): the CPU reads
 the same bytes; only the pages differ. `pinned` needs CUDA.
 
     python bench/cpu_experts.py                    # bf16 and fp32, torch's threads
@@ -104,7 +105,7 @@ def host_buffer(n_bytes: int, memory: str) -> torch.Tensor:
         return torch.empty(n_bytes, dtype=torch.uint8)
     if memory == "pinned":
         return torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
-    pages, blobs = host_blobs(1, 1, n_bytes, "the bench's store")
+    pages, blobs = host_blobs(1, 1, n_bytes, "the bench's store", huge=memory == "huge")
     if torch.cuda.is_available():
         pages.register(torch.cuda.current_device())
     return blobs.view(-1)
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4,
                         help="layers in the store, read round robin (default 4)")
     parser.add_argument("--memory", default="pageable",
-                        help="comma-separated: pageable, pinned, pages")
+                        help="comma-separated: pageable, pinned, pages, huge")
     parser.add_argument("--read-mib", type=int, default=2048,
                         help="MiB the host read bandwidth is measured over (default 2048)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -354,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prefetch-bytes takes comma-separated multiples of 64, got "
                      f"{args.prefetch_bytes!r}")
     memories = args.memory.split(",")
-    if set(memories) - {"pageable", "pinned", "pages"}:
-        parser.error(f"--memory takes pageable, pinned, pages; got {args.memory!r}")
+    if set(memories) - {"pageable", "pinned", "pages", "huge"}:
+        parser.error(f"--memory takes pageable, pinned, pages, huge; got {args.memory!r}")
     if "pinned" in memories and not torch.cuda.is_available():
         parser.error("--memory pinned needs CUDA")
     if args.threads is not None:

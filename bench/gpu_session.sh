@@ -337,7 +337,7 @@ for stage in "$@"; do
                    --tokens 1 --experts 2,4 --gap-us 0,800 --repeat 15 \
                    --memory "${MEMORY:-pinned}" --prefetch-bytes "${PREFETCH_BYTES:-0,8192,16384}")
               done > "$OUT/cpu-prefetch.txt" 2>&1
-              grep -E "^\| (pinned|pages|pageable) " "$OUT/cpu-prefetch.txt" | cut -c1-100 ;;
+              grep -E "^\| (pinned|pages|huge|pageable) " "$OUT/cpu-prefetch.txt" | cut -c1-100 ;;
     offload-cpu-prefetch)  # the same in the round, interleaved with the hardware's alone
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3 \
                --cpu-prefetch "${ROUND_PREFETCH_BYTES:-0}" --interleave --repeat 4 \

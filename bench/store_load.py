@@ -1,22 +1,23 @@
 """The expert store's load: strata's host pages against a torch tensor a layer.
 
 `strata.engine.model.checkpoint.expert_store` reads a checkpoint's experts into one mapping of
-host pages (`strata.engine.experts.store.host_blobs`: exactly the store's bytes, advised to use
-2 MiB pages, page-locked for CUDA once loaded). Until 2026-12-04 it allocated a torch tensor a
+host pages (`strata.engine.experts.store.host_blobs`: exactly the store's bytes, page-locked
+for CUDA once loaded). Until 2026-12-04 it allocated a torch tensor a
 layer, `pin_memory=True` on CUDA: torch's caching host allocator rounds each such block up to a
-power of two, in 4 KiB pages. This loads one checkpoint's store both ways, each load in a
-fresh process as a user's start is, the two alternating `--repeat` times after an untimed load
-that warms the file cache:
+power of two. This loads one checkpoint's store three ways, each load in a fresh process as a
+user's start is, alternating `--repeat` times after an untimed load that warms the file cache:
 
-- `pages`: `expert_store` as it is (on CUDA, page-locked after loading);
+- `pages`: `expert_store` as it is (on CUDA, page-locked after loading), in 4 KiB pages;
+- `huge`: the same with `STRATA_HOST_HUGE_PAGES=1`, the pages advised to be 2 MiB ones;
 - `torch`: the same loader with `host_blobs` replaced by a torch tensor a layer (pinned on
   CUDA, pageable otherwise).
 
-For each load: its seconds; the host memory it took (the drop of MemAvailable across it)
-beside the store's bytes; the CPU kernel's GB/s over the loaded store (`CpuExperts.compute`,
-`--experts` experts a call, each call other experts of the next layer, the median of 20); on
-CUDA, the upload rate from it (every layer's blobs copied to one device buffer, asynchronous,
-the best of 3). Ratios are `pages` over `torch`, from the medians.
+For each load: its seconds; the host memory it took (the drop of MemAvailable across it, and
+the growth of the process's resident memory) beside the store's bytes; the share of the store
+in huge pages; the CPU kernel's GB/s over the loaded store (`CpuExperts.compute`, `--experts`
+experts a call, each call other experts of the next layer, the median of 20); on CUDA, the
+upload rate from it (every layer's blobs copied to one device buffer, asynchronous, the best of
+3). Ratios are `pages` and `huge` over `torch`, from the medians.
 
     python bench/store_load.py --model /tmp/strata-qwen3-2l
     python bench/store_load.py --model /tmp/strata-qwen3-2l --experts-dtype int8 --json
@@ -27,11 +28,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -42,8 +45,10 @@ from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.routed import Routed
 from strata.engine.model import checkpoint
 from strata.engine.model.checkpoint import Checkpoint, expert_store
+from strata.machine import huge_page_bytes
+from strata.settings import HOST_HUGE_PAGES
 
-KINDS = ("pages", "torch")
+KINDS = ("pages", "huge", "torch")
 
 
 class TorchLayers:
@@ -56,6 +61,14 @@ class TorchLayers:
 
     def register(self, device: int) -> None:
         pass
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (VmRSS of /proc/self/status)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def cpu_gbps(store, n_experts: int) -> float:
@@ -90,7 +103,8 @@ def upload_gbps(store) -> float:
 
 
 def load_once(model: str, kind: str, quant: str | None, n_experts: int) -> dict:
-    """One load of `kind` in this process, and its figures (see the module)."""
+    """One load of `kind` in this process, and its figures (see the module); `huge` is `pages`
+    under the environment its parent set."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.zeros(1, device="cuda")  # the context's own memory is not the store's
@@ -102,7 +116,7 @@ def load_once(model: str, kind: str, quant: str | None, n_experts: int) -> dict:
         stand_in = mock.patch.object(checkpoint, "host_blobs", torch_layers)
         stand_in.start()
     try:
-        available = mem_available_bytes()
+        available, resident = mem_available_bytes(), rss_bytes()
         start = time.perf_counter()
         ckpt = Checkpoint.open(model)
         try:
@@ -111,13 +125,16 @@ def load_once(model: str, kind: str, quant: str | None, n_experts: int) -> dict:
             ckpt.close()
         seconds = time.perf_counter() - start
         taken = available - mem_available_bytes()
+        grown = rss_bytes() - resident
     finally:
         if stand_in is not None:
             stand_in.stop()
+    store_bytes = store.n_layers * store.n_experts * store.blob_bytes
     return {
-        "kind": kind, "load_s": seconds,
-        "store_bytes": store.n_layers * store.n_experts * store.blob_bytes,
-        "host_taken_bytes": taken,
+        "kind": kind, "load_s": seconds, "store_bytes": store_bytes, "host_taken_bytes": taken,
+        "rss_grown_bytes": grown,
+        "huge_page_share": huge_page_bytes(store.layer_blobs(0).data_ptr(),
+                                           store_bytes) / store_bytes,
         "cpu_gbps": cpu_gbps(store, n_experts),
         "upload_gbps": upload_gbps(store) if cuda else None,
     }
@@ -144,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         child += ["--experts-dtype", args.experts_dtype]
 
     def load(kind: str) -> dict:
+        env = {**os.environ, HOST_HUGE_PAGES: "1" if kind == "huge" else "0"}
         out = subprocess.run([*child, "--one", kind], check=True, capture_output=True,
-                             text=True).stdout
+                             text=True, env=env).stdout
         return json.loads(out.splitlines()[-1])
 
     load("pages")  # untimed: the checkpoint's file into the page cache
@@ -154,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind in KINDS:
         mine = [r for r in loads if r["kind"] == kind]
         summary[kind] = {key: statistics.median(r[key] for r in mine)
-                         for key in ("load_s", "host_taken_bytes", "cpu_gbps", "upload_gbps")
+                         for key in ("load_s", "host_taken_bytes", "rss_grown_bytes",
+                                     "huge_page_share",
+                                     "cpu_gbps", "upload_gbps")
                          if mine[0][key] is not None}
         summary[kind]["store_bytes"] = mine[0]["store_bytes"]
     result = {
@@ -163,23 +183,28 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "loads": loads, "median": summary,
-        "pages_over_torch": {key: summary["pages"][key] / summary["torch"][key]
-                             for key in summary["pages"] if summary["torch"].get(key)},
+        "over_torch": {kind: {key: summary[kind][key] / summary["torch"][key]
+                              for key in summary[kind] if summary["torch"].get(key)}
+                       for kind in ("pages", "huge")},
     }
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"{result['command']}  ({result['machine']}, torch {result['torch']}, "
           f"{result['cuda'] or 'no CUDA'})")
-    print("| store | load s | host memory taken / store bytes | CPU kernel GB/s | upload GB/s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| store | load s | host memory taken, resident grown / store bytes | in huge pages | "
+          "CPU kernel GB/s | upload GB/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for kind in KINDS:
         s = summary[kind]
         upload = f"{s['upload_gbps']:.1f}" if "upload_gbps" in s else "-"
-        print(f"| {kind} | {s['load_s']:.2f} | {s['host_taken_bytes'] / 2**30:.2f} GiB / "
-              f"{s['store_bytes'] / 2**30:.2f} GiB | {s['cpu_gbps']:.1f} | {upload} |")
-    ratios = ", ".join(f"{k} {v:.2f}x" for k, v in result["pages_over_torch"].items())
-    print(f"pages over torch (medians of {args.repeat}): {ratios}")
+        print(f"| {kind} | {s['load_s']:.2f} | {s['host_taken_bytes'] / 2**30:.2f}, "
+              f"{s['rss_grown_bytes'] / 2**30:.2f} GiB / "
+              f"{s['store_bytes'] / 2**30:.2f} GiB | {s['huge_page_share']:.0%} | "
+              f"{s['cpu_gbps']:.1f} | {upload} |")
+    for kind, over in result["over_torch"].items():
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in over.items())
+        print(f"{kind} over torch (medians of {args.repeat}): {ratios}")
     return 0
 
 

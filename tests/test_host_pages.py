@@ -19,6 +19,7 @@ from strata.engine.experts.quant import expert_blob_bytes
 from strata.engine.experts.store import host_blobs
 from strata.engine.model.presets import get_preset
 from strata.machine import MemoryLimit, huge_page_bytes, transparent_huge_pages
+from strata.settings import SettingError
 from support.checkpoints import cached_checkpoint, store_of
 
 
@@ -65,7 +66,7 @@ def test_pages_are_zeroed_aligned_rounded_and_freed_with_their_last_view():
                     reason="the kernel gives no transparent huge pages here")
 def test_advised_pages_are_backed_by_huge_pages_and_unadvised_ones_are_not():
     n_bytes = 8 * _vmm.HUGE_PAGE_BYTES
-    huge, small = _vmm.HostPages(n_bytes), _vmm.HostPages(n_bytes, huge=False)
+    huge, small = _vmm.HostPages(n_bytes, huge=True), _vmm.HostPages(n_bytes)
     assert huge.huge_pages and not small.huge_pages
     for pages in (huge, small):
         torch.frombuffer(pages, dtype=torch.uint8).fill_(1)  # the first touch maps the pages
@@ -113,6 +114,20 @@ def test_host_blobs_are_one_mapping_of_the_exact_store():
     assert blobs.shape == (3, 5, 1000) and blobs.dtype == torch.uint8
     assert pages.nbytes == 3 * 5 * 1000
     assert blobs.data_ptr() == pages.address and blobs.is_contiguous()
+
+
+def test_host_blobs_advise_huge_pages_only_where_the_setting_says(monkeypatch):
+    monkeypatch.delenv("STRATA_HOST_HUGE_PAGES", raising=False)
+    pages, _ = host_blobs(1, 1, 4096, "the experts")
+    assert not pages.huge_pages
+    monkeypatch.setenv("STRATA_HOST_HUGE_PAGES", "1")
+    pages, _ = host_blobs(1, 1, 4096, "the experts")
+    assert pages.huge_pages == (transparent_huge_pages() is not None)  # taken where it exists
+    monkeypatch.setenv("STRATA_HOST_HUGE_PAGES", "yes")
+    before = _vmm.alive_host_pages()
+    with pytest.raises(SettingError, match=r"STRATA_HOST_HUGE_PAGES='yes': want 1 \(on\) or 0"):
+        host_blobs(1, 1, 4096, "the experts")
+    assert _vmm.alive_host_pages() == before
 
 
 def test_a_store_beyond_the_host_is_refused_before_anything_is_mapped(monkeypatch):

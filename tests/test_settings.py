@@ -36,6 +36,7 @@ GOOD = {
     "STRATA_DUMP_FIRST_LOGITS": [("out/logits.bin", Path("out/logits.bin")), ("", None)],
     "STRATA_API_KEY": [("sk-local-123", "sk-local-123"), (" key ", "key"), ("", None)],
     "STRATA_CPU_KERNEL": [("strata", "strata"), (" torch ", "torch"), ("", None)],
+    "STRATA_HOST_HUGE_PAGES": [("1", True), ("0", False), (" 1 ", True), ("", False)],
 }
 
 # variable -> [(text, what the message says after `NAME='text': `)]
@@ -59,6 +60,7 @@ BAD = {
         (raw, "want an integer >= 0 (slots the cache keeps, for example STRATA_KV_GROW_FLOOR=128)")
         for raw in ("abc", "-8", "1.5", "8k")],
     "STRATA_CPU_KERNEL": [(raw, "want strata or torch") for raw in ("Torch", "mkl", "1")],
+    "STRATA_HOST_HUGE_PAGES": [(raw, "want 1 (on) or 0 (off)") for raw in ("yes", "2", "on")],
 }
 # Every value is accepted: a switch that anything but 0 turns on, a list of names, paths.
 NO_BAD_VALUES = {"STRATA_TRACE_PLUGINS", "STRATA_LOAD_PLUGINS", "STRATA_CACHE_DIR",

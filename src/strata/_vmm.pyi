@@ -131,15 +131,16 @@ HUGE_PAGE_BYTES: int
 PAGES_FAULT_OPS: tuple[str, ...]
 
 class HostPages:
-    """`nbytes` of zeroed host memory in one anonymous mapping advised to use huge pages, as a
-    writable buffer (`torch.frombuffer(pages, dtype=torch.uint8)` views it and keeps it alive).
+    """`nbytes` of zeroed host memory in one anonymous mapping (advised to use huge pages with
+    `huge`), as a writable buffer (`torch.frombuffer(pages, dtype=torch.uint8)` views it and
+    keeps it alive).
 
     The mapping is `mapped_bytes`: `nbytes` rounded up to whole huge pages, starting on one.
     Freed when the last reference goes; registered pages are unregistered first, after the
     device is synchronised. ValueError for nbytes < 1; VmmError if the mapping fails.
     """
 
-    def __init__(self, nbytes: int, huge: bool = True) -> None: ...
+    def __init__(self, nbytes: int, huge: bool = False) -> None: ...
     @property
     def nbytes(self) -> int: ...
     @property

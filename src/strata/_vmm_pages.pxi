@@ -3,10 +3,12 @@
 #
 # Why not torch's own host memory: `pin_memory=True` goes through torch's caching host
 # allocator, which rounds every block up to a power of two (a qwen3-30b-a3b layer's 1.2 GB of
-# bf16 experts takes 2 GiB), and its pages, like malloc's, are 4 KiB. One anonymous mapping of
-# the exact size, advised to use 2 MiB pages, costs what it holds; a streaming read of it (the
-# CPU's experts, the copy engine's uploads) walks 512 times fewer page-table entries, and the
-# CPU's hardware prefetchers, which stop at each page's end, run 2 MiB at a time.
+# bf16 experts takes 2 GiB). One anonymous mapping of the exact size costs what it holds.
+# Advised to use 2 MiB pages (`huge`), a streaming read of it (the CPU's experts, the copy
+# engine's uploads) walks 512 times fewer page-table entries and the CPU's hardware
+# prefetchers, which stop at each page's end, run 2 MiB at a time; but on a virtual machine a
+# huge page's first touch can cost more than 512 small ones' (the development VM filled them
+# 2-5x slower), so the caller chooses.
 
 from posix.mman cimport MADV_HUGEPAGE, madvise
 
@@ -50,8 +52,8 @@ cdef int _pages_tick(int op) except -1:
 
 @cython.no_gc_clear
 cdef class HostPages:
-    """`nbytes` of zeroed host memory in one anonymous mapping, advised to use huge pages, as a
-    writable buffer (`torch.frombuffer(pages, dtype=torch.uint8)` views it, and keeps it alive).
+    """`nbytes` of zeroed host memory in one anonymous mapping (advised to use huge pages with
+    `huge`), as a writable buffer (`torch.frombuffer(pages, dtype=torch.uint8)` views it, and keeps it alive).
 
     The mapping is rounded up to whole huge pages (HUGE_PAGE_BYTES) and starts on one, so no
     page is shared with other data. `huge_pages` says whether the kernel took the advice
@@ -73,7 +75,7 @@ cdef class HostPages:
     cdef Py_ssize_t _shape[1]
     cdef Py_ssize_t _strides[1]
 
-    def __cinit__(self, nbytes, huge=True):
+    def __cinit__(self, nbytes, huge=False):
         global _pages_alive, _pages_bytes
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"HostPages: nbytes must be a positive int, got {nbytes!r}")

@@ -49,6 +49,7 @@ CACHE_DIR = "STRATA_CACHE_DIR"
 DUMP_FIRST_LOGITS = "STRATA_DUMP_FIRST_LOGITS"
 API_KEY = "STRATA_API_KEY"
 CPU_KERNEL = "STRATA_CPU_KERNEL"
+HOST_HUGE_PAGES = "STRATA_HOST_HUGE_PAGES"
 CYTHON_DEBUG = "STRATA_CYTHON_DEBUG"
 BUILD_ONLY = "STRATA_BUILD_ONLY"
 
@@ -294,6 +295,18 @@ VARIABLES: tuple[Variable, ...] = (
         convert=_optional_text, check=_cpu_kernel_ok,
     ),
     Variable(
+        HOST_HUGE_PAGES,
+        "the expert store's host memory advised to use 2 MiB pages: fewer page walks for "
+        "the CPU's and the copies' streaming reads, but on a virtual machine whose memory the "
+        "host backs only when first touched the store loads 2-3.5x slower (on the "
+        "development VM, bench/results/host-pages-cpu-2026-12-04.md)",
+        "1 (on) or 0 (off)",
+        "0 (off)",
+        "host_huge_pages",
+        want="want 1 (on) or 0 (off)",
+        convert=_switch, check=_bool_ok,
+    ),
+    Variable(
         CYTHON_DEBUG,
         "build time (setup.py): turn Cython's bounds, wraparound and initialisation checks "
         "back on",
@@ -339,6 +352,7 @@ class Settings:
     dump_first_logits: Path | None = None
     api_key: str | None = field(default=None, repr=False)  # a secret: kept out of reprs
     cpu_kernel: str | None = None
+    host_huge_pages: bool = False
 
     def __post_init__(self) -> None:
         for var in VARIABLES:

@@ -16,11 +16,14 @@ def test_the_store_load_bench_runs_and_reports(capsys):
     model = cached_checkpoint("mixtral", "tiny", dtype=torch.bfloat16)
     assert bench.main(["--model", str(model), "--repeat", "1", "--experts", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert [load["kind"] for load in report["loads"]] == ["pages", "torch"]
-    pages, torch_layers = report["median"]["pages"], report["median"]["torch"]
-    assert pages["store_bytes"] == torch_layers["store_bytes"] > 0  # the same store both ways
-    for figures in (pages, torch_layers):
+    assert [load["kind"] for load in report["loads"]] == ["pages", "huge", "torch"]
+    median = report["median"]
+    assert median["pages"]["store_bytes"] == median["huge"]["store_bytes"] \
+        == median["torch"]["store_bytes"] > 0  # the same store each way
+    for figures in median.values():
         assert figures["load_s"] > 0 and figures["cpu_gbps"] > 0
         assert "upload_gbps" not in figures  # no CUDA here
-    ratios = report["pages_over_torch"]
-    assert {"load_s", "cpu_gbps", "store_bytes"} <= set(ratios) and ratios["store_bytes"] == 1
+    for kind in ("pages", "huge"):
+        ratios = report["over_torch"][kind]
+        assert {"load_s", "cpu_gbps", "store_bytes"} <= set(ratios)
+        assert ratios["store_bytes"] == 1

@@ -5,7 +5,7 @@ Dimension letters: K experts per token, M missed experts of a layer call, s stre
 size.
 
 The store is a few layers of K experts of the model's shape, in the real store's kind of
-memory (`host_blobs`' huge pages, page-locked on CUDA: the rates depend on the pages), read
+memory (`host_blobs`' pages, page-locked on CUDA: the rates depend on the pages), read
 round robin so that each call reads weights no recent call read (a CPU's last-level
 cache would flatter one layer), as the engine's misses do.
 

@@ -8,8 +8,8 @@ adjacent, the first 2*F*D elements of a blob are the fused gate_up matrix [2F, D
 `strata.engine.model.checkpoint.expert_store` reads one from a checkpoint.
 
 The blobs live in host memory that `host_blobs` maps for the whole store at once (one
-`strata._vmm.HostPages`: the exact bytes, in huge pages, page-locked for CUDA by the loader
-where a cache uploads from it), not in torch's allocations (see `host_blobs`).
+`strata._vmm.HostPages`: the exact bytes, page-locked for CUDA by the loader where a cache
+uploads from it), not in torch's allocations (see `host_blobs`).
 
 A store may instead hold quantized blobs (`quant`: one of `strata.engine.experts.quant`'s
 WEIGHT_FORMATS, its layout there); `dtype` is then the dtype the experts compute in. Every reader
@@ -21,31 +21,33 @@ from __future__ import annotations
 
 import torch
 
-from strata import _vmm
+from strata import _vmm, settings
 from strata.engine.experts.quant import dequantize_blobs, expert_blob_bytes
 from strata.machine import bytes_text, host_limit
 
 __all__ = ["ExpertStore", "host_blobs"]
 
 
-def host_blobs(n_layers: int, n_experts: int, blob_bytes: int, what: str
-               ) -> tuple[_vmm.HostPages, torch.Tensor]:
+def host_blobs(n_layers: int, n_experts: int, blob_bytes: int, what: str,
+               huge: bool | None = None) -> tuple[_vmm.HostPages, torch.Tensor]:
     """(the pages, uint8 [L, E, blob_bytes] over them, zeros): host memory for a store of
     n_layers x n_experts blobs, `what` naming them for the error (e.g. "the experts of
     model/ as int8"). ValueError, before anything is mapped, if they need more than the host
     has (`strata.machine.host_limit`).
 
     Why not `torch.empty(..., pin_memory=True)` per layer: torch's caching host allocator
-    rounds each block up to a power of two, so a layer of 1.2 GB takes 2 GiB (1.66x), in 4 KiB
-    pages. One mapping costs what it holds, and huge pages serve the CPU's streaming reads of
-    the experts (`strata._vmm.HostPages`). Page-lock it for CUDA with `pages.register`."""
+    rounds each block up to a power of two, so a layer of 1.2 GB takes 2 GiB (1.66x). One
+    mapping costs what it holds. Page-lock it for CUDA with `pages.register`. The pages are
+    advised to be huge ones where `huge` says so, by default where the `STRATA_HOST_HUGE_PAGES`
+    setting does (off unless set: see `strata.settings`)."""
     n_bytes = n_layers * n_experts * blob_bytes
     limit = host_limit()
     if n_bytes > limit.nbytes:
         raise ValueError(f"{what} need {bytes_text(n_bytes)} of host memory, more than {limit}: "
                          f"quantized experts (--experts-dtype int8 or int4) need about a half "
                          f"or a quarter of the bf16 bytes")
-    pages = _vmm.HostPages(n_bytes)
+    huge = settings.read().host_huge_pages if huge is None else huge
+    pages = _vmm.HostPages(n_bytes, huge=huge)
     blobs = torch.frombuffer(pages, dtype=torch.uint8).view(n_layers, n_experts, blob_bytes)
     return pages, blobs
 
