@@ -8,7 +8,7 @@
 # engine's uploads) walks 512 times fewer page-table entries and the CPU's hardware
 # prefetchers, which stop at each page's end, run 2 MiB at a time; but on a virtual machine a
 # huge page's first touch can cost more than 512 small ones' (the development VM filled them
-# 2-5x slower), so the caller chooses.
+# 2.2-5.9x slower), so the caller chooses.
 
 from posix.mman cimport MADV_HUGEPAGE, madvise
 
