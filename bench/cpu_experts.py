@@ -105,7 +105,7 @@ def host_buffer(n_bytes: int, memory: str) -> torch.Tensor:
         return torch.empty(n_bytes, dtype=torch.uint8)
     if memory == "pinned":
         return torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
-    pages, blobs = host_blobs(1, 1, n_bytes, "the bench's store", huge=memory == "huge")
+    pages, blobs = host_blobs(1, 1, n_bytes, "the bench's experts", huge=memory == "huge")
     if torch.cuda.is_available():
         pages.register(torch.cuda.current_device())
     return blobs.view(-1)

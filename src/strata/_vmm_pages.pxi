@@ -53,7 +53,8 @@ cdef int _pages_tick(int op) except -1:
 @cython.no_gc_clear
 cdef class HostPages:
     """`nbytes` of zeroed host memory in one anonymous mapping (advised to use huge pages with
-    `huge`), as a writable buffer (`torch.frombuffer(pages, dtype=torch.uint8)` views it, and keeps it alive).
+    `huge`), as a writable buffer (`torch.frombuffer(pages, dtype=torch.uint8)` views it, and
+    keeps it alive).
 
     The mapping is rounded up to whole huge pages (HUGE_PAGE_BYTES) and starts on one, so no
     page is shared with other data. `huge_pages` says whether the kernel took the advice

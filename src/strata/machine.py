@@ -1,4 +1,6 @@
-"""The machine's limits: how much memory the host can give, and how many CPUs this process has.
+"""The machine's limits: how much memory the host can give, and how many CPUs this process has;
+and how its kernel gives huge pages (`transparent_huge_pages`, `huge_page_bytes`), which the
+benchmarks report beside the CPU's read rates.
 
 Sizes that come from outside (a config's layer count, `--max-context`, a file's declared array
 shapes, `--cpu-threads`) are checked against these before anything is allocated or started, so

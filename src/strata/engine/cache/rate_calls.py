@@ -48,7 +48,7 @@ def synthetic_store(hidden_size: int, expert_width: int, top_k: int, dtype: torc
     layers), filled with small values, page-locked for CUDA when `pin`."""
     blob = expert_blob_bytes(expert_width, hidden_size, dtype)
     n_layers = max(1, min(MAX_LAYERS, -(-target_bytes // (top_k * blob))))
-    pages, buffer = host_blobs(n_layers, top_k, blob, "the rates' synthetic store")
+    pages, buffer = host_blobs(n_layers, top_k, blob, "the rates' synthetic experts")
     if pin:
         pages.register(torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
