@@ -15,6 +15,9 @@ from posix.mman cimport MADV_HUGEPAGE, madvise
 
 PAGES_FAULT_OPS = ("map", "register")
 HUGE_PAGE_BYTES = 2 << 20
+# cuda.h's flag (an ABI constant since CUDA 4.0), as the plain unsigned int the driver takes,
+# whatever Python type a cuda-python release gives its own name for it.
+cdef unsigned int CU_MEMHOSTREGISTER_PORTABLE = 0x01
 
 cdef int[2] _pages_countdown = [0, 0]
 # HostPages alive in this process and the bytes they map (for leak tests).
@@ -120,8 +123,8 @@ cdef class HostPages:
                               "cuDevicePrimaryCtxRetain")
         try:
             _cuda_check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
-            flags = driver.CU_MEMHOSTREGISTER_PORTABLE
-            _cuda_check(driver.cuMemHostRegister(self._address, self.mapped_bytes, flags),
+            _cuda_check(driver.cuMemHostRegister(self._address, self.mapped_bytes,
+                                                 CU_MEMHOSTREGISTER_PORTABLE),
                         f"cuMemHostRegister of {self.mapped_bytes} bytes")
         except BaseException:
             driver.cuDevicePrimaryCtxRelease(cu_device)
