@@ -209,6 +209,8 @@ for stage in "$@"; do
            base=/tmp/strata-ab-base; rm -rf "$base"; mkdir -p "$base"; cp -r src "$base/"
            patch -s -R -p1 -d "$base" < "${AB_PATCH:?a diff of src/ from the baseline}" || exit 1
            dir=/tmp/strata-qwen3-${AB_LAYERS:-8}l
+           # 16 layers: the shared checkpoint the store-load and offload stages write anyway
+           [ "${AB_LAYERS:-8}" = 16 ] && dir=$(checkpoint 0)
            [ -f "$dir/config.json" ] || python3 -c "import sys; from strata.cli.main import \
                main; sys.exit(main())" init-model --preset qwen3-30b-a3b --layers \
                "${AB_LAYERS:-8}" "$dir" > /dev/null 2>> "$OUT/init-model.log"
