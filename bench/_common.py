@@ -47,6 +47,15 @@ def mem_available_bytes() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
+def rss_bytes() -> int:
+    """This process's resident memory (VmRSS of /proc/self/status): exact for what it touched,
+    where MemAvailable moves with the page cache too."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
 def median_ms(fn, repeat: int, cuda: bool = False) -> float:
     """Milliseconds `fn()` takes, the median of `repeat` after one warm-up: CUDA events around
     each call when `cuda` (the device's time of what it queues), else the host's clock."""

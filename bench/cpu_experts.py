@@ -53,7 +53,7 @@ in a gap, and each call then pays their wake-up. `--wake-us W` starts the kernel
 for the device.
 
 Each `--memory` kind's store also reports the host memory it took (the drop of MemAvailable
-across its making) beside its blobs' bytes.
+across its making, and the growth of the process's resident memory) beside its blobs' bytes.
 
 Ratios to `bare` are in the same run, so they compare across machines. Medians of `--repeat`.
 Each column's GB/s is the experts' bytes over its time, and its share of the host's read
@@ -87,7 +87,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from _common import host_read_bytes_per_s, mem_available_bytes
+from _common import host_read_bytes_per_s, mem_available_bytes, rss_bytes
 from strata import _cpu_experts
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.cpu import CpuExperts
@@ -367,11 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     for memory in memories:
         for name in args.dtypes.split(","):
             store = quantized = None  # the last kind's freed first: its release is not counted
-            available = mem_available_bytes()
+            available, resident = mem_available_bytes(), rss_bytes()
             store = random_store(preset.hidden_size, preset.expert_width, preset.n_experts,
                                  DTYPES[name], memory, args.layers)
             footprint = {"store_bytes": store.n_layers * store.n_experts * store.blob_bytes,
-                         "host_taken_bytes": available - mem_available_bytes()}
+                         "host_taken_bytes": available - mem_available_bytes(),
+                         "rss_grown_bytes": rss_bytes() - resident}
             quantized = {column: quantized_layers(store, make_blob)
                          for column, (_, make_blob, _) in QUANTIZED.items()} \
                 if name == "bf16" else None
@@ -404,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     for run in {(r["memory"], r["dtype"]): r for r in runs}.values():
         print(f"store in {run['memory']} memory, {run['dtype']}: "
               f"{run['store_bytes'] / 2**30:.2f} GiB of blobs took "
-              f"{run['host_taken_bytes'] / 2**30:.2f} GiB of the host's available memory")
+              f"{run['host_taken_bytes'] / 2**30:.2f} GiB of the host's available memory, "
+              f"{run['rss_grown_bytes'] / 2**30:.2f} GiB more resident")
     print("| memory | dtype | T | experts | gap us | wake us | threads main/worker | "
           "bare us (GB/s, share) | "
           + " | ".join(columns) + " |")

@@ -121,8 +121,8 @@
 # activation as one kernel against torch's two; PROMPT_DTYPES, e.g. int8,int4-g32: each
 # format's resident prompt call too, grouped a batch at a time against the loop),
 # store-load (6: bench/store_load.py on the 16-layer qwen3 cut, the expert store in strata's
-# host pages against a pinned torch tensor a layer, bf16 twice each, int8 once each: load
-# seconds, host memory taken, the CPU kernel's and the uploads' GB/s),
+# host pages, 4 KiB and huge, against a pinned torch tensor a layer, bf16 twice each, int8
+# once each: load seconds, host memory taken, the CPU kernel's and the uploads' GB/s),
 # offload-ab (4: the int8 loaned prompt on an AB_LAYERS-layer (default 8) qwen3 cut, a
 # baseline tree (src/ with AB_PATCH, `git diff BASE -- src`, taken back) against this one,
 # interleaved AB_ROUNDS times, default 2, both run by this tree's bench/offload.py;

@@ -34,13 +34,12 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from unittest import mock
 
 import numpy as np
 import torch
 
-from _common import mem_available_bytes
+from _common import mem_available_bytes, rss_bytes
 from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.routed import Routed
 from strata.engine.model import checkpoint
@@ -61,14 +60,6 @@ class TorchLayers:
 
     def register(self, device: int) -> None:
         pass
-
-
-def rss_bytes() -> int:
-    """This process's resident memory (VmRSS of /proc/self/status)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def cpu_gbps(store, n_experts: int) -> float:
