@@ -125,7 +125,8 @@ cdef class HostPages:
             _cuda_check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
             _cuda_check(driver.cuMemHostRegister(self._address, self.mapped_bytes,
                                                  CU_MEMHOSTREGISTER_PORTABLE),
-                        f"cuMemHostRegister of {self.mapped_bytes} bytes")
+                        f"page-locking {self.mapped_bytes} bytes of host memory for cuda:"
+                        f"{device}'s copies (cuMemHostRegister)")
         except BaseException:
             driver.cuDevicePrimaryCtxRelease(cu_device)
             raise
