@@ -208,3 +208,15 @@ def test_a_profile_for_another_model_is_refused(capsys, ckpt, tmp_path):
     garbage.write_bytes(b"not a zip")
     status, _, err = _run(capsys, "--model", str(ckpt), *FAST, "--expert-profile", str(garbage))
     assert status == 2 and err.count("\n") == 1 and str(garbage) in err
+
+
+def test_experts_beyond_the_host_are_one_line_before_the_load(capsys, ckpt, monkeypatch):
+    from strata.engine.experts import store
+    from strata.machine import MemoryLimit
+
+    monkeypatch.setattr(store, "host_limit", lambda: MemoryLimit(1 << 20, "the host's RAM"))
+    status, out, err = _run(capsys, "--model", str(ckpt), *FAST)  # every expert resident too
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert re.search(r"its experts as float32 need [\d.]+ MiB of host memory, more than the "
+                     r"host's RAM \(1\.0 MiB\): quantized experts \(--experts-dtype int8 or "
+                     r"int4\)", err), err
