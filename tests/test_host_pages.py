@@ -6,7 +6,9 @@ failure path (an injected fault) runs everywhere.
 """
 
 import gc
+import sys
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -240,3 +242,84 @@ def test_the_docs_figure_for_torchs_rounding_is_a_qwen3_layers():
     assert 1 << (layer_bytes - 1).bit_length() == 2 << 30
     text = " ".join((Path(__file__).parents[1] / "docs" / "expert-cache.md").read_text().split())
     assert "a `qwen3-30b-a3b` layer's 1.2 GB would take 2 GiB" in text
+
+
+# --- the registration's driver calls, against a recording stand-in ---------------------------
+# The real driver runs the same code under `pytest -m cuda`; here the calls' order and
+# arguments are checked where there is no GPU (the path every CUDA store now loads through).
+
+
+class RecordingDriver(types.ModuleType):
+    """`cuda.bindings.driver` as far as HostPages uses it: each call recorded, each result
+    (CUresult, *values) as cuda-python returns them; `fail` names a call that returns
+    CUDA_ERROR_OUT_OF_MEMORY (2)."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        super().__init__("cuda.bindings.driver")
+        self.calls: list[tuple] = []
+        self.fail = fail
+
+    def __getattr__(self, name: str):
+        if not name.startswith("cu"):
+            raise AttributeError(name)
+        values = {"cuDeviceGet": ("device",), "cuDevicePrimaryCtxRetain": ("context",),
+                  "cuGetErrorName": (b"CUDA_ERROR_OUT_OF_MEMORY",)}.get(name, ())
+
+        def call(*args):
+            if name != "cuGetErrorName":
+                self.calls.append((name, *args))
+            return (2 if name == self.fail else 0, *values)
+        return call
+
+
+@pytest.fixture
+def recording_driver(monkeypatch):
+    def install(fail: str | None = None) -> RecordingDriver:
+        driver = RecordingDriver(fail)
+        bindings = types.ModuleType("cuda.bindings")
+        bindings.driver = driver
+        cuda = types.ModuleType("cuda")
+        cuda.bindings = bindings
+        for name, module in (("cuda", cuda), ("cuda.bindings", bindings),
+                             ("cuda.bindings.driver", driver)):
+            monkeypatch.setitem(sys.modules, name, module)
+        return driver
+    return install
+
+
+def test_registration_locks_the_whole_mapping_and_freeing_unlocks_it_after_a_sync(
+        recording_driver):
+    driver = recording_driver()
+    pages = _vmm.HostPages(3 << 20)
+    address, mapped = pages.address, pages.mapped_bytes
+    pages.register(1)
+    assert pages.registered_device == 1
+    assert driver.calls == [("cuInit", 0), ("cuDeviceGet", 1),
+                            ("cuDevicePrimaryCtxRetain", "device"),
+                            ("cuCtxSetCurrent", "context"),
+                            ("cuMemHostRegister", address, mapped, 1)]  # 1: portable
+    driver.calls.clear()
+    del pages
+    gc.collect()
+    # The device synchronised before the pages are unlocked; both retains released.
+    assert driver.calls == [("cuDevicePrimaryCtxRetain", "device"),
+                            ("cuCtxSetCurrent", "context"), ("cuCtxSynchronize",),
+                            ("cuMemHostUnregister", address),
+                            ("cuDevicePrimaryCtxRelease", "device"),
+                            ("cuDevicePrimaryCtxRelease", "device")]
+
+
+def test_a_refused_registration_names_what_failed_and_releases_its_context(recording_driver):
+    driver = recording_driver(fail="cuMemHostRegister")
+    pages = _vmm.HostPages(1 << 20)
+    with pytest.raises(_vmm.VmmError) as info:
+        pages.register(0)
+    assert str(info.value) == (f"page-locking {pages.mapped_bytes} bytes of host memory for "
+                               f"cuda:0's copies (cuMemHostRegister) failed: "
+                               f"CUDA_ERROR_OUT_OF_MEMORY")
+    assert driver.calls[-1] == ("cuDevicePrimaryCtxRelease", "device")
+    assert pages.registered_device is None
+    driver.calls.clear()
+    del pages
+    gc.collect()
+    assert driver.calls == []  # never locked: nothing to unlock
