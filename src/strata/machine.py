@@ -71,8 +71,10 @@ def available_cpus() -> int:
 def huge_page_bytes(address: int, n_bytes: int) -> int:
     """About how many bytes of [address, address + n_bytes) of this process's memory the
     kernel backs with transparent huge pages now: AnonHugePages of /proc/self/smaps summed
-    over the mappings that overlap the span (exact for a span that is whole mappings, as a
-    `strata._vmm.HostPages` is), at most n_bytes; 0 where the kernel does not say."""
+    over the mappings that overlap the span, at most n_bytes; 0 where the kernel does not say.
+    Exact where those mappings hold nothing else, as an advised `strata._vmm.HostPages`' does
+    (its huge-page flag keeps the kernel from merging it with its neighbours); an unadvised
+    one may share a mapping with other memory, whose huge pages would count too."""
     total, inside = 0, False
     try:
         with open("/proc/self/smaps") as f:
