@@ -70,3 +70,20 @@ def _only_the_built_in_policies(request, monkeypatch):
         return (d for d in every(**kwargs) if installed_at(d) not in INSTALLED_POLICY_PLUGINS)
 
     monkeypatch.setattr(importlib.metadata, "distributions", distributions)
+
+
+@pytest.fixture
+def no_host_page_leaks():
+    """Fails the test if it leaves host pages (`strata._vmm.HostPages`) alive, or a fault
+    injected into them armed."""
+    import gc
+
+    from strata import _vmm
+
+    _vmm.clear_pages_faults()
+    gc.collect()
+    before = _vmm.alive_host_pages()
+    yield
+    _vmm.clear_pages_faults()
+    gc.collect()
+    assert _vmm.alive_host_pages() == before, "a test leaked host pages"

@@ -6,6 +6,7 @@ failure path (an injected fault) runs everywhere.
 """
 
 import gc
+import mmap
 import sys
 import threading
 import types
@@ -30,15 +31,7 @@ def tiny_checkpoint():
     return cached_checkpoint("mixtral", "tiny", dtype=torch.float32)
 
 
-@pytest.fixture(autouse=True)
-def no_leaks():
-    _vmm.clear_pages_faults()
-    gc.collect()
-    before = _vmm.alive_host_pages()
-    yield
-    _vmm.clear_pages_faults()
-    gc.collect()
-    assert _vmm.alive_host_pages() == before, "a test leaked host pages"
+pytestmark = pytest.mark.usefixtures("no_host_page_leaks")
 
 
 def test_pages_are_zeroed_aligned_rounded_and_freed_with_their_last_view():
@@ -62,6 +55,19 @@ def test_pages_are_zeroed_aligned_rounded_and_freed_with_their_last_view():
     del view
     gc.collect()
     assert _vmm.alive_host_pages() == (count, mapped)
+
+
+@pytest.mark.parametrize("n_bytes", [1, 4095, 4097, _vmm.HUGE_PAGE_BYTES - 1])
+def test_pages_under_a_huge_page_take_whole_small_pages_unless_advised_huge(n_bytes):
+    page = mmap.PAGESIZE
+    small = _vmm.HostPages(n_bytes)
+    assert small.mapped_bytes == -(-n_bytes // page) * page and small.address % page == 0
+    view = torch.frombuffer(small, dtype=torch.uint8)
+    view[-1] = 3  # the last byte asked for is writable
+    assert int(view.count_nonzero()) == 1
+    huge = _vmm.HostPages(n_bytes, huge=True)
+    assert huge.mapped_bytes == _vmm.HUGE_PAGE_BYTES
+    assert huge.address % _vmm.HUGE_PAGE_BYTES == 0
 
 
 @pytest.mark.skipif(transparent_huge_pages() not in ("always", "madvise"),
@@ -158,7 +164,7 @@ def test_expert_store_holds_its_layers_in_one_mapping(tiny_checkpoint):
     store = store_of(tiny_checkpoint)
     first = store.layer_blobs(0)
     layer_bytes = store.n_experts * store.blob_bytes
-    assert first.data_ptr() % _vmm.HUGE_PAGE_BYTES == 0
+    assert first.data_ptr() % mmap.PAGESIZE == 0  # its own pages
     for layer in range(store.n_layers):
         assert store.layer_blobs(layer).data_ptr() == first.data_ptr() + layer * layer_bytes
 
@@ -167,7 +173,7 @@ def test_the_rates_synthetic_store_is_in_the_real_stores_kind_of_memory():
     count = _vmm.alive_host_pages()[0]
     store = synthetic_store(64, 32, 4, torch.bfloat16, False, 1 << 16)
     assert _vmm.alive_host_pages()[0] == count + 1
-    assert store.layer_blobs(0).data_ptr() % _vmm.HUGE_PAGE_BYTES == 0
+    assert store.layer_blobs(0).data_ptr() % mmap.PAGESIZE == 0
 
 
 def test_a_failed_registration_in_expert_store_frees_the_loaded_store(tiny_checkpoint,
@@ -323,3 +329,35 @@ def test_a_refused_registration_names_what_failed_and_releases_its_context(recor
     del pages
     gc.collect()
     assert driver.calls == []  # never locked: nothing to unlock
+
+
+def test_an_owner_unlocks_its_pages_at_its_close_and_the_free_then_calls_nothing(
+        recording_driver, tiny_checkpoint):
+    driver = recording_driver()
+    store = store_of(tiny_checkpoint)
+    pages = store.pages
+    pages.register(0)
+    driver.calls.clear()
+    store.close()
+    assert pages.registered_device is None
+    assert [call[0] for call in driver.calls] == [
+        "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuCtxSynchronize",
+        "cuMemHostUnregister", "cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRelease"]
+    driver.calls.clear()
+    store.close()  # idempotent
+    assert int(store.layer_blobs(0).count_nonzero()) > 0  # still mapped for its views
+    del store, pages
+    gc.collect()
+    assert driver.calls == []
+
+
+def test_a_refused_unlock_names_what_failed_and_still_releases_both_retains(recording_driver):
+    driver = recording_driver(fail="cuMemHostUnregister")
+    pages = _vmm.HostPages(1 << 20)
+    pages.register(0)
+    driver.calls.clear()
+    with pytest.raises(_vmm.VmmError, match=rf"unlocking {pages.mapped_bytes} bytes of host "
+                                            r"memory \(cuMemHostUnregister\) failed"):
+        pages.unregister()
+    assert driver.calls[-2:] == [("cuDevicePrimaryCtxRelease", "device")] * 2
+    assert pages.registered_device is None

@@ -135,7 +135,8 @@ class HostPages:
     `huge`), as a writable buffer (`torch.frombuffer(pages, dtype=torch.uint8)` views it and
     keeps it alive).
 
-    The mapping is `mapped_bytes`: `nbytes` rounded up to whole huge pages, starting on one.
+    The mapping is `mapped_bytes`: `nbytes` rounded up to whole huge pages, starting on one
+    (under one huge page and not `huge`: to whole small pages).
     Freed when the last reference goes; registered pages are unregistered first, after the
     device is synchronised. ValueError for nbytes < 1; VmmError if the mapping fails.
     """
@@ -156,6 +157,10 @@ class HostPages:
     def register(self, device: int = 0) -> None:
         """Page-lock the pages for CUDA (`cuMemHostRegister`, portable), once; VmmError naming
         the driver's error, the pages left as they were."""
+    def unregister(self) -> None:
+        """Undo `register` after synchronising the device (nothing if not registered); the
+        pages stay mapped until their last reference goes. Owners call it at their close: a
+        synchronisation while a CUDA graph is captured would break the capture."""
 
 def inject_pages_fault(op: str, nth: int = 1) -> None:
     """Make the nth next `op` ('map' or 'register') of any HostPages fail with VmmError."""

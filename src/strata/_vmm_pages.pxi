@@ -11,6 +11,7 @@
 # 2.2-5.9x slower), so the caller chooses.
 
 from posix.mman cimport MADV_HUGEPAGE, madvise
+from posix.unistd cimport _SC_PAGESIZE, sysconf
 
 
 PAGES_FAULT_OPS = ("map", "register")
@@ -60,13 +61,14 @@ cdef class HostPages:
     keeps it alive).
 
     The mapping is rounded up to whole huge pages (HUGE_PAGE_BYTES) and starts on one, so no
-    page is shared with other data. `huge_pages` says whether the kernel took the advice
+    page is shared with other data; one smaller than a huge page and not advised to use them
+    takes whole small pages instead (a parked conversation of a few cells). `huge_pages` says whether the kernel took the advice
     (whether it then gives huge pages depends on /sys/kernel/mm/transparent_hugepage).
     `register(device)` page-locks the whole mapping for CUDA (`cuMemHostRegister`, portable:
     every context's copies from it are asynchronous); it stays locked until the pages are freed.
-    Freed when the last reference goes (a tensor viewing the buffer is one): the device is
-    synchronised first if the pages are registered (a copy queued from them may still run),
-    then they are unregistered and unmapped.
+    `unregister()` undoes it (owners call it at their close). Freed when the last reference
+    goes (a tensor viewing the buffer is one): pages still registered are unregistered first,
+    after the device is synchronised (a copy queued from them may still run), then unmapped.
     """
 
     cdef readonly Py_ssize_t nbytes
@@ -84,19 +86,23 @@ cdef class HostPages:
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"HostPages: nbytes must be a positive int, got {nbytes!r}")
         _pages_tick(0)
-        cdef Py_ssize_t mapped = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-        # One huge page more than needed, so that the memory can start on a huge-page boundary
-        # (mmap aligns to 4 KiB only); the unused head and tail are unmapped again.
-        cdef void* p = mmap(NULL, mapped + HUGE_PAGE_BYTES, PROT_READ | PROT_WRITE,
+        cdef bint small = not huge and nbytes < HUGE_PAGE_BYTES
+        cdef Py_ssize_t granule = sysconf(_SC_PAGESIZE) if small else HUGE_PAGE_BYTES
+        cdef Py_ssize_t mapped = -(-nbytes // granule) * granule
+        # Huge-page-sized ones: one huge page more than needed, so that the memory can start on
+        # a huge-page boundary (mmap aligns to small pages only); the unused head and tail are
+        # unmapped again.
+        cdef Py_ssize_t extra = 0 if small else HUGE_PAGE_BYTES
+        cdef void* p = mmap(NULL, mapped + extra, PROT_READ | PROT_WRITE,
                             MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
         if p == MAP_FAILED:
             raise _os_error(f"mapping {nbytes} bytes of host memory")
         cdef Py_ssize_t base = <Py_ssize_t>p
-        cdef Py_ssize_t start = -(-base // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        cdef Py_ssize_t start = -(-base // granule) * granule
         if start > base:
             munmap(p, start - base)
-        if base + HUGE_PAGE_BYTES > start:
-            munmap(<void*>(start + mapped), base + HUGE_PAGE_BYTES - start)
+        if base + extra > start:
+            munmap(<void*>(start + mapped), base + extra - start)
         self._address, self.mapped_bytes, self.nbytes = start, mapped, nbytes
         self.huge_pages = bool(huge) and madvise(<void*>self._address, self.mapped_bytes,
                                                  MADV_HUGEPAGE) == 0
@@ -134,6 +140,34 @@ cdef class HostPages:
         # it, whichever thread frees them.
         self._driver, self._cu_device, self.registered_device = driver, cu_device, device
 
+    def unregister(self):
+        """Undo `register`, once the device has run what was queued (it is synchronised: a
+        copy from the pages may still read them); nothing if they are not registered. The
+        pages stay mapped, for their views, until the last reference goes. VmmError naming
+        the driver's error.
+
+        Owners call it at their close: freeing registered pages does it too, but a free
+        comes when the last reference goes, and a synchronisation while a CUDA graph is being
+        captured (by any thread of the process) breaks that capture."""
+        if self._driver is not None:
+            self._unlock()
+
+    cdef _unlock(self):
+        driver, cu_device = self._driver, self._cu_device
+        self._driver, self.registered_device = None, None
+        context = _cuda_check(driver.cuDevicePrimaryCtxRetain(cu_device),
+                              "cuDevicePrimaryCtxRetain")
+        try:
+            _cuda_check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+            _cuda_check(driver.cuCtxSynchronize(), "synchronising the device before "
+                        "unlocking host pages (cuCtxSynchronize)")
+            _cuda_check(driver.cuMemHostUnregister(self._address),
+                        f"unlocking {self.mapped_bytes} bytes of host memory "
+                        "(cuMemHostUnregister)")
+        finally:
+            driver.cuDevicePrimaryCtxRelease(cu_device)  # this call's retain
+            driver.cuDevicePrimaryCtxRelease(cu_device)  # register's
+
     def __getbuffer__(self, Py_buffer* buffer, int flags):
         self._shape[0] = self.nbytes
         self._strides[0] = 1
@@ -160,17 +194,11 @@ cdef class HostPages:
         global _pages_alive, _pages_bytes
         if self._address == 0:
             return
-        driver, self._driver = self._driver, None
-        if driver is not None:
-            # The driver's calls return their errors; this guards against its module being
-            # half torn down at the interpreter's exit, where the process's end frees all.
+        if self._driver is not None:
+            # Not unregistered by its owner: done here, errors ignored (the driver's module may
+            # be half torn down at the interpreter's exit, where the process's end frees all).
             try:
-                context = driver.cuDevicePrimaryCtxRetain(self._cu_device)[1]
-                driver.cuCtxSetCurrent(context)
-                driver.cuCtxSynchronize()  # a copy queued from these pages may still read them
-                driver.cuMemHostUnregister(self._address)
-                driver.cuDevicePrimaryCtxRelease(self._cu_device)  # this call's retain
-                driver.cuDevicePrimaryCtxRelease(self._cu_device)  # register's
+                self._unlock()
             except Exception:
                 pass
         munmap(<void*>self._address, self.mapped_bytes)

@@ -395,6 +395,7 @@ class CachedExperts:
         stats.evicted += int(evicted.shape[0])
 
     def close(self) -> None:
-        """Release the arena. Idempotent."""
+        """Release the arena and unlock the store's pages. Idempotent."""
         self.arena.close()
+        self.store.close()
 

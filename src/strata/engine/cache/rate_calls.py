@@ -55,7 +55,8 @@ def synthetic_store(hidden_size: int, expert_width: int, top_k: int, dtype: torc
     numel = blob // torch.empty((), dtype=dtype).element_size()
     pattern = (torch.randn(numel, generator=gen) * hidden_size ** -0.5).to(dtype)
     buffer.copy_(pattern.view(torch.uint8).expand_as(buffer))
-    return ExpertStore(list(buffer.unbind(0)), hidden_size, expert_width, dtype)
+    return ExpertStore(list(buffer.unbind(0)), hidden_size, expert_width, dtype,
+                       pages=pages)
 
 
 class TimedCalls:

@@ -290,6 +290,7 @@ def measure_rates(key: RatesKey, dtype: torch.dtype, device: torch.device, *,
         stream_t, cpu_t, joint_t, staged_t = samples(
             TimedCalls(store, key.top_k, device, cpu_threads), key.top_k, repeat)
     finally:
+        store.close()  # unlocked here, not whenever the collector frees it
         del store
         if device.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # give the pinned buffer back to the system

@@ -56,12 +56,13 @@ class ExpertStore:
     """All experts of all layers in host RAM, as blobs: per layer one uint8 tensor [E, blob_bytes].
 
     Row `e` of layer `l` is the blob of expert (l, e). Uploads to a CUDA device are
-    asynchronous where the buffers are page-locked (`host_blobs`).
+    asynchronous where the buffers are page-locked (`host_blobs`). `pages`: the host pages the
+    layers view, if any, unlocked by `close`.
     """
 
     def __init__(
         self, layers: list[torch.Tensor], hidden_size: int, expert_width: int, dtype: torch.dtype,
-        quant: str | None = None,
+        quant: str | None = None, pages: _vmm.HostPages | None = None,
     ) -> None:
         self.hidden_size = hidden_size
         self.expert_width = expert_width
@@ -81,8 +82,17 @@ class ExpertStore:
                     f"layer {i} has {buf.shape[0]} experts, layer 0 has {layers[0].shape[0]}"
                 )
         self._layers = layers
+        self.pages = pages
         self.n_layers = len(layers)
         self.n_experts = layers[0].shape[0]
+
+    def close(self) -> None:
+        """Unlock the pages for CUDA now, where the owner closes, not when the last view goes:
+        that comes at the garbage collector's time, and the device synchronisation it needs
+        would break a CUDA graph being captured then. The blobs stay readable (the memory is
+        freed with its last view). Idempotent."""
+        if self.pages is not None:
+            self.pages.unregister()
 
     def _check(self, layer: int, expert: int | None = None) -> None:
         if not 0 <= layer < self.n_layers:

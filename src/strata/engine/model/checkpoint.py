@@ -137,4 +137,4 @@ def expert_store(
         layers.append(buf)
     if pin_memory:  # after the loading, so a checkpoint that fails to load locks nothing
         pages.register(torch.cuda.current_device())
-    return ExpertStore(layers, d, f, dtype, quant)
+    return ExpertStore(layers, d, f, dtype, quant, pages)
