@@ -331,6 +331,25 @@ def test_a_failed_restore_or_policy_loses_no_parked_conversation(ckpt, rank, mon
         table.validate()
 
 
+def test_a_park_that_fails_loses_neither_the_live_nor_the_parked_conversations(ckpt, rank):
+    engine, log = _engine(ckpt, rank)
+    first = [3 + i % 250 for i in range(60)]
+    with engine:
+        answer = engine.generate(first, options(4))
+        engine.generate(list(range(100, 110)), options(4))  # parks the first conversation
+        live, parked = list(engine.live), engine.conversations.entries()
+        follow = first + answer.tokens[:-1] + [7]
+        for prompt in (follow, list(range(200, 210))):  # with a restore taken out, without
+            _vmm.inject_pages_fault("map")  # the live conversation's pages
+            with pytest.raises(_vmm.VmmError, match="injected fault in the host pages' map"):
+                engine.generate(prompt, options(4))
+            assert engine.live == live and engine.conversations.entries() == parked
+        since = len(log.seen)
+        result = engine.generate(follow, options(4))
+        assert result.reused_tokens == len(follow) - 1
+        assert _kinds(log, since).count("Parked") == 1 and "Restored" in _kinds(log, since)
+
+
 def test_an_engine_from_the_user_s_options(ckpt, tmp_path):
     from strata.engine.runtime.options import CacheOptions, EngineOptions
     from strata.formats.profile import Profile, save_profile

@@ -54,7 +54,8 @@ def engine_figures(engine: Engine) -> dict[str, Any]:
     if parked is not None:
         figures["conversations"] = {
             "parked": len(parked), "parked_cells": sum(e.n_cells for e in parked.entries()),
-            "parked_bytes": parked.nbytes, "max_bytes": parked.max_bytes,
+            "parked_bytes": sum(e.nbytes for e in parked.entries()),
+            "host_bytes": parked.host_bytes, "max_bytes": parked.max_bytes,
             "max_entries": parked.max_entries,
         }
     return figures

@@ -4,13 +4,21 @@ Dimension letters: N cells, G kv heads, Dh head dim, L layers, P scale pairs a s
 
 A conversation is its token ids and the K/V cells they wrote: cell i holds token i's keys and
 values in every layer. When a request shares more with a parked conversation than with the
-live one, the engine parks the live one here (its cells copied to host RAM, pinned on CUDA so
-that the copies back are fast) and restores the parked one with the longest common prefix
-(its cells copied back, the K/V grown for them first). A restored conversation continues
+live one, the engine parks the live one here (its cells copied to host RAM, page-locked on
+CUDA so that the copies back are fast) and restores the parked one with the longest common
+prefix (its cells copied back, the K/V grown for them first). A restored conversation continues
 exactly as one never parked: the bytes are the same (int8 cells with their scales).
 
-Bounded by bytes (`max_bytes`) and entries (`max_entries`); the least recently used goes
-first, and a conversation larger than the whole cache is dropped, not parked.
+Each parked conversation holds its cells in one mapping of host pages (`strata._vmm.HostPages`)
+of their exact size rounded to whole pages, given back to the system when it is dropped. Not
+torch's pinned memory: its caching allocator rounds each block up to a power of two (a layer's
+33 MB of cells would take 64 MiB) and keeps freed blocks for itself, so the cache would hold up
+to twice its bytes and never give them back.
+
+Bounded by host bytes (`max_bytes`, the pages' bytes) and entries (`max_entries`); the least
+recently used goes first, and a conversation larger than the whole cache is dropped, not
+parked. A park that fails (no host memory, a refused page-lock) changes nothing: the entries it
+would have pushed out are dropped only once its copy is complete.
 """
 
 from __future__ import annotations
@@ -22,9 +30,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from strata import _vmm
 from strata.engine.kv.kv_cache import KVCache
 
 __all__ = ["ConversationCache", "ParkedConversation", "common_prefix"]
+
+# Each tensor of a parked conversation starts on this boundary of its pages (as cudaMalloc's
+# allocations do), so that the copy engine's transfers are aligned.
+CELLS_ALIGN_BYTES = 256
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -40,14 +53,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 @dataclass
 class ParkedConversation:
     """One parked conversation: `tokens` and, per layer, their K and V cells [N, G, Dh] in
-    host RAM as the K/V holds them, with int8's scale segments' cells [N, P, G] (else none).
-    `name` is its handle in events."""
+    host RAM as the K/V holds them, with int8's scale segments' cells [N, P, G] (else none),
+    all views of `pages` (None: the tensors own their memory). `name` is its handle in
+    events."""
 
     name: str
     tokens: tuple[int, ...]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     scales: list[torch.Tensor] = field(default_factory=list)
+    pages: _vmm.HostPages | None = None
 
     @property
     def n_cells(self) -> int:
@@ -55,13 +70,19 @@ class ParkedConversation:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its cells."""
         return sum(t.numel() * t.element_size()
                    for t in (*self.keys, *self.values, *self.scales))
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory it holds: its pages' (its cells' when it has none)."""
+        return self.nbytes if self.pages is None else self.pages.mapped_bytes
+
 
 class ConversationCache:
-    """Parked conversations, at most `max_bytes` of cells and `max_entries` entries, least
-    recently used out first. `pin` page-locks the host copies (on CUDA)."""
+    """Parked conversations, at most `max_bytes` of host memory and `max_entries` entries,
+    least recently used out first. `pin` page-locks the host copies of CUDA cells."""
 
     def __init__(self, max_bytes: int, max_entries: int, *, pin: bool = False) -> None:
         for name, value in (("max_bytes", max_bytes), ("max_entries", max_entries)):
@@ -75,9 +96,9 @@ class ConversationCache:
         return len(self._parked)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held by the parked conversations."""
-        return sum(c.nbytes for c in self._parked.values())
+    def host_bytes(self) -> int:
+        """Bytes of host memory the parked conversations hold (what `max_bytes` bounds)."""
+        return sum(c.host_bytes for c in self._parked.values())
 
     def entries(self) -> list[ParkedConversation]:
         """The parked conversations, least recently used first."""
@@ -93,31 +114,51 @@ class ConversationCache:
 
         Returns (the parked conversation, or None when it is larger than the whole cache or
         the cache holds no entries; the conversations dropped to make room, oldest first).
-        The copies are complete when it returns.
+        The copies are complete when it returns. Raises what mapping or page-locking the host
+        memory raised (`strata._vmm.VmmError`), the cache left as it was.
         """
         n = len(tokens)
         if not 0 < n <= kv.mapped_cells:
             raise ValueError(f"cannot park {n} cells of a K/V with {kv.mapped_cells} mapped")
-        nbytes = n * self.cell_bytes(kv)
-        if self.max_entries == 0 or nbytes > self.max_bytes:
+        if self.max_entries == 0 or n * self.cell_bytes(kv) > self.max_bytes:
             return None, []
+        cells = [kv.k(layer)[:n] for layer in range(kv.n_layers)]
+        cells += [kv.v(layer)[:n] for layer in range(kv.n_layers)]
+        cells += [scale_cells[:n] for scale_cells in kv.scales()]
+        pages, copies = self._host_tensors(cells)
+        if pages is not None and pages.mapped_bytes > self.max_bytes:
+            return None, []  # whole pages take more than the cache has
+        if pages is not None and self.pin and cells[0].is_cuda:
+            pages.register(cells[0].device.index or 0)
+        for copy, source in zip(copies, cells, strict=True):
+            copy.copy_(source, non_blocking=True)
+        if cells[0].is_cuda:  # the K/V's cells may be overwritten once this returns
+            torch.cuda.synchronize(cells[0].device)
+        L = kv.n_layers
+        entry = ParkedConversation(next(self._names), tuple(int(t) for t in tokens),
+                                   copies[:L], copies[L:2 * L], copies[2 * L:], pages)
         dropped = []
         while self._parked and (len(self._parked) >= self.max_entries
-                                or self.nbytes + nbytes > self.max_bytes):
+                                or self.host_bytes + entry.host_bytes > self.max_bytes):
             dropped.append(self._parked.popitem(last=False)[1])
-        keys = [self._host_copy(kv.k(layer)[:n]) for layer in range(kv.n_layers)]
-        values = [self._host_copy(kv.v(layer)[:n]) for layer in range(kv.n_layers)]
-        scales = [self._host_copy(cells[:n]) for cells in kv.scales()]
-        entry = ParkedConversation(next(self._names), tuple(int(t) for t in tokens), keys, values,
-                                   scales)
         self._parked[entry.name] = entry
         return entry, dropped
 
-    def _host_copy(self, cells: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(cells.shape, dtype=cells.dtype, device="cpu",
-                          pin_memory=self.pin and cells.is_cuda)  # [N, G, Dh] or [N, P, G]
-        out.copy_(cells)  # blocking: the K/V's cells may be overwritten after this returns
-        return out
+    def _host_tensors(self, cells: list[torch.Tensor]) -> tuple[_vmm.HostPages | None,
+                                                                 list[torch.Tensor]]:
+        """(the pages, a tensor in them shaped as each of `cells`): host memory for one
+        conversation's cells, not yet written. The one place that chooses that memory."""
+        offsets, n_bytes = [], 0
+        for source in cells:
+            n_bytes = -(-n_bytes // CELLS_ALIGN_BYTES) * CELLS_ALIGN_BYTES
+            offsets.append(n_bytes)
+            n_bytes += source.numel() * source.element_size()
+        pages = _vmm.HostPages(n_bytes)
+        memory = torch.frombuffer(pages, dtype=torch.uint8)  # [bytes]
+        copies = [memory[offset:offset + source.numel() * source.element_size()]
+                  .view(source.dtype).view(source.shape)
+                  for offset, source in zip(offsets, cells, strict=True)]
+        return pages, copies
 
     def best(self, tokens: Sequence[int]) -> tuple[ParkedConversation | None, int]:
         """The parked conversation sharing the longest prefix with `tokens`, and that length
@@ -148,9 +189,9 @@ class ConversationCache:
             raise ValueError(f"cannot restore {entry.keys[0].dtype} cells into a K/V of "
                              f"{kv.cell_dtype} cells")
         for layer in range(kv.n_layers):
-            kv.k(layer)[:n_cells].copy_(entry.keys[layer][:n_cells])
-            kv.v(layer)[:n_cells].copy_(entry.values[layer][:n_cells])
+            kv.k(layer)[:n_cells].copy_(entry.keys[layer][:n_cells], non_blocking=True)
+            kv.v(layer)[:n_cells].copy_(entry.values[layer][:n_cells], non_blocking=True)
         for cells, parked in zip(kv.scales(), entry.scales, strict=True):
-            cells[:n_cells].copy_(parked[:n_cells])
-        if kv.k(0).is_cuda:
+            cells[:n_cells].copy_(parked[:n_cells], non_blocking=True)
+        if kv.k(0).is_cuda:  # the entry's pages may be freed once this returns
             torch.cuda.synchronize(kv.k(0).device)

@@ -246,7 +246,11 @@ class Engine:
         parked_n = min(parked_n, last)
         if parked is not None and parked_n > live_n:
             restore = self.conversations.take(parked)  # first: parking may make room by LRU
-            self._park()
+            try:
+                self._park()
+            except BaseException:  # nothing was parked or dropped: it goes back, as it was
+                self.conversations.put_back(restore)
+                raise
             return restore, parked_n
         if live_n == 0:
             self._park()
@@ -263,11 +267,12 @@ class Engine:
         return None, live_n
 
     def _park(self) -> None:
-        """Park the live conversation (if any, and if the cache takes it), then drop it."""
-        live, self.live = self.live, []
-        if not live or self.conversations is None:
-            return
-        entry, _ = self.conversations.park(live, self.kv)
+        """Park the live conversation (if any, and if the cache takes it), then drop it. A park
+        that raises leaves it live (its cells untouched) and the cache as it was."""
+        entry = None
+        if self.live and self.conversations is not None:
+            entry, _ = self.conversations.park(self.live, self.kv)
+        self.live = []
         if entry is not None:
             self._emit(Parked(conversation=entry.name, cells=entry.n_cells,
                               nbytes=entry.nbytes))
