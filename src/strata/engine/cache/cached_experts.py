@@ -395,7 +395,6 @@ class CachedExperts:
         stats.evicted += int(evicted.shape[0])
 
     def close(self) -> None:
-        """Release the arena and unlock the store's pages. Idempotent."""
+        """Release the arena. Idempotent."""
         self.arena.close()
-        self.store.close()
 

@@ -36,12 +36,14 @@ class Loaded:
 
     def close(self) -> None:
         """Release the K/V's range, then the arena (the K/V's chunks come from its backend),
-        then the backend's own resources (host files). Idempotent."""
+        then the backend's own resources (host files); unlock the expert store's pages.
+        Idempotent."""
         if self.kv is not None:
             self.kv.close()
         if self.cache is not None:
             self.cache.close()
             self.cache.arena.backend.close()
+            self.cache.store.close()
 
     def __enter__(self) -> Loaded:
         return self
