@@ -1,22 +1,22 @@
 """Parking and restoring conversations: strata's host pages against torch's pinned tensors.
 
 `strata.engine.kv.conversations.ConversationCache` copies a parked conversation's cells into
-one mapping of host pages of their exact size, page-locked on CUDA at each park
-(`cuMemHostRegister`) and given back when the conversation leaves. Until 2026-12-05 it took a
-torch tensor a layer's K and a layer's V, `pin_memory=True` on CUDA: torch's caching host
-allocator rounds each up to a power of two and keeps freed blocks, so a park after the first
-reuses pinned memory for nothing, and the memory is never given back. This runs the same
-conversation cache three ways, each in a fresh process:
+one mapping of host pages of their exact size, page-locked on CUDA, and keeps the pages of a
+conversation that leaves (pushed out or restored) for the next park, within its bound. Until
+2026-12-05 it took a torch tensor a layer's K and a layer's V, `pin_memory=True` on CUDA:
+torch's caching host allocator rounds each up to a power of two and keeps freed blocks outside
+any bound. This runs the serving pattern three ways, each in a fresh process:
 
-- `pages`: as it is (page-locked on CUDA);
+- `pages`: the cache as it is (page-locked on CUDA);
 - `pageable`: the same pages never page-locked (on CUDA only: on the CPU it is `pages`);
-- `torch`: `_host_tensors` replaced by a torch tensor a layer (pinned on CUDA).
+- `torch`: the cache's memory as it was (`TorchPinnedParking`).
 
-Each run holds at most 2 conversations of `--cells` cells of a preset's whole K/V: round i
-parks conversation i (from the third on, the oldest leaves) and restores conversation i-1.
-Figures: the first park's seconds, the later parks' and the restores' (medians) with their
-GB/s, and the host memory held at the end (the drop of MemAvailable, the growth of the
-process's resident memory) beside the two conversations' cells' bytes. Ratios over `torch`.
+Two conversations take turns, as two chats on one server do: A of `--cells` cells and B of
+3/4 of them. Each round parks the live one and restores the other (the first round parks A
+alone, from a K/V holding it). Figures: the first park's seconds, the later parks' and the
+restores' (medians) with their GB/s over the parked cells' bytes, and the host memory held at
+the end (the drop of MemAvailable, the growth of the process's resident memory) beside the
+two conversations' cells' bytes. Ratios over `torch`.
 
     python bench/park.py --preset qwen3-30b-a3b --cells 4096
     python bench/park.py --preset olmoe-1b-7b --cells 16384 --device cuda --json
@@ -41,16 +41,48 @@ from strata.engine.kv.kv_cache import KVCache, device_backend
 from strata.engine.model.presets import get_preset
 
 KINDS = ("pages", "pageable", "torch")
-HELD = 2  # conversations the cache holds: from the third park on, one leaves at each
 
 
-class TorchPinnedCache(ConversationCache):
-    """The conversation cache as it was: a torch tensor a layer's K, V and scales (pinned on
-    CUDA), owning its memory."""
+class TorchPinnedParking:
+    """The conversation cache's memory as it was until 2026-12-05: a torch tensor a layer's K
+    and V (pinned on CUDA), each copied with a blocking `copy_`; a restored one dropped."""
 
-    def _host_tensors(self, cells):
-        pin = self.pin and cells[0].is_cuda
-        return None, [torch.empty(c.shape, dtype=c.dtype, pin_memory=pin) for c in cells]
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.parked: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def park(self, tokens: list[int], kv: KVCache) -> None:
+        n = len(tokens)
+        copies = []
+        for cells in [kv.k(layer)[:n] for layer in range(kv.n_layers)] + \
+                [kv.v(layer)[:n] for layer in range(kv.n_layers)]:
+            out = torch.empty(cells.shape, dtype=cells.dtype, pin_memory=self.pin)
+            out.copy_(cells)
+            copies.append(out)
+        self.parked[tuple(tokens)] = copies
+
+    def restore(self, tokens: list[int], kv: KVCache) -> None:
+        copies, n, L = self.parked.pop(tuple(tokens)), len(tokens), kv.n_layers
+        for layer in range(L):
+            kv.k(layer)[:n].copy_(copies[layer])
+            kv.v(layer)[:n].copy_(copies[L + layer])
+        if kv.k(0).is_cuda:
+            torch.cuda.synchronize()
+
+
+class PagesParking:
+    """The conversation cache as it is, behind the same two calls."""
+
+    def __init__(self, max_bytes: int, pin: bool) -> None:
+        self.cache = ConversationCache(max_bytes, 2, pin=pin)
+
+    def park(self, tokens: list[int], kv: KVCache) -> None:
+        entry, _ = self.cache.park(tokens, kv)
+        assert entry is not None, "the cache must hold the conversation"
+
+    def restore(self, tokens: list[int], kv: KVCache) -> None:
+        entry, _ = self.cache.best(tokens)
+        self.cache.restore(self.cache.take(entry), kv, len(tokens))
 
 
 def run_once(preset: str, n_cells: int, rounds: int, device: str, kind: str) -> dict:
@@ -62,33 +94,34 @@ def run_once(preset: str, n_cells: int, rounds: int, device: str, kind: str) -> 
     for layer in range(kv.n_layers):
         kv.k(layer).normal_()
         kv.v(layer).normal_()
-    cell_bytes = n_cells * kv.layout.bytes_per_cell
-    cls = TorchPinnedCache if kind == "torch" else ConversationCache
-    cache = cls(HELD * 2 * cell_bytes, HELD, pin=cuda and kind != "pageable")
+    turns = [[0] * n_cells, [1] * (3 * n_cells // 4)]  # A and B: other tokens, other sizes
+    held_bytes = sum(len(t) for t in turns) * kv.layout.bytes_per_cell
+    parking = (TorchPinnedParking(cuda) if kind == "torch"
+               else PagesParking(2 * held_bytes, pin=cuda and kind != "pageable"))
     available, resident = mem_available_bytes(), rss_bytes()
-    parks, restores, previous = [], [], None
+    parks, restores = [], []
     for i in range(rounds):
+        live, other = turns[i % 2], turns[(i + 1) % 2]
         start = time.perf_counter()
-        entry, dropped = cache.park([i] * n_cells, kv)
-        parks.append(time.perf_counter() - start)
-        del dropped  # its memory goes back (pages) or to torch's cache (pinned)
-        assert entry is not None, "the cache must hold the conversation"
-        if previous is not None:
+        parking.park(live, kv)
+        parks.append((time.perf_counter() - start, len(live)))
+        if i:
             start = time.perf_counter()
-            cache.restore(previous, kv, n_cells)
-            restores.append(time.perf_counter() - start)
-        previous = entry
-    del entry, previous
+            parking.restore(other, kv)
+            restores.append((time.perf_counter() - start, len(other)))
+    cell_bytes = kv.layout.bytes_per_cell
     result = {
-        "kind": kind, "cells_bytes": cell_bytes, "first_park_s": parks[0],
-        "park_s": statistics.median(parks[1:]), "restore_s": statistics.median(restores),
+        "kind": kind, "first_park_s": parks[0][0],
+        "park_s": statistics.median(s for s, _ in parks[1:]),
+        "restore_s": statistics.median(s for s, _ in restores),
+        "park_gbps": statistics.median(n * cell_bytes / s / 1e9 for s, n in parks[1:]),
+        "restore_gbps": statistics.median(n * cell_bytes / s / 1e9 for s, n in restores),
         "host_taken_bytes": available - mem_available_bytes(),
-        "rss_grown_bytes": rss_bytes() - resident, "held_cells_bytes": HELD * cell_bytes,
+        "rss_grown_bytes": rss_bytes() - resident, "held_cells_bytes": held_bytes,
+        "cells_bytes": n_cells * cell_bytes,
     }
-    result["park_gbps"] = cell_bytes / result["park_s"] / 1e9
-    result["restore_gbps"] = cell_bytes / result["restore_s"] / 1e9
-    for entry in cache.entries():
-        cache.take(entry)
+    if kind != "torch":
+        parking.cache.clear()
     kv.close()
     backend.close()
     return result
@@ -142,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{result['command']}  ({result['machine']}, torch {result['torch']}, "
           f"{result['cuda'] or 'no CUDA'})")
-    print(f"{args.preset}, {args.cells} cells a conversation: {result['cells_bytes'] / 1e9:.3f} "
-          f"GB; {HELD} held")
+    print(f"{args.preset}: conversations of {args.cells} and {3 * args.cells // 4} cells, "
+          f"{result['held_cells_bytes'] / 1e9:.3f} GB of cells in all")
     print("| host memory | first park s | park s (GB/s) | restore s (GB/s) | "
-          "host taken, resident grown / held cells |")
+          "host taken, resident grown / both conversations' cells |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for kind in kinds:
         m = median[kind]

@@ -34,11 +34,8 @@ def _cells(kv, n):
     return [t[:n].clone() for t in (*kv._k, *kv._v, *(s for s in kv.scales()))]
 
 
-def _page_bytes(n_cells, cell_dtype=None):
-    # Each layer's K, then V, on a CELLS_ALIGN_BYTES boundary; whole small pages.
-    per_tensor = n_cells * CELL_BYTES // 6
-    n_bytes = 5 * -(-per_tensor // CELLS_ALIGN_BYTES) * CELLS_ALIGN_BYTES + per_tensor
-    return -(-n_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+def _page_bytes(n_cells):
+    return -(-_exact_bytes(n_cells) // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 pytestmark = pytest.mark.usefixtures("no_host_page_leaks")
@@ -52,19 +49,38 @@ def test_a_parked_conversation_holds_its_cells_in_its_own_pages(backend):
     assert dropped == [] and entry.nbytes == 100 * CELL_BYTES
     assert entry.host_bytes == entry.pages.mapped_bytes == _page_bytes(100)
     assert _vmm.alive_host_pages() == (count + 1, mapped + entry.host_bytes)
-    assert cache.host_bytes == entry.host_bytes
+    assert cache.host_bytes == entry.host_bytes and cache.spare_bytes == 0
     for copy in (*entry.keys, *entry.values):  # views of the one mapping, aligned
         offset = copy.data_ptr() - entry.pages.address
         assert 0 <= offset < entry.pages.nbytes and offset % CELLS_ALIGN_BYTES == 0
-    before = _cells(kv, 100)
+    before, address = _cells(kv, 100), entry.pages.address
     for t in (*kv._k, *kv._v):
         t.zero_()
-    cache.restore(entry, kv, 100)
+    cache.restore(cache.take(entry), kv, 100)
     assert all(torch.equal(a, b) for a, b in zip(_cells(kv, 100), before, strict=True))
-    del entry, copy
-    cache.take(cache.entries()[0])
-    gc.collect()
-    assert _vmm.alive_host_pages() == (count, mapped), "a conversation gone gives its pages back"
+    # Restored, it is released: its pages are spare, still counted, and the next park of
+    # about its size takes them (no new mapping, no new page-lock).
+    assert entry.keys == [] and entry.pages is None and entry.tokens == tuple(range(100))
+    assert cache.spare_bytes == cache.host_bytes == _page_bytes(100)
+    again, _ = cache.park(list(range(1, 91)), kv)
+    assert again.pages.address == address and cache.spare_bytes == 0
+    assert _vmm.alive_host_pages()[0] == count + 1
+    del copy, again
+    cache.clear()
+    assert len(cache) == 0 and cache.host_bytes == 0
+    assert _vmm.alive_host_pages() == (count, mapped), "cleared, the cache gives its pages back"
+    kv.close()
+
+
+def test_restore_takes_a_taken_conversation_once(backend):
+    kv = _kv(backend)
+    cache = ConversationCache(1 << 20, 4)
+    entry, _ = cache.park(list(range(10)), kv)
+    with pytest.raises(ValueError, match="c1 is parked"):
+        cache.restore(entry, kv, 10)
+    cache.restore(cache.take(entry), kv, 10)
+    with pytest.raises(ValueError, match="c1 is released"):
+        cache.restore(entry, kv, 10)
     kv.close()
 
 
@@ -79,13 +95,30 @@ def test_the_bound_counts_whole_pages_not_cells(backend):
     kv.close()
 
 
-def test_the_entries_it_replaces_leave_once_it_is_parked(backend):
+def test_the_entries_it_replaces_leave_once_it_is_parked_and_their_pages_serve_again(backend):
     kv = _kv(backend)
     cache = ConversationCache(2 * _page_bytes(50), 8)
     first, _ = cache.park(list(range(50)), kv)
     second, _ = cache.park(list(range(1, 51)), kv)
+    address = first.pages.address
     third, dropped = cache.park(list(range(2, 52)), kv)
     assert dropped == [first] and cache.entries() == [second, third]
+    assert first.keys == [] and first.pages is None  # released
+    assert third.pages.address != address  # the bound had no room for a spare beside them
+    kv.close()
+
+
+def test_spares_too_large_are_given_back_before_any_conversation_leaves(backend):
+    kv = _kv(backend)
+    cache = ConversationCache(_page_bytes(400) + _page_bytes(50), 8)
+    big, _ = cache.park(list(range(400)), kv)
+    cache.restore(cache.take(big), kv, 400)
+    small, _ = cache.park(list(range(1, 51)), kv)  # the big spare is over twice its bytes
+    assert cache.spare_bytes == _page_bytes(400)
+    count = _vmm.alive_host_pages()[0]
+    other, dropped = cache.park(list(range(2, 102)), kv)  # needs room: the spare goes
+    assert dropped == [] and cache.entries() == [small, other] and cache.spare_bytes == 0
+    assert _vmm.alive_host_pages()[0] == count
     kv.close()
 
 
@@ -100,6 +133,7 @@ def test_a_park_that_fails_changes_nothing(backend, op):
     with pytest.raises(_vmm.VmmError, match=f"injected fault in the host pages' {op}"):
         cache.park(list(range(2, 52)), kv)  # would push `first` out
     assert cache.entries() == [first, second] and _vmm.alive_host_pages() == count
+    assert first.keys and second.keys  # their cells kept
     third, dropped = cache.park(list(range(2, 52)), kv)
     assert dropped == [first] and third.name == "c3"
     kv.close()
@@ -116,46 +150,90 @@ def test_int8_cells_and_their_scales_share_the_pages(backend):
     kv.close()
 
 
-@settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 3)), min_size=1, max_size=12),
+class ModelCache:
+    """The conversation cache's books in plain Python: entries (tokens, exact bytes, page
+    bytes) oldest first, spares (exact bytes, page bytes)."""
+
+    def __init__(self, max_bytes: int, max_entries: int) -> None:
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.parked: list[tuple[tuple[int, ...], int, int]] = []
+        self.spare: list[tuple[int, int]] = []
+
+    def held(self) -> int:
+        return sum(m for *_, m in self.parked) + sum(m for _, m in self.spare)
+
+    def park(self, tokens: tuple[int, ...]) -> list[tuple[int, ...]] | None:
+        need, pages = _exact_bytes(len(tokens)), _page_bytes(len(tokens))
+        if self.max_entries == 0 or len(tokens) * CELL_BYTES > self.max_bytes:
+            return None
+        fits = [s for s in self.spare if need <= s[0] and s[1] <= 2 * need]
+        if fits:
+            block = min(fits, key=lambda s: s[1])
+            self.spare.remove(block)
+        else:
+            if pages > self.max_bytes:
+                return None
+            while self.spare and self.held() + pages > self.max_bytes:
+                self.spare.remove(max(self.spare, key=lambda s: s[1]))
+            block = (need, pages)
+        self.parked.append((tokens, *block))
+        dropped = []
+        while len(self.parked) > self.max_entries or self.held() > self.max_bytes:
+            if self.held() > self.max_bytes and self.spare:
+                self.spare.remove(max(self.spare, key=lambda s: s[1]))
+                continue
+            tokens, *block = self.parked.pop(0)
+            self.spare.append(tuple(block))
+            dropped.append(tokens)
+        return dropped
+
+    def take(self, tokens: tuple[int, ...], restore: bool) -> None:
+        j = next(j for j, entry in enumerate(self.parked) if entry[0] == tokens)
+        entry = self.parked.pop(j)
+        if restore:
+            self.spare.append(entry[1:])
+        else:
+            self.parked.append(entry)  # put back, the most recently used
+
+
+def _exact_bytes(n_cells):
+    per_tensor = n_cells * CELL_BYTES // 6
+    return 5 * -(-per_tensor // CELLS_ALIGN_BYTES) * CELLS_ALIGN_BYTES + per_tensor
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 3)), min_size=1, max_size=14),
        st.integers(1, 4), st.integers(1, 40))
-def test_parks_against_a_model_of_least_recently_used_pages(parks, max_entries, max_pages):
-    # ops: (n cells, 0: park; 1: take the best match and put it back; 2: take it for good)
+def test_parks_against_a_plain_model_of_the_books(parks, max_entries, max_pages):
+    # ops: (n cells, 0 or 3: park; 1: take the oldest and put it back; 2: take and restore it)
     backend = _vmm.HostBackend(1 << 16)
     kv = _kv(backend)
     max_bytes = max_pages * mmap.PAGESIZE
-    cache = ConversationCache(max_bytes, max_entries)
-    model: list[tuple[tuple[int, ...], int]] = []  # (tokens, host bytes), oldest first
+    cache, model = ConversationCache(max_bytes, max_entries), ModelCache(max_bytes, max_entries)
     gc.collect()
     base = _vmm.alive_host_pages()[0]
     for i, (n, op) in enumerate(parks):
-        dropped = []
         tokens = tuple(range(i, i + n))
-        if op == 0 or not model:
+        if op in (0, 3) or not model.parked:
             entry, dropped = cache.park(tokens, kv)
-            host = _page_bytes(n)
-            if host > max_bytes:
-                assert entry is None and dropped == []
-                continue
-            gone = []
-            while model and (len(model) >= max_entries
-                             or sum(b for _, b in model) + host > max_bytes):
-                gone.append(model.pop(0))
-            model.append((tokens, host))
-            assert [d.tokens for d in dropped] == [t for t, _ in gone]
+            expected = model.park(tokens)
+            assert (entry is None) == (expected is None)
+            assert [d.tokens for d in dropped] == (expected or [])
+            del entry, dropped
         else:
-            entry, _ = cache.best(model[0][0])
-            taken = cache.take(entry)
-            model.pop(next(j for j, (t, _) in enumerate(model) if t == taken.tokens))
+            oldest = cache.take(cache.entries()[0])
             if op == 1:
-                cache.put_back(taken)
-                model.append((taken.tokens, taken.host_bytes))
-            del taken
-        del entry, dropped
+                cache.put_back(oldest)
+            else:
+                cache.restore(oldest, kv, min(oldest.n_cells, 5))
+            model.take(oldest.tokens, restore=op == 2)
+            del oldest
         gc.collect()
-        assert [e.tokens for e in cache.entries()] == [t for t, _ in model]
-        assert cache.host_bytes == sum(b for _, b in model) <= max_bytes
-        assert _vmm.alive_host_pages()[0] == base + len(model)
+        assert [e.tokens for e in cache.entries()] == [t for t, *_ in model.parked]
+        assert cache.host_bytes == model.held() <= max_bytes
+        assert cache.spare_bytes == sum(m for _, m in model.spare)
+        assert _vmm.alive_host_pages()[0] == base + len(model.parked) + len(model.spare)
+    cache.clear()
     kv.close()
     backend.close()
 
@@ -168,17 +246,20 @@ def test_cuda_parks_are_page_locked_and_a_refused_lock_changes_nothing():
         t.normal_()
     cache = ConversationCache(1 << 24, 2, pin=True)
     entry, _ = cache.park(list(range(500)), kv)
-    assert entry.pages.registered_device == torch.cuda.current_device()
+    pages = entry.pages
+    assert pages.registered_device == torch.cuda.current_device()
+    _vmm.inject_pages_fault("register")  # fresh pages for another conversation
+    with pytest.raises(_vmm.VmmError, match="register"):
+        cache.park(list(range(1, 301)), kv)
+    assert cache.entries() == [entry]
     before = _cells(kv, 500)
     for t in (*kv._k, *kv._v):
         t.zero_()
-    cache.restore(entry, kv, 500)
+    cache.restore(cache.take(entry), kv, 500)
     assert all(torch.equal(a, b) for a, b in zip(_cells(kv, 500), before, strict=True))
-    _vmm.inject_pages_fault("register")
-    with pytest.raises(_vmm.VmmError, match="register"):
-        cache.park(list(range(1, 501)), kv)
-    assert cache.entries() == [entry]
-    del entry
-    cache.take(cache.entries()[0])
+    again, _ = cache.park(list(range(2, 452)), kv)  # the spare, still page-locked
+    assert again.pages is pages and pages.registered_device == torch.cuda.current_device()
+    del again, pages
+    cache.clear()
     kv.close()
     backend.close()

@@ -55,7 +55,8 @@ def engine_figures(engine: Engine) -> dict[str, Any]:
         figures["conversations"] = {
             "parked": len(parked), "parked_cells": sum(e.n_cells for e in parked.entries()),
             "parked_bytes": sum(e.nbytes for e in parked.entries()),
-            "host_bytes": parked.host_bytes, "max_bytes": parked.max_bytes,
+            "host_bytes": parked.host_bytes, "spare_bytes": parked.spare_bytes,
+            "max_bytes": parked.max_bytes,
             "max_entries": parked.max_entries,
         }
     return figures

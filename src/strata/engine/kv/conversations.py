@@ -10,15 +10,21 @@ prefix (its cells copied back, the K/V grown for them first). A restored convers
 exactly as one never parked: the bytes are the same (int8 cells with their scales).
 
 Each parked conversation holds its cells in one mapping of host pages (`strata._vmm.HostPages`)
-of their exact size rounded to whole pages, given back to the system when it is dropped. Not
-torch's pinned memory: its caching allocator rounds each block up to a power of two (a layer's
-33 MB of cells would take 64 MiB) and keeps freed blocks for itself, so the cache would hold up
-to twice its bytes and never give them back.
+of their exact size rounded to whole pages. When it leaves (pushed out, or restored), its pages
+are kept as spare for the next park, which takes the smallest spare that holds it and at most
+twice its bytes: page-locking fresh pages costs far more than the copy into them (on the H200,
+a park into fresh locked pages ran at 2.4 GB/s, a copy into locked pages at 43-49: bench/park.py,
+bench/results/park-h200-2026-12-05.md). Spares count against the bound and are given back to the
+system first when a park needs the room. Not torch's pinned memory: its caching allocator
+rounds each block up to a power of two (a layer's 33 MB of cells would take 64 MiB) and keeps
+freed blocks outside any bound.
 
-Bounded by host bytes (`max_bytes`, the pages' bytes) and entries (`max_entries`); the least
-recently used goes first, and a conversation larger than the whole cache is dropped, not
-parked. A park that fails (no host memory, a refused page-lock) changes nothing: the entries it
-would have pushed out are dropped only once its copy is complete.
+Bounded by host bytes (`max_bytes`: the parked conversations' pages and the spares) and entries
+(`max_entries`); the least recently used goes first, and a conversation larger than the whole
+cache is dropped, not parked. While a conversation is parked, the ones it replaces are still
+held: the peak is the bound plus the new one. A park that fails (no host memory, a refused
+page-lock) changes nothing a caller sees: the entries it would have pushed out leave only once
+its copy is complete.
 """
 
 from __future__ import annotations
@@ -79,6 +85,13 @@ class ParkedConversation:
         """Bytes of host memory it holds: its pages' (its cells' when it has none)."""
         return self.nbytes if self.pages is None else self.pages.mapped_bytes
 
+    def release(self) -> _vmm.HostPages | None:
+        """Its pages, its cells forgotten (it has left the cache: the pages hold another's
+        next). Its name and tokens stay, for events."""
+        pages, self.pages = self.pages, None
+        self.keys, self.values, self.scales = [], [], []
+        return pages
+
 
 class ConversationCache:
     """Parked conversations, at most `max_bytes` of host memory and `max_entries` entries,
@@ -90,6 +103,7 @@ class ConversationCache:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.max_bytes, self.max_entries, self.pin = max_bytes, max_entries, pin
         self._parked: OrderedDict[str, ParkedConversation] = OrderedDict()  # oldest first
+        self._spare: list[_vmm.HostPages] = []  # pages of conversations that left
         self._names = (f"c{i}" for i in itertools.count(1))
 
     def __len__(self) -> int:
@@ -97,8 +111,15 @@ class ConversationCache:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of host memory the parked conversations hold (what `max_bytes` bounds)."""
-        return sum(c.host_bytes for c in self._parked.values())
+        """Bytes of host memory the cache holds: the parked conversations' and the spare
+        pages (what `max_bytes` bounds)."""
+        return (sum(c.host_bytes for c in self._parked.values())
+                + sum(pages.mapped_bytes for pages in self._spare))
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the spare pages, kept for the next parks."""
+        return sum(pages.mapped_bytes for pages in self._spare)
 
     def entries(self) -> list[ParkedConversation]:
         """The parked conversations, least recently used first."""
@@ -113,9 +134,10 @@ class ConversationCache:
         """Copy the cells of `tokens` (cells [0, len(tokens)) of `kv`) to host RAM.
 
         Returns (the parked conversation, or None when it is larger than the whole cache or
-        the cache holds no entries; the conversations dropped to make room, oldest first).
-        The copies are complete when it returns. Raises what mapping or page-locking the host
-        memory raised (`strata._vmm.VmmError`), the cache left as it was.
+        the cache holds no entries; the conversations pushed out to make room, oldest first,
+        released: their pages went back to the cache). The copies are complete when it
+        returns. Raises what mapping or page-locking host memory raised
+        (`strata._vmm.VmmError`), no entry changed.
         """
         n = len(tokens)
         if not 0 < n <= kv.mapped_cells:
@@ -125,11 +147,18 @@ class ConversationCache:
         cells = [kv.k(layer)[:n] for layer in range(kv.n_layers)]
         cells += [kv.v(layer)[:n] for layer in range(kv.n_layers)]
         cells += [scale_cells[:n] for scale_cells in kv.scales()]
-        pages, copies = self._host_tensors(cells)
-        if pages is not None and pages.mapped_bytes > self.max_bytes:
+        offsets, n_bytes = [], 0
+        for source in cells:  # each tensor on an aligned offset of the one mapping
+            n_bytes = -(-n_bytes // CELLS_ALIGN_BYTES) * CELLS_ALIGN_BYTES
+            offsets.append(n_bytes)
+            n_bytes += source.numel() * source.element_size()
+        pages = self._pages_for(n_bytes, cells[0].device if cells[0].is_cuda else None)
+        if pages is None:
             return None, []  # whole pages take more than the cache has
-        if pages is not None and self.pin and cells[0].is_cuda:
-            pages.register(cells[0].device.index or 0)
+        memory = torch.frombuffer(pages, dtype=torch.uint8)  # [bytes]
+        copies = [memory[offset:offset + source.numel() * source.element_size()]
+                  .view(source.dtype).view(source.shape)
+                  for offset, source in zip(offsets, cells, strict=True)]
         for copy, source in zip(copies, cells, strict=True):
             copy.copy_(source, non_blocking=True)
         if cells[0].is_cuda:  # the K/V's cells may be overwritten once this returns
@@ -137,28 +166,48 @@ class ConversationCache:
         L = kv.n_layers
         entry = ParkedConversation(next(self._names), tuple(int(t) for t in tokens),
                                    copies[:L], copies[L:2 * L], copies[2 * L:], pages)
-        dropped = []
-        while self._parked and (len(self._parked) >= self.max_entries
-                                or self.host_bytes + entry.host_bytes > self.max_bytes):
-            dropped.append(self._parked.popitem(last=False)[1])
         self._parked[entry.name] = entry
+        dropped = []
+        while len(self._parked) > self.max_entries or self.host_bytes > self.max_bytes:
+            if self.host_bytes > self.max_bytes and self._spare:
+                self._free(max(self._spare, key=lambda p: p.mapped_bytes))
+                continue
+            oldest = self._parked.popitem(last=False)[1]
+            self._spare.append(oldest.release())
+            dropped.append(oldest)
         return entry, dropped
 
-    def _host_tensors(self, cells: list[torch.Tensor]) -> tuple[_vmm.HostPages | None,
-                                                                 list[torch.Tensor]]:
-        """(the pages, a tensor in them shaped as each of `cells`): host memory for one
-        conversation's cells, not yet written. The one place that chooses that memory."""
-        offsets, n_bytes = [], 0
-        for source in cells:
-            n_bytes = -(-n_bytes // CELLS_ALIGN_BYTES) * CELLS_ALIGN_BYTES
-            offsets.append(n_bytes)
-            n_bytes += source.numel() * source.element_size()
-        pages = _vmm.HostPages(n_bytes)
-        memory = torch.frombuffer(pages, dtype=torch.uint8)  # [bytes]
-        copies = [memory[offset:offset + source.numel() * source.element_size()]
-                  .view(source.dtype).view(source.shape)
-                  for offset, source in zip(offsets, cells, strict=True)]
-        return pages, copies
+    def _pages_for(self, n_bytes: int, device: torch.device | None) -> _vmm.HostPages | None:
+        """Pages of at least `n_bytes` for a park: the smallest spare that holds them and at
+        most twice their bytes, else fresh ones (page-locked when `pin` and `device`), the
+        spares given back first as far as the bound needs; None if whole pages of `n_bytes`
+        exceed the bound."""
+        fits = [p for p in self._spare if n_bytes <= p.nbytes and p.mapped_bytes <= 2 * n_bytes]
+        if fits:
+            pages = min(fits, key=lambda p: p.mapped_bytes)
+            self._spare.remove(pages)
+            return pages
+        pages = _vmm.HostPages(n_bytes)  # VmmError: nothing changed
+        if pages.mapped_bytes > self.max_bytes:
+            return None
+        while self._spare and self.host_bytes + pages.mapped_bytes > self.max_bytes:
+            self._free(max(self._spare, key=lambda p: p.mapped_bytes))
+        if self.pin and device is not None:
+            pages.register(device.index or 0)  # VmmError: freed with `pages`
+        return pages
+
+    def _free(self, pages: _vmm.HostPages) -> None:
+        """Give spare pages back to the system, unlocked here (see HostPages.unregister)."""
+        self._spare.remove(pages)
+        pages.unregister()
+
+    def clear(self) -> None:
+        """Drop every parked conversation and give all pages back. Idempotent."""
+        for entry in self._parked.values():
+            self._spare.append(entry.release())
+        self._parked.clear()
+        while self._spare:
+            self._free(self._spare[-1])
 
     def best(self, tokens: Sequence[int]) -> tuple[ParkedConversation | None, int]:
         """The parked conversation sharing the longest prefix with `tokens`, and that length
@@ -178,10 +227,13 @@ class ConversationCache:
         """Return a taken entry, as the most recently used (a restore that failed)."""
         self._parked[entry.name] = entry
 
-    @staticmethod
-    def restore(entry: ParkedConversation, kv: KVCache, n_cells: int) -> None:
-        """Copy the first `n_cells` of `entry`'s cells back into cells [0, n_cells) of `kv`,
-        complete when it returns (the K/V must map them: grow it first)."""
+    def restore(self, entry: ParkedConversation, kv: KVCache, n_cells: int) -> None:
+        """Copy the first `n_cells` of a taken `entry`'s cells back into cells [0, n_cells) of
+        `kv`, complete when it returns (the K/V must map them: grow it first). The entry is
+        then released, its pages spare. ValueError, nothing changed, for a bad request."""
+        if entry.name in self._parked or not entry.keys:
+            raise ValueError(f"restore takes a conversation taken out of the cache, once; "
+                             f"{entry.name} is {'parked' if entry.keys else 'released'}")
         if not 0 <= n_cells <= min(entry.n_cells, kv.mapped_cells):
             raise ValueError(f"cannot restore {n_cells} cells: the conversation holds "
                              f"{entry.n_cells}, the K/V maps {kv.mapped_cells}")
@@ -193,5 +245,8 @@ class ConversationCache:
             kv.v(layer)[:n_cells].copy_(entry.values[layer][:n_cells], non_blocking=True)
         for cells, parked in zip(kv.scales(), entry.scales, strict=True):
             cells[:n_cells].copy_(parked[:n_cells], non_blocking=True)
-        if kv.k(0).is_cuda:  # the entry's pages may be freed once this returns
+        if kv.k(0).is_cuda:  # the pages take another's cells once this returns
             torch.cuda.synchronize(kv.k(0).device)
+        pages = entry.release()
+        if pages is not None:
+            self._spare.append(pages)

@@ -314,8 +314,7 @@ class Engine:
             self.fixed.backend.close()
         self.loaded.close()
         if self.conversations is not None:
-            for entry in self.conversations.entries():
-                self.conversations.take(entry)
+            self.conversations.clear()
 
     def __enter__(self) -> Engine:
         return self
