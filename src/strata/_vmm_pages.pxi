@@ -62,8 +62,9 @@ cdef class HostPages:
 
     The mapping is rounded up to whole huge pages (HUGE_PAGE_BYTES) and starts on one, so no
     page is shared with other data; one smaller than a huge page and not advised to use them
-    takes whole small pages instead (a parked conversation of a few cells). `huge_pages` says whether the kernel took the advice
-    (whether it then gives huge pages depends on /sys/kernel/mm/transparent_hugepage).
+    takes whole small pages instead (a parked conversation of a few cells). `huge_pages` says
+    whether the kernel took the advice (whether it then gives huge pages depends on
+    /sys/kernel/mm/transparent_hugepage).
     `register(device)` page-locks the whole mapping for CUDA (`cuMemHostRegister`, portable:
     every context's copies from it are asynchronous); it stays locked until the pages are freed.
     `unregister()` undoes it (owners call it at their close). Freed when the last reference

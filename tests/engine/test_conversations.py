@@ -139,6 +139,30 @@ def test_a_park_that_fails_changes_nothing(backend, op):
     kv.close()
 
 
+def test_a_copy_that_fails_parks_nothing_and_keeps_its_pages_spare(backend, monkeypatch):
+    kv = _kv(backend)
+    cache = ConversationCache(3 * _page_bytes(50), 4)
+    first, _ = cache.park(list(range(50)), kv)
+    gone, _ = cache.park(list(range(1, 51)), kv)
+    cache.restore(cache.take(gone), kv, 50)  # its pages spare
+    copy_ = torch.Tensor.copy_
+    calls = []
+
+    def failing_copy(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the copy engine failed")
+        return copy_(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", failing_copy)
+    with pytest.raises(RuntimeError, match="the copy engine failed"):
+        cache.park(list(range(2, 47)), kv)  # into the spare
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    assert cache.entries() == [first] and first.keys
+    assert cache.spare_bytes == _page_bytes(50) and cache.host_bytes == 2 * _page_bytes(50)
+    kv.close()
+
+
 def test_int8_cells_and_their_scales_share_the_pages(backend):
     kv = _kv(backend, torch.int8)
     cache = ConversationCache(1 << 20, 2)

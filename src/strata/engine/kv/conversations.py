@@ -159,10 +159,17 @@ class ConversationCache:
         copies = [memory[offset:offset + source.numel() * source.element_size()]
                   .view(source.dtype).view(source.shape)
                   for offset, source in zip(offsets, cells, strict=True)]
-        for copy, source in zip(copies, cells, strict=True):
-            copy.copy_(source, non_blocking=True)
-        if cells[0].is_cuda:  # the K/V's cells may be overwritten once this returns
-            torch.cuda.synchronize(cells[0].device)
+        try:
+            for copy, source in zip(copies, cells, strict=True):
+                copy.copy_(source, non_blocking=True)
+            if cells[0].is_cuda:  # the K/V's cells may be overwritten once this returns
+                torch.cuda.synchronize(cells[0].device)
+        except BaseException:  # nothing parked: the pages are spare, as far as the bound goes
+            del memory, copies
+            self._spare.append(pages)
+            while self.host_bytes > self.max_bytes:
+                self._free(max(self._spare, key=lambda p: p.mapped_bytes))
+            raise
         L = kv.n_layers
         entry = ParkedConversation(next(self._names), tuple(int(t) for t in tokens),
                                    copies[:L], copies[L:2 * L], copies[2 * L:], pages)
