@@ -16,8 +16,8 @@ twice its bytes: page-locking fresh pages costs far more than the copy into them
 a park into fresh locked pages ran at 2.4 GB/s, a copy into locked pages at 43-49: bench/park.py,
 bench/results/park-h200-2026-12-05.md). Spares count against the bound and are given back to the
 system first when a park needs the room. Not torch's pinned memory: its caching allocator
-rounds each block up to a power of two (a layer's 33 MB of cells would take 64 MiB) and keeps
-freed blocks outside any bound.
+rounds each block up to a power of two (a qwen3-30b-a3b layer's keys for 3,000 cells, 3.1 MB,
+would take 4 MiB) and keeps freed blocks outside any bound.
 
 Bounded by host bytes (`max_bytes`: the parked conversations' pages and the spares) and entries
 (`max_entries`); the least recently used goes first, and a conversation larger than the whole
