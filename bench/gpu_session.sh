@@ -123,9 +123,10 @@
 # store-load (6: bench/store_load.py on the 16-layer qwen3 cut, the expert store in strata's
 # host pages, 4 KiB and huge, against a pinned torch tensor a layer, bf16 twice each, int8
 # once each: load seconds, host memory taken, the CPU kernel's and the uploads' GB/s),
-# park (3: bench/park.py, parking and restoring conversations of qwen3-30b-a3b's whole K/V at
-# 4,096 and 16,384 cells and olmoe-1b-7b's at 16,384, in strata's host pages, page-locked at
-# each park and not, against torch's pinned tensors: seconds, GB/s, host memory held),
+# park (4: bench/park.py, two conversations of qwen3-30b-a3b's whole K/V taking turns, of
+# 4,096 and 16,384 cells, in strata's host pages with spares, page-locked and not, against
+# torch's pinned tensors: park and restore seconds and GB/s, host memory held; each run a
+# fresh process of about 25 s),
 # offload-ab (4: the int8 loaned prompt on an AB_LAYERS-layer (default 8) qwen3 cut, a
 # baseline tree (src/ with AB_PATCH, `git diff BASE -- src`, taken back) against this one,
 # interleaved AB_ROUNDS times, default 2, both run by this tree's bench/offload.py;
@@ -234,9 +235,8 @@ for stage in "$@"; do
            (cd bench && timeout 280 python3 store_load.py --model "$model" --repeat 1 \
                --experts-dtype int8 --json) >> "$OUT/store-load.jsonl" 2>> "$OUT/store-load.err"
            tail -3 "$OUT/store-load.err"; cut -c1-300 "$OUT/store-load.jsonl" ;;
-    park) for shape in "qwen3-30b-a3b --cells 4096" "qwen3-30b-a3b --cells 16384" \
-                       "olmoe-1b-7b --cells 16384"; do  # each run a fresh process
-             (cd bench && timeout 150 python3 park.py --preset $shape --repeat 2 --json) \
+    park) for shape in "--cells 4096 --repeat 2" "--cells 16384 --repeat 1"; do  # ~25 s a run
+             (cd bench && timeout 200 python3 park.py --preset qwen3-30b-a3b $shape --json) \
                  >> "$OUT/park.jsonl" 2>> "$OUT/park.err"
            done; tail -3 "$OUT/park.err"; cut -c1-300 "$OUT/park.jsonl" ;;
     dequant) (cd bench && timeout 120 python3 dequant.py --device cuda --formats int8,int4-g32 \
