@@ -69,6 +69,9 @@ def test_the_served_scenario_over_http(serve_flags, profile, monkeypatch):
     assert status["kv"]["cells_mapped"] < 100 and status["kv"]["refilled"] > 0
     assert status["cache"]["backed_slots"] > 16 - given_up
     assert status["conversations"]["parked"] >= 1
+    held = status["conversations"]["host_bytes"]
+    assert held >= status["conversations"]["parked_bytes"] > 0
+    assert server.metric("strata_conversation_cache_bytes") == held
 
     # The long conversation's follow-up: restored from its parked copy after growing.
     restored, grown = events["restored"], events["grown"]

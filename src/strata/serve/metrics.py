@@ -5,7 +5,7 @@ in one process (the tests make many). Three sources feed it:
 - the access log: every HTTP request by route and status (`strata_http_requests_total`);
 - the engine thread, after each request: tokens (prompt, reused, completion), time to first
   token, decode tok/s, the expert cache's hits and lookups, the K/V cells mapped, the parked
-  conversations;
+  conversations and the conversation cache's host memory;
 - the engine's plugin manager: `EngineEvents` is an observer (a pluggy plugin) that counts
   every event the engine emits by kind: `grown`, `trimmed`, `gave_up`, `refilled`, `parked`,
   `restored`, ... (`strata_engine_events_total{kind=...}`).
@@ -91,6 +91,9 @@ class Metrics:
                             "may reach (--max-context)", registry=registry)
         self.parked = Gauge("strata_parked_conversations", "conversations parked in host RAM",
                             registry=registry)
+        self.parked_bytes = Gauge("strata_conversation_cache_bytes", "host memory the "
+                                  "conversation cache holds (parked and spare pages)",
+                                  registry=registry)
         queue = Gauge("strata_queue_waiting", "requests waiting behind the one computing",
                       registry=registry)
         queue.set_function(waiting)
@@ -117,6 +120,7 @@ class Metrics:
         self.window.set(figures["kv"]["window_cells"])
         conversations = figures["conversations"]
         self.parked.set(conversations["parked"] if conversations else 0)
+        self.parked_bytes.set(conversations["host_bytes"] if conversations else 0)
 
     def text(self) -> bytes:
         """The exposition, as `GET /metrics` answers it."""
