@@ -124,7 +124,8 @@
 # host pages, 4 KiB and huge, against a pinned torch tensor a layer, bf16 twice each, int8
 # once each: load seconds, host memory taken, the CPU kernel's and the uploads' GB/s),
 # park (4: bench/park.py, two conversations of qwen3-30b-a3b's whole K/V taking turns, of
-# 4,096 and 16,384 cells, in strata's host pages with spares, page-locked and not, against
+# 4,096 and 16,384 cells, in strata's host pages with spares (4 KiB and huge pages, locked,
+# and 4 KiB unlocked), against
 # torch's pinned tensors: park and restore seconds and GB/s, host memory held; each run a
 # fresh process of about 25 s),
 # offload-ab (4: the int8 loaned prompt on an AB_LAYERS-layer (default 8) qwen3 cut, a

@@ -8,6 +8,8 @@ torch's caching host allocator rounds each up to a power of two and keeps freed 
 any bound. This runs the serving pattern three ways, each in a fresh process:
 
 - `pages`: the cache as it is (page-locked on CUDA);
+- `huge`: the same with `STRATA_HOST_HUGE_PAGES=1`, the pages advised to be 2 MiB ones (fewer
+  pages to fault in and to lock);
 - `pageable`: the same pages never page-locked (on CUDA only: on the CPU it is `pages`);
 - `torch`: the cache's memory as it was (`TorchPinnedParking`).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -36,11 +39,13 @@ import time
 import torch
 
 from _common import mem_available_bytes, rss_bytes
+from strata import _vmm
 from strata.engine.kv.conversations import ConversationCache
 from strata.engine.kv.kv_cache import KVCache, device_backend
 from strata.engine.model.presets import get_preset
+from strata.settings import HOST_HUGE_PAGES
 
-KINDS = ("pages", "pageable", "torch")
+KINDS = ("pages", "huge", "pageable", "torch")
 
 
 class TorchPinnedParking:
@@ -97,7 +102,8 @@ def run_once(preset: str, n_cells: int, rounds: int, device: str, kind: str) -> 
     turns = [[0] * n_cells, [1] * (3 * n_cells // 4)]  # A and B: other tokens, other sizes
     held_bytes = sum(len(t) for t in turns) * kv.layout.bytes_per_cell
     parking = (TorchPinnedParking(cuda) if kind == "torch"
-               else PagesParking(2 * held_bytes, pin=cuda and kind != "pageable"))
+               else PagesParking(2 * held_bytes + 4 * _vmm.HUGE_PAGE_BYTES,  # room to round
+                                 pin=cuda and kind != "pageable"))
     available, resident = mem_available_bytes(), rss_bytes()
     parks, restores = [], []
     for i in range(rounds):
@@ -144,12 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(run_once(args.preset, args.cells, args.rounds, args.device, args.one)))
         return 0
-    kinds = KINDS if args.device == "cuda" else ("pages", "torch")
+    kinds = KINDS if args.device == "cuda" else ("pages", "huge", "torch")
     child = [sys.executable, __file__, "--preset", args.preset, "--cells", str(args.cells),
              "--rounds", str(args.rounds), "--device", args.device]
 
     def run(kind: str) -> dict:
-        done = subprocess.run([*child, "--one", kind], capture_output=True, text=True)
+        env = {**os.environ, HOST_HUGE_PAGES: "1" if kind == "huge" else "0"}
+        done = subprocess.run([*child, "--one", kind], capture_output=True, text=True, env=env)
         if done.returncode:
             raise SystemExit(f"bench/park.py: the {kind} run failed:\n{done.stderr}")
         return json.loads(done.stdout.splitlines()[-1])

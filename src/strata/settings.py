@@ -296,10 +296,10 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         HOST_HUGE_PAGES,
-        "the expert store's host memory advised to use 2 MiB pages: fewer page walks for "
-        "the CPU's and the copies' streaming reads, but on a virtual machine whose memory the "
-        "host backs only when first touched the store loaded 1.5-3.9x slower (on the "
-        "development VM, bench/results/host-pages-cpu-2026-12-04.md)",
+        "the expert store's and the parked conversations' host memory advised to use 2 MiB "
+        "pages: fewer page walks for the CPU's and the copies' streaming reads, but on a "
+        "virtual machine whose memory the host backs only when first touched the store loaded "
+        "1.5-3.9x slower (on the development VM, bench/results/host-pages-cpu-2026-12-04.md)",
         "1 (on) or 0 (off)",
         "0 (off)",
         "host_huge_pages",

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from strata import _vmm
 from strata.engine.kv.conversations import CELLS_ALIGN_BYTES, ConversationCache
 from strata.engine.kv.kv_cache import KVCache, device_backend
+from strata.machine import transparent_huge_pages
 
 # 3 layers, 2 kv heads x 16 dims of float32: K and V 128 bytes a layer, 768 bytes a cell.
 CELL_BYTES = 3 * 2 * 2 * 16 * 4
@@ -171,6 +172,23 @@ def test_int8_cells_and_their_scales_share_the_pages(backend):
     for copy in (*entry.keys, *entry.values, *entry.scales):
         assert entry.pages.address <= copy.data_ptr() < entry.pages.address + entry.pages.nbytes
     assert entry.host_bytes >= entry.nbytes == 64 * kv.layout.bytes_per_cell
+    kv.close()
+
+
+def test_huge_pages_where_the_setting_or_the_caller_says(backend, monkeypatch):
+    kv = _kv(backend)
+    monkeypatch.setenv("STRATA_HOST_HUGE_PAGES", "1")
+    advised = ConversationCache(1 << 22, 2)
+    monkeypatch.setenv("STRATA_HOST_HUGE_PAGES", "0")
+    for cache, huge in ((advised, True), (ConversationCache(1 << 22, 2), False),
+                        (ConversationCache(1 << 22, 2, huge=True), True)):
+        entry, _ = cache.park(list(range(100)), kv)
+        assert cache.huge == huge
+        assert entry.pages.mapped_bytes == (_vmm.HUGE_PAGE_BYTES if huge else _page_bytes(100))
+        if huge and transparent_huge_pages() in ("always", "madvise"):
+            assert entry.pages.huge_pages
+        del entry
+        cache.clear()
     kv.close()
 
 

@@ -13,7 +13,7 @@ def test_the_park_bench_runs_and_reports(capsys):
     assert bench.main(["--preset", "tiny", "--cells", "512", "--rounds", "4", "--device", "cpu",
                        "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert [run["kind"] for run in report["runs"]] == ["pages", "torch"]
+    assert [run["kind"] for run in report["runs"]] == ["pages", "huge", "torch"]
     cell_bytes = report["cells_bytes"] // 512
     assert report["held_cells_bytes"] == (512 + 384) * cell_bytes
     for figures in report["median"].values():

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata import _vmm
+from strata import _vmm, settings
 from strata.engine.kv.kv_cache import KVCache
 
 __all__ = ["ConversationCache", "ParkedConversation", "common_prefix"]
@@ -95,13 +95,16 @@ class ParkedConversation:
 
 class ConversationCache:
     """Parked conversations, at most `max_bytes` of host memory and `max_entries` entries,
-    least recently used out first. `pin` page-locks the host copies of CUDA cells."""
+    least recently used out first. `pin` page-locks the host copies of CUDA cells; `huge`
+    advises their pages to be huge ones (default: the `STRATA_HOST_HUGE_PAGES` setting)."""
 
-    def __init__(self, max_bytes: int, max_entries: int, *, pin: bool = False) -> None:
+    def __init__(self, max_bytes: int, max_entries: int, *, pin: bool = False,
+                 huge: bool | None = None) -> None:
         for name, value in (("max_bytes", max_bytes), ("max_entries", max_entries)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.max_bytes, self.max_entries, self.pin = max_bytes, max_entries, pin
+        self.huge = settings.read().host_huge_pages if huge is None else huge
         self._parked: OrderedDict[str, ParkedConversation] = OrderedDict()  # oldest first
         self._spare: list[_vmm.HostPages] = []  # pages of conversations that left
         self._names = (f"c{i}" for i in itertools.count(1))
@@ -194,7 +197,7 @@ class ConversationCache:
             pages = min(fits, key=lambda p: p.mapped_bytes)
             self._spare.remove(pages)
             return pages
-        pages = _vmm.HostPages(n_bytes)  # VmmError: nothing changed
+        pages = _vmm.HostPages(n_bytes, huge=self.huge)  # VmmError: nothing changed
         if pages.mapped_bytes > self.max_bytes:
             return None
         while self._spare and self.host_bytes + pages.mapped_bytes > self.max_bytes:
