@@ -123,7 +123,7 @@
 # store-load (6: bench/store_load.py on the 16-layer qwen3 cut, the expert store in strata's
 # host pages, 4 KiB and huge, against a pinned torch tensor a layer, bf16 twice each, int8
 # once each: load seconds, host memory taken, the CPU kernel's and the uploads' GB/s),
-# park (4: bench/park.py, two conversations of qwen3-30b-a3b's whole K/V taking turns, of
+# park (5: bench/park.py, two conversations of qwen3-30b-a3b's whole K/V taking turns, of
 # 4,096 and 16,384 cells, in strata's host pages with spares (4 KiB and huge pages, locked,
 # and 4 KiB unlocked), against
 # torch's pinned tensors: park and restore seconds and GB/s, host memory held; each run a
