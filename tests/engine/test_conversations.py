@@ -229,13 +229,17 @@ class ModelCache:
             dropped.append(tokens)
         return dropped
 
-    def take(self, tokens: tuple[int, ...], restore: bool) -> None:
+    def take(self, tokens: tuple[int, ...]) -> tuple[int, int]:
         j = next(j for j, entry in enumerate(self.parked) if entry[0] == tokens)
-        entry = self.parked.pop(j)
-        if restore:
-            self.spare.append(entry[1:])
-        else:
-            self.parked.append(entry)  # put back, the most recently used
+        return self.parked.pop(j)
+
+    def put_back(self, entry) -> None:
+        self.parked.append(entry)  # the most recently used
+
+    def restore(self, entry) -> None:
+        self.spare.append(tuple(entry[1:]))
+        while self.spare and self.held() > self.max_bytes:
+            self.spare.remove(max(self.spare, key=lambda s: s[1]))
 
 
 def _exact_bytes(n_cells):
@@ -243,11 +247,12 @@ def _exact_bytes(n_cells):
     return 5 * -(-per_tensor // CELLS_ALIGN_BYTES) * CELLS_ALIGN_BYTES + per_tensor
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 3)), min_size=1, max_size=14),
        st.integers(1, 4), st.integers(1, 40))
 def test_parks_against_a_plain_model_of_the_books(parks, max_entries, max_pages):
-    # ops: (n cells, 0 or 3: park; 1: take the oldest and put it back; 2: take and restore it)
+    # ops: (n cells, 0: park; 1: take the oldest and put it back; 2: take and restore it; 3:
+    # take the oldest, park n cells, restore the taken one, as the engine does)
     backend = _vmm.HostBackend(1 << 16)
     kv = _kv(backend)
     max_bytes = max_pages * mmap.PAGESIZE
@@ -256,20 +261,23 @@ def test_parks_against_a_plain_model_of_the_books(parks, max_entries, max_pages)
     base = _vmm.alive_host_pages()[0]
     for i, (n, op) in enumerate(parks):
         tokens = tuple(range(i, i + n))
-        if op in (0, 3) or not model.parked:
+        taken = None
+        if op and model.parked:
+            taken = cache.take(cache.entries()[0])
+            taken_model = model.take(taken.tokens)
+        if op in (0, 3) or taken is None:
             entry, dropped = cache.park(tokens, kv)
             expected = model.park(tokens)
             assert (entry is None) == (expected is None)
             assert [d.tokens for d in dropped] == (expected or [])
             del entry, dropped
-        else:
-            oldest = cache.take(cache.entries()[0])
-            if op == 1:
-                cache.put_back(oldest)
-            else:
-                cache.restore(oldest, kv, min(oldest.n_cells, 5))
-            model.take(oldest.tokens, restore=op == 2)
-            del oldest
+        if op == 1 and taken is not None:
+            cache.put_back(taken)
+            model.put_back(taken_model)
+        elif taken is not None:
+            cache.restore(taken, kv, min(taken.n_cells, 5))
+            model.restore(taken_model)
+        del taken
         gc.collect()
         assert [e.tokens for e in cache.entries()] == [t for t, *_ in model.parked]
         assert cache.host_bytes == model.held() <= max_bytes

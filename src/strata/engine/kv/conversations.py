@@ -170,21 +170,19 @@ class ConversationCache:
         except BaseException:  # nothing parked: the pages are spare, as far as the bound goes
             del memory, copies
             self._spare.append(pages)
-            while self.host_bytes > self.max_bytes:
-                self._free(max(self._spare, key=lambda p: p.mapped_bytes))
+            self._trim_spares()
             raise
         L = kv.n_layers
         entry = ParkedConversation(next(self._names), tuple(int(t) for t in tokens),
                                    copies[:L], copies[L:2 * L], copies[2 * L:], pages)
         self._parked[entry.name] = entry
         dropped = []
+        self._trim_spares()
         while len(self._parked) > self.max_entries or self.host_bytes > self.max_bytes:
-            if self.host_bytes > self.max_bytes and self._spare:
-                self._free(max(self._spare, key=lambda p: p.mapped_bytes))
-                continue
             oldest = self._parked.popitem(last=False)[1]
             self._spare.append(oldest.release())
             dropped.append(oldest)
+            self._trim_spares()
         return entry, dropped
 
     def _pages_for(self, n_bytes: int, device: torch.device | None) -> _vmm.HostPages | None:
@@ -205,6 +203,11 @@ class ConversationCache:
         if self.pin and device is not None:
             pages.register(device.index or 0)  # VmmError: freed with `pages`
         return pages
+
+    def _trim_spares(self) -> None:
+        """Give back the largest spares while the cache holds more than its bound."""
+        while self._spare and self.host_bytes > self.max_bytes:
+            self._free(max(self._spare, key=lambda p: p.mapped_bytes))
 
     def _free(self, pages: _vmm.HostPages) -> None:
         """Give spare pages back to the system, unlocked here (see HostPages.unregister)."""
@@ -258,5 +261,6 @@ class ConversationCache:
         if kv.k(0).is_cuda:  # the pages take another's cells once this returns
             torch.cuda.synchronize(kv.k(0).device)
         pages = entry.release()
-        if pages is not None:
+        if pages is not None:  # spare if the bound has room: a park may have filled it since
             self._spare.append(pages)
+            self._trim_spares()
