@@ -1,6 +1,7 @@
 """The conversation cache's host memory: each parked conversation in its own pages, of its
-cells' bytes rounded to whole pages, bounded by those bytes, given back when it leaves; a park
-that fails changes nothing. Against a plain model of least-recently-used entries."""
+cells' bytes rounded to whole pages; the pages of one that leaves kept spare for the next park,
+within the bound, and given back first when a park needs the room; a park that fails changes
+nothing. Against a plain-Python model of the books."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ def _kv(backend, cell_dtype=None):
 
 def _cells(kv, n):
     return [t[:n].clone() for t in (*kv._k, *kv._v, *(s for s in kv.scales()))]
+
+
+def _exact_bytes(n_cells):
+    # Each layer's K, then V: six tensors, each on a CELLS_ALIGN_BYTES boundary.
+    per_tensor = n_cells * CELL_BYTES // 6
+    return 5 * -(-per_tensor // CELLS_ALIGN_BYTES) * CELLS_ALIGN_BYTES + per_tensor
 
 
 def _page_bytes(n_cells):
@@ -240,11 +247,6 @@ class ModelCache:
         self.spare.append(tuple(entry[1:]))
         while self.spare and self.held() > self.max_bytes:
             self.spare.remove(max(self.spare, key=lambda s: s[1]))
-
-
-def _exact_bytes(n_cells):
-    per_tensor = n_cells * CELL_BYTES // 6
-    return 5 * -(-per_tensor // CELLS_ALIGN_BYTES) * CELLS_ALIGN_BYTES + per_tensor
 
 
 @settings(max_examples=60, deadline=None)
