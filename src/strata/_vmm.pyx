@@ -10,7 +10,7 @@ Atomicity: `map` and `unmap` either finish or leave the range exactly as it was.
 injected into `create`, `map`, `access` and `unmap` to test that.
 
 `HostPages` (_vmm_pages.pxi) is the other kind of memory here: one mapping of host pages
-for what lives as long as the model (the expert store), optionally in huge pages and
+(for the expert store, and for each parked conversation), optionally in huge pages and
 page-locked for CUDA.
 
 Not thread-safe: one owner (the engine's thread) drives a backend and its ranges.

@@ -1,5 +1,5 @@
-# Host pages for data that lives as long as the process's model: the expert store. Included by
-# _vmm.pyx.
+# Host pages for host memory the engine chooses itself: the expert store (as long as the model)
+# and each parked conversation's cells (strata.engine.kv.conversations). Included by _vmm.pyx.
 #
 # Why not torch's own host memory: `pin_memory=True` goes through torch's caching host
 # allocator, which rounds every block up to a power of two (a qwen3-30b-a3b layer's 1.2 GB of
