@@ -91,7 +91,11 @@
 # kernels against the sort they replaced, at olmoe's vocabulary and qwen3's), cpu-wake (1: bench/cpu_experts.py over 2 and 3 experts after an
 # 800 us gap, with and without the kernel's threads started 300 us before the call, olmoe's and
 # qwen3's shapes), offload-wake (4: olmoe-1b-7b at 4 GiB and qwen3-30b-a3b's 16 layers at 22%,
-# --stream-misses 3,4, each with and without `wake_cpu`), cpu-schedule (1.5: bench/cpu_experts.py
+# --stream-misses 3,4, each with and without `wake_cpu`), offload-ahead (4: issue 17's decode
+# round, qwen3-30b-a3b's 16 layers at 22% in int8, each split call's next graph launched ahead of
+# the CPU's rows (`graph_call.LAUNCH_AHEAD`) against after them, interleaved in one process;
+# run `CUDA_TESTS="tests/engine/cache/test_host_signal.py tests/engine/cache/test_token_path.py"
+# ... tests` first), cpu-schedule (1.5: bench/cpu_experts.py
 # over 2, 3 and 4 experts after no gap and an 800 us gap, the kernel's tasks handed out
 # (compute-main) against fixed, guided and stolen shares (compute-static, compute-guided,
 # compute-steal), and on the worker thread as a round's decode call runs (start-dynamic against
@@ -404,6 +408,10 @@ for stage in "$@"; do
                --wake-cpu --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
                --wake-cpu --prefill-tokens 0 ;;
+    offload-ahead)  # the next graph launched ahead of the CPU's rows: A/B in one process
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
+               --share-per-format --stream-misses auto --launch-ahead --interleave \
+               --prefill-tokens 0 ;;
     sampling) for vocab in 50304 151936; do
                   (cd bench && timeout 120 python3 sampling.py --vocab $vocab)
               done > "$OUT/sampling.txt" 2>&1; grep -v "^{" "$OUT/sampling.txt" ;;

@@ -33,12 +33,14 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   `CpuExperts.keep_team_up`; `--no-cpu-shrink` with the engine thread's OpenMP pool left as
   it grows, not shrunk before the CPU's thread computes (`CpuExperts.shrink_caller_team` off,
   the way before), named -noshrink;
-  `--interleave` runs those (-static, -guided, -cpupfN, -sync, -spin, -noshrink) and -wake in
-  the base run's engine, one request of each in turn, so that a machine's
+  `--interleave` runs those (-static, -guided, -cpupfN, -sync, -spin, -noshrink), -wake and
+  -ahead in the base run's engine, one request of each in turn, so that a machine's
   drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
   (the counts compared with the same slots; with `--sync-cpu` each again as -splitN-sync,
-  with `--no-cpu-shrink` as -splitN-noshrink);
+  with `--no-cpu-shrink` as -splitN-noshrink); `--launch-ahead` with each split call's next
+  graph launched before the CPU's rows are done, queued behind a wait the host sets when they
+  are (`graph_call.LAUNCH_AHEAD`), named -ahead (interleaved too);
   `--cli-sampling` with
   `strata generate`'s default sampling instead of greedy, named -sampled: the pick's host time
   in a round the host holds). For
@@ -118,6 +120,7 @@ from cache import (
 from round_profile import device_busy, host_functions, per_round
 from round_trace import trace
 from strata import _cpu_experts
+from strata.engine.cache import graph_call
 from strata.engine.cache.build import build_cached_experts, plan_cache, staging_blobs
 from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.experts import ResidentExperts
@@ -353,6 +356,9 @@ VARIANT_FLAGS = {
                        "(`CpuExperts.shrink_caller_team` off: the way before), named -noshrink",
     "--wake-cpu": "also run each decode with the CPU kernel's threads started before each "
                   "call's routing read (`CachedExperts.wake_cpu`), named -wake",
+    "--launch-ahead": "also run each decode with each split call's next graph launched before "
+                      "the CPU's rows are done, behind a wait the host sets when they are "
+                      "(`graph_call.LAUNCH_AHEAD`), named -ahead",
     "--whole-calls": "also run each decode with the cache's calls whole, not split around the "
                      "piecewise graphs (`graph_call`): the split's baseline, named -whole",
 }
@@ -564,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                         *(f"-{schedule}" for schedule in cpu_schedules),
                         *(f"-cpupf{n}" for n in cpu_prefetches),
                         *(["-spin"] if args.cpu_spin else []),
-                        *(["-noshrink"] if args.no_cpu_shrink else [])]
+                        *(["-noshrink"] if args.no_cpu_shrink else []),
+                        *(["-ahead"] if args.launch_ahead else [])]
             together = settings if args.interleave else []
             variants = [("", 0), *([("-whole", 0)] if args.whole_calls else []),
                         *((setting, 0) for setting in settings if setting not in together),
@@ -596,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
                 def set_up(setting: str, cache=engine.cache, rule=rule) -> None:
                     count = setting.removeprefix("-split").partition("-")[0]
                     cache.wake_cpu = setting == "-wake"
+                    graph_call.LAUNCH_AHEAD = setting == "-ahead"
                     cache.cpu.keep_team_up = setting == "-spin"
                     cache.cpu.shrink_caller_team = not setting.endswith("-noshrink")
                     cache.async_cpu = not setting.endswith("-sync")

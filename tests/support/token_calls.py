@@ -83,9 +83,17 @@ def counts(cached):
     return {name: getattr(cached.stats.decode, name) for name in COUNTS}
 
 
-def split_call(cached, layer, x, topk_ids, topk_weights):
+def split_call(cached, layer, x, topk_ids, topk_weights, ahead=False):
     """A call as the split piecewise graphs make it: the resident rows, the host's misses,
-    the sum."""
+    the sum; with `ahead`, on CUDA the sum queued before the call's end (as the next graph
+    is); on the host, which has no stream to queue it behind the rows, after it."""
     rows = cached.resident_rows(layer, x, topk_ids)  # [K + 1, D]
-    cached.fill_misses(layer, x, topk_ids, topk_weights, rows)
-    return cached.sum_rows(x, rows, topk_weights)
+    rest = cached.fill_misses(layer, x, topk_ids, topk_weights, rows, ahead=ahead)
+    if rest is not None and x.device.type != "cuda":
+        rest, end = None, rest
+        end()
+    try:
+        return cached.sum_rows(x, rows, topk_weights)
+    finally:
+        if rest is not None:
+            rest()

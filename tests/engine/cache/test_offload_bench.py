@@ -89,15 +89,17 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--prefill-tokens", "0",
             "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
             "--stream-misses", "2", "--expert-share", "0.25", "--json", "--interleave",
-            "--wake-cpu", "--sync-cpu", "--cpu-spin", "--no-cpu-shrink", "--cpu-schedule",
+            "--wake-cpu", "--sync-cpu", "--cpu-spin", "--no-cpu-shrink", "--launch-ahead",
+            "--cpu-schedule",
             "static,steal,steal-alone", "--cpu-prefetch", "512", "--split-counts", "1,3"]
     assert bench.main(argv) == 0
+    assert not bench.graph_call.LAUNCH_AHEAD  # the -ahead run's switch put back
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.
     # With --sync-cpu each count runs again on the engine's thread, -split1-sync, and with
     # --no-cpu-shrink with the caller's team left grown, -split1-noshrink.
     names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-sync",
-             "decode-stream-2-spin", "decode-stream-2-noshrink",
+             "decode-stream-2-spin", "decode-stream-2-noshrink", "decode-stream-2-ahead",
              "decode-stream-2-static", "decode-stream-2-steal", "decode-stream-2-steal-alone",
              "decode-stream-2-cpupf512",
              "decode-stream-2-split1",

@@ -10,6 +10,7 @@ import torch
 from strata import _vmm
 from strata._residency import ResidencyTable
 from strata.books import CheckedPolicy
+from strata.engine.cache import graph_call
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.experts.cpu import CpuExperts
@@ -169,10 +170,94 @@ def test_a_split_call_with_its_cpu_misses_on_their_own_thread_gives_the_same_byt
                 async_cpu=True)
 
 
+@pytest.mark.parametrize("share,stream", [(0.25, 0), (0.5, 1), (0.0, 2)],
+                         ids=["quarter-0", "half-1", "empty-2"])
+def test_a_split_call_that_hands_back_its_end_gives_the_same_bytes(share, stream):
+    """`fill_misses(ahead=True)` with the CPU's misses on its own thread: the call returns
+    while they run, the rows' copy waiting on the cache's signal, and its end (the wait for the
+    CPU, the signal set, admissions, the call's close) is handed back; the bytes, books and
+    counts stay the token path's (admitting with sieve)."""
+    _same_bytes(small_store(torch.bfloat16), share, "sieve", stream, False, "cpu", split=True,
+                async_cpu=True, ahead=True)
+
+
+def test_a_split_call_hands_back_its_end_only_when_its_cpu_misses_run_on_their_thread():
+    store, _, token = _async_caches(0.25, 0)
+    ends = []
+    for async_cpu in (True, False):
+        token.async_cpu = async_cpu
+        call = token_calls(store, 1, seed=5, repeats=False)[0]
+        rows = token.resident_rows(*call[:3])
+        ends.append(token.fill_misses(*call, rows, ahead=True))
+        if ends[-1] is not None:
+            assert token.host_rows.signal.pending and token.cpu._worker.pending
+            ends[-1]()
+        assert not token.host_rows.signal.pending
+    assert ends[0] is not None and ends[1] is None
+    token.close()
+
+
+def test_a_failure_of_the_cpu_rows_handed_back_still_sets_the_signal(monkeypatch):
+    """The end of a call handed back whose CPU misses fail: the signal is set all the same
+    (the device's stream would wait for it forever), the error goes up, and the next call
+    runs."""
+    from strata.engine.cache import token_call
+
+    store, _, token = _async_caches(0.25, 0)
+    calls = token_calls(store, 2, seed=6, repeats=False)
+    finish = token_call.finish_cpu_rows
+
+    def failing(*args):
+        finish(*args)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(graph_call, "finish_cpu_rows", failing)
+    try:
+        rows = token.resident_rows(*calls[0][:3])
+        end = token.fill_misses(*calls[0], rows, ahead=True)
+        with pytest.raises(RuntimeError, match="injected"):
+            end()
+        assert not token.host_rows.signal.pending and not token.cpu._worker.pending
+        monkeypatch.setattr(graph_call, "finish_cpu_rows", finish)
+        split_call(token, *calls[1], ahead=True)
+    finally:
+        token.close()
+
+
+def test_a_failing_copy_behind_the_signal_sets_it_and_waits_for_the_cpu(monkeypatch):
+    """Queueing the CPU rows' copy behind the wait fails: the signal is set, the CPU's
+    thread waited for, nothing handed back."""
+    from strata.engine.cache.host_rows import HostRows
+
+    store, _, token = _async_caches(0.25, 0)
+    call = token_calls(store, 1, seed=7, repeats=False)[0]
+    monkeypatch.setattr(HostRows, "stage_cpu_rows",
+                        lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("injected")))
+    try:
+        rows = token.resident_rows(*call[:3])
+        with pytest.raises(RuntimeError, match="injected"):
+            token.fill_misses(*call, rows, ahead=True)
+        assert not token.host_rows.signal.pending and not token.cpu._worker.pending
+    finally:
+        token.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("share,stream", [(0.5, 0), (0.5, 2), (0.0, 2)],
+                         ids=["half-0", "half-2", "empty-2"])
+def test_a_split_call_that_hands_back_its_end_gives_the_same_bytes_on_cuda(share, stream):
+    """The same on CUDA, where the sum is queued on the stream behind the signal's wait before
+    the call's end sets it (as the next graph is in a round)."""
+    store = store_of(cached_checkpoint("qwen3_moe", "small", dtype=torch.bfloat16),
+                     pin_memory=True)
+    _same_bytes(store, share, "sieve", stream, False, "cuda", split=True, async_cpu=True,
+                ahead=True)
+
+
 def _same_bytes(store, share, policy, stream, repeats, device, split=False, wake_cpu=False,
-                async_cpu=False):
+                async_cpu=False, ahead=False):
     """The general path against the token path, or (`split`) the token path against the split
-    call; `wake_cpu` and `async_cpu` on the latter."""
+    call; `wake_cpu`, `async_cpu` and `ahead` on the latter."""
     n_slots = round(share * store.n_layers * store.n_experts)
     general = make_cache(store, n_slots, policy, stream, token_path=split, device=device)
     token = make_cache(store, n_slots, policy, stream, token_path=True, device=device)
@@ -182,7 +267,7 @@ def _same_bytes(store, share, policy, stream, repeats, device, split=False, wake
         for call in token_calls(store, 32, seed=int(share * 10) + stream, repeats=repeats,
                            device=device):
             expected = general.forward(*call)
-            got = split_call(token, *call) if split else token.forward(*call)
+            got = split_call(token, *call, ahead=ahead) if split else token.forward(*call)
             assert got.dtype == expected.dtype and bytes_of(got) == bytes_of(expected)
             assert books(token) == books(general)
         assert counts(token) == counts(general)
@@ -247,8 +332,6 @@ def test_a_tracing_wrapper_still_sees_observe():
 def test_a_failure_while_the_cpu_misses_run_on_their_thread_waits_for_them(monkeypatch):
     """An upload that fails after the CPU's misses started: the call waits for them before the
     error goes up, so no thread writes the kept buffer after the call, and the next call runs."""
-    from strata.engine.cache import graph_call
-
     store = small_store(torch.bfloat16)
     cache = make_cache(store, round(0.25 * store.n_layers * store.n_experts), "coldest-in-loan",
                        1, token_path=True)

@@ -30,13 +30,11 @@ Steps 3 and 6 are `ResidentExperts`' own math and choice of path, so a cache tha
 expert gives byte-identical output.
 
 When every expert is resident and the policy does not watch the routing (no `observe` of its
-own), a decode call (T == 1) cannot miss and needs nothing on the host: it skips steps 1-2,
-4 and 5, reads the slots through the mirror, and counts the routing into a device tensor that
-is folded into the books' heat (`flush_heat`) before anything reads it: at the next call that
-goes through the host, at a phase change, at the end of a request, and when the loan opens.
-The device then runs ahead of the host as without a cache, and `generate` replays such decode
-steps from CUDA graphs as it does without a cache: `graph_capture` around the capture (its
-warm-up runs are not counted), `count_replay` after each replay.
+own), a decode call (T == 1) cannot miss and needs nothing on the host: it skips steps 1-2, 4
+and 5, reads the slots through the mirror, and counts the routing into a device tensor folded
+into the books' heat (`flush_heat`) before anything reads it (the next call through the host,
+a phase change, a request's end, the loan's opening). `generate` replays such decode steps
+from CUDA graphs as without a cache (`graph_capture` around the capture, `count_replay`).
 
 Every change of the slots (the fill, admissions, the loan, the elastic K/V's give-ups and trims)
 is carried out by the cache's `CacheExecutor` (`executor`), all or nothing; the device mirror of
@@ -46,8 +44,9 @@ reads it stale. The prompt loan is the cache's own (`loan`, built from `LoanOpti
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -85,21 +84,12 @@ class CachedExperts:
     `fill_hottest` fills them. `close` releases the arena.
     """
 
-    def __init__(
-        self,
-        store: ExpertStore,
-        arena: Arena,
-        table: ResidencyTable,
-        policy: CheckedPolicy | None,
-        device: str | torch.device,
-        cpu_threads: int | None = None,
-        *,
-        events: pluggy.PluginManager | None = None,
-        budget: CacheBudget | None = None,
-        stream_misses: int | StreamSplit = 0,
-        loan: LoanOptions | None = None,
-        prefetch_misses: int = 0,
-    ) -> None:
+    def __init__(self, store: ExpertStore, arena: Arena, table: ResidencyTable,
+                 policy: CheckedPolicy | None, device: str | torch.device,
+                 cpu_threads: int | None = None, *,
+                 events: pluggy.PluginManager | None = None, budget: CacheBudget | None = None,
+                 stream_misses: int | StreamSplit = 0, loan: LoanOptions | None = None,
+                 prefetch_misses: int = 0) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -307,10 +297,13 @@ class CachedExperts:
         return graph_call.sum_rows(self, x, rows, topk_weights)
 
     def fill_misses(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor, rows: torch.Tensor) -> None:
+                    topk_weights: torch.Tensor, rows: torch.Tensor, ahead: bool | None = None
+                    ) -> Callable[[], None] | None:
         """The rest of a one-token decode call after `resident_rows` filled rows [K + 1, D]:
         the CPU's misses' rows and the streamed ones staged, the books, policy and stats as
-        `forward` tells them; `sum_rows` then gives what `forward` would."""
+        `forward` tells them; `sum_rows` then gives what `forward` would. Returns None, or with
+        `ahead` (default `graph_call.LAUNCH_AHEAD`) maybe the call's end, which the caller
+        calls once it has queued the next graph (`graph_call.fill_misses`)."""
         entered = time.perf_counter()
         if not 0 <= layer < self.n_layers:
             raise IndexError(f"layer {layer} is out of range [0, {self.n_layers})")
@@ -326,8 +319,12 @@ class CachedExperts:
                 self.streamer.stage(layer, None, None)
         else:
             self.flush_heat()
-            graph_call.fill_misses(self, layer, x, topk_ids, rows, stats)
+            return graph_call.fill_misses(
+                self, layer, x, topk_ids, rows, stats,
+                functools.partial(self._leave_call, layer, stats, entered),
+                graph_call.LAUNCH_AHEAD if ahead is None else ahead)
         self._leave_call(layer, stats, entered)
+        return None
 
     @staticmethod
     def _count_all_hits(stats: PhaseStats, n_rows: int) -> None:

@@ -33,13 +33,18 @@ in the same order. So a split call gives `token_forward`'s bytes, and its books 
 
 The mirror the graph reads is the books' state when the host reaches `fill_misses`: every
 change of the books re-uploads it, and admissions happen after the rows were computed. The
-copy stream waits for the compute stream before it overwrites a slot.
+copy stream waits for the compute stream before it overwrites a slot. With the next graph
+launched ahead of the CPU's rows (`LAUNCH_AHEAD`), a call's admissions come after that graph
+is queued: it reads the mirror from before them, which names only slots still whole (see
+`_admit`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from strata.engine.cache.stats import PhaseStats
@@ -52,7 +57,12 @@ from strata.engine.cache.token_call import (
 )
 from strata.engine.experts import grouped, weighted_sum
 
-__all__ = ["fill_misses", "resident_rows", "sum_rows"]
+__all__ = ["LAUNCH_AHEAD", "fill_misses", "resident_rows", "sum_rows"]
+
+# Staged, off until timed on the device: split calls return before the CPU's misses are done,
+# the next graph launched ahead of their rows behind a wait on the stream (`fill_misses`'
+# `ahead`, `strata.engine.cache.host_signal`). bench/offload.py --launch-ahead times both.
+LAUNCH_AHEAD = False
 
 
 def resident_rows(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor
@@ -81,11 +91,21 @@ def resident_rows(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tenso
 
 
 def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                rows: torch.Tensor, stats: PhaseStats) -> None:
+                rows: torch.Tensor, stats: PhaseStats, leave: Callable[[], None],
+                ahead: bool = False) -> Callable[[], None] | None:
     """The host's part of `cache`'s call for one token x [1, D] routed to topk_ids [1, K]
     outside a loaned pass, after `resident_rows` filled rows [K + 1, D]: the CPU's misses'
     rows and the streamed ones staged for `sum_rows` to write into `rows`, the books, the
-    policy and `stats` told as `token_forward` tells them."""
+    policy and `stats` told as `token_forward` tells them, then `leave()` (the call's end in
+    the cache's books). Returns None, done.
+
+    `ahead` (where the CPU's misses run on its own thread): return while they still run, the
+    rows' copy queued behind a wait on the stream (`HostRows.signal`), and the rest of the
+    call as a function: the caller launches the next graph (queued behind the copy) and then
+    calls it, which waits for the CPU, sets the signal, admits and leaves. Between the two the
+    caller must wait for nothing the device does (`strata.engine.cache.host_signal`). The
+    bytes are the same: the stream runs the same work in the same order, and admissions, made
+    after the next graph is queued, change no row of it (`_admit`)."""
     top_k = topk_ids.shape[1]
     call = split_call(cache, layer, x, topk_ids, stats, queued=True)
     host_rows, hidden_size = cache.host_rows, x.shape[1]
@@ -95,15 +115,58 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
         targets = call.misses.rows + 1  # row k of the call is row k + 1 of `rows`
         if cache.async_cpu:  # on the CPU's own thread while this one issues the uploads
             started = start_cpu_rows(cache, layer, call.x_host, call.misses, stats, out)
+    handed_on = False
     try:
         _stage_uploads(cache, layer, call, stats)
+        if ahead and started is not None:
+            rest = _rows_ahead(cache, layer, call, stats, started, targets, rows, leave)
+            handed_on = True
+            return rest
     finally:  # the CPU's thread writes `out`: never left running past this call
-        if started is not None:
+        if started is not None and not handed_on:
             finish_cpu_rows(cache, stats, started)
     if started is None and call.misses is not None:
         cpu_rows(cache, layer, call.x_host, call.misses, stats, out)
     with DeviceTime(stats):
         host_rows.stage_cpu_rows(top_k, hidden_size, rows.dtype, targets)
+    _admit(cache, layer, call, top_k)
+    leave()
+    return None
+
+
+def _rows_ahead(cache: Any, layer: int, call: Any, stats: PhaseStats, started: float,
+                targets: np.ndarray, rows: torch.Tensor, leave: Callable[[], None]
+                ) -> Callable[[], None]:
+    """`fill_misses`' `ahead`: the wait and the CPU rows' copy queued behind it, and the rest
+    of the call (the CPU waited for, the signal set whatever happens, the admissions)."""
+    top_k, hidden_size = rows.shape[0] - 1, rows.shape[1]
+    signal = cache.host_rows.signal
+    with DeviceTime(stats):
+        signal.queue_wait()
+        try:
+            cache.host_rows.stage_cpu_rows(top_k, hidden_size, rows.dtype, targets,
+                                           behind_signal=True)
+        except BaseException:
+            signal.set()  # nothing may stay queued behind a wait nobody sets
+            raise
+
+    def rest() -> None:
+        try:
+            finish_cpu_rows(cache, stats, started)
+        finally:  # the rows are written (or the call failed): the stream runs on either way
+            signal.set()
+        _admit(cache, layer, call, top_k)
+        leave()
+
+    return rest
+
+
+def _admit(cache: Any, layer: int, call: Any, top_k: int) -> None:
+    """The policy's admissions of the call's misses. After the next graph was queued (`ahead`)
+    they change no row of it: the slots they overwrite are uploaded only once the stream has
+    run past it (`Arena.upload` waits for the stream), so an expert they evict is still whole
+    in its slot when that graph reads it through the mirror it was queued with, and its row is
+    written over by the CPU's or the staged one anyway (the books call it a miss)."""
     if cache.checked.admits and call.n_missed:
         cache.admit_misses(layer, call.missed_experts(top_k))
 

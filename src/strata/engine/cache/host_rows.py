@@ -22,7 +22,9 @@ Dimension letters: D hidden size, R rows.
   buffer kept for them (pinned on CUDA), which goes to the device with the rows' targets in one
   copy, by address through the driver (`ByteCopies`: no torch views or `copy_` dispatch
   between the CPU's rows and the next graph); the next graph writes them where the targets say
-  (`scatter_cpu_rows`, no host work).
+  (`scatter_cpu_rows`, no host work). With the next graph launched ahead of the CPU's rows,
+  the copy is queued behind `signal`'s wait, which the host sets once the rows are written
+  (`strata.engine.cache.host_signal`).
 
 The kept buffers are rewritten by the next call only after its routing's read, which waits
 for the stream to run past every copy queued by this call (each call's copies are queued
@@ -37,6 +39,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from strata.engine.cache.host_signal import HostSignal
 from strata.engine.experts.blob_copies import ByteCopies
 
 __all__ = ["HostRows"]
@@ -61,6 +64,9 @@ class HostRows:
         self._cpu_device_views: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cpu_names_rows = False
         self._copies = ByteCopies(self.device)
+        # What the stream waits on for the CPU's rows when the next graph is launched ahead of
+        # them (`graph_call`, `stage_cpu_rows`' behind_signal).
+        self.signal = HostSignal(self.device)
         # `queue_routing`'s buffers and event by (x's shape and dtype, the ids' shape and
         # dtype): never freed, since a captured graph writes into them at every replay.
         self._routing: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
@@ -170,10 +176,12 @@ class HostRows:
         return self._cpu_staging(top_k, hidden_size, dtype)[1][:n_rows]
 
     def stage_cpu_rows(self, top_k: int, hidden_size: int, dtype: torch.dtype,
-                       targets: np.ndarray | None) -> None:
+                       targets: np.ndarray | None, behind_signal: bool = False) -> None:
         """Send the R rows `cpu_out` holds with their targets [R] (rows of the call's
         [K + 1, D] rows, >= 1) to the device, for `scatter_cpu_rows`; None: no CPU rows (the
-        targets cleared, one copy skipped when they are clear already)."""
+        targets cleared, one copy skipped when they are clear already). `behind_signal`: the
+        copy queued behind `signal`'s pending wait, the rows still being written (the targets
+        are written now)."""
         self._cpu_staging(top_k, hidden_size, dtype)
         n = 0 if targets is None else targets.size
         if not n:
@@ -187,8 +195,15 @@ class HostRows:
         view[:n] = targets
         view[n:] = 0  # the scratch row
         n_bytes = 8 * top_k + n * hidden_size * dtype.itemsize  # the targets and the R rows
-        self._copies.to_device(self._cpu_device.data_ptr(), self._cpu_host.data_ptr(), n_bytes,
-                               "the CPU's rows")
+        device, host = self._cpu_device.data_ptr(), self._cpu_host.data_ptr()
+
+        def copy() -> None:
+            self._copies.to_device(device, host, n_bytes, "the CPU's rows")
+
+        if behind_signal:
+            self.signal.behind(copy)
+        else:
+            copy()
         self._cpu_names_rows = True
 
     def scatter_cpu_rows(self, rows: torch.Tensor) -> None:

@@ -59,15 +59,23 @@ class Pieces:
     logits: torch.Tensor | None = None
 
     def replay(self) -> None:
-        """Graph 0, the experts, graph 1, ..., graph L; the logits are in `logits` after."""
+        """Graph 0, the experts, graph 1, ..., graph L; the logits are in `logits` after. A
+        split call may hand back its end (`CachedExperts.fill_misses`' ahead): the next graph
+        is then launched first, queued on the device behind the call's last rows, and the end
+        called after it, whatever the launch does."""
         experts = self.model.experts
-        for graph, call, out in zip(self.graphs, self.calls, self.outputs, strict=False):
-            graph.replay()
-            if self.split:
-                experts.fill_misses(*call, out)
-            else:
+        self.graphs[0].replay()
+        for graph, call, out in zip(self.graphs[1:], self.calls, self.outputs, strict=True):
+            if not self.split:
                 out.copy_(experts.forward(*call))
-        self.graphs[-1].replay()
+                graph.replay()
+                continue
+            rest = experts.fill_misses(*call, out)
+            try:
+                graph.replay()
+            finally:
+                if rest is not None:
+                    rest()
 
 
 class Cut:
