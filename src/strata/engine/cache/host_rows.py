@@ -64,12 +64,19 @@ class HostRows:
         self._cpu_device_views: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cpu_names_rows = False
         self._copies = ByteCopies(self.device)
-        # What the stream waits on for the CPU's rows when the next graph is launched ahead of
-        # them (`graph_call`, `stage_cpu_rows`' behind_signal).
-        self.signal = HostSignal(self.device)
+        self._signal: HostSignal | None = None  # made on first use (`signal`)
         # `queue_routing`'s buffers and event by (x's shape and dtype, the ids' shape and
         # dtype): never freed, since a captured graph writes into them at every replay.
         self._routing: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
+
+    @property
+    def signal(self) -> HostSignal:
+        """What the stream waits on for the CPU's rows when the next graph is launched ahead of
+        them (`graph_call`, `stage_cpu_rows`' behind_signal); made on first use, so a cache
+        that never launches ahead maps no word for it."""
+        if self._signal is None:
+            self._signal = HostSignal(self.device)
+        return self._signal
 
     def x_to_host(self, x: torch.Tensor) -> torch.Tensor:
         """x [1, D] on the host, once the stream has run to here (the caller's next read of
