@@ -65,6 +65,7 @@ from strata.engine.runtime.calibrate import collect_counts
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.generate import GenerateOptions
 from strata.formats.profile import Profile, fill_rank
+from thread_sched import sched_per_round, sched_span, thread_scheds
 
 PROFILE_PROMPTS = 4  # seeded random prompts of 256 tokens the profile counts, + 32 decoded
 
@@ -101,7 +102,7 @@ def run_decode(engine, prompt, n_new, repeat, max_context, cuda_graphs=True,
                               cuda_graphs=cuda_graphs, piecewise_graphs=piecewise,
                               **(sampling or {"temperature": 0.0}))
     fresh_request(engine, prompt, options)  # warm-up
-    return decode_figures([fresh_request(engine, prompt, options) for _ in range(repeat)])
+    return decode_figures([scheduled_request(engine, prompt, options) for _ in range(repeat)])
 
 
 def run_decode_interleaved(engine, prompt, n_new, repeat, max_context, setups: dict,
@@ -117,16 +118,29 @@ def run_decode_interleaved(engine, prompt, n_new, repeat, max_context, setups: d
     for sweep in range(repeat + 1):  # the first sweep warms up each setup
         for name, setup in setups.items():
             setup()
-            request = fresh_request(engine, prompt, options)
+            request = scheduled_request(engine, prompt, options)
             if sweep:
                 requests[name].append(request)
     return {name: decode_figures(runs) for name, runs in requests.items()}
 
 
-def decode_figures(runs: list) -> dict:
-    """A decode run's figures from its requests (`fresh_request`'s): the median request's
-    speed and cache stats, every request's round, whether all repeated the first's tokens."""
-    best = sorted(runs, key=lambda r: r.decode_tok_s)[len(runs) // 2]  # the median run
+def scheduled_request(engine, prompt, options) -> tuple:
+    """(`fresh_request`'s result, what the scheduler did to the process's threads over it:
+    `thread_sched.sched_span`)."""
+    before = thread_scheds()
+    request = fresh_request(engine, prompt, options)
+    return request, sched_span(before, thread_scheds())
+
+
+def decode_figures(requests: list) -> dict:
+    """A decode run's figures from its requests (`scheduled_request`'s): the median request's
+    speed and cache stats, every request's round, whether all repeated the first's tokens, and
+    each request's threads' counts a round (`thread_sched.sched_per_round`: the prompt's part
+    included, a short prompt's being small beside the rounds')."""
+    runs = [run for run, _ in requests]
+    threads = [sched_per_round(span, max(1, len(run.tokens) - 1)) for run, span in requests]
+    median = sorted(range(len(runs)), key=lambda i: runs[i].decode_tok_s)[len(runs) // 2]
+    best = runs[median]  # the median run
     out = {
         "tokens": runs[0].tokens,
         "prefill_tok_s": statistics.median(r.prefill_tok_s for r in runs),
@@ -135,6 +149,9 @@ def decode_figures(runs: list) -> dict:
         "decode_ms_per_round_each": [r.decode_ms_per_round for r in runs],
         "decode_path": best.decode_path,
         "deterministic": all(r.tokens == runs[0].tokens for r in runs),
+        "threads_per_round": sched_per_round(requests[median][1],
+                                             max(1, len(best.tokens) - 1), by_name=True),
+        "threads_per_round_each": threads,
     }
     if best.cache is not None:
         out["cache"] = best.cache.as_dict()

@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -38,22 +39,14 @@ from strata.engine.cache.rate_calls import synthetic_store
 from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.routed import Routed
 from strata.engine.model.presets import PRESETS, get_preset
+from thread_sched import thread_scheds
 
 MODES = ("beside-caller-team", "caller-team-shrunk")
 
 
-def switches() -> dict[str, int]:
+def switches() -> dict[int, int]:
     """Voluntary context switches of each of this process's threads, by thread id."""
-    counts = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/status") as status:
-                for line in status:
-                    if line.startswith("voluntary_ctxt_switches"):
-                        counts[tid] = int(line.split()[1])
-        except FileNotFoundError:  # a thread that exited meanwhile
-            pass
-    return counts
+    return {tid: counts.voluntary for tid, counts in thread_scheds().items()}
 
 
 def busy_wait(seconds: float) -> None:
@@ -72,7 +65,7 @@ def run_mode(cpu: CpuExperts, mode: str, n_experts: int, n_calls: int, gap_s: fl
     cpu.compute(0, x, routed)  # the main thread's team, full
     cpu.shrink_caller_team = mode == "caller-team-shrunk"
     warm = 5
-    times, before, main = [], {}, str(os.getpid())
+    times, before, main = [], {}, threading.get_native_id()
     for i in range(warm + n_calls):
         if i == warm:
             before = switches()

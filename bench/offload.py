@@ -54,7 +54,11 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   (`CacheStats`: `cpu_s`, `wait_s`), i.e. issuing, booking and everything around the kernels
   (a wait outside the cache, such as sampling's read of the token, counts as host-side); under
   `--cpu-schedule steal`, the share of the CPU kernel's tasks the engine's thread ran while it
-  waited for them (`CacheStats`: `cpu_waiter_tasks` of `cpu_tasks`);
+  waited for them (`CacheStats`: `cpu_waiter_tasks` of `cpu_tasks`); what the scheduler did
+  to the process's threads a round, the engine's and the others' (the CPU's team, named
+  `_cpu_experts.WORKER_NAME`, among them; by name in the JSON): sleeps, preemptions, time
+  ready but waiting for a core, migrations (`bench/thread_sched.py`), which tell a CPU team
+  that sleeps from one scheduled away when its rate moves from one process to the next;
 - prefill of a `--prefill-tokens` prompt at the same cache with the prompt loan: its time, the
   expert bytes it uploaded and the upload bound (bytes / copy rate) beside it, and where the
   time went: the cache's uploads (`upload_s`: the host's time queueing them, which is their
@@ -136,6 +140,7 @@ from strata.engine.runtime.load import Loaded, load
 from strata.formats.profile import rank_from_counts, uniform_rank
 from strata.machine import huge_page_bytes, transparent_huge_pages
 from strata.settings import LOAN_UPLOAD_BATCHES
+from thread_sched import describe
 
 GB = 1e9
 
@@ -667,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{cpu_rate}, wait {r['wait_ms']:.2f}" + (
                             f", prefetched {ahead['prefetched_experts']} experts, used "
                             f"{ahead['used']}" if ahead else ""))
+                    say(f"{run_name}, {describe(run['threads_per_round'])}")
                     if run.get("trace"):
                         say(f"{run_name}, traced a layer call: " + ", ".join(
                             f"{key.removesuffix('_us')} {value:.1f}" for key, value in

@@ -7,7 +7,11 @@ one fixed order). Shapes are small and unaligned (D and F not multiples of the k
 vectors or its 16-row blocks), so the tails are exercised.
 """
 
+import contextlib
+import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -411,6 +415,34 @@ def test_the_worker_takes_one_call_at_a_time_and_checks_each_as_compute_does():
     worker.start(*args)
     del worker  # in flight: waited for before the thread stops
     assert out.abs().sum() > 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="threads are named on Linux")
+def test_the_worker_and_its_team_carry_the_worker_s_name():
+    """The worker's thread names itself, and the OpenMP team it starts takes the name: a
+    profiler, and bench/thread_sched.py, tell them from every other thread. The caller's
+    name does not change; docs/expert-cache.md names it."""
+    assert _cpu_experts.WORKER_NAME == "strata-cpu"
+
+    def named() -> int:
+        names = []
+        for task in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                names.append((task / "comm").read_text().strip())
+        return names.count(_cpu_experts.WORKER_NAME)
+
+    f, d = 8, 16
+    blobs = _blobs(2, f, d, 0).view(torch.uint8).numpy()
+    out = torch.zeros(3, d, dtype=torch.bfloat16)
+    caller = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text()
+    before = named()
+    worker = _cpu_experts.CpuWorker()
+    worker.start(blobs, 0, np.array([0, 1], dtype=np.int64), np.array([0, 1, 3], dtype=np.int64),
+                 torch.randn(3, d).float().numpy(), _u16(out), f, 3)
+    worker.wait()
+    assert named() >= before + 3  # the worker and the two threads its team of 3 added
+    assert Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text() == caller
+    del worker
 
 
 @pytest.mark.parametrize("schedule", ["dynamic", "steal"])

@@ -15,6 +15,7 @@ FORMAT_INT4_G32: int
 FORMAT_INT4_G64: int
 SCHEDULES: dict[str, int]
 PREFETCH_BYTES: int  # compute's default prefetch_bytes: 4096
+WORKER_NAME: str  # the name of CpuWorker's thread and its OpenMP team's, on Linux: "strata-cpu"
 REVISION: int  # the kernel's revision, part of the kept rates' key: 2
 
 def blob_bytes(fmt: int, expert_width: int, hidden_size: int) -> int:

@@ -12,6 +12,10 @@ cdef extern from "_cpu_experts_worker.h" nogil:
     void strata_worker_wait(strata_worker *w)
     void strata_worker_stop(strata_worker *w)
     int strata_spin_until(const int64_t *counter, int64_t target, const int *stop)
+    const char *STRATA_WORKER_NAME
+
+# The name of the worker's thread and of its OpenMP team's threads, on Linux (see the header).
+WORKER_NAME = (<bytes>STRATA_WORKER_NAME).decode()
 
 
 cdef void _run_job(void *job) noexcept nogil:
@@ -34,7 +38,8 @@ cdef class CpuWorker:
     both passes on an OpenMP team of its own (it is the team's master; the poster's thread is
     not in it) and returns at once; `wait` returns when it is done, and `out` holds its rows.
     One call at a time. The arrays stay referenced here until `wait`, so the call never reads
-    freed memory. Between calls the thread spins about 2 ms for the next, then sleeps.
+    freed memory. Between calls the thread spins about 2 ms for the next, then sleeps. On Linux
+    the thread and its team are named `WORKER_NAME`.
     The bytes are `compute`'s: the same passes over the same tasks.
     """
 

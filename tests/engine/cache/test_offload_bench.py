@@ -32,6 +32,10 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     # The prompt's: its time, the uploads, tok/s and scaled (no copy rate off CUDA: no bound).
     assert re.search(r"prefill-loan: [\d.]+ s, [\d.]+ GB uploaded, [\d,]+ tok/s, [\d,]+ scaled "
                      r"to \d+ layers", err)
+    # What the scheduler did to the threads a round: the engine's and the others' (the CPU's
+    # team among them), to tell a team that sleeps from one scheduled away.
+    assert re.search(r"decode-stream-1, threads a round: the engine's [\d.]+ sleeps, [\d.]+ "
+                     r"preemptions.*; the others' [\d.]+ sleeps", err)
     assert report["machine"]["host_read_bytes_per_s"] > 0
     assert report["machine"]["copy_bytes_per_s"] is None  # no bus off CUDA
     # The store's pages beside the CPU's rate: the kernel's mode, and how much of the store
@@ -72,6 +76,9 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
         assert r["cpu_gb_s"] > 0 and r["cpu_share_of_host_read"] > 0
         # Off CUDA no call is split, so none runs on the CPU's own thread: no tasks counted.
         assert r["cpu_waiter_task_share"] is None
+    threads = runs["decode-stream-1"]["threads_per_round"]
+    assert threads["engine"]["voluntary"] >= 0 and threads["others"]["involuntary"] >= 0
+    assert len(runs["decode-stream-1"]["threads_per_round_each"]) == 1  # --repeat 1
     prefill = runs["prefill-loan"]
     assert prefill["cache"]["lent_slots"] > 0 and prefill["upload_bound_s"] is None
     prompt = prefill["cache"]["prompt"]
