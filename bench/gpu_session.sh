@@ -95,7 +95,11 @@
 # round, qwen3-30b-a3b's 16 layers at 22% in int8, each split call's next graph launched ahead of
 # the CPU's rows (`graph_call.LAUNCH_AHEAD`) against after them, interleaved in one process;
 # run `CUDA_TESTS="tests/engine/cache/test_host_signal.py tests/engine/cache/test_token_path.py"
-# ... tests` first), cpu-schedule (1.5: bench/cpu_experts.py
+# ... tests` first; AHEAD_ARGS adds offload.py flags, e.g. "--cpu-team 13" to interleave a team
+# size too), offload-team (4: the same round with the CPU's own thread's team of CPU_TEAMS
+# threads, default 13,11, against the default 15, interleaved: a team as large as the cores left
+# waits for any thread the scheduler takes a core from; each run's threads' sleeps,
+# preemptions and time waiting for a core are in its JSON, bench/thread_sched.py), cpu-schedule (1.5: bench/cpu_experts.py
 # over 2, 3 and 4 experts after no gap and an 800 us gap, the kernel's tasks handed out
 # (compute-main) against fixed, guided and stolen shares (compute-static, compute-guided,
 # compute-steal), and on the worker thread as a round's decode call runs (start-dynamic against
@@ -411,7 +415,11 @@ for stage in "$@"; do
     offload-ahead)  # the next graph launched ahead of the CPU's rows: A/B in one process
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
                --share-per-format --stream-misses auto --launch-ahead --interleave \
-               --prefill-tokens 0 ;;
+               --prefill-tokens 0 ${AHEAD_ARGS:-} ;;
+    offload-team)  # the CPU's team smaller than the cores left: A/B in one process
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
+               --share-per-format --stream-misses auto --cpu-team "${CPU_TEAMS:-13,11}" \
+               --interleave --prefill-tokens 0 ;;
     sampling) for vocab in 50304 151936; do
                   (cd bench && timeout 120 python3 sampling.py --vocab $vocab)
               done > "$OUT/sampling.txt" 2>&1; grep -v "^{" "$OUT/sampling.txt" ;;

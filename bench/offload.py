@@ -26,14 +26,20 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   (`steal-alone`: steal with the engine's thread only waiting, `CpuExperts.caller_helps`
   off);
   `--cpu-prefetch N[,N...]` with the CPU kernel's weights prefetched N bytes ahead of its
-  reads, named -cpupfN: `CpuExperts.prefetch_bytes`; `--sync-cpu` with the
+  reads, named -cpupfN: `CpuExperts.prefetch_bytes`; `--cpu-team N[,N...]` with the CPU's
+  own thread's team N threads strong (the default is one short of the cache's CPU threads,
+  torch's count), leaving the other cores to the engine's thread and everything else the
+  process and the machine run, named -teamN: `CpuExperts.cpu_threads` N + 1, the misses
+  split as the base run's, a straggler test (a team as large as the cores left waits for any
+  thread the scheduler takes a core from); `--sync-cpu` with the
   CPU's misses computed on the engine's thread after its uploads, not on a thread of their own
   from the routing read on (`CachedExperts.async_cpu` off, the way before), named -sync;
   `--cpu-spin` with the CPU's thread keeping its team spinning between calls, named -spin:
   `CpuExperts.keep_team_up`; `--no-cpu-shrink` with the engine thread's OpenMP pool left as
   it grows, not shrunk before the CPU's thread computes (`CpuExperts.shrink_caller_team` off,
   the way before), named -noshrink;
-  `--interleave` runs those (-static, -guided, -cpupfN, -sync, -spin, -noshrink), -wake and
+  `--interleave` runs those (-static, -guided, -cpupfN, -teamN, -sync, -spin, -noshrink),
+  -wake and
   -ahead in the base run's engine, one request of each in turn, so that a machine's
   drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
@@ -413,9 +419,15 @@ def main(argv: list[str] | None = None) -> int:
                         "with the CPU kernel's weights prefetched that many bytes ahead of "
                         "its reads, named -cpupfN (`CpuExperts.prefetch_bytes`; the default is "
                         "`_cpu_experts.PREFETCH_BYTES`)")
+    parser.add_argument("--cpu-team", default="",
+                        help="comma-separated thread counts: also run each decode with the "
+                        "CPU's own thread's OpenMP team that many threads strong, named "
+                        "-teamN (`CpuExperts.cpu_threads` N + 1; the default team is one "
+                        "short of --cpu-threads, torch's threads by default)")
     parser.add_argument("--interleave", action="store_true",
                         help="run --wake-cpu's, --sync-cpu's, --cpu-schedule's, "
-                        "--cpu-prefetch's, --cpu-spin's and --no-cpu-shrink's variants "
+                        "--cpu-prefetch's, --cpu-team's, --cpu-spin's and --no-cpu-shrink's "
+                        "variants "
                         "in the base run's engine, one request of each in turn "
                         "(`run_decode_interleaved`), so that the machine's drift falls on all "
                         "alike")
@@ -476,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             or len(set(cpu_prefetches)) != len(cpu_prefetches):
         parser.error(f"--cpu-prefetch takes distinct comma-separated multiples of 64, got "
                      f"{args.cpu_prefetch!r}")
+    cpu_teams = _counts(parser, "--cpu-team", args.cpu_team) if args.cpu_team else []
     formats = args.experts_dtype.split(",")
     if len(set(formats)) != len(formats) or any(f not in EXPERTS_DTYPES for f in formats):
         parser.error(f"--experts-dtype takes distinct comma-separated values of "
@@ -574,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
                         *(["-sync"] if args.sync_cpu else []),
                         *(f"-{schedule}" for schedule in cpu_schedules),
                         *(f"-cpupf{n}" for n in cpu_prefetches),
+                        *(f"-team{n}" for n in cpu_teams),
                         *(["-spin"] if args.cpu_spin else []),
                         *(["-noshrink"] if args.no_cpu_shrink else []),
                         *(["-ahead"] if args.launch_ahead else [])]
@@ -617,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
                     cache.cpu.caller_helps = not chosen.endswith("-alone")
                     cache.cpu.prefetch_bytes = int(setting.removeprefix("-cpupf")) \
                         if setting.startswith("-cpupf") else _cpu_experts.PREFETCH_BYTES
+                    cache.cpu.cpu_threads = int(setting.removeprefix("-team")) + 1 \
+                        if setting.startswith("-team") else args.cpu_threads
                     if cache.streamer is not None:
                         cache.streamer.split_rule = StreamSplit.fixed(int(count), cfg.top_k) \
                             if setting.startswith("-split") else rule
