@@ -27,7 +27,9 @@ and the new tokens for decode, the long prompt for prefill.
   what does not fit to the CPU.
 
 Decode tok/s for strata is its own figure (rounds / decode time); for transformers (new - 1) /
-(time of `new` tokens - time of 1 token). Medians over `--repeat` runs after a warm-up.
+(time of `new` tokens - time of 1 token). Medians over `--repeat` runs after a warm-up. Each
+decode run's JSON also has what the scheduler did to the process's threads a round
+(`threads_per_round`, the median request's; `threads_per_round_each`: bench/thread_sched.py).
 
     python bench/cache.py --preset tiny --device cpu --loan-keep-slots 0    # here, a minute
     python bench/cache.py --preset olmoe-1b-7b --device cuda --budget-mib 4096 \
