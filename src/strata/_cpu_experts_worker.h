@@ -12,7 +12,7 @@
  * extension's hook that keeps the job's OpenMP team spinning for the next job too (a decode
  * round's next call comes about a millisecond later, by when idle OpenMP threads would sleep).
  *
- * On Linux the worker names itself STRATA_WORKER_NAME, and the OpenMP team it starts (its
+ * On Linux the worker names itself `strata_worker_name`, and the OpenMP team it starts (its
  * threads are made by it) takes the name from it: `top -H`, `perf` and /proc/self/task tell the
  * CPU experts' threads from torch's and the driver's (bench/thread_sched.py counts them apart).
  */
@@ -27,7 +27,7 @@
 #endif
 
 #define STRATA_WORKER_SPIN_NS 2000000L /* 2 ms */
-#define STRATA_WORKER_NAME "strata-cpu"   /* at most 15 bytes: the kernel's limit */
+static const char strata_worker_name[] = "strata-cpu"; /* at most 15 bytes: the kernel's limit */
 
 typedef struct strata_worker strata_worker;
 struct strata_worker {
@@ -67,7 +67,7 @@ static void *strata_worker_main(void *arg) {
     strata_worker *w = (strata_worker *)arg;
     int64_t taken = 0;
 #if defined(__linux__)
-    prctl(PR_SET_NAME, STRATA_WORKER_NAME, 0, 0, 0); /* a name only: nothing depends on it */
+    prctl(PR_SET_NAME, strata_worker_name, 0, 0, 0); /* a name only: nothing depends on it */
 #endif
     for (;;) {
         if (!strata_spin_until(&w->posted, taken + 1, &w->stop)) {

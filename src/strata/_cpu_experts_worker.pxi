@@ -12,10 +12,10 @@ cdef extern from "_cpu_experts_worker.h" nogil:
     void strata_worker_wait(strata_worker *w)
     void strata_worker_stop(strata_worker *w)
     int strata_spin_until(const int64_t *counter, int64_t target, const int *stop)
-    const char *STRATA_WORKER_NAME
+    const char *strata_worker_name
 
 # The name of the worker's thread and of its OpenMP team's threads, on Linux (see the header).
-WORKER_NAME = (<bytes>STRATA_WORKER_NAME).decode()
+WORKER_NAME = (<bytes>strata_worker_name).decode()
 
 
 cdef void _run_job(void *job) noexcept nogil:
