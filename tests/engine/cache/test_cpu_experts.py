@@ -95,6 +95,28 @@ def test_bf16_experts_of_few_rows_go_to_the_kernel_and_the_others_to_torch():
         assert torch.equal(torch_out[lo:hi], _torch_rows(store, x_rows, routed, i))
 
 
+def test_the_cpu_s_own_thread_takes_a_bf16_call_only_when_every_expert_has_few_rows():
+    """`start` takes a decode call (one row an expert, known from R == M without counting
+    them) and a call whose experts have up to KERNEL_MAX_ROWS rows each; it refuses, starting
+    nothing, a call with one expert past that (the engine's thread computes it then). What it
+    takes gives `compute`'s bytes."""
+    store = _store(torch.bfloat16)
+    cpu = CpuExperts(store, 2)
+    gen = torch.Generator().manual_seed(2)
+    one_each = Routed.of(np.array([[1, 2, 5]]))  # R == M: a decode call
+    few = Routed.of(np.array([[1, 2], [1, 5]]))  # expert 1 has 2 rows, the others 1
+    many = Routed.of(np.array([[1, 2]] * (KERNEL_MAX_ROWS + 1)))
+    for routed, taken in ((one_each, True), (few, True), (many, False)):
+        x_rows = torch.randn(routed.n_rows, store.hidden_size, generator=gen).bfloat16()
+        out = torch.full((routed.n_rows, store.hidden_size), 7.0, dtype=torch.bfloat16)
+        assert cpu.start(0, x_rows, routed, out) is taken
+        if taken:
+            cpu.finish()
+            assert torch.equal(out, cpu.compute(0, x_rows, routed))
+        else:
+            assert (out == 7.0).all()  # nothing started, nothing written
+
+
 def test_the_kernel_is_chosen_by_argument_or_strata_cpu_kernel(monkeypatch):
     store = _store(torch.bfloat16)
     assert CpuExperts(store).kernel == "strata"

@@ -147,6 +147,12 @@ def test_bad_shapes():
         Routed.of(np.zeros((2, 2), int), np.zeros((2, 3), bool))
     with pytest.raises(ValueError, match="starts must be"):
         Routed(np.array([1]), np.array([0, 2]), np.array([0], np.int64), 1)
+    # An expert that owns no row: R == M would then not mean one row each.
+    with pytest.raises(ValueError, match=r"rising from 0 to R = 3, every expert owning a row, "
+                       r"got \[0, 0, 3\]"):
+        Routed(np.array([1, 2]), np.array([0, 0, 3]), np.arange(3, dtype=np.int64), 1)
+    with pytest.raises(ValueError, match="starts must be"):
+        Routed(np.array([1]), np.array([1, 1]), np.array([0], np.int64), 1)
     with pytest.raises(ValueError, match=r"experts \[2, 1\) are not within \[0, 1\]"):
         Routed.of(np.array([[1, 1]])).group(2, 1)
     with pytest.raises(ValueError, match="rows must be int64"):

@@ -35,9 +35,10 @@ def sort_keys(ids: np.ndarray) -> np.ndarray:
 class Routed:
     """Rows of one layer grouped by expert: expert `experts[i]` owns `rows[starts[i]:starts[i+1]]`.
 
-    experts int64 [M] ascending and distinct; starts int64 [M+1] from 0 to R; rows int64 [R],
-    flat `t * top_k + k`, ascending within each expert (the order a stable sort by expert gives,
-    which is the order `ResidentExperts` runs them in). Arrays are read-only.
+    experts int64 [M] ascending and distinct; starts int64 [M+1] from 0 to R, strictly
+    ascending (every expert owns at least one row: so R == M means one row each); rows int64
+    [R], flat `t * top_k + k`, ascending within each expert (the order a stable sort by expert
+    gives, which is the order `ResidentExperts` runs them in). Arrays are read-only.
     """
 
     experts: np.ndarray
@@ -51,10 +52,11 @@ class Routed:
             if array.dtype != np.int64 or array.ndim != 1:
                 raise ValueError(f"{name} must be int64 [n], got {array.dtype} {array.shape}")
             array.flags.writeable = False
-        if self.starts.size != self.experts.size + 1 or self.starts[-1] != self.rows.size:
+        if self.starts.size != self.experts.size + 1 or self.starts[0] != 0 \
+                or self.starts[-1] != self.rows.size or (np.diff(self.starts) < 1).any():
             raise ValueError(
-                f"starts must be [M+1] = [{self.experts.size + 1}] ending at R = "
-                f"{self.rows.size}, got {self.starts.tolist()}"
+                f"starts must be [M+1] = [{self.experts.size + 1}] rising from 0 to R = "
+                f"{self.rows.size}, every expert owning a row, got {self.starts.tolist()}"
             )
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
