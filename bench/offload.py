@@ -39,9 +39,8 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   it grows, not shrunk before the CPU's thread computes (`CpuExperts.shrink_caller_team` off,
   the way before), named -noshrink;
   `--interleave` runs those (-static, -guided, -cpupfN, -teamN, -sync, -spin, -noshrink),
-  -wake and
-  -ahead in the base run's engine, one request of each in turn, so that a machine's
-  drift falls on all alike, and with
+  -wake and -ahead in the base run's engine, one request of each in turn, so that a
+  machine's drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
   (the counts compared with the same slots; with `--sync-cpu` each again as -splitN-sync,
   with `--no-cpu-shrink` as -splitN-noshrink); `--launch-ahead` with each split call's next
@@ -427,8 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interleave", action="store_true",
                         help="run --wake-cpu's, --sync-cpu's, --cpu-schedule's, "
                         "--cpu-prefetch's, --cpu-team's, --cpu-spin's and --no-cpu-shrink's "
-                        "variants "
-                        "in the base run's engine, one request of each in turn "
+                        "variants in the base run's engine, one request of each in turn "
                         "(`run_decode_interleaved`), so that the machine's drift falls on all "
                         "alike")
     parser.add_argument("--split-counts", default="",
