@@ -424,12 +424,14 @@ def test_the_worker_and_its_team_carry_the_worker_s_name():
     name does not change; docs/expert-cache.md names it."""
     assert _cpu_experts.WORKER_NAME == "strata-cpu"
 
-    def named() -> int:
-        names = []
+    def named() -> set[str]:
+        """The ids of the threads of that name (an earlier test's may still be ending)."""
+        tids = set()
         for task in Path("/proc/self/task").iterdir():
             with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
-                names.append((task / "comm").read_text().strip())
-        return names.count(_cpu_experts.WORKER_NAME)
+                if (task / "comm").read_text().strip() == _cpu_experts.WORKER_NAME:
+                    tids.add(task.name)
+        return tids
 
     f, d = 8, 16
     blobs = _blobs(2, f, d, 0).view(torch.uint8).numpy()
@@ -440,7 +442,7 @@ def test_the_worker_and_its_team_carry_the_worker_s_name():
     worker.start(blobs, 0, np.array([0, 1], dtype=np.int64), np.array([0, 1, 3], dtype=np.int64),
                  torch.randn(3, d).float().numpy(), _u16(out), f, 3)
     worker.wait()
-    assert named() >= before + 3  # the worker and the two threads its team of 3 added
+    assert len(named() - before) >= 3  # the worker and the two threads its team of 3 added
     assert Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text() == caller
     del worker
 

@@ -298,7 +298,7 @@ VARIABLES: tuple[Variable, ...] = (
         HOST_HUGE_PAGES,
         "the expert store's and the parked conversations' host memory advised to use 2 MiB "
         "pages: fewer page walks for the CPU's and the copies' streaming reads, and on the "
-        "H200 machine a conversation's first park 1.8-2.4x faster (fewer pages to lock, "
+        "H200 machine a conversation's first park 1.8-2.3x faster (fewer pages to lock, "
         "bench/results/park-h200-2026-12-05.md); but on a virtual machine whose memory the "
         "host backs only when first touched the store loaded 1.5-3.9x slower (on the "
         "development VM, bench/results/host-pages-cpu-2026-12-04.md)",
