@@ -117,6 +117,30 @@ def test_the_cpu_s_own_thread_takes_a_bf16_call_only_when_every_expert_has_few_r
             assert (out == 7.0).all()  # nothing started, nothing written
 
 
+def test_started_decode_calls_reuse_kept_buffers_and_a_second_start_disturbs_none():
+    """`start` copies a one-token call's input into a kept float32 buffer and keeps the views
+    of the `out`s it was given: calls after one another, with new tokens, new experts and
+    `out`s that alias the same memory or not, each give `compute`'s bytes; a start while a
+    call is in flight is refused before it touches what that call reads."""
+    store = _store(torch.bfloat16)
+    cpu = CpuExperts(store, 2)
+    gen = torch.Generator().manual_seed(3)
+    kept = torch.empty((store.n_experts, store.hidden_size), dtype=torch.bfloat16)
+    for step, ids in enumerate(([1, 2, 5], [0, 7], [3, 4, 6], [2, 5])):
+        routed = Routed.of(np.array([ids]))
+        x = torch.randn(1, store.hidden_size, generator=gen).bfloat16()  # [1, D]
+        out = kept[:routed.n_rows] if step % 2 == 0 else torch.empty_like(kept[:routed.n_rows])
+        assert cpu.start(0, x, routed, out)
+        if step == 2:  # in flight: refused, the call's input and output untouched
+            other = torch.randn(1, store.hidden_size, generator=gen).bfloat16()
+            with pytest.raises(RuntimeError, match="a call is in flight"):
+                cpu.start(0, other, Routed.of(np.array([[0, 1, 2]])), kept[:3])
+            assert torch.equal(cpu._x_float, x.float())  # the kept input is still this call's
+        cpu.finish()
+        expected = cpu.compute(0, x.expand(routed.n_rows, -1), routed)
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
 def test_the_kernel_is_chosen_by_argument_or_strata_cpu_kernel(monkeypatch):
     store = _store(torch.bfloat16)
     assert CpuExperts(store).kernel == "strata"

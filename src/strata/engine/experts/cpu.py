@@ -143,6 +143,14 @@ class CpuExperts:
         self.caller_helps = True
         self._caller_team_grown = True  # a new engine's load ran torch's own teams
         self._worker = None  # `start`'s thread, made on first use
+        # `start`'s kept buffers, rewritten only while no call is in flight: the token as
+        # float32 [1, D] (torch's, and numpy's view of the same memory), and the uint16 views
+        # of the `out` tensors it was given, by (address, rows) (a decode call's `out` is a
+        # slice of one kept buffer: a handful of these). Each saved about 1.5 us a call on
+        # the development VM (bench/results/split-host-cpu-2026-12-05.md).
+        self._x_float = torch.empty((1, store.hidden_size), dtype=torch.float32)
+        self._x_float_view = self._x_float.numpy()
+        self._out_views: dict[tuple[int, int], np.ndarray] = {}
 
     @property
     def schedule(self) -> str:
@@ -220,18 +228,36 @@ class CpuExperts:
             self._worker = _cpu_experts.CpuWorker()
         if self._worker.keep_team_up != self.keep_team_up:  # set under the worker's mutex
             self._worker.keep_team_up = self.keep_team_up
+        if self._worker.pending:  # before the kept buffers, which the call in flight reads
+            raise RuntimeError("a call is in flight on this CpuWorker: wait() for it first")
         n_threads = self.cpu_threads or torch.get_num_threads()
         lo, hi = int(routed.starts[0]), int(routed.starts[-1])
         starts = routed.starts if lo == 0 else routed.starts - lo
         x = x_rows if x_rows.shape[0] == 1 else x_rows[lo:hi]  # [1, D]: every row's input
         if x.dtype != self.store.dtype:
             x = x.to(self.store.dtype)
+        if x.shape[0] == 1:
+            self._x_float.copy_(x)  # x.float(), into the kept buffer
+            x_float = self._x_float_view
+        else:
+            x_float = x.float().numpy()
         self._worker.start(
             self._blobs[layer], self._format, np.ascontiguousarray(routed.experts, np.int64),
-            np.ascontiguousarray(starts, np.int64), x.float().numpy(),
-            _u16(out if lo == 0 and hi == out.shape[0] else out[lo:hi]),
+            np.ascontiguousarray(starts, np.int64), x_float,
+            self._out_view(out if lo == 0 and hi == out.shape[0] else out[lo:hi]),
             self.store.expert_width, max(1, n_threads - 1), self.schedule, self.prefetch_bytes)
         return True
+
+    def _out_view(self, out: torch.Tensor) -> np.ndarray:
+        """`_u16(out)`, kept by out's address and rows: the same memory whatever tensor names
+        it (the view holds its memory, so nothing else is placed there while it is kept)."""
+        key = (out.data_ptr(), out.shape[0])
+        view = self._out_views.get(key)
+        if view is None:
+            if len(self._out_views) >= 64:  # a caller passing new buffers: keep only the last
+                self._out_views.clear()
+            view = self._out_views[key] = _u16(out)
+        return view
 
     def finish(self) -> int:
         """Return when the call `start` started is done (at once when none is), and how many

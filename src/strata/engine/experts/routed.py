@@ -66,10 +66,13 @@ class Routed:
                   top_k: int) -> Routed:
         """A Routed of parts that are valid by construction (slices of a valid one, the books'
         split), without `__post_init__`'s checks: a decode call makes a few of these a layer,
-        and the checks were a third of the time it spent grouping its misses on the host."""
+        and the checks were a third of the time it spent grouping its misses on the host. An
+        array read-only already (a slice of a valid one's) is not set again: reading the flag
+        costs a quarter of setting it."""
         routed = object.__new__(cls)
         for name, value in (("experts", experts), ("starts", starts), ("rows", rows)):
-            value.flags.writeable = False
+            if value.flags.writeable:
+                value.flags.writeable = False
             object.__setattr__(routed, name, value)
         object.__setattr__(routed, "top_k", top_k)
         return routed
