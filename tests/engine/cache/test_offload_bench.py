@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from strata.engine.cache import graph_call
 from strata.engine.experts.cpu import CpuExperts
 from strata.machine import transparent_huge_pages
 from support.bench_scripts import load_bench
@@ -112,7 +113,7 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     monkeypatch.setattr(CpuExperts, "compute", counting)
     assert bench.main(argv) == 0
     assert teams == {None, 2, 4}
-    assert not bench.graph_call.LAUNCH_AHEAD  # the -ahead run's switch put back
+    assert not graph_call.LAUNCH_AHEAD  # the -ahead run's switch put back
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.
     # With --sync-cpu each count runs again on the engine's thread, -split1-sync, and with
