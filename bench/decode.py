@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from _common import add_model_arguments, cli_sampling, free_memory, fresh_request, sync
+from decode_report import print_report
 from strata.engine.experts.quant import EXPERTS_DTYPES, expert_blob_bytes, experts_quant_for
 from strata.engine.model.init_model import write_checkpoint
 from strata.engine.model.presets import BYTE_TOKENS, get_preset
@@ -100,13 +101,6 @@ def bytes_per_token(config, itemsize: int, mean_context: float,
     weights = config.n_layers * per_layer + config.vocab_size * d + 2 * d  # + lm_head, norm, row
     kv = config.n_layers * 2 * mean_context * kvw  # K and V
     return (weights + kv) * itemsize + config.n_layers * config.top_k * expert_bytes
-
-
-def _si(n_bytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n_bytes >= scale:
-            return f"{n_bytes / scale:.3g} {unit}"
-    return f"{n_bytes:.0f} B"
 
 
 def run_strata(ckpt, device, dtype, prompt, n_new, repeat, prefill_chunk, compile=False,
@@ -213,7 +207,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[str]]:
+    """The arguments, `--prefill-lengths` as ints and `--experts-dtype` as a list; a bad
+    value is the parser's error."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, preset="olmoe-1b-7b")
     parser.add_argument("--model", help="a checkpoint directory to use instead of writing one "
@@ -278,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--new-tokens must be >= 2, --prompt-tokens, --repeat and "
                      "--prefill-chunk >= 1")
 
+    return args, lengths, formats
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, lengths, formats = _parse(argv)
     preset = get_preset(args.preset)
     family = args.family or preset.default_family
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
@@ -394,73 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(
-        f"decode at batch 1: {family} {preset.name} ({config.n_layers} layers), {args.dtype}, "
-        f"{result['device_name']} ({device}); {args.prompt_tokens}-token prompt, "
-        f"{args.new_tokens} new tokens, greedy; medians of {args.repeat}"
-    )
-    print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/round':>10}")
-    for name, figures in (("strata", strata), ("strata+compile", compiled),
-                          ("strata-loop", loop), ("strata-cli", sampled),
-                          ("strata-plain", plain),
-                          ("transformers", peer)):
-        if figures:
-            print(
-                f"{name:<14}{figures['prefill_tok_s']:>15.1f}{figures['decode_tok_s']:>14.1f}"
-                f"{figures['decode_ms_per_round']:>10.2f}"
-            )
-    print(f"strata decode path: {strata['decode_path']}; repeat runs identical: "
-          f"{strata['deterministic']}")
-    if plain:
-        print(f"strata-plain: each round's token read before the next round is launched; "
-              f"the round ahead is {result['ahead_speedup']:.3f}x; the same tokens: "
-              f"{plain['tokens'] == strata['tokens']}")
-    if sampled:
-        print(f"strata-cli: `strata generate`'s default sampling {result['cli_sampling']}; "
-              f"repeat runs identical: {sampled['deterministic']}")
-    if peer:
-        print(f"ratio strata / transformers (decode tok/s): {result['ratio']:.2f}x")
-        if compiled:
-            print(f"ratio strata+compile / transformers: {result['ratio_compiled']:.2f}x; "
-                  f"repeat runs identical: {compiled['deterministic']}")
-        print(
-            f"greedy tokens equal to transformers' up to token "
-            f"{result['tokens_equal_prefix']} of {args.new_tokens}"
-        )
-    if result["moe_share"] is not None:
-        print(f"MoE of a {min(args.prompt_tokens, strata['prefill_chunk'])}-token chunk, every "
-              f"layer: {1000 * strata['moe_s']:.2f} ms, {strata['moe_tflops']:.1f} TFLOP/s, "
-              f"{100 * result['moe_share']:.1f}% of {matmul_tflops:.0f}")
-    if peer:
-        print(f"prefill strata / transformers: {result['prefill_ratio']:.2f}x")
-    for row in prefills:
-        versus = "" if row["transformers_tok_s"] is None else (
-            f", transformers {row['transformers_tok_s']:,.0f} tok/s: {row['ratio']:.2f}x")
-        moe = "" if row["moe_share"] is None else (
-            f"; MoE of its {row['moe_tokens']}-token chunk {row['moe_tflops']:.1f} TFLOP/s, "
-            f"{100 * row['moe_share']:.1f}% of {matmul_tflops:.0f}")
-        print(f"prefill of {row['prompt_tokens']:,} tokens (chunks of {row['prefill_chunk']}): "
-              f"strata {row['strata_tok_s']:,.0f} tok/s{versus}{moe}")
-    for fmt, figures in quantized.items():
-        share = "" if figures["bound_share"] is None else (
-            f"; bound {figures['bound_tok_s']:.0f} tok/s at {_si(figures['bytes_per_token'])} a "
-            f"token: {100 * figures['bound_share']:.1f}%")
-        print(f"experts {fmt}: prefill {figures['prefill_tok_s']:.1f} tok/s, decode "
-              f"{figures['decode_tok_s']:.1f} tok/s ({figures['speedup']:.2f}x {args.dtype}'s, "
-              f"{figures['decode_path']}, repeat runs identical: {figures['deterministic']})"
-              f"{share}; greedy tokens equal to {args.dtype}'s up to token "
-              f"{figures['tokens_equal_prefix']}")
-    line = f"bytes read per token: {_si(token_bytes)}"
-    if bound_tok_s:
-        line += (
-            f"; bound at {bandwidth_gbs:.0f} GB/s: {bound_tok_s:.0f} tok/s; strata reaches "
-            f"{100 * result['bound_share']:.1f}%"
-        )
-        if sampled:
-            line += f" (strata-cli {100 * result['bound_share_cli_sampling']:.1f}%)"
-    print(line)
+    print_report(result, args)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
