@@ -4,8 +4,10 @@ A decode run's round (`round_figures`): its time, its misses split between the C
 engine, the bound (the largest of the CPU's miss bytes over the host's read rate, the streamed
 bytes over the copy rate and all of them over what the host's memory gave both readers at
 once, plus the device's own round: a lower bound, summed over the round), the CPU experts'
-rate and share of the host's read rate, and the host-side time (the round less the CPU
-experts' time and the cache's waits for the device). A prefill run's (`prefill_figures`): the
+rate and share of the host's read rate (where the CPU's own thread ran them, a decode call's on
+CUDA, also the rate of its runs alone, beside their hand-over, team wake-up and notice:
+`CpuExperts.last_call`), and the host-side time (the round less the CPU experts' time and the
+cache's waits for the device). A prefill run's (`prefill_figures`): the
 upload bound, the bytes uploaded over the copy rate.
 """
 
@@ -34,6 +36,9 @@ def round_figures(run: dict, blob_bytes: int, machine: dict, device_round_ms: fl
     shared_bound = 1000 * (cpu_bytes + copy_bytes) / joint["total"] if joint else 0.0
     bound = max(cpu_bound, copy_bound, shared_bound) + (device_round_ms or 0.0)
     cpu_rate = cpu_bytes / (d["cpu_s"] / rounds) if d["cpu_s"] else None
+    # Where the CPU's own thread ran them (a decode call's on CUDA): the runs on its team alone,
+    # without the hand-over and the engine's steps around them.
+    run_rate = cpu_bytes / (d["cpu_run_s"] / rounds) if d["cpu_run_s"] else None
     return {
         "round_ms": round_ms, "tok_s": run["decode_tok_s"], "decode_path": run["decode_path"],
         "hit_rate": d["hit_rate"], "deterministic": run["deterministic"],
@@ -54,6 +59,9 @@ def round_figures(run: dict, blob_bytes: int, machine: dict, device_round_ms: fl
         if cpu_rate else None,
         "cpu_waiter_task_share": d["cpu_waiter_tasks"] / d["cpu_tasks"]
         if d["cpu_tasks"] else None,
+        **{f"cpu_{part}_ms": 1000 * d[f"cpu_{part}_s"] / rounds
+           for part in ("hand_over", "team_up", "run", "noticed")},
+        "cpu_run_gb_s": run_rate / GB if run_rate else None,
         "ms_per_layer": round_ms / n_layers,
         "scaled_tok_s": 1000 / (round_ms / n_layers * full_layers),
     }
@@ -75,7 +83,7 @@ def decode_lines(name: str, run: dict) -> list[str]:
     what the scheduler did to the threads, and where traced, a layer call's host steps."""
     r = run["round"]
     ahead = run.get("prefetch")
-    cpu_rate = f" ({r['cpu_gb_s']:.1f} GB/s)" if r["cpu_gb_s"] else ""
+    cpu_rate = f" ({r['cpu_gb_s']:.1f} GB/s{cpu_parts(r)})" if r["cpu_gb_s"] else ""
     lines = [f"{name}: {r['round_ms']:.2f} ms a round (bound {r['bound_ms']:.2f}), "
              f"{r['ms_per_layer']:.3f} ms a layer, host-side {r['host_ms']:.2f} ms, CPU experts "
              f"{r['cpu_ms']:.2f}{cpu_rate}, wait {r['wait_ms']:.2f}" + (
@@ -87,6 +95,16 @@ def decode_lines(name: str, run: dict) -> list[str]:
             f"{key.removesuffix('_us')} {value:.1f}" for key, value in run["trace"].items()
             if key.endswith("_us")) + " µs")
     return lines
+
+
+def cpu_parts(r: dict) -> str:
+    """Where a round's CPU experts' time went on the CPU's own thread, as "; run 3.90 ms at
+    75.0 GB/s, team up 0.30, hand-over 0.02, noticed 0.01" ("" where nothing ran there)."""
+    if not r["cpu_run_gb_s"]:
+        return ""
+    return (f"; run {r['cpu_run_ms']:.2f} ms at {r['cpu_run_gb_s']:.1f} GB/s, team up "
+            f"{r['cpu_team_up_ms']:.2f}, hand-over {r['cpu_hand_over_ms']:.2f}, noticed "
+            f"{r['cpu_noticed_ms']:.2f}")
 
 
 def prefill_line(name: str, run: dict, full_layers: int) -> str:
@@ -142,7 +160,8 @@ def print_report(result: dict, args) -> None:
         shares = "-" if r["cpu_share"] is None else \
             f"{100 * r['cpu_share']:.0f}% / {100 * r['copy_share']:.0f}%"
         cpu_rate = "-" if r["cpu_gb_s"] is None else \
-            f"{r['cpu_gb_s']:.1f} GB/s, {100 * r['cpu_share_of_host_read']:.0f}% of host read"
+            f"{r['cpu_gb_s']:.1f} GB/s, {100 * r['cpu_share_of_host_read']:.0f}% of host " \
+            f"read{cpu_parts(r)}"
         print(f"  misses a round {r['misses_per_round']:.2f}: CPU {r['cpu_experts_per_round']:.2f}"
               f", copies {r['streamed_experts_per_round']:.2f} (CPU / copy {shares}); CPU "
               f"experts {r['cpu_ms']:.2f} ms ({cpu_rate}); waiting {r['wait_ms']:.2f} ms; "

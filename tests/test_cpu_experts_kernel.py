@@ -407,11 +407,16 @@ def test_the_worker_takes_one_call_at_a_time_and_checks_each_as_compute_does():
         worker.start(blobs, 0, np.array([0, 5], dtype=np.int64), *args[3:])
     assert not worker.pending  # nothing started
     worker.wait()  # none in flight: returns at once
+    assert worker.last_call_us is None  # no call waited for yet
     worker.start(*args)
     with pytest.raises(RuntimeError, match=r"a call is in flight on this CpuWorker: wait\(\)"):
         worker.start(*args)
     worker.wait()
     assert not worker.pending and out.abs().sum() > 0
+    # Where the call went: each part a time, the team up within the run.
+    hand_over, team_up, run, noticed = worker.last_call_us
+    assert hand_over >= 0 and noticed >= 0 and 0 <= team_up <= run and run > 0
+    assert worker.last_call_us == (hand_over, team_up, run, noticed)  # read, not remeasured
     worker.start(*args)
     del worker  # in flight: waited for before the thread stops
     assert out.abs().sum() > 0

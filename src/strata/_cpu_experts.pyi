@@ -125,6 +125,12 @@ class CpuWorker:
         way."""
 
     @property
+    def last_call_us(self) -> tuple[float, float, float, float] | None:
+        """The last call `wait` returned from, in microseconds: (hand_over: posted to begun on
+        the worker's thread, team_up: begun to the team's last thread entering, run: begun to
+        ended, noticed: ended to `wait` seeing it); None before any."""
+
+    @property
     def keep_team_up(self) -> bool:
         """Whether, after each call, the call's OpenMP team spins for the next (up to 2 ms)
         rather than going back to OpenMP, whose idle threads soon sleep. Off by default; from

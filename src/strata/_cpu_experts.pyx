@@ -150,6 +150,7 @@ cdef struct Call:
     int schedule
     int64_t prefetch  # bytes of weights ahead of a one-row dot's reads to prefetch, 0: none
     void *shares  # steal: the call's shares and count, 64-byte aligned (`_steal_state`); else NULL
+    int64_t *entered_ns  # where its team's threads note their entry (`CpuWorker`'s); else NULL
 
 
 cdef inline void _dot4(const uint8_t *blob, int fmt, int64_t start, int64_t row,

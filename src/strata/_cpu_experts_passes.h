@@ -25,6 +25,7 @@
 #include <omp.h>
 #include <sched.h>
 #include <stdint.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -34,6 +35,25 @@
 #endif
 
 typedef void (*strata_task)(const void *call, int64_t task);
+
+/* CLOCK_MONOTONIC in nanoseconds: the clock of the worker's hand-over and of a call's times. */
+static inline int64_t strata_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* A thread of a call's team entering its region: *entered_ns becomes the latest entry so far,
+ * so that after the region it holds when the team's last thread was up (NULL: not timed). */
+static inline void strata_note_entry(int64_t *entered_ns) {
+    if (!entered_ns)
+        return;
+    int64_t now = strata_now_ns();
+    int64_t seen = __atomic_load_n(entered_ns, __ATOMIC_RELAXED);
+    while (seen < now && !__atomic_compare_exchange_n(entered_ns, &seen, now, 1,
+                                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+        ;
+}
 
 /* The schedules, as strata._cpu_experts names them: tasks one at a time to whichever thread
  * asks, equal fixed shares, large shares first, and fixed shares taken in order by their
@@ -190,19 +210,25 @@ static int64_t strata_steal_passes(const void *call, strata_share *shares, int n
 
 /* Pass 1's n1 tasks, then, once all of them are done, pass 2's n2, on n_threads threads, as
  * `schedule` says; for SCHEDULE_STEAL, `shares` holds the state `strata_steal_init` set (else
- * it is unused). */
+ * it is unused). Each thread notes its entry in `entered_ns` (`strata_note_entry`; NULL: not
+ * timed) before its first task. */
 static void strata_two_passes(const void *call, int n_threads, int schedule,
                               strata_share *shares, strata_task pass1, int64_t n1,
-                              strata_task pass2, int64_t n2)
+                              strata_task pass2, int64_t n2, int64_t *entered_ns)
 {
     int64_t done = 0; /* pass 1's tasks finished, by all threads (but SCHEDULE_STEAL's) */
     if (schedule == SCHEDULE_STEAL) {
 #pragma omp parallel num_threads(n_threads)
-        strata_steal_passes(call, shares, n_threads, omp_get_thread_num(), pass1, n1, pass2);
+        {
+            strata_note_entry(entered_ns);
+            strata_steal_passes(call, shares, n_threads, omp_get_thread_num(), pass1, n1,
+                                pass2);
+        }
         return;
     }
 #pragma omp parallel num_threads(n_threads)
     {
+        strata_note_entry(entered_ns);
         int64_t ran = strata_pass(call, pass1, n1, schedule);
         if (ran)
             __atomic_fetch_add(&done, ran, __ATOMIC_RELEASE);

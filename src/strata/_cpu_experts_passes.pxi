@@ -23,7 +23,9 @@ cdef extern from "_cpu_experts_passes.h" nogil:
     enum:
         SHARE_BYTES  # sizeof(strata_share): a cache line
     void strata_two_passes(const void *call, int n_threads, int schedule, void *shares,
-                           strata_task pass1, int64_t n1, strata_task pass2, int64_t n2)
+                           strata_task pass1, int64_t n1, strata_task pass2, int64_t n2,
+                           int64_t *entered_ns)
+    int64_t strata_now_ns()
     void strata_steal_init(void *shares, int n_threads, int64_t n1, int64_t n2)
     int64_t strata_steal_passes(const void *call, void *shares, int n_threads, int me,
                                 strata_task pass1, int64_t n1, strata_task pass2)
@@ -68,7 +70,7 @@ cdef void _run(const Call *c) noexcept nogil:
     once its tasks are all done, pass 2 (out from act, D rows an expert), each in tasks of
     BLOCK_ROWS rows handed to the call's threads as its schedule says."""
     strata_two_passes(c, c.n_threads, c.schedule, c.shares, _pass1_task, _tasks1(c),
-                      _pass2_task, _tasks2(c))
+                      _pass2_task, _tasks2(c), c.entered_ns)
 
 
 cdef int64_t _help(const Call *c) noexcept nogil:

@@ -12,6 +12,10 @@
  * extension's hook that keeps the job's OpenMP team spinning for the next job too (a decode
  * round's next call comes about a millisecond later, by when idle OpenMP threads would sleep).
  *
+ * The last job's times are kept (posted, begun and ended, and its team's last thread up, which
+ * the job notes: `strata_note_entry`), a few clock reads a job, for `CpuWorker.last_call_us`:
+ * where a call's time went, the hand-over, the team's wake-up, the run, the waiter's notice.
+ *
  * On Linux the worker names itself `strata_worker_name`, and the OpenMP team it starts (its
  * threads are made by it) takes the name from it: `top -H`, `perf` and /proc/self/task tell the
  * CPU experts' threads from torch's and the driver's (bench/thread_sched.py counts them apart).
@@ -21,10 +25,11 @@
 
 #include <pthread.h>
 #include <stdint.h>
-#include <time.h>
 #if defined(__linux__)
 #include <sys/prctl.h>
 #endif
+
+#include "_cpu_experts_passes.h" /* strata_now_ns */
 
 #define STRATA_WORKER_SPIN_NS 2000000L /* 2 ms */
 static const char strata_worker_name[] = "strata-cpu"; /* at most 15 bytes: the kernel's limit */
@@ -41,13 +46,10 @@ struct strata_worker {
     int stop;
     void (*park)(strata_worker *, int64_t, int); /* after job `taken`; NULL: none */
     int park_threads; /* the team `park` keeps up: the last job's thread count */
+    /* The last job's times (`strata_now_ns`): posted, begun and ended on the worker's thread,
+     * and its team's last thread up (the job's to note: `strata_note_entry`; 0 until then). */
+    int64_t posted_ns, begun_ns, ended_ns, entered_ns;
 };
-
-static inline int64_t strata_now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000L + t.tv_nsec;
-}
 
 /* Spin until *counter reaches `target` or the spin's time is up; returns whether it did. */
 static inline int strata_spin_until(const int64_t *counter, int64_t target, const int *stop) {
@@ -78,7 +80,9 @@ static void *strata_worker_main(void *arg) {
         }
         if (__atomic_load_n(&w->stop, __ATOMIC_ACQUIRE)) return NULL;
         taken += 1;
+        w->begun_ns = strata_now_ns();
         w->run(w->job);
+        w->ended_ns = strata_now_ns(); /* published with `done`, which the waiter acquires */
         pthread_mutex_lock(&w->mutex);
         __atomic_store_n(&w->done, taken, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&w->cond);
@@ -98,6 +102,7 @@ static int strata_worker_start(strata_worker *w) {
     w->stop = 0;
     w->park = NULL;
     w->park_threads = 1;
+    w->posted_ns = w->begun_ns = w->ended_ns = w->entered_ns = 0;
     pthread_mutex_init(&w->mutex, NULL);
     pthread_cond_init(&w->cond, NULL);
     int error = pthread_create(&w->thread, NULL, strata_worker_main, w);
@@ -115,6 +120,8 @@ static void strata_worker_post(strata_worker *w, void (*run)(void *), void *job,
     w->run = run;
     w->job = job;
     w->park_threads = n_threads;
+    w->entered_ns = 0;
+    w->posted_ns = strata_now_ns();
     __atomic_store_n(&w->posted, w->posted + 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&w->cond);
     pthread_mutex_unlock(&w->mutex);

@@ -4,6 +4,10 @@ cdef extern from "_cpu_experts_worker.h" nogil:
     ctypedef struct strata_worker:
         int64_t posted
         int stop
+        int64_t posted_ns
+        int64_t begun_ns
+        int64_t ended_ns
+        int64_t entered_ns
     int strata_worker_start(strata_worker *w)
     void strata_worker_post(strata_worker *w, void (*run)(void *) noexcept nogil, void *job,
                             int n_threads)
@@ -49,12 +53,14 @@ cdef class CpuWorker:
     cdef bint _keep_team_up
     cdef Call _call
     cdef object _keep  # the arrays of the call in flight
+    cdef int64_t _waited_ns  # when `wait` saw the last call done; 0: no call waited for yet
 
     def __cinit__(self):
         self._running = False
         self._pending = False
         self._keep_team_up = False
         self._keep = None
+        self._waited_ns = 0
         cdef int error = strata_worker_start(&self._worker)
         if error:
             raise OSError(error, "could not start the CPU experts' worker thread")
@@ -85,6 +91,7 @@ cdef class CpuWorker:
         shares = _shares(n_threads, SCHEDULES[schedule])
         self._call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
                            n_threads, SCHEDULES[schedule], prefetch_bytes, shares)
+        self._call.entered_ns = &self._worker.entered_ns  # the team notes its entries here
         self._keep = (blobs, experts, row_starts, x, out, act, shares)
         self._pending = True
         with nogil:
@@ -107,9 +114,25 @@ cdef class CpuWorker:
             if help and self._call.shares != NULL:
                 ran = _help(&self._call)
             strata_worker_wait(&self._worker)
+            self._waited_ns = strata_now_ns()
         self._pending = False
         self._keep = None
         return ran
+
+    @property
+    def last_call_us(self):
+        """Where the last call `wait` returned from spent its time, in microseconds:
+        (hand_over, team_up, run, noticed). `hand_over`: from `start` posting it to the
+        worker's thread beginning it; `run`: from there to its end, both passes on the team;
+        `team_up`: of the run, until the team's last thread entered the call (the threads'
+        wake-up, where they slept: the run's first part, when not every core reads weights);
+        `noticed`: from the run's end to `wait` seeing it. None before any call. The clock is
+        CLOCK_MONOTONIC; reading them costs the call nothing but a few clock reads."""
+        if not self._waited_ns:
+            return None
+        w = &self._worker
+        return ((w.begun_ns - w.posted_ns) / 1e3, (w.entered_ns - w.begun_ns) / 1e3,
+                (w.ended_ns - w.begun_ns) / 1e3, (self._waited_ns - w.ended_ns) / 1e3)
 
     @property
     def keep_team_up(self) -> bool:

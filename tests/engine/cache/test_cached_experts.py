@@ -1,6 +1,9 @@
 """CachedExperts on the host backend: identical to ResidentExperts when full, close when not,
 deterministic, and its books, slots, mirror, stats and events in step."""
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +13,7 @@ from strata._residency import ResidencyTable
 from strata.books import CheckedPolicy
 from strata.engine.cache.arena import Arena, slot_bytes_for
 from strata.engine.cache.cached_experts import CachedExperts
+from strata.engine.cache.stats import PhaseStats
 from strata.engine.experts import ResidentExperts
 from strata.engine.kv.kv_cache import new_kv
 from strata.engine.model.config import ModelConfig
@@ -179,6 +183,17 @@ def test_stats_count_what_happened(small):
     for key in ("hits", "lookups", "hit_rate", "cpu_experts_per_layer", "cpu_tokens_per_layer",
                 "uploaded_bytes", "device_s", "upload_s", "cpu_s", "wait_s"):
         assert key in d and key in d["prompt"] and key in d["decode"], key
+
+
+def test_every_key_of_a_phase_s_stats_is_documented():
+    """docs/expert-cache.md's table names every key `--json` puts in a phase's `cache` object
+    (`PhaseStats.as_dict`)."""
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "expert-cache.md").read_text()
+    table = doc[doc.index("| key | meaning |"):]
+    rows = table[:table.index("\n\n")].splitlines()[2:]
+    documented = {key for row in rows for key in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    missing = set(PhaseStats().as_dict()) - documented
+    assert not missing, f"undocumented in docs/expert-cache.md's table: {sorted(missing)}"
 
 
 def _blobs_match_books(cached):

@@ -76,8 +76,10 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
         assert r["bound_ms"] >= r["device_round_ms"] and r["over_bound"] > 0
         assert r["host_ms"] == r["round_ms"] - r["cpu_ms"] - r["wait_ms"]
         assert r["cpu_gb_s"] > 0 and r["cpu_share_of_host_read"] > 0
-        # Off CUDA no call is split, so none runs on the CPU's own thread: no tasks counted.
+        # Off CUDA no call is split, so none runs on the CPU's own thread: no tasks counted,
+        # no runs of its own timed.
         assert r["cpu_waiter_task_share"] is None
+        assert r["cpu_run_gb_s"] is None and r["cpu_run_ms"] == r["cpu_team_up_ms"] == 0
     threads = runs["decode-stream-1"]["threads_per_round"]
     assert threads["engine"]["voluntary"] >= 0 and threads["others"]["involuntary"] >= 0
     assert len(runs["decode-stream-1"]["threads_per_round_each"]) == 1  # --repeat 1
@@ -259,3 +261,26 @@ def test_the_offload_bench_profiles_a_prefill_run(capsys, tmp_path):
     assert run["profile"] == {}  # no device timeline off CUDA
     host = (tmp_path / "prefill-loan.host.txt").read_text()
     assert "function calls" in host and "routed_forward" in host  # the cache's prompt calls
+
+
+def test_a_round_s_cpu_runs_on_its_own_thread_are_reported_with_their_parts():
+    """Where the CPU's own thread ran a round's misses (a decode call's on CUDA), the report
+    gives the rate of its runs alone beside their hand-over, team wake-up and notice, per
+    round; where it ran none, no rate and no parts in the line."""
+    report = load_bench("offload_report.py")
+    decode = {"passes": 2, "cpu_s": 0.004, "wait_s": 0.001, "cpu_experts": 8,
+              "streamed_experts": 4, "hit_rate": 0.5, "device_s": 0.0, "forward_s": 0.006,
+              "cpu_waiter_tasks": 0, "cpu_tasks": 80, "cpu_hand_over_s": 0.0002,
+              "cpu_team_up_s": 0.0006, "cpu_run_s": 0.0032, "cpu_noticed_s": 0.0002}
+    run = {"cache": {"decode": decode}, "decode_ms_per_round": 5.0, "decode_tok_s": 200.0,
+           "decode_path": "piecewise", "deterministic": True}
+    machine = {"host_read_bytes_per_s": 100e9, "copy_bytes_per_s": 50e9}
+    r = report.round_figures(run, 10**7, machine, 1.0, n_layers=4, full_layers=4)
+    assert r["cpu_ms"] == 2.0 and r["cpu_gb_s"] == 4 * 10**7 / 0.002 / 1e9  # 20 GB/s
+    assert r["cpu_run_ms"] == 1.6 and r["cpu_run_gb_s"] == 4 * 10**7 / 0.0016 / 1e9  # 25
+    assert (r["cpu_team_up_ms"], r["cpu_hand_over_ms"], r["cpu_noticed_ms"]) == (0.3, 0.1, 0.1)
+    assert report.cpu_parts(r) == ("; run 1.60 ms at 25.0 GB/s, team up 0.30, hand-over 0.10, "
+                                   "noticed 0.10")
+    decode.update(cpu_run_s=0.0, cpu_team_up_s=0.0, cpu_hand_over_s=0.0, cpu_noticed_s=0.0)
+    r = report.round_figures(run, 10**7, machine, 1.0, n_layers=4, full_layers=4)
+    assert r["cpu_run_gb_s"] is None and report.cpu_parts(r) == ""

@@ -10,7 +10,11 @@ queues unless `STRATA_LOAN_UPLOAD_BATCHES` is 1: `device_s` holds the loan's), `
 computing misses on the CPU (while the device runs its share), `forward_s` everything inside
 the expert cache. Of the CPU's calls run on its own thread (a decode call's, on CUDA),
 `cpu_tasks` counts the kernel's tasks (`CpuExperts.tasks`) and `cpu_waiter_tasks` those the
-engine's thread ran while it waited for them (the "steal" schedule's, `CpuExperts.finish`).
+engine's thread ran while it waited for them (the "steal" schedule's, `CpuExperts.finish`), and
+their `cpu_s` splits into `cpu_hand_over_s` (from the start to that thread beginning a call),
+`cpu_run_s` (the call's run on its team; of it `cpu_team_up_s`, until the team's last thread
+was up) and `cpu_noticed_s` (from a call's end to the engine's thread seeing it), the rest of
+it the engine's thread's own steps in starting and finishing it (`CpuExperts.last_call`).
 Rounds replayed from a CUDA graph (every expert resident) count their calls, lookups and hits,
 but no times.
 """
@@ -44,6 +48,10 @@ class PhaseStats:
     device_s: float = 0.0
     upload_s: float = 0.0
     cpu_s: float = 0.0
+    cpu_hand_over_s: float = 0.0
+    cpu_team_up_s: float = 0.0
+    cpu_run_s: float = 0.0
+    cpu_noticed_s: float = 0.0
     wait_s: float = 0.0
     forward_s: float = 0.0
 

@@ -142,9 +142,15 @@ def start_cpu_rows(cache: Any, layer: int, x_host: torch.Tensor, misses: Routed,
 
 def finish_cpu_rows(cache: Any, stats: PhaseStats, started: float) -> None:
     """Wait for `start_cpu_rows`' call (taking part in it under "steal"); its time from the
-    start counts as the CPU's."""
+    start counts as the CPU's, and where it went (`CpuExperts.last_call`) into its parts."""
     stats.cpu_waiter_tasks += cache.cpu.finish()
     stats.cpu_s += time.perf_counter() - started
+    times = cache.cpu.last_call()
+    if times is not None:
+        stats.cpu_hand_over_s += times.hand_over_s
+        stats.cpu_team_up_s += times.team_up_s
+        stats.cpu_run_s += times.run_s
+        stats.cpu_noticed_s += times.noticed_s
 
 
 def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,

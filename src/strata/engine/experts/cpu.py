@@ -29,6 +29,8 @@ call's uploads meanwhile (`CachedExperts.async_cpu`, on by default: 1.04-1.22x r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -39,7 +41,8 @@ from strata.engine.experts.activation import silu_and_mul
 from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.routed import Routed
 
-__all__ = ["KERNEL_FORMATS", "KERNEL_MAX_ROWS", "CpuExperts", "kernel_for", "kernel_id"]
+__all__ = ["KERNEL_FORMATS", "KERNEL_MAX_ROWS", "CpuCallTimes", "CpuExperts", "kernel_for",
+           "kernel_id"]
 
 # The kernel's format of each quantized store (`ExpertStore.quant`).
 KERNEL_FORMATS = {"int8": _cpu_experts.FORMAT_INT8, "int4-g32": _cpu_experts.FORMAT_INT4_G32,
@@ -71,6 +74,18 @@ def kernel_id(dtype: torch.dtype) -> str:
     if kernel != "strata":
         return kernel
     return f"{kernel}-r{_cpu_experts.REVISION}-pf{_cpu_experts.PREFETCH_BYTES}"
+
+
+class CpuCallTimes(NamedTuple):
+    """Where a call `CpuExperts.start` ran on its own thread spent its time, in seconds
+    (`_cpu_experts.CpuWorker.last_call_us`): `hand_over` from the start to the worker's thread
+    beginning it, `run` from there to its end (of it `team_up`, until the team's last thread
+    had entered: their wake-up), `noticed` from its end to `finish` seeing it."""
+
+    hand_over_s: float
+    team_up_s: float
+    run_s: float
+    noticed_s: float
 
 
 def _all_small(routed: Routed) -> bool:
@@ -266,6 +281,11 @@ class CpuExperts:
         (`_cpu_experts.CpuWorker.wait`), rather than waiting idle beside it; under the others
         it runs none, nor without `caller_helps`."""
         return self._worker.wait(self.caller_helps) if self._worker is not None else 0
+
+    def last_call(self) -> CpuCallTimes | None:
+        """The times of the last call `finish` waited for (None before any)."""
+        times = self._worker.last_call_us if self._worker is not None else None
+        return None if times is None else CpuCallTimes(*(us / 1e6 for us in times))
 
     def tasks(self, routed: Routed) -> int:
         """The tasks strata's kernel splits a call of `routed`'s experts into: each expert's F
