@@ -284,3 +284,38 @@ def test_a_round_s_cpu_runs_on_its_own_thread_are_reported_with_their_parts():
     decode.update(cpu_run_s=0.0, cpu_team_up_s=0.0, cpu_hand_over_s=0.0, cpu_noticed_s=0.0)
     r = report.round_figures(run, 10**7, machine, 1.0, n_layers=4, full_layers=4)
     assert r["cpu_run_gb_s"] is None and report.cpu_parts(r) == ""
+
+
+def test_the_rounds_summary_tables_offload_s_lines_and_pairs_an_a_b(capsys, tmp_path):
+    """bench/rounds.py reads offload.py's JSON lines as gpu_session.sh writes them (progress
+    lines among them) and prints a row a decode run; with --ab, each base line's pair with the
+    next new line of its round and run, in order (a file may repeat round numbers)."""
+    bench = load_bench("offload.py")
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "3", "--prefill-tokens", "0",
+            "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "1",
+            "--stream-misses", "1", "--expert-share", "0.25", "--json"]
+    assert bench.main(argv) == 0
+    line = capsys.readouterr().out.strip()
+    tagged = [line.replace("{", f'{{"side": "{side}", "round": {n}, ', 1)
+              for n, side in ((1, "base"), (1, "new"), (1, "base"), (1, "new"))]
+    path = tmp_path / "offload-ab.jsonl"
+    path.write_text("base 1: 1 lines\n" + "\n".join(tagged) + "\n")
+    rounds = load_bench("rounds.py")
+    assert rounds.main([str(path), "--ab"]) == 0
+    out = capsys.readouterr().out
+    round_ms = json.loads(line)["runs"]["decode-stream-1"]["round"]["round_ms"]
+    # A row a line's run, and one a pair.
+    assert out.count("| decode-stream-1 |") == 4 + 2 and f"| {round_ms:.2f} |" in out
+    # Off CUDA no run of the CPU's own thread: 0 ms of runs and team wake-up, no rate.
+    assert re.search(r"\| decode-stream-1 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| "
+                     r"0\.00 \| - \| 0\.00 \|", out)
+    # Two pairs (lines 2-3 and 4-5 of the file), each the same figures: 1.000.
+    pairs = [row for row in out.splitlines() if "side base round 1 | 1 |" in row]
+    assert len(pairs) == 2 and all(row.endswith("| 1.000 | 1.000 | 1.000 |") for row in pairs)
+    path.write_text("{not json\n")
+    with pytest.raises(SystemExit):
+        rounds.main([str(path)])
+    assert "offload-ab.jsonl:1 is not a JSON object" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        rounds.main([str(tmp_path / "none.jsonl")])
+    assert "no such file" in capsys.readouterr().err
