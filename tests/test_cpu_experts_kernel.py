@@ -417,6 +417,12 @@ def test_the_worker_takes_one_call_at_a_time_and_checks_each_as_compute_does():
     hand_over, team_up, run, noticed = worker.last_call_us
     assert hand_over >= 0 and noticed >= 0 and 0 <= team_up <= run and run > 0
     assert worker.last_call_us == (hand_over, team_up, run, noticed)  # read, not remeasured
+    # A start of no rows posts nothing: no times, rather than the last call's again.
+    empty = torch.zeros(0, d, dtype=torch.bfloat16)
+    worker.start(blobs, 0, np.array([0], dtype=np.int64), np.array([0, 0], dtype=np.int64),
+                 x[:0], _u16(empty), f, 2)
+    worker.wait()
+    assert worker.last_call_us is None
     worker.start(*args)
     del worker  # in flight: waited for before the thread stops
     assert out.abs().sum() > 0

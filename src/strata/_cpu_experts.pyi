@@ -128,7 +128,8 @@ class CpuWorker:
     def last_call_us(self) -> tuple[float, float, float, float] | None:
         """The last call `wait` returned from, in microseconds: (hand_over: posted to begun on
         the worker's thread, team_up: begun to the team's last thread entering, run: begun to
-        ended, noticed: ended to `wait` seeing it); None before any."""
+        ended, noticed: ended to `wait` seeing it); None before any, and after a start of no
+        rows (nothing posted)."""
 
     @property
     def keep_team_up(self) -> bool:

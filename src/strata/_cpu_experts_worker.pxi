@@ -85,6 +85,7 @@ cdef class CpuWorker:
         _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule,
                prefetch_bytes)
         if out.shape[0] == 0:
+            self._waited_ns = 0  # nothing posted: no times to give for this call
             return
         act = np.empty((out.shape[0], expert_width), dtype=np.float32)  # [R, F]
         cdef float[:, ::1] act_view = act
@@ -126,8 +127,9 @@ cdef class CpuWorker:
         worker's thread beginning it; `run`: from there to its end, both passes on the team;
         `team_up`: of the run, until the team's last thread entered the call (the threads'
         wake-up, where they slept: the run's first part, when not every core reads weights);
-        `noticed`: from the run's end to `wait` seeing it. None before any call. The clock is
-        CLOCK_MONOTONIC; reading them costs the call nothing but a few clock reads."""
+        `noticed`: from the run's end to `wait` seeing it. None before any call, and after a
+        start that posted nothing (no rows), so that no call's times are counted twice. The
+        clock is CLOCK_MONOTONIC; the call pays only a few clock reads for them."""
         if not self._waited_ns:
             return None
         w = &self._worker
