@@ -1,14 +1,14 @@
 """bench/offload.py's figures of a run against the bounds the machine sets, and its report.
 
 A decode run's round (`round_figures`): its time, its misses split between the CPU and the copy
-engine, the bound (the largest of the CPU's miss bytes over the host's read rate, the streamed
-bytes over the copy rate and all of them over what the host's memory gave both readers at
-once, plus the device's own round: a lower bound, summed over the round), the CPU experts'
-rate and share of the host's read rate (where the CPU's own thread ran them, a decode call's on
-CUDA, also the rate of its runs alone, beside their hand-over, team wake-up and notice:
+engine, the bound (the largest of the CPU's miss bytes over the host's read rate, the streamed bytes
+over the copy rate and all of them over what the host's memory gave both readers at once, plus the
+device's own round: a lower bound, summed over the round), the CPU experts' rate and share of the
+host's read rate (where the CPU's own thread ran them, a decode call's on CUDA, also the rate of its
+runs alone and of each of their passes, beside their hand-over, team wake-up and notice:
 `CpuExperts.last_call`), and the host-side time (the round less the CPU experts' time and the
-cache's waits for the device). A prefill run's (`prefill_figures`): the
-upload bound, the bytes uploaded over the copy rate.
+cache's waits for the device). A prefill run's (`prefill_figures`): the upload bound, the bytes
+uploaded over the copy rate.
 """
 
 from __future__ import annotations
@@ -60,8 +60,14 @@ def round_figures(run: dict, blob_bytes: int, machine: dict, device_round_ms: fl
         "cpu_waiter_task_share": d["cpu_waiter_tasks"] / d["cpu_tasks"]
         if d["cpu_tasks"] else None,
         **{f"cpu_{part}_ms": 1000 * d[f"cpu_{part}_s"] / rounds
-           for part in ("hand_over", "team_up", "run", "noticed")},
+           for part in ("hand_over", "team_up", "pass1", "run", "noticed")},
         "cpu_run_gb_s": run_rate / GB if run_rate else None,
+        # The passes' own rates: gate and up (two thirds of an expert's bytes, from the run's
+        # start: the team's wake-up in it), then down (the third, the rest of the run).
+        "cpu_pass1_gb_s": 2 / 3 * cpu_bytes / (d["cpu_pass1_s"] / rounds) / GB
+        if d["cpu_pass1_s"] else None,
+        "cpu_pass2_gb_s": cpu_bytes / 3 / ((d["cpu_run_s"] - d["cpu_pass1_s"]) / rounds) / GB
+        if d["cpu_run_s"] > d["cpu_pass1_s"] else None,
         "ms_per_layer": round_ms / n_layers,
         "scaled_tok_s": 1000 / (round_ms / n_layers * full_layers),
     }
@@ -99,10 +105,13 @@ def decode_lines(name: str, run: dict) -> list[str]:
 
 def cpu_parts(r: dict) -> str:
     """Where a round's CPU experts' time went on the CPU's own thread, as "; run 3.90 ms at
-    75.0 GB/s, team up 0.30, hand-over 0.02, noticed 0.01" ("" where nothing ran there)."""
+    75.0 GB/s (gate and up 70.0, down 85.0), team up 0.30, hand-over 0.02, noticed 0.01"
+    ("" where nothing ran there)."""
     if not r["cpu_run_gb_s"]:
         return ""
-    return (f"; run {r['cpu_run_ms']:.2f} ms at {r['cpu_run_gb_s']:.1f} GB/s, team up "
+    passes = "" if r["cpu_pass2_gb_s"] is None else \
+        f" (gate and up {r['cpu_pass1_gb_s']:.1f}, down {r['cpu_pass2_gb_s']:.1f})"
+    return (f"; run {r['cpu_run_ms']:.2f} ms at {r['cpu_run_gb_s']:.1f} GB/s{passes}, team up "
             f"{r['cpu_team_up_ms']:.2f}, hand-over {r['cpu_hand_over_ms']:.2f}, noticed "
             f"{r['cpu_noticed_ms']:.2f}")
 

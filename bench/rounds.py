@@ -1,13 +1,13 @@
-"""Summarize bench/offload.py's JSON lines (one object a process, as gpu_session.sh's offload
-stages write them) as the tables bench/results/ keeps: each decode run's round, and for an A/B
+"""Summarize bench/offload.py's JSON lines (one object a process, as gpu_session.sh's offload stages
+write them) as the tables bench/results/ keeps: each decode run's round, and for an A/B
 (offload-ab's lines, tagged with `side` and `round`) each pair's ratios.
 
-A row a decode run: its ms a round and a layer, over its bound, the CPU experts' ms and GB/s,
-where the CPU's own thread ran them the runs' own ms and GB/s and the team's wake-up
-(`CpuExperts.last_call`), the wait for the device, the host-side ms, the misses a round on the
-CPU and streamed, and what the scheduler did to the CPU's team (`strata-cpu` threads: sleeps,
-preemptions and ms waiting for a core a round, where recorded). A figure a run does not have
-is "-". With `--ab`, the pairs: for each round and run name, the new side's ms a round, CPU
+A row a decode run: its ms a round and a layer, over its bound, the CPU experts' ms and GB/s, where
+the CPU's own thread ran them the runs' own ms and GB/s, the team's wake-up and each pass's GB/s
+(gate and up, then down: `CpuExperts.last_call`), the wait for the device, the host-side ms, the
+misses a round on the CPU and streamed, and what the scheduler did to the CPU's team (`strata-cpu`
+threads: sleeps, preemptions and ms waiting for a core a round, where recorded). A figure a run does
+not have is "-". With `--ab`, the pairs: for each round and run name, the new side's ms a round, CPU
 ms and host-side ms over the base side's.
 
     python bench/rounds.py gpu-out/offload.jsonl
@@ -26,6 +26,7 @@ COLUMNS = (("ms a round", "round_ms", ".2f"), ("ms a layer", "ms_per_layer", ".3
            ("over bound", "over_bound", ".2f"), ("CPU ms", "cpu_ms", ".2f"),
            ("CPU GB/s", "cpu_gb_s", ".1f"), ("run ms", "cpu_run_ms", ".2f"),
            ("run GB/s", "cpu_run_gb_s", ".1f"), ("team up ms", "cpu_team_up_ms", ".2f"),
+           ("gate+up GB/s", "cpu_pass1_gb_s", ".1f"), ("down GB/s", "cpu_pass2_gb_s", ".1f"),
            ("wait ms", "wait_ms", ".2f"), ("host-side ms", "host_ms", ".2f"),
            ("CPU misses", "cpu_experts_per_round", ".1f"),
            ("streamed", "streamed_experts_per_round", ".1f"))

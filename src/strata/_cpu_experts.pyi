@@ -125,11 +125,11 @@ class CpuWorker:
         way."""
 
     @property
-    def last_call_us(self) -> tuple[float, float, float, float] | None:
+    def last_call_us(self) -> tuple[float, float, float, float, float] | None:
         """The last call `wait` returned from, in microseconds: (hand_over: posted to begun on
-        the worker's thread, team_up: begun to the team's last thread entering, run: begun to
-        ended, noticed: ended to `wait` seeing it); None before any, and after a start of no
-        rows (nothing posted)."""
+        the worker's thread, team_up: begun to the team's last thread entering, pass1: begun
+        to pass 1's last task done, run: begun to ended, noticed: ended to `wait` seeing it);
+        None before any, and after a start of no rows (nothing posted)."""
 
     @property
     def keep_team_up(self) -> bool:

@@ -48,6 +48,13 @@ cdef extern from "_cpu_experts_dot.h" nogil:
     float strata_bf16_to_f32(uint16_t h)
     uint16_t strata_f32_to_bf16(float f)
 
+# What a call's threads note of its run, for a `CpuWorker` (the passes' header; declared here,
+# before `Call`, which points at it).
+cdef extern from "_cpu_experts_passes.h" nogil:
+    ctypedef struct strata_call_times:
+        int64_t entered_ns  # the team's last thread entered the call
+        int64_t pass1_ns  # pass 1's last task done
+
 # How far ahead of its reads a one-row dot product asks for the weights' next cache lines, by
 # default. The hardware's prefetchers stop at each 4 KiB page, and a decode task streams 32-128
 # KiB of rows: on the H200 machine's Xeon, 4096 bytes ahead made an olmoe-1b-7b expert 1.5-2.0x
@@ -150,7 +157,7 @@ cdef struct Call:
     int schedule
     int64_t prefetch  # bytes of weights ahead of a one-row dot's reads to prefetch, 0: none
     void *shares  # steal: the call's shares and count, 64-byte aligned (`_steal_state`); else NULL
-    int64_t *entered_ns  # where its team's threads note their entry (`CpuWorker`'s); else NULL
+    strata_call_times *times  # where its threads note its run (`CpuWorker`'s); else NULL
 
 
 cdef inline void _dot4(const uint8_t *blob, int fmt, int64_t start, int64_t row,

@@ -87,5 +87,5 @@ cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts
     call.schedule = schedule
     call.prefetch = prefetch_bytes
     call.shares = _steal_state(shares, n_threads, _tasks1(&call), _tasks2(&call))
-    call.entered_ns = NULL  # untimed; a CpuWorker points it at its own
+    call.times = NULL  # untimed; a CpuWorker points it at its own
     return call

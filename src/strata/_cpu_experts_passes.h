@@ -43,15 +43,37 @@ static inline int64_t strata_now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-/* A thread of a call's team entering its region: *entered_ns becomes the latest entry so far,
- * so that after the region it holds when the team's last thread was up (NULL: not timed). */
-static inline void strata_note_entry(int64_t *entered_ns) {
-    if (!entered_ns)
+/* Where a call's run went (`strata_now_ns`), as its team's threads saw it: the last of them
+ * entering the call (`entered_ns`: the team's wake-up ends there; it may come after pass 1,
+ * whose tasks the threads already up take), and the first of them past pass 1, every task of
+ * it done (`pass1_ns`: about when its last task ended, a waiting thread passing at once).
+ * Zeroed by the caller before the call; a NULL pointer to it: not timed (and a thread from
+ * outside the team, the helper of `strata_steal_passes`, notes nothing). */
+typedef struct {
+    int64_t entered_ns;
+    int64_t pass1_ns;
+} strata_call_times;
+
+/* A thread of the team entering the call: `entered_ns` becomes the latest entry so far. */
+static inline void strata_note_entry(strata_call_times *times) {
+    if (!times)
         return;
     int64_t now = strata_now_ns();
-    int64_t seen = __atomic_load_n(entered_ns, __ATOMIC_RELAXED);
-    while (seen < now && !__atomic_compare_exchange_n(entered_ns, &seen, now, 1,
+    int64_t seen = __atomic_load_n(&times->entered_ns, __ATOMIC_RELAXED);
+    while (seen < now && !__atomic_compare_exchange_n(&times->entered_ns, &seen, now, 1,
                                                       __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+        ;
+}
+
+/* A thread of the team past pass 1: `pass1_ns` becomes the earliest such time so far. */
+static inline void strata_note_pass1(strata_call_times *times) {
+    if (!times)
+        return;
+    int64_t now = strata_now_ns();
+    int64_t seen = __atomic_load_n(&times->pass1_ns, __ATOMIC_RELAXED);
+    while ((seen == 0 || now < seen)
+           && !__atomic_compare_exchange_n(&times->pass1_ns, &seen, now, 1, __ATOMIC_RELAXED,
+                                           __ATOMIC_RELAXED))
         ;
 }
 
@@ -196,43 +218,46 @@ static void strata_steal_init(strata_share *shares, int n_threads, int64_t n1, i
 /* One thread's part of a SCHEDULE_STEAL call whose state `strata_steal_init` set, its share
  * `me` (a thread of the team: its number; the helper, `CpuWorker.wait`'s thread: n_threads):
  * pass 1's tasks it can take; then, once all of pass 1's are done, pass 2's. Each task runs
- * once whoever takes part. Returns how many tasks this thread ran. */
+ * once whoever takes part. A thread of the team notes the call's times in `times` (the helper
+ * passes NULL). Returns how many tasks this thread ran. */
 static int64_t strata_steal_passes(const void *call, strata_share *shares, int n_threads,
-                                   int me, strata_task pass1, int64_t n1, strata_task pass2)
+                                   int me, strata_task pass1, int64_t n1, strata_task pass2,
+                                   strata_call_times *times)
 {
     int64_t *done = (int64_t *)&shares[2 * (n_threads + 1)].range;
     int64_t ran = strata_steal(call, pass1, shares, n_threads + 1, me);
     if (ran)
         __atomic_fetch_add(done, ran, __ATOMIC_RELEASE);
     strata_wait_done(done, n1);
+    strata_note_pass1(times);
     return ran + strata_steal(call, pass2, shares + n_threads + 1, n_threads + 1, me);
 }
 
 /* Pass 1's n1 tasks, then, once all of them are done, pass 2's n2, on n_threads threads, as
  * `schedule` says; for SCHEDULE_STEAL, `shares` holds the state `strata_steal_init` set (else
- * it is unused). Each thread notes its entry in `entered_ns` (`strata_note_entry`; NULL: not
- * timed) before its first task. */
+ * it is unused). The threads note the call's times in `times` (NULL: not timed). */
 static void strata_two_passes(const void *call, int n_threads, int schedule,
                               strata_share *shares, strata_task pass1, int64_t n1,
-                              strata_task pass2, int64_t n2, int64_t *entered_ns)
+                              strata_task pass2, int64_t n2, strata_call_times *times)
 {
     int64_t done = 0; /* pass 1's tasks finished, by all threads (but SCHEDULE_STEAL's) */
     if (schedule == SCHEDULE_STEAL) {
 #pragma omp parallel num_threads(n_threads)
         {
-            strata_note_entry(entered_ns);
+            strata_note_entry(times);
             strata_steal_passes(call, shares, n_threads, omp_get_thread_num(), pass1, n1,
-                                pass2);
+                                pass2, times);
         }
         return;
     }
 #pragma omp parallel num_threads(n_threads)
     {
-        strata_note_entry(entered_ns);
+        strata_note_entry(times);
         int64_t ran = strata_pass(call, pass1, n1, schedule);
         if (ran)
             __atomic_fetch_add(&done, ran, __ATOMIC_RELEASE);
         strata_wait_done(&done, n1);
+        strata_note_pass1(times);
         strata_pass(call, pass2, n2, schedule);
     }
 }

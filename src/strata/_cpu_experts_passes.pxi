@@ -24,11 +24,12 @@ cdef extern from "_cpu_experts_passes.h" nogil:
         SHARE_BYTES  # sizeof(strata_share): a cache line
     void strata_two_passes(const void *call, int n_threads, int schedule, void *shares,
                            strata_task pass1, int64_t n1, strata_task pass2, int64_t n2,
-                           int64_t *entered_ns)
+                           strata_call_times *times)
     int64_t strata_now_ns()
     void strata_steal_init(void *shares, int n_threads, int64_t n1, int64_t n2)
     int64_t strata_steal_passes(const void *call, void *shares, int n_threads, int me,
-                                strata_task pass1, int64_t n1, strata_task pass2)
+                                strata_task pass1, int64_t n1, strata_task pass2,
+                                strata_call_times *times)
 
 SCHEDULES = {"dynamic": SCHEDULE_DYNAMIC, "static": SCHEDULE_STATIC, "guided": SCHEDULE_GUIDED,
              "steal": SCHEDULE_STEAL}
@@ -70,7 +71,7 @@ cdef void _run(const Call *c) noexcept nogil:
     once its tasks are all done, pass 2 (out from act, D rows an expert), each in tasks of
     BLOCK_ROWS rows handed to the call's threads as its schedule says."""
     strata_two_passes(c, c.n_threads, c.schedule, c.shares, _pass1_task, _tasks1(c),
-                      _pass2_task, _tasks2(c), c.entered_ns)
+                      _pass2_task, _tasks2(c), c.times)
 
 
 cdef int64_t _help(const Call *c) noexcept nogil:
@@ -79,4 +80,4 @@ cdef int64_t _help(const Call *c) noexcept nogil:
     left of the team's shares, the first thread's first, in turn, until none is left; return
     how many tasks this thread ran."""
     return strata_steal_passes(c, c.shares, c.n_threads, c.n_threads, _pass1_task, _tasks1(c),
-                               _pass2_task)
+                               _pass2_task, NULL)  # not of the team: its times are the team's

@@ -92,7 +92,7 @@ def tally_passes(int n_threads, str schedule, int64_t n1, int64_t n2, int64_t sp
         with nogil:
             strata_worker_post(&worker, _tally_job, &tally, n_threads)
             helped = strata_steal_passes(&tally, tally.shares, n_threads, n_threads, _tally1,
-                                         n1, _tally2)
+                                         n1, _tally2, NULL)
             strata_worker_wait(&worker)
             strata_worker_stop(&worker)
     return runs1[:n1], runs2[:n2], seen[:n2], helped

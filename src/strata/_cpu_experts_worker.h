@@ -12,9 +12,10 @@
  * extension's hook that keeps the job's OpenMP team spinning for the next job too (a decode
  * round's next call comes about a millisecond later, by when idle OpenMP threads would sleep).
  *
- * The last job's times are kept (posted, begun and ended, and its team's last thread up, which
- * the job notes: `strata_note_entry`), a few clock reads a job, for `CpuWorker.last_call_us`:
- * where a call's time went, the hand-over, the team's wake-up, the run, the waiter's notice.
+ * The last job's times are kept (posted, begun and ended, and what the job's threads note in
+ * `times`: its team's last thread up, its pass 1 done), a few clock reads a job, for
+ * `CpuWorker.last_call_us`: where a call's time went, the hand-over, the team's wake-up, the
+ * passes, the waiter's notice.
  *
  * On Linux the worker names itself `strata_worker_name`, and the OpenMP team it starts (its
  * threads are made by it) takes the name from it: `top -H`, `perf` and /proc/self/task tell the
@@ -47,8 +48,9 @@ struct strata_worker {
     void (*park)(strata_worker *, int64_t, int); /* after job `taken`; NULL: none */
     int park_threads; /* the team `park` keeps up: the last job's thread count */
     /* The last job's times (`strata_now_ns`): posted, begun and ended on the worker's thread,
-     * and its team's last thread up (the job's to note: `strata_note_entry`; 0 until then). */
-    int64_t posted_ns, begun_ns, ended_ns, entered_ns;
+     * and those its threads note (`strata_call_times`; zeroed at each post). */
+    int64_t posted_ns, begun_ns, ended_ns;
+    strata_call_times times;
 };
 
 /* Spin until *counter reaches `target` or the spin's time is up; returns whether it did. */
@@ -102,7 +104,8 @@ static int strata_worker_start(strata_worker *w) {
     w->stop = 0;
     w->park = NULL;
     w->park_threads = 1;
-    w->posted_ns = w->begun_ns = w->ended_ns = w->entered_ns = 0;
+    w->posted_ns = w->begun_ns = w->ended_ns = 0;
+    w->times.entered_ns = w->times.pass1_ns = 0;
     pthread_mutex_init(&w->mutex, NULL);
     pthread_cond_init(&w->cond, NULL);
     int error = pthread_create(&w->thread, NULL, strata_worker_main, w);
@@ -120,7 +123,7 @@ static void strata_worker_post(strata_worker *w, void (*run)(void *), void *job,
     w->run = run;
     w->job = job;
     w->park_threads = n_threads;
-    w->entered_ns = 0;
+    w->times.entered_ns = w->times.pass1_ns = 0;
     w->posted_ns = strata_now_ns();
     __atomic_store_n(&w->posted, w->posted + 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&w->cond);

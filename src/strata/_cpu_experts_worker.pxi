@@ -7,7 +7,7 @@ cdef extern from "_cpu_experts_worker.h" nogil:
         int64_t posted_ns
         int64_t begun_ns
         int64_t ended_ns
-        int64_t entered_ns
+        strata_call_times times
     int strata_worker_start(strata_worker *w)
     void strata_worker_post(strata_worker *w, void (*run)(void *) noexcept nogil, void *job,
                             int n_threads)
@@ -92,7 +92,7 @@ cdef class CpuWorker:
         shares = _shares(n_threads, SCHEDULES[schedule])
         self._call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
                            n_threads, SCHEDULES[schedule], prefetch_bytes, shares)
-        self._call.entered_ns = &self._worker.entered_ns  # the team notes its entries here
+        self._call.times = &self._worker.times  # the call's threads note its run here
         self._keep = (blobs, experts, row_starts, x, out, act, shares)
         self._pending = True
         with nogil:
@@ -123,18 +123,22 @@ cdef class CpuWorker:
     @property
     def last_call_us(self):
         """Where the last call `wait` returned from spent its time, in microseconds:
-        (hand_over, team_up, run, noticed). `hand_over`: from `start` posting it to the
+        (hand_over, team_up, pass1, run, noticed). `hand_over`: from `start` posting it to the
         worker's thread beginning it; `run`: from there to its end, both passes on the team;
-        `team_up`: of the run, until the team's last thread entered the call (the threads'
-        wake-up, where they slept: the run's first part, when not every core reads weights);
-        `noticed`: from the run's end to `wait` seeing it. None before any call, and after a
-        start that posted nothing (no rows), so that no call's times are counted twice. The
-        clock is CLOCK_MONOTONIC; the call pays only a few clock reads for them."""
+        of the run, `team_up` until the team's last thread entered the call (the threads'
+        wake-up, where they slept; it may end after pass 1, whose tasks the threads already up
+        take) and `pass1` until the first of the team's threads was past pass 1, all of its
+        tasks done (gate and up: two thirds of the bytes; the rest of the run is pass 2,
+        down); `noticed`: from the run's end to `wait` seeing it. Under "steal" the thread in
+        `wait` may run tasks before the team's run begins: the times are the team's. None before any call, and after a start that posted
+        nothing (no rows), so that no call's times are counted twice. The clock is
+        CLOCK_MONOTONIC; the call pays only a few clock reads for them."""
         if not self._waited_ns:
             return None
         w = &self._worker
-        return ((w.begun_ns - w.posted_ns) / 1e3, (w.entered_ns - w.begun_ns) / 1e3,
-                (w.ended_ns - w.begun_ns) / 1e3, (self._waited_ns - w.ended_ns) / 1e3)
+        return ((w.begun_ns - w.posted_ns) / 1e3, (w.times.entered_ns - w.begun_ns) / 1e3,
+                (w.times.pass1_ns - w.begun_ns) / 1e3, (w.ended_ns - w.begun_ns) / 1e3,
+                (self._waited_ns - w.ended_ns) / 1e3)
 
     @property
     def keep_team_up(self) -> bool:

@@ -271,7 +271,8 @@ def test_a_round_s_cpu_runs_on_its_own_thread_are_reported_with_their_parts():
     decode = {"passes": 2, "cpu_s": 0.004, "wait_s": 0.001, "cpu_experts": 8,
               "streamed_experts": 4, "hit_rate": 0.5, "device_s": 0.0, "forward_s": 0.006,
               "cpu_waiter_tasks": 0, "cpu_tasks": 80, "cpu_hand_over_s": 0.0002,
-              "cpu_team_up_s": 0.0006, "cpu_run_s": 0.0032, "cpu_noticed_s": 0.0002}
+              "cpu_team_up_s": 0.0006, "cpu_pass1_s": 0.002, "cpu_run_s": 0.0032,
+              "cpu_noticed_s": 0.0002}
     run = {"cache": {"decode": decode}, "decode_ms_per_round": 5.0, "decode_tok_s": 200.0,
            "decode_path": "piecewise", "deterministic": True}
     machine = {"host_read_bytes_per_s": 100e9, "copy_bytes_per_s": 50e9}
@@ -279,11 +280,16 @@ def test_a_round_s_cpu_runs_on_its_own_thread_are_reported_with_their_parts():
     assert r["cpu_ms"] == 2.0 and r["cpu_gb_s"] == 4 * 10**7 / 0.002 / 1e9  # 20 GB/s
     assert r["cpu_run_ms"] == 1.6 and r["cpu_run_gb_s"] == 4 * 10**7 / 0.0016 / 1e9  # 25
     assert (r["cpu_team_up_ms"], r["cpu_hand_over_ms"], r["cpu_noticed_ms"]) == (0.3, 0.1, 0.1)
-    assert report.cpu_parts(r) == ("; run 1.60 ms at 25.0 GB/s, team up 0.30, hand-over 0.10, "
-                                   "noticed 0.10")
-    decode.update(cpu_run_s=0.0, cpu_team_up_s=0.0, cpu_hand_over_s=0.0, cpu_noticed_s=0.0)
+    # Gate and up: 2/3 of 40 MB in 1.0 ms a round; down: 1/3 in the run's other 0.6 ms.
+    assert r["cpu_pass1_gb_s"] == pytest.approx(26.67, abs=0.01)
+    assert r["cpu_pass2_gb_s"] == pytest.approx(22.22, abs=0.01)
+    assert report.cpu_parts(r) == ("; run 1.60 ms at 25.0 GB/s (gate and up 26.7, down 22.2), "
+                                   "team up 0.30, hand-over 0.10, noticed 0.10")
+    decode.update(cpu_run_s=0.0, cpu_team_up_s=0.0, cpu_pass1_s=0.0, cpu_hand_over_s=0.0,
+                  cpu_noticed_s=0.0)
     r = report.round_figures(run, 10**7, machine, 1.0, n_layers=4, full_layers=4)
-    assert r["cpu_run_gb_s"] is None and report.cpu_parts(r) == ""
+    assert r["cpu_run_gb_s"] is None and r["cpu_pass1_gb_s"] is None
+    assert report.cpu_parts(r) == ""
 
 
 def test_the_rounds_summary_tables_offload_s_lines_and_pairs_an_a_b(capsys, tmp_path):

@@ -157,7 +157,9 @@ def test_the_cpu_s_tasks_and_those_the_engine_thread_ran_are_counted(schedule):
         assert stats.cpu_waiter_tasks == 0
     # Where the CPU's time went: its hand-over, its runs (the team up within them) and their
     # notice, all within the CPU's time from each start to each finish.
-    assert stats.cpu_run_s > 0 and 0 <= stats.cpu_team_up_s <= stats.cpu_run_s
+    assert stats.cpu_run_s > 0
+    assert 0 <= stats.cpu_team_up_s <= stats.cpu_run_s
+    assert 0 < stats.cpu_pass1_s <= stats.cpu_run_s
     assert stats.cpu_hand_over_s >= 0 and stats.cpu_noticed_s >= 0
     assert stats.cpu_hand_over_s + stats.cpu_run_s + stats.cpu_noticed_s <= stats.cpu_s
     assert general.stats.decode.cpu_run_s == 0  # the engine's own thread: no parts

@@ -13,7 +13,8 @@ the expert cache. Of the CPU's calls run on its own thread (a decode call's, on 
 engine's thread ran while it waited for them (the "steal" schedule's, `CpuExperts.finish`), and
 their `cpu_s` splits into `cpu_hand_over_s` (from the start to that thread beginning a call),
 `cpu_run_s` (the call's run on its team; of it `cpu_team_up_s`, until the team's last thread
-was up) and `cpu_noticed_s` (from a call's end to the engine's thread seeing it: long where
+was up, and `cpu_pass1_s`, until its first pass was done: gate and up, two thirds of the bytes)
+and `cpu_noticed_s` (from a call's end to the engine's thread seeing it: long where
 that thread was still queueing the call's uploads), the rest of it the engine's thread's own
 steps in starting and finishing it (`CpuExperts.last_call`).
 Rounds replayed from a CUDA graph (every expert resident) count their calls, lookups and hits,
@@ -51,6 +52,7 @@ class PhaseStats:
     cpu_s: float = 0.0
     cpu_hand_over_s: float = 0.0
     cpu_team_up_s: float = 0.0
+    cpu_pass1_s: float = 0.0
     cpu_run_s: float = 0.0
     cpu_noticed_s: float = 0.0
     wait_s: float = 0.0

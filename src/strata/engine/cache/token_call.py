@@ -149,6 +149,7 @@ def finish_cpu_rows(cache: Any, stats: PhaseStats, started: float) -> None:
     if times is not None:
         stats.cpu_hand_over_s += times.hand_over_s
         stats.cpu_team_up_s += times.team_up_s
+        stats.cpu_pass1_s += times.pass1_s
         stats.cpu_run_s += times.run_s
         stats.cpu_noticed_s += times.noticed_s
 
