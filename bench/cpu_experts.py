@@ -88,9 +88,10 @@ import torch
 import torch.nn.functional as F
 
 from _common import host_read_bytes_per_s, mem_available_bytes, rss_bytes
+from cpu_experts_report import print_report
 from strata import _cpu_experts
 from strata.engine.experts import ExpertStore
-from strata.engine.experts.cpu import CpuExperts
+from strata.engine.experts.cpu import CpuCallTimes, CpuExperts
 from strata.engine.experts.quant import int4_blob, int8_blob
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.store import host_blobs
@@ -222,12 +223,30 @@ def started_columns(cpu: CpuExperts, quantized_cpu: dict[str, CpuExperts], n_tok
 
 
 def start_and_finish(cpu: CpuExperts, layer: int, x_one: torch.Tensor, routed: Routed,
-                     out: torch.Tensor) -> None:
+                     out: torch.Tensor) -> CpuCallTimes:
     """A decode call as the cache runs it on CUDA: `start` on the worker's thread with the
-    token's one row x_one [1, D], then `finish` (which, under "steal", takes tasks too)."""
+    token's one row x_one [1, D], then `finish` (which, under "steal", takes tasks too); where
+    its time went (`CpuExperts.last_call`)."""
     if not cpu.start(layer, x_one, routed, out):
         raise RuntimeError("CpuExperts.start did not take a decode call")
     cpu.finish()
+    return cpu.last_call()
+
+
+def call_parts(times: list[CpuCallTimes], n_bytes: int) -> dict:
+    """The medians of started calls' parts (us) and their runs' rates (GB/s: the call's
+    `n_bytes`, two thirds of them in pass 1, gate and up, and a third in pass 2, down), for
+    comparing with a round's (bench/offload.py's `cpu_parts`)."""
+    def median(values) -> float:
+        return statistics.median(values)
+
+    run, pass1 = median(t.run_s for t in times), median(t.pass1_s for t in times)
+    pass2 = median(t.run_s - t.pass1_s for t in times)
+    return {"hand_over_us": 1e6 * median(t.hand_over_s for t in times),
+            "team_up_us": 1e6 * median(t.team_up_s for t in times), "run_us": 1e6 * run,
+            "noticed_us": 1e6 * median(t.noticed_s for t in times),
+            "run_gb_s": n_bytes / run / 1e9, "pass1_gb_s": 2 / 3 * n_bytes / pass1 / 1e9,
+            "pass2_gb_s": n_bytes / 3 / pass2 / 1e9 if pass2 > 0 else None}
 
 
 def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
@@ -255,6 +274,7 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             store.expert_width, store.dtype, QUANTIZED[name][2]), threads)
         for name, layers in (quantized or {}).items()}
     started = started_columns(cpu, quantized_cpu, n_tokens, threads)
+    parts = {name: [] for name in started}  # each started call's `CpuExperts.last_call`
     out = torch.empty((routed.n_rows, store.hidden_size), dtype=store.dtype)  # [R, D]
     pool = ThreadPoolExecutor(max_workers=1)
     calls = itertools.count()
@@ -289,8 +309,8 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             **{name: median_us(lambda c=c: c.compute(layer(), x_rows, routed), repeat, gap_us,
                                **waking)
                for name, c in scheduled.items()},
-            **{name: median_us(lambda c=c: start_and_finish(c, layer(), x_rows[:1], routed,
-                                                            out), repeat, gap_us, **waking)
+            **{name: median_us(lambda name=name, c=c: parts[name].append(start_and_finish(
+                c, layer(), x_rows[:1], routed, out)), repeat, gap_us, **waking)
                for name, c in started.items()},
             "compute-worker": median_us(lambda: on_worker().result(), repeat, gap_us,
                                         **waking),
@@ -307,6 +327,9 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
         "kernel": cpu.kernel, "us_per_expert": per_expert,
         "gbps": {k: _blob_bytes(k, store, quantized) / (v * 1e3) for k, v in per_expert.items()},
         "ratio_to_bare": {k: v / per_expert["bare"] for k, v in per_expert.items()},
+        "start_parts": {name: call_parts(times[1:], routed.n_experts
+                                         * _blob_bytes(name, store, quantized))
+                        for name, times in parts.items()},  # the warm-up call left out
     }
 
 
@@ -393,34 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{result['command']}  ({result['machine']}, torch {result['torch']})")
-    print(f"host read bandwidth: {read_gbps:.1f} GB/s (float32 sum over {args.read_mib} MiB)")
-    columns = ("compute-torch", "compute-main", "compute-static", "compute-guided", "compute-steal",
-               *(f"compute-pf{n}" for n in prefetches),
-               *(name + suffix for name in QUANTIZED for suffix in ("", "-steal")),
-               *(name.replace("kernel", "compute") for name in QUANTIZED),
-               *(f"start-{schedule}{suffix}" for suffix in ("", "-int8", "-int4")
-                 for schedule in ("dynamic", "steal", "steal-alone")), "compute-worker",
-               "worker-main-busy")
-    for run in {(r["memory"], r["dtype"]): r for r in runs}.values():
-        print(f"store in {run['memory']} memory, {run['dtype']}: "
-              f"{run['store_bytes'] / 2**30:.2f} GiB of blobs took "
-              f"{run['host_taken_bytes'] / 2**30:.2f} GiB of the host's available memory, "
-              f"{run['rss_grown_bytes'] / 2**30:.2f} GiB more resident")
-    print("| memory | dtype | T | experts | gap us | wake us | threads main/worker | "
-          "bare us (GB/s, share) | "
-          + " | ".join(columns) + " |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(columns))
-    for run in runs:
-        us, ratio, gbps = run["us_per_expert"], run["ratio_to_bare"], run["gbps"]
-        woke = "-" if run["wake_us"] is None else f"{run['wake_us']:.0f}"
-        cells = [f"{us[c]:.0f} ({ratio[c]:.2f}x; {gbps[c]:.1f} GB/s, "
-                 f"{gbps[c] / read_gbps:.0%})" if c in us else "-" for c in columns]
-        print(f"| {run['memory']} | {run['dtype']} | {run['tokens']} | {run['experts']} | "
-              f"{run['gap_us']:.0f} | {woke} | "
-              f"{run['main_threads']}/{run['worker_threads']} | {us['bare']:.0f} "
-              f"({gbps['bare']:.1f} GB/s, {gbps['bare'] / read_gbps:.0%}) | "
-              + " | ".join(cells) + " |")
+    print_report(result, read_gbps, args.read_mib, prefetches, tuple(QUANTIZED))
     return 0
 
 

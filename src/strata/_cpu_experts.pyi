@@ -126,10 +126,11 @@ class CpuWorker:
 
     @property
     def last_call_us(self) -> tuple[float, float, float, float, float] | None:
-        """The last call `wait` returned from, in microseconds: (hand_over: posted to begun on
-        the worker's thread, team_up: begun to the team's last thread entering, pass1: begun
-        to pass 1's last task done, run: begun to ended, noticed: ended to `wait` seeing it);
-        None before any, and after a start of no rows (nothing posted)."""
+        """The last call `wait` returned from, in microseconds, one after another: (hand_over:
+        posted to its first thread beginning (the worker's, or under "steal" `wait`'s), then
+        of the run team_up: to the team's last thread entering, and pass1: to its first thread
+        past pass 1, run: to its last thread ending, noticed: then to `wait` seeing it); None
+        before any, and after a start of no rows (nothing posted)."""
 
     @property
     def keep_team_up(self) -> bool:

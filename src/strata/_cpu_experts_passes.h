@@ -43,12 +43,13 @@ static inline int64_t strata_now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-/* Where a call's run went (`strata_now_ns`), as its team's threads saw it: the last of them
+/* Where a call's run went (`strata_now_ns`), as its threads saw it: the last of its team's
  * entering the call (`entered_ns`: the team's wake-up ends there; it may come after pass 1,
- * whose tasks the threads already up take), and the first of them past pass 1, every task of
- * it done (`pass1_ns`: about when its last task ended, a waiting thread passing at once).
- * Zeroed by the caller before the call; a NULL pointer to it: not timed (and a thread from
- * outside the team, the helper of `strata_steal_passes`, notes nothing). */
+ * whose tasks the threads already up take), and the first of its threads past pass 1, every
+ * task of it done (`pass1_ns`: about when its last task ended, a waiting thread passing at
+ * once).
+ * Zeroed by the caller before the call; a NULL pointer to it: not timed. A thread from
+ * outside the team (the helper of `strata_steal_passes`) notes pass 1 too, not its entry. */
 typedef struct {
     int64_t entered_ns;
     int64_t pass1_ns;
@@ -65,7 +66,7 @@ static inline void strata_note_entry(strata_call_times *times) {
         ;
 }
 
-/* A thread of the team past pass 1: `pass1_ns` becomes the earliest such time so far. */
+/* A thread of the call past pass 1: `pass1_ns` becomes the earliest such time so far. */
 static inline void strata_note_pass1(strata_call_times *times) {
     if (!times)
         return;
@@ -218,8 +219,8 @@ static void strata_steal_init(strata_share *shares, int n_threads, int64_t n1, i
 /* One thread's part of a SCHEDULE_STEAL call whose state `strata_steal_init` set, its share
  * `me` (a thread of the team: its number; the helper, `CpuWorker.wait`'s thread: n_threads):
  * pass 1's tasks it can take; then, once all of pass 1's are done, pass 2's. Each task runs
- * once whoever takes part. A thread of the team notes the call's times in `times` (the helper
- * passes NULL). Returns how many tasks this thread ran. */
+ * once whoever takes part. Each notes when it was past pass 1 in `times` (NULL: not timed).
+ * Returns how many tasks this thread ran. */
 static int64_t strata_steal_passes(const void *call, strata_share *shares, int n_threads,
                                    int me, strata_task pass1, int64_t n1, strata_task pass2,
                                    strata_call_times *times)

@@ -80,4 +80,4 @@ cdef int64_t _help(const Call *c) noexcept nogil:
     left of the team's shares, the first thread's first, in turn, until none is left; return
     how many tasks this thread ran."""
     return strata_steal_passes(c, c.shares, c.n_threads, c.n_threads, _pass1_task, _tasks1(c),
-                               _pass2_task, NULL)  # not of the team: its times are the team's
+                               _pass2_task, c.times)

@@ -54,13 +54,16 @@ cdef class CpuWorker:
     cdef Call _call
     cdef object _keep  # the arrays of the call in flight
     cdef int64_t _waited_ns  # when `wait` saw the last call done; 0: no call waited for yet
+    # When the thread in `wait` began and ended taking part in the last call; 0: it did not.
+    cdef int64_t _help_begun_ns
+    cdef int64_t _help_ended_ns
 
     def __cinit__(self):
         self._running = False
         self._pending = False
         self._keep_team_up = False
         self._keep = None
-        self._waited_ns = 0
+        self._waited_ns = self._help_begun_ns = self._help_ended_ns = 0
         cdef int error = strata_worker_start(&self._worker)
         if error:
             raise OSError(error, "could not start the CPU experts' worker thread")
@@ -111,9 +114,12 @@ cdef class CpuWorker:
         cdef int64_t ran = 0
         if not self._pending:
             return 0
+        self._help_begun_ns = self._help_ended_ns = 0
         with nogil:
             if help and self._call.shares != NULL:
+                self._help_begun_ns = strata_now_ns()
                 ran = _help(&self._call)
+                self._help_ended_ns = strata_now_ns()
             strata_worker_wait(&self._worker)
             self._waited_ns = strata_now_ns()
         self._pending = False
@@ -123,22 +129,26 @@ cdef class CpuWorker:
     @property
     def last_call_us(self):
         """Where the last call `wait` returned from spent its time, in microseconds:
-        (hand_over, team_up, pass1, run, noticed). `hand_over`: from `start` posting it to the
-        worker's thread beginning it; `run`: from there to its end, both passes on the team;
-        of the run, `team_up` until the team's last thread entered the call (the threads'
-        wake-up, where they slept; it may end after pass 1, whose tasks the threads already up
-        take) and `pass1` until the first of the team's threads was past pass 1, all of its
-        tasks done (gate and up: two thirds of the bytes; the rest of the run is pass 2,
-        down); `noticed`: from the run's end to `wait` seeing it. Under "steal" the thread in
-        `wait` may run tasks before the team's run begins: the times are the team's. None before any call, and after a start that posted
-        nothing (no rows), so that no call's times are counted twice. The clock is
-        CLOCK_MONOTONIC; the call pays only a few clock reads for them."""
+        (hand_over, team_up, pass1, run, noticed), one after another from `start` posting it
+        to `wait` seeing it done. `hand_over`: until the first of its threads began (the
+        worker's, or under "steal" the thread in `wait`, which may begin first); `run`: from
+        there to the last of them ending; of the run, `team_up` until the team's last thread
+        had entered (the threads' wake-up, where they slept; it may end after pass 1, whose
+        tasks the threads already up take) and `pass1` until the first of its threads was past
+        pass 1, all of its tasks done (gate and up: two thirds of the bytes; the rest of the
+        run is pass 2, down); `noticed`: from the run's end to `wait` seeing it. None before
+        any call, and after a start that posted nothing (no rows), so that no call's times are
+        counted twice. The clock is CLOCK_MONOTONIC; the call pays only a few clock reads for
+        them."""
         if not self._waited_ns:
             return None
         w = &self._worker
-        return ((w.begun_ns - w.posted_ns) / 1e3, (w.times.entered_ns - w.begun_ns) / 1e3,
-                (w.times.pass1_ns - w.begun_ns) / 1e3, (w.ended_ns - w.begun_ns) / 1e3,
-                (self._waited_ns - w.ended_ns) / 1e3)
+        begun, ended = w.begun_ns, w.ended_ns
+        if self._help_begun_ns:  # the thread in `wait` took part: the call ran on it too
+            begun, ended = min(begun, self._help_begun_ns), max(ended, self._help_ended_ns)
+        return ((begun - w.posted_ns) / 1e3, (w.times.entered_ns - begun) / 1e3,
+                (w.times.pass1_ns - begun) / 1e3, (ended - begun) / 1e3,
+                (self._waited_ns - ended) / 1e3)
 
     @property
     def keep_team_up(self) -> bool:

@@ -78,11 +78,11 @@ def kernel_id(dtype: torch.dtype) -> str:
 
 class CpuCallTimes(NamedTuple):
     """Where a call `CpuExperts.start` ran on its own thread spent its time, in seconds
-    (`_cpu_experts.CpuWorker.last_call_us`): `hand_over` from the start to the worker's thread
-    beginning it, `run` from there to its end (of it `team_up`, until the team's last thread
-    had entered: their wake-up, and `pass1`, until pass 1's tasks were done: gate and up, two
-    thirds of the bytes; the rest is pass 2, down), `noticed` from its end to `finish` seeing
-    it."""
+    (`_cpu_experts.CpuWorker.last_call_us`), one after another: `hand_over` from the start to
+    its first thread beginning, `run` from there to its end (of it `team_up`, until the team's
+    last thread had entered: their wake-up, and `pass1`, until pass 1's tasks were done: gate
+    and up, two thirds of the bytes; the rest is pass 2, down), `noticed` from its end to
+    `finish` seeing it."""
 
     hand_over_s: float
     team_up_s: float
