@@ -6,6 +6,7 @@ The thread count itself may change torch's bytes (fp32 at 64 tokens, 1 against 2
 here): `--cpu-threads` is part of what a run's output depends on."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -234,7 +235,16 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
                 == pytest.approx(bytes_of["kernel-int8-steal"])
             assert bytes_of["start-steal-int8"] < 0.6 * bytes_of["start-steal"]
         assert run["kernel"] == ("strata" if run["dtype"] == "bf16" else "torch")
+        # Where the started calls' time went, to compare with a round's (`cpu_parts`).
+        assert set(run["start_parts"]) == started
+        for parts in run["start_parts"].values():
+            assert parts["run_us"] > 0 and parts["run_gb_s"] > 0 and parts["pass1_gb_s"] > 0
+            assert min(parts["team_up_us"], parts["hand_over_us"], parts["noticed_us"]) >= 0
     assert result["host_read_gbps"] > 0
+    bench.print_report(result, result["host_read_gbps"], 8, (), tuple(bench.QUANTIZED))
+    assert re.search(r"start-dynamic-int8 \(T = 1, \d+ experts, gap 0 us, pageable\): run \d+ us "
+                     r"at [\d.]+ GB/s \(gate and up [\d.]+, down [\d.]+\), team up [\d.]+ us, "
+                     r"hand-over [\d.]+, noticed [\d.]+", capsys.readouterr().out)
     assert bench.main(["--preset", "tiny", "--repeat", "1", "--dtypes", "fp32",
                        "--tokens", "1", "--read-mib", "8"]) == 0
     assert "| pageable | fp32 | 1 |" in capsys.readouterr().out
