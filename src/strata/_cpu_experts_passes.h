@@ -47,8 +47,7 @@ static inline int64_t strata_now_ns(void) {
  * entering the call (`entered_ns`: the team's wake-up ends there; it may come after pass 1,
  * whose tasks the threads already up take), and the first of its threads past pass 1, every
  * task of it done (`pass1_ns`: about when its last task ended, a waiting thread passing at
- * once).
- * Zeroed by the caller before the call; a NULL pointer to it: not timed. A thread from
+ * once). Zeroed by the caller before the call; a NULL pointer to it: not timed. A thread from
  * outside the team (the helper of `strata_steal_passes`) notes pass 1 too, not its entry. */
 typedef struct {
     int64_t entered_ns;
