@@ -146,7 +146,8 @@
 # bench/routed_sort.py, a prompt chunk's routing grouped by expert on the host, narrow sort keys
 # against int64), cpu-int8 (1: bench/cpu_experts.py on qwen3's
 # shape, 3 and 4 experts a call (CPU_INT8_EXPERTS) after a 500 us gap, bf16 against int8
-# experts, pinned, each also on the worker thread under dynamic and steal: start-*), rates-probe (1.5: bench/rates_probe.py, every timed call of
+# experts, pinned, each also on the worker thread under dynamic and steal: start-*, with where
+# their time went: the runs' and passes' GB/s, team up, hand-over, notice), rates-probe (1.5: bench/rates_probe.py, every timed call of
 # `--stream-misses auto`'s rates round by round, qwen3-30b-a3b's and olmoe-1b-7b's shapes),
 # offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
 # CPU's misses on their own thread, `CachedExperts.async_cpu`, and on the engine's, -sync,
@@ -338,7 +339,7 @@ for stage in "$@"; do
                   --dtypes bf16 --tokens 1 --experts "${CPU_INT8_EXPERTS:-3,4}" --gap-us 500 \
                   --repeat 15 \
                   --memory pinned) > "$OUT/cpu-int8.txt" 2>&1
-              grep "| pinned\|bandwidth" "$OUT/cpu-int8.txt" | cut -c1-400 ;;
+              grep "| pinned\|bandwidth\|^start-" "$OUT/cpu-int8.txt" | cut -c1-400 ;;
     rates-probe) (cd bench && timeout 200 python3 rates_probe.py \
                      --json-out "$OUT/rates-probe.jsonl") 2>&1 | tee "$OUT/rates-probe.txt" ;;
     cpu-wake) for preset in olmoe-1b-7b qwen3-30b-a3b; do
