@@ -6,6 +6,26 @@ the notice, the figures a round's `cpu_parts` gives (bench/offload_report.py) to
 
 from __future__ import annotations
 
+import statistics
+
+from strata.engine.experts.cpu import CpuCallTimes
+
+
+def call_parts(times: list[CpuCallTimes], n_bytes: int) -> dict:
+    """The medians of started calls' parts (us) and their runs' rates (GB/s: the call's
+    `n_bytes`, two thirds of them in pass 1, gate and up, and a third in pass 2, down), for
+    comparing with a round's (bench/offload.py's `cpu_parts`)."""
+    def median(values) -> float:
+        return statistics.median(values)
+
+    run, pass1 = median(t.run_s for t in times), median(t.pass1_s for t in times)
+    pass2 = median(t.run_s - t.pass1_s for t in times)
+    return {"hand_over_us": 1e6 * median(t.hand_over_s for t in times),
+            "team_up_us": 1e6 * median(t.team_up_s for t in times), "run_us": 1e6 * run,
+            "noticed_us": 1e6 * median(t.noticed_s for t in times),
+            "run_gb_s": n_bytes / run / 1e9, "pass1_gb_s": 2 / 3 * n_bytes / pass1 / 1e9,
+            "pass2_gb_s": n_bytes / 3 / pass2 / 1e9 if pass2 > 0 else None}
+
 
 def print_report(result: dict, read_gbps: float, read_mib: int, prefetches: tuple,
                  quantized: tuple) -> None:
