@@ -82,6 +82,11 @@ each bound counted at the format's bytes.
 Per-layer figures and tok/s scaled to the preset's full depth (`--full-layers`, default the
 preset's) are printed beside the measured ones for a shortened model, saying so.
 
+Its parts: the flags and their checks (`offload_args`), the machine's rates (`offload_rates`),
+the decode variants and how each sets the cache (`offload_variants`), a run's figures, lines
+and the report (`offload_report`), the profiled and traced requests (`offload_profile`); here,
+the runs. bench/rounds.py tabulates the JSON lines it prints.
+
     python bench/offload.py --preset tiny --device cpu --new-tokens 8 --prefill-tokens 128 \\
         --host-read-mib 64 --loan-keep-slots 0                           # here, in seconds
     python bench/offload.py --preset olmoe-1b-7b --budget-mib 4096      # the GPU machine
