@@ -1,9 +1,10 @@
 """bench/offload.py's command line: its flags, checked, with their comma-separated lists parsed.
 
-`parse_args` returns argparse's namespace with these added: `streams` (`--stream-misses`: auto
-or ints), `loan_batches` (`--loan-upload-batches`; [None]: the engine's), `prefetch_caps`,
-`split_counts`, `cpu_schedules`, `cpu_prefetches` (strings), `cpu_teams` and `formats`
-(`--experts-dtype`). A bad value is the parser's error, naming the flag and what it takes.
+`parse_args` returns argparse's namespace with these lists on it: `streams` (`--stream-misses`:
+auto or ints), `loan_batches` (`--loan-upload-batches`; [None]: the engine's), `prefetch_caps`
+(`--prefetch`), `split_counts` (`--split-counts`, in place of its text), `cpu_schedules`,
+`cpu_prefetches` (strings), `cpu_teams` and `formats` (`--experts-dtype`). A bad value is the
+parser's error, naming the flag and what it takes.
 """
 
 from __future__ import annotations
