@@ -247,7 +247,7 @@ class CpuExperts:
         if self._worker.keep_team_up != self.keep_team_up:  # set under the worker's mutex
             self._worker.keep_team_up = self.keep_team_up
         if self._worker.pending:  # before the kept buffers, which the call in flight reads
-            raise RuntimeError("a call is in flight on this CpuWorker: wait() for it first")
+            raise RuntimeError("a call is in flight on these CpuExperts: finish() it first")
         n_threads = self.cpu_threads or torch.get_num_threads()
         lo, hi = int(routed.starts[0]), int(routed.starts[-1])
         starts = routed.starts if lo == 0 else routed.starts - lo
@@ -272,7 +272,7 @@ class CpuExperts:
         key = (out.data_ptr(), out.shape[0])
         view = self._out_views.get(key)
         if view is None:
-            if len(self._out_views) >= 64:  # a caller passing new buffers: keep only the last
+            if len(self._out_views) >= 64:  # a caller passing new buffers: start again
                 self._out_views.clear()
             view = self._out_views[key] = _u16(out)
         return view
