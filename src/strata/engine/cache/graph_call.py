@@ -59,9 +59,11 @@ from strata.engine.experts import grouped, weighted_sum
 
 __all__ = ["LAUNCH_AHEAD", "fill_misses", "resident_rows", "sum_rows"]
 
-# Staged, off until timed on the device: split calls return before the CPU's misses are done,
-# the next graph launched ahead of their rows behind a wait on the stream (`fill_misses`'
-# `ahead`, `strata.engine.cache.host_signal`). bench/offload.py --launch-ahead times both.
+# Off: split calls return before the CPU's misses are done, the next graph launched ahead of
+# their rows behind a wait on the stream (`fill_misses`' `ahead`,
+# `strata.engine.cache.host_signal`). The same tokens, but 1.21x then 0.92x the base's round on
+# an H100 machine, the CPU's runs slower beside the queued graph
+# (bench/results/cpu-parts-h100-2026-12-05.md). bench/offload.py --launch-ahead times both.
 LAUNCH_AHEAD = False
 
 
