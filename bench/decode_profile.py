@@ -13,11 +13,13 @@ with a forward's rotary tables and mask as the torch ops instead of one kernel
 (`ops.ROPE_MASK_KERNEL`), with each layer's sum after attention, the MoE's norm and its
 routing as `add_rms_norm` then `router_route` instead of one kernel (`ops.NORM_ROUTER_KERNEL`),
 with attention's dense products by cuBLAS instead of the kernel that reads its weights before
-its wait (`products.PRODUCT_KERNEL`), three staged changes each switched on (the logits'
-product by that kernel, `products.LOGITS_KERNEL`; the router's weights read before its wait,
+its wait (`products.PRODUCT_KERNEL`), three changes each switched on (the logits' product
+by that kernel, `products.LOGITS_KERNEL`; the router's weights read before its wait,
 `routing_ops.ROUTER_WEIGHTS_FIRST`; a short window attended in one program a kv head, its
 cells read before its wait, `decode_attention.SHORT_KERNEL`; the same with the rotation and
-the K/V write folded in, `decode_attention.SHORT_ROTATES`), and `--compile`'s
+the K/V write folded in, `decode_attention.SHORT_ROTATES`: these two on by default since
+bench/results/decode-shapes-short-h100-2026-12-05.md, their rows then the default's), and
+`--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once

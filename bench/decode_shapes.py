@@ -12,9 +12,10 @@ stages), then down's (block D x step F, warps, stages), then the dense products'
 (`products`: weight elements a program, warps; "cuBLAS" is `F.linear` in its place), then
 the logits' product by cuBLAS (the default) or by that kernel (`logits`), the router's splits
 of D and whether its weights are read before its wait (`router`), and a short window's
-attention split and merged (the default) or in one program a kv head, the rotation folded
-in or not, at some warps (`attention`). The last three are the staged changes: one call
-times them all.
+attention split and merged or in one program a kv head (the default), the rotation folded
+in or not, at some warps (`attention`). The last three were staged changes, one call timing
+them all; the short attention with the rotation is on since
+bench/results/decode-shapes-short-h100-2026-12-05.md.
 
     python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
     python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4 --kernels products

@@ -47,6 +47,7 @@ def decode_with(launcher, family="qwen3_moe", preset="tiny"):
 
     def logits_of(model, on):
         takes, rotates = decode_attention.takes, decode_attention.rotates
+        short = decode_attention.SHORT_KERNEL
         launch = getattr(decode_attention, launcher)
         decode_attention.takes = lambda q, k, v: on and q.shape[0] == 1
         decode_attention.SHORT_KERNEL = on and launcher == "attend_short_triton"
@@ -62,7 +63,7 @@ def decode_with(launcher, family="qwen3_moe", preset="tiny"):
                 return torch.cat(rows)
         finally:
             decode_attention.takes, decode_attention.rotates = takes, rotates
-            decode_attention.SHORT_KERNEL = False
+            decode_attention.SHORT_KERNEL = short
             setattr(decode_attention, launcher, launch)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,7 +272,7 @@ print(json.dumps(results))
 
 
 def test_the_short_kernel_under_the_interpreter_matches_the_reference():
-    """`attend_short` (staged off: `SHORT_KERNEL`): one program a kv head over every cell,
+    """`attend_short` (`SHORT_KERNEL`, on by default): one program a kv head over every cell,
     with and without the values read before the wait, against the float32 reference; a
     model's decode steps through it; bad positions and masks refused."""
     pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
@@ -292,7 +293,9 @@ def test_the_short_kernel_under_the_interpreter_matches_the_reference():
 def test_the_short_kernel_takes_a_window_whose_keys_a_program_holds(monkeypatch):
     _, keys, _ = inputs(32, 4, 128, 256, torch.bfloat16, 0)
     at = torch.tensor([255])
-    assert not decode_attention.short_takes(keys, at)  # staged off
+    assert decode_attention.SHORT_KERNEL and decode_attention.short_takes(keys, at)  # default
+    monkeypatch.setattr(decode_attention, "SHORT_KERNEL", False)
+    assert not decode_attention.short_takes(keys, at)  # switched off: the split kernel's
     monkeypatch.setattr(decode_attention, "SHORT_KERNEL", True)
     assert decode_attention.short_takes(keys, at)
     assert not decode_attention.short_takes(keys, None)  # the layer did not say where
@@ -401,7 +404,7 @@ print(json.dumps(results))
 
 
 def test_the_rotating_short_kernel_under_the_interpreter_is_the_rotation_then_attention():
-    """`rotate_attend` (staged off: `SHORT_ROTATES`): the cells it writes are the rotation's
+    """`rotate_attend` (`SHORT_ROTATES`, on by default): the cells it writes are the rotation's
     kernel's, byte for byte, for each norm; its attention is the reference's over them; a
     model's decode steps through it (olmoe's norm over every head, qwen3's each head's)."""
     pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")

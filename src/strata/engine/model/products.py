@@ -20,9 +20,11 @@ float32 in one fixed order (deterministic), not cuBLAS's order: a bf16 decode st
 differ from `F.linear`'s in the last bit now and then, as a different library's would.
 `PRODUCT_KERNEL` is the switch a benchmark turns off for its A/B (bench/decode_profile.py's
 row "the dense products by cuBLAS"). `logits` is the last product of a decode step, the
-vocabulary's, the same way where `LOGITS_KERNEL`: staged off until it is timed on a GPU
-against cuBLAS, which reads a whole logits matrix at about 94% of the H200's bandwidth
-(bench/decode_profile.py's row "the logits by the kernel").
+vocabulary's, the same way where `LOGITS_KERNEL`: off, against cuBLAS, which reads a whole
+logits matrix at about 94% of the H200's bandwidth (bench/decode_profile.py's row "the logits
+by the kernel"); timed on an H100 it was 1.012-1.018x a round on qwen3-30b-a3b's and
+mixtral-8x7b's cuts, but its logits differed from cuBLAS's by up to 1.6e-02
+(bench/results/decode-shapes-short-h100-2026-12-05.md).
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ ROUTER_BLOCK_D = 32
 ROUTER_WARPS = 4
 # Whether `add_norm_router_route`'s programs load their first block of the router's weights
 # before their dependent-launch wait (as `products`' kernel does its weights), not after it.
-# The same bytes; staged off until it is timed on a GPU (bench/decode_profile.py's row "the
-# router's weights read before its wait").
+# The same bytes; off: 0.988x and 0.996x a round on qwen3-30b-a3b's and mixtral-8x7b's cuts
+# on an H100 (bench/results/decode-shapes-short-h100-2026-12-05.md; bench/decode_profile.py's
+# row "the router's weights read before its wait").
 ROUTER_WEIGHTS_FIRST = False
 
 
