@@ -189,3 +189,16 @@ def set_kv_env(args: argparse.Namespace) -> None:
     for dest, env in KV_ENV_FLAGS:
         if getattr(args, dest) is not None:
             os.environ[env] = str(getattr(args, dest))
+
+
+def rows_at_once(text: str) -> list[tuple[int, int]] | None:
+    """Comma-separated GxD, each the CPU kernel's gate and up rows and down rows read at once
+    (`CpuExperts.gate_up_rows`, `down_rows`: 1, 2 or 4 each), distinct, as (G, D) pairs; None
+    for anything else (the caller's parser names the flag)."""
+    pairs = []
+    for spec in filter(None, text.split(",")):
+        gate_up, _, down = spec.partition("x")
+        if gate_up not in ("1", "2", "4") or down not in ("1", "2", "4"):
+            return None
+        pairs.append((int(gate_up), int(down)))
+    return pairs if len(set(pairs)) == len(pairs) else None

@@ -3,9 +3,12 @@
 Builds a random `ExpertStore` of `--layers` layers with the expert shape of `--preset`
 (default olmoe-1b-7b: D 2048, F 1024; 4 layers, 3 GiB in bf16), then times, in the same run,
 each at T = 1 (K rows, one per distinct expert: a decode round's misses) and at T = 64 (T*K rows
-over the experts they route). Successive calls take the next layer, so a call reads weights no
-recent call read, as the engine's misses do (with one layer the same few experts stay in the
-CPU's last-level cache and the figures are too good):
+over the experts they route). Successive calls take the next layer, and at T = 1 each round of
+the layers other experts (disjoint sets, through all of them), so a call reads weights no
+recent call read, as the engine's misses do: with the same few experts of 4 layers, 75 MB of
+int8 qwen3-30b-a3b experts (150 MB in bf16) stayed in the 300 MB last-level cache of the H100
+machine's Xeon and read at up to 200 GB/s, past its memory's rate
+(bench/results/cpu-weight-rows-h100-2026-12-05.md):
 
 - `bare`: the same two matmuls per expert as plain torch calls on the main thread, nothing else
   (the floor for this CPU, threads and dtype);
@@ -35,7 +38,10 @@ CPU's last-level cache and the figures are too good):
   waiting in `finish` takes the call's tasks too, as one more thread of the team, and
   `start-steal-alone` is steal with that thread only waiting (`CpuExperts.caller_helps` off:
   on the H200 steal won on the calling thread's team and lost on the worker's, and this
-  tells the helper's part from the team's);
+  tells the helper's part from the team's); `start-dynamic-rowsN`, `start-steal-rowsN`
+  (`--weight-rows GxD[,GxD]`, each 1, 2 or 4): the same with the kernel reading G of gate's and
+  up's rows and D adjacent rows of down at once for the token (`CpuExperts.gate_up_rows`,
+  `down_rows`; columns start-dynamic-rowsGxD, start-steal-rowsGxD);
 - `compute-worker`: the same on a worker thread (one `ThreadPoolExecutor` thread), the design
   the cache had before: adds the hand-over and a second intra-op team (the worker's count is
   printed beside the main thread's);
@@ -87,7 +93,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from _common import host_read_bytes_per_s, mem_available_bytes, rss_bytes
+from _common import host_read_bytes_per_s, mem_available_bytes, rows_at_once, rss_bytes
 from cpu_experts_report import call_parts, print_report
 from strata import _cpu_experts
 from strata.engine.experts import ExpertStore
@@ -129,6 +135,17 @@ def routing(n_tokens: int, top_k: int, n_experts: int) -> Routed:
     rng = np.random.default_rng(n_tokens)
     ids = np.stack([rng.choice(n_experts, top_k, replace=False) for _ in range(n_tokens)])
     return Routed.of(ids)
+
+
+def routings(n_tokens: int, top_k: int, n_experts: int) -> list[Routed]:
+    """The routings the calls of a measure take in turn: at T = 1, the experts in a shuffled
+    order cut into n_experts // top_k disjoint sets of top_k (each call of a layer reads other
+    experts than the last one did, through all of them); else `routing`'s one."""
+    if n_tokens != 1 or n_experts < 2 * top_k:
+        return [routing(n_tokens, top_k, n_experts)]
+    order = np.random.default_rng(n_tokens).permutation(n_experts)
+    return [Routed.of(order[i : i + top_k][None])
+            for i in range(0, n_experts - top_k + 1, top_k)]
 
 
 def bare(store: ExpertStore, layer: int, x_rows: torch.Tensor, routed: Routed) -> None:
@@ -204,11 +221,14 @@ def _blob_bytes(column: str, store: ExpertStore, quantized: dict | None) -> int:
 
 
 def started_columns(cpu: CpuExperts, quantized_cpu: dict[str, CpuExperts], n_tokens: int,
-                    threads: int | None) -> dict[str, CpuExperts]:
+                    threads: int | None, weight_rows: tuple[tuple[int, int], ...] = ()
+                    ) -> dict[str, CpuExperts]:
     """`start-SCHEDULE` and `start-SCHEDULE-int8`/`-int4`: a CpuExperts per schedule ("dynamic",
     "steal", and "steal-alone": steal with the thread in `finish` only waiting,
     `caller_helps` off) over the store and each quantized one, for a decode call (T = 1)
-    where strata's kernel computes it; none otherwise."""
+    where strata's kernel computes it, `start-SCHEDULE-rowsN` (dynamic and steal) with
+    `CpuExperts.gate_up_rows` G and `down_rows` D for each (G, D) of `weight_rows` (named
+    -rowsGxD); none otherwise."""
     if n_tokens != 1 or cpu.kernel != "strata":
         return {}
     stores = {"": cpu.store, **{name.removeprefix("compute"): q.store
@@ -219,6 +239,10 @@ def started_columns(cpu: CpuExperts, quantized_cpu: dict[str, CpuExperts], n_tok
             cpu = columns[f"start-{schedule}{suffix}"] = CpuExperts(store, threads)
             cpu.schedule = schedule.removesuffix("-alone")
             cpu.caller_helps = not schedule.endswith("-alone")
+        for (gate_up, down), schedule in itertools.product(weight_rows, ("dynamic", "steal")):
+            cpu = columns[f"start-{schedule}-rows{gate_up}x{down}{suffix}"] = \
+                CpuExperts(store, threads)
+            cpu.schedule, cpu.gate_up_rows, cpu.down_rows = schedule, gate_up, down
     return columns
 
 
@@ -236,8 +260,10 @@ def start_and_finish(cpu: CpuExperts, layer: int, x_one: torch.Tensor, routed: R
 def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             repeat: int, quantized: dict[str, list[np.ndarray]] | None = None,
             gap_us: float = 0.0, wake_us: float | None = None,
-            prefetches: tuple[int, ...] = ()) -> dict:
-    routed = routing(n_tokens, top_k, store.n_experts)
+            prefetches: tuple[int, ...] = (),
+            weight_rows: tuple[tuple[int, int], ...] = ()) -> dict:
+    turns = routings(n_tokens, top_k, store.n_experts)
+    routed = turns[0]  # the call's routing: `layer()` moves it on (its shape stays the same)
     gen = torch.Generator().manual_seed(1)
     x_rows = torch.randn(routed.n_rows, store.hidden_size, generator=gen).to(store.dtype)
     scratch = torch.zeros(64)
@@ -257,7 +283,7 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             [torch.from_numpy(blobs) for blobs in layers], store.hidden_size,
             store.expert_width, store.dtype, QUANTIZED[name][2]), threads)
         for name, layers in (quantized or {}).items()}
-    started = started_columns(cpu, quantized_cpu, n_tokens, threads)
+    started = started_columns(cpu, quantized_cpu, n_tokens, threads, weight_rows)
     parts = {name: [] for name in started}  # each started call's `CpuExperts.last_call`
     out = torch.empty((routed.n_rows, store.hidden_size), dtype=store.dtype)  # [R, D]
     pool = ThreadPoolExecutor(max_workers=1)
@@ -265,8 +291,13 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
     waking = {"wake": cpu.wake, "wake_us": wake_us} if wake_us is not None else {}
 
     def layer() -> int:
-        """The next layer, round robin: each call reads other weights than the last."""
-        return next(calls) % store.n_layers
+        """The next layer, round robin, and the next routing each time round the layers (set
+        in `routed`): each call reads other weights than the recent ones. Every call below
+        passes `layer()` before `routed`, so it reads the routing its layer goes with."""
+        nonlocal routed
+        call = next(calls)
+        routed = turns[call // store.n_layers % len(turns)]
+        return call % store.n_layers
 
     try:
         worker_threads = pool.submit(torch.get_num_threads).result()
@@ -335,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated multiples of 64 (0: none): also time "
                         "compute-main with the weights prefetched that many bytes ahead, "
                         "columns compute-pfN")
+    parser.add_argument("--weight-rows", default="",
+                        help="comma-separated GxD (G, D: 1, 2 or 4): also time start-dynamic "
+                        "and start-steal with the kernel reading G of gate's and up's rows and "
+                        "D of down's at once, columns start-dynamic-rowsGxD, "
+                        "start-steal-rowsGxD (`CpuExperts.gate_up_rows`, `down_rows`)")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--layers", type=int, default=4,
                         help="layers in the store, read round robin (default 4)")
@@ -361,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
             or any(n % 64 for n in prefetches):
         parser.error(f"--prefetch-bytes takes comma-separated multiples of 64, got "
                      f"{args.prefetch_bytes!r}")
+    weight_rows = rows_at_once(args.weight_rows)
+    if weight_rows is None:
+        parser.error(f"--weight-rows takes distinct comma-separated GxD, G and D each 1, 2 or "
+                     f"4, got {args.weight_rows!r}")
     memories = args.memory.split(",")
     if set(memories) - {"pageable", "pinned", "pages", "huge"}:
         parser.error(f"--memory takes pageable, pinned, pages, huge; got {args.memory!r}")
@@ -390,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 if wake_us is None or gap_us > wake_us:
                     runs.append({"memory": memory, "dtype": name, **footprint, **measure(
                         store, n_tokens, top_k, args.threads, args.repeat, quantized, gap_us,
-                        wake_us, prefetches)})
+                        wake_us, prefetches, tuple(weight_rows))})
     result = {
         "command": " ".join(["python", "bench/cpu_experts.py", *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(), "machine": platform.processor()

@@ -96,8 +96,10 @@
 # the CPU's rows (`graph_call.LAUNCH_AHEAD`) against after them, interleaved in one process;
 # run `CUDA_TESTS="tests/engine/cache/test_host_signal.py tests/engine/cache/test_token_path.py"
 # ... tests` first; AHEAD_ARGS adds offload.py flags, e.g. "--cpu-team 13" to interleave a team
-# size too), offload-team (4: the same round with the CPU's own thread's team of CPU_TEAMS
-# threads, default 13,11, against the default 15, interleaved: a team as large as the cores left
+# size too), offload-rows (4: the same round with the CPU kernel reading CPU_ROWS weight rows at
+# once, GxD: G of gate's and up's, D of down's, default 4x1,1x2,1x4, against the defaults,
+# interleaved, `CpuExperts.gate_up_rows`, `down_rows`; ROWS_ARGS adds flags), offload-team (4:
+# the same round with the CPU's own thread's team of CPU_TEAMS threads, default 13,11, against the default 15, interleaved: a team as large as the cores left
 # waits for any thread the scheduler takes a core from; each run's threads' sleeps,
 # preemptions and time waiting for a core are in its JSON, bench/thread_sched.py), cpu-schedule (1.5: bench/cpu_experts.py
 # over 2, 3 and 4 experts after no gap and an 800 us gap, the kernel's tasks handed out
@@ -147,7 +149,8 @@
 # against int64), cpu-int8 (1: bench/cpu_experts.py on qwen3's
 # shape, 3 and 4 experts a call (CPU_INT8_EXPERTS) after a 500 us gap, bf16 against int8
 # experts, pinned, each also on the worker thread under dynamic and steal: start-*, with where
-# their time went: the runs' and passes' GB/s, team up, hand-over, notice), rates-probe (1.5: bench/rates_probe.py, every timed call of
+# their time went: the runs' and passes' GB/s, team up, hand-over, notice; CPU_INT8_ARGS adds
+# flags, e.g. "--weight-rows 4x1,1x2", CPU_INT8_TIMEOUT its seconds, default 150), rates-probe (1.5: bench/rates_probe.py, every timed call of
 # `--stream-misses auto`'s rates round by round, qwen3-30b-a3b's and olmoe-1b-7b's shapes),
 # offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
 # CPU's misses on their own thread, `CachedExperts.async_cpu`, and on the engine's, -sync,
@@ -335,10 +338,10 @@ for stage in "$@"; do
     decode-attention) (cd bench && timeout 300 python3 decode_attention.py) \
                       > "$OUT/decode-attention.json" 2> "$OUT/decode-attention.err"
                   grep "bench/" "$OUT/decode-attention.json"; tail -3 "$OUT/decode-attention.err" ;;
-    cpu-int8) (cd bench && timeout 150 python3 cpu_experts.py --preset qwen3-30b-a3b \
-                  --dtypes bf16 --tokens 1 --experts "${CPU_INT8_EXPERTS:-3,4}" --gap-us 500 \
-                  --repeat 15 \
-                  --memory pinned) > "$OUT/cpu-int8.txt" 2>&1
+    cpu-int8) (cd bench && timeout "${CPU_INT8_TIMEOUT:-150}" python3 cpu_experts.py \
+                  --preset qwen3-30b-a3b --dtypes bf16 --tokens 1 \
+                  --experts "${CPU_INT8_EXPERTS:-3,4}" --gap-us 500 --repeat 15 \
+                  --memory pinned ${CPU_INT8_ARGS:-}) > "$OUT/cpu-int8.txt" 2>&1
               grep "| pinned\|bandwidth\|^start-" "$OUT/cpu-int8.txt" | cut -c1-400 ;;
     rates-probe) (cd bench && timeout 200 python3 rates_probe.py \
                      --json-out "$OUT/rates-probe.jsonl") 2>&1 | tee "$OUT/rates-probe.txt" ;;
@@ -417,6 +420,10 @@ for stage in "$@"; do
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
                --share-per-format --stream-misses auto --launch-ahead --interleave \
                --prefill-tokens 0 ${AHEAD_ARGS:-} ;;
+    offload-rows)  # the CPU kernel's weight rows at once against the defaults: A/B in one process
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
+               --share-per-format --stream-misses auto --cpu-weight-rows "${CPU_ROWS:-4x1,1x2,1x4}" \
+               --interleave --prefill-tokens 0 ${ROWS_ARGS:-} ;;
     offload-team)  # the CPU's team smaller than the cores left: A/B in one process
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
                --share-per-format --stream-misses auto --cpu-team "${CPU_TEAMS:-13,11}" \

@@ -1,17 +1,18 @@
 """bench/offload.py's command line: its flags, checked, with their comma-separated lists parsed.
 
-`parse_args` returns argparse's namespace with these lists on it: `streams` (`--stream-misses`:
-auto or ints), `loan_batches` (`--loan-upload-batches`; [None]: the engine's), `prefetch_caps`
+`parse_args` returns argparse's namespace with these lists on it: `streams` (`--stream-misses`: auto
+or ints), `loan_batches` (`--loan-upload-batches`; [None]: the engine's), `prefetch_caps`
 (`--prefetch`), `split_counts` (`--split-counts`, in place of its text), `cpu_schedules`,
-`cpu_prefetches` (strings), `cpu_teams` and `formats` (`--experts-dtype`). A bad value is the
-parser's error, naming the flag and what it takes.
+`cpu_prefetches` (strings), `cpu_weight_rows` ((G, D) pairs), `cpu_teams` and `formats`
+(`--experts-dtype`). A bad value is the parser's error, naming the flag and what it takes.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from _common import add_kv_env_arguments, add_model_arguments
+from _common import add_kv_env_arguments, add_model_arguments, rows_at_once
+from strata import _cpu_experts
 from strata.engine.experts.quant import EXPERTS_DTYPES
 
 
@@ -60,6 +61,11 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
                         "with the CPU kernel's weights prefetched that many bytes ahead of "
                         "its reads, named -cpupfN (`CpuExperts.prefetch_bytes`; the default is "
                         "`_cpu_experts.PREFETCH_BYTES`)")
+    parser.add_argument("--cpu-weight-rows", default="",
+                        help="comma-separated GxD (G, D: 1, 2 or 4): also run each decode with "
+                        "the CPU kernel reading G of gate's and up's rows and D of down's at "
+                        "once, named -rowsGxD (`CpuExperts.gate_up_rows`, `down_rows`; the "
+                        "defaults are `_cpu_experts.GATE_UP_ROWS`, `DOWN_ROWS`)")
     parser.add_argument("--cpu-team", default="",
                         help="comma-separated thread counts: also run each decode with the "
                         "CPU's own thread's OpenMP team that many threads strong, named "
@@ -67,7 +73,8 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
                         "short of --cpu-threads, torch's threads by default)")
     parser.add_argument("--interleave", action="store_true",
                         help="run --wake-cpu's, --sync-cpu's, --cpu-schedule's, "
-                        "--cpu-prefetch's, --cpu-team's, --cpu-spin's and --no-cpu-shrink's "
+                        "--cpu-prefetch's, --cpu-weight-rows', --cpu-team's, --cpu-spin's and "
+                        "--no-cpu-shrink's "
                         "variants in the base run's engine, one request of each in turn "
                         "(`run_decode_interleaved`), so that the machine's drift falls on all "
                         "alike")
@@ -128,6 +135,12 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
             or len(set(args.cpu_prefetches)) != len(args.cpu_prefetches):
         parser.error(f"--cpu-prefetch takes distinct comma-separated multiples of 64, got "
                      f"{args.cpu_prefetch!r}")
+    weight_rows = rows_at_once(args.cpu_weight_rows)
+    if weight_rows is None:
+        parser.error(f"--cpu-weight-rows takes distinct comma-separated GxD, G and D each 1, 2 "
+                     f"or 4 (the defaults, {_cpu_experts.GATE_UP_ROWS}x"
+                     f"{_cpu_experts.DOWN_ROWS}, run anyway), got {args.cpu_weight_rows!r}")
+    args.cpu_weight_rows = weight_rows
     args.cpu_teams = _counts(parser, "--cpu-team", args.cpu_team) if args.cpu_team else []
     args.formats = args.experts_dtype.split(",")
     if len(set(args.formats)) != len(args.formats) \

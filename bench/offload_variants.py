@@ -1,11 +1,12 @@
-"""The variants of bench/offload.py's decode runs: each the base run with one setting of the
-cache changed, named by a suffix of the run's name.
+"""The variants of bench/offload.py's decode runs: each the base run with one setting of the cache
+changed, named by a suffix of the run's name.
 
-Variants that only set an attribute of a built cache (the CPU's schedule, prefetch distance,
-team, spinning, the caller's pool, the async CPU, the wake-up, the launch ahead, a fixed split
-count) are *settings*: under `--interleave` they run in the base run's engine, one request of
-each in turn, so that the machine's drift falls on all alike (`cache.run_decode_interleaved`).
-The others (-whole, -sampled, -prefetchN) need an engine of their own.
+Variants that only set an attribute of a built cache (the CPU's schedule, prefetch distance, weight
+rows at once, team, spinning, the caller's pool, the async CPU, the wake-up, the launch ahead, a
+fixed split count) are *settings*: under `--interleave` they run in the base run's engine, one
+request of each in turn, so that the machine's drift falls on all alike
+(`cache.run_decode_interleaved`). The others (-whole, -sampled, -prefetchN) need an engine of their
+own.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def cache_settings(args: argparse.Namespace) -> list[str]:
             *(["-sync"] if args.sync_cpu else []),
             *(f"-{schedule}" for schedule in args.cpu_schedules),
             *(f"-cpupf{n}" for n in args.cpu_prefetches),
+            *(f"-rows{gate_up}x{down}" for gate_up, down in args.cpu_weight_rows),
             *(f"-team{n}" for n in args.cpu_teams),
             *(["-spin"] if args.cpu_spin else []),
             *(["-noshrink"] if args.no_cpu_shrink else []),
@@ -66,6 +68,9 @@ def apply_setting(cache: Any, setting: str, args: argparse.Namespace,
     cache.cpu.caller_helps = not chosen.endswith("-alone")
     cache.cpu.prefetch_bytes = int(setting.removeprefix("-cpupf")) \
         if setting.startswith("-cpupf") else _cpu_experts.PREFETCH_BYTES
+    gate_up, _, down = setting.removeprefix("-rows").partition("x")
+    cache.cpu.gate_up_rows, cache.cpu.down_rows = (int(gate_up), int(down)) \
+        if setting.startswith("-rows") else (_cpu_experts.GATE_UP_ROWS, _cpu_experts.DOWN_ROWS)
     cache.cpu.cpu_threads = int(setting.removeprefix("-team")) + 1 \
         if setting.startswith("-team") else args.cpu_threads
     if cache.streamer is not None:

@@ -49,12 +49,14 @@ def _blobs(n_experts: int, f: int, d: int, seed: int) -> torch.Tensor:
 
 
 def _run(blobs, experts, starts, x, f, threads, fmt=_cpu_experts.FORMAT_BF16,
-         schedule="dynamic", prefetch_bytes=0):
+         schedule="dynamic", prefetch_bytes=0, gate_up_rows=_cpu_experts.GATE_UP_ROWS,
+         down_rows=_cpu_experts.DOWN_ROWS):
     """blobs: bf16 [E, 3*F*D] (FORMAT_BF16) or uint8 [E, int8 blob bytes] (FORMAT_INT8)."""
     out = torch.full((x.shape[0], x.shape[1]), 7.0, dtype=torch.bfloat16)
     _cpu_experts.compute(blobs.contiguous().view(torch.uint8).numpy(), fmt,
                          np.asarray(experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
-                         x.float().numpy(), _u16(out), f, threads, schedule, prefetch_bytes)
+                         x.float().numpy(), _u16(out), f, threads, schedule, prefetch_bytes,
+                         gate_up_rows, down_rows)
     return out
 
 
@@ -183,6 +185,38 @@ def test_rows_taken_four_at_a_time_are_each_row_alone_bit_for_bit(fmt, fd, dd, n
     assert torch.equal(together.view(torch.int16), alone.view(torch.int16))
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(["bf16", "int8", "int4-g32"]), st.integers(1, 70), st.integers(1, 70),
+       st.lists(st.integers(0, 6), min_size=1, max_size=3), st.integers(0, 2**16),
+       st.integers(1, 3), st.sampled_from(sorted(_cpu_experts.SCHEDULES)),
+       st.sampled_from([0, 4096]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]))
+def test_weight_rows_read_at_once_give_the_bytes_of_one_at_a_time(fmt, f, d, counts, seed,
+                                                                 threads, schedule,
+                                                                 prefetch_bytes, gate_up_rows,
+                                                                 down_rows):
+    """Gate's and up's rows read together, of one f or two (`gate_up_rows`), and down's two or
+    four adjacent ones at a time (`down_rows`), give every output the bytes of each row read
+    alone: each row's sums take the same steps in the same order. Blocks of 16 rows and
+    vectors of 32 elements with tails (F and D drawn freely; int4's a multiple of its group),
+    rows an expert up to 6 (a quantized expert's four at a time, then one by one)."""
+    if fmt == "int4-g32":
+        f, d = 32 * (1 + f % 3), 32 * (1 + d % 2)
+    bf16 = _blobs(len(counts), f, d, seed)
+    blobs = bf16 if fmt == "bf16" else torch.stack([
+        make_blob(fmt, t[: f * d].view(f, d), t[f * d : 2 * f * d].view(f, d),
+                  t[2 * f * d :].view(d, f)) for t in bf16.float()])
+    kernel_fmt = {"bf16": _cpu_experts.FORMAT_BF16, "int8": _cpu_experts.FORMAT_INT8,
+                  "int4-g32": _cpu_experts.FORMAT_INT4_G32}[fmt]
+    starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    x = torch.randn(int(starts[-1]), d, generator=torch.Generator().manual_seed(seed + 1))
+    experts = list(range(len(counts)))[::-1]
+    alone = _run(blobs, experts, starts, x.bfloat16(), f, threads, kernel_fmt, schedule,
+                 prefetch_bytes, 1, 1)
+    together = _run(blobs, experts, starts, x.bfloat16(), f, threads, kernel_fmt, schedule,
+                    prefetch_bytes, gate_up_rows, down_rows)
+    assert torch.equal(together.view(torch.int16), alone.view(torch.int16))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from([32, 64]), st.integers(1, 3), st.integers(1, 2), st.integers(0, 2**16),
        st.integers(2, 4), st.sampled_from([0, 64, 4096]))
@@ -296,6 +330,9 @@ def test_an_int8_blob_is_its_parts_and_refuses_bad_shapes():
     (dict(prefetch_bytes=100), r"prefetch_bytes must be a multiple of 64 \(a cache line\) "
                                r">= 0, got 100"),
     (dict(prefetch_bytes=-64), r"prefetch_bytes must be a multiple of 64"),
+    (dict(gate_up_rows=3), r"gate_up_rows and down_rows must be 1, 2 or 4 \(weight rows a pass "
+                           r"reads at once\), got 3 and 1"),
+    (dict(down_rows=0), r"gate_up_rows and down_rows must be 1, 2 or 4 .*, got 1 and 0"),
 ])
 def test_bad_arguments_are_refused_before_anything_is_written(change, message):
     f, d = 8, 16
@@ -309,7 +346,8 @@ def test_bad_arguments_are_refused_before_anything_is_written(change, message):
                              np.asarray(change.get("starts", [0, 1, 3]), dtype=np.int64),
                              x.float().numpy(), _u16(out), change.get("f", f),
                              change.get("threads", 2), change.get("schedule", "dynamic"),
-                             change.get("prefetch_bytes", 0))
+                             change.get("prefetch_bytes", 0), change.get("gate_up_rows", 1),
+                             change.get("down_rows", 1))
     assert torch.equal(out, before)
 
 
@@ -377,11 +415,12 @@ def test_nan_and_infinity_propagate_as_in_torch():
 
 @settings(max_examples=60, deadline=None)
 @given(calls(), st.integers(1, 4), st.sampled_from(sorted(_cpu_experts.SCHEDULES)),
-       st.sampled_from([0, 512]))
+       st.sampled_from([0, 512]), st.sampled_from([(1, 1), (2, 4), (4, 2)]))
 def test_a_call_on_the_worker_thread_gives_compute_s_bytes(call, threads, schedule,
-                                                           prefetch_bytes):
+                                                           prefetch_bytes, rows_at_once):
     """CpuWorker.start returns at once and the call runs on the worker's thread; after wait,
-    out holds compute's bytes. One worker serves call after call."""
+    out holds compute's bytes (whatever its weight rows at once). One worker serves call after
+    call."""
     blobs, experts, starts, x, f = call
     expected = _run(blobs, experts, starts, x, f, threads, schedule=schedule)
     worker = _cpu_experts.CpuWorker()
@@ -389,7 +428,8 @@ def test_a_call_on_the_worker_thread_gives_compute_s_bytes(call, threads, schedu
         out = torch.full(expected.shape, 7.0, dtype=torch.bfloat16)
         worker.start(blobs.contiguous().view(torch.uint8).numpy(), _cpu_experts.FORMAT_BF16,
                      np.asarray(experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
-                     x.float().numpy(), _u16(out), f, threads, schedule, prefetch_bytes)
+                     x.float().numpy(), _u16(out), f, threads, schedule, prefetch_bytes,
+                     *rows_at_once)
         worker.wait()
         assert not worker.pending
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16))

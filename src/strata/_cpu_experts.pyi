@@ -15,6 +15,8 @@ FORMAT_INT4_G32: int
 FORMAT_INT4_G64: int
 SCHEDULES: dict[str, int]
 PREFETCH_BYTES: int  # compute's default prefetch_bytes: 4096
+GATE_UP_ROWS: int  # compute's default gate_up_rows: 1
+DOWN_ROWS: int  # compute's default down_rows: 1
 WORKER_NAME: str  # the name of CpuWorker's thread and its OpenMP team's, on Linux: "strata-cpu"
 REVISION: int  # the kernel's revision, part of the kept rates' key: 2
 
@@ -33,6 +35,8 @@ def compute(
     n_threads: int,
     schedule: str = "dynamic",
     prefetch_bytes: int = 4096,
+    gate_up_rows: int = 1,
+    down_rows: int = 1,
 ) -> None:
     """Compute `experts` of one layer over their rows, into `out`.
 
@@ -60,12 +64,19 @@ def compute(
             prefetchers stop), a multiple of 64; `PREFETCH_BYTES` by default, 0: not at all.
             The same bytes whatever. A quantized row read for four rows of x at once (a
             prompt's) does not prefetch.
+        gate_up_rows: how many of pass 1's weight rows are read at once for one row of x: 1
+            (gate's, then up's; `GATE_UP_ROWS`, the default), 2 (gate's and up's of one f
+            together) or 4 (those of two f, half a block apart): more independent sums and
+            streams of memory in flight a thread.
+        down_rows: how many adjacent rows of down pass 2 reads at once for one row of x: 1
+            (`DOWN_ROWS`, the default), 2 or 4. int4 rows are read one at a time whatever. The
+            same bytes whatever both.
 
     Raises:
         ValueError: an unknown format, shapes that disagree, an expert out of range, bad
-            row_starts, n_threads < 1, an unknown schedule or a prefetch_bytes that is not a
-            multiple of 64 >= 0, or a "steal" call of 2**31 tasks a pass or more, before
-            anything is written.
+            row_starts, n_threads < 1, an unknown schedule, rows at once not 1, 2 or 4, a
+            prefetch_bytes that is not a multiple of 64 >= 0, or a "steal" call of 2**31
+            tasks a pass or more, before anything is written.
     """
 
 def wake(n_threads: int) -> None:
@@ -113,6 +124,8 @@ class CpuWorker:
         n_threads: int,
         schedule: str = "dynamic",
         prefetch_bytes: int = 4096,
+        gate_up_rows: int = 1,
+        down_rows: int = 1,
     ) -> None:
         """Start `compute` with these arguments on the worker's thread and return at once.
         ValueError as `compute` raises it; RuntimeError while a call is in flight."""

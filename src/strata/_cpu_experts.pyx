@@ -20,7 +20,10 @@ streams at the memory's rate:
 
 A quantized expert's rows are taken four at a time (on AVX-512: each weight vector loaded and
 widened once for the four rows; a prompt's expert of many rows), the four products bit for bit
-the single ones.
+the single ones. The other way round, a single row of x (a decode call's token) reads 2 or 4
+weight rows at once (`gate_up_rows`: gate's and up's rows together, of one f or two; `down_rows`:
+adjacent rows of down), more independent sums and streams of memory in flight a thread, each
+row's sums in the steps of its own dot product: the same bytes.
 
 Each output value is computed by one thread in one fixed order, so the result does not depend
 on the thread count or the schedule; the roundings to bf16 are torch's (the matmul's output,
@@ -38,6 +41,10 @@ import numpy as np
 cdef extern from "_cpu_experts_dot.h" nogil:
     float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n, int64_t prefetch)
     float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n, int64_t prefetch)
+    void strata_dots_bf16_f32(const uint16_t *const *w, int n_rows, const float *x, int64_t n,
+                              float *out, int64_t prefetch)
+    void strata_dots_i8_f32(const int8_t *const *w, int n_rows, const float *x, int64_t n,
+                            float *out, int64_t prefetch)
     void strata_dot4_i8_f32(const int8_t *w, const float *const *x, int64_t n, float *out)
     void strata_dot4_i4_f32(const uint8_t *w, const float *scales, const float *const *x,
                             int64_t n, int group, float *out)
@@ -61,6 +68,17 @@ cdef extern from "_cpu_experts_passes.h" nogil:
 # as fast as none (1-8 experts a call, with and without a gap before it), 256 and 1024 less so
 # (bench/results/offload-async-h200-2026-12-03.md, `bench/cpu_experts.py --prefetch-bytes`).
 PREFETCH_BYTES = 4096
+
+# Weight rows read at once for one row of x, by default: pass 1's (`compute`'s `gate_up_rows`:
+# 1, gate's then up's row of each f; 2, the two together; 4, those of two f) and pass 2's
+# (`down_rows`: 1, 2 or 4 adjacent rows of down). The same bytes whichever. On an H100
+# machine's Xeon gate and up together read 1.1-1.4x as fast alone, but only where the weights
+# sat in its last-level cache: in the decode round, from memory, pass 1 read 0.98-1.02x the
+# rate of one at a time, and down two or four at once (then half a task apart; adjacent since,
+# untimed) was slower under the default schedule
+# (bench/results/cpu-weight-rows-h100-2026-12-05.md). So one at a time stays.
+GATE_UP_ROWS = 1
+DOWN_ROWS = 1
 
 # The kernel's revision, part of the key of the rates `--stream-misses auto` keeps
 # (`strata.engine.experts.cpu.kernel_id`): raised by a change that moves the kernel's times, so
@@ -156,110 +174,13 @@ cdef struct Call:
     int n_threads
     int schedule
     int64_t prefetch  # bytes of weights ahead of a one-row dot's reads to prefetch, 0: none
+    int gate_up_rows  # pass 1's weight rows read at once for a row of x: 1, 2, 4 (`GATE_UP_ROWS`)
+    int down_rows  # pass 2's: 1, 2 or 4 adjacent rows of down (`DOWN_ROWS`)
     void *shares  # steal: the call's shares and count, 64-byte aligned (`_steal_state`); else NULL
     strata_call_times *times  # where its threads note its run (`CpuWorker`'s); else NULL
 
 
-cdef inline void _dot4(const uint8_t *blob, int fmt, int64_t start, int64_t row,
-                       int64_t scales_at, int64_t n, const float *x, int64_t x_stride,
-                       float *out) noexcept nogil:
-    """out[j] = `_dot` of a quantized row with the row x + j * x_stride, j = 0..3, the row
-    read once (the same bytes as four `_dot`s)."""
-    cdef float scale
-    cdef const float *rows[4]
-    cdef int j
-    for j in range(4):
-        rows[j] = x + j * x_stride
-    if fmt == _INT8:
-        memcpy(&scale, blob + scales_at + 4 * row, 4)  # a blob's scales need not be aligned
-        strata_dot4_i8_f32(<const int8_t *>blob + start, rows, n, out)
-        for j in range(4):
-            out[j] = out[j] * scale
-    else:
-        strata_dot4_i4_f32(blob + start // 2, <const float *>(blob + scales_at)
-                           + start // _group(fmt), rows, n, _group(fmt), out)
-
-
-cdef inline void _activations4(const Call *c, const uint8_t *blob, int64_t f,
-                                int64_t scales_at, int64_t r) noexcept nogil:
-    """act[r..r+3, f] of a quantized expert, its gate and up rows f read once for the four (the
-    sums on this call's stack: a thread's own)."""
-    cdef int64_t d_hidden = c.d_hidden
-    cdef const float *x = c.x + r * c.x_stride
-    cdef float gs[4]
-    cdef float us[4]
-    cdef float g, u
-    cdef int j
-    _dot4(blob, c.fmt, f * d_hidden, f, scales_at, d_hidden, x, c.x_stride, gs)
-    _dot4(blob, c.fmt, (c.f_width + f) * d_hidden, c.f_width + f, scales_at, d_hidden, x,
-          c.x_stride, us)
-    for j in range(4):
-        g = _round(gs[j])
-        u = _round(us[j])
-        c.act[(r + j) * c.f_width + f] = _round(_round(g / (1.0 + expf(-g))) * u)
-
-
-cdef inline void _outputs4(const Call *c, const uint8_t *blob, int64_t d, int64_t down_at,
-                           int64_t scales_at, int64_t r) noexcept nogil:
-    """out[r..r+3, d] of a quantized expert, its down row d read once for the four."""
-    cdef int64_t f_width = c.f_width
-    cdef float ys[4]
-    cdef int j
-    _dot4(blob, c.fmt, down_at + d * f_width, 2 * f_width + d, scales_at, f_width,
-          c.act + r * f_width, f_width, ys)
-    for j in range(4):
-        c.out[(r + j) * c.d_hidden + d] = strata_f32_to_bf16(ys[j])
-
-
-cdef inline void _activation_task(const Call *c, int64_t n_blocks, int64_t scales_at,
-                                  int64_t task) noexcept nogil:
-    """Pass 1's task `task`: act[r, f] for one block of BLOCK_ROWS f of one expert, every row."""
-    cdef int64_t i = task // n_blocks
-    cdef const uint8_t *blob = c.blobs + c.experts[i] * c.blob_bytes
-    cdef int64_t d_hidden = c.d_hidden, f_width = c.f_width
-    cdef int64_t f = (task % n_blocks) * BLOCK_ROWS
-    cdef int64_t f_end = min(f + BLOCK_ROWS, f_width)
-    cdef int64_t r, r_end
-    cdef float g, u
-    while f < f_end:
-        r = c.row_starts[i]
-        r_end = c.row_starts[i + 1]
-        while c.fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
-            _activations4(c, blob, f, scales_at, r)
-            r = r + 4
-        while r < r_end:
-            g = _round(_dot(blob, c.fmt, f * d_hidden, f, scales_at, d_hidden,
-                            c.x + r * c.x_stride, c.prefetch))
-            u = _round(_dot(blob, c.fmt, (f_width + f) * d_hidden, f_width + f, scales_at,
-                            d_hidden, c.x + r * c.x_stride, c.prefetch))
-            c.act[r * f_width + f] = _round(_round(g / (1.0 + expf(-g))) * u)
-            r = r + 1
-        f = f + 1
-
-
-cdef inline void _output_task(const Call *c, int64_t n_blocks, int64_t scales_at,
-                              int64_t task) noexcept nogil:
-    """Pass 2's task `task`: out[r, d] for one block of BLOCK_ROWS d of one expert, every row."""
-    cdef int64_t d_hidden = c.d_hidden, f_width = c.f_width
-    cdef int64_t down_at = 2 * f_width * d_hidden  # elements before down's first row
-    cdef int64_t i = task // n_blocks
-    cdef const uint8_t *blob = c.blobs + c.experts[i] * c.blob_bytes
-    cdef int64_t d = (task % n_blocks) * BLOCK_ROWS
-    cdef int64_t d_end = min(d + BLOCK_ROWS, d_hidden)
-    cdef int64_t r, r_end
-    while d < d_end:
-        r = c.row_starts[i]
-        r_end = c.row_starts[i + 1]
-        while c.fmt != _BF16 and r + 4 <= r_end:  # four rows a weight row read
-            _outputs4(c, blob, d, down_at, scales_at, r)
-            r = r + 4
-        while r < r_end:
-            c.out[r * d_hidden + d] = strata_f32_to_bf16(_dot(
-                blob, c.fmt, down_at + d * f_width, 2 * f_width + d, scales_at, f_width,
-                c.act + r * f_width, c.prefetch))
-            r = r + 1
-        d = d + 1
-
+include "_cpu_experts_tasks.pxi"
 
 include "_cpu_experts_passes.pxi"
 
@@ -308,7 +229,8 @@ include "_cpu_experts_call.pxi"
 def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
             int64_t expert_width, int n_threads, str schedule="dynamic",
-            int64_t prefetch_bytes=PREFETCH_BYTES):
+            int64_t prefetch_bytes=PREFETCH_BYTES, int gate_up_rows=GATE_UP_ROWS,
+            int down_rows=DOWN_ROWS):
     """Compute `experts` of one layer over their rows, into `out`.
 
     blobs uint8 [E, blob_bytes(fmt, F, D)]: the layer's blobs (the store's bytes, not a copy);
@@ -323,13 +245,15 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     "steal" (fixed shares, a thread done with its own taking the back half of another's;
     fewer than 2**31 tasks a pass); the same bytes whichever; prefetch_bytes: how far ahead of its
     reads a row's dot asks for the weights' next cache lines (a multiple of 64;
-    `PREFETCH_BYTES` by default, 0: not at all); the same bytes whatever.
+    `PREFETCH_BYTES` by default, 0: not at all); gate_up_rows, down_rows: how many weight rows
+    pass 1 and pass 2 read at once for one row of x, 1, 2 or 4 (`GATE_UP_ROWS`, `DOWN_ROWS` by
+    default; int4 rows one at a time whatever); the same bytes whatever.
 
     Raises ValueError for shapes that disagree, an expert out of range or a "steal" call of
     2**31 tasks a pass or more, before any work.
     """
     _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule,
-           prefetch_bytes)
+           prefetch_bytes, gate_up_rows, down_rows)
     cdef int64_t n_rows = out.shape[0]
     if n_rows == 0:
         return
@@ -337,7 +261,8 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     cdef float[:, ::1] act_view = act
     shares = _shares(n_threads, SCHEDULES[schedule])
     cdef Call call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
-                           n_threads, SCHEDULES[schedule], prefetch_bytes, shares)
+                           n_threads, SCHEDULES[schedule], prefetch_bytes, gate_up_rows,
+                           down_rows, shares)
     with nogil:
         _run(&call)
 

@@ -3,7 +3,8 @@
 
 cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
-            int64_t expert_width, int n_threads, str schedule, int64_t prefetch_bytes):
+            int64_t expert_width, int n_threads, str schedule, int64_t prefetch_bytes,
+            int gate_up_rows, int down_rows):
     """`compute`'s checks of a call (ValueError naming what is wrong), before any work."""
     cdef int64_t d_hidden = x.shape[1]
     cdef int64_t n_rows = out.shape[0]
@@ -38,6 +39,9 @@ cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     if prefetch_bytes < 0 or prefetch_bytes % 64:
         raise ValueError(f"prefetch_bytes must be a multiple of 64 (a cache line) >= 0, got "
                          f"{prefetch_bytes}")
+    if gate_up_rows not in (1, 2, 4) or down_rows not in (1, 2, 4):
+        raise ValueError(f"gate_up_rows and down_rows must be 1, 2 or 4 (weight rows a pass "
+                         f"reads at once), got {gate_up_rows} and {down_rows}")
 
 
 cdef object _shares(int n_threads, int schedule):
@@ -67,7 +71,7 @@ cdef void *_steal_state(object shares, int n_threads, int64_t n1, int64_t n2) ex
 cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
                 const int64_t[::1] row_starts, const float[:, ::1] x, float[:, ::1] act,
                 uint16_t[:, ::1] out, int64_t expert_width, int n_threads, int schedule,
-                int64_t prefetch_bytes, object shares):
+                int64_t prefetch_bytes, int gate_up_rows, int down_rows, object shares):
     """The Call over checked arrays of at least one row, and `shares` from `_shares` (the
     pointers are theirs: the caller keeps the arrays alive until the call has run)."""
     cdef Call call
@@ -86,6 +90,8 @@ cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts
     call.n_threads = n_threads
     call.schedule = schedule
     call.prefetch = prefetch_bytes
+    call.gate_up_rows = gate_up_rows
+    call.down_rows = down_rows
     call.shares = _steal_state(shares, n_threads, _tasks1(&call), _tasks2(&call))
     call.times = NULL  # untimed; a CpuWorker points it at its own
     return call

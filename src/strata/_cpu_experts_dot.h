@@ -86,6 +86,42 @@ static float strata_dot_bf16_f32(const uint16_t *w, const float *x, int64_t n,
     return sum;
 }
 
+/* out[j] = strata_dot_bf16_f32(w[j], x, n) for j < ROWS: ROWS weight rows dotted with one x at
+ * once, each row's sums in the same steps and order as the single row's (the same bits), the
+ * x vectors loaded once for all of them. ROWS independent chains of multiply-adds where one row
+ * has two, and ROWS streams of weights where one row has one: a row short enough (down's F
+ * elements) spends much of its time in its chain's latency and its sum's tail. */
+#define STRATA_DOTS_BF16(ROWS)                                                                  \
+    STRATA_CLONES                                                                               \
+    static void strata_dots##ROWS##_bf16_f32(const uint16_t *const *w, const float *x,          \
+                                             int64_t n, float *out, int64_t prefetch) {         \
+        strata_v16f acc0[ROWS], acc1[ROWS];                                                     \
+        for (int j = 0; j < ROWS; j++) acc0[j] = acc1[j] = (strata_v16f){0};                   \
+        int64_t k = 0;                                                                          \
+        for (; k + 32 <= n; k += 32) {                                                          \
+            strata_v16f x0, x1;                                                                 \
+            memcpy(&x0, x + k, sizeof x0);                                                      \
+            memcpy(&x1, x + k + 16, sizeof x1);                                                 \
+            for (int j = 0; j < ROWS; j++) {                                                    \
+                STRATA_PREFETCH(w[j], 2 * k, prefetch);                                         \
+                strata_v16h h0, h1;                                                             \
+                memcpy(&h0, w[j] + k, sizeof h0);                                               \
+                memcpy(&h1, w[j] + k + 16, sizeof h1);                                          \
+                acc0[j] += (strata_v16f)(__builtin_convertvector(h0, strata_v16u) << 16) * x0;  \
+                acc1[j] += (strata_v16f)(__builtin_convertvector(h1, strata_v16u) << 16) * x1;  \
+            }                                                                                   \
+        }                                                                                       \
+        for (int j = 0; j < ROWS; j++) {                                                        \
+            strata_v16f acc = acc0[j] + acc1[j];                                                \
+            float sum = 0.0f;                                                                   \
+            for (int lane = 0; lane < 16; lane++) sum += acc[lane];                             \
+            for (int64_t t = k; t < n; t++) sum += strata_bf16_to_f32(w[j][t]) * x[t];          \
+            out[j] = sum;                                                                       \
+        }                                                                                       \
+    }
+STRATA_DOTS_BF16(2)
+STRATA_DOTS_BF16(4)
+
 /* sum_k w[k] * x[k] over n elements: w int8 (a quantized row, its scale applied by the
  * caller), x fp32. Written as lanes of a plain array, the form GCC turns into the vector
  * sign-extension and conversion instructions (its generic vectors widen int8 lane by lane);
@@ -109,6 +145,17 @@ static float strata_dot_i8_f32_lanes(const int8_t *w, const float *x, int64_t n,
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+/* The lanes of a + b added up in one fixed order, lane 0 first: every AVX-512 int8 dot
+ * product's sum, the same order whatever its rows. */
+__attribute__((target("avx512f")))
+static inline float strata_lanes_sum_avx512(__m512 a, __m512 b) {
+    float lanes[16];
+    _mm512_storeu_ps(lanes, _mm512_add_ps(a, b));
+    float sum = 0.0f;
+    for (int lane = 0; lane < 16; lane++) sum += lanes[lane];
+    return sum;
+}
+
 /* 16 int8 weights widened to 16 fp32 lanes in one instruction each, 32 a step; the same fixed
  * order of partial sums as the other dot products. One weight row with ROWS inputs x[0..ROWS-1]
  * at once (out[j] for x[j]): each weight vector is loaded and widened once for all of them, and
@@ -133,16 +180,45 @@ static float strata_dot_i8_f32_lanes(const int8_t *w, const float *x, int64_t n,
             }                                                                                   \
         }                                                                                       \
         for (int j = 0; j < ROWS; j++) {                                                        \
-            float lanes[16];                                                                    \
-            _mm512_storeu_ps(lanes, _mm512_add_ps(acc0[j], acc1[j]));                           \
-            float sum = 0.0f;                                                                   \
-            for (int lane = 0; lane < 16; lane++) sum += lanes[lane];                           \
+            float sum = strata_lanes_sum_avx512(acc0[j], acc1[j]);                              \
             for (int64_t t = k; t < n; t++) sum += (float)w[t] * x[j][t];                       \
             out[j] = sum;                                                                       \
         }                                                                                       \
     }
 STRATA_DOT_I8_AVX512(1)
 STRATA_DOT_I8_AVX512(4)
+
+/* The other way round: ROWS weight rows w[0..ROWS-1] with one input x (out[j] for w[j]), each
+ * row's sums in the same steps and order as `strata_dot1_i8_f32_avx512`'s (the same bits), x
+ * loaded once for all of them; ROWS chains and streams where one row has one (see
+ * STRATA_DOTS_BF16). */
+#define STRATA_DOTS_I8_AVX512(ROWS)                                                             \
+    __attribute__((target("avx512f")))                                                          \
+    static void strata_dots##ROWS##_i8_f32_avx512(const int8_t *const *w, const float *x,      \
+                                                  int64_t n, float *out, int64_t prefetch) {    \
+        __m512 acc0[ROWS], acc1[ROWS];                                                          \
+        for (int j = 0; j < ROWS; j++) acc0[j] = acc1[j] = _mm512_setzero_ps();                 \
+        int64_t k = 0;                                                                          \
+        for (; k + 32 <= n; k += 32) {                                                          \
+            __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);               \
+            for (int j = 0; j < ROWS; j++) {                                                    \
+                STRATA_PREFETCH(w[j], k, prefetch);                                             \
+                __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                            \
+                    _mm_loadu_si128((const __m128i *)(w[j] + k))));                             \
+                __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                            \
+                    _mm_loadu_si128((const __m128i *)(w[j] + k + 16))));                        \
+                acc0[j] = _mm512_fmadd_ps(w0, x0, acc0[j]);                                     \
+                acc1[j] = _mm512_fmadd_ps(w1, x1, acc1[j]);                                     \
+            }                                                                                   \
+        }                                                                                       \
+        for (int j = 0; j < ROWS; j++) {                                                        \
+            float sum = strata_lanes_sum_avx512(acc0[j], acc1[j]);                              \
+            for (int64_t t = k; t < n; t++) sum += (float)w[j][t] * x[t];                       \
+            out[j] = sum;                                                                       \
+        }                                                                                       \
+    }
+STRATA_DOTS_I8_AVX512(2)
+STRATA_DOTS_I8_AVX512(4)
 #endif
 
 static inline float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n,
@@ -155,6 +231,34 @@ static inline float strata_dot_i8_f32(const int8_t *w, const float *x, int64_t n
     }
 #endif
     return strata_dot_i8_f32_lanes(w, x, n, prefetch);
+}
+
+/* out[j] = strata_dot_i8_f32(w[j], x, n) for j < n_rows (2 or 4; else one at a time): the rows
+ * at once where AVX-512 is there. */
+static inline void strata_dots_i8_f32(const int8_t *const *w, int n_rows, const float *x,
+                                      int64_t n, float *out, int64_t prefetch) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx512f") && (n_rows == 2 || n_rows == 4)) {
+        if (n_rows == 2)
+            strata_dots2_i8_f32_avx512(w, x, n, out, prefetch);
+        else
+            strata_dots4_i8_f32_avx512(w, x, n, out, prefetch);
+        return;
+    }
+#endif
+    for (int j = 0; j < n_rows; j++) out[j] = strata_dot_i8_f32(w[j], x, n, prefetch);
+}
+
+/* out[j] = strata_dot_bf16_f32(w[j], x, n) for j < n_rows (2 or 4 at once; else one at a
+ * time). */
+static inline void strata_dots_bf16_f32(const uint16_t *const *w, int n_rows, const float *x,
+                                        int64_t n, float *out, int64_t prefetch) {
+    if (n_rows == 2)
+        strata_dots2_bf16_f32(w, x, n, out, prefetch);
+    else if (n_rows == 4)
+        strata_dots4_bf16_f32(w, x, n, out, prefetch);
+    else
+        for (int j = 0; j < n_rows; j++) out[j] = strata_dot_bf16_f32(w[j], x, n, prefetch);
 }
 
 /* out[j] = strata_dot_i8_f32(w, x[j], n) for j = 0..3, the weights read once where AVX-512 is

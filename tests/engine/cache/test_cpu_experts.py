@@ -207,10 +207,35 @@ def test_prefetching_the_weights_changes_no_byte_and_a_bad_distance_is_refused_w
     assert cpu.prefetch_bytes == 1024  # unchanged by the refused values
 
 
+def test_reading_weight_rows_at_once_changes_no_byte_and_a_bad_count_is_refused_when_set():
+    """`CpuExperts.gate_up_rows` and `down_rows` reach the kernel of a call and of a started
+    one."""
+    store = _store(torch.bfloat16)
+    cpu = CpuExperts(store, 3)
+    routed = Routed.of(np.array([[1, 3], [3, 6]]))
+    x = torch.randn(4, store.hidden_size, generator=torch.Generator().manual_seed(7)).bfloat16()
+    assert (cpu.gate_up_rows, cpu.down_rows) == (_cpu_experts.GATE_UP_ROWS,
+                                                 _cpu_experts.DOWN_ROWS) == (1, 1)  # defaults
+    one = Routed.of(np.array([[1, 3]]))  # a decode call: one token's row
+    alone, alone_one = cpu.compute(0, x, routed), cpu.compute(0, x[:1], one)
+    out = torch.empty_like(alone_one)
+    for gate_up, down in [(2, 1), (4, 2), (1, 4)]:
+        cpu.gate_up_rows, cpu.down_rows = gate_up, down
+        assert torch.equal(cpu.compute(0, x, routed).view(torch.int16), alone.view(torch.int16))
+        assert cpu.start(0, x[:1], one, out)
+        cpu.finish()
+        assert torch.equal(out.view(torch.int16), alone_one.view(torch.int16))
+    for name in ("gate_up_rows", "down_rows"):
+        for bad in (0, 3, 8, True, 2.0):
+            with pytest.raises(ValueError, match=rf"{name} must be 1, 2 or 4, got"):
+                setattr(cpu, name, bad)
+    assert (cpu.gate_up_rows, cpu.down_rows) == (1, 4)  # unchanged by the refused values
+
+
 def test_the_cpu_experts_bench_runs_and_reports(capsys):
     bench = load_bench("cpu_experts.py")
     assert bench.main(["--preset", "tiny", "--repeat", "1", "--tokens", "1,4", "--read-mib", "8",
-                       "--json"]) == 0
+                       "--weight-rows", "4x1,1x2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [(run["dtype"], run["tokens"]) for run in result["runs"]] == [
         ("bf16", 1), ("bf16", 4), ("fp32", 1), ("fp32", 4)]
@@ -220,7 +245,9 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
         quantized = {"kernel-int8", "kernel-int4", "kernel-int8-steal", "kernel-int4-steal",
                      "compute-int8", "compute-int4"} if run["dtype"] == "bf16" else set()
         # The worker path's columns: decode calls (T = 1) through strata's kernel (bf16).
-        started = {f"start-{schedule}{suffix}" for schedule in ("dynamic", "steal", "steal-alone")
+        started = {f"start-{schedule}{suffix}" for schedule in ("dynamic", "steal", "steal-alone",
+                                                               "dynamic-rows4x1", "steal-rows4x1",
+                                                               "dynamic-rows1x2", "steal-rows1x2")
                    for suffix in ("", "-int8", "-int4")} \
             if run["dtype"] == "bf16" and run["tokens"] == 1 else set()
         assert set(run["us_per_expert"]) == set(run["gbps"]) == {

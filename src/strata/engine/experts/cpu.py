@@ -39,6 +39,7 @@ from strata import _cpu_experts, settings
 from strata.engine.experts import ExpertStore
 from strata.engine.experts.activation import silu_and_mul
 from strata.engine.experts.blobs import BlobStack
+from strata.engine.experts.cpu_settings import KernelSettings
 from strata.engine.experts.routed import Routed
 
 __all__ = ["KERNEL_FORMATS", "KERNEL_MAX_ROWS", "CpuCallTimes", "CpuExperts", "kernel_for",
@@ -105,7 +106,7 @@ def _u16(tensor: torch.Tensor) -> np.ndarray:
     return tensor.view(torch.uint16).numpy()
 
 
-class CpuExperts:
+class CpuExperts(KernelSettings):
     """Computes routed rows of experts from `store` on the CPU, on the calling thread.
 
     `cpu_threads`: the threads of these calls (torch's intra-op threads are set around each
@@ -142,8 +143,7 @@ class CpuExperts:
         self._stacks = [BlobStack(store.layer_blobs(layer), store.dtype, store.quant,
                                   store.expert_width, store.hidden_size)
                         for layer in range(store.n_layers)]
-        self.schedule = "dynamic"
-        self.prefetch_bytes = _cpu_experts.PREFETCH_BYTES
+        KernelSettings.__init__(self)
         # `start`'s team spinning between calls (`CpuWorker.keep_team_up`): off, its rounds
         # 0.95-1.12x on the H200 (bench/offload.py --cpu-spin; bench/results/
         # offload-shrink-h200-2026-12-03.md), its threads holding their cores between calls;
@@ -169,45 +169,6 @@ class CpuExperts:
         self._x_float = torch.empty((1, store.hidden_size), dtype=torch.float32)
         self._x_float_view = self._x_float.numpy()
         self._out_views: dict[tuple[int, int], np.ndarray] = {}
-
-    @property
-    def schedule(self) -> str:
-        """How strata's kernel hands its tasks to its threads (`_cpu_experts.compute`'s
-        `schedule`): "dynamic", one at a time to whichever asks, the default, 1.09-1.10x the
-        rounds that the CPU holds on the H200 against "static", equal fixed shares, the
-        schedule before (bench/results/offload-balance-staged-h200-2026-12-03.md); "guided"
-        and "steal" (fixed shares, a thread done with its own taking the back half of
-        another's, and the thread waiting in `finish` taking part: 0.59-0.66x dynamic's time
-        alone on the 2-core development machine, bench/results/cpu-passes-cpu-2026-12-04.md
-        and cpu-steal-cpu-2026-12-04.md) are there to be measured in rounds. The benchmarks set
-        it for their A/B (bench/cpu_experts.py's `compute-static`, `compute-guided` and
-        `compute-steal`, bench/offload.py --cpu-schedule); the same bytes whichever.
-        ValueError when set to another name."""
-        return self._schedule
-
-    @schedule.setter
-    def schedule(self, name: str) -> None:
-        if name not in _cpu_experts.SCHEDULES:
-            raise ValueError(f"schedule must be one of {sorted(_cpu_experts.SCHEDULES)}, got "
-                             f"{name!r}")
-        self._schedule = name
-
-    @property
-    def prefetch_bytes(self) -> int:
-        """How far ahead of its reads strata's kernel asks for a weight row's next cache
-        lines (`_cpu_experts.compute`'s `prefetch_bytes`): `_cpu_experts.PREFETCH_BYTES` by
-        default, 4096, which made an expert 1.5-2.0x as fast as 0, the hardware's prefetchers
-        alone (they stop at each 4 KiB page). The benchmarks set it for their A/B
-        (bench/cpu_experts.py `--prefetch-bytes`, bench/offload.py `--cpu-prefetch`); the same
-        bytes whatever. ValueError when set to anything but a multiple of 64 >= 0."""
-        return self._prefetch_bytes
-
-    @prefetch_bytes.setter
-    def prefetch_bytes(self, n_bytes: int) -> None:
-        if not isinstance(n_bytes, int) or n_bytes < 0 or n_bytes % 64:
-            raise ValueError(f"prefetch_bytes must be a multiple of 64 (a cache line) >= 0, "
-                             f"got {n_bytes!r}")
-        self._prefetch_bytes = n_bytes
 
     def wake(self) -> None:
         """Start the threads strata's kernel computes on (`_cpu_experts.wake`), so that a call
@@ -263,7 +224,7 @@ class CpuExperts:
             self._blobs[layer], self._format, np.ascontiguousarray(routed.experts, np.int64),
             np.ascontiguousarray(starts, np.int64), x_float,
             self._out_view(out if lo == 0 and hi == out.shape[0] else out[lo:hi]),
-            self.store.expert_width, max(1, n_threads - 1), self.schedule, self.prefetch_bytes)
+            self.store.expert_width, max(1, n_threads - 1), *self.kernel_settings())
         return True
 
     def _out_view(self, out: torch.Tensor) -> np.ndarray:
@@ -347,7 +308,7 @@ class CpuExperts:
             np.ascontiguousarray(experts, dtype=np.int64),
             np.ascontiguousarray(starts - lo, dtype=np.int64),
             x_rows[lo:hi].float().numpy(), _u16(out[lo:hi]), self.store.expert_width,
-            self.cpu_threads or torch.get_num_threads(), self.schedule, self.prefetch_bytes)
+            self.cpu_threads or torch.get_num_threads(), *self.kernel_settings())
 
     def _kernel_some(self, layer: int, x_rows: torch.Tensor, out: torch.Tensor,
                      routed: Routed, chosen: np.ndarray) -> None:
