@@ -143,7 +143,7 @@ class CpuExperts(KernelSettings):
         self._stacks = [BlobStack(store.layer_blobs(layer), store.dtype, store.quant,
                                   store.expert_width, store.hidden_size)
                         for layer in range(store.n_layers)]
-        KernelSettings.__init__(self)
+        super().__init__()  # the kernel's settings, at their defaults
         # `start`'s team spinning between calls (`CpuWorker.keep_team_up`): off, its rounds
         # 0.95-1.12x on the H200 (bench/offload.py --cpu-spin; bench/results/
         # offload-shrink-h200-2026-12-03.md), its threads holding their cores between calls;
