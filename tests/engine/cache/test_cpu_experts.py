@@ -309,3 +309,28 @@ def test_waking_the_kernels_threads_changes_no_byte():
     with pytest.raises(ValueError, match="n_threads must be >= 1, got 0"):
         _cpu_experts.wake(0)
     CpuExperts(_store(torch.float32), 2).wake()  # torch's path: nothing to start
+
+
+def test_the_dot_stream_bench_builds_runs_and_each_row_keeps_its_bits(capsys):
+    """bench/dot_stream.py compiles bench/dot_stream.c against the kernel's own dot products
+    and runs its grid; every run of a format, row and thread count gives the same checksum (the
+    XOR of each row's dot product's bits) at any rows at once, layout and prefetch distance."""
+    bench = load_bench("dot_stream.py")
+    assert bench.main(["--formats", "int8,bf16", "--row-bytes", "768,192", "--prefetch",
+                       "0,4096", "--threads", "1,2", "--weight-mib", "2", "--repeat", "1",
+                       "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    # Per format, row, prefetch and threads: one at a time, then 2 and 4 adjacent and apart.
+    assert len(runs) == 2 * 2 * 2 * 2 * 5
+    checksums = {}
+    for run in runs:
+        assert run["gb_s"] > 0 and 1 << 20 < run["weight_bytes"] <= 2 << 20  # whole blocks
+        key = run["format"], run["row_bytes"], run["threads"]  # the weights each thread writes
+        checksums.setdefault(key, set()).add(run["checksum"])
+    assert all(len(sums) == 1 for sums in checksums.values()), checksums
+    assert bench.main(["--weight-mib", "1", "--repeat", "1", "--threads", "1", "--row-bytes",
+                       "256", "--prefetch", "0"]) == 0
+    assert "| int8 | 256 | 0 | 1 | 4 | apart |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--row-bytes", "100"])  # not a multiple of 64
+    assert "--row-bytes and --prefetch multiples of 64" in capsys.readouterr().err
