@@ -151,9 +151,10 @@
 # experts, pinned, each also on the worker thread under dynamic and steal: start-*, with where
 # their time went: the runs' and passes' GB/s, team up, hand-over, notice; CPU_INT8_ARGS adds
 # flags, e.g. "--weight-rows 4x1,1x2", CPU_INT8_TIMEOUT its seconds, default 150), dot-stream
-# (1.5: bench/dot_stream.py, the kernel's int8 dot products over 2 GiB of rows from memory on
+# (3: bench/dot_stream.py, the kernel's int8 dot products over 2 GiB of rows from memory on
 # DOT_THREADS threads, default 1,16: rows of 768 and 2,048 bytes, 1, 2 and 4 at once adjacent
-# and apart, prefetched 0 and 4096 bytes ahead; DOT_ARGS adds flags), rates-probe (1.5: bench/rates_probe.py, every timed call of
+# and apart, prefetched 0 and 4096 bytes ahead, each thread its own part or blocks handed out
+# as they come; DOT_ARGS adds flags, e.g. "--schedules dynamic"), rates-probe (1.5: bench/rates_probe.py, every timed call of
 # `--stream-misses auto`'s rates round by round, qwen3-30b-a3b's and olmoe-1b-7b's shapes),
 # offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
 # CPU's misses on their own thread, `CachedExperts.async_cpu`, and on the engine's, -sync,
@@ -346,7 +347,7 @@ for stage in "$@"; do
                   --experts "${CPU_INT8_EXPERTS:-3,4}" --gap-us 500 --repeat 15 \
                   --memory pinned ${CPU_INT8_ARGS:-}) > "$OUT/cpu-int8.txt" 2>&1
               grep "| pinned\|bandwidth\|^start-" "$OUT/cpu-int8.txt" | cut -c1-400 ;;
-    dot-stream) (cd bench && timeout 240 python3 dot_stream.py --formats int8 \
+    dot-stream) (cd bench && timeout 300 python3 dot_stream.py --formats int8 \
                     --threads "${DOT_THREADS:-1,16}" --weight-mib 2048 ${DOT_ARGS:-}) \
                     > "$OUT/dot-stream.txt" 2>&1; cat "$OUT/dot-stream.txt" ;;
     rates-probe) (cd bench && timeout 200 python3 rates_probe.py \

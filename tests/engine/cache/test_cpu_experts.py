@@ -314,14 +314,17 @@ def test_waking_the_kernels_threads_changes_no_byte():
 def test_the_dot_stream_bench_builds_runs_and_each_row_keeps_its_bits(capsys):
     """bench/dot_stream.py compiles bench/dot_stream.c against the kernel's own dot products
     and runs its grid; every run of a format, row and thread count gives the same checksum (the
-    XOR of each row's dot product's bits) at any rows at once, layout and prefetch distance."""
+    XOR of each row's dot product's bits) at any rows at once, layout, prefetch distance and
+    schedule."""
     bench = load_bench("dot_stream.py")
     assert bench.main(["--formats", "int8,bf16", "--row-bytes", "768,192", "--prefetch",
                        "0,4096", "--threads", "1,2", "--weight-mib", "2", "--repeat", "1",
                        "--json"]) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
-    # Per format, row, prefetch and threads: one at a time, then 2 and 4 adjacent and apart.
-    assert len(runs) == 2 * 2 * 2 * 2 * 5
+    # Per format, row, prefetch, threads and schedule: one at a time, then 2 and 4 adjacent
+    # and apart.
+    assert len(runs) == 2 * 2 * 2 * 2 * 2 * 5  # at --block-rows 16, the default
+    assert {run["schedule"] for run in runs} == {"parts", "dynamic"}
     checksums = {}
     for run in runs:
         assert run["gb_s"] > 0 and 1 << 20 < run["weight_bytes"] <= 2 << 20  # whole blocks
@@ -329,8 +332,10 @@ def test_the_dot_stream_bench_builds_runs_and_each_row_keeps_its_bits(capsys):
         checksums.setdefault(key, set()).add(run["checksum"])
     assert all(len(sums) == 1 for sums in checksums.values()), checksums
     assert bench.main(["--weight-mib", "1", "--repeat", "1", "--threads", "1", "--row-bytes",
-                       "256", "--prefetch", "0"]) == 0
-    assert "| int8 | 256 | 0 | 1 | 4 | apart |" in capsys.readouterr().out
+                       "256", "--prefetch", "0", "--block-rows", "16,64"]) == 0
+    table = capsys.readouterr().out
+    assert "| int8 | 256 | 0 | 1 | dynamic | 16 | 4 | apart |" in table
+    assert "| int8 | 256 | 0 | 1 | parts | 64 | 2 | adjacent |" in table
     with pytest.raises(SystemExit):
         bench.main(["--row-bytes", "100"])  # not a multiple of 64
     assert "--row-bytes and --prefetch multiples of 64" in capsys.readouterr().err
