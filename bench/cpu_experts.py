@@ -6,7 +6,7 @@ each at T = 1 (K rows, one per distinct expert: a decode round's misses) and at 
 over the experts they route). Successive calls take the next layer, and at T = 1 each round of
 the layers other experts (disjoint sets, through all of them), so a call reads weights no
 recent call read, as the engine's misses do: with the same few experts of 4 layers, 75 MB of
-int8 qwen3-30b-a3b experts (150 MB in bf16) stayed in the 300 MB last-level cache of the H100
+int8 qwen3-30b-a3b experts (150 MB in bf16) stayed in the 300 MiB last-level cache of the H100
 machine's Xeon and read at up to 200 GB/s, past its memory's rate
 (bench/results/cpu-weight-rows-h100-2026-12-05.md):
 
@@ -38,10 +38,10 @@ machine's Xeon and read at up to 200 GB/s, past its memory's rate
   waiting in `finish` takes the call's tasks too, as one more thread of the team, and
   `start-steal-alone` is steal with that thread only waiting (`CpuExperts.caller_helps` off:
   on the H200 steal won on the calling thread's team and lost on the worker's, and this
-  tells the helper's part from the team's); `start-dynamic-rowsN`, `start-steal-rowsN`
+  tells the helper's part from the team's); `start-dynamic-rowsGxD`, `start-steal-rowsGxD`
   (`--weight-rows GxD[,GxD]`, each 1, 2 or 4): the same with the kernel reading G of gate's and
   up's rows and D adjacent rows of down at once for the token (`CpuExperts.gate_up_rows`,
-  `down_rows`; columns start-dynamic-rowsGxD, start-steal-rowsGxD);
+  `down_rows`);
 - `compute-worker`: the same on a worker thread (one `ThreadPoolExecutor` thread), the design
   the cache had before: adds the hand-over and a second intra-op team (the worker's count is
   printed beside the main thread's);
@@ -226,9 +226,9 @@ def started_columns(cpu: CpuExperts, quantized_cpu: dict[str, CpuExperts], n_tok
     """`start-SCHEDULE` and `start-SCHEDULE-int8`/`-int4`: a CpuExperts per schedule ("dynamic",
     "steal", and "steal-alone": steal with the thread in `finish` only waiting,
     `caller_helps` off) over the store and each quantized one, for a decode call (T = 1)
-    where strata's kernel computes it, `start-SCHEDULE-rowsN` (dynamic and steal) with
-    `CpuExperts.gate_up_rows` G and `down_rows` D for each (G, D) of `weight_rows` (named
-    -rowsGxD); none otherwise."""
+    where strata's kernel computes it, `start-SCHEDULE-rowsGxD` (dynamic and steal) with
+    `CpuExperts.gate_up_rows` G and `down_rows` D for each (G, D) of `weight_rows`; none
+    otherwise."""
     if n_tokens != 1 or cpu.kernel != "strata":
         return {}
     stores = {"": cpu.store, **{name.removeprefix("compute"): q.store
