@@ -41,7 +41,9 @@ machine's Xeon and read at up to 200 GB/s, past its memory's rate
   tells the helper's part from the team's); `start-dynamic-rowsGxD`, `start-steal-rowsGxD`
   (`--weight-rows GxD[,GxD]`, each 1, 2 or 4): the same with the kernel reading G of gate's and
   up's rows and D adjacent rows of down at once for the token (`CpuExperts.gate_up_rows`,
-  `down_rows`);
+  `down_rows`); `start-dynamic-downblockN`, `start-steal-downblockN` (`--down-block-rows
+  N[,N]`): with pass 2's tasks N rows of down each (`CpuExperts.down_block_rows`; 16 by
+  default);
 - `compute-worker`: the same on a worker thread (one `ThreadPoolExecutor` thread), the design
   the cache had before: adds the hand-over and a second intra-op team (the worker's count is
   printed beside the main thread's);
@@ -95,9 +97,10 @@ import torch.nn.functional as F
 
 from _common import host_read_bytes_per_s, mem_available_bytes, rows_at_once, rss_bytes
 from cpu_experts_report import call_parts, print_report
+from cpu_experts_started import start_and_finish, started_columns
 from strata import _cpu_experts
 from strata.engine.experts import ExpertStore
-from strata.engine.experts.cpu import CpuCallTimes, CpuExperts
+from strata.engine.experts.cpu import CpuExperts
 from strata.engine.experts.quant import int4_blob, int8_blob
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.store import host_blobs
@@ -220,48 +223,12 @@ def _blob_bytes(column: str, store: ExpertStore, quantized: dict | None) -> int:
     return store.blob_bytes
 
 
-def started_columns(cpu: CpuExperts, quantized_cpu: dict[str, CpuExperts], n_tokens: int,
-                    threads: int | None, weight_rows: tuple[tuple[int, int], ...] = ()
-                    ) -> dict[str, CpuExperts]:
-    """`start-SCHEDULE` and `start-SCHEDULE-int8`/`-int4`: a CpuExperts per schedule ("dynamic",
-    "steal", and "steal-alone": steal with the thread in `finish` only waiting,
-    `caller_helps` off) over the store and each quantized one, for a decode call (T = 1)
-    where strata's kernel computes it, `start-SCHEDULE-rowsGxD` (dynamic and steal) with
-    `CpuExperts.gate_up_rows` G and `down_rows` D for each (G, D) of `weight_rows`; none
-    otherwise."""
-    if n_tokens != 1 or cpu.kernel != "strata":
-        return {}
-    stores = {"": cpu.store, **{name.removeprefix("compute"): q.store
-                                for name, q in quantized_cpu.items()}}
-    columns = {}
-    for suffix, store in stores.items():
-        for schedule in ("dynamic", "steal", "steal-alone"):
-            cpu = columns[f"start-{schedule}{suffix}"] = CpuExperts(store, threads)
-            cpu.schedule = schedule.removesuffix("-alone")
-            cpu.caller_helps = not schedule.endswith("-alone")
-        for (gate_up, down), schedule in itertools.product(weight_rows, ("dynamic", "steal")):
-            cpu = columns[f"start-{schedule}-rows{gate_up}x{down}{suffix}"] = \
-                CpuExperts(store, threads)
-            cpu.schedule, cpu.gate_up_rows, cpu.down_rows = schedule, gate_up, down
-    return columns
-
-
-def start_and_finish(cpu: CpuExperts, layer: int, x_one: torch.Tensor, routed: Routed,
-                     out: torch.Tensor) -> CpuCallTimes:
-    """A decode call as the cache runs it on CUDA: `start` on the worker's thread with the
-    token's one row x_one [1, D], then `finish` (which, under "steal", takes tasks too); where
-    its time went (`CpuExperts.last_call`)."""
-    if not cpu.start(layer, x_one, routed, out):
-        raise RuntimeError("CpuExperts.start did not take a decode call")
-    cpu.finish()
-    return cpu.last_call()
-
-
 def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             repeat: int, quantized: dict[str, list[np.ndarray]] | None = None,
             gap_us: float = 0.0, wake_us: float | None = None,
             prefetches: tuple[int, ...] = (),
-            weight_rows: tuple[tuple[int, int], ...] = ()) -> dict:
+            weight_rows: tuple[tuple[int, int], ...] = (),
+            down_blocks: tuple[int, ...] = ()) -> dict:
     turns = routings(n_tokens, top_k, store.n_experts)
     routed = turns[0]  # the call's routing: `layer()` moves it on (its shape stays the same)
     gen = torch.Generator().manual_seed(1)
@@ -283,7 +250,7 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             [torch.from_numpy(blobs) for blobs in layers], store.hidden_size,
             store.expert_width, store.dtype, QUANTIZED[name][2]), threads)
         for name, layers in (quantized or {}).items()}
-    started = started_columns(cpu, quantized_cpu, n_tokens, threads, weight_rows)
+    started = started_columns(cpu, quantized_cpu, n_tokens, threads, weight_rows, down_blocks)
     parts = {name: [] for name in started}  # each started call's `CpuExperts.last_call`
     out = torch.empty((routed.n_rows, store.hidden_size), dtype=store.dtype)  # [R, D]
     pool = ThreadPoolExecutor(max_workers=1)
@@ -371,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
                         "and start-steal with the kernel reading G of gate's and up's rows and "
                         "D of down's at once, columns start-dynamic-rowsGxD, "
                         "start-steal-rowsGxD (`CpuExperts.gate_up_rows`, `down_rows`)")
+    parser.add_argument("--down-block-rows", default="",
+                        help="comma-separated multiples of 16 (up to 1024): also time "
+                        "start-dynamic and start-steal with pass 2's tasks that many rows of "
+                        "down each, columns start-dynamic-downblockN, start-steal-downblockN "
+                        "(`CpuExperts.down_block_rows`)")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--layers", type=int, default=4,
                         help="layers in the store, read round robin (default 4)")
@@ -401,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     if weight_rows is None:
         parser.error(f"--weight-rows takes distinct comma-separated GxD, G and D each 1, 2 or "
                      f"4, got {args.weight_rows!r}")
+    down_blocks = tuple(int(n) for n in args.down_block_rows.split(",") if n.isdigit())
+    if len(down_blocks) != len([n for n in args.down_block_rows.split(",") if n]) \
+            or any(n % 16 or not 16 <= n <= 1024 for n in down_blocks):
+        parser.error(f"--down-block-rows takes comma-separated multiples of 16 from 16 to 1024, "
+                     f"got {args.down_block_rows!r}")
     memories = args.memory.split(",")
     if set(memories) - {"pageable", "pinned", "pages", "huge"}:
         parser.error(f"--memory takes pageable, pinned, pages, huge; got {args.memory!r}")
@@ -430,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                 if wake_us is None or gap_us > wake_us:
                     runs.append({"memory": memory, "dtype": name, **footprint, **measure(
                         store, n_tokens, top_k, args.threads, args.repeat, quantized, gap_us,
-                        wake_us, prefetches, tuple(weight_rows))})
+                        wake_us, prefetches, tuple(weight_rows), down_blocks)})
     result = {
         "command": " ".join(["python", "bench/cpu_experts.py", *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(), "machine": platform.processor()

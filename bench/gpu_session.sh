@@ -98,7 +98,10 @@
 # ... tests` first; AHEAD_ARGS adds offload.py flags, e.g. "--cpu-team 13" to interleave a team
 # size too), offload-rows (4: the same round with the CPU kernel reading CPU_ROWS weight rows at
 # once, GxD: G of gate's and up's, D of down's, default 4x1,1x2,1x4, against the defaults,
-# interleaved, `CpuExperts.gate_up_rows`, `down_rows`; ROWS_ARGS adds flags), offload-team (4:
+# interleaved, `CpuExperts.gate_up_rows`, `down_rows`; ROWS_ARGS adds flags),
+# offload-down-block (4: the same round with the CPU kernel's pass-2 tasks CPU_DOWN_BLOCKS rows
+# of down each, default 48,128, against 16, interleaved, `CpuExperts.down_block_rows`;
+# DOWN_BLOCK_ARGS adds flags), offload-team (4:
 # the same round with the CPU's own thread's team of CPU_TEAMS threads, default 13,11, against the default 15, interleaved: a team as large as the cores left
 # waits for any thread the scheduler takes a core from; each run's threads' sleeps,
 # preemptions and time waiting for a core are in its JSON, bench/thread_sched.py), cpu-schedule (1.5: bench/cpu_experts.py
@@ -431,6 +434,11 @@ for stage in "$@"; do
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
                --share-per-format --stream-misses auto --cpu-weight-rows "${CPU_ROWS:-4x1,1x2,1x4}" \
                --interleave --prefill-tokens 0 ${ROWS_ARGS:-} ;;
+    offload-down-block)  # the CPU kernel's pass-2 tasks of more rows: A/B in one process
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
+               --share-per-format --stream-misses auto \
+               --cpu-down-block-rows "${CPU_DOWN_BLOCKS:-48,128}" --interleave \
+               --prefill-tokens 0 ${DOWN_BLOCK_ARGS:-} ;;
     offload-team)  # the CPU's team smaller than the cores left: A/B in one process
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
                --share-per-format --stream-misses auto --cpu-team "${CPU_TEAMS:-13,11}" \

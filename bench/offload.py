@@ -28,7 +28,9 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   `--cpu-prefetch N[,N...]` with the CPU kernel's weights prefetched N bytes ahead of its
   reads, named -cpupfN: `CpuExperts.prefetch_bytes`; `--cpu-weight-rows GxD[,GxD]` with
   the CPU kernel reading G of gate's and up's rows and D of down's at once (1, 2 or 4 each),
-  named -rowsGxD: `CpuExperts.gate_up_rows`, `down_rows`;
+  named -rowsGxD: `CpuExperts.gate_up_rows`, `down_rows`; `--cpu-down-block-rows N[,N...]`
+  with the CPU kernel's pass-2 tasks N rows of down each, named -downblockN:
+  `CpuExperts.down_block_rows`;
   `--cpu-team N[,N...]` with the CPU's
   own thread's team N threads strong (the default is one short of the cache's CPU threads,
   torch's count), leaving the other cores to the engine's thread and everything else the
@@ -41,7 +43,7 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   `CpuExperts.keep_team_up`; `--no-cpu-shrink` with the engine thread's OpenMP pool left as
   it grows, not shrunk before the CPU's thread computes (`CpuExperts.shrink_caller_team` off,
   the way before), named -noshrink;
-  `--interleave` runs those (-static, -guided, -cpupfN, -rowsGxD, -teamN, -sync, -spin,
+  `--interleave` runs those (-static, -guided, -cpupfN, -rowsGxD, -downblockN, -teamN, -sync, -spin,
   -noshrink), -wake and -ahead in the base run's engine, one request of each in turn, so that a
   machine's drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN

@@ -3,8 +3,8 @@
 `parse_args` returns argparse's namespace with these lists on it: `streams` (`--stream-misses`: auto
 or ints), `loan_batches` (`--loan-upload-batches`; [None]: the engine's), `prefetch_caps`
 (`--prefetch`), `split_counts` (`--split-counts`, in place of its text), `cpu_schedules`,
-`cpu_prefetches` (strings), `cpu_weight_rows` ((G, D) pairs), `cpu_teams` and `formats`
-(`--experts-dtype`). A bad value is the parser's error, naming the flag and what it takes.
+`cpu_prefetches` (strings), `cpu_weight_rows` ((G, D) pairs), `cpu_down_blocks`, `cpu_teams` and
+`formats` (`--experts-dtype`). A bad value is the parser's error, naming the flag and what it takes.
 """
 
 from __future__ import annotations
@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
                         "the CPU kernel reading G of gate's and up's rows and D of down's at "
                         "once, named -rowsGxD (`CpuExperts.gate_up_rows`, `down_rows`; the "
                         "defaults are `_cpu_experts.GATE_UP_ROWS`, `DOWN_ROWS`)")
+    parser.add_argument("--cpu-down-block-rows", default="",
+                        help="comma-separated multiples of 16 (up to 1024): also run each "
+                        "decode with the CPU kernel's pass-2 tasks that many rows of down each, "
+                        "named -downblockN (`CpuExperts.down_block_rows`; the default is "
+                        "`_cpu_experts.DOWN_BLOCK_ROWS`)")
     parser.add_argument("--cpu-team", default="",
                         help="comma-separated thread counts: also run each decode with the "
                         "CPU's own thread's OpenMP team that many threads strong, named "
@@ -73,7 +78,8 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
                         "short of --cpu-threads, torch's threads by default)")
     parser.add_argument("--interleave", action="store_true",
                         help="run --wake-cpu's, --sync-cpu's, --cpu-schedule's, "
-                        "--cpu-prefetch's, --cpu-weight-rows', --cpu-team's, --cpu-spin's and "
+                        "--cpu-prefetch's, --cpu-weight-rows', --cpu-down-block-rows', "
+                        "--cpu-team's, --cpu-spin's and "
                         "--no-cpu-shrink's "
                         "variants in the base run's engine, one request of each in turn "
                         "(`run_decode_interleaved`), so that the machine's drift falls on all "
@@ -141,6 +147,11 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
                      f"or 4 (the defaults, {_cpu_experts.GATE_UP_ROWS}x"
                      f"{_cpu_experts.DOWN_ROWS}, run anyway), got {args.cpu_weight_rows!r}")
     args.cpu_weight_rows = weight_rows
+    args.cpu_down_blocks = _counts(parser, "--cpu-down-block-rows", args.cpu_down_block_rows) \
+        if args.cpu_down_block_rows else []
+    if any(n % 16 or not 16 <= n <= 1024 for n in args.cpu_down_blocks):
+        parser.error(f"--cpu-down-block-rows takes distinct comma-separated multiples of 16 from "
+                     f"16 to 1024, got {args.cpu_down_block_rows!r}")
     args.cpu_teams = _counts(parser, "--cpu-team", args.cpu_team) if args.cpu_team else []
     args.formats = args.experts_dtype.split(",")
     if len(set(args.formats)) != len(args.formats) \

@@ -26,6 +26,7 @@ def cache_settings(args: argparse.Namespace) -> list[str]:
             *(f"-{schedule}" for schedule in args.cpu_schedules),
             *(f"-cpupf{n}" for n in args.cpu_prefetches),
             *(f"-rows{gate_up}x{down}" for gate_up, down in args.cpu_weight_rows),
+            *(f"-downblock{n}" for n in args.cpu_down_blocks),
             *(f"-team{n}" for n in args.cpu_teams),
             *(["-spin"] if args.cpu_spin else []),
             *(["-noshrink"] if args.no_cpu_shrink else []),
@@ -71,6 +72,8 @@ def apply_setting(cache: Any, setting: str, args: argparse.Namespace,
     gate_up, _, down = setting.removeprefix("-rows").partition("x")
     cache.cpu.gate_up_rows, cache.cpu.down_rows = (int(gate_up), int(down)) \
         if setting.startswith("-rows") else (_cpu_experts.GATE_UP_ROWS, _cpu_experts.DOWN_ROWS)
+    cache.cpu.down_block_rows = int(setting.removeprefix("-downblock")) \
+        if setting.startswith("-downblock") else _cpu_experts.DOWN_BLOCK_ROWS
     cache.cpu.cpu_threads = int(setting.removeprefix("-team")) + 1 \
         if setting.startswith("-team") else args.cpu_threads
     if cache.streamer is not None:

@@ -50,13 +50,13 @@ def _blobs(n_experts: int, f: int, d: int, seed: int) -> torch.Tensor:
 
 def _run(blobs, experts, starts, x, f, threads, fmt=_cpu_experts.FORMAT_BF16,
          schedule="dynamic", prefetch_bytes=0, gate_up_rows=_cpu_experts.GATE_UP_ROWS,
-         down_rows=_cpu_experts.DOWN_ROWS):
+         down_rows=_cpu_experts.DOWN_ROWS, down_block_rows=_cpu_experts.DOWN_BLOCK_ROWS):
     """blobs: bf16 [E, 3*F*D] (FORMAT_BF16) or uint8 [E, int8 blob bytes] (FORMAT_INT8)."""
     out = torch.full((x.shape[0], x.shape[1]), 7.0, dtype=torch.bfloat16)
     _cpu_experts.compute(blobs.contiguous().view(torch.uint8).numpy(), fmt,
                          np.asarray(experts, dtype=np.int64), np.asarray(starts, dtype=np.int64),
                          x.float().numpy(), _u16(out), f, threads, schedule, prefetch_bytes,
-                         gate_up_rows, down_rows)
+                         gate_up_rows, down_rows, down_block_rows)
     return out
 
 
@@ -189,16 +189,18 @@ def test_rows_taken_four_at_a_time_are_each_row_alone_bit_for_bit(fmt, fd, dd, n
 @given(st.sampled_from(["bf16", "int8", "int4-g32"]), st.integers(1, 70), st.integers(1, 70),
        st.lists(st.integers(0, 6), min_size=1, max_size=3), st.integers(0, 2**16),
        st.integers(1, 3), st.sampled_from(sorted(_cpu_experts.SCHEDULES)),
-       st.sampled_from([0, 4096]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]))
+       st.sampled_from([0, 4096]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]),
+       st.sampled_from([16, 32, 64]))
 def test_weight_rows_read_at_once_give_the_bytes_of_one_at_a_time(fmt, f, d, counts, seed,
                                                                  threads, schedule,
                                                                  prefetch_bytes, gate_up_rows,
-                                                                 down_rows):
+                                                                 down_rows, down_block_rows):
     """Gate's and up's rows read together, of one f or two (`gate_up_rows`), and down's two or
-    four adjacent ones at a time (`down_rows`), give every output the bytes of each row read
-    alone: each row's sums take the same steps in the same order. Blocks of 16 rows and
-    vectors of 32 elements with tails (F and D drawn freely; int4's a multiple of its group),
-    rows an expert up to 6 (a quantized expert's four at a time, then one by one)."""
+    four adjacent ones at a time (`down_rows`), in pass-2 tasks of 16 to 64 rows
+    (`down_block_rows`), give every output the bytes of each row read alone in tasks of 16:
+    each row's sums take the same steps in the same order. Blocks of rows and vectors of 32
+    elements with tails (F and D drawn freely; int4's a multiple of its group), rows an expert
+    up to 6 (a quantized expert's four at a time, then one by one)."""
     if fmt == "int4-g32":
         f, d = 32 * (1 + f % 3), 32 * (1 + d % 2)
     bf16 = _blobs(len(counts), f, d, seed)
@@ -211,9 +213,9 @@ def test_weight_rows_read_at_once_give_the_bytes_of_one_at_a_time(fmt, f, d, cou
     x = torch.randn(int(starts[-1]), d, generator=torch.Generator().manual_seed(seed + 1))
     experts = list(range(len(counts)))[::-1]
     alone = _run(blobs, experts, starts, x.bfloat16(), f, threads, kernel_fmt, schedule,
-                 prefetch_bytes, 1, 1)
+                 prefetch_bytes, 1, 1, 16)
     together = _run(blobs, experts, starts, x.bfloat16(), f, threads, kernel_fmt, schedule,
-                    prefetch_bytes, gate_up_rows, down_rows)
+                    prefetch_bytes, gate_up_rows, down_rows, down_block_rows)
     assert torch.equal(together.view(torch.int16), alone.view(torch.int16))
 
 
@@ -333,6 +335,9 @@ def test_an_int8_blob_is_its_parts_and_refuses_bad_shapes():
     (dict(gate_up_rows=3), r"gate_up_rows and down_rows must be 1, 2 or 4 \(weight rows a pass "
                            r"reads at once\), got 3 and 1"),
     (dict(down_rows=0), r"gate_up_rows and down_rows must be 1, 2 or 4 .*, got 1 and 0"),
+    (dict(down_block_rows=24), r"down_block_rows must be a multiple of 16 from 16 to 1024 "
+                               r"\(rows of down a task reads\), got 24"),
+    (dict(down_block_rows=2048), r"down_block_rows must be a multiple of 16 .*, got 2048"),
 ])
 def test_bad_arguments_are_refused_before_anything_is_written(change, message):
     f, d = 8, 16
@@ -347,7 +352,7 @@ def test_bad_arguments_are_refused_before_anything_is_written(change, message):
                              x.float().numpy(), _u16(out), change.get("f", f),
                              change.get("threads", 2), change.get("schedule", "dynamic"),
                              change.get("prefetch_bytes", 0), change.get("gate_up_rows", 1),
-                             change.get("down_rows", 1))
+                             change.get("down_rows", 1), change.get("down_block_rows", 16))
     assert torch.equal(out, before)
 
 

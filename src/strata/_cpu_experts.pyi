@@ -17,6 +17,7 @@ SCHEDULES: dict[str, int]
 PREFETCH_BYTES: int  # compute's default prefetch_bytes: 4096
 GATE_UP_ROWS: int  # compute's default gate_up_rows: 1
 DOWN_ROWS: int  # compute's default down_rows: 1
+DOWN_BLOCK_ROWS: int  # compute's default down_block_rows: 16
 WORKER_NAME: str  # the name of CpuWorker's thread and its OpenMP team's, on Linux: "strata-cpu"
 REVISION: int  # the kernel's revision, part of the kept rates' key: 2
 
@@ -37,6 +38,7 @@ def compute(
     prefetch_bytes: int = 4096,
     gate_up_rows: int = 1,
     down_rows: int = 1,
+    down_block_rows: int = 16,
 ) -> None:
     """Compute `experts` of one layer over their rows, into `out`.
 
@@ -71,10 +73,14 @@ def compute(
         down_rows: how many adjacent rows of down pass 2 reads at once for one row of x: 1
             (`DOWN_ROWS`, the default), 2 or 4. int4 rows are read one at a time whatever. The
             same bytes whatever both.
+        down_block_rows: the rows of down one task of pass 2 reads, a multiple of 16 from 16
+            to 1024 (`DOWN_BLOCK_ROWS`, the default, 16, as pass 1's tasks take 16 rows of
+            gate and of up). The same bytes whatever.
 
     Raises:
         ValueError: an unknown format, shapes that disagree, an expert out of range, bad
             row_starts, n_threads < 1, an unknown schedule, rows at once not 1, 2 or 4, a
+            down_block_rows not a multiple of 16 from 16 to 1024, a
             prefetch_bytes that is not a multiple of 64 >= 0, or a "steal" call of 2**31
             tasks a pass or more, before anything is written.
     """
@@ -89,9 +95,10 @@ def shrink_team() -> None:
     idle thread for it and lets the others exit: with fewer OpenMP threads than CPUs, idle
     threads spin before they sleep (about a microsecond otherwise)."""
 
-def n_tasks(n_experts: int, expert_width: int, hidden_size: int) -> int:
+def n_tasks(n_experts: int, expert_width: int, hidden_size: int,
+            down_block_rows: int = 16) -> int:
     """The tasks a call of n_experts experts of width F and hidden size D makes, both passes:
-    M * (ceil(F / 16) + ceil(D / 16))."""
+    M * (ceil(F / 16) + ceil(D / down_block_rows)); ValueError for down_block_rows < 1."""
 
 def tally_passes(
     n_threads: int,
@@ -126,6 +133,7 @@ class CpuWorker:
         prefetch_bytes: int = 4096,
         gate_up_rows: int = 1,
         down_rows: int = 1,
+        down_block_rows: int = 16,
     ) -> None:
         """Start `compute` with these arguments on the worker's thread and return at once.
         ValueError as `compute` raises it; RuntimeError while a call is in flight."""

@@ -91,6 +91,14 @@ REVISION = 2
 cdef enum:
     BLOCK_ROWS = 16
 
+# Rows of down one pass-2 task reads, by default (`compute`'s `down_block_rows`; a multiple of
+# 16 up to 1024): BLOCK_ROWS, as pass 1's. A task of 16 rows of down is 12 KiB of int8 on
+# qwen3-30b-a3b (F = 768), against pass 1's two runs of 32 KiB; on the development VM rows
+# handed out in blocks of 12 KiB read 0.51-0.82x what each thread's own run of them reads, in
+# blocks of 96 KiB as fast (bench/results/dot-stream-cpu-2026-12-05.md). Larger blocks are
+# there for the benchmarks' A/B on the GPU machine. The same bytes whatever.
+DOWN_BLOCK_ROWS = BLOCK_ROWS
+
 # The blobs' formats (`blob_bytes` of each: the layout above).
 cdef enum:
     _BF16 = 0
@@ -176,6 +184,7 @@ cdef struct Call:
     int64_t prefetch  # bytes of weights ahead of a one-row dot's reads to prefetch, 0: none
     int gate_up_rows  # pass 1's weight rows read at once for a row of x: 1, 2, 4 (`GATE_UP_ROWS`)
     int down_rows  # pass 2's: 1, 2 or 4 adjacent rows of down (`DOWN_ROWS`)
+    int64_t down_block  # rows of down a pass-2 task reads (`DOWN_BLOCK_ROWS`)
     void *shares  # steal: the call's shares and count, 64-byte aligned (`_steal_state`); else NULL
     strata_call_times *times  # where its threads note its run (`CpuWorker`'s); else NULL
 
@@ -230,7 +239,7 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
             int64_t expert_width, int n_threads, str schedule="dynamic",
             int64_t prefetch_bytes=PREFETCH_BYTES, int gate_up_rows=GATE_UP_ROWS,
-            int down_rows=DOWN_ROWS):
+            int down_rows=DOWN_ROWS, int64_t down_block_rows=DOWN_BLOCK_ROWS):
     """Compute `experts` of one layer over their rows, into `out`.
 
     blobs uint8 [E, blob_bytes(fmt, F, D)]: the layer's blobs (the store's bytes, not a copy);
@@ -247,13 +256,15 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     reads a row's dot asks for the weights' next cache lines (a multiple of 64;
     `PREFETCH_BYTES` by default, 0: not at all); gate_up_rows, down_rows: how many weight rows
     pass 1 and pass 2 read at once for one row of x, 1, 2 or 4 (`GATE_UP_ROWS`, `DOWN_ROWS` by
-    default; int4 rows one at a time whatever); the same bytes whatever.
+    default; int4 rows one at a time whatever); down_block_rows: the rows of down a pass-2 task
+    reads, a multiple of 16 up to 1024 (`DOWN_BLOCK_ROWS` by default); the same bytes
+    whatever.
 
     Raises ValueError for shapes that disagree, an expert out of range or a "steal" call of
     2**31 tasks a pass or more, before any work.
     """
     _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule,
-           prefetch_bytes, gate_up_rows, down_rows)
+           prefetch_bytes, gate_up_rows, down_rows, down_block_rows)
     cdef int64_t n_rows = out.shape[0]
     if n_rows == 0:
         return
@@ -262,7 +273,7 @@ def compute(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     shares = _shares(n_threads, SCHEDULES[schedule])
     cdef Call call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
                            n_threads, SCHEDULES[schedule], prefetch_bytes, gate_up_rows,
-                           down_rows, shares)
+                           down_rows, down_block_rows, shares)
     with nogil:
         _run(&call)
 

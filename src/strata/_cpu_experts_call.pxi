@@ -4,7 +4,7 @@
 cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
             const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
             int64_t expert_width, int n_threads, str schedule, int64_t prefetch_bytes,
-            int gate_up_rows, int down_rows):
+            int gate_up_rows, int down_rows, int64_t down_block_rows):
     """`compute`'s checks of a call (ValueError naming what is wrong), before any work."""
     cdef int64_t d_hidden = x.shape[1]
     cdef int64_t n_rows = out.shape[0]
@@ -31,7 +31,8 @@ cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
         raise ValueError(f"n_threads must be >= 1, got {n_threads}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-    if schedule == "steal" and experts.shape[0] * _blocks(max(expert_width, d_hidden)) >= 2**31:
+    if schedule == "steal" \
+            and experts.shape[0] * _blocks(max(expert_width, d_hidden), BLOCK_ROWS) >= 2**31:
         raise ValueError(f"a 'steal' call takes fewer than 2**31 tasks a pass (M * ceil(F / "
                          f"{BLOCK_ROWS}) and M * ceil(D / {BLOCK_ROWS})), got M = "
                          f"{experts.shape[0]}, F = {expert_width}, D = {d_hidden}: split it, "
@@ -42,6 +43,9 @@ cdef _check(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
     if gate_up_rows not in (1, 2, 4) or down_rows not in (1, 2, 4):
         raise ValueError(f"gate_up_rows and down_rows must be 1, 2 or 4 (weight rows a pass "
                          f"reads at once), got {gate_up_rows} and {down_rows}")
+    if down_block_rows < 16 or down_block_rows > 1024 or down_block_rows % 16:
+        raise ValueError(f"down_block_rows must be a multiple of 16 from 16 to 1024 (rows of "
+                         f"down a task reads), got {down_block_rows}")
 
 
 cdef object _shares(int n_threads, int schedule):
@@ -71,7 +75,8 @@ cdef void *_steal_state(object shares, int n_threads, int64_t n1, int64_t n2) ex
 cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts,
                 const int64_t[::1] row_starts, const float[:, ::1] x, float[:, ::1] act,
                 uint16_t[:, ::1] out, int64_t expert_width, int n_threads, int schedule,
-                int64_t prefetch_bytes, int gate_up_rows, int down_rows, object shares):
+                int64_t prefetch_bytes, int gate_up_rows, int down_rows, int64_t down_block_rows,
+                object shares):
     """The Call over checked arrays of at least one row, and `shares` from `_shares` (the
     pointers are theirs: the caller keeps the arrays alive until the call has run)."""
     cdef Call call
@@ -92,6 +97,7 @@ cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts
     call.prefetch = prefetch_bytes
     call.gate_up_rows = gate_up_rows
     call.down_rows = down_rows
+    call.down_block = down_block_rows
     call.shares = _steal_state(shares, n_threads, _tasks1(&call), _tasks2(&call))
     call.times = NULL  # untimed; a CpuWorker points it at its own
     return call

@@ -35,41 +35,47 @@ SCHEDULES = {"dynamic": SCHEDULE_DYNAMIC, "static": SCHEDULE_STATIC, "guided": S
              "steal": SCHEDULE_STEAL}
 
 
-cdef inline int64_t _blocks(int64_t n_rows) noexcept nogil:
-    """The tasks of BLOCK_ROWS rows that n_rows rows of an expert make."""
-    return (n_rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+cdef inline int64_t _blocks(int64_t n_rows, int64_t block_rows) noexcept nogil:
+    """The tasks of block_rows rows that n_rows rows of an expert make."""
+    return (n_rows + block_rows - 1) // block_rows
 
 
 cdef void _pass1_task(const void *call, int64_t task) noexcept nogil:
     cdef const Call *c = <const Call *>call
-    _activation_task(c, _blocks(c.f_width), _scales_at(c.fmt, c.f_width, c.d_hidden), task)
+    _activation_task(c, _blocks(c.f_width, BLOCK_ROWS), _scales_at(c.fmt, c.f_width, c.d_hidden),
+                     task)
 
 
 cdef void _pass2_task(const void *call, int64_t task) noexcept nogil:
     cdef const Call *c = <const Call *>call
-    _output_task(c, _blocks(c.d_hidden), _scales_at(c.fmt, c.f_width, c.d_hidden), task)
+    _output_task(c, _blocks(c.d_hidden, c.down_block), _scales_at(c.fmt, c.f_width, c.d_hidden),
+                 task)
 
 
 cdef inline int64_t _tasks1(const Call *c) noexcept nogil:
     """Pass 1's tasks: BLOCK_ROWS of an expert's F rows each."""
-    return c.n_experts * _blocks(c.f_width)
+    return c.n_experts * _blocks(c.f_width, BLOCK_ROWS)
 
 
 cdef inline int64_t _tasks2(const Call *c) noexcept nogil:
-    """Pass 2's tasks: BLOCK_ROWS of an expert's D rows each."""
-    return c.n_experts * _blocks(c.d_hidden)
+    """Pass 2's tasks: `Call.down_block` of an expert's D rows each."""
+    return c.n_experts * _blocks(c.d_hidden, c.down_block)
 
 
-def n_tasks(int64_t n_experts, int64_t expert_width, int64_t hidden_size):
+def n_tasks(int64_t n_experts, int64_t expert_width, int64_t hidden_size,
+            int64_t down_block_rows=DOWN_BLOCK_ROWS):
     """The tasks a call of n_experts experts of width F and hidden size D makes, both passes:
-    M * (ceil(F / 16) + ceil(D / 16))."""
-    return n_experts * (_blocks(expert_width) + _blocks(hidden_size))
+    M * (ceil(F / 16) + ceil(D / down_block_rows)); ValueError for down_block_rows < 1."""
+    if down_block_rows < 1:
+        raise ValueError(f"down_block_rows must be >= 1, got {down_block_rows}")
+    return n_experts * (_blocks(expert_width, BLOCK_ROWS) + _blocks(hidden_size, down_block_rows))
 
 
 cdef void _run(const Call *c) noexcept nogil:
     """Both passes of a call in one OpenMP region: pass 1 (act from x, F rows an expert), then,
     once its tasks are all done, pass 2 (out from act, D rows an expert), each in tasks of
-    BLOCK_ROWS rows handed to the call's threads as its schedule says."""
+    BLOCK_ROWS rows (pass 2's `Call.down_block`) handed to the call's threads as its schedule
+    says."""
     strata_two_passes(c, c.n_threads, c.schedule, c.shares, _pass1_task, _tasks1(c),
                       _pass2_task, _tasks2(c), c.times)
 

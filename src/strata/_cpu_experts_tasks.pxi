@@ -171,12 +171,13 @@ cdef inline void _outputs_one(const Call *c, const uint8_t *blob, int64_t d, int
 
 cdef inline void _output_task(const Call *c, int64_t n_blocks, int64_t scales_at,
                               int64_t task) noexcept nogil:
-    """Pass 2's task `task`: out[r, d] for one block of BLOCK_ROWS d of one expert, every row."""
+    """Pass 2's task `task`: out[r, d] for one block of `Call.down_block` d of one expert, every
+    row."""
     cdef int64_t down_at = 2 * c.f_width * c.d_hidden  # elements before down's first row
     cdef int64_t i = task // n_blocks
     cdef const uint8_t *blob = c.blobs + c.experts[i] * c.blob_bytes
-    cdef int64_t d0 = (task % n_blocks) * BLOCK_ROWS
-    cdef int64_t d_end = min(d0 + BLOCK_ROWS, c.d_hidden)
+    cdef int64_t d0 = (task % n_blocks) * c.down_block
+    cdef int64_t d_end = min(d0 + c.down_block, c.d_hidden)
     cdef int64_t r_four = c.row_starts[i] + _rows_of_four(c, i)
     cdef int64_t d, r
     for d in range(d0, d_end):  # four rows a weight row read

@@ -79,15 +79,15 @@ cdef class CpuWorker:
               const int64_t[::1] row_starts, const float[:, ::1] x, uint16_t[:, ::1] out,
               int64_t expert_width, int n_threads, str schedule="dynamic",
               int64_t prefetch_bytes=PREFETCH_BYTES, int gate_up_rows=GATE_UP_ROWS,
-              int down_rows=DOWN_ROWS):
+              int down_rows=DOWN_ROWS, int64_t down_block_rows=DOWN_BLOCK_ROWS):
         """Start `compute(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads,
-        schedule, prefetch_bytes, gate_up_rows, down_rows)` on the worker's thread and return. ValueError as `compute`
+        schedule, prefetch_bytes, gate_up_rows, down_rows, down_block_rows)` on the worker's thread and return. ValueError as `compute`
         raises it, RuntimeError while a call is in flight (`wait` for it first); nothing starts
         then."""
         if self._pending:
             raise RuntimeError("a call is in flight on this CpuWorker: wait() for it first")
         _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule,
-               prefetch_bytes, gate_up_rows, down_rows)
+               prefetch_bytes, gate_up_rows, down_rows, down_block_rows)
         if out.shape[0] == 0:
             self._waited_ns = 0  # nothing posted: no times to give for this call
             return
@@ -96,7 +96,7 @@ cdef class CpuWorker:
         shares = _shares(n_threads, SCHEDULES[schedule])
         self._call = _call(blobs, fmt, experts, row_starts, x, act_view, out, expert_width,
                            n_threads, SCHEDULES[schedule], prefetch_bytes, gate_up_rows,
-                           down_rows, shares)
+                           down_rows, down_block_rows, shares)
         self._call.times = &self._worker.times  # the call's threads note its run here
         self._keep = (blobs, experts, row_starts, x, out, act, shares)
         self._pending = True

@@ -208,34 +208,43 @@ def test_prefetching_the_weights_changes_no_byte_and_a_bad_distance_is_refused_w
 
 
 def test_reading_weight_rows_at_once_changes_no_byte_and_a_bad_count_is_refused_when_set():
-    """`CpuExperts.gate_up_rows` and `down_rows` reach the kernel of a call and of a started
-    one."""
+    """`CpuExperts.gate_up_rows`, `down_rows` and `down_block_rows` reach the kernel of a call
+    and of a started one, and the last the count of its tasks."""
     store = _store(torch.bfloat16)
     cpu = CpuExperts(store, 3)
     routed = Routed.of(np.array([[1, 3], [3, 6]]))
     x = torch.randn(4, store.hidden_size, generator=torch.Generator().manual_seed(7)).bfloat16()
     assert (cpu.gate_up_rows, cpu.down_rows) == (_cpu_experts.GATE_UP_ROWS,
                                                  _cpu_experts.DOWN_ROWS) == (1, 1)  # defaults
+    assert cpu.down_block_rows == _cpu_experts.DOWN_BLOCK_ROWS == 16
     one = Routed.of(np.array([[1, 3]]))  # a decode call: one token's row
+    assert cpu.tasks(one) == 2 * (96 // 16 + 64 // 16)  # F = 96, D = 64: M * (6 + 4)
     alone, alone_one = cpu.compute(0, x, routed), cpu.compute(0, x[:1], one)
     out = torch.empty_like(alone_one)
-    for gate_up, down in [(2, 1), (4, 2), (1, 4)]:
-        cpu.gate_up_rows, cpu.down_rows = gate_up, down
+    for gate_up, down, block in [(2, 1, 16), (4, 2, 32), (1, 4, 64)]:
+        cpu.gate_up_rows, cpu.down_rows, cpu.down_block_rows = gate_up, down, block
         assert torch.equal(cpu.compute(0, x, routed).view(torch.int16), alone.view(torch.int16))
         assert cpu.start(0, x[:1], one, out)
         cpu.finish()
         assert torch.equal(out.view(torch.int16), alone_one.view(torch.int16))
+    assert cpu.tasks(one) == 2 * (96 // 16 + 1)  # down's 64 rows in one task
     for name in ("gate_up_rows", "down_rows"):
         for bad in (0, 3, 8, True, 2.0):
             with pytest.raises(ValueError, match=rf"{name} must be 1, 2 or 4, got"):
                 setattr(cpu, name, bad)
-    assert (cpu.gate_up_rows, cpu.down_rows) == (1, 4)  # unchanged by the refused values
+    for bad in (0, 24, 2048, 32.0, True):
+        with pytest.raises(ValueError, match=r"down_block_rows must be a multiple of 16 from 16 "
+                                             r"to 1024, got"):
+            cpu.down_block_rows = bad
+    assert (cpu.gate_up_rows, cpu.down_rows, cpu.down_block_rows) == (1, 4, 64)  # unchanged
+    with pytest.raises(ValueError, match=r"down_block_rows must be >= 1, got 0"):
+        _cpu_experts.n_tasks(2, 96, 64, 0)
 
 
 def test_the_cpu_experts_bench_runs_and_reports(capsys):
     bench = load_bench("cpu_experts.py")
     assert bench.main(["--preset", "tiny", "--repeat", "1", "--tokens", "1,4", "--read-mib", "8",
-                       "--weight-rows", "4x1,1x2", "--json"]) == 0
+                       "--weight-rows", "4x1,1x2", "--down-block-rows", "64", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [(run["dtype"], run["tokens"]) for run in result["runs"]] == [
         ("bf16", 1), ("bf16", 4), ("fp32", 1), ("fp32", 4)]
@@ -247,7 +256,9 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
         # The worker path's columns: decode calls (T = 1) through strata's kernel (bf16).
         started = {f"start-{schedule}{suffix}" for schedule in ("dynamic", "steal", "steal-alone",
                                                                "dynamic-rows4x1", "steal-rows4x1",
-                                                               "dynamic-rows1x2", "steal-rows1x2")
+                                                               "dynamic-rows1x2", "steal-rows1x2",
+                                                               "dynamic-downblock64",
+                                                               "steal-downblock64")
                    for suffix in ("", "-int8", "-int4")} \
             if run["dtype"] == "bf16" and run["tokens"] == 1 else set()
         assert set(run["us_per_expert"]) == set(run["gbps"]) == {

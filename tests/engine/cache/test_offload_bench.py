@@ -101,22 +101,25 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
             "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
             "--stream-misses", "2", "--expert-share", "0.25", "--json", "--interleave",
             "--wake-cpu", "--sync-cpu", "--cpu-spin", "--no-cpu-shrink", "--launch-ahead",
-            "--cpu-weight-rows", "1x2", "--cpu-team", "1,3", "--cpu-schedule",
+            "--cpu-weight-rows", "1x2", "--cpu-down-block-rows", "32", "--cpu-team", "1,3",
+            "--cpu-schedule",
             "static,steal,steal-alone", "--cpu-prefetch", "512", "--split-counts", "1,3"]
     # Which team each CPU call ran with (on the host twin the misses run on the engine's
     # thread, `compute`, with cpu_threads of them: -teamN's N + 1, the base's None).
-    # And how many weight rows its kernel read at once: -rows1x2's, the others' the defaults.
-    teams, weight_rows = set(), set()
+    # And how many weight rows its kernel read at once (-rows1x2's, the others' the defaults)
+    # and its pass-2 tasks' rows (-downblock32's, the others' 16).
+    teams, weight_rows, down_blocks = set(), set(), set()
     compute = CpuExperts.compute
 
     def counting(self, *args, **kwargs):
         teams.add(self.cpu_threads)
         weight_rows.add((self.gate_up_rows, self.down_rows))
+        down_blocks.add(self.down_block_rows)
         return compute(self, *args, **kwargs)
 
     monkeypatch.setattr(CpuExperts, "compute", counting)
     assert bench.main(argv) == 0
-    assert teams == {None, 2, 4} and weight_rows == {(1, 1), (1, 2)}
+    assert teams == {None, 2, 4} and weight_rows == {(1, 1), (1, 2)} and down_blocks == {16, 32}
     assert not graph_call.LAUNCH_AHEAD  # the -ahead run's switch put back
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.
@@ -125,7 +128,8 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-sync",
              "decode-stream-2-spin", "decode-stream-2-noshrink", "decode-stream-2-ahead",
              "decode-stream-2-static", "decode-stream-2-steal", "decode-stream-2-steal-alone",
-             "decode-stream-2-cpupf512", "decode-stream-2-rows1x2", "decode-stream-2-team1",
+             "decode-stream-2-cpupf512", "decode-stream-2-rows1x2", "decode-stream-2-downblock32",
+             "decode-stream-2-team1",
              "decode-stream-2-team3", "decode-stream-2-split1",
              "decode-stream-2-split1-sync", "decode-stream-2-split1-noshrink"]
     assert sorted(runs) == sorted(names)
@@ -151,9 +155,13 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     assert "--cpu-team takes distinct comma-separated counts >= 1, got '0'" in \
         capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.main([*argv[:-9], "3x1", *argv[-8:]])  # not 1, 2 or 4: --cpu-weight-rows 3x1
+        bench.main([*argv[:-11], "3x1", *argv[-10:]])  # not 1, 2 or 4: --cpu-weight-rows 3x1
     assert "--cpu-weight-rows takes distinct comma-separated GxD, G and D each 1, 2 or 4 (the " \
         "defaults, 1x1, run anyway), got '3x1'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main([*argv[:-9], "24", *argv[-8:]])  # not a multiple of 16
+    assert "--cpu-down-block-rows takes distinct comma-separated multiples of 16 from 16 to " \
+        "1024, got '24'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main([*argv[:-5], "fixed"])  # not a schedule
     with pytest.raises(SystemExit):

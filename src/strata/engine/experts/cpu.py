@@ -253,9 +253,10 @@ class CpuExperts(KernelSettings):
 
     def tasks(self, routed: Routed) -> int:
         """The tasks strata's kernel splits a call of `routed`'s experts into: each expert's F
-        rows of gate and up, and its D rows of down, 16 at a time (`_cpu_experts.n_tasks`)."""
+        rows of gate and up 16 at a time, and its D rows of down `down_block_rows` at a time
+        (`_cpu_experts.n_tasks`)."""
         return _cpu_experts.n_tasks(routed.n_experts, self.store.expert_width,
-                                    self.store.hidden_size)
+                                    self.store.hidden_size, self.down_block_rows)
 
     def compute(self, layer: int, x_rows: torch.Tensor, routed: Routed,
                 out: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,11 +29,13 @@ class KernelSettings:
         self.prefetch_bytes = _cpu_experts.PREFETCH_BYTES
         self.gate_up_rows = _cpu_experts.GATE_UP_ROWS
         self.down_rows = _cpu_experts.DOWN_ROWS
+        self.down_block_rows = _cpu_experts.DOWN_BLOCK_ROWS
 
-    def kernel_settings(self) -> tuple[str, int, int, int]:
-        """(schedule, prefetch_bytes, gate_up_rows, down_rows): `compute`'s and
+    def kernel_settings(self) -> tuple[str, int, int, int, int]:
+        """(schedule, prefetch_bytes, gate_up_rows, down_rows, down_block_rows): `compute`'s and
         `CpuWorker.start`'s arguments after n_threads."""
-        return self.schedule, self.prefetch_bytes, self.gate_up_rows, self.down_rows
+        return (self.schedule, self.prefetch_bytes, self.gate_up_rows, self.down_rows,
+                self.down_block_rows)
 
     @property
     def schedule(self) -> str:
@@ -100,3 +102,21 @@ class KernelSettings:
     @down_rows.setter
     def down_rows(self, n_rows: int) -> None:
         self._down_rows = _rows_at_once("down_rows", n_rows)
+
+    @property
+    def down_block_rows(self) -> int:
+        """How many rows of down one task of the kernel's pass 2 reads
+        (`_cpu_experts.compute`'s `down_block_rows`): `_cpu_experts.DOWN_BLOCK_ROWS`, 16, by
+        default, as pass 1's tasks; larger blocks (longer runs of memory a task, fewer tasks)
+        for the benchmarks' A/B (bench/cpu_experts.py `--down-block-rows`, bench/offload.py
+        `--cpu-down-block-rows`); the same bytes whatever. ValueError when set to anything but
+        a multiple of 16 from 16 to 1024."""
+        return self._down_block_rows
+
+    @down_block_rows.setter
+    def down_block_rows(self, n_rows: int) -> None:
+        if not isinstance(n_rows, int) or isinstance(n_rows, bool) or not 16 <= n_rows <= 1024 \
+                or n_rows % 16:
+            raise ValueError(f"down_block_rows must be a multiple of 16 from 16 to 1024, got "
+                             f"{n_rows!r}")
+        self._down_block_rows = n_rows
