@@ -72,8 +72,8 @@ PREFETCH_BYTES = 4096
 # Weight rows read at once for one row of x, by default: pass 1's (`compute`'s `gate_up_rows`:
 # 1, gate's then up's row of each f; 2, the two together; 4, those of two f) and pass 2's
 # (`down_rows`: 1, 2 or 4 adjacent rows of down). The same bytes whichever. On an H100
-# machine's Xeon gate and up together read 1.1-1.4x as fast alone, but only where the weights
-# sat in its last-level cache: in the decode round, from memory, pass 1 read 0.98-1.02x the
+# machine's Xeon gate and up together read 1.05-1.67x as fast alone, but only where the weights
+# sat in its last-level cache: in the decode round, from memory, pass 1 read 0.95-1.04x the
 # rate of one at a time, and down two or four at once (then half a task apart; adjacent since,
 # untimed) was slower under the default schedule
 # (bench/results/cpu-weight-rows-h100-2026-12-05.md). So one at a time stays.
