@@ -81,9 +81,9 @@ cdef class CpuWorker:
               int64_t prefetch_bytes=PREFETCH_BYTES, int gate_up_rows=GATE_UP_ROWS,
               int down_rows=DOWN_ROWS, int64_t down_block_rows=DOWN_BLOCK_ROWS):
         """Start `compute(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads,
-        schedule, prefetch_bytes, gate_up_rows, down_rows, down_block_rows)` on the worker's thread and return. ValueError as `compute`
-        raises it, RuntimeError while a call is in flight (`wait` for it first); nothing starts
-        then."""
+        schedule, prefetch_bytes, gate_up_rows, down_rows, down_block_rows)` on the worker's
+        thread and return. ValueError as `compute` raises it, RuntimeError while a call is in
+        flight (`wait` for it first); nothing starts then."""
         if self._pending:
             raise RuntimeError("a call is in flight on this CpuWorker: wait() for it first")
         _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule,
