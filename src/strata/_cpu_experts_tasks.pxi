@@ -116,13 +116,13 @@ cdef inline void _activations_one(const Call *c, const uint8_t *blob, int64_t f,
         c.act[r * f_width + f + half + i] = _activation(sums[2], sums[3])
     f = f + 2 * half
     while f < f_end:
-        rows[0] = f
-        rows[1] = f_width + f
         if c.gate_up_rows == 1:
             sums[0] = _dot(blob, c.fmt, f * c.d_hidden, f, scales_at, c.d_hidden, x, c.prefetch)
             sums[1] = _dot(blob, c.fmt, (f_width + f) * c.d_hidden, f_width + f, scales_at,
                            c.d_hidden, x, c.prefetch)
         else:
+            rows[0] = f
+            rows[1] = f_width + f
             _dots(blob, c.fmt, rows, 2, f_width, c.d_hidden, scales_at, x, c.prefetch, sums)
         c.act[r * f_width + f] = _activation(sums[0], sums[1])
         f = f + 1

@@ -33,9 +33,10 @@ class KernelSettings:
 
     def kernel_settings(self) -> tuple[str, int, int, int, int]:
         """(schedule, prefetch_bytes, gate_up_rows, down_rows, down_block_rows): `compute`'s and
-        `CpuWorker.start`'s arguments after n_threads."""
-        return (self.schedule, self.prefetch_bytes, self.gate_up_rows, self.down_rows,
-                self.down_block_rows)
+        `CpuWorker.start`'s arguments after n_threads (the checked values, read past the
+        properties: a decode call's start reads them)."""
+        return (self._schedule, self._prefetch_bytes, self._gate_up_rows, self._down_rows,
+                self._down_block_rows)
 
     @property
     def schedule(self) -> str:
