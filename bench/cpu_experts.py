@@ -42,7 +42,7 @@ machine's Xeon and read at up to 200 GB/s, past its memory's rate
   (`--weight-rows GxD[,GxD]`, each 1, 2 or 4): the same with the kernel reading G of gate's and
   up's rows and D adjacent rows of down at once for the token (`CpuExperts.gate_up_rows`,
   `down_rows`); `start-dynamic-downblockN`, `start-steal-downblockN` (`--down-block-rows
-  N[,N]`): with pass 2's tasks N rows of down each (`CpuExperts.down_block_rows`; 16 by
+  N[,N]`): with pass 2's tasks N rows of down each (`CpuExperts.down_block_rows`; 64 by
   default);
 - `compute-worker`: the same on a worker thread (one `ThreadPoolExecutor` thread), the design
   the cache had before: adds the hand-over and a second intra-op team (the worker's count is

@@ -100,8 +100,9 @@
 # once, GxD: G of gate's and up's, D of down's, default 4x1,1x2,1x4, against the defaults,
 # interleaved, `CpuExperts.gate_up_rows`, `down_rows`; ROWS_ARGS adds flags),
 # offload-down-block (4: the same round with the CPU kernel's pass-2 tasks CPU_DOWN_BLOCKS rows
-# of down each, default 48,128, against 16, interleaved, `CpuExperts.down_block_rows`;
-# DOWN_BLOCK_ARGS adds flags), offload-team (4:
+# of down each, default 16, against the default 64, interleaved, `CpuExperts.down_block_rows`;
+# DOWN_BLOCK_ARGS adds flags; offload-down-block-olmoe, 3: the same on olmoe-1b-7b at 4 GiB),
+# offload-team (4:
 # the same round with the CPU's own thread's team of CPU_TEAMS threads, default 13,11, against the default 15, interleaved: a team as large as the cores left
 # waits for any thread the scheduler takes a core from; each run's threads' sleeps,
 # preemptions and time waiting for a core are in its JSON, bench/thread_sched.py), cpu-schedule (1.5: bench/cpu_experts.py
@@ -437,7 +438,11 @@ for stage in "$@"; do
     offload-down-block)  # the CPU kernel's pass-2 tasks of more rows: A/B in one process
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
                --share-per-format --stream-misses auto \
-               --cpu-down-block-rows "${CPU_DOWN_BLOCKS:-48,128}" --interleave \
+               --cpu-down-block-rows "${CPU_DOWN_BLOCKS:-16}" --interleave \
+               --prefill-tokens 0 ${DOWN_BLOCK_ARGS:-} ;;
+    offload-down-block-olmoe)  # the same on olmoe-1b-7b at 4 GiB (bf16 experts, 2 KiB rows of down)
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses auto \
+               --cpu-down-block-rows "${CPU_DOWN_BLOCKS:-16}" --interleave \
                --prefill-tokens 0 ${DOWN_BLOCK_ARGS:-} ;;
     offload-team)  # the CPU's team smaller than the cores left: A/B in one process
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \

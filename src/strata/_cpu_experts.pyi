@@ -17,9 +17,9 @@ SCHEDULES: dict[str, int]
 PREFETCH_BYTES: int  # compute's default prefetch_bytes: 4096
 GATE_UP_ROWS: int  # compute's default gate_up_rows: 1
 DOWN_ROWS: int  # compute's default down_rows: 1
-DOWN_BLOCK_ROWS: int  # compute's default down_block_rows: 16
+DOWN_BLOCK_ROWS: int  # compute's default down_block_rows: 64
 WORKER_NAME: str  # the name of CpuWorker's thread and its OpenMP team's, on Linux: "strata-cpu"
-REVISION: int  # the kernel's revision, part of the kept rates' key: 2
+REVISION: int  # the kernel's revision, part of the kept rates' key: 3
 
 def blob_bytes(fmt: int, expert_width: int, hidden_size: int) -> int:
     """Bytes of one blob of format `fmt` for F and D; ValueError for an unknown format, or an
@@ -38,7 +38,7 @@ def compute(
     prefetch_bytes: int = 4096,
     gate_up_rows: int = 1,
     down_rows: int = 1,
-    down_block_rows: int = 16,
+    down_block_rows: int = 64,
 ) -> None:
     """Compute `experts` of one layer over their rows, into `out`.
 
@@ -74,8 +74,8 @@ def compute(
             (`DOWN_ROWS`, the default), 2 or 4. int4 rows are read one at a time whatever. The
             same bytes whatever both.
         down_block_rows: the rows of down one task of pass 2 reads, a multiple of 16 from 16
-            to 1024 (`DOWN_BLOCK_ROWS`, the default, 16, as pass 1's tasks take 16 rows of
-            gate and of up). The same bytes whatever.
+            to 1024 (`DOWN_BLOCK_ROWS`, the default, 64: down's rows are short, and pass 1's
+            tasks take 16 rows of gate and of up). The same bytes whatever.
 
     Raises:
         ValueError: an unknown format, shapes that disagree, an expert out of range, bad
@@ -96,7 +96,7 @@ def shrink_team() -> None:
     threads spin before they sleep (about a microsecond otherwise)."""
 
 def n_tasks(n_experts: int, expert_width: int, hidden_size: int,
-            down_block_rows: int = 16) -> int:
+            down_block_rows: int = 64) -> int:
     """The tasks a call of n_experts experts of width F and hidden size D makes, both passes:
     M * (ceil(F / 16) + ceil(D / down_block_rows)); ValueError for down_block_rows < 1."""
 
@@ -133,7 +133,7 @@ class CpuWorker:
         prefetch_bytes: int = 4096,
         gate_up_rows: int = 1,
         down_rows: int = 1,
-        down_block_rows: int = 16,
+        down_block_rows: int = 64,
     ) -> None:
         """Start `compute` with these arguments on the worker's thread and return at once.
         ValueError as `compute` raises it; RuntimeError while a call is in flight."""

@@ -83,8 +83,9 @@ DOWN_ROWS = 1
 # The kernel's revision, part of the key of the rates `--stream-misses auto` keeps
 # (`strata.engine.experts.cpu.kernel_id`): raised by a change that moves the kernel's times, so
 # that rates measured before it are measured again. 2: a call's two passes in one OpenMP region
-# with no barrier of the team before the first task (`_cpu_experts_passes.h`).
-REVISION = 2
+# with no barrier of the team before the first task (`_cpu_experts_passes.h`). 3: pass 2's
+# tasks of DOWN_BLOCK_ROWS = 64 rows of down, not 16.
+REVISION = 3
 
 # Rows of a weight matrix one task reads: enough to amortise the task, few enough that a
 # decode call's M * F / BLOCK_ROWS tasks keep 16 threads busy (olmoe: 8 * 1024 / 16 = 512).
@@ -92,12 +93,14 @@ cdef enum:
     BLOCK_ROWS = 16
 
 # Rows of down one pass-2 task reads, by default (`compute`'s `down_block_rows`; a multiple of
-# 16 up to 1024): BLOCK_ROWS, as pass 1's. A task of 16 rows of down is 12 KiB of int8 on
-# qwen3-30b-a3b (F = 768), against pass 1's two runs of 32 KiB; on the development VM rows
-# handed out in blocks of 12 KiB read 0.51-0.82x what each thread's own run of them reads, in
-# blocks of 96 KiB as fast (bench/results/dot-stream-cpu-2026-12-05.md). Larger blocks are
-# there for the benchmarks' A/B on the GPU machine. The same bytes whatever.
-DOWN_BLOCK_ROWS = BLOCK_ROWS
+# 16 up to 1024). Down's rows are short (F elements: 768 bytes of int8 on qwen3-30b-a3b), so a
+# task of 16 of them, as pass 1 takes of gate and up, is a 12 KiB run of memory against pass
+# 1's two runs of 32 KiB, and the tasks handed out one at a time read down at 0.7-0.8x pass
+# 1's rate. 64 rows (48 KiB of int8 on qwen3, 128 KiB of bf16 on olmoe) read it 1.25-1.33x
+# faster in issue 17's decode round on the H100 machine's Xeon, while a call of one expert
+# still has D / 64 = 32 tasks for 16 threads (bench/results/cpu-down-block-h100-2026-12-05.md).
+# The same bytes whatever.
+DOWN_BLOCK_ROWS = 64
 
 # The blobs' formats (`blob_bytes` of each: the layout above).
 cdef enum:

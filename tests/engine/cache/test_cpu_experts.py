@@ -216,18 +216,18 @@ def test_reading_weight_rows_at_once_changes_no_byte_and_a_bad_count_is_refused_
     x = torch.randn(4, store.hidden_size, generator=torch.Generator().manual_seed(7)).bfloat16()
     assert (cpu.gate_up_rows, cpu.down_rows) == (_cpu_experts.GATE_UP_ROWS,
                                                  _cpu_experts.DOWN_ROWS) == (1, 1)  # defaults
-    assert cpu.down_block_rows == _cpu_experts.DOWN_BLOCK_ROWS == 16
+    assert cpu.down_block_rows == _cpu_experts.DOWN_BLOCK_ROWS == 64
     one = Routed.of(np.array([[1, 3]]))  # a decode call: one token's row
-    assert cpu.tasks(one) == 2 * (96 // 16 + 64 // 16)  # F = 96, D = 64: M * (6 + 4)
+    assert cpu.tasks(one) == 2 * (96 // 16 + 1)  # F = 96, D = 64: M * (6 + down in one task)
     alone, alone_one = cpu.compute(0, x, routed), cpu.compute(0, x[:1], one)
     out = torch.empty_like(alone_one)
-    for gate_up, down, block in [(2, 1, 16), (4, 2, 32), (1, 4, 64)]:
+    for gate_up, down, block in [(2, 1, 16), (4, 2, 32), (1, 4, 64), (1, 1, 16)]:
         cpu.gate_up_rows, cpu.down_rows, cpu.down_block_rows = gate_up, down, block
         assert torch.equal(cpu.compute(0, x, routed).view(torch.int16), alone.view(torch.int16))
         assert cpu.start(0, x[:1], one, out)
         cpu.finish()
         assert torch.equal(out.view(torch.int16), alone_one.view(torch.int16))
-    assert cpu.tasks(one) == 2 * (96 // 16 + 1)  # down's 64 rows in one task
+    assert cpu.tasks(one) == 2 * (96 // 16 + 64 // 16)  # down's 64 rows 16 a task: 6 + 4
     for name in ("gate_up_rows", "down_rows"):
         for bad in (0, 3, 8, True, 2.0):
             with pytest.raises(ValueError, match=rf"{name} must be 1, 2 or 4, got"):
@@ -236,7 +236,7 @@ def test_reading_weight_rows_at_once_changes_no_byte_and_a_bad_count_is_refused_
         with pytest.raises(ValueError, match=r"down_block_rows must be a multiple of 16 from 16 "
                                              r"to 1024, got"):
             cpu.down_block_rows = bad
-    assert (cpu.gate_up_rows, cpu.down_rows, cpu.down_block_rows) == (1, 4, 64)  # unchanged
+    assert (cpu.gate_up_rows, cpu.down_rows, cpu.down_block_rows) == (1, 1, 16)  # unchanged
     with pytest.raises(ValueError, match=r"down_block_rows must be >= 1, got 0"):
         _cpu_experts.n_tasks(2, 96, 64, 0)
 

@@ -107,7 +107,7 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     # Which team each CPU call ran with (on the host twin the misses run on the engine's
     # thread, `compute`, with cpu_threads of them: -teamN's N + 1, the base's None).
     # And how many weight rows its kernel read at once (-rows1x2's, the others' the defaults)
-    # and its pass-2 tasks' rows (-downblock32's, the others' 16).
+    # and its pass-2 tasks' rows (-downblock32's, the others' the default 64).
     teams, weight_rows, down_blocks = set(), set(), set()
     compute = CpuExperts.compute
 
@@ -119,7 +119,7 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
 
     monkeypatch.setattr(CpuExperts, "compute", counting)
     assert bench.main(argv) == 0
-    assert teams == {None, 2, 4} and weight_rows == {(1, 1), (1, 2)} and down_blocks == {16, 32}
+    assert teams == {None, 2, 4} and weight_rows == {(1, 1), (1, 2)} and down_blocks == {64, 32}
     assert not graph_call.LAUNCH_AHEAD  # the -ahead run's switch put back
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.

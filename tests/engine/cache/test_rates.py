@@ -204,7 +204,7 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypat
     # strata's kernel is named with its revision and prefetch distance: rates kept before a
     # change of either are another key, measured anew.
     bf16 = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1)
-    assert bf16.kernel == "strata-r2-pf4096" and "strata-r2-pf4096 kernel" in bf16.text()
+    assert bf16.kernel == "strata-r3-pf4096" and "strata-r3-pf4096 kernel" in bf16.text()
     monkeypatch.setattr(_cpu_experts, "PREFETCH_BYTES", 0)
     assert RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1).text() != bf16.text()
     monkeypatch.setattr(_cpu_experts, "PREFETCH_BYTES", 4096)

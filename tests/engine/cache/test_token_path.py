@@ -7,7 +7,7 @@ policies, and repeated experts."""
 import pytest
 import torch
 
-from strata import _vmm
+from strata import _cpu_experts, _vmm
 from strata._residency import ResidencyTable
 from strata.books import CheckedPolicy
 from strata.engine.cache import graph_call
@@ -148,7 +148,8 @@ def test_the_cpu_s_tasks_and_those_the_engine_thread_ran_are_counted(schedule):
     for call in token_calls(store, 32, seed=4, repeats=False, device="cpu"):
         assert bytes_of(split_call(token, *call)) == bytes_of(general.forward(*call))
     stats = token.stats.decode
-    blocks = -(-store.expert_width // 16) - (-store.hidden_size // 16)  # F and D in tasks
+    blocks = -(-store.expert_width // 16) \
+        - (-store.hidden_size // _cpu_experts.DOWN_BLOCK_ROWS)  # F and D in tasks
     assert stats.cpu_experts > 0 and stats.cpu_tasks == stats.cpu_experts * blocks
     assert general.stats.decode.cpu_tasks == 0  # computed on the engine's thread: not counted
     if schedule == "steal":

@@ -69,7 +69,7 @@ def kernel_for(dtype: torch.dtype, kernel: str | None = None) -> str:
 
 def kernel_id(dtype: torch.dtype) -> str:
     """`kernel_for(dtype)`, strata's kernel named with its revision and default prefetch
-    distance ("strata-r2-pf4096"): what measured CPU rates depend on, so that rates kept before
+    distance ("strata-r3-pf4096"): what measured CPU rates depend on, so that rates kept before
     a change of either are measured again (`strata.engine.cache.rates.RatesKey`)."""
     kernel = kernel_for(dtype)
     if kernel != "strata":

@@ -107,11 +107,10 @@ class KernelSettings:
     @property
     def down_block_rows(self) -> int:
         """How many rows of down one task of the kernel's pass 2 reads
-        (`_cpu_experts.compute`'s `down_block_rows`): `_cpu_experts.DOWN_BLOCK_ROWS`, 16, by
-        default, as pass 1's tasks; larger blocks (longer runs of memory a task, fewer tasks)
-        for the benchmarks' A/B (bench/cpu_experts.py `--down-block-rows`, bench/offload.py
-        `--cpu-down-block-rows`); the same bytes whatever. ValueError when set to anything but
-        a multiple of 16 from 16 to 1024."""
+        (`_cpu_experts.compute`'s `down_block_rows`): `_cpu_experts.DOWN_BLOCK_ROWS`, 64, by
+        default; others for the benchmarks' A/B (bench/cpu_experts.py `--down-block-rows`,
+        bench/offload.py `--cpu-down-block-rows`); the same bytes whatever. ValueError when set
+        to anything but a multiple of 16 from 16 to 1024."""
         return self._down_block_rows
 
     @down_block_rows.setter
