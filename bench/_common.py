@@ -88,12 +88,13 @@ def engine_around(model, kv, max_context: int, kv_dtype: torch.dtype | None = No
     (`build_cached_experts` on the store every variant shares, not a checkpoint loaded again
     per variant), with `kv` the elastic K/V started beside it or None (then a fixed K/V whose
     cells are `kv_dtype`, None: the model's dtype). Closing it closes the K/V, the cache and
-    the cache's backend; the caller then sets `model.experts` to None."""
+    the cache's backend, not the store, which stays page-locked for the next variant's cache
+    (the caller closes it after the last); the caller then sets `model.experts` to None."""
     from strata.engine.runtime.engine import Engine
     from strata.engine.runtime.load import Loaded
 
-    return Engine(Loaded(model, model.experts, kv), None, max_context=max_context,
-                  kv_dtype=kv_dtype)
+    return Engine(Loaded(model, model.experts, kv, owns_store=False), None,
+                  max_context=max_context, kv_dtype=kv_dtype)
 
 
 def fresh_request(engine, prompt: list[int], options):

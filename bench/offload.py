@@ -395,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
             runs.update(decode_runs(setup, fmt, prompt, decode_context))
             if args.prefill_tokens:
                 runs.update(prefill_runs(setup, fmt, long_prompt, prefill_context))
-            fmt = store = None  # a quantized store's pinned memory goes before the next one's
+            if store is not base_store:  # its pinned memory goes before the next one's
+                store.close()
+            fmt = store = None
+        base_store.close()
         sync(device)
 
     result = {

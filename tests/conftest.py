@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 # run directly, a script finds them beside itself.
 sys.path.insert(1, str(Path(__file__).parent.parent / "bench"))
 
+from support.recording_driver import recording_driver  # noqa: F401  (a fixture for all)
+
 HOME_DISTRIBUTION = "strata"
 
 

@@ -7,9 +7,7 @@ failure path (an injected fault) runs everywhere.
 
 import gc
 import mmap
-import sys
 import threading
-import types
 from pathlib import Path
 
 import pytest
@@ -253,44 +251,6 @@ def test_the_docs_figure_for_torchs_rounding_is_a_qwen3_layers():
 # --- the registration's driver calls, against a recording stand-in ---------------------------
 # The real driver runs the same code under `pytest -m cuda`; here the calls' order and
 # arguments are checked where there is no GPU (the path every CUDA store now loads through).
-
-
-class RecordingDriver(types.ModuleType):
-    """`cuda.bindings.driver` as far as HostPages uses it: each call recorded, each result
-    (CUresult, *values) as cuda-python returns them; `fail` names a call that returns
-    CUDA_ERROR_OUT_OF_MEMORY (2)."""
-
-    def __init__(self, fail: str | None = None) -> None:
-        super().__init__("cuda.bindings.driver")
-        self.calls: list[tuple] = []
-        self.fail = fail
-
-    def __getattr__(self, name: str):
-        if not name.startswith("cu"):
-            raise AttributeError(name)
-        values = {"cuDeviceGet": ("device",), "cuDevicePrimaryCtxRetain": ("context",),
-                  "cuGetErrorName": (b"CUDA_ERROR_OUT_OF_MEMORY",)}.get(name, ())
-
-        def call(*args):
-            if name != "cuGetErrorName":
-                self.calls.append((name, *args))
-            return (2 if name == self.fail else 0, *values)
-        return call
-
-
-@pytest.fixture
-def recording_driver(monkeypatch):
-    def install(fail: str | None = None) -> RecordingDriver:
-        driver = RecordingDriver(fail)
-        bindings = types.ModuleType("cuda.bindings")
-        bindings.driver = driver
-        cuda = types.ModuleType("cuda")
-        cuda.bindings = bindings
-        for name, module in (("cuda", cuda), ("cuda.bindings", bindings),
-                             ("cuda.bindings.driver", driver)):
-            monkeypatch.setitem(sys.modules, name, module)
-        return driver
-    return install
 
 
 def test_registration_locks_the_whole_mapping_and_freeing_unlocks_it_after_a_sync(

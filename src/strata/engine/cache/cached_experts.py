@@ -91,6 +91,7 @@ class CachedExperts:
                  stream_misses: int | StreamSplit = 0, loan: LoanOptions | None = None,
                  prefetch_misses: int = 0) -> None:
         self.device = torch.device(device)
+        store.check_uploads_to(self.device)  # ValueError before anything is made
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if policy is not None and policy.table is not table:

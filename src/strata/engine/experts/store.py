@@ -86,6 +86,22 @@ class ExpertStore:
         self.n_layers = len(layers)
         self.n_experts = layers[0].shape[0]
 
+    def check_uploads_to(self, device: torch.device) -> None:
+        """ValueError where `device` is a CUDA device and the blobs' host memory is not
+        page-locked: copies from it would run synchronously, at a fraction of the pinned rate,
+        and a cache over it would wait on every upload (a store loaded without `pin_memory`,
+        or one that was closed and is used again)."""
+        if device.type != "cuda":
+            return
+        locked = (self.pages.registered_device is not None if self.pages is not None
+                  else all(layer.is_pinned() for layer in self._layers))
+        if not locked:
+            raise ValueError(f"the expert store's host memory is not page-locked for CUDA (a "
+                             f"store loaded without pin_memory, or closed: ExpertStore.close "
+                             f"unlocks it): a cache on {device} would upload from it "
+                             f"synchronously, at a fraction of the pinned rate; load it with "
+                             f"pin_memory=True and close it after its last cache")
+
     def close(self) -> None:
         """Unlock the pages for CUDA now, where the owner closes, not when the last view goes:
         that comes at the garbage collector's time, and the device synchronisation it needs

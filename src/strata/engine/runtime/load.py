@@ -28,22 +28,26 @@ __all__ = ["Loaded", "load"]
 class Loaded:
     """A loaded model and what was composed around it: `cache`, its experts through the expert
     cache (None: every expert resident), and `kv`, the elastic K/V kept across requests (None:
-    each request makes its own K/V, `--kv-grow` off or not applicable)."""
+    each request makes its own K/V, `--kv-grow` off or not applicable). `owns_store`: whether
+    closing unlocks the cache's expert store too; False where the caller shares one store among
+    several caches in turn (the benchmarks' variants) and closes it after the last."""
 
     model: MoEModel
     cache: CachedExperts | None = None
     kv: ElasticKV | None = None
+    owns_store: bool = True
 
     def close(self) -> None:
         """Release the K/V's range, then the arena (the K/V's chunks come from its backend),
-        then the backend's own resources (host files); unlock the expert store's pages.
-        Idempotent."""
+        then the backend's own resources (host files); unlock the expert store's pages where
+        it owns the store. Idempotent."""
         if self.kv is not None:
             self.kv.close()
         if self.cache is not None:
             self.cache.close()
             self.cache.arena.backend.close()
-            self.cache.store.close()
+            if self.owns_store:
+                self.cache.store.close()
 
     def __enter__(self) -> Loaded:
         return self
