@@ -300,6 +300,10 @@ def decode_runs(setup: Setup, fmt: Format, prompt: list[int], max_context: int
                     run["slots"] = engine.cache.arena.n_slots
                     run["experts_dtype"] = fmt.name
                     run["interleaved"] = len(decoded) > 1
+                    # The run its requests took turns with, request by request (rounds.py
+                    # --interleaved): the setting-less one of this stream and format.
+                    run["interleaved_base"] = f"decode-stream-{stream}{fmt.suffix}" \
+                        if len(decoded) > 1 else None
                 look_closer(engine, decoded[name], name, prompt, args, max_context)
             del engine  # and its graphs
             setup.model.experts = None

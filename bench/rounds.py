@@ -8,16 +8,21 @@ the CPU's own thread ran them the runs' own ms and GB/s, the team's wake-up and 
 misses a round on the CPU and streamed, and what the scheduler did to the CPU's team (`strata-cpu`
 threads: sleeps, preemptions and ms waiting for a core a round, where recorded). A figure a run does
 not have is "-". With `--ab`, the pairs: for each round and run name, the new side's ms a round, CPU
-ms and host-side ms over the base side's.
+ms and host-side ms over the base side's. With `--interleaved`, each setting of a process whose
+settings took turns request by request in one engine (offload.py `--interleave`) against its base:
+its rounds over the base's, request by request (the median and the range, the machine's drift
+falling on both), and whether its tokens are the base's.
 
     python bench/rounds.py gpu-out/offload.jsonl
     python bench/rounds.py gpu-out/offload-ab.jsonl --ab
+    python bench/rounds.py gpu-out/offload.jsonl --interleaved
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -90,6 +95,29 @@ def ab_pairs(rows: list[dict]) -> list[dict]:
     return pairs
 
 
+def interleaved_ratios(documents: list[dict]) -> list[dict]:
+    """Each interleaved decode run but its base, against the base (`interleaved_base`; in
+    lines written before offload.py named it, the document's first interleaved run): `where`,
+    `base`, `run`, the requests compared, the median, lowest and highest of the run's ms a
+    round over the base's in the same request, and `same_tokens`."""
+    out = []
+    for document in documents:
+        runs = {name: run for name, run in document.get("runs", {}).items()
+                if isinstance(run, dict) and run.get("interleaved")}
+        for name, run in runs.items():
+            base_name = run.get("interleaved_base") or next(iter(runs))
+            base = runs.get(base_name)
+            if base is None or name == base_name:
+                continue
+            ratios = sorted(new / old for new, old in zip(  # the same requests, in turn
+                run["decode_ms_per_round_each"], base["decode_ms_per_round_each"], strict=True))
+            out.append({"where": f"{document['file']}:{document['line']}", "base": base_name,
+                        "run": name, "requests": len(ratios),
+                        "median": statistics.median(ratios), "low": ratios[0],
+                        "high": ratios[-1], "same_tokens": run["tokens"] == base["tokens"]})
+    return out
+
+
 def _cell(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -118,19 +146,34 @@ def ab_table(pairs: list[dict]) -> list[str]:
     return lines
 
 
+def interleaved_table(ratios: list[dict]) -> list[str]:
+    """The interleaved runs against their bases as a Markdown table's lines."""
+    lines = ["| where | base | run | requests | ms a round, run/base: median | lowest | highest "
+             "| same tokens |", "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in ratios:
+        lines.append(f"| {r['where']} | {r['base']} | {r['run']} | {r['requests']} | "
+                     f"{r['median']:.3f} | {r['low']:.3f} | {r['high']:.3f} | "
+                     f"{'yes' if r['same_tokens'] else 'no'} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="files of offload.py's JSON lines")
     parser.add_argument("--ab", action="store_true",
                         help="also the pairs of an A/B's lines (tagged side and round)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="also each interleaved setting against its base, request by "
+                        "request")
     args = parser.parse_args(argv)
     missing = [str(path) for path in args.paths if not path.is_file()]
     if missing:
         parser.error(f"no such file: {', '.join(missing)}")
     try:
-        rows = decode_rows(read_lines(args.paths))
+        documents = read_lines(args.paths)
     except ValueError as error:
         parser.error(str(error))
+    rows = decode_rows(documents)
     print("\n".join(table(rows)))
     if args.ab:
         pairs = ab_pairs(rows)
@@ -138,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--ab: no run has both a base and a new side in one round")
         print()
         print("\n".join(ab_table(pairs)))
+    if args.interleaved:
+        ratios = interleaved_ratios(documents)
+        if not ratios:
+            parser.error("--interleaved: no process's runs took turns (offload.py --interleave)")
+        print()
+        print("\n".join(interleaved_table(ratios)))
     return 0
 
 

@@ -339,3 +339,35 @@ def test_the_rounds_summary_tables_offload_s_lines_and_pairs_an_a_b(capsys, tmp_
     with pytest.raises(SystemExit):
         rounds.main([str(tmp_path / "none.jsonl")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_the_rounds_summary_puts_each_interleaved_setting_against_its_base(capsys, tmp_path):
+    """bench/rounds.py --interleaved: each setting of an `--interleave` run over its base,
+    request by request (the median and range of the ratios), and whether its tokens are the
+    base's; an error where no run took turns."""
+    bench = load_bench("offload.py")
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "3", "--prefill-tokens", "0",
+            "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "3",
+            "--stream-misses", "1", "--expert-share", "0.25", "--json", "--interleave",
+            "--cpu-down-block-rows", "32"]
+    assert bench.main(argv) == 0
+    line = capsys.readouterr().out.strip()
+    runs = json.loads(line)["runs"]
+    base, other = runs["decode-stream-1"], runs["decode-stream-1-downblock32"]
+    assert other["interleaved_base"] == "decode-stream-1"
+    ratios = sorted(new / old for new, old in zip(other["decode_ms_per_round_each"],
+                                                  base["decode_ms_per_round_each"], strict=True))
+    path = tmp_path / "offload.jsonl"
+    path.write_text("bench/offload.py: progress\n" + line + "\n")
+    rounds = load_bench("rounds.py")
+    assert rounds.main([str(path), "--interleaved"]) == 0
+    row = [r for r in capsys.readouterr().out.splitlines() if "| decode-stream-1-downblock32 | 3 |"
+           in r]
+    assert row == [f"| offload.jsonl:2 | decode-stream-1 | decode-stream-1-downblock32 | 3 | "
+                   f"{ratios[1]:.3f} | {ratios[0]:.3f} | {ratios[2]:.3f} | yes |"]
+    for run in runs.values():
+        run["interleaved"] = False
+    path.write_text(json.dumps({"runs": runs}) + "\n")
+    with pytest.raises(SystemExit):
+        rounds.main([str(path), "--interleaved"])
+    assert "no process's runs took turns" in capsys.readouterr().err
