@@ -203,3 +203,15 @@ def rows_at_once(text: str) -> list[tuple[int, int]] | None:
             return None
         pairs.append((int(gate_up), int(down)))
     return pairs if len(set(pairs)) == len(pairs) else None
+
+
+def down_block_rows(text: str) -> list[int] | None:
+    """Comma-separated rows of down a pass-2 task of the CPU kernel reads
+    (`CpuExperts.down_block_rows`: multiples of 16 from 16 to 1024), distinct; None for
+    anything else (the caller's parser names the flag)."""
+    specs = [spec for spec in text.split(",") if spec]
+    if not all(spec.isdigit() for spec in specs):
+        return None
+    counts = [int(spec) for spec in specs]
+    valid = all(n % 16 == 0 and 16 <= n <= 1024 for n in counts)
+    return counts if valid and len(set(counts)) == len(counts) else None

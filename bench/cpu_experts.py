@@ -95,7 +95,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from _common import host_read_bytes_per_s, mem_available_bytes, rows_at_once, rss_bytes
+from _common import (
+    down_block_rows,
+    host_read_bytes_per_s,
+    mem_available_bytes,
+    rows_at_once,
+    rss_bytes,
+)
 from cpu_experts_report import call_parts, print_report
 from cpu_experts_started import start_and_finish, started_columns
 from strata import _cpu_experts
@@ -373,11 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     if weight_rows is None:
         parser.error(f"--weight-rows takes distinct comma-separated GxD, G and D each 1, 2 or "
                      f"4, got {args.weight_rows!r}")
-    down_blocks = tuple(int(n) for n in args.down_block_rows.split(",") if n.isdigit())
-    if len(down_blocks) != len([n for n in args.down_block_rows.split(",") if n]) \
-            or any(n % 16 or not 16 <= n <= 1024 for n in down_blocks):
-        parser.error(f"--down-block-rows takes comma-separated multiples of 16 from 16 to 1024, "
-                     f"got {args.down_block_rows!r}")
+    down_blocks = down_block_rows(args.down_block_rows)
+    if down_blocks is None:
+        parser.error(f"--down-block-rows takes distinct comma-separated multiples of 16 from 16 "
+                     f"to 1024, got {args.down_block_rows!r}")
+    down_blocks = tuple(down_blocks)
     memories = args.memory.split(",")
     if set(memories) - {"pageable", "pinned", "pages", "huge"}:
         parser.error(f"--memory takes pageable, pinned, pages, huge; got {args.memory!r}")

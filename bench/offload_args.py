@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import argparse
 
-from _common import add_kv_env_arguments, add_model_arguments, rows_at_once
+from _common import (
+    add_kv_env_arguments,
+    add_model_arguments,
+    down_block_rows,
+    rows_at_once,
+)
 from strata import _cpu_experts
 from strata.engine.experts.quant import EXPERTS_DTYPES
 
@@ -147,9 +152,8 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
                      f"or 4 (the defaults, {_cpu_experts.GATE_UP_ROWS}x"
                      f"{_cpu_experts.DOWN_ROWS}, run anyway), got {args.cpu_weight_rows!r}")
     args.cpu_weight_rows = weight_rows
-    args.cpu_down_blocks = _counts(parser, "--cpu-down-block-rows", args.cpu_down_block_rows) \
-        if args.cpu_down_block_rows else []
-    if any(n % 16 or not 16 <= n <= 1024 for n in args.cpu_down_blocks):
+    args.cpu_down_blocks = down_block_rows(args.cpu_down_block_rows)
+    if args.cpu_down_blocks is None:
         parser.error(f"--cpu-down-block-rows takes distinct comma-separated multiples of 16 from "
                      f"16 to 1024, got {args.cpu_down_block_rows!r}")
     args.cpu_teams = _counts(parser, "--cpu-team", args.cpu_team) if args.cpu_team else []

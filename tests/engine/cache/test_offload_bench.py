@@ -371,3 +371,13 @@ def test_the_rounds_summary_puts_each_interleaved_setting_against_its_base(capsy
     with pytest.raises(SystemExit):
         rounds.main([str(path), "--interleaved"])
     assert "no process's runs took turns" in capsys.readouterr().err
+
+
+def test_the_benches_read_pass_2s_rows_a_task_as_the_kernel_takes_them():
+    """bench/_common.down_block_rows, which bench/offload.py's --cpu-down-block-rows and
+    bench/cpu_experts.py's --down-block-rows both parse with: distinct multiples of 16 from 16
+    to 1024, None for anything else."""
+    parse = load_bench("_common.py").down_block_rows
+    assert parse("") == [] and parse("16,1024,64") == [16, 1024, 64]
+    for bad in ("24", "0", "1040", "16,16", "x", "32,-16", "3.2e1"):
+        assert parse(bad) is None, bad
