@@ -176,9 +176,11 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: stages pass it to scripts run from bench/
 if [ -n "${PACK:-}" ]; then  # every output in one file, $OUT/gpu-out.tgz: the device tool
-    PACKED=$OUT              # brings back at most 8 files a call
+    PACKED=$OUT/gpu-out.tgz  # brings back at most 8 files a call. A second packed session in
+    n=1                      # one call writes gpu-out-2.tgz, and so on: none overwrites another.
+    while [ -e "$PACKED" ]; do n=$((n + 1)); PACKED=$OUT/gpu-out-$n.tgz; done
     OUT=$(mktemp -d)
-    trap 'tar -C "$OUT" -czf "$PACKED/gpu-out.tgz" . && rm -rf "$OUT"' EXIT
+    trap 'tar -C "$OUT" -czf "$PACKED" . && rm -rf "$OUT"' EXIT
 fi
 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
