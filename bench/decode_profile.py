@@ -18,7 +18,9 @@ by that kernel, `products.LOGITS_KERNEL`; the router's weights read before its w
 `routing_ops.ROUTER_WEIGHTS_FIRST`; a short window attended in one program a kv head, its
 cells read before its wait, `decode_attention.SHORT_KERNEL`; the same with the rotation and
 the K/V write folded in, `decode_attention.SHORT_ROTATES`: these two on by default since
-bench/results/decode-shapes-short-h100-2026-12-05.md, their rows then the default's), and
+bench/results/decode-shapes-short-h100-2026-12-05.md, their rows then the default's; down's
+index and first weight tile read before its wait, `grouped.DOWN_W_FIRST`, at the default
+blocks and with each program's rows whole, DOWN_ROWS_FIRST of them), and
 `--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
 the gathered path under inductor, the code before that operator).
@@ -57,6 +59,8 @@ from strata.engine.model import decode_attention, ops, products, routing_ops
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.prompt_graphs import PromptGraphs
+
+DOWN_ROWS_FIRST = 8  # rows of down a program of the "+down-rows-first" row reads, each whole
 
 # strata's own Triton kernels by their exact names (a substring such as "down" would match
 # others): the experts' decode kernels and the sum of their rows.
@@ -255,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
+                    steps.append(("decode, CUDA graph, down's first weight tile read before "
+                                  "its wait", step_of(True), "+down-first"))
+                    steps.append((f"decode, CUDA graph, down's whole rows read before its "
+                                  f"wait ({DOWN_ROWS_FIRST} a program)", step_of(True),
+                                  "+down-rows-first"))
                 if not args.no_compile:
                     steps.append(("decode, --compile", step_of(True, True), None))
             # What each row's graph is captured with: (object, attribute, value) set while
@@ -276,6 +285,16 @@ def main(argv: list[str] | None = None) -> int:
                 "+short": ((decode_attention, "SHORT_KERNEL", True),),
                 "+rotate": ((decode_attention, "SHORT_KERNEL", True),
                             (decode_attention, "SHORT_ROTATES", True)),
+                "+down-first": ((grouped, "DOWN_W_FIRST", True),),
+                # A program's rows of down whole (a step of F's power of two), all read
+                # before the wait; its own arrival counter, as the blocks of D are smaller.
+                "+down-rows-first": (
+                    (grouped, "DOWN_W_FIRST", True),
+                    (grouped, "DOWN_BLOCK_D", DOWN_ROWS_FIRST),
+                    (grouped, "DOWN_BLOCK_F", 1 << (model.config.expert_width - 1).bit_length()),
+                    (model.experts, "_sum_arrivals", torch.zeros(
+                        -(-model.config.hidden_size // DOWN_ROWS_FIRST), dtype=torch.int32,
+                        device=device))),
             }
             captured = []  # (row, its round): timed again side by side below
             for label, step, without in steps:

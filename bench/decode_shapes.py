@@ -42,21 +42,26 @@ from strata.engine.runtime.engine import Engine
 DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS[0],
                        grouped.NUM_STAGES[0]),
            "down": (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.NUM_WARPS[1],
-                    grouped.NUM_STAGES[1]),
+                    grouped.NUM_STAGES[1], grouped.DOWN_W_FIRST),
            "products": (products.TILE_ELEMENTS, products.NUM_WARPS),
            "logits": (products.LOGITS_KERNEL,),
            "router": (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST),
            "attention": (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
                          decode_attention.SHORT_WARPS)}
 CUBLAS = (0, 0)  # the products' "shape" that is F.linear in the kernel's place
-# (block, step, warps, stages) tried for each kernel, the other kept at its default.
+# (block, step, warps, stages) tried for each kernel, the other kept at its default; down's
+# with whether its index and first weight tile are read before its wait (`DOWN_W_FIRST`),
+# which at a step of 1024 is every weight of a program at olmoe's and qwen3's widths.
 TRIED = {
     "gate_up": [(block, step, warps, stages)
                 for block, step in ((32, 128), (16, 256), (64, 64), (32, 256))
                 for warps in (4, 8) for stages in (1, 3, 4)],
-    "down": [(block, step, warps, stages)
+    "down": [(block, step, warps, stages, False)
              for block, step in ((32, 128), (16, 256), (64, 128), (32, 256), (16, 128))
-             for warps in (4, 8) for stages in (1, 3, 4)],
+             for warps in (4, 8) for stages in (1, 3, 4)]
+    + [(block, step, warps, 3, True)
+       for block, step in ((32, 128), (16, 256), (4, 1024), (8, 1024), (16, 1024))
+       for warps in (4, 8)],
     "products": [CUBLAS] + [(tile, warps) for tile in (2048, 4096, 8192, 16384)
                             for warps in (2, 4, 8)],
     "logits": [(False,), (True,)],  # the logits' product by cuBLAS, or by the kernel
@@ -80,7 +85,8 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
     """Set the kernels' constants to `variant` (grouped's, products', the router's, the
     decode attention's), with a `down` arrival counter that fits it."""
     (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, up_warps, up_stages) = variant["gate_up"]
-    (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, down_warps, down_stages) = variant["down"]
+    (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, down_warps, down_stages,
+     grouped.DOWN_W_FIRST) = variant["down"]
     grouped.NUM_WARPS = (up_warps, down_warps)
     grouped.NUM_STAGES = (up_stages, down_stages)
     products.PRODUCT_KERNEL = variant["products"] != CUBLAS
@@ -110,7 +116,10 @@ def round_ms(model, kv, position: int, repeat: int) -> tuple[float, torch.Tensor
 
 
 def label(variant: dict) -> str:
-    parts = ["{} {}x{} w{} s{}".format(kernel, *variant[kernel]) for kernel in ("gate_up", "down")]
+    parts = ["{} {}x{} w{} s{}".format(kernel, *variant[kernel][:4])
+             for kernel in ("gate_up", "down")]
+    if variant["down"][4]:
+        parts[1] += " w first"
     shape = variant["products"]
     parts.append("products cuBLAS" if shape == CUBLAS else "products {} w{}".format(*shape))
     if variant["logits"][0]:

@@ -106,12 +106,16 @@ results.append({"missing_rows_zero": bool(torch.equal(
                                              row.expand(2, 80)))
     and torch.equal(with_missing[[1, 3]], torch.zeros(2, 80)))})
 # The weighted sum inside `down` (one token's K rows): `combine`'s bytes, each launch leaving
-# the counter at zero for the next; D not a multiple of the block, and one block.
+# the counter at zero for the next; D not a multiple of the block, and one block; with the
+# index and first weight tile read before the wait (DOWN_W_FIRST) and not, F one step of
+# DOWN_BLOCK_F (48), and three (300).
+from strata.engine.experts import grouped
 from strata.engine.experts.combine import weighted_sum_triton
 from strata.engine.experts.grouped import expert_sum_triton, sum_arrivals
 sums = []
 for seed, (s, f, d, index, dtype) in enumerate([(5, 48, 80, [3, 0, 3, 4], torch.float32),
-                                                 (3, 16, 32, [2, 1], torch.float16)]):
+                                                 (3, 16, 32, [2, 1], torch.float16),
+                                                 (4, 300, 40, [1, 3, 0], torch.float16)]):
     gate_up, down = _stack(s, f, d, dtype, seed)
     index = torch.tensor(index)
     row = torch.randn(1, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -119,8 +123,12 @@ for seed, (s, f, d, index, dtype) in enumerate([(5, 48, 80, [3, 0, 3, 4], torch.
     arrived = sum_arrivals(d, torch.device("cpu"))
     expected = weighted_sum_triton(expert_rows_triton(gate_up, down, index,
                                                       row.expand(len(index), d)), weights, dtype)
-    got = [expert_sum_triton(gate_up, down, index, row.expand(len(index), d), weights, arrived)
-           for _ in range(2)]
+    got = []
+    for w_first in (False, True, True):
+        grouped.DOWN_W_FIRST = w_first
+        got.append(expert_sum_triton(gate_up, down, index, row.expand(len(index), d), weights,
+                                     arrived))
+    grouped.DOWN_W_FIRST = False
     sums.append({"same_bytes": all(torch.equal(g, expected) for g in got),
                  "shape": list(got[0].shape), "arrived": arrived.tolist()})
 results.append({"sums": sums})
@@ -140,7 +148,8 @@ def test_the_triton_kernels_under_the_interpreter_match_the_reference():
                                          {"missing_rows_zero": True}]
     assert results[-1]["sums"] == [
         {"same_bytes": True, "shape": [1, 80], "arrived": [0] * 3},  # 80 = 2.5 blocks of 32
-        {"same_bytes": True, "shape": [1, 32], "arrived": [0]}]
+        {"same_bytes": True, "shape": [1, 32], "arrived": [0]},
+        {"same_bytes": True, "shape": [1, 40], "arrived": [0] * 2}]
 
 
 def test_the_triton_path_refuses_weights_it_cannot_read_in_place():
@@ -184,13 +193,21 @@ def test_the_triton_kernels_on_cuda_match_and_repeat(f, d):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("f, d, k", [(1024, 2048, 8), (768, 2048, 8), (1792, 4096, 2)])
-def test_on_cuda_the_sum_inside_down_gives_combines_bytes_eager_and_replayed(f, d, k):
+@pytest.mark.parametrize("down", [(False, 32, 128), (True, 32, 128), (True, 8, 1024)],
+                         ids=["wait-first", "w-first", "w-first-whole-rows"])
+def test_on_cuda_the_sum_inside_down_gives_combines_bytes_eager_and_replayed(monkeypatch, f, d,
+                                                                             k, down):
     """`expert_sum_triton` against `expert_rows` then `weighted_sum`, byte for byte in bf16,
     eagerly and from a CUDA graph replayed several times (each replay finds its counter at
-    zero), at the olmoe and qwen3 shapes and mixtral's D and K."""
+    zero), at the olmoe and qwen3 shapes and mixtral's D and K; down's index and first weight
+    tile read before its wait or not (`DOWN_W_FIRST`), that tile a step or a whole row."""
     pytest.importorskip("triton")
+    from strata.engine.experts import grouped
     from strata.engine.experts.combine import weighted_sum
     from strata.engine.experts.grouped import expert_sum_triton, sum_arrivals
+
+    for name, value in zip(("DOWN_W_FIRST", "DOWN_BLOCK_D", "DOWN_BLOCK_F"), down, strict=True):
+        monkeypatch.setattr(grouped, name, value)
 
     cuda = torch.device("cuda")
     gate_up, down = (t.to(cuda) for t in _stack(12, f, d, torch.bfloat16, seed=k))
@@ -257,8 +274,9 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     for variant in tried[1:]:  # exactly one kernel's shape differs from the default
         assert sum(variant[k] != bench.DEFAULT[k] for k in bench.DEFAULT) == 1
     assert bench.CUBLAS in [v["products"] for v in tried]
-    saved = (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.GATE_UP_BLOCK_F,
-             grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES,
+    saved = (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.DOWN_W_FIRST,
+             grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS,
+             grouped.NUM_STAGES,
              products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
              products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
              decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
@@ -269,9 +287,11 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
 
     experts = Experts()
     try:
-        bench.apply({**bench.DEFAULT, "down": (16, 256, 4, 1)}, experts, 2048,
+        bench.apply({**bench.DEFAULT, "down": (16, 256, 4, 1, True)}, experts, 2048,
                     torch.device("cpu"))
         assert experts._sum_arrivals.shape == (2048 // 16,)  # a counter per block of 16 rows
+        assert grouped.DOWN_W_FIRST and "down 16x256 w4 s1 w first" in bench.label(
+            {**bench.DEFAULT, "down": (16, 256, 4, 1, True)})
         assert (bench.DEFAULT["gate_up"][3], 1) == grouped.NUM_STAGES
         assert (bench.DEFAULT["gate_up"][2], 4) == grouped.NUM_WARPS
         bench.apply({**bench.DEFAULT, "products": (8192, 2), "logits": (True,)}, experts, 2048,
@@ -287,8 +307,9 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         assert decode_attention.SHORT_KERNEL and decode_attention.SHORT_ROTATES
         assert decode_attention.SHORT_WARPS == 16
     finally:
-        (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.GATE_UP_BLOCK_F,
-         grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS, grouped.NUM_STAGES,
+        (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.DOWN_W_FIRST,
+         grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS,
+         grouped.NUM_STAGES,
          products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
          products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
          decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,

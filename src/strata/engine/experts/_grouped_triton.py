@@ -59,9 +59,17 @@ def _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, ac
                 BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     # [BD] float32: rows d of the expert in `slot` times row r of act, summed over F in a
     # fixed order (nothing read where d_in is false).
-    expert = w_ptr + tl.maximum(slot, 0) * slot_stride
     tile = tl.zeros([BLOCK_D, BLOCK_F], dtype=tl.float32)
-    for f0 in range(0, F, BLOCK_F):
+    return _down_steps(tile, w_ptr + tl.maximum(slot, 0) * slot_stride, act_ptr, r, d, d_in,
+                       row_stride, F, act_stride, 0, BLOCK_F)
+
+
+@triton.jit
+def _down_steps(tile, expert, act_ptr, r, d, d_in, row_stride, F, act_stride, f_start,
+                BLOCK_F: tl.constexpr):
+    # `_down_block`'s steps from column f_start on, added onto `tile` [BD, BF], then the tile
+    # summed across its columns: [BD].
+    for f0 in range(f_start, F, BLOCK_F):
         f = f0 + tl.arange(0, BLOCK_F)  # [BF]
         f_in = f < F
         act = tl.load(act_ptr + r * act_stride + f, mask=f_in, other=0.0).to(tl.float32)
@@ -69,6 +77,28 @@ def _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, ac
                     mask=d_in[:, None] & f_in[None, :], other=0.0)
         tile += w.to(tl.float32) * act[None, :]
     return tl.sum(tile, axis=1)
+
+
+@triton.jit
+def _down_first_tile(w_ptr, slot, d, d_in, slot_stride, row_stride, F, BLOCK_F: tl.constexpr):
+    # [BD, BF] in w's dtype: the first step's tile of `_down_block`, columns 0..BF-1.
+    f = tl.arange(0, BLOCK_F)  # [BF]
+    return tl.load(w_ptr + tl.maximum(slot, 0) * slot_stride + d[:, None] * row_stride
+                   + f[None, :], mask=d_in[:, None] & (f < F)[None, :], other=0.0)
+
+
+@triton.jit
+def _down_block_after(first, w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F,
+                      act_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    # `_down_block` with its first step's weight tile loaded already (`_down_first_tile`):
+    # the same steps in the same order onto the same zeros (a zero's sign included), so the
+    # sums are the same bytes.
+    f = tl.arange(0, BLOCK_F)  # [BF]
+    act = tl.load(act_ptr + r * act_stride + f, mask=f < F, other=0.0).to(tl.float32)
+    tile = tl.zeros([BLOCK_D, BLOCK_F], dtype=tl.float32)
+    tile += first.to(tl.float32) * act[None, :]  # [BD, BF]
+    return _down_steps(tile, w_ptr + tl.maximum(slot, 0) * slot_stride, act_ptr, r, d, d_in,
+                       row_stride, F, act_stride, BLOCK_F, BLOCK_F)
 
 
 @triton.jit
@@ -98,20 +128,33 @@ def store_rows(y_ptr, r, y_stride, d, D, slot, y):
 @triton.jit
 def down_sum(w_ptr, index_ptr, act_ptr, y_ptr, weights_ptr, out_ptr, arrived_ptr, slot_stride,
              row_stride, D, F, act_stride, y_stride, R, BLOCK_D: tl.constexpr,
-             BLOCK_F: tl.constexpr, USE_PDL: tl.constexpr = False):
+             BLOCK_F: tl.constexpr, W_FIRST: tl.constexpr = False,
+             USE_PDL: tl.constexpr = False):
     # One token's R = K rows. Program (r, b): `down`'s y[r, block b], rounded and stored as
     # `down` stores it; then counted in arrived[b]. The last of block b's R programs to arrive
     # (acquiring the others' rows) sums weights[k] * y[k, block b] over k = 0..R-1 in order in
     # float32, as `combine` does, into out[block b] (the same bytes as `down` then `combine`,
     # whichever program is last), and sets arrived[b] back to 0 for the next launch.
-    wait_for_prior(USE_PDL)
+    # W_FIRST: the expert's index and the first step's weight tile are read before the wait.
+    # No kernel writes the weights; the index is written before `gate_up_act`, the kernel
+    # this one follows, and that kernel lets this one start only after its own wait, so the
+    # writer has finished by then (`grouped.DOWN_W_FIRST`). The index is read past the L1
+    # cache (".cg"), which may still hold the last launch's.
     r = tl.program_id(0)
     b = tl.program_id(1)
-    slot = tl.load(index_ptr + r).to(tl.int64)
     d = b * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     d_in = d < D
-    y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, act_stride,
-                    BLOCK_D, BLOCK_F)
+    if W_FIRST:
+        slot = tl.load(index_ptr + r, cache_modifier=".cg").to(tl.int64)
+        first = _down_first_tile(w_ptr, slot, d, d_in, slot_stride, row_stride, F, BLOCK_F)
+    wait_for_prior(USE_PDL)
+    if W_FIRST:
+        y = _down_block_after(first, w_ptr, slot, act_ptr, r, d, d_in, slot_stride,
+                              row_stride, F, act_stride, BLOCK_D, BLOCK_F)
+    else:
+        slot = tl.load(index_ptr + r).to(tl.int64)
+        y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F,
+                        act_stride, BLOCK_D, BLOCK_F)
     tl.store(y_ptr + r * y_stride + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
     if tl.atomic_add(arrived_ptr + b, 1, sem="acq_rel") == R - 1:
         total = tl.zeros([BLOCK_D], dtype=tl.float32)
