@@ -8,9 +8,10 @@
 #   PACK=1 OUT=$OUT bash bench/gpu_session.sh tests profile-decode16     # one .tgz back
 #
 # Stages (minutes, roughly): tests (4: pytest -m cuda over CUDA_TESTS, default tests, under
-# TESTS_TIMEOUT seconds, default 420), kernels (1: bench/grouped_experts.py,
-# the bf16 and the quantized decode kernels; KERNELS_ARGS adds flags, e.g. `--presets
-# qwen3-30b-a3b --valid-rows 2,3`: the quantized kernels over a split call's few valid rows),
+# TESTS_TIMEOUT seconds, default 420, TESTS_K a -k expression), kernels (1:
+# bench/grouped_experts.py, the bf16 and the quantized decode kernels; KERNELS_ARGS adds
+# flags, e.g. `--presets qwen3-30b-a3b --valid-rows 2,3`: the quantized kernels over a split
+# call's few valid rows),
 # host (0.2: bench/cache_host.py, the host's share of a cache layer call, on that machine's
 # CPU), layer-call (1: bench/layer_call.py on the GPU, one-token calls through the decode path
 # and the general one, split into the CPU kernel, the hits' launches, the wait and the rest:
@@ -217,7 +218,7 @@ for stage in "$@"; do
     tests) # tests/serve needs the serve stage's packages (carried wheels), not there by default.
            skip=$(python3 -c "import openai" 2> /dev/null || echo "--ignore=tests/serve")
            timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m cuda ${CUDA_TESTS:-tests} -q \
-               -p no:cacheprovider $skip \
+               -p no:cacheprovider $skip ${TESTS_K:+-k "$TESTS_K"} \
                > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
     kernels) (cd bench && timeout 300 python3 grouped_experts.py ${KERNELS_ARGS:-}) \
                  > "$OUT/kernels.txt" 2>&1
