@@ -126,6 +126,8 @@
 # also with the weights prefetched each of ROUND_PREFETCH_BYTES ahead, default 0, against the
 # default 4096, interleaved), offload-cpu-spin (4: the same runs, each also with the CPU's
 # thread keeping its team spinning between calls, `CpuExperts.keep_team_up`, interleaved),
+# offload-pin (3: issue 17's int8 round, qwen3 at 22%, then olmoe at 4 GiB, each also with
+# the CPU's team pinned one CPU a thread, `CpuExperts.pin_team`, interleaved, PIN_ARGS added),
 # cpu-sleeps (0.5: bench/cpu_sleeps.py, how often the CPU thread's OpenMP threads sleep a call
 # beside the engine thread's team and with it shrunk, olmoe's and qwen3's shapes),
 # offload-cpu-shrink (4: the same runs, each also with the engine thread's OpenMP pool left
@@ -387,6 +389,12 @@ for stage in "$@"; do
                --cpu-schedule "${CPU_SCHEDULES:-steal,static}" --interleave --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
                --cpu-schedule "${CPU_SCHEDULES:-steal,static}" --interleave --prefill-tokens 0 ;;
+    offload-pin)  # the CPU's team pinned one CPU a thread, or not: A/B in one process
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
+               --share-per-format --stream-misses auto --cpu-pin --interleave \
+               --prefill-tokens 0 ${PIN_ARGS:-}
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses auto \
+               --cpu-pin --interleave --prefill-tokens 0 ${PIN_ARGS:-} ;;
     offload-cpu-spin)  # the CPU's team spinning between a round's calls, or not
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3 \
                --cpu-spin --interleave --repeat 4 --prefill-tokens 0

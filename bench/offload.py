@@ -40,12 +40,13 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   CPU's misses computed on the engine's thread after its uploads, not on a thread of their own
   from the routing read on (`CachedExperts.async_cpu` off, the way before), named -sync;
   `--cpu-spin` with the CPU's thread keeping its team spinning between calls, named -spin:
-  `CpuExperts.keep_team_up`; `--no-cpu-shrink` with the engine thread's OpenMP pool left as
-  it grows, not shrunk before the CPU's thread computes (`CpuExperts.shrink_caller_team` off,
-  the way before), named -noshrink;
-  `--interleave` runs those (-static, -guided, -cpupfN, -rowsGxD, -downblockN, -teamN, -sync, -spin,
-  -noshrink), -wake and -ahead in the base run's engine, one request of each in turn, so that a
-  machine's drift falls on all alike, and with
+  `CpuExperts.keep_team_up`; `--cpu-pin` with that team pinned, one CPU a thread, to the
+  process's last CPUs, named -pin: `CpuExperts.pin_team`; `--no-cpu-shrink` with the engine
+  thread's OpenMP pool left as it grows, not shrunk before the CPU's thread computes
+  (`CpuExperts.shrink_caller_team` off, the way before), named -noshrink;
+  `--interleave` runs those (-static, -guided, -cpupfN, -rowsGxD, -downblockN, -teamN, -sync,
+  -spin, -pin, -noshrink), -wake and -ahead in the base run's engine, one request of each in
+  turn, so that a machine's drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
   (the counts compared with the same slots; with `--sync-cpu` each again as -splitN-sync,
   with `--no-cpu-shrink` as -splitN-noshrink); `--launch-ahead` with each split call's next

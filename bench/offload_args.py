@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     parser.add_argument("--interleave", action="store_true",
                         help="run --wake-cpu's, --sync-cpu's, --cpu-schedule's, "
                         "--cpu-prefetch's, --cpu-weight-rows', --cpu-down-block-rows', "
-                        "--cpu-team's, --cpu-spin's and "
+                        "--cpu-team's, --cpu-spin's, --cpu-pin's and "
                         "--no-cpu-shrink's "
                         "variants in the base run's engine, one request of each in turn "
                         "(`run_decode_interleaved`), so that the machine's drift falls on all "
@@ -197,6 +197,8 @@ VARIANT_FLAGS = {
                   "-sync",
     "--cpu-spin": "also run each decode with the CPU's thread keeping its OpenMP team spinning "
                   "between calls (`CpuExperts.keep_team_up`), named -spin",
+    "--cpu-pin": "also run each decode with the CPU's thread's team pinned, one CPU a thread, "
+                 "to the last CPUs of the process (`CpuExperts.pin_team`), named -pin",
     "--no-cpu-shrink": "also run each decode with the engine thread's OpenMP pool left as it "
                        "grows, not shrunk before the CPU's thread computes "
                        "(`CpuExperts.shrink_caller_team` off: the way before), named -noshrink",

@@ -2,9 +2,9 @@
 changed, named by a suffix of the run's name.
 
 Variants that only set an attribute of a built cache (the CPU's schedule, prefetch distance, weight
-rows at once, team, spinning, the caller's pool, the async CPU, the wake-up, the launch ahead, a
-fixed split count) are *settings*: under `--interleave` they run in the base run's engine, one
-request of each in turn, so that the machine's drift falls on all alike
+rows at once, team, spinning, pinning, the caller's pool, the async CPU, the wake-up, the launch
+ahead, a fixed split count) are *settings*: under `--interleave` they run in the base run's
+engine, one request of each in turn, so that the machine's drift falls on all alike
 (`cache.run_decode_interleaved`). The others (-whole, -sampled, -prefetchN) need an engine of their
 own.
 """
@@ -29,6 +29,7 @@ def cache_settings(args: argparse.Namespace) -> list[str]:
             *(f"-downblock{n}" for n in args.cpu_down_blocks),
             *(f"-team{n}" for n in args.cpu_teams),
             *(["-spin"] if args.cpu_spin else []),
+            *(["-pin"] if args.cpu_pin else []),
             *(["-noshrink"] if args.no_cpu_shrink else []),
             *(["-ahead"] if args.launch_ahead else [])]
 
@@ -62,6 +63,7 @@ def apply_setting(cache: Any, setting: str, args: argparse.Namespace,
     cache.wake_cpu = setting == "-wake"
     graph_call.LAUNCH_AHEAD = setting == "-ahead"
     cache.cpu.keep_team_up = setting == "-spin"
+    cache.cpu.pin_team = setting == "-pin"
     cache.cpu.shrink_caller_team = not setting.endswith("-noshrink")
     cache.async_cpu = not setting.endswith("-sync")
     chosen = setting[1:] if setting[1:] in args.cpu_schedules else "dynamic"

@@ -7,6 +7,8 @@ thread in one fixed order (the result does not depend on the thread count); the 
 bf16 are where torch's bf16 matmul path has them.
 """
 
+from collections.abc import Sequence
+
 import numpy as np
 
 FORMAT_BF16: int
@@ -161,6 +163,18 @@ class CpuWorker:
 
     @keep_team_up.setter
     def keep_team_up(self, on: bool) -> None: ...
+
+    @property
+    def team_cpus(self) -> tuple[int, ...] | None:
+        """The CPU each thread of a call's team runs on, by thread number (the worker's own
+        first); None (the default): wherever the scheduler puts them. Set between calls, from
+        the next call on; set back to None, the threads return to the process's CPUs at
+        import. A larger team than the tuple: ValueError at `start`. The same bytes either
+        way. ValueError for repeated CPUs or ones this process may not run on, RuntimeError
+        while a call is in flight."""
+
+    @team_cpus.setter
+    def team_cpus(self, cpus: Sequence[int] | None) -> None: ...
 
     @property
     def pending(self) -> bool:

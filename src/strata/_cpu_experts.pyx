@@ -36,6 +36,8 @@ from libc.math cimport expf
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uintptr_t
 from libc.string cimport memcpy
 
+import os
+
 import numpy as np
 
 cdef extern from "_cpu_experts_dot.h" nogil:
@@ -190,6 +192,7 @@ cdef struct Call:
     int64_t down_block  # rows of down a pass-2 task reads (`DOWN_BLOCK_ROWS`)
     void *shares  # steal: the call's shares and count, 64-byte aligned (`_steal_state`); else NULL
     strata_call_times *times  # where its threads note its run (`CpuWorker`'s); else NULL
+    const int *pin  # its team's CPUs by thread (`CpuWorker.team_cpus`, `_cpu_experts_pin.h`)
 
 
 include "_cpu_experts_tasks.pxi"

@@ -100,4 +100,5 @@ cdef Call _call(const uint8_t[:, ::1] blobs, int fmt, const int64_t[::1] experts
     call.down_block = down_block_rows
     call.shares = _steal_state(shares, n_threads, _tasks1(&call), _tasks2(&call))
     call.times = NULL  # untimed; a CpuWorker points it at its own
+    call.pin = NULL  # the threads left where they are; a CpuWorker's may be pinned
     return call

@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <time.h>
 
+#include "_cpu_experts_pin.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define STRATA_PAUSE() _mm_pause()
@@ -235,15 +237,18 @@ static int64_t strata_steal_passes(const void *call, strata_share *shares, int n
 
 /* Pass 1's n1 tasks, then, once all of them are done, pass 2's n2, on n_threads threads, as
  * `schedule` says; for SCHEDULE_STEAL, `shares` holds the state `strata_steal_init` set (else
- * it is unused). The threads note the call's times in `times` (NULL: not timed). */
+ * it is unused). The threads note the call's times in `times` (NULL: not timed), each first
+ * on the CPU `pin` gives it (`strata_pin`; NULL: where it is). */
 static void strata_two_passes(const void *call, int n_threads, int schedule,
                               strata_share *shares, strata_task pass1, int64_t n1,
-                              strata_task pass2, int64_t n2, strata_call_times *times)
+                              strata_task pass2, int64_t n2, strata_call_times *times,
+                              const int *pin)
 {
     int64_t done = 0; /* pass 1's tasks finished, by all threads (but SCHEDULE_STEAL's) */
     if (schedule == SCHEDULE_STEAL) {
 #pragma omp parallel num_threads(n_threads)
         {
+            strata_pin(pin);
             strata_note_entry(times);
             strata_steal_passes(call, shares, n_threads, omp_get_thread_num(), pass1, n1,
                                 pass2, times);
@@ -252,6 +257,7 @@ static void strata_two_passes(const void *call, int n_threads, int schedule,
     }
 #pragma omp parallel num_threads(n_threads)
     {
+        strata_pin(pin);
         strata_note_entry(times);
         int64_t ran = strata_pass(call, pass1, n1, schedule);
         if (ran)

@@ -24,7 +24,7 @@ cdef extern from "_cpu_experts_passes.h" nogil:
         SHARE_BYTES  # sizeof(strata_share): a cache line
     void strata_two_passes(const void *call, int n_threads, int schedule, void *shares,
                            strata_task pass1, int64_t n1, strata_task pass2, int64_t n2,
-                           strata_call_times *times)
+                           strata_call_times *times, const int *pin)
     int64_t strata_now_ns()
     void strata_steal_init(void *shares, int n_threads, int64_t n1, int64_t n2)
     int64_t strata_steal_passes(const void *call, void *shares, int n_threads, int me,
@@ -77,7 +77,7 @@ cdef void _run(const Call *c) noexcept nogil:
     BLOCK_ROWS rows (pass 2's `Call.down_block`) handed to the call's threads as its schedule
     says."""
     strata_two_passes(c, c.n_threads, c.schedule, c.shares, _pass1_task, _tasks1(c),
-                      _pass2_task, _tasks2(c), c.times)
+                      _pass2_task, _tasks2(c), c.times, c.pin)
 
 
 cdef int64_t _help(const Call *c) noexcept nogil:

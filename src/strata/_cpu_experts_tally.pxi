@@ -52,7 +52,7 @@ cdef void _tally2(const void *call, int64_t task) noexcept nogil:
 cdef void _tally_job(void *job) noexcept nogil:
     cdef Tally *t = <Tally *>job
     strata_two_passes(t, t.n_threads, t.schedule, t.shares, _tally1, t.n1, _tally2, t.n2,
-                      NULL)
+                      NULL, NULL)
 
 
 def tally_passes(int n_threads, str schedule, int64_t n1, int64_t n2, int64_t spins=0,

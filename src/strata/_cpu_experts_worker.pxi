@@ -21,6 +21,15 @@ cdef extern from "_cpu_experts_worker.h" nogil:
 # The name of the worker's thread and of its OpenMP team's threads, on Linux (see the header).
 WORKER_NAME = (<bytes>strata_worker_name).decode()
 
+cdef extern from "_cpu_experts_pin.h" nogil:
+    int strata_pin_save()
+
+# The CPUs a pinned team's threads go back to when it is unpinned: the process's at import,
+# read on the importing thread before any team is pinned (`_cpu_experts_pin.h`).
+if strata_pin_save():
+    raise OSError("could not read the process's CPUs (sched_getaffinity)")
+_UNPINNED = np.full(1, -1, dtype=np.intc)  # `Call.pin` of a team put back on those CPUs
+
 
 cdef void _run_job(void *job) noexcept nogil:
     _run(<const Call *>job)
@@ -51,6 +60,8 @@ cdef class CpuWorker:
     cdef bint _running
     cdef bint _pending
     cdef bint _keep_team_up
+    cdef object _team_cpus  # `team_cpus`: a tuple, or None
+    cdef object _pin  # its `Call.pin`: the CPUs as C ints, _UNPINNED, or None (never pinned)
     cdef Call _call
     cdef object _keep  # the arrays of the call in flight
     cdef int64_t _waited_ns  # when `wait` saw the last call done; 0: no call waited for yet
@@ -62,6 +73,7 @@ cdef class CpuWorker:
         self._running = False
         self._pending = False
         self._keep_team_up = False
+        self._team_cpus = self._pin = None
         self._keep = None
         self._waited_ns = self._help_begun_ns = self._help_ended_ns = 0
         cdef int error = strata_worker_start(&self._worker)
@@ -88,6 +100,9 @@ cdef class CpuWorker:
             raise RuntimeError("a call is in flight on this CpuWorker: wait() for it first")
         _check(blobs, fmt, experts, row_starts, x, out, expert_width, n_threads, schedule,
                prefetch_bytes, gate_up_rows, down_rows, down_block_rows)
+        if self._team_cpus is not None and n_threads > len(self._team_cpus):
+            raise ValueError(f"a team of {n_threads} threads, but team_cpus names "
+                             f"{len(self._team_cpus)} CPUs: one a thread, or None")
         if out.shape[0] == 0:
             self._waited_ns = 0  # nothing posted: no times to give for this call
             return
@@ -98,7 +113,11 @@ cdef class CpuWorker:
                            n_threads, SCHEDULES[schedule], prefetch_bytes, gate_up_rows,
                            down_rows, down_block_rows, shares)
         self._call.times = &self._worker.times  # the call's threads note its run here
-        self._keep = (blobs, experts, row_starts, x, out, act, shares)
+        cdef const int[::1] pin
+        if self._pin is not None:
+            pin = self._pin
+            self._call.pin = &pin[0]
+        self._keep = (blobs, experts, row_starts, x, out, act, shares, self._pin)
         self._pending = True
         with nogil:
             strata_worker_post(&self._worker, _run_job, &self._call, n_threads)
@@ -170,6 +189,36 @@ cdef class CpuWorker:
                 strata_worker_set_park(&self._worker, _park)
             else:
                 strata_worker_set_park(&self._worker, NULL)
+
+    @property
+    def team_cpus(self):
+        """The CPU each thread of a call's team runs on, by thread number (the worker's own
+        thread first), as a tuple; None (the default): wherever the scheduler puts them.
+        Set between calls; takes effect from the next call, whose threads each move to their
+        CPU as they enter it (one syscall a thread, and only where its CPU changes). Set back
+        to None, the threads return to the CPUs the process had at import. A call whose team
+        is larger than the tuple is refused (ValueError). The bytes are the same either way
+        (`_cpu_experts_pin.h`). ValueError for CPUs that repeat or that this process may not
+        run on, RuntimeError while a call is in flight."""
+        return self._team_cpus
+
+    @team_cpus.setter
+    def team_cpus(self, cpus):
+        if self._pending:
+            raise RuntimeError("a call is in flight on this CpuWorker: wait() for it first")
+        if cpus is None:
+            if self._pin is not None:  # pinned once: put back on the process's CPUs
+                self._pin = _UNPINNED
+            self._team_cpus = None
+            return
+        cpus = tuple(cpus)
+        allowed = os.sched_getaffinity(0)
+        if not cpus or len(set(cpus)) != len(cpus) or not all(
+                isinstance(cpu, int) and cpu in allowed for cpu in cpus):
+            raise ValueError(f"team_cpus takes distinct CPUs this process may run on "
+                             f"({sorted(allowed)}), one a thread, or None; got {cpus}")
+        self._pin = np.array(cpus, dtype=np.intc)
+        self._team_cpus = cpus
 
     @property
     def pending(self) -> bool:

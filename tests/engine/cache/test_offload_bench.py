@@ -100,7 +100,8 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--prefill-tokens", "0",
             "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
             "--stream-misses", "2", "--expert-share", "0.25", "--json", "--interleave",
-            "--wake-cpu", "--sync-cpu", "--cpu-spin", "--no-cpu-shrink", "--launch-ahead",
+            "--wake-cpu", "--sync-cpu", "--cpu-spin", "--cpu-pin", "--no-cpu-shrink",
+            "--launch-ahead",
             "--cpu-weight-rows", "1x2", "--cpu-down-block-rows", "32", "--cpu-team", "1,3",
             "--cpu-schedule",
             "static,steal,steal-alone", "--cpu-prefetch", "512", "--split-counts", "1,3"]
@@ -126,7 +127,8 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     # With --sync-cpu each count runs again on the engine's thread, -split1-sync, and with
     # --no-cpu-shrink with the caller's team left grown, -split1-noshrink.
     names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-sync",
-             "decode-stream-2-spin", "decode-stream-2-noshrink", "decode-stream-2-ahead",
+             "decode-stream-2-spin", "decode-stream-2-pin", "decode-stream-2-noshrink",
+             "decode-stream-2-ahead",
              "decode-stream-2-static", "decode-stream-2-steal", "decode-stream-2-steal-alone",
              "decode-stream-2-cpupf512", "decode-stream-2-rows1x2", "decode-stream-2-downblock32",
              "decode-stream-2-team1",

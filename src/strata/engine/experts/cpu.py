@@ -29,6 +29,7 @@ call's uploads meanwhile (`CachedExperts.async_cpu`, on by default: 1.04-1.22x r
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -149,6 +150,12 @@ class CpuExperts(KernelSettings):
         # offload-shrink-h200-2026-12-03.md), its threads holding their cores between calls;
         # the same bytes either way.
         self.keep_team_up = False
+        # `start`'s team pinned, one CPU a thread: the last of the CPUs this process may run on
+        # (`CpuWorker.team_cpus`), the first left to the engine's thread and the rest of the
+        # process. Off until rounds are timed with it (bench/offload.py --cpu-pin); the same
+        # bytes either way.
+        self.pin_team = False
+        self._pinned_cpus: dict[int, tuple[int, ...]] = {}  # by team size, read once
         # `start` shrinking its caller's OpenMP pool first, after anything that may have grown
         # it (`_cpu_experts.shrink_team`): on the H200 the worker's threads slept 64 times a
         # call beside the caller's pool and never with it shrunk, a call 1.35-1.61x as fast,
@@ -210,6 +217,9 @@ class CpuExperts(KernelSettings):
         if self._worker.pending:  # before the kept buffers, which the call in flight reads
             raise RuntimeError("a call is in flight on these CpuExperts: finish() it first")
         n_threads = self.cpu_threads or torch.get_num_threads()
+        team_cpus = self._team_cpus(max(1, n_threads - 1)) if self.pin_team else None
+        if self._worker.team_cpus != team_cpus:
+            self._worker.team_cpus = team_cpus
         lo, hi = int(routed.starts[0]), int(routed.starts[-1])
         starts = routed.starts if lo == 0 else routed.starts - lo
         x = x_rows if x_rows.shape[0] == 1 else x_rows[lo:hi]  # [1, D]: every row's input
@@ -226,6 +236,19 @@ class CpuExperts(KernelSettings):
             self._out_view(out if lo == 0 and hi == out.shape[0] else out[lo:hi]),
             self.store.expert_width, max(1, n_threads - 1), *self.kernel_settings())
         return True
+
+    def _team_cpus(self, n_threads: int) -> tuple[int, ...]:
+        """The last n_threads of the CPUs this process may run on, ascending (`pin_team`);
+        ValueError where it may run on fewer."""
+        cpus = self._pinned_cpus.get(n_threads)
+        if cpus is None:
+            allowed = sorted(os.sched_getaffinity(0))
+            if n_threads > len(allowed):
+                raise ValueError(f"pin_team: a team of {n_threads} threads, but this process "
+                                 f"may run on {len(allowed)} CPUs; set cpu_threads to at most "
+                                 f"{len(allowed) + 1}, or pin_team off")
+            cpus = self._pinned_cpus[n_threads] = tuple(allowed[-n_threads:])
+        return cpus
 
     def _out_view(self, out: torch.Tensor) -> np.ndarray:
         """`_u16(out)`, kept by out's address and rows: the same memory whatever tensor names
