@@ -3,8 +3,9 @@
  * A decode round's CPU calls run on a team as large as the cores left beside the engine's
  * thread, and the scheduler moves its threads between cores and preempts them for the
  * engine's, the driver's and torch's threads (bench/thread_sched.py counts it: on the H200
- * the team's threads waited 1.1-2.4 ms a round for a core). Pinned, each stays on its own
- * core, and the cores outside the team are left to the rest of the process.
+ * the team's threads waited 1.0-1.6 ms of a 7-8 ms int8 round for a core, all told).
+ * Pinned, each stays on its own core, and the cores outside the team are left to the rest of
+ * the process.
  *
  * A call passes the team's CPUs by thread number, or an array whose first entry is negative
  * (the threads back on the CPUs the process had at import, `strata_pin_save`), or NULL (the
