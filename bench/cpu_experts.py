@@ -43,7 +43,8 @@ machine's Xeon and read at up to 200 GB/s, past its memory's rate
   up's rows and D adjacent rows of down at once for the token (`CpuExperts.gate_up_rows`,
   `down_rows`); `start-dynamic-downblockN`, `start-steal-downblockN` (`--down-block-rows
   N[,N]`): with pass 2's tasks N rows of down each (`CpuExperts.down_block_rows`; 64 by
-  default);
+  default); `start-dynamic-pinned` (`--pin`): with the worker's team pinned one CPU a thread
+  to the process's last CPUs (`CpuExperts.pin_team`);
 - `compute-worker`: the same on a worker thread (one `ThreadPoolExecutor` thread), the design
   the cache had before: adds the hand-over and a second intra-op team (the worker's count is
   printed beside the main thread's);
@@ -234,7 +235,7 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             gap_us: float = 0.0, wake_us: float | None = None,
             prefetches: tuple[int, ...] = (),
             weight_rows: tuple[tuple[int, int], ...] = (),
-            down_blocks: tuple[int, ...] = ()) -> dict:
+            down_blocks: tuple[int, ...] = (), pinned: bool = False) -> dict:
     turns = routings(n_tokens, top_k, store.n_experts)
     routed = turns[0]  # the call's routing: `layer()` moves it on (its shape stays the same)
     gen = torch.Generator().manual_seed(1)
@@ -256,7 +257,8 @@ def measure(store: ExpertStore, n_tokens: int, top_k: int, threads: int | None,
             [torch.from_numpy(blobs) for blobs in layers], store.hidden_size,
             store.expert_width, store.dtype, QUANTIZED[name][2]), threads)
         for name, layers in (quantized or {}).items()}
-    started = started_columns(cpu, quantized_cpu, n_tokens, threads, weight_rows, down_blocks)
+    started = started_columns(cpu, quantized_cpu, n_tokens, threads, weight_rows, down_blocks,
+                              pinned)
     parts = {name: [] for name in started}  # each started call's `CpuExperts.last_call`
     out = torch.empty((routed.n_rows, store.hidden_size), dtype=store.dtype)  # [R, D]
     pool = ThreadPoolExecutor(max_workers=1)
@@ -349,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
                         "start-dynamic and start-steal with pass 2's tasks that many rows of "
                         "down each, columns start-dynamic-downblockN, start-steal-downblockN "
                         "(`CpuExperts.down_block_rows`)")
+    parser.add_argument("--pin", action="store_true",
+                        help="also time start-dynamic with the worker's team pinned one CPU a "
+                        "thread to the process's last CPUs, column start-dynamic-pinned "
+                        "(`CpuExperts.pin_team`)")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--layers", type=int, default=4,
                         help="layers in the store, read round robin (default 4)")
@@ -413,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                 if wake_us is None or gap_us > wake_us:
                     runs.append({"memory": memory, "dtype": name, **footprint, **measure(
                         store, n_tokens, top_k, args.threads, args.repeat, quantized, gap_us,
-                        wake_us, prefetches, tuple(weight_rows), down_blocks)})
+                        wake_us, prefetches, tuple(weight_rows), down_blocks, args.pin)})
     result = {
         "command": " ".join(["python", "bench/cpu_experts.py", *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(), "machine": platform.processor()

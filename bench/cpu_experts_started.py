@@ -15,13 +15,15 @@ from strata.engine.experts.routed import Routed
 
 def started_columns(cpu: CpuExperts, quantized_cpu: dict[str, CpuExperts], n_tokens: int,
                     threads: int | None, weight_rows: tuple[tuple[int, int], ...] = (),
-                    down_blocks: tuple[int, ...] = ()) -> dict[str, CpuExperts]:
+                    down_blocks: tuple[int, ...] = (), pinned: bool = False
+                    ) -> dict[str, CpuExperts]:
     """`start-SCHEDULE` and `start-SCHEDULE-int8`/`-int4`: a CpuExperts per schedule ("dynamic",
     "steal", and "steal-alone": steal with the thread in `finish` only waiting,
     `caller_helps` off) over the store and each quantized one, for a decode call (T = 1)
     where strata's kernel computes it, `start-SCHEDULE-rowsGxD` (dynamic and steal) with
     `CpuExperts.gate_up_rows` G and `down_rows` D for each (G, D) of `weight_rows`, and
-    `start-SCHEDULE-downblockN` with `down_block_rows` N for each of `down_blocks`; none
+    `start-SCHEDULE-downblockN` with `down_block_rows` N for each of `down_blocks`, and with
+    `pinned` `start-dynamic-pinned`, the team pinned one CPU a thread (`pin_team`); none
     otherwise."""
     if n_tokens != 1 or cpu.kernel != "strata":
         return {}
@@ -41,6 +43,9 @@ def started_columns(cpu: CpuExperts, quantized_cpu: dict[str, CpuExperts], n_tok
             cpu = columns[f"start-{schedule}-downblock{n_rows}{suffix}"] = \
                 CpuExperts(store, threads)
             cpu.schedule, cpu.down_block_rows = schedule, n_rows
+        if pinned:
+            cpu = columns[f"start-dynamic-pinned{suffix}"] = CpuExperts(store, threads)
+            cpu.pin_team = True
     return columns
 
 

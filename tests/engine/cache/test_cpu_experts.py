@@ -244,7 +244,8 @@ def test_reading_weight_rows_at_once_changes_no_byte_and_a_bad_count_is_refused_
 def test_the_cpu_experts_bench_runs_and_reports(capsys):
     bench = load_bench("cpu_experts.py")
     assert bench.main(["--preset", "tiny", "--repeat", "1", "--tokens", "1,4", "--read-mib", "8",
-                       "--weight-rows", "4x1,1x2", "--down-block-rows", "64", "--json"]) == 0
+                       "--weight-rows", "4x1,1x2", "--down-block-rows", "64", "--pin",
+                       "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [(run["dtype"], run["tokens"]) for run in result["runs"]] == [
         ("bf16", 1), ("bf16", 4), ("fp32", 1), ("fp32", 4)]
@@ -258,7 +259,8 @@ def test_the_cpu_experts_bench_runs_and_reports(capsys):
                                                                "dynamic-rows4x1", "steal-rows4x1",
                                                                "dynamic-rows1x2", "steal-rows1x2",
                                                                "dynamic-downblock64",
-                                                               "steal-downblock64")
+                                                               "steal-downblock64",
+                                                               "dynamic-pinned")
                    for suffix in ("", "-int8", "-int4")} \
             if run["dtype"] == "bf16" and run["tokens"] == 1 else set()
         assert set(run["us_per_expert"]) == set(run["gbps"]) == {
