@@ -59,8 +59,9 @@ def test_a_pinned_team_runs_each_thread_on_its_cpu_then_back_on_the_process_s():
     team = _named_threads() - before  # the worker's thread and its team's
     assert len(team) == n_threads
     assert all(os.sched_getaffinity(tid) == set(allowed) for tid in team)
-    worker.team_cpus = allowed[::-1]  # by thread number: any order
+    worker.team_cpus = np.array(allowed[::-1])  # by thread number: any order, numpy's ints
     assert worker.team_cpus == tuple(allowed[::-1])
+    assert all(type(cpu) is int for cpu in worker.team_cpus)
     pinned = _run(worker, n_threads)
     masks = [os.sched_getaffinity(tid) for tid in team]
     assert all(len(mask) == 1 for mask in masks)  # one CPU each, every CPU once
@@ -76,7 +77,7 @@ def test_bad_team_cpus_are_refused_and_change_nothing():
     allowed = sorted(os.sched_getaffinity(0))
     worker = _cpu_experts.CpuWorker()
     worker.team_cpus = allowed[-1:]
-    for bad in ([], [allowed[0], allowed[0]], [max(allowed) + 1], ["0"], [-1]):
+    for bad in ([], [allowed[0], allowed[0]], [max(allowed) + 1], ["0"], [-1], [True]):
         with pytest.raises(ValueError, match=r"team_cpus takes distinct CPUs this process "
                                              r"may run on \(\[.*\]\), one a thread, or None"):
             worker.team_cpus = bad

@@ -214,9 +214,11 @@ cdef class CpuWorker:
         cpus = tuple(cpus)
         allowed = os.sched_getaffinity(0)
         if not cpus or len(set(cpus)) != len(cpus) or not all(
-                isinstance(cpu, int) and cpu in allowed for cpu in cpus):
+                isinstance(cpu, (int, np.integer)) and not isinstance(cpu, bool)
+                and cpu in allowed for cpu in cpus):
             raise ValueError(f"team_cpus takes distinct CPUs this process may run on "
                              f"({sorted(allowed)}), one a thread, or None; got {cpus}")
+        cpus = tuple(int(cpu) for cpu in cpus)
         self._pin = np.array(cpus, dtype=np.intc)
         self._team_cpus = cpus
 
