@@ -77,7 +77,7 @@ def test_bad_team_cpus_are_refused_and_change_nothing():
     allowed = sorted(os.sched_getaffinity(0))
     worker = _cpu_experts.CpuWorker()
     worker.team_cpus = allowed[-1:]
-    for bad in ([], [allowed[0], allowed[0]], [max(allowed) + 1], ["0"], [-1], [True]):
+    for bad in ([], [allowed[0], allowed[0]], [max(allowed) + 1], ["0"], [-1], [True], 1):
         with pytest.raises(ValueError, match=r"team_cpus takes distinct CPUs this process "
                                              r"may run on \(\[.*\]\), one a thread, or None"):
             worker.team_cpus = bad

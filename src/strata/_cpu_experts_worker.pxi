@@ -211,13 +211,17 @@ cdef class CpuWorker:
                 self._pin = _UNPINNED
             self._team_cpus = None
             return
-        cpus = tuple(cpus)
         allowed = os.sched_getaffinity(0)
+        given = cpus
+        try:
+            cpus = tuple(cpus)
+        except TypeError:
+            cpus = ()  # not a sequence: refused below, named
         if not cpus or len(set(cpus)) != len(cpus) or not all(
                 isinstance(cpu, (int, np.integer)) and not isinstance(cpu, bool)
                 and cpu in allowed for cpu in cpus):
             raise ValueError(f"team_cpus takes distinct CPUs this process may run on "
-                             f"({sorted(allowed)}), one a thread, or None; got {cpus}")
+                             f"({sorted(allowed)}), one a thread, or None; got {given!r}")
         cpus = tuple(int(cpu) for cpu in cpus)
         self._pin = np.array(cpus, dtype=np.intc)
         self._team_cpus = cpus
