@@ -128,6 +128,9 @@
 # thread keeping its team spinning between calls, `CpuExperts.keep_team_up`, interleaved),
 # offload-pin (3: issue 17's int8 round, qwen3 at 22%, then olmoe at 4 GiB, each also with
 # the CPU's team pinned one CPU a thread, `CpuExperts.pin_team`, interleaved, PIN_ARGS added),
+# offload-steps (3: the same two rounds, then one more request each with a layer call's host
+# steps timed by the host's clock, `--host-steps`: `host_steps` in offload.jsonl, µs a layer
+# call; STEPS_ARGS adds flags),
 # cpu-sleeps (0.5: bench/cpu_sleeps.py, how often the CPU thread's OpenMP threads sleep a call
 # beside the engine thread's team and with it shrunk, olmoe's and qwen3's shapes),
 # offload-cpu-shrink (4: the same runs, each also with the engine thread's OpenMP pool left
@@ -395,6 +398,12 @@ for stage in "$@"; do
                --prefill-tokens 0 ${PIN_ARGS:-}
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses auto \
                --cpu-pin --interleave --prefill-tokens 0 ${PIN_ARGS:-} ;;
+    offload-steps)  # a layer call's host steps by the host's clock, after the timed requests
+           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
+               --share-per-format --stream-misses auto --prefill-tokens 0 --host-steps \
+               ${STEPS_ARGS:-}
+           offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses auto \
+               --prefill-tokens 0 --host-steps ${STEPS_ARGS:-} ;;
     offload-cpu-spin)  # the CPU's team spinning between a round's calls, or not
            offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 --stream-misses 3 \
                --cpu-spin --interleave --repeat 4 --prefill-tokens 0

@@ -108,6 +108,11 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
                         "--new-tokens / 4 tokens with the host's steps of each layer call "
                         "marked (bench/round_trace.py): DIR/<run>.trace.json.gz, and the "
                         "layer's figures as `trace` in the run's JSON")
+    parser.add_argument("--host-steps", action="store_true",
+                        help="after each decode run's timed requests, one more of --new-tokens "
+                        "tokens with the host's steps of each layer call timed by its clock, "
+                        "no profiler (bench/round_trace.py's `clocked`): µs a layer call as "
+                        "`host_steps` in the run's JSON")
     parser.add_argument("--host-read-mib", type=int, default=2048)
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--experts-dtype", default="auto",

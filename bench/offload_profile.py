@@ -1,7 +1,8 @@
 """The requests bench/offload.py runs after a run's timed ones, to see where its time went:
-torch's profiler over the device (`--profile`: `round_profile`), cProfile over the host, and
-a trace with each layer call's host steps marked (`--trace`: `round_trace`). Each runs in the
-run's own engine, after its figures were taken, so it changes none of them.
+torch's profiler over the device (`--profile`: `round_profile`), cProfile over the host, a
+trace with each layer call's host steps marked (`--trace`: `round_trace`), and the same steps
+timed by the host's clock alone (`--host-steps`: `round_trace.clocked`). Each runs in the run's
+own engine, after its figures were taken, so it changes none of them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from _common import fresh_request
 from round_profile import device_busy, host_functions, per_round
-from round_trace import trace
+from round_trace import Clock, clocked, trace
 from strata.engine.runtime.generate import GenerateOptions
 
 
@@ -25,6 +26,8 @@ def look_closer(engine: Any, run: dict, name: str, prompt: list[int], args: Any,
     if args.trace:
         run["trace"] = trace_decode(engine, prompt, args, max_context,
                                     Path(args.trace) / f"{name}.trace.json.gz")
+    if args.host_steps:
+        run["host_steps"] = clock_decode(engine, prompt, args, max_context)
     streamer = engine.cache.streamer
     if streamer is not None and streamer.prefetching:
         run["prefetch"] = {"prefetched_experts": streamer.prefetched_experts,
@@ -49,13 +52,27 @@ def profile_decode(engine, prompt, args, max_context: int, host_path: Path) -> d
     return busy
 
 
+def _options(args, max_context: int, n_new: int) -> GenerateOptions:
+    return GenerateOptions(max_new=n_new, max_context=max_context, temperature=0.0,
+                           ignore_stop=True, cuda_graphs=not args.eager,
+                           piecewise_graphs=not args.eager)
+
+
 def trace_decode(engine, prompt, args, max_context: int, path: Path) -> dict:
     """A request of `args.new_tokens` / 4 tokens traced (`round_trace.trace`) to `path`: the
     layer's figures."""
-    options = GenerateOptions(max_new=max(args.new_tokens // 4, 1), max_context=max_context,
-                              temperature=0.0, ignore_stop=True, cuda_graphs=not args.eager,
-                              piecewise_graphs=not args.eager)
+    options = _options(args, max_context, max(args.new_tokens // 4, 1))
     return trace(lambda: fresh_request(engine, prompt, options), path)
+
+
+def clock_decode(engine, prompt, args, max_context: int) -> dict:
+    """A request of `args.new_tokens` tokens with the layer calls' host steps clocked
+    (`round_trace.clocked`): `Clock.summary`'s figures, µs a layer call."""
+    clock = Clock()
+    options = _options(args, max_context, args.new_tokens)
+    with clocked(clock):
+        fresh_request(engine, prompt, options)
+    return clock.summary()
 
 
 def profile_prefill(engine, prompt, max_context: int, prefill_chunk: int | None,

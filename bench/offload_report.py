@@ -86,7 +86,8 @@ def prefill_figures(run: dict, machine: dict, n_layers: int, full_layers: int) -
 
 def decode_lines(name: str, run: dict) -> list[str]:
     """What bench/offload.py says of a decode run as it ends: its round against the bound,
-    what the scheduler did to the threads, and where traced, a layer call's host steps."""
+    what the scheduler did to the threads, and where traced or clocked, a layer call's host
+    steps."""
     r = run["round"]
     ahead = run.get("prefetch")
     cpu_rate = f" ({r['cpu_gb_s']:.1f} GB/s{cpu_parts(r)})" if r["cpu_gb_s"] else ""
@@ -96,10 +97,11 @@ def decode_lines(name: str, run: dict) -> list[str]:
                  f", prefetched {ahead['prefetched_experts']} experts, used {ahead['used']}"
                  if ahead else ""),
              f"{name}, {describe(run['threads_per_round'])}"]
-    if run.get("trace"):
-        lines.append(f"{name}, traced a layer call: " + ", ".join(
-            f"{key.removesuffix('_us')} {value:.1f}" for key, value in run["trace"].items()
-            if key.endswith("_us")) + " µs")
+    for key, what in (("trace", "traced"), ("host_steps", "clocked")):
+        if run.get(key):
+            lines.append(f"{name}, {what} a layer call: " + ", ".join(
+                f"{step.removesuffix('_us')} {value:.1f}" for step, value in run[key].items()
+                if step.endswith("_us")) + " µs")
     return lines
 
 

@@ -12,6 +12,10 @@ with them, writes the Chrome trace (gzip) to `path` and returns `summarize`'s fi
   graph's replay and the device running up to the next routing;
 - the device in a layer's window (from one call's start to the next's): µs busy copying to
   the device, computing, and neither.
+
+The profiler makes the host's steps slower than they are. `clocked()` times the same steps,
+and a few inside and around them, by the host's clock alone (`Clock`: about 0.2 µs a step),
+for `--host-steps`: where a layer's host-side time goes in a round as it runs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import functools
 import gzip
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,9 +32,10 @@ import torch
 
 from round_profile import merged
 from strata.engine.cache import graph_call
+from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.cache.host_rows import HostRows
 
-__all__ = ["marked", "summarize", "trace"]
+__all__ = ["Clock", "clocked", "marked", "summarize", "trace"]
 
 CALL = "fill_misses"
 # (owner, attribute, label): the host's steps of a split decode call.
@@ -43,24 +49,113 @@ STEPS = [
 ]
 
 
+# More steps for the clock, which costs little: the routing's read (inside split_call), the
+# admissions, the cache's own entry and exit around graph_call's, and each graph's launch.
+CLOCKED = [
+    (HostRows, "read_routing", "read"),
+    (graph_call, "_admit", "admit"),
+    (CachedExperts, "fill_misses", "cache_fill_misses"),
+    (torch.cuda.CUDAGraph, "replay", "graph_replay"),
+]
+
+
 @contextlib.contextmanager
-def marked() -> Iterator[None]:
-    """The steps of `STEPS` in profiler ranges named by their labels, while open."""
+def _wrapped(steps: list[tuple[object, str, str]],
+             wrap: Callable[[Callable, str], Callable]) -> Iterator[None]:
+    """Each step of `steps` replaced by `wrap(real, label)` (named as the real one), while
+    open."""
     saved = []
-    for owner, name, label in STEPS:
+    for owner, name, label in steps:
         real = getattr(owner, name)
-
-        def wrapper(*args, _real=real, _label=label, **kwargs):
-            with torch.profiler.record_function(_label):
-                return _real(*args, **kwargs)
-
         saved.append((owner, name, real))
-        setattr(owner, name, functools.wraps(real)(wrapper))
+        setattr(owner, name, functools.wraps(real)(wrap(real, label)))
     try:
         yield
     finally:
-        for owner, name, real in saved:
+        for owner, name, real in reversed(saved):
             setattr(owner, name, real)
+
+
+@contextlib.contextmanager
+def marked() -> Iterator[None]:
+    """The steps of `STEPS` in profiler ranges named by their labels, while open."""
+    def wrap(real: Callable, label: str) -> Callable:
+        def wrapper(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return real(*args, **kwargs)
+        return wrapper
+
+    with _wrapped(STEPS, wrap):
+        yield
+
+
+class Clock:
+    """Seconds and calls of each clocked step (a step inside another counts in both), and
+    the host's time between one layer call's end and the next one's start: `gaps` within a
+    round (the next graph's launch and the device up to its routing, which the next call's
+    read then waits for less), `round_gaps` from a round's last call to the next round's first
+    (the last graph, the logits, the token's pick and read, the next round's start)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.gaps: list[float] = []
+        self.round_gaps: list[float] = []
+        self._last: tuple[int, float] | None = None  # the last call's layer and end
+
+    def add(self, label: str, seconds: float) -> None:
+        self.seconds[label] = self.seconds.get(label, 0.0) + seconds
+        self.calls[label] = self.calls.get(label, 0) + 1
+
+    def call_started(self, layer: int, now: float) -> None:
+        if self._last is not None:
+            last_layer, ended = self._last
+            (self.gaps if layer > last_layer else self.round_gaps).append(now - ended)
+
+    def call_ended(self, layer: int, now: float) -> None:
+        self._last = (layer, now)
+
+    def summary(self) -> dict:
+        """µs a layer call of each step (`<label>_us`), `gap_us` and `round_gap_us` (means),
+        and `inside_rest_us`: graph_call's call less its clocked steps (the split, the CPU's
+        start and finish, the uploads, the rows' copy, the admissions), the host's own work
+        between them. Empty before any call."""
+        n = self.calls.get(CALL, 0)
+        if not n:
+            return {}
+        figures = {"layer_calls": n}
+        for label, seconds in self.seconds.items():
+            figures[f"{label}_us"] = seconds / n * 1e6
+        parts = ("split_call", "start_cpu", "stage_uploads", "finish_cpu", "stage_cpu_rows",
+                 "admit")
+        figures["inside_rest_us"] = figures[f"{CALL}_us"] - sum(
+            figures.get(f"{label}_us", 0.0) for label in parts)
+        for name, gaps in (("gap_us", self.gaps), ("round_gap_us", self.round_gaps)):
+            figures[name] = sum(gaps) / len(gaps) * 1e6 if gaps else 0.0
+        return figures
+
+
+@contextlib.contextmanager
+def clocked(clock: Clock) -> Iterator[None]:
+    """The steps of `STEPS` and `CLOCKED` timed into `clock` by `time.perf_counter`, while
+    open; graph_call's call also marks the gaps between calls (its second argument is the
+    layer)."""
+    def wrap(real: Callable, label: str) -> Callable:
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            if label == CALL:
+                clock.call_started(args[1], started)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                ended = time.perf_counter()
+                clock.add(label, ended - started)
+                if label == CALL:
+                    clock.call_ended(args[1], ended)
+        return wrapper
+
+    with _wrapped(STEPS + CLOCKED, wrap):
+        yield
 
 
 def _covered(union: list[tuple[float, float]], lo: float, hi: float) -> float:

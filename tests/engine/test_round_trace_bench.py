@@ -3,6 +3,7 @@ and its summary reads a trace's layer windows as the module says."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from strata.engine.cache import graph_call
@@ -67,3 +68,59 @@ def test_the_summary_reads_each_layer_window():
     assert figures["fill_misses_us"] == (100 + 80 + 50) / 3
     assert figures["split_call_us"] == (40 + 20) / 3
     assert bench.summarize(events[:1]) == {}
+
+
+def test_the_clock_times_the_steps_while_open_and_comes_off_after():
+    bench = load_bench("round_trace.py")
+    before = (graph_call._stage_uploads, graph_call.fill_misses, HostRows.read_routing,
+              torch.cuda.CUDAGraph.replay)
+    clock = bench.Clock()
+    with bench.clocked(clock):
+        assert graph_call._stage_uploads.__name__ == "_stage_uploads"
+        for _ in range(3):
+            graph_call._stage_uploads(_NoCache(), 0, _NoCall(), None)
+    assert (graph_call._stage_uploads, graph_call.fill_misses, HostRows.read_routing,
+            torch.cuda.CUDAGraph.replay) == before
+    assert clock.calls == {"stage_uploads": 3}
+    assert clock.seconds["stage_uploads"] > 0
+    assert clock.summary() == {}  # no layer call
+
+
+def test_the_clock_marks_a_layer_call_and_the_gaps_between_calls():
+    bench = load_bench("round_trace.py")
+    clock = bench.Clock()
+    calls = []
+
+    def fake_fill_misses(cache, layer, *rest):
+        calls.append(layer)
+        return None
+
+    real = graph_call.fill_misses
+    graph_call.fill_misses = fake_fill_misses
+    try:
+        with bench.clocked(clock):
+            for layer in (0, 1, 2, 0, 1, 2):  # two rounds of three layers
+                graph_call.fill_misses(None, layer, None, None, None, None, None)
+    finally:
+        graph_call.fill_misses = real
+    assert calls == [0, 1, 2, 0, 1, 2]
+    assert len(clock.gaps) == 4 and len(clock.round_gaps) == 1
+    summary = clock.summary()
+    assert summary["layer_calls"] == 6
+    assert summary["gap_us"] > 0 and summary["round_gap_us"] > 0
+
+
+def test_the_clock_summary_divides_by_the_layer_calls():
+    bench = load_bench("round_trace.py")
+    clock = bench.Clock()
+    for _ in range(4):
+        clock.add("fill_misses", 100e-6)
+        clock.add("split_call", 30e-6)
+        clock.add("read", 20e-6)  # inside split_call: not subtracted again
+        clock.add("finish_cpu", 50e-6)
+    clock.gaps = [10e-6, 30e-6]
+    summary = clock.summary()
+    assert summary["fill_misses_us"] == pytest.approx(100)
+    assert summary["inside_rest_us"] == pytest.approx(100 - 30 - 50)
+    assert summary["gap_us"] == pytest.approx(20)
+    assert summary["round_gap_us"] == 0.0
