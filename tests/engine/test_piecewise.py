@@ -76,13 +76,14 @@ class Logged:
 
 
 class HandingBack:
-    """A splitting cache whose calls of `ahead_layers` hand back their end (`ahead`); it logs
-    its calls and their ends into `log`."""
+    """A splitting cache whose calls of `ahead_layers` hand back their end (`ahead`, or the
+    books a round asks for: `books_after`); it logs its calls and their ends into `log`."""
 
     def __init__(self, log, ahead_layers):
         self.log, self.ahead_layers = log, ahead_layers
 
-    def fill_misses(self, layer, x, topk_ids, topk_weights, rows):
+    def fill_misses(self, layer, x, topk_ids, topk_weights, rows, books_after=False):
+        assert books_after  # a round asks every call for its books after the next launch
         self.log.append(f"fill {layer}")
         if layer in self.ahead_layers:
             return lambda: self.log.append(f"end {layer}")

@@ -83,13 +83,15 @@ def counts(cached):
     return {name: getattr(cached.stats.decode, name) for name in COUNTS}
 
 
-def split_call(cached, layer, x, topk_ids, topk_weights, ahead=False):
+def split_call(cached, layer, x, topk_ids, topk_weights, ahead=False, books_after=False):
     """A call as the split piecewise graphs make it: the resident rows, the host's misses,
-    the sum; with `ahead`, on CUDA the sum queued before the call's end (as the next graph
-    is); on the host, which has no stream to queue it behind the rows, after it."""
+    the sum; with `books_after`, the call's books after the sum (as after the next graph's
+    launch in a round); with `ahead`, on CUDA the sum queued before the call's end (as the
+    next graph is); on the host, which has no stream to queue it behind the rows, after it."""
     rows = cached.resident_rows(layer, x, topk_ids)  # [K + 1, D]
-    rest = cached.fill_misses(layer, x, topk_ids, topk_weights, rows, ahead=ahead)
-    if rest is not None and x.device.type != "cuda":
+    rest = cached.fill_misses(layer, x, topk_ids, topk_weights, rows, ahead=ahead,
+                              books_after=books_after)
+    if rest is not None and ahead and x.device.type != "cuda":
         rest, end = None, rest
         end()
     try:

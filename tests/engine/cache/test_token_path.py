@@ -190,6 +190,48 @@ def test_a_split_call_that_hands_back_its_end_gives_the_same_bytes(share, stream
                 async_cpu=True, ahead=True)
 
 
+@pytest.mark.parametrize("share,stream,async_cpu",
+                         [(0.25, 0, True), (0.5, 1, True), (0.25, 1, False), (0.0, 2, True)],
+                         ids=["quarter-0", "half-1", "quarter-1-sync", "empty-2"])
+def test_a_split_call_with_its_books_after_the_sum_gives_the_same_bytes(share, stream,
+                                                                        async_cpu):
+    """`fill_misses(books_after=True)`: the call returns once its rows are staged and hands
+    back its books (the CPU call's times counted, the admissions, the call's end), called
+    after the sum as a round calls them after the next graph's launch; the bytes, books and
+    counts stay the token path's (admitting with sieve)."""
+    _same_bytes(small_store(torch.bfloat16), share, "sieve", stream, False, "cpu", split=True,
+                async_cpu=async_cpu, books_after=True)
+
+
+def test_a_split_call_counts_its_books_only_when_they_are_called():
+    """What `books_after` hands back is the call's books alone: the CPU's rows are done and
+    staged when the call returns; the CPU call's parts and the call's time are counted, and
+    the call left, only when the books are called."""
+    store, _, token = _async_caches(0.25, 0)
+    try:
+        call = token_calls(store, 1, seed=5, repeats=False)[0]
+        rows = token.resident_rows(*call[:3])
+        end = token.fill_misses(*call, rows, books_after=True)
+        stats = token.stats.decode
+        assert end is not None and not token.cpu._worker.pending
+        assert stats.cpu_experts > 0 and stats.cpu_s > 0  # started and waited for
+        assert stats.cpu_run_s == 0 and stats.forward_s == 0
+        end()
+        assert stats.cpu_run_s > 0 and stats.forward_s > 0
+    finally:
+        token.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("share,stream", [(0.5, 0), (0.5, 2)], ids=["half-0", "half-2"])
+def test_a_split_call_with_its_books_after_the_sum_gives_the_same_bytes_on_cuda(share, stream):
+    """The same on CUDA, the sum queued on the stream before the call's books run."""
+    store = store_of(cached_checkpoint("qwen3_moe", "small", dtype=torch.bfloat16),
+                     pin_memory=True)
+    _same_bytes(store, share, "sieve", stream, False, "cuda", split=True, async_cpu=True,
+                books_after=True)
+
+
 def test_a_split_call_hands_back_its_end_only_when_its_cpu_misses_run_on_their_thread():
     store, _, token = _async_caches(0.25, 0)
     ends = []
@@ -264,9 +306,9 @@ def test_a_split_call_that_hands_back_its_end_gives_the_same_bytes_on_cuda(share
 
 
 def _same_bytes(store, share, policy, stream, repeats, device, split=False, wake_cpu=False,
-                async_cpu=False, ahead=False):
+                async_cpu=False, ahead=False, books_after=False):
     """The general path against the token path, or (`split`) the token path against the split
-    call; `wake_cpu`, `async_cpu` and `ahead` on the latter."""
+    call; `wake_cpu`, `async_cpu`, `ahead` and `books_after` on the latter."""
     n_slots = round(share * store.n_layers * store.n_experts)
     general = make_cache(store, n_slots, policy, stream, token_path=split, device=device)
     token = make_cache(store, n_slots, policy, stream, token_path=True, device=device)
@@ -276,7 +318,8 @@ def _same_bytes(store, share, policy, stream, repeats, device, split=False, wake
         for call in token_calls(store, 32, seed=int(share * 10) + stream, repeats=repeats,
                            device=device):
             expected = general.forward(*call)
-            got = split_call(token, *call, ahead=ahead) if split else token.forward(*call)
+            got = split_call(token, *call, ahead=ahead, books_after=books_after) if split \
+                else token.forward(*call)
             assert got.dtype == expected.dtype and bytes_of(got) == bytes_of(expected)
             assert books(token) == books(general)
         assert counts(token) == counts(general)

@@ -298,13 +298,13 @@ class CachedExperts:
         return graph_call.sum_rows(self, x, rows, topk_weights)
 
     def fill_misses(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor, rows: torch.Tensor, ahead: bool | None = None
-                    ) -> Callable[[], None] | None:
+                    topk_weights: torch.Tensor, rows: torch.Tensor, ahead: bool | None = None,
+                    books_after: bool = False) -> Callable[[], None] | None:
         """The rest of a one-token decode call after `resident_rows` filled rows [K + 1, D]:
         the CPU's misses' rows and the streamed ones staged, the books, policy and stats as
         `forward` tells them; `sum_rows` then gives what `forward` would. Returns None, or with
-        `ahead` (default `graph_call.LAUNCH_AHEAD`) maybe the call's end, which the caller
-        calls once it has queued the next graph (`graph_call.fill_misses`)."""
+        `books_after` or `ahead` (default `graph_call.LAUNCH_AHEAD`) maybe the call's end,
+        which the caller calls once it has queued the next graph (`graph_call.fill_misses`)."""
         entered = time.perf_counter()
         if not 0 <= layer < self.n_layers:
             raise IndexError(f"layer {layer} is out of range [0, {self.n_layers})")
@@ -323,7 +323,7 @@ class CachedExperts:
             return graph_call.fill_misses(
                 self, layer, x, topk_ids, rows, stats,
                 functools.partial(self._leave_call, layer, stats, entered),
-                graph_call.LAUNCH_AHEAD if ahead is None else ahead)
+                graph_call.LAUNCH_AHEAD if ahead is None else ahead, books_after)
         self._leave_call(layer, stats, entered)
         return None
 

@@ -50,6 +50,7 @@ import torch
 from strata.engine.cache.stats import PhaseStats
 from strata.engine.cache.token_call import (
     DeviceTime,
+    count_cpu_call,
     cpu_rows,
     finish_cpu_rows,
     split_call,
@@ -94,29 +95,34 @@ def resident_rows(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tenso
 
 def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 rows: torch.Tensor, stats: PhaseStats, leave: Callable[[], None],
-                ahead: bool = False) -> Callable[[], None] | None:
+                ahead: bool = False, books_after: bool = False) -> Callable[[], None] | None:
     """The host's part of `cache`'s call for one token x [1, D] routed to topk_ids [1, K]
     outside a loaned pass, after `resident_rows` filled rows [K + 1, D]: the CPU's misses'
     rows and the streamed ones staged for `sum_rows` to write into `rows`, the books, the
     policy and `stats` told as `token_forward` tells them, then `leave()` (the call's end in
     the cache's books). Returns None, done.
 
+    `books_after`: return once the rows are staged, and the rest of the call as a function,
+    its books (the CPU call's times counted, the admissions, `leave()`): the caller launches
+    the next graph and then calls it, so that the next graph waits for no bookkeeping.
+
     `ahead` (where the CPU's misses run on its own thread): return while they still run, the
     rows' copy queued behind a wait on the stream (`HostRows.signal`), and the rest of the
     call as a function: the caller launches the next graph (queued behind the copy) and then
     calls it, which waits for the CPU, sets the signal, admits and leaves. Between the two the
-    caller must wait for nothing the device does (`strata.engine.cache.host_signal`). The
-    bytes are the same: the stream runs the same work in the same order, and admissions, made
-    after the next graph is queued, change no row of it (`_admit`)."""
+    caller must wait for nothing the device does (`strata.engine.cache.host_signal`).
+
+    Either way the bytes are the same: the stream runs the same work in the same order, and
+    admissions, made after the next graph is queued, change no row of it (`_admit`)."""
     top_k = topk_ids.shape[1]
     call = split_call(cache, layer, x, topk_ids, stats, queued=True)
     host_rows, hidden_size = cache.host_rows, x.shape[1]
     out = targets = started = None
     if call.misses is not None:  # computed into the kept host buffer, then sent in one copy
         out = host_rows.cpu_out(top_k, call.misses.n_rows, hidden_size, rows.dtype)  # [R, D]
-        targets = call.misses.rows + 1  # row k of the call is row k + 1 of `rows`
         if cache.async_cpu:  # on the CPU's own thread while this one issues the uploads
             started = start_cpu_rows(cache, layer, call.x_host, call.misses, stats, out)
+        targets = call.misses.rows + 1  # row k of the call is row k + 1 of `rows`
     handed_on = False
     try:
         _stage_uploads(cache, layer, call, stats)
@@ -126,13 +132,21 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
             return rest
     finally:  # the CPU's thread writes `out`: never left running past this call
         if started is not None and not handed_on:
-            finish_cpu_rows(cache, stats, started)
+            finish_cpu_rows(cache, stats, started, count=False)
     if started is None and call.misses is not None:
         cpu_rows(cache, layer, call.x_host, call.misses, stats, out)
     with DeviceTime(stats):
         host_rows.stage_cpu_rows(top_k, hidden_size, rows.dtype, targets)
-    _admit(cache, layer, call, top_k)
-    leave()
+
+    def books() -> None:
+        if started is not None:
+            count_cpu_call(cache, stats)
+        _admit(cache, layer, call, top_k)
+        leave()
+
+    if books_after:
+        return books
+    books()
     return None
 
 

@@ -30,6 +30,7 @@ from strata.engine.experts.routed import Routed
 __all__ = [
     "DeviceTime",
     "TokenSplit",
+    "count_cpu_call",
     "cpu_rows",
     "finish_cpu_rows",
     "split_call",
@@ -140,11 +141,20 @@ def start_cpu_rows(cache: Any, layer: int, x_host: torch.Tensor, misses: Routed,
     return started
 
 
-def finish_cpu_rows(cache: Any, stats: PhaseStats, started: float) -> None:
+def finish_cpu_rows(cache: Any, stats: PhaseStats, started: float, count: bool = True
+                    ) -> None:
     """Wait for `start_cpu_rows`' call (taking part in it under "steal"); its time from the
-    start counts as the CPU's, and where it went (`CpuExperts.last_call`) into its parts."""
+    start counts as the CPU's, and with `count` where it went (`count_cpu_call`; without,
+    the caller counts it later, off the path to the next kernel)."""
     stats.cpu_waiter_tasks += cache.cpu.finish()
     stats.cpu_s += time.perf_counter() - started
+    if count:
+        count_cpu_call(cache, stats)
+
+
+def count_cpu_call(cache: Any, stats: PhaseStats) -> None:
+    """Where the last call `finish_cpu_rows` waited for spent its time (`CpuExperts.last_call`:
+    the hand-over, the team's wake-up, the runs, the notice), into `stats`."""
     times = cache.cpu.last_call()
     if times is not None:
         stats.cpu_hand_over_s += times.hand_over_s

@@ -60,9 +60,10 @@ class Pieces:
 
     def replay(self) -> None:
         """Graph 0, the experts, graph 1, ..., graph L; the logits are in `logits` after. A
-        split call may hand back its end (`CachedExperts.fill_misses`' ahead): the next graph
-        is then launched first, queued on the device behind the call's last rows, and the end
-        called after it, whatever the launch does."""
+        split call hands back its end (`CachedExperts.fill_misses`' books_after, or ahead):
+        the next graph is launched first, queued on the device behind the call's rows, and the
+        end (the call's books, or with ahead the wait for the CPU's rows too) called after it,
+        whatever the launch does."""
         experts = self.model.experts
         self.graphs[0].replay()
         for graph, call, out in zip(self.graphs[1:], self.calls, self.outputs, strict=True):
@@ -70,7 +71,7 @@ class Pieces:
                 out.copy_(experts.forward(*call))
                 graph.replay()
                 continue
-            rest = experts.fill_misses(*call, out)
+            rest = experts.fill_misses(*call, out, books_after=True)
             try:
                 graph.replay()
             finally:
