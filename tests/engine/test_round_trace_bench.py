@@ -22,7 +22,7 @@ def test_marks_name_the_steps_in_the_profiler_and_come_off_after():
         assert graph_call.split_call is not before[0]
         assert graph_call.split_call.__name__ == "split_call"  # functools.wraps
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            graph_call._stage_uploads(_NoCache(), 0, _NoCall(), None)
+            graph_call._stage_uploads(_NoCache(), 0, _NoCall(), 4, None)
         assert "stage_uploads" in {event.name for event in prof.events()}
     assert (graph_call.split_call, graph_call.fill_misses, HostRows.stage_cpu_rows) == before
 
@@ -38,7 +38,8 @@ class _NoCache:
 
 
 class _NoCall:
-    streamed = None
+    def streamed(self, top_k):
+        return None
 
 
 def test_the_summary_reads_each_layer_window():
@@ -78,7 +79,7 @@ def test_the_clock_times_the_steps_while_open_and_comes_off_after():
     with bench.clocked(clock):
         assert graph_call._stage_uploads.__name__ == "_stage_uploads"
         for _ in range(3):
-            graph_call._stage_uploads(_NoCache(), 0, _NoCall(), None)
+            graph_call._stage_uploads(_NoCache(), 0, _NoCall(), 4, None)
     assert (graph_call._stage_uploads, graph_call.fill_misses, HostRows.read_routing,
             torch.cuda.CUDAGraph.replay) == before
     assert clock.calls == {"stage_uploads": 3}

@@ -34,9 +34,11 @@ def test_a_prefetched_expert_is_streamed_first_and_not_uploaded_again():
     misses = Routed.of(np.array([[3, 9, 12, 5]]))  # four misses; the fixed count streams 2
     streamed, rest = streamer.split(misses, layer=3)
     assert streamed.experts.tolist() == [9, 12] and rest.experts.tolist() == [3, 5]
+    assert streamer.count(4, layer=3) is None  # a split call asks the streamer to pick
     # Another layer's call finds nothing prefetched: the first two by id.
     streamed_other, _ = streamer.split(misses, layer=2)
     assert streamed_other.experts.tolist() == [3, 5]
+    assert streamer.count(4, layer=2) == 2
     assert streamer.stage(3, streamed, streamed.rows + 1) == 0  # both were there
     assert streamer.stage_map.tolist()[:2] == [3, 2]  # expert 9 in blob 3, 12 in blob 2
     assert (streamer.prefetched_experts, streamer.prefetch_used) == (2, 2)

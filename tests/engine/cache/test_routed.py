@@ -91,6 +91,17 @@ def test_the_books_split_of_one_token_is_its_misses_grouped(top_k, data):
     mask = ~np.isin(ids, sorted(resident))
     assert _as_dict(misses) == _reference(ids, mask) and misses.top_k == top_k
     assert not misses.rows.flags.writeable and split.flags.writeable
+    if not n_missed:
+        return
+    # A part of them in one step: what `group` makes of the whole.
+    lo = data.draw(st.integers(0, n_missed - 1))
+    hi = data.draw(st.integers(lo + 1, n_missed))
+    part, group = Routed.of_split(split, top_k, n_hits, n_missed, lo, hi), misses.group(lo, hi)
+    for name in ("experts", "starts", "rows"):
+        assert getattr(part, name).tolist() == getattr(group, name).tolist()
+        assert not getattr(part, name).flags.writeable
+    with pytest.raises(ValueError, match="not a part of"):
+        Routed.of_split(split, top_k, n_hits, n_missed, lo, lo)
 
 
 @given(routings, st.data())

@@ -25,6 +25,8 @@ def test_it_takes_the_first_missed_experts_by_id(store):
     assert rest.experts.tolist() == [12] and rest.rows.tolist() == [2]
     streamed, rest = StreamedMisses(store, torch.device("cpu"), 4).split(Routed.of(ids, ~hit))
     assert streamed.experts.tolist() == [5, 9, 12] and rest is None
+    # The count a split call asks for first: the same, up to the blobs.
+    assert [streamer.count(m, layer=1) for m in (0, 1, 2, 3)] == [0, 1, 2, 2]
 
 
 def test_it_computes_the_streamed_experts_over_the_token(store):

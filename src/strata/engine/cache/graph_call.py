@@ -125,7 +125,7 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
         targets = call.misses.rows + 1  # row k of the call is row k + 1 of `rows`
     handed_on = False
     try:
-        _stage_uploads(cache, layer, call, stats)
+        _stage_uploads(cache, layer, call, top_k, stats)
         if ahead and started is not None:
             rest = _rows_ahead(cache, layer, call, stats, started, targets, rows, leave)
             handed_on = True
@@ -187,17 +187,19 @@ def _admit(cache: Any, layer: int, call: Any, top_k: int) -> None:
         cache.admit_misses(layer, call.missed_experts(top_k))
 
 
-def _stage_uploads(cache: Any, layer: int, call: Any, stats: PhaseStats) -> None:
+def _stage_uploads(cache: Any, layer: int, call: Any, top_k: int, stats: PhaseStats
+                   ) -> None:
     """`fill_misses`' uploads: the call's streamed misses staged (or the stage map cleared),
     then the next layer's predicted misses prefetched where the cache predicts them."""
     # The next layer's predictions, read while the stream is drained by the routing's read:
     # before this layer's uploads, which a later read would wait for.
     predicted = cache.prefetch.read(layer) if cache.prefetch is not None else []
     blob_bytes = cache.store.blob_bytes
-    if call.streamed is not None:
+    streamed = call.streamed(top_k)  # made now, after the CPU's start
+    if streamed is not None:
         with DeviceTime(stats):
-            uploaded = cache.streamer.stage(layer, call.streamed, call.streamed.rows + 1)
-        stats.streamed_experts += call.streamed.n_experts
+            uploaded = cache.streamer.stage(layer, streamed, streamed.rows + 1)
+        stats.streamed_experts += streamed.n_experts
         stats.uploaded_bytes += uploaded * blob_bytes  # less those prefetched
     elif cache.streamer is not None:
         cache.streamer.stage(layer, None, None)  # a map left from an earlier call: cleared

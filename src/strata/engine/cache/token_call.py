@@ -43,16 +43,26 @@ __all__ = [
 class TokenSplit(NamedTuple):
     """A one-token call's routing as the books split it (`split_call`): x readable on the host,
     the index buffer and its numpy view `split` (`ResidencyTable.split_token`'s layout), the
-    hits and missed experts' counts, and the misses' rows: those the copy engine streams and
-    those the CPU computes (None: none)."""
+    hits' and missed experts' counts, how many of the missed experts the copy engine streams
+    (`picked`: their rows where the streamer picked them by expert, else None: the first
+    `n_streamed` by id, made by `streamed`), and the rows the CPU computes (None: none)."""
 
     x_host: torch.Tensor
     buffer: torch.Tensor
     split: np.ndarray
     n_hits: int
     n_missed: int
-    streamed: Routed | None
+    n_streamed: int
+    picked: Routed | None
     misses: Routed | None
+
+    def streamed(self, top_k: int) -> Routed | None:
+        """The streamed misses' rows (None: none). Made when asked, so that a split call can
+        start the CPU's share first."""
+        if self.picked is not None or not self.n_streamed:
+            return self.picked
+        return Routed.of_split(self.split, top_k, self.n_hits, self.n_missed,
+                               hi=self.n_streamed)
 
     def missed_experts(self, top_k: int) -> np.ndarray:
         """The missed experts, ascending (a copy)."""
@@ -78,12 +88,19 @@ def split_call(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
     stats.layer_calls += 1
     stats.lookups += top_k
     stats.hits += n_hits
-    misses = streamed = None
+    misses = picked = None
+    n_streamed = 0
     if n_missed:
-        misses = Routed.of_split(split, top_k, n_hits, n_missed)
-        if cache.streamer is not None:
-            streamed, misses = cache.streamer.split(misses, layer)
-    return TokenSplit(x_host, buffer, split, n_hits, n_missed, streamed, misses)
+        n = 0 if cache.streamer is None else cache.streamer.count(n_missed, layer)
+        if n is None:  # experts prefetched for this layer: the streamer picks them first
+            picked, misses = cache.streamer.split(
+                Routed.of_split(split, top_k, n_hits, n_missed), layer)
+            n_streamed = 0 if picked is None else picked.n_experts
+        else:  # the first n by id streamed (made when asked), the CPU's the others
+            n_streamed = n
+            if n < n_missed:
+                misses = Routed.of_split(split, top_k, n_hits, n_missed, lo=n)
+    return TokenSplit(x_host, buffer, split, n_hits, n_missed, n_streamed, picked, misses)
 
 
 class DeviceTime:
@@ -180,8 +197,9 @@ def token_forward(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tenso
         index = cache.host_rows.indices_to_device(call.buffer[:n_hits + top_k])  # slots; order
         if n_hits:
             parts.append(cache.arena.expert_rows(index[:n_hits], x.expand(n_hits, -1)))
-        if call.streamed is not None:
-            parts.append(streamed_rows(cache, layer, x, call.streamed, stats))
+        streamed = call.streamed(top_k)
+        if streamed is not None:
+            parts.append(streamed_rows(cache, layer, x, streamed, stats))
     if call.misses is not None:
         parts.append(cache.host_rows.to_device(cpu_rows(cache, layer, call.x_host,
                                                         call.misses, stats)))

@@ -99,12 +99,23 @@ class Routed:
         return cls(chosen[first], starts, rows, int(ids.shape[1]))
 
     @classmethod
-    def of_split(cls, split: np.ndarray, top_k: int, n_hits: int, n_experts: int) -> Routed:
+    def of_split(cls, split: np.ndarray, top_k: int, n_hits: int, n_experts: int,
+                 lo: int = 0, hi: int | None = None) -> Routed:
         """The missed rows of one token as `ResidencyTable.split_token` wrote them into `split`
-        int64 (it returned `n_hits`, `n_experts`): views of `split`, made read-only."""
+        int64 (it returned `n_hits`, `n_experts`), or those of the missed experts [lo, hi)
+        alone (`group(lo, hi)` of the whole, made in one step): views of `split`, made
+        read-only."""
+        hi = n_experts if hi is None else hi
         k2, k3, k4 = 2 * top_k, 3 * top_k, 4 * top_k
-        return cls._of_valid(split[k3:k3 + n_experts], split[k4:k4 + n_experts + 1],
-                             split[k2:k2 + top_k - n_hits], top_k)
+        if lo == 0 and hi == n_experts:  # the whole (maybe empty): its rows end at K - n_hits
+            return cls._of_valid(split[k3:k3 + n_experts], split[k4:k4 + n_experts + 1],
+                                 split[k2:k2 + top_k - n_hits], top_k)
+        if not 0 <= lo < hi <= n_experts:
+            raise ValueError(f"missed experts [{lo}, {hi}) are not a part of [0, {n_experts})")
+        starts = split[k4 + lo:k4 + hi + 1]
+        r0, r1 = int(starts[0]), int(starts[-1])
+        return cls._of_valid(split[k3 + lo:k3 + hi], starts if r0 == 0 else starts - r0,
+                             split[k2 + r0:k2 + r1], top_k)
 
     def group(self, lo: int, hi: int) -> Routed:
         """The rows of experts[lo:hi] (0 <= lo <= hi <= M) as a Routed of their own: views of

@@ -151,12 +151,23 @@ class StreamedMisses:
     def nbytes(self) -> int:
         return self._staging.numel()
 
+    def count(self, m: int, layer: int = -1) -> int | None:
+        """How many of a call's m missed experts `split` streams, the first m by id; None
+        where experts prefetched for `layer` are staged, which `split` streams first: call it
+        then."""
+        if layer == self._prefetched_layer and self._prefetched:
+            return None
+        return self._count(m)
+
+    def _count(self, m: int) -> int:
+        return min(self.n_blobs, m) if self.split_rule is None else self.split_rule.streamed(m)
+
     def split(self, misses: Routed, layer: int = -1) -> tuple[Routed | None, Routed | None]:
         """(the rows of the missed experts the split streams, the other misses'), None for a
         side with none: the first by id; of `layer`'s call with prefetched experts among its
         misses, those first (all of them), then the first others by id up to the count."""
         m = misses.n_experts
-        n = min(self.n_blobs, m) if self.split_rule is None else self.split_rule.streamed(m)
+        n = self._count(m)
         ready = [] if layer != self._prefetched_layer or not self._prefetched else [
             i for i, expert in enumerate(misses.experts.tolist()) if expert in self._prefetched]
         if ready:
