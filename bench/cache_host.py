@@ -16,7 +16,9 @@ holding a quarter of the experts, uniform fill) through:
   decode round on CUDA runs them around its piecewise graphs (`CachedExperts.fill_misses`
   alone: the books, the policy, the CPU's misses on their own thread, the streamed blobs and
   the stage map queued; `resident_rows` and `sum_rows`, which a graph holds there, run untimed
-  on either side). On the host the copies are `memmove`s, not driver calls, so this times the
+  on either side), up to where a round launches the next graph (the call's books, which it
+  hands back for after the launch, untimed), and beside it the time from the call to the
+  CPU's start. On the host the copies are `memmove`s, not driver calls, so this times the
   Python, numpy and torch work around them.
 
 `--dtype bf16 --experts-dtype int8` runs the experts as an int8 store computing in bf16 (the
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -74,21 +77,47 @@ def time_calls(forward, calls, repeat: int) -> float:
     return min(times)
 
 
-def time_split(experts, calls, repeat: int) -> float:
-    """`time_calls` for the host's part of a split call (`fill_misses`): each call's
-    `resident_rows` and `sum_rows` run around it untimed."""
-    def one_pass() -> float:
-        spent = 0.0
+def time_split(experts, calls, repeat: int) -> tuple[float, float | None]:
+    """`time_calls` for the host's part of a split call (`fill_misses`) up to where a round
+    launches the next graph (its books, where the call hands them back as a round asks,
+    after, untimed), and the mean microseconds from the call to the CPU's start
+    (`CpuExperts.start` entered; None where no call started one). Each call's
+    `resident_rows` and `sum_rows` run around it untimed. A tree whose `fill_misses` cannot
+    hand its books back (an A/B's baseline, through PYTHONPATH) is timed whole."""
+    books_after = "books_after" in inspect.signature(type(experts).fill_misses).parameters
+    started: list[float] = []
+    cpu = experts.cpu
+    real_start = cpu.start
+
+    def start(*args, **kwargs):
+        started.append(time.perf_counter())
+        return real_start(*args, **kwargs)
+
+    def one_pass() -> tuple[float, float | None]:
+        spent = to_start = 0.0
+        n_started = 0
         for layer, x, ids, weights in calls:
             rows = experts.resident_rows(layer, x, ids)  # [K + 1, D]
-            start = time.perf_counter()
-            experts.fill_misses(layer, x, ids, weights, rows)
-            spent += time.perf_counter() - start
+            begin = time.perf_counter()
+            end = experts.fill_misses(layer, x, ids, weights, rows, books_after=True) \
+                if books_after else experts.fill_misses(layer, x, ids, weights, rows)
+            spent += time.perf_counter() - begin
+            if started:
+                to_start += started.pop() - begin
+                n_started += 1
             experts.sum_rows(x, rows, weights)
-        return spent / len(calls) * 1e6
+            if end is not None:
+                end()
+        return spent / len(calls) * 1e6, to_start / n_started * 1e6 if n_started else None
 
-    one_pass()
-    return min(one_pass() for _ in range(repeat))
+    cpu.start = start  # an instance attribute: this cache's calls alone
+    try:
+        one_pass()
+        passes = [one_pass() for _ in range(repeat)]
+    finally:
+        del cpu.start
+    return min(p[0] for p in passes), None if passes[0][1] is None else min(
+        p[1] for p in passes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         n_layers=args.layers)
     cpu = torch.device("cpu")
     results: dict[str, float] = {}
+    to_cpu_start: dict[str, float] = {}  # split calls: us from the call to the CPU's start
     with tempfile.TemporaryDirectory(prefix="strata-bench-host-") as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", "qwen3_moe", shape, dtype=dtype)
         cfg = ModelConfig.from_dir(ckpt)
@@ -148,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             suffix = f"-stream{n}" if n else ""
             results["cache" + suffix] = time_calls(experts.forward, calls, args.repeat)
             if args.split:
-                results["split" + suffix] = time_split(experts, calls, args.repeat)
+                results["split" + suffix], to_cpu = time_split(experts, calls, args.repeat)
+                if to_cpu is not None:
+                    to_cpu_start["split" + suffix] = to_cpu
             experts.close()
     document = {
         "machine": platform.processor() or platform.machine(), "threads":
@@ -157,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype, "experts_dtype": args.experts_dtype,
         "top_k": args.top_k, "us_per_call": results,
         "over_resident": {name: us / results["resident"] for name, us in results.items()},
+        "us_to_cpu_start": to_cpu_start,
     }
     if args.json:
         print(json.dumps(document))
@@ -165,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
           f"quarter of the experts cached, {args.dtype}, experts {args.experts_dtype}), "
           f"{document['machine']}, {document['threads']} "
           f"threads; the least of {args.repeat} passes of {args.calls} calls")
-    print(f"{'path':<16}{'us/call':>10}{'x resident':>12}")
+    print(f"{'path':<16}{'us/call':>10}{'x resident':>12}{'us to CPU start':>17}")
     for name, us in results.items():
-        print(f"{name:<16}{us:>10.1f}{document['over_resident'][name]:>12.2f}")
+        to_cpu = f"{to_cpu_start[name]:>17.1f}" if name in to_cpu_start else ""
+        print(f"{name:<16}{us:>10.1f}{document['over_resident'][name]:>12.2f}{to_cpu}")
     return 0
 
 
