@@ -21,7 +21,9 @@ layer (bench/results/layer-call-cpu-2026-12-01.md). Split, a call has three part
    These are the books' split, the policy's `observe`, the misses (the CPU's computed into a
    kept host buffer and sent with their targets in one copy: `HostRows.stage_cpu_rows`; the
    streamed ones' blobs uploaded and the stage map set: `StreamedMisses.stage`; no kernel
-   launched for either), the stats and the admissions;
+   launched for either; the CPU's share started before the streamed rows are even grouped),
+   the stats and the admissions (a round calls these books, with the CPU call's parts and the
+   call's end, after it has launched the next graph: `books_after`);
 3. `sum_rows`, captured at the start of layer l+1's graph: the CPU's rows written where
    their targets say (`HostRows.scatter_cpu_rows`), the staged experts computed over all the
    staging blobs, an unused blob reading nothing and its row going to the scratch row
