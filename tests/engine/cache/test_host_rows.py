@@ -53,6 +53,25 @@ def test_cpu_rows_are_staged_then_scattered_to_their_targets():
     assert torch.equal(rows[1:], torch.full((top_k, hidden), 9.0, dtype=torch.bfloat16))
 
 
+def test_cpu_rows_targets_written_ahead_are_sent_with_the_rows():
+    """A split call writes its targets while the CPU computes (`write_cpu_targets`) and sends
+    them with the rows after (`targets_written`); `cpu_out` gives the same view for the same R
+    (kept), a new one for another shape."""
+    host = HostRows(torch.device("cpu"))
+    top_k, hidden = 4, 6
+    out = host.cpu_out(top_k, 2, hidden, torch.bfloat16)
+    assert host.cpu_out(top_k, 2, hidden, torch.bfloat16) is out
+    host.write_cpu_targets(top_k, hidden, torch.bfloat16, np.array([4, 2]))
+    out.copy_(torch.tensor([[1.0] * hidden, [2.0] * hidden]))  # the rows after the targets
+    host.stage_cpu_rows(top_k, hidden, torch.bfloat16, np.array([4, 2]), targets_written=True)
+    rows = torch.full((top_k + 1, hidden), 9.0, dtype=torch.bfloat16)
+    host.scatter_cpu_rows(rows)
+    assert rows[4].tolist() == [1.0] * hidden and rows[2].tolist() == [2.0] * hidden
+    assert rows[1].tolist() == rows[3].tolist() == [9.0] * hidden
+    other = host.cpu_out(top_k, 2, hidden + 2, torch.bfloat16)  # another shape: new buffers
+    assert other is not out and other.shape == (2, hidden + 2)
+
+
 def test_the_routing_is_read_as_it_is_on_the_host_queued_or_not():
     rows = HostRows(torch.device("cpu"))
     x, ids = torch.randn(1, 8), torch.tensor([[3, 1, 2]], dtype=torch.int32)

@@ -125,6 +125,8 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
         if cache.async_cpu:  # on the CPU's own thread while this one issues the uploads
             started = start_cpu_rows(cache, layer, call.x_host, call.misses, stats, out)
         targets = call.misses.rows + 1  # row k of the call is row k + 1 of `rows`
+        if not ahead:  # written now, so that the rows, once done, wait for their copy alone
+            host_rows.write_cpu_targets(top_k, hidden_size, rows.dtype, targets)
     handed_on = False
     try:
         _stage_uploads(cache, layer, call, top_k, stats)
@@ -138,7 +140,8 @@ def fill_misses(cache: Any, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
     if started is None and call.misses is not None:
         cpu_rows(cache, layer, call.x_host, call.misses, stats, out)
     with DeviceTime(stats):
-        host_rows.stage_cpu_rows(top_k, hidden_size, rows.dtype, targets)
+        host_rows.stage_cpu_rows(top_k, hidden_size, rows.dtype, targets,
+                                 targets_written=targets is not None and not ahead)
 
     def books() -> None:
         if started is not None:

@@ -62,6 +62,7 @@ class HostRows:
         self._cpu_host_views: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cpu_targets: np.ndarray | None = None  # int64 [K], the host views' targets
         self._cpu_device_views: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cpu_outs: dict[int, torch.Tensor] = {}  # `cpu_out`'s views by R, of this shape
         self._cpu_names_rows = False
         self._copies = ByteCopies(self.device)
         self._signal: HostSignal | None = None  # made on first use (`signal`)
@@ -174,21 +175,40 @@ class HostRows:
             self._cpu_host_views = _cpu_views(self._cpu_host, top_k, hidden_size, dtype)
             self._cpu_device_views = _cpu_views(self._cpu_device, top_k, hidden_size, dtype)
             self._cpu_targets = self._cpu_host_views[0].numpy()  # the same memory, for the host
+            self._cpu_outs = {}
         return self._cpu_host_views
 
     def cpu_out(self, top_k: int, n_rows: int, hidden_size: int, dtype: torch.dtype
                 ) -> torch.Tensor:
         """[R, D] of `dtype`, R <= K: where the CPU writes a split call's misses' rows (a view
         of the kept host buffer; `stage_cpu_rows` sends them)."""
-        return self._cpu_staging(top_k, hidden_size, dtype)[1][:n_rows]
+        rows = self._cpu_staging(top_k, hidden_size, dtype)[1]
+        out = self._cpu_outs.get(n_rows)
+        if out is None:
+            out = self._cpu_outs[n_rows] = rows[:n_rows]
+        return out
+
+    def write_cpu_targets(self, top_k: int, hidden_size: int, dtype: torch.dtype,
+                          targets: np.ndarray) -> None:
+        """Write a split call's CPU rows' targets [R] (rows of the call's [K + 1, D] rows,
+        >= 1) into the host buffer ahead of `stage_cpu_rows`, which then sends them without
+        writing them: so the CPU's rows, once done, wait only for their copy. Only after the
+        call's routing read, which the last copy of this buffer precedes on the stream."""
+        self._cpu_staging(top_k, hidden_size, dtype)
+        n = targets.size
+        view = self._cpu_targets
+        view[:n] = targets
+        view[n:] = 0  # the scratch row
 
     def stage_cpu_rows(self, top_k: int, hidden_size: int, dtype: torch.dtype,
-                       targets: np.ndarray | None, behind_signal: bool = False) -> None:
+                       targets: np.ndarray | None, behind_signal: bool = False,
+                       targets_written: bool = False) -> None:
         """Send the R rows `cpu_out` holds with their targets [R] (rows of the call's
         [K + 1, D] rows, >= 1) to the device, for `scatter_cpu_rows`; None: no CPU rows (the
-        targets cleared, one copy skipped when they are clear already). `behind_signal`: the
-        copy queued behind `signal`'s pending wait, the rows still being written (the targets
-        are written now)."""
+        targets cleared, one copy skipped when they are clear already). `targets_written`:
+        `write_cpu_targets` wrote these targets already. `behind_signal`: the copy queued
+        behind `signal`'s pending wait, the rows still being written (the targets are written
+        now)."""
         self._cpu_staging(top_k, hidden_size, dtype)
         n = 0 if targets is None else targets.size
         if not n:
@@ -198,9 +218,8 @@ class HostRows:
                 self._cpu_device[:8 * top_k].zero_()
                 self._cpu_names_rows = False
             return
-        view = self._cpu_targets
-        view[:n] = targets
-        view[n:] = 0  # the scratch row
+        if not targets_written:
+            self.write_cpu_targets(top_k, hidden_size, dtype, targets)
         n_bytes = 8 * top_k + n * hidden_size * dtype.itemsize  # the targets and the R rows
         device, host = self._cpu_device.data_ptr(), self._cpu_host.data_ptr()
 
