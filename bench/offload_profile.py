@@ -39,9 +39,7 @@ def profile_decode(engine, prompt, args, max_context: int, host_path: Path) -> d
     of it, profiled alike: `round_profile.per_round`) and the host's top functions over a
     request of `args.new_tokens`, written to `host_path`."""
     def request(n_new: int):
-        options = GenerateOptions(max_new=n_new, max_context=max_context, temperature=0.0,
-                                  ignore_stop=True, cuda_graphs=not args.eager,
-                                  piecewise_graphs=not args.eager)
+        options = _options(args, max_context, n_new)
         return lambda: fresh_request(engine, prompt, options)
 
     short = max(args.new_tokens // 4, 1)
@@ -53,6 +51,7 @@ def profile_decode(engine, prompt, args, max_context: int, host_path: Path) -> d
 
 
 def _options(args, max_context: int, n_new: int) -> GenerateOptions:
+    """A greedy request of n_new tokens through the run's decode path."""
     return GenerateOptions(max_new=n_new, max_context=max_context, temperature=0.0,
                            ignore_stop=True, cuda_graphs=not args.eager,
                            piecewise_graphs=not args.eager)
