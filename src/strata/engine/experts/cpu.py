@@ -152,8 +152,9 @@ class CpuExperts(KernelSettings):
         self.keep_team_up = False
         # `start`'s team pinned, one CPU a thread: the last of the CPUs this process may run on
         # (`CpuWorker.team_cpus`), the first left to the engine's thread and the rest of the
-        # process. Off until rounds are timed with it (bench/offload.py --cpu-pin); the same
-        # bytes either way.
+        # process. Off: on an H100 machine the rounds took 0.99x and 1.02x the unpinned ones
+        # (bench/offload.py --cpu-pin, bench/results/pin-cpu-2026-12-05.md); the same bytes
+        # either way.
         self.pin_team = False
         self._pinned_cpus: dict[int, tuple[int, ...]] = {}  # by team size, read once
         # `start` shrinking its caller's OpenMP pool first, after anything that may have grown

@@ -54,8 +54,9 @@ NUM_STAGES = (3, 3)
 # before their wait for `gate_up_act` (launched as dependents: `dependent_launch`), so that the
 # read overlaps the end of gate_up's. It may: the index is written before gate_up_act (by the
 # routing, or the cache's slot map), and gate_up_act lets its dependents start only after its
-# own wait, so that writer has finished. Off: on an H100 a 4-layer olmoe-1b-7b cut's round was
-# within its noise (bench/results/down-first-h100-2026-12-05.md); bench/decode_shapes.py's
+# own wait, so that writer has finished. Off: on an H100 the whole olmoe-1b-7b's round was
+# 0.968x as fast with the default's blocks and at best 1.005x, inside the spread of the
+# wait-first shapes (bench/results/down-first-h100-2026-12-05.md); bench/decode_shapes.py's
 # down variants marked "w first" and bench/decode_profile.py's rows time it.
 DOWN_W_FIRST = False
 
