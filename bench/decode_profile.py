@@ -1,25 +1,26 @@
 """Where the device time of a prompt chunk and of a decode round goes, every expert resident.
 
-Issue 16's question: which kernels a prompt and a decode round launch, how long each kind
-takes, and how much of the wall time is kernels at all (the rest is launching them). For
-each `--prompt-tokens` length it times `MoEModel.forward` over one chunk from position 0, and
-for decode one round at `--position` in each of strata's decode steps: eager, replayed from
-a CUDA graph (the default), the same graph with the layers' small ops in plain torch (as they
-were before `strata.engine.model.ops` had kernels: the baseline of the same run), with the
-experts' `down` then the combine instead of the sum inside `down`, with SDPA's attention
-instead of `decode_attention`'s kernel (each the A/B of one kernel), with every kernel
-launched plainly instead of as a dependent of the one before (`strata.engine.dependent_launch`),
-with a forward's rotary tables and mask as the torch ops instead of one kernel
-(`ops.ROPE_MASK_KERNEL`), with each layer's sum after attention, the MoE's norm and its
-routing as `add_rms_norm` then `router_route` instead of one kernel (`ops.NORM_ROUTER_KERNEL`),
-with attention's dense products by cuBLAS instead of the kernel that reads its weights before
-its wait (`products.PRODUCT_KERNEL`), three changes each switched on (the logits' product
-by that kernel, `products.LOGITS_KERNEL`; the router's weights read before its wait,
-`routing_ops.ROUTER_WEIGHTS_FIRST`; a short window attended in one program a kv head, its
-cells read before its wait, `decode_attention.SHORT_KERNEL`; the same with the rotation and
-the K/V write folded in, `decode_attention.SHORT_ROTATES`: these two on by default since
-bench/results/decode-shapes-short-h100-2026-12-05.md, their rows then the default's; down's
-index and first weight tile read before its wait, `grouped.DOWN_W_FIRST`, at the default
+Issue 16's question: which kernels a prompt and a decode round launch, how long each kind takes,
+and how much of the wall time is kernels at all (the rest is launching them). For each
+`--prompt-tokens` length it times `MoEModel.forward` over one chunk from position 0, and for
+decode one round at `--position` in each of strata's decode steps: eager, replayed from a CUDA
+graph (the default), the same graph with the layers' small ops in plain torch (as they were
+before `strata.engine.model.ops` had kernels: the baseline of the same run), with the experts'
+`down` then the combine instead of the sum inside `down`, with SDPA's attention instead of
+`decode_attention`'s kernel (each the A/B of one kernel), with every kernel launched plainly
+instead of as a dependent of the one before (`strata.engine.dependent_launch`), with a forward's
+rotary tables and mask as the torch ops instead of one kernel (`ops.ROPE_MASK_KERNEL`), with
+each layer's sum after attention, the MoE's norm and its routing as `add_rms_norm` then
+`router_route` instead of one kernel (`ops.NORM_ROUTER_KERNEL`), with attention's dense products
+by cuBLAS instead of the kernel that reads its weights before its wait
+(`products.PRODUCT_KERNEL`), with each layer's first norm as `add_rms_norm` before q/k/v's
+product instead of inside its kernel (`products.NORM_PRODUCT_KERNEL`), three changes each
+switched on (the logits' product by that kernel, `products.LOGITS_KERNEL`; the router's weights
+read before its wait, `routing_ops.ROUTER_WEIGHTS_FIRST`; a short window attended in one program
+a kv head, its cells read before its wait, `decode_attention.SHORT_KERNEL`; the same with the
+rotation and the K/V write folded in, `decode_attention.SHORT_ROTATES`: these two on by default
+since bench/results/decode-shapes-short-h100-2026-12-05.md, their rows then the default's;
+down's index and first weight tile read before its wait, `grouped.DOWN_W_FIRST`, at the default
 blocks and with each program's rows whole, DOWN_ROWS_FIRST of them), and
 `--compile`'s
 (compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                               step_of(True), "norm-router"))
                 steps.append(("decode, CUDA graph, the dense products by cuBLAS",
                               step_of(True), "products"))
+                steps.append(("decode, CUDA graph, the norm then q/k/v's product as two "
+                              "kernels", step_of(True), "norm-product"))
                 steps.append(("decode, CUDA graph, the logits by the kernel", step_of(True),
                               "+logits"))
                 steps.append(("decode, CUDA graph, the router's weights read before its wait",
@@ -280,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rope-mask": ((ops, "ROPE_MASK_KERNEL", False),),
                 "norm-router": ((ops, "NORM_ROUTER_KERNEL", False),),
                 "products": ((products, "PRODUCT_KERNEL", False),),
+                "norm-product": ((products, "NORM_PRODUCT_KERNEL", False),),
                 "+logits": ((products, "LOGITS_KERNEL", True),),
                 "+router-first": ((routing_ops, "ROUTER_WEIGHTS_FIRST", True),),
                 "+short": ((decode_attention, "SHORT_KERNEL", True),),

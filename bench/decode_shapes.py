@@ -9,7 +9,9 @@ two passes, the second in reverse order, so that a drift of the machine's clock 
 disagreement between the passes instead of favouring the variants timed first. One kernel's
 shape moves at a time from the default: the gate_up kernel's (block F x step D, warps,
 stages), then down's (block D x step F, warps, stages), then the dense products' kernel's
-(`products`: weight elements a program, warps; "cuBLAS" is `F.linear` in its place), then
+(`products`: weight elements a program, warps; "cuBLAS" is `F.linear` in its place), q/k/v's
+product with the layer's norm inside its kernel at some weight elements a program, or after
+`add_rms_norm` (`norm_product`), then
 the logits' product by cuBLAS (the default) or by that kernel (`logits`), the router's splits
 of D and whether its weights are read before its wait (`router`), and a short window's
 attention split and merged or in one program a kv head (the default), the rotation folded
@@ -44,6 +46,7 @@ DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped
            "down": (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.NUM_WARPS[1],
                     grouped.NUM_STAGES[1], grouped.DOWN_W_FIRST),
            "products": (products.TILE_ELEMENTS, products.NUM_WARPS),
+           "norm_product": (products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS),
            "logits": (products.LOGITS_KERNEL,),
            "router": (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST),
            "attention": (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
@@ -64,6 +67,10 @@ TRIED = {
        for warps in (4, 8)],
     "products": [CUBLAS] + [(tile, warps) for tile in (2048, 4096, 8192, 16384)
                             for warps in (2, 4, 8)],
+    # q/k/v's product with the norm before it in its kernel, at these weight elements a
+    # program (its warps the norm's), or (False) `add_rms_norm`, then the products' kernel
+    "norm_product": [(False, products.NORM_TILE_ELEMENTS)]
+    + [(True, tile) for tile in (2048, 4096, 8192, 16384, 32768)],
     "logits": [(False,), (True,)],  # the logits' product by cuBLAS, or by the kernel
     "router": [(splits, first) for splits in (16, 32, 64) for first in (False, True)],
     "attention": [(False, False, decode_attention.SHORT_WARPS)]
@@ -92,6 +99,7 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
     products.PRODUCT_KERNEL = variant["products"] != CUBLAS
     if products.PRODUCT_KERNEL:
         products.TILE_ELEMENTS, products.NUM_WARPS = variant["products"]
+    products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS = variant["norm_product"]
     (products.LOGITS_KERNEL,) = variant["logits"]
     routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST = variant["router"]
     (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
@@ -122,6 +130,8 @@ def label(variant: dict) -> str:
         parts[1] += " w first"
     shape = variant["products"]
     parts.append("products cuBLAS" if shape == CUBLAS else "products {} w{}".format(*shape))
+    fused, tile = variant["norm_product"]
+    parts.append(f"norm in q/k/v's product {tile}" if fused else "norm then q/k/v's product")
     if variant["logits"][0]:
         parts.append("logits by the kernel")
     splits, first = variant["router"]

@@ -114,7 +114,8 @@ def test_on_cuda_decode_as_dependents_gives_the_plain_launches_tokens(monkeypatc
 # position only (`attend_short` reads that row again after its wait; `rotate_attend_short`
 # writes it itself, after its wait, and attends the row it wrote). `down_sum` its weights and
 # the index, which the kernel it follows (gate_up_act) reads after its own wait.
-READ_BEFORE_WAIT = {"product_one": {"w_ptr"}, "add_norm_router_route": {"router_ptr"},
+READ_BEFORE_WAIT = {"product_one": {"w_ptr"}, "add_norm_product_one": {"w_ptr"},
+                    "add_norm_router_route": {"router_ptr"},
                     "down_sum": {"w_ptr", "index_ptr"},
                     "attend_short": {"k_ptr", "v_ptr", "positions_ptr"},
                     "rotate_attend_short": {"k_ptr", "v_ptr", "positions_ptr"}}
@@ -196,6 +197,11 @@ def test_compiled_for_hopper_the_products_kernel_loads_its_weights_before_the_wa
     # 2 x 2048 bf16 over 128 threads: 32 a thread, four 16-byte loads; then x's.
     assert before == 4 and "ld.global.v4.b32" in ptx.partition("griddepcontrol.wait")[0]
     assert after >= 1
+    fused = _hopper_ptx(_products_triton.add_norm_product_one,
+                        {"HAS_DELTA": True, "HAS_BIAS": False, "BLOCK_N": 4, "BLOCK_K": 2048},
+                        {"eps": "fp32"}, num_warps=8)
+    before, after = _loads_around_the_wait(fused)  # 4 x 2048 bf16 over 256 threads: the same
+    assert before == 4 and after >= 3  # then x's, delta's and the norm weight's
     norm = _hopper_ptx(_ops_triton.add_rms_norm, {"HAS_DELTA": True, "BLOCK_D": 2048},
                        {"eps": "fp32"}, num_warps=8)
     assert _loads_around_the_wait(norm)[0] == 0

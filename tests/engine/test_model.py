@@ -140,21 +140,22 @@ def test_cuda_graph_replay_of_forward_at_equals_eager():
 
 
 class _Recorder:
-    """Wraps the model's experts and Attention.forward: the rows each call saw."""
+    """Wraps the model's experts and Attention.attend (every attention call's): the rows each
+    call saw."""
 
     def __init__(self, model, monkeypatch):
         self.attention_rows: list[int] = []
         self.masked: list[bool] = []  # per attention call: through a mask (not the causal call)
         self.expert_rows: list[int] = []
         inner, recorder = model.experts, self
-        original = layers.Attention.forward
+        original = layers.Attention.attend
 
-        def attention(self_, x, cos, sin, positions, cells, n_ctx, mask, causal):
-            recorder.attention_rows.append(x.shape[0])
+        def attention(self_, qkv, cos, sin, positions, cells, n_ctx, mask, causal):
+            recorder.attention_rows.append(qkv.shape[0])
             recorder.masked.append(mask is not None)
-            return original(self_, x, cos, sin, positions, cells, n_ctx, mask, causal)
+            return original(self_, qkv, cos, sin, positions, cells, n_ctx, mask, causal)
 
-        monkeypatch.setattr(layers.Attention, "forward", attention)
+        monkeypatch.setattr(layers.Attention, "attend", attention)
 
         class Experts:
             def forward(self_, layer, x, ids, weights):

@@ -3,7 +3,9 @@ the kernel under Triton's interpreter on the CPU (a fresh interpreter: TRITON_IN
 set before Triton is imported) against the product in float64, within float32's summing error
 and the output's rounding; its refusals; on CUDA, the kernel at the presets' q/k/v and output
 shapes, its bytes the same call to call, replayed from a CUDA graph and launched as a dependent
-of a kernel that writes its token (a program that read the token before its wait would not)."""
+of a kernel that writes its token (a program that read the token before its wait would not).
+The same for `add_norm_linear`, the norm and the product in one kernel: the bytes of
+`ops.add_rms_norm` then the product's kernel at the same launch shape."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 
 from strata.engine import dependent_launch
 from strata.engine.model import ops, products
+from strata.engine.model.op_kernels import NORM_WARPS
 from support.interpreted import run_interpreted
 
 
@@ -96,6 +99,53 @@ def test_bad_operands_are_refused_by_name():
         products.linear_one_triton(x, weight, tile_elements=96)
 
 
+def test_add_norm_linear_off_cuda_is_the_norm_then_the_product():
+    x, weight, bias = _operands(24, 40, torch.bfloat16, seed=3, bias=True)
+    delta = _operands(24, 40, torch.bfloat16, seed=4)[0]
+    norm = torch.rand(40, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    for rows, d in ((x, delta), (x, None), (torch.cat((x, delta)), torch.cat((delta, x)))):
+        h, y = products.add_norm_linear(rows, d, norm, 1e-6, weight, bias)
+        want_h, normed = ops.add_rms_norm(rows, d, norm, 1e-6)
+        assert torch.equal(h, want_h) and torch.equal(y, F.linear(normed, weight, bias))
+
+
+def test_add_norm_linear_takes_the_kernel_only_where_linear_would(monkeypatch):
+    x, weight, _ = _operands(8, 64, torch.bfloat16, seed=6)
+    norm = torch.ones(64, dtype=torch.bfloat16)
+    fused, unfused = [], []
+    monkeypatch.setattr(products, "add_norm_linear_triton",
+                        lambda *args: fused.append(args) or (args[0], args[0]))
+    monkeypatch.setattr(products, "linear", lambda x, w, b: unfused.append(x) or x)
+    monkeypatch.setattr(products, "takes", lambda x, weight: True)
+    products.add_norm_linear(x, x, norm, 1e-6, weight)
+    assert (len(fused), len(unfused)) == (1, 0)
+    strided = torch.zeros(64, 2, dtype=torch.bfloat16)[:, 0].unsqueeze(0)  # [1, 64], stride 2
+    products.add_norm_linear(x, strided, norm, 1e-6, weight)
+    products.add_norm_linear(x, torch.zeros(1, 64, dtype=torch.float16), norm, 1e-6, weight)
+    monkeypatch.setattr(products, "NORM_PRODUCT_KERNEL", False)
+    products.add_norm_linear(x, x, norm, 1e-6, weight)
+    monkeypatch.setattr(products, "NORM_PRODUCT_KERNEL", True)
+    monkeypatch.setattr(products, "takes", lambda x, weight: False)
+    products.add_norm_linear(x, None, norm, 1e-6, weight)
+    # A strided delta, delta's dtype apart, switched off, and where `takes` refuses: the norm,
+    # then `linear`.
+    assert (len(fused), len(unfused)) == (1, 4)
+
+
+def test_add_norm_linear_refuses_bad_operands_by_name():
+    x, weight, _ = _operands(8, 64, torch.float32, seed=7)
+    norm = torch.ones(64)
+    with pytest.raises(ValueError, match=r"add_norm_linear_triton takes one token x \[1, K\]"):
+        products.add_norm_linear_triton(torch.cat((x, x)), None, norm, 1e-6, weight)
+    with pytest.raises(ValueError, match=r"delta must be x's shape \[1, 64\] and dtype "
+                                         r"torch.float32.*got \[1, 32\]"):
+        products.add_norm_linear_triton(x, x[:, :32], norm, 1e-6, weight)
+    with pytest.raises(ValueError, match=r"norm_weight must be \[64\], got \[63\]"):
+        products.add_norm_linear_triton(x, None, norm[:63], 1e-6, weight)
+    with pytest.raises(ValueError, match=r"bias must be \[8\], got \[7\]"):
+        products.add_norm_linear_triton(x, None, norm, 1e-6, weight, torch.zeros(7))
+
+
 _INTERPRETED = r"""
 import json, sys
 import torch
@@ -119,11 +169,43 @@ print(json.dumps(results))
 """
 
 
-def test_the_kernel_under_the_interpreter_is_the_product():
+_INTERPRETED_NORM = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_products import _operands
+from strata.engine.model.ops import add_rms_norm_triton
+from strata.engine.model.products import add_norm_linear_triton, linear_one_triton
+results = []
+for seed, (n_out, k_in, dtype, delta, bias, tile) in enumerate([
+        (37, 96, torch.float32, True, False, 256),   # K not a power of two; a partial program
+        (64, 128, torch.bfloat16, True, True, 512),  # a bias
+        (5, 2048, torch.float16, False, True, None), # no delta: h is x; one program
+        (33, 40, torch.bfloat16, True, False, 16),   # one row a program: 33 programs store h?
+        (0, 16, torch.float32, True, False, None)]): # no outputs: h all the same
+    x, weight, b = _operands(n_out, k_in, dtype, seed, bias)
+    d = _operands(1, k_in, dtype, seed + 10)[1] if delta else None
+    norm = torch.rand(k_in, generator=torch.Generator().manual_seed(seed)).to(dtype) + 0.5
+    h, got = add_norm_linear_triton(x, d, norm, 1e-6, weight, b, tile_elements=tile)
+    want_h, normed = add_rms_norm_triton(x, d, norm, 1e-6)
+    want = linear_one_triton(normed, weight, b, tile_elements=tile)
+    again = add_norm_linear_triton(x, d, norm, 1e-6, weight, b, tile_elements=tile)[1]
+    results.append({"h": torch.equal(h, want_h), "h_is_x": (h is x) == (d is None),
+                    "product": torch.equal(got, want),
+                    "same_bytes": torch.equal(got.view(torch.uint8), again.view(torch.uint8))})
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.parametrize("script", ["product", "norm and product"])
+def test_the_kernels_under_the_interpreter(script):
+    """The product kernel is the product in float64 (within float32's summing error); the
+    norm and product kernel is the norm's kernel, then the product's, to the bit."""
     pytest.importorskip("triton")
     import os
 
-    results = run_interpreted(_INTERPRETED, os.path.dirname(__file__))
+    script = {"product": _INTERPRETED, "norm and product": _INTERPRETED_NORM}[script]
+    results = run_interpreted(script, os.path.dirname(__file__))
     assert len(results) == 5
     for result in results:
         assert all(result.values()), result
@@ -155,11 +237,13 @@ def test_on_cuda_the_kernel_is_the_product_at_the_presets_shapes(dtype):
 
 
 @pytest.mark.cuda
-def test_on_cuda_as_a_dependent_it_reads_the_token_the_kernel_before_wrote(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_on_cuda_as_a_dependent_it_reads_the_token_the_kernel_before_wrote(monkeypatch, fused):
     """A chain of norms and products, each product's token written by the norm just before it
-    (and each norm reading the product before): eager as dependents, eager plainly and
+    (and each norm reading the product before), or of the fused norm and product, each reading
+    the residual and output the one before wrote: eager as dependents, eager plainly and
     replayed from a CUDA graph give the same bytes. A program that read its token before its
-    wait would read a row the norm was still writing."""
+    wait would read a row the kernel before was still writing."""
     if not _hopper():
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     gen = torch.Generator().manual_seed(5)
@@ -169,10 +253,14 @@ def test_on_cuda_as_a_dependent_it_reads_the_token_the_kernel_before_wrote(monke
     x = torch.randn(1, 4096, generator=gen).to(torch.bfloat16).cuda()
 
     def chain(x):
+        delta = None
         for weight in weights * 4:
-            x, normed = ops.add_rms_norm(x, None, norm, 1e-6)
-            x = products.linear_one_triton(normed, weight)
-        return x
+            if fused:
+                x, delta = products.add_norm_linear_triton(x, delta, norm, 1e-6, weight)
+            else:
+                x, normed = ops.add_rms_norm(x, None, norm, 1e-6)
+                x = products.linear_one_triton(normed, weight)
+        return x if delta is None else x + delta
 
     monkeypatch.setattr(dependent_launch, "enabled", False)
     plain = chain(x)
@@ -186,3 +274,27 @@ def test_on_cuda_as_a_dependent_it_reads_the_token_the_kernel_before_wrote(monke
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, plain)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_norm_and_product_kernel_is_the_two_kernels_bytes():
+    """At the presets' q/k/v shapes: h is `add_rms_norm`'s and the product is the product
+    kernel's at the same tile and warps, to the bit; the same bytes call to call; and where
+    `takes`, `add_norm_linear` is the kernel."""
+    for seed, (n_out, k_in) in enumerate(SHAPES[::2][:3]):  # olmoe's, qwen3's, mixtral's qkv
+        x, weight, bias = (t.cuda() if t is not None else None
+                           for t in _operands(n_out, k_in, torch.bfloat16, seed, seed % 2 == 1))
+        delta = _operands(1, k_in, torch.bfloat16, seed + 10)[1].cuda()
+        norm = (torch.rand(k_in, generator=torch.Generator().manual_seed(seed)) + 0.5).to(
+            torch.bfloat16).cuda()
+        h, got = products.add_norm_linear_triton(x, delta, norm, 1e-6, weight, bias)
+        want_h, normed = ops.add_rms_norm(x, delta, norm, 1e-6)
+        want = products.linear_one_triton(normed, weight, bias,
+                                          tile_elements=products.NORM_TILE_ELEMENTS,
+                                          num_warps=NORM_WARPS)
+        assert torch.equal(h, want_h) and torch.equal(got, want), (n_out, k_in)
+        again = products.add_norm_linear_triton(x, delta, norm, 1e-6, weight, bias)
+        assert torch.equal(again[1].view(torch.int16), got.view(torch.int16))
+        if _hopper():
+            fused = products.add_norm_linear(x, delta, norm, 1e-6, weight, bias)
+            assert torch.equal(fused[0], h) and torch.equal(fused[1], got)

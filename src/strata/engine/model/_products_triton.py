@@ -1,4 +1,4 @@
-"""The Triton kernel of `strata.engine.model.products` (imported only when Triton is there).
+"""The Triton kernels of `strata.engine.model.products` (imported only when Triton is there).
 
 Legend: N output features, K input features; BLOCK_N weight rows a program, BLOCK_K a power of
 two at least K.
@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from strata.engine._dependent_triton import wait_for_prior
+from strata.engine.model._ops_triton import _normed, _residual_sum, _rstd
 
 
 @triton.jit
@@ -27,6 +28,35 @@ def product_one(w_ptr, x_ptr, b_ptr, out_ptr, N, K, w_stride, HAS_BIAS: tl.const
     wait_for_prior(USE_PDL)
     x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BK]
     y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # [BN]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_ptr, N, K,
+                         eps, w_stride, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    # `add_rms_norm` of one token, then `product_one` of its norm, in one launch. Program p:
+    # its BLOCK_N weight rows loaded before the wait (as `product_one`'s), then the token's
+    # whole row h = x + delta [K] and its norm, which every program computes alike (the same
+    # loads, the same order of squares: launched with `op_kernels.NORM_WARPS` warps, the bytes
+    # of `add_rms_norm`'s norm), and out[n] = w[n, :] . norm (+ b[n]) for its rows. Program 0
+    # stores h (the residual stream the layer goes on with; without a delta h is x and nothing
+    # is stored); nothing here reads it back. The norm is never stored: only this product
+    # reads it.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    k = tl.arange(0, BLOCK_K)  # [BK]
+    k_in = k < K
+    w = tl.load(w_ptr + n[:, None].to(tl.int64) * w_stride + k[None, :],
+                mask=(n < N)[:, None] & k_in[None, :], other=0.0)  # [BN, BK]
+    wait_for_prior(USE_PDL)
+    h = _residual_sum(x_ptr, delta_ptr, 0, 0, 0, k, k_in, HAS_DELTA)  # [BK]
+    if HAS_DELTA and tl.program_id(0) == 0:
+        tl.store(h_ptr + k, h, mask=k_in)
+    normed = _normed(h, _rstd(h, K, eps), norm_w_ptr, k, k_in, x_ptr.dtype.element_ty)
+    y = tl.sum(w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < N)

@@ -142,9 +142,13 @@ class Attention:
         self.heads = QKHeads(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, qk_weight,
                              cfg.rms_norm_eps, cfg.clip_qkv)
 
-    def forward(
+    def forward(self, x: torch.Tensor, *span) -> torch.Tensor:
+        """x [T, D] -> [T, D]: q/k/v's product of x, then `attend` (its `span` arguments)."""
+        return self.attend(products.linear(x, self.wqkv, self.bqkv), *span)
+
+    def attend(
         self,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor,
@@ -153,17 +157,17 @@ class Attention:
         mask: torch.Tensor | None,
         causal: bool,
     ) -> torch.Tensor:
-        """x [T, D] -> [T, D]. Writes K/V at `positions`, attends over cells [0, n_ctx).
+        """The tokens' q/k/v projection qkv [T, H*Dh + 2*G*Dh] -> [T, D] (the decoder layer
+        computes qkv with the norm before it: `products.add_norm_linear`). Writes K/V at
+        `positions`, attends over cells [0, n_ctx).
 
         `cells` is the layer's K/V (bf16, fp32 or int8 cells: int8 rows are quantized as they
-        are written, and the attended cells dequantized to x's dtype as they are read).
+        are written, and the attended cells dequantized to qkv's dtype as they are read).
         mask [T, N] (`attention_mask`: added to the scores) or None; None with `causal` means
         causally, the T tokens being the last T of the N cells (a prompt chunk); None without
         `causal` means every cell (one token: decode).
         """
-        # One token's products read their weights beside the kernel before them
-        # (`products`): the norm before this one, attention before the output's.
-        qkv = products.linear(x, self.wqkv, self.bqkv)  # [T, H*Dh + 2*G*Dh]
+        # One token's output product reads its weights beside attention (`products`).
         if not causal and decode_attention.rotates(qkv, self.heads, cells, n_ctx, positions):
             # One token over a short window: the rotation, the K/V write and attention as one
             # kernel.
@@ -282,15 +286,24 @@ class DecoderLayer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream x [T, D] and what the layer before adds to it, delta [T, D] (None
         for the first layer) -> this layer's (stream, delta): the sum x + delta is left to the
-        next norm (`add_rms_norm`: one kernel for both on CUDA). Attention span by span, in
+        next norm (`add_rms_norm`: one kernel for both on CUDA; with one attention call
+        `products.add_norm_linear`, the norm inside q/k/v's product for a decode step's token
+        on CUDA). Attention span by span, in
         order (a span attends the K/V the spans before it wrote), then the MoE over all T
         tokens at once: its sum, norm and routing one op (`add_norm_router_route`, one kernel
         on CUDA where `ops.NORM_ROUTER_KERNEL`)."""
-        x, normed = add_rms_norm(x, delta, self.attn_norm, self.eps)  # [T, D] each
+        attn = self.attn
+        if len(spans) == 1:  # the norm and q/k/v's product one kernel for one token on CUDA
+            x, qkv = products.add_norm_linear(x, delta, self.attn_norm, self.eps, attn.wqkv,
+                                              attn.bqkv)  # [T, D], [T, H*Dh + 2*G*Dh]
+            qkvs = [qkv]
+        else:
+            x, normed = add_rms_norm(x, delta, self.attn_norm, self.eps)  # [T, D] each
+            qkvs = [products.linear(normed[span.rows], attn.wqkv, attn.bqkv) for span in spans]
         attended = [
-            self.attn.forward(normed[span.rows], span.cos, span.sin, span.positions, cells,
-                              span.n_ctx, span.mask, span.causal)
-            for span in spans
+            attn.attend(qkv, span.cos, span.sin, span.positions, cells, span.n_ctx, span.mask,
+                        span.causal)
+            for qkv, span in zip(qkvs, spans, strict=True)
         ]  # [b - a, D] each
         attended = attended[0] if len(attended) == 1 else torch.cat(attended)  # [T, D]
         moe = self.moe

@@ -13,6 +13,13 @@ decode-fusions-h200-2026-12-02.md). Weights are the one input no kernel of a rou
 before it runs (attention before the output's product, the norm before q/k/v's), its first
 programs read their weights beside it, and only the token, that kernel's output, waits.
 
+A decode layer's first product, q/k/v's, takes the token's norm: `add_norm_linear` sums the
+residual and norms it (`ops.add_rms_norm`) inside the product's kernel where `linear` would
+run the kernel (`NORM_PRODUCT_KERNEL`), one launch a layer fewer. Every program norms the
+whole row itself (a few KiB from the cache, beside the weight rows it reads), as
+`add_norm_router_route`'s programs do, so the norm needs no second kernel; the bytes are the
+two kernels' when both run at the norm's warps (tests/engine/test_products.py).
+
 `linear` is `F.linear` wherever that cannot happen: more than one token, float32, off CUDA or
 without dependent launches (before compute capability 9.0 the kernel would only match cuBLAS),
 inside `torch.compile`'s tracing, a weight row wider than MAX_K. The kernel's sum runs in
@@ -35,9 +42,13 @@ import torch
 import torch.nn.functional as F
 
 from strata.engine import dependent_launch
+from strata.engine.model.op_kernels import NORM_WARPS
+from strata.engine.model.op_kernels import block as _block
+from strata.engine.model.ops import add_rms_norm
 
-__all__ = ["LOGITS_KERNEL", "MAX_K", "PRODUCT_KERNEL", "linear", "linear_one_triton",
-           "logits", "takes"]
+__all__ = ["LOGITS_KERNEL", "MAX_K", "NORM_PRODUCT_KERNEL", "PRODUCT_KERNEL",
+           "add_norm_linear", "add_norm_linear_triton", "linear", "linear_one_triton", "logits",
+           "takes"]
 
 PRODUCT_KERNEL = True
 LOGITS_KERNEL = False
@@ -50,6 +61,12 @@ MAX_K = 8192  # a program holds BLOCK_N whole rows in registers: wider rows take
 # weights are read before the wait.
 TILE_ELEMENTS = 4096
 NUM_WARPS = 4
+# `add_norm_linear`'s kernel on or off (off: `ops.add_rms_norm`, then `linear`), and its
+# weight elements a program. Its warps are the norm's (`op_kernels.NORM_WARPS`), so that its
+# norm is `add_rms_norm`'s to the bit; a program's rows are a tile over those warps as
+# `product_one`'s are over its own.
+NORM_PRODUCT_KERNEL = True
+NORM_TILE_ELEMENTS = 8192
 
 
 @functools.cache
@@ -89,8 +106,21 @@ def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear(x, weight) if LOGITS_KERNEL else F.linear(x, weight)
 
 
-def _block(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+def _check_one_token(name: str, x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None, tile_elements: int) -> None:
+    """Raise ValueError, naming `name` and what was wrong, unless x is one token [1, K] of
+    weight [N, K]'s dtype, both with contiguous rows, bias None or [N], and tile_elements a
+    power of two."""
+    n_out, k_in = weight.shape
+    if x.dim() != 2 or x.shape != (1, k_in) or x.dtype != weight.dtype \
+            or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{name} takes one token x [1, K] and a weight [N, K] of its dtype, "
+                         f"both with contiguous rows; got x {list(x.shape)} {x.dtype}, "
+                         f"weight {list(weight.shape)} {weight.dtype}")
+    if bias is not None and bias.shape != (n_out,):
+        raise ValueError(f"bias must be [{n_out}], got {list(bias.shape)}")
+    if tile_elements < 1 or tile_elements & (tile_elements - 1):
+        raise ValueError(f"tile_elements must be a power of two, got {tile_elements}")
 
 
 def linear_one_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -103,15 +133,7 @@ def linear_one_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     tile_elements = TILE_ELEMENTS if tile_elements is None else tile_elements
     num_warps = NUM_WARPS if num_warps is None else num_warps
     n_out, k_in = weight.shape
-    if x.dim() != 2 or x.shape != (1, k_in) or x.dtype != weight.dtype \
-            or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"linear_one_triton takes one token x [1, K] and a weight [N, K] of its "
-                         f"dtype, both with contiguous rows; got x {list(x.shape)} {x.dtype}, "
-                         f"weight {list(weight.shape)} {weight.dtype}")
-    if bias is not None and bias.shape != (n_out,):
-        raise ValueError(f"bias must be [{n_out}], got {list(bias.shape)}")
-    if tile_elements < 1 or tile_elements & (tile_elements - 1):
-        raise ValueError(f"tile_elements must be a power of two, got {tile_elements}")
+    _check_one_token("linear_one_triton", x, weight, bias, tile_elements)
     block_k = _block(k_in)
     block_n = max(1, tile_elements // block_k)
     out = x.new_empty((1, n_out))  # [1, N]
@@ -122,3 +144,49 @@ def linear_one_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             num_warps=num_warps,
             **dependent_launch.kernel_options(x.device))
     return out
+
+
+def add_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, linear(weight * norm(h), weight, bias)) for h = x + delta, x and delta [T, K]
+    (delta None: h = x), norm_weight [K], weight [N, K]: `ops.add_rms_norm`, then `linear`,
+    as one kernel where `linear` would run its kernel and NORM_PRODUCT_KERNEL is on."""
+    if NORM_PRODUCT_KERNEL and takes(x, weight) and (delta is None or (
+            delta.shape == x.shape and delta.dtype == x.dtype and delta.stride(1) == 1)):
+        return add_norm_linear_triton(x, delta, norm_weight, eps, weight, bias)
+    h, normed = add_rms_norm(x, delta, norm_weight, eps)  # [T, K] each
+    return h, linear(normed, weight, bias)
+
+
+def add_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor | None,
+                           norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                           bias: torch.Tensor | None = None, *,
+                           tile_elements: int | None = None, num_warps: int | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_norm_linear` of one token x [1, K] by its kernel (under Triton's interpreter on the
+    CPU in tests), launched as a dependent where `dependent_launch.kernel_options` says so.
+    `tile_elements` and `num_warps` override NORM_TILE_ELEMENTS and NORM_WARPS (a test's
+    comparison at other warps, a benchmark's sweep)."""
+    tile_elements = NORM_TILE_ELEMENTS if tile_elements is None else tile_elements
+    num_warps = NORM_WARPS if num_warps is None else num_warps
+    n_out, k_in = weight.shape
+    _check_one_token("add_norm_linear_triton", x, weight, bias, tile_elements)
+    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype
+                              or delta.stride(1) != 1):
+        raise ValueError(f"delta must be x's shape [1, {k_in}] and dtype {x.dtype} with a "
+                         f"contiguous row; got {list(delta.shape)} {delta.dtype}")
+    if norm_weight.shape != (k_in,):
+        raise ValueError(f"norm_weight must be [{k_in}], got {list(norm_weight.shape)}")
+    if not n_out:  # no program would store h
+        return add_rms_norm(x, delta, norm_weight, eps)[0], x.new_empty((1, 0))
+    block_k = _block(k_in)
+    block_n = max(1, tile_elements // block_k)
+    h = x if delta is None else torch.empty_like(x)  # [1, K]
+    out = x.new_empty((1, n_out))  # [1, N]
+    _kernels().add_norm_product_one[(-(-n_out // block_n),)](
+        x, delta if delta is not None else x, norm_weight, h, weight,
+        bias if bias is not None else weight, out, n_out, k_in, eps, weight.stride(0),
+        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, **dependent_launch.kernel_options(x.device))
+    return h, out
