@@ -66,7 +66,7 @@ NUM_WARPS = 4
 # norm is `add_rms_norm`'s to the bit; a program's rows are a tile over those warps as
 # `product_one`'s are over its own.
 NORM_PRODUCT_KERNEL = True
-NORM_TILE_ELEMENTS = 8192
+NORM_TILE_ELEMENTS = 16384
 
 
 @functools.cache
