@@ -269,8 +269,8 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     assert tried[0] == bench.DEFAULT
     labels = [bench.label(v) for v in tried]
     assert len(set(labels)) == len(labels)
-    assert set(bench.DEFAULT) == {"gate_up", "down", "products", "logits", "router",
-                                  "attention"}
+    assert set(bench.DEFAULT) == {"gate_up", "down", "products", "norm_product", "logits",
+                                  "router", "attention"}
     for variant in tried[1:]:  # exactly one kernel's shape differs from the default
         assert sum(variant[k] != bench.DEFAULT[k] for k in bench.DEFAULT) == 1
     assert bench.CUBLAS in [v["products"] for v in tried]
@@ -278,6 +278,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
              grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS,
              grouped.NUM_STAGES,
              products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
+             products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS,
              products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
              decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
              decode_attention.SHORT_WARPS)
@@ -301,6 +302,14 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         bench.apply({**bench.DEFAULT, "products": bench.CUBLAS}, experts, 2048,
                     torch.device("cpu"))
         assert not products.PRODUCT_KERNEL
+        bench.apply({**bench.DEFAULT, "norm_product": (False, 4096)}, experts, 2048,
+                    torch.device("cpu"))
+        assert not products.NORM_PRODUCT_KERNEL and products.NORM_TILE_ELEMENTS == 4096
+        bench.apply({**bench.DEFAULT, "norm_product": (True, 32768)}, experts, 2048,
+                    torch.device("cpu"))
+        assert products.NORM_PRODUCT_KERNEL and products.NORM_TILE_ELEMENTS == 32768
+        assert "norm in q/k/v's product 32768" in bench.label(
+            {**bench.DEFAULT, "norm_product": (True, 32768)})
         bench.apply({**bench.DEFAULT, "router": (16, True), "attention": (True, True, 16)},
                     experts, 2048, torch.device("cpu"))
         assert (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST) == (16, True)
@@ -311,6 +320,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
          grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS,
          grouped.NUM_STAGES,
          products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
+         products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS,
          products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
          decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
          decode_attention.SHORT_WARPS) = saved
