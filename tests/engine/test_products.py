@@ -140,8 +140,10 @@ def test_add_norm_linear_refuses_bad_operands_by_name():
     with pytest.raises(ValueError, match=r"delta must be x's shape \[1, 64\] and dtype "
                                          r"torch.float32.*got \[1, 32\]"):
         products.add_norm_linear_triton(x, x[:, :32], norm, 1e-6, weight)
-    with pytest.raises(ValueError, match=r"norm_weight must be \[64\], got \[63\]"):
+    with pytest.raises(ValueError, match=r"norm_weight must be a contiguous \[64\], got \[63\]"):
         products.add_norm_linear_triton(x, None, norm[:63], 1e-6, weight)
+    with pytest.raises(ValueError, match=r"got \[64\] with strides \[2\]"):
+        products.add_norm_linear_triton(x, None, torch.ones(128)[::2], 1e-6, weight)
     with pytest.raises(ValueError, match=r"bias must be \[8\], got \[7\]"):
         products.add_norm_linear_triton(x, None, norm, 1e-6, weight, torch.zeros(7))
 

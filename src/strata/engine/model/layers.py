@@ -288,10 +288,9 @@ class DecoderLayer:
         for the first layer) -> this layer's (stream, delta): the sum x + delta is left to the
         next norm (`add_rms_norm`: one kernel for both on CUDA; with one attention call
         `products.add_norm_linear`, the norm inside q/k/v's product for a decode step's token
-        on CUDA). Attention span by span, in
-        order (a span attends the K/V the spans before it wrote), then the MoE over all T
-        tokens at once: its sum, norm and routing one op (`add_norm_router_route`, one kernel
-        on CUDA where `ops.NORM_ROUTER_KERNEL`)."""
+        on CUDA). Attention span by span, in order (a span attends the K/V the spans before it
+        wrote), then the MoE over all T tokens at once: its sum, norm and routing one op
+        (`add_norm_router_route`, one kernel on CUDA where `ops.NORM_ROUTER_KERNEL`)."""
         attn = self.attn
         if len(spans) == 1:  # the norm and q/k/v's product one kernel for one token on CUDA
             x, qkv = products.add_norm_linear(x, delta, self.attn_norm, self.eps, attn.wqkv,

@@ -177,8 +177,9 @@ def add_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor | None,
                               or delta.stride(1) != 1):
         raise ValueError(f"delta must be x's shape [1, {k_in}] and dtype {x.dtype} with a "
                          f"contiguous row; got {list(delta.shape)} {delta.dtype}")
-    if norm_weight.shape != (k_in,):
-        raise ValueError(f"norm_weight must be [{k_in}], got {list(norm_weight.shape)}")
+    if norm_weight.shape != (k_in,) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be a contiguous [{k_in}], got "
+                         f"{list(norm_weight.shape)} with strides {list(norm_weight.stride())}")
     if not n_out:  # no program would store h
         return add_rms_norm(x, delta, norm_weight, eps)[0], x.new_empty((1, 0))
     block_k = _block(k_in)
