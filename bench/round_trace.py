@@ -92,8 +92,9 @@ def marked() -> Iterator[None]:
 class Clock:
     """Seconds and calls of each clocked step (a step inside another counts in both), and
     the host's time between one layer call's end and the next one's start: `gaps` within a
-    round (the next graph's launch and the device up to its routing, which the next call's
-    read then waits for less), `round_gaps` from a round's last call to the next round's first
+    round (the next graph's launch, then the call's books, which a round calls after it:
+    `fill_misses`' books_after; and the device up to its routing, which the next call's read
+    then waits for less), `round_gaps` from a round's last call to the next round's first
     (the last graph, the logits, the token's pick and read, the next round's start)."""
 
     def __init__(self) -> None:
@@ -118,16 +119,16 @@ class Clock:
     def summary(self) -> dict:
         """µs a layer call of each step (`<label>_us`), `gap_us` and `round_gap_us` (means),
         and `inside_rest_us`: graph_call's call less its clocked steps (the split, the CPU's
-        start and finish, the uploads, the rows' copy, the admissions), the host's own work
-        between them. Empty before any call."""
+        start and finish, the uploads, the rows' copy), the host's own work between them. The
+        admissions (`admit_us`) are not subtracted: a round calls them after the call
+        returns, in the gap. Empty before any call."""
         n = self.calls.get(CALL, 0)
         if not n:
             return {}
         figures = {"layer_calls": n}
         for label, seconds in self.seconds.items():
             figures[f"{label}_us"] = seconds / n * 1e6
-        parts = ("split_call", "start_cpu", "stage_uploads", "finish_cpu", "stage_cpu_rows",
-                 "admit")
+        parts = ("split_call", "start_cpu", "stage_uploads", "finish_cpu", "stage_cpu_rows")
         figures["inside_rest_us"] = figures[f"{CALL}_us"] - sum(
             figures.get(f"{label}_us", 0.0) for label in parts)
         for name, gaps in (("gap_us", self.gaps), ("round_gap_us", self.round_gaps)):

@@ -119,6 +119,7 @@ def test_the_clock_summary_divides_by_the_layer_calls():
         clock.add("split_call", 30e-6)
         clock.add("read", 20e-6)  # inside split_call: not subtracted again
         clock.add("finish_cpu", 50e-6)
+        clock.add("admit", 5e-6)  # in the gap, after the call (books_after): not subtracted
     clock.gaps = [10e-6, 30e-6]
     summary = clock.summary()
     assert summary["fill_misses_us"] == pytest.approx(100)
