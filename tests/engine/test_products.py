@@ -300,3 +300,22 @@ def test_on_cuda_the_norm_and_product_kernel_is_the_two_kernels_bytes():
         if _hopper():
             fused = products.add_norm_linear(x, delta, norm, 1e-6, weight, bias)
             assert torch.equal(fused[0], h) and torch.equal(fused[1], got)
+
+
+def test_the_l2_probe_marks_its_reads_for_the_cache_and_needs_cuda(capsys):
+    """bench/l2_keep.py's read kernel, compiled for compute capability 9.0, carries the L2
+    cache hints it is named for (or none); without CUDA the probe says so and exits."""
+    from support.bench_scripts import load_bench
+    from support.hopper import compile_for_hopper
+
+    bench = load_bench("l2_keep.py")
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    for evict, mark in (("", "ld.global.v4"), ("evict_first", "L1::evict_first.L2::cache_hint"),
+                        ("evict_last", "L1::evict_last.L2::cache_hint")):
+        ptx = compile_for_hopper(bench._kernel(), {"BLOCK": 4096, "EVICT": evict},
+                                 {"out_ptr": "*fp32"}).asm["ptx"]
+        assert mark in ptx
+    if torch.cuda.is_available():
+        pytest.skip("the probe itself runs on the GPU machine (bench/gpu_session.sh l2-keep)")
+    assert bench.main([]) == 0
+    assert "needs CUDA" in capsys.readouterr().out

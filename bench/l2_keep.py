@@ -1,0 +1,126 @@
+"""Whether a weight read ahead stays in the GPU's L2 cache across a decode layer's expert reads.
+
+A decode layer's q/k/v product reads its weight (25 MiB at olmoe-1b-7b's shape) at the
+device's bandwidth, after the experts (about 100 MiB) and before attention, the router and
+the next experts, whose kernels leave the memory bus mostly idle for microseconds. If that
+weight were read into L2 (50 MiB on the H100 and H200) in such a gap and kept there while the
+experts stream past (their loads marked `evict_first`, the weight's `evict_last`), the next
+layer's product would read it from L2. This probe times the real product kernel
+(`products.linear`, one token) reading a weight [N, K]:
+
+- cold: after a read of `--flush-mib` MiB (the weight is not in L2);
+- hot: right after a read of the weight itself (L2's best case);
+- kept: after a read of the weight marked evict_last, then `--stream-mib` MiB of other
+  reads, marked evict_first ("kept, stream evict_first") or not ("kept, stream plain").
+
+It also times the stream alone with and without the evict_first mark (whether the mark slows
+the expert reads). CUDA events, the median of `--repeat`, the figures as ratios against cold
+in the same run.
+
+    python bench/l2_keep.py --json out.json          # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+BLOCK = 4096  # elements a program reads a step
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read(src_ptr, out_ptr, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+        # Program p reads every BLOCK-th block from p on, marked EVICT, and stores a sum (so
+        # the loads are kept).
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+            offsets = start + tl.arange(0, BLOCK)
+            acc += tl.load(src_ptr + offsets, mask=offsets < n, other=0.0,
+                           eviction_policy=EVICT).to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+    return read
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=6144, help="the weight's N")
+    parser.add_argument("--cols", type=int, default=2048, help="the weight's K")
+    parser.add_argument("--stream-mib", type=int, default=100)
+    parser.add_argument("--flush-mib", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/l2_keep.py: needs CUDA (it times the device's L2 cache)")
+        return 0
+    from strata.engine.model import products
+
+    device = torch.device("cuda")
+    read = _kernel()
+    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    sums = torch.empty(programs, dtype=torch.float32, device=device)
+    weight = torch.randn(args.rows, args.cols, dtype=torch.bfloat16, device=device)
+    x = torch.randn(1, args.cols, dtype=torch.bfloat16, device=device)
+    stream = torch.ones((args.stream_mib << 20) // 2, dtype=torch.bfloat16, device=device)
+    flush = torch.ones((args.flush_mib << 20) // 2, dtype=torch.bfloat16, device=device)
+
+    def reads(tensor, evict=""):
+        return lambda: read[(programs,)](tensor, sums, tensor.numel(), BLOCK=BLOCK,
+                                         EVICT=evict)
+
+    before = {
+        "cold": [reads(flush)],
+        "hot": [reads(flush), reads(weight)],
+        "kept, stream evict_first": [reads(flush), reads(weight, "evict_last"),
+                                     reads(stream, "evict_first")],
+        "kept, stream plain": [reads(flush), reads(weight, "evict_last"), reads(stream)],
+        "weight plain, stream evict_first": [reads(flush), reads(weight),
+                                             reads(stream, "evict_first")],
+    }
+    timed = {name: (steps, lambda: products.linear(x, weight, None))
+             for name, steps in before.items()}
+    timed["stream plain"] = ([reads(flush)], reads(stream))
+    timed["stream evict_first"] = ([reads(flush)], reads(stream, "evict_first"))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    us = {name: [] for name in timed}
+    for _ in range(args.repeat + 1):  # the first round warms up (compiles), untimed
+        for name, (steps, fn) in timed.items():
+            for step in steps:
+                step()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            us[name].append(1000 * start.elapsed_time(end))
+    median = {name: statistics.median(times[1:]) for name, times in us.items()}
+    weight_bytes = weight.numel() * 2
+    rows = []
+    for name, value in median.items():
+        base = median["stream plain" if name.startswith("stream") else "cold"]
+        moved = stream.numel() * 2 if name.startswith("stream") else weight_bytes
+        rows.append({"case": name, "us": value, "x_base": base / value,
+                     "gb_s": moved / value / 1e3})
+        print(f"{name:<34} {value:8.2f} us  {base / value:5.2f}x  {moved / value / 1e3:7.0f} "
+              f"GB/s")
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), "weight": [args.rows, args.cols],
+            "stream_mib": args.stream_mib, "flush_mib": args.flush_mib,
+            "repeat": args.repeat}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
