@@ -56,7 +56,7 @@ from torch.profiler import ProfilerActivity, profile
 from _common import add_model_arguments, byte_tokens, checkpoint_for, sync
 from strata.engine import dependent_launch
 from strata.engine.experts import grouped
-from strata.engine.model import decode_attention, ops, products, projected_attention, routing_ops
+from strata.engine.model import decode_attention, ops, products, routing_ops
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.prompt_graphs import PromptGraphs
@@ -259,8 +259,6 @@ def main(argv: list[str] | None = None) -> int:
                               step_of(True), "+short"))
                 steps.append(("decode, CUDA graph, the rotation and attention in one program "
                               "a kv head", step_of(True), "+rotate"))
-                steps.append(("decode, CUDA graph, the output projection inside attention's "
-                              "kernel", step_of(True), "+project"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
@@ -274,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             # What each row's graph is captured with: (object, attribute, value) set while
             # it is captured, then put back. "ops": the layer ops' torch code; "attention":
             # SDPA's folded path; "sum": `down`, then the combine; "pdl": every kernel
-            # launched plainly; "products": F.linear; "+short", "+rotate", "+project":
-            # `attend_short`, `rotate_attend`, `rotate_attend_project`.
+            # launched plainly; "products": F.linear; "+short", "+rotate": `attend_short`,
+            # `rotate_attend`.
             switches = {
                 None: (),
                 "ops": ((ops, "use_kernels", lambda x: False),),
@@ -291,7 +289,6 @@ def main(argv: list[str] | None = None) -> int:
                 "+short": ((decode_attention, "SHORT_KERNEL", True),),
                 "+rotate": ((decode_attention, "SHORT_KERNEL", True),
                             (decode_attention, "SHORT_ROTATES", True)),
-                "+project": ((projected_attention, "PROJECT_KERNEL", True),),
                 "+down-first": ((grouped, "DOWN_W_FIRST", True),),
                 # A program's rows of down whole (a step of F's power of two), all read
                 # before the wait; its own arrival counter, as the blocks of D are smaller.

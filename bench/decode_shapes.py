@@ -15,10 +15,9 @@ product with the layer's norm inside its kernel at some weight elements a progra
 the logits' product by cuBLAS (the default) or by that kernel (`logits`), the router's splits
 of D and whether its weights are read before its wait (`router`), and a short window's
 attention split and merged or in one program a kv head (the default), the rotation folded
-in or not, at some warps (`attention`), and the output projection's product inside that
-kernel at most 128 or 256 programs a launch, or after it (`project`). The router's, the
-logits' and attention's were staged changes, one call timing them all; the short attention
-with the rotation is on since bench/results/decode-shapes-short-h100-2026-12-05.md.
+in or not, at some warps (`attention`). The last three were staged changes, one call timing
+them all; the short attention with the rotation is on since
+bench/results/decode-shapes-short-h100-2026-12-05.md.
 
     python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
     python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4 --kernels products
@@ -38,7 +37,7 @@ import torch
 
 from _common import add_model_arguments, checkpoint_for
 from strata.engine.experts import grouped
-from strata.engine.model import decode_attention, products, projected_attention, routing_ops
+from strata.engine.model import decode_attention, products, routing_ops
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 
@@ -51,8 +50,7 @@ DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped
            "logits": (products.LOGITS_KERNEL,),
            "router": (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST),
            "attention": (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
-                         decode_attention.SHORT_WARPS),
-           "project": (projected_attention.PROJECT_KERNEL, projected_attention.MAX_PROGRAMS)}
+                         decode_attention.SHORT_WARPS)}
 CUBLAS = (0, 0)  # the products' "shape" that is F.linear in the kernel's place
 # (block, step, warps, stages) tried for each kernel, the other kept at its default; down's
 # with whether its index and first weight tile are read before its wait (`DOWN_W_FIRST`),
@@ -77,10 +75,6 @@ TRIED = {
     "router": [(splits, first) for splits in (16, 32, 64) for first in (False, True)],
     "attention": [(False, False, decode_attention.SHORT_WARPS)]
     + [(True, rotates, warps) for rotates in (False, True) for warps in (4, 8, 16)],
-    # wo's product inside the rotating short attention's kernel, at most these programs a
-    # launch, or (False) the products' kernel after it
-    "project": [(False, projected_attention.MAX_PROGRAMS)]
-    + [(True, programs) for programs in (128, 256)],
 }
 
 
@@ -110,7 +104,6 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
     routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST = variant["router"]
     (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
      decode_attention.SHORT_WARPS) = variant["attention"]
-    projected_attention.PROJECT_KERNEL, projected_attention.MAX_PROGRAMS = variant["project"]
     experts._sum_arrivals = grouped.sum_arrivals(hidden_size, device)
 
 
@@ -146,9 +139,6 @@ def label(variant: dict) -> str:
     short, rotates, warps = variant["attention"]
     parts.append((f"attention short{' rotating' if rotates else ''} w{warps}") if short
                  else "attention split")
-    project, programs = variant["project"]
-    if project:
-        parts.append(f"wo inside attention's kernel, {programs} programs")
     return " / ".join(parts)
 
 

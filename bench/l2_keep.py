@@ -11,11 +11,14 @@ layer's product would read it from L2. This probe times the real product kernel
 - cold: after a read of `--flush-mib` MiB (the weight is not in L2);
 - hot: right after a read of the weight itself (L2's best case);
 - kept: after a read of the weight marked evict_last, then `--stream-mib` MiB of other
-  reads, marked evict_first ("kept, stream evict_first") or not ("kept, stream plain").
+  reads, marked evict_first ("kept, stream evict_first") or not ("kept, stream plain");
+- prefetched: after the weight's lines were asked into L2 (`prefetch.global.L2::evict_last`,
+  no registers, nothing waited for) by a few programs, as a latency-bound kernel's programs
+  could ask for the next layer's weight: then the stream, or at once.
 
 It also times the stream alone with and without the evict_first mark (whether the mark slows
-the expert reads). CUDA events, the median of `--repeat`, the figures as ratios against cold
-in the same run.
+the expert reads), and the prefetching kernel alone (how long its programs take to ask). CUDA
+events, the median of `--repeat`, the figures as ratios against cold in the same run.
 
     python bench/l2_keep.py --json out.json          # on the GPU machine
 """
@@ -31,9 +34,17 @@ from pathlib import Path
 import torch
 
 BLOCK = 4096  # elements a program reads a step
+LINE = 64  # bf16 elements a 128-byte cache line holds: one prefetch each
+PREFETCH_PROGRAMS = (16, 64)  # an attention kernel's kv heads; a router kernel's splits
 
 
 def _kernel():
+    """The read kernel (a Triton function made here: Triton is imported only on use)."""
+    return _kernels()[0]
+
+
+def _kernels():
+    """(read, prefetch): the probe's Triton kernels."""
     import triton
     import triton.language as tl
 
@@ -49,7 +60,19 @@ def _kernel():
                            eviction_policy=EVICT).to(tl.float32)
         tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
-    return read
+    @triton.jit
+    def prefetch(src_ptr, n, BLOCK: tl.constexpr, LINE: tl.constexpr):
+        # Program p asks every LINE-th element's cache line of every BLOCK-th block from p on
+        # into L2, marked evict_last; nothing is loaded into registers or waited for.
+        pid = tl.program_id(0)
+        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+            # past the end: the last element's line again (a prefetch is never masked)
+            offsets = tl.minimum(start + tl.arange(0, BLOCK // LINE) * LINE, n - 1)
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+                                      "=r,l", [src_ptr + offsets], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+
+    return read, prefetch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from strata.engine.model import products
 
     device = torch.device("cuda")
-    read = _kernel()
+    read, prefetch = _kernels()
     programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     sums = torch.empty(programs, dtype=torch.float32, device=device)
     weight = torch.randn(args.rows, args.cols, dtype=torch.bfloat16, device=device)
@@ -79,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         return lambda: read[(programs,)](tensor, sums, tensor.numel(), BLOCK=BLOCK,
                                          EVICT=evict)
 
+    def prefetches(tensor, n_programs):
+        return lambda: prefetch[(n_programs,)](tensor, tensor.numel(), BLOCK=BLOCK, LINE=LINE)
+
     before = {
         "cold": [reads(flush)],
         "hot": [reads(flush), reads(weight)],
@@ -88,8 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         "weight plain, stream evict_first": [reads(flush), reads(weight),
                                              reads(stream, "evict_first")],
     }
+    for n in PREFETCH_PROGRAMS:
+        before[f"prefetched ({n} programs), stream evict_first"] = [
+            reads(flush), prefetches(weight, n), reads(stream, "evict_first")]
+        before[f"prefetched ({n} programs), at once"] = [reads(flush), prefetches(weight, n)]
     timed = {name: (steps, lambda: products.linear(x, weight, None))
              for name, steps in before.items()}
+    for n in PREFETCH_PROGRAMS:
+        timed[f"prefetch alone ({n} programs)"] = ([reads(flush)], prefetches(weight, n))
     timed["stream plain"] = ([reads(flush)], reads(stream))
     timed["stream evict_first"] = ([reads(flush)], reads(stream, "evict_first"))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -108,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, value in median.items():
         base = median["stream plain" if name.startswith("stream") else "cold"]
+        if name.startswith("prefetch alone"):
+            base = value  # its own time: how long the programs take to ask
         moved = stream.numel() * 2 if name.startswith("stream") else weight_bytes
         rows.append({"case": name, "us": value, "x_base": base / value,
                      "gb_s": moved / value / 1e3})

@@ -112,15 +112,13 @@ def test_on_cuda_decode_as_dependents_gives_the_plain_launches_tokens(monkeypatc
 # kernel of a round writes. Attention's one-token products and the router their weights; the
 # short attention kernels the round's positions and the cells, which the round writes at one
 # position only (`attend_short` reads that row again after its wait; `rotate_attend_short`
-# writes it itself, after its wait, and attends the row it wrote; `rotate_attend_project` too,
-# and its tile of the output projection's weights). `down_sum` its weights and
+# writes it itself, after its wait, and attends the row it wrote). `down_sum` its weights and
 # the index, which the kernel it follows (gate_up_act) reads after its own wait.
 READ_BEFORE_WAIT = {"product_one": {"w_ptr"}, "add_norm_product_one": {"w_ptr"},
                     "add_norm_router_route": {"router_ptr"},
                     "down_sum": {"w_ptr", "index_ptr"},
                     "attend_short": {"k_ptr", "v_ptr", "positions_ptr"},
-                    "rotate_attend_short": {"k_ptr", "v_ptr", "positions_ptr"},
-                    "rotate_attend_project": {"k_ptr", "v_ptr", "positions_ptr", "wo_ptr"}}
+                    "rotate_attend_short": {"k_ptr", "v_ptr", "positions_ptr"}}
 
 
 def _before_wait_only_these_are_read(path, node, allowed):
@@ -276,24 +274,3 @@ def test_compiled_for_hopper_the_rotating_short_kernel_reads_the_cells_before_th
                            {"NORM": norm, "WRITE": write, "HEAD_DIM": 128, "BLOCK_P": 32},
                            {"positions_ptr": "*i64", "eps": "fp32"})
         assert _loads_around_the_wait(rope)[0] == 0
-
-
-@pytest.mark.parametrize("cells", [64, 256])
-def test_compiled_for_hopper_the_projecting_kernel_reads_its_tile_and_the_cells_before_the_wait(
-        cells):
-    """`rotate_attend_project` at olmoe-1b-7b's shape (one query head a kv head, 256 rows of
-    wo a program): its tile of wo, the keys (and at 64 cells the values) and the position
-    before the wait, in 16-byte loads; the projection and the partials after it."""
-    from strata.engine.model import _attention_triton
-
-    values_first = cells <= 128
-    ptx = _hopper_ptx(_attention_triton.rotate_attend_project,
-                      {"NORM": 1, "HAS_MASK": True, "BLOCK_C": cells, "BLOCK_R": 16,
-                       "BLOCK_P": 16, "HEAD_DIM": 128, "VALUES_FIRST": values_first,
-                       "BLOCK_O": 256, "BLOCK_RP": 1},
-                      {"positions_ptr": "*i64", "eps": "fp32", "scale": "fp32"}, num_warps=8)
-    before, after = _loads_around_the_wait(ptx)
-    # 256 x 128 bf16 of wo over 256 threads in 16-byte loads: 16 a thread; the cells' matrices
-    # [cells, 128] (the keys as two halves) cells / 16 each; the position.
-    assert before == 256 * 128 // (256 * 8) + (2 if values_first else 1) * cells // 16 + 1
-    assert after > 0 and "ld.volatile.global" in ptx.partition("griddepcontrol.wait")[2]

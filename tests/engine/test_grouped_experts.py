@@ -261,7 +261,7 @@ def test_the_compiled_operators_are_made_once():
 
 def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constants(capsys):
     from strata.engine.experts import grouped
-    from strata.engine.model import decode_attention, products, projected_attention, routing_ops
+    from strata.engine.model import decode_attention, products, routing_ops
     from support.bench_scripts import load_bench
 
     bench = load_bench("decode_shapes.py")
@@ -270,7 +270,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     labels = [bench.label(v) for v in tried]
     assert len(set(labels)) == len(labels)
     assert set(bench.DEFAULT) == {"gate_up", "down", "products", "norm_product", "logits",
-                                  "router", "attention", "project"}
+                                  "router", "attention"}
     for variant in tried[1:]:  # exactly one kernel's shape differs from the default
         assert sum(variant[k] != bench.DEFAULT[k] for k in bench.DEFAULT) == 1
     assert bench.CUBLAS in [v["products"] for v in tried]
@@ -281,8 +281,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
              products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS,
              products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
              decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
-             decode_attention.SHORT_WARPS, projected_attention.PROJECT_KERNEL,
-             projected_attention.MAX_PROGRAMS)
+             decode_attention.SHORT_WARPS)
 
     class Experts:
         _sum_arrivals = None
@@ -316,11 +315,6 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         assert (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST) == (16, True)
         assert decode_attention.SHORT_KERNEL and decode_attention.SHORT_ROTATES
         assert decode_attention.SHORT_WARPS == 16
-        bench.apply({**bench.DEFAULT, "project": (True, 256)}, experts, 2048,
-                    torch.device("cpu"))
-        assert projected_attention.PROJECT_KERNEL and projected_attention.MAX_PROGRAMS == 256
-        assert "wo inside attention's kernel, 256 programs" in bench.label(
-            {**bench.DEFAULT, "project": (True, 256)})
     finally:
         (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.DOWN_W_FIRST,
          grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS,
@@ -329,8 +323,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
          products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS,
          products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
          decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
-         decode_attention.SHORT_WARPS, projected_attention.PROJECT_KERNEL,
-         projected_attention.MAX_PROGRAMS) = saved
+         decode_attention.SHORT_WARPS) = saved
     if torch.cuda.is_available():
         return
     assert bench.main(["--device", "cpu"]) == 0

@@ -63,9 +63,6 @@ KERNELS = {
     ("strata.engine.model._attention_triton", "rotate_attend_short"): (
         {"NORM": 2, "HAS_MASK": True, "BLOCK_C": 256, "BLOCK_R": 16, "BLOCK_P": 32,
          "HEAD_DIM": 128, "VALUES_FIRST": False}, 8),
-    ("strata.engine.model._attention_triton", "rotate_attend_project"): (
-        {"NORM": 1, "HAS_MASK": True, "BLOCK_C": 256, "BLOCK_R": 16, "BLOCK_P": 16,
-         "HEAD_DIM": 128, "VALUES_FIRST": False, "BLOCK_O": 256, "BLOCK_RP": 1}, 8),
     (f"{EXPERTS}._activation_triton", "silu_and_mul"): ({"BLOCK_F": 1024}, 4),
     (f"{EXPERTS}._combine_triton", "combine"): ({"HAS_POSITIONS": True, "BLOCK_D": 1024}, 4),
     (f"{EXPERTS}._dequant_triton", "dequant_blobs"): (

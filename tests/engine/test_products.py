@@ -304,7 +304,8 @@ def test_on_cuda_the_norm_and_product_kernel_is_the_two_kernels_bytes():
 
 def test_the_l2_probe_marks_its_reads_for_the_cache_and_needs_cuda(capsys):
     """bench/l2_keep.py's read kernel, compiled for compute capability 9.0, carries the L2
-    cache hints it is named for (or none); without CUDA the probe says so and exits."""
+    cache hints it is named for (or none), and its prefetch kernel asks for lines without
+    loading any; without CUDA the probe says so and exits."""
     from support.bench_scripts import load_bench
     from support.hopper import compile_for_hopper
 
@@ -315,6 +316,9 @@ def test_the_l2_probe_marks_its_reads_for_the_cache_and_needs_cuda(capsys):
         ptx = compile_for_hopper(bench._kernel(), {"BLOCK": 4096, "EVICT": evict},
                                  {"out_ptr": "*fp32"}).asm["ptx"]
         assert mark in ptx
+    # The prefetch's instruction survives though its dummy result is never used.
+    ptx = compile_for_hopper(bench._kernels()[1], {"BLOCK": 4096, "LINE": 64}).asm["ptx"]
+    assert ptx.count("prefetch.global.L2::evict_last") >= 1 and "ld.global" not in ptx
     if torch.cuda.is_available():
         pytest.skip("the probe itself runs on the GPU machine (bench/gpu_session.sh l2-keep)")
     assert bench.main([]) == 0

@@ -213,117 +213,14 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
                         VALUES_FIRST: tl.constexpr, USE_PDL: tl.constexpr = False):
     # `qk_norm_rope` writing the token's k and v, then `attend_short`, in one launch. Program
     # g: kv head g. Before the wait, as `attend_short`: the position and the cells' keys (as
-    # halves [BC, Dh/2]) and maybe values (`head_cells`). After it, `rotated_attention`: from
-    # the token's projection, kv head g's R query heads and its key head normed and rotated,
-    # the key and the value stored to their cells at the position, then the softmax over
-    # every cell; the R heads' outputs stored to out [H, Dh].
-    g = tl.program_id(0).to(tl.int64)
-    position, k1, k2, v = head_cells(k_ptr, v_ptr, positions_ptr, g, N, k_head_stride,
-                                     k_cell_stride, v_head_stride, v_cell_stride, BLOCK_C,
-                                     HEAD_DIM, VALUES_FIRST)
-    wait_for_prior(USE_PDL)
-    out = rotated_attention(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr,
-                            position, k1, k2, v, g, 1, N, H, G, R, eps, scale,
-                            k_head_stride, k_cell_stride, v_head_stride, v_cell_stride, NORM,
-                            HAS_MASK, BLOCK_C, BLOCK_R, BLOCK_P, HEAD_DIM, VALUES_FIRST,
-                            out_ptr.dtype.element_ty)  # [BR, Dh]
-    r = tl.arange(0, BLOCK_R)[:, None]  # [BR, 1]
-    d = tl.arange(0, HEAD_DIM)
-    tl.store(out_ptr + (g * R + r) * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=r < R)
-
-
-@triton.jit
-def rotate_attend_project(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr,
-                          positions_ptr, wo_ptr, partial_ptr, arrived_ptr, out_ptr, N, H, G, R,
-                          D, eps, scale, k_head_stride, k_cell_stride, v_head_stride,
-                          v_cell_stride, wo_stride, NORM: tl.constexpr, HAS_MASK: tl.constexpr,
-                          BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, VALUES_FIRST: tl.constexpr,
-                          BLOCK_O: tl.constexpr, BLOCK_RP: tl.constexpr,
-                          USE_PDL: tl.constexpr = False):
-    # `rotate_attend_short` with the output projection wo [D, H*Dh] folded in: out [D] =
-    # wo @ (every head's output), in `products.linear`'s place. Program (g, b): kv head g's
-    # attention as `rotate_attend_short`'s program g (only the programs b = 0 store the
-    # token's k and v; every program attends the row in its registers), then its R heads'
-    # outputs, rounded to out's dtype as that kernel stores them, times wo's rows
-    # [b*BO, (b+1)*BO) at those heads' columns [g*R*Dh, (g+1)*R*Dh): a partial [BO] in
-    # float32, stored to partial [G, D] and counted in arrived[b]. The last of block b's G
-    # programs to arrive (acquiring the others' partials) sums them in order of g, stores out
-    # [block b] and sets arrived[b] back to 0: the same bytes whichever program is last.
-    # Before the wait it reads what no kernel of the round writes (`head_cells`), and its
-    # tile of wo [BRP, BO, Dh] (BRP: R rounded up to a power of two).
-    g = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1)
-    o = b * BLOCK_O + tl.arange(0, BLOCK_O)  # [BO]
-    o_in = o < D
-    rp = tl.arange(0, BLOCK_RP)[:, None, None]  # [BRP, 1, 1]
-    d = tl.arange(0, HEAD_DIM)
-    w = tl.load(wo_ptr + o[None, :, None].to(tl.int64) * wo_stride
-                + (g * R + rp) * HEAD_DIM + d[None, None, :],
-                mask=(rp < R) & o_in[None, :, None], other=0.0)  # [BRP, BO, Dh]
-    position, k1, k2, v = head_cells(k_ptr, v_ptr, positions_ptr, g, N, k_head_stride,
-                                     k_cell_stride, v_head_stride, v_cell_stride, BLOCK_C,
-                                     HEAD_DIM, VALUES_FIRST)
-    wait_for_prior(USE_PDL)
-    dtype = out_ptr.dtype.element_ty
-    heads = rotated_attention(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr,
-                              position, k1, k2, v, g, 1 - tl.minimum(b, 1), N, H, G, R,
-                              eps, scale, k_head_stride, k_cell_stride, v_head_stride,
-                              v_cell_stride, NORM, HAS_MASK, BLOCK_C, BLOCK_R, BLOCK_P,
-                              HEAD_DIM, VALUES_FIRST, dtype).to(dtype).to(tl.float32)
-    # Its first BRP rows [BRP, Dh] (R <= BRP <= BR): picked, not sliced (Triton has no slice).
-    r = tl.arange(0, BLOCK_R)[None, :, None]  # [1, BR, 1]
-    heads = tl.sum(tl.where(r == rp, heads[None, :, :], 0.0), axis=1)  # [BRP, Dh]
-    partial = tl.sum(tl.sum(w.to(tl.float32) * heads[:, None, :], axis=2), axis=0)  # [BO]
-    tl.store(partial_ptr + g * D + o, partial, mask=o_in)
-    if tl.atomic_add(arrived_ptr + b, 1, sem="acq_rel") == G - 1:
-        total = tl.zeros([BLOCK_O], dtype=tl.float32)
-        for h in range(0, G):
-            total += tl.load(partial_ptr + h * D + o, mask=o_in, other=0.0, volatile=True)
-        tl.store(out_ptr + o, total.to(dtype), mask=o_in)
-        tl.store(arrived_ptr + b, 0)
-
-
-@triton.jit
-def head_cells(k_ptr, v_ptr, positions_ptr, g, N, k_head_stride, k_cell_stride, v_head_stride,
-               v_cell_stride, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr,
-               VALUES_FIRST: tl.constexpr):
-    # What a program of kv head g reads before its wait, none of it written by a kernel of
-    # this round but the one row at the position, read again after: (the token's position,
-    # the keys of the N cells as halves k1, k2 [BC, Dh/2], their values [BC, Dh] where
-    # VALUES_FIRST, else zeros, the values then read after the wait by `rotated_attention`).
+    # halves [BC, Dh/2]) and maybe values. After it, from the token's projection qkv
+    # [(H + 2G) * Dh]: kv head g's R query heads and its key head, normed (NORM as
+    # `qk_norm_rope`'s: "full" over every head of the part, so each program reads them all),
+    # weighted and rotated by `qk_norm_rope`'s helpers (the same roundings), the key and the
+    # value stored to their cells at the position, and put in those rows of the registers
+    # (no read back). Then the scores as two products over the halves, and the softmax.
     position = tl.load(positions_ptr).to(tl.int64)
-    half: tl.constexpr = HEAD_DIM // 2
-    c = tl.arange(0, BLOCK_C)
-    j = tl.arange(0, half)
-    c_in = (c < N)[:, None]
-    k_rows = k_ptr + g * k_head_stride + c[:, None].to(tl.int64) * k_cell_stride + j[None, :]
-    k1 = tl.load(k_rows, mask=c_in, other=0.0)
-    k2 = tl.load(k_rows + half, mask=c_in, other=0.0)
-    if VALUES_FIRST:
-        d = tl.arange(0, HEAD_DIM)
-        v = tl.load(v_ptr + g * v_head_stride + c[:, None].to(tl.int64) * v_cell_stride
-                    + d[None, :], mask=c_in, other=0.0)  # [BC, Dh]
-    else:  # one return shape either way (Triton types a function's returns alike)
-        v = tl.zeros([BLOCK_C, HEAD_DIM], dtype=v_ptr.dtype.element_ty)
-    return position, k1, k2, v
-
-
-@triton.jit
-def rotated_attention(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, position,
-                      k1, k2, v, g, writes, N, H, G, R, eps, scale, k_head_stride,
-                      k_cell_stride, v_head_stride, v_cell_stride, NORM: tl.constexpr,
-                      HAS_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      VALUES_FIRST: tl.constexpr, dtype: tl.constexpr):
-    # After the wait, kv head g's attention from the token's projection qkv
-    # [(H + 2G) * Dh] and `head_cells`' reads -> out [BR, Dh] float32 (rows R.. zeros): its R
-    # query heads and its key head normed (NORM as `qk_norm_rope`'s: "full" over every head
-    # of the part, so each program reads them all), weighted and rotated by `qk_norm_rope`'s
-    # helpers (the same roundings); where `writes` is 1 (not 0), the key and the value
-    # stored to their cells at the position; both put in that row of the registers (no read
-    # back). Then the scores as two products over the halves, and the softmax.
+    g = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     c = tl.arange(0, BLOCK_C)
     j = tl.arange(0, half)
@@ -331,6 +228,14 @@ def rotated_attention(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_
     c_in = (c < N)[:, None]
     k_head = k_ptr + g * k_head_stride
     v_head = v_ptr + g * v_head_stride
+    k_rows = k_head + c[:, None].to(tl.int64) * k_cell_stride + j[None, :]  # [BC, Dh/2]
+    k1 = tl.load(k_rows, mask=c_in, other=0.0)
+    k2 = tl.load(k_rows + half, mask=c_in, other=0.0)
+    if VALUES_FIRST:
+        v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=c_in,
+                    other=0.0)  # [BC, Dh]
+    wait_for_prior(USE_PDL)
+    dtype = out_ptr.dtype.element_ty
     r = tl.arange(0, BLOCK_R)[:, None]  # [BR, 1]
     r_in = r < R
     q_at = (g * R + r) * HEAD_DIM + j[None, :]  # [BR, Dh/2]: the group's q halves in qkv
@@ -360,11 +265,9 @@ def rotated_attention(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_
     x1, x2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, j[None, :], half, dtype)  # [1, Dh/2]
     new_v = tl.load(qkv_ptr + (H + G + g) * HEAD_DIM + d)  # [Dh]: v's heads follow k's
     cell = position * k_cell_stride
-    # `writes` (1 or 0) as masks of the rows' shapes: a comparison of vectors, which
-    # Triton's interpreter masks by (a scalar's comparison it would not).
-    tl.store(k_head + cell + j[None, :], x1, mask=j[None, :] < writes * half)
-    tl.store(k_head + cell + half + j[None, :], x2, mask=j[None, :] < writes * half)
-    tl.store(v_head + position * v_cell_stride + d, new_v, mask=d < writes * HEAD_DIM)
+    tl.store(k_head + cell + j[None, :], x1)
+    tl.store(k_head + cell + half + j[None, :], x2)
+    tl.store(v_head + position * v_cell_stride + d, new_v)
     fresh = (c == position)[:, None]  # [BC, 1]
     k1 = tl.where(fresh, x1, k1)
     k2 = tl.where(fresh, x2, k2)
@@ -373,4 +276,5 @@ def rotated_attention(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_
     if not VALUES_FIRST:  # loaded once the keys are spent: both at once would spill
         v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=c_in,
                     other=0.0)  # [BC, Dh]
-    return _weighted(scores, tl.where(fresh, new_v[None, :], v), BLOCK_R, HEAD_DIM)
+    out = _weighted(scores, tl.where(fresh, new_v[None, :], v), BLOCK_R, HEAD_DIM)
+    tl.store(out_ptr + (g * R + r) * HEAD_DIM + d[None, :], out.to(dtype), mask=r_in)

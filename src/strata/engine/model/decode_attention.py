@@ -38,7 +38,6 @@ with the same logits, on an H100 (bench/results/decode-shapes-short-h100-2026-12
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 
@@ -46,9 +45,8 @@ from strata.engine import dependent_launch
 from strata.engine.model import ops
 from strata.engine.model.kv_cells import LayerCells
 
-__all__ = ["MAX_SPLITS", "SHORT_KERNEL", "SHORT_ROTATES", "UNGROUPED_MAX_CELLS",
-           "RotateAttendLaunch", "attend_one", "attend_one_triton", "attend_short_triton",
-           "kernels", "launch_shape", "rotate_attend", "rotate_attend_launch",
+__all__ = ["MAX_SPLITS", "SHORT_KERNEL", "SHORT_ROTATES", "UNGROUPED_MAX_CELLS", "attend_one",
+           "attend_one_triton", "attend_short_triton", "launch_shape", "rotate_attend",
            "rotate_attend_triton", "rotates", "short_takes", "takes"]
 
 UNGROUPED_MAX_CELLS = 256
@@ -73,8 +71,8 @@ SHORT_WARPS = 8
 
 
 @functools.cache
-def kernels():
-    """The Triton kernel module (`_attention_triton`), or None without Triton."""
+def _kernels():
+    """The Triton kernel module, or None without Triton."""
     try:
         from strata.engine.model import _attention_triton
     except ImportError:
@@ -94,7 +92,7 @@ def _one_token_takes(x: torch.Tensor, n_heads: int, keys: torch.Tensor,
                      values: torch.Tensor) -> bool:
     """`takes` for one token's n_heads query heads, x its q or its projection: x on CUDA
     with Triton, outside a compilation, in bf16 or fp16 as the keys and values are."""
-    return (x.is_cuda and not torch.compiler.is_compiling() and kernels() is not None
+    return (x.is_cuda and not torch.compiler.is_compiling() and _kernels() is not None
             and x.dtype in (torch.bfloat16, torch.float16)
             and keys.dtype == x.dtype and values.dtype == x.dtype
             and keys.stride(2) == 1 and values.stride(2) == 1
@@ -208,7 +206,7 @@ def attend_one_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           device=q.device)  # [G, S, BR, BD]
     stats = torch.empty((n_kv_heads, n_splits, 2, block_r), dtype=torch.float32,
                         device=q.device)  # [G, S, (max, sum), BR]
-    kernels().decode_attention[(n_kv_heads, n_splits)](
+    _kernels().decode_attention[(n_kv_heads, n_splits)](
         q, keys, values, mask if mask is not None else q, partial, stats, _arrived(q.device),
         out, n_cells, per_kv, head_dim, n_splits, scale, keys.stride(0), keys.stride(1),
         values.stride(0), values.stride(1), HAS_MASK=mask is not None,
@@ -238,7 +236,7 @@ def attend_short_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                          f"{SHORT_MAX_ELEMENTS} elements; attend_one_triton splits them")
     q = q.contiguous()
     out = q.new_empty((n_heads, head_dim))  # [H, Dh]
-    kernels().attend_short[(n_kv_heads,)](
+    _kernels().attend_short[(n_kv_heads,)](
         q, keys, values, mask if mask is not None else q, positions, out, n_cells,
         n_heads // n_kv_heads, head_dim, scale, keys.stride(0), keys.stride(1),
         values.stride(0), values.stride(1), HAS_MASK=mask is not None, BLOCK_C=block_c,
@@ -284,54 +282,28 @@ def rotate_attend_triton(qkv: torch.Tensor, heads: ops.QKHeads, cos: torch.Tenso
                          n_ctx: int, mask: torch.Tensor | None, scale: float, *,
                          num_warps: int | None = None) -> torch.Tensor:
     """`rotate_attend` by its kernel, however the call came (the tests' interpreter)."""
-    h, dh = heads.n_heads, heads.head_dim
-    launch = rotate_attend_launch(qkv, heads, cos, sin, positions, cells, n_ctx, mask, scale,
-                                  "rotate_attend")
-    out = qkv.new_empty((h, dh))  # [H, Dh]
-    kernels().rotate_attend_short[(heads.n_kv_heads,)](
-        *launch.pointers, out, *launch.sizes, *launch.scalars, **launch.constexprs,
-        num_warps=SHORT_WARPS if num_warps is None else num_warps,
-        **dependent_launch.kernel_options(qkv.device))
-    return out.view(1, h * dh)
-
-
-class RotateAttendLaunch(NamedTuple):
-    """The arguments `rotate_attend_short`'s kernel and `projected_attention`'s share, in
-    their order: pointers (qkv, the q/k norm's weight, cos, sin, the cells' k and v, the mask,
-    the positions), sizes (N, H, G, R), scalars (eps, scale, the cells' strides) and
-    constexprs."""
-
-    pointers: tuple
-    sizes: tuple[int, int, int, int]
-    scalars: tuple
-    constexprs: dict
-
-
-def rotate_attend_launch(qkv: torch.Tensor, heads: ops.QKHeads, cos: torch.Tensor,
-                         sin: torch.Tensor, positions: torch.Tensor, cells: LayerCells,
-                         n_ctx: int, mask: torch.Tensor | None, scale: float,
-                         name: str) -> RotateAttendLaunch:
-    """The shared arguments of a launch of the rotating short kernels over cells [0, n_ctx);
-    operands they cannot take refused, naming `name`'s caller."""
     h, g, dh = heads.n_heads, heads.n_kv_heads, heads.head_dim
     keys, values = cells.k[:n_ctx].transpose(0, 1), cells.v[:n_ctx].transpose(0, 1)
-    _check_operands(name, (1, h, dh), keys, values, mask)
+    _check_operands("rotate_attend", (1, h, dh), keys, values, mask)
     if qkv.shape != (1, (h + 2 * g) * dh) or qkv.stride(1) != 1 or positions.shape != (1,) \
             or cos.shape != (1, dh) or sin.shape != (1, dh):
-        raise ValueError(f"{name} needs qkv [1, {(h + 2 * g) * dh}] with contiguous "
+        raise ValueError(f"rotate_attend needs qkv [1, {(h + 2 * g) * dh}] with contiguous "
                          f"columns, positions [1] and cos, sin [1, {dh}], got qkv "
                          f"{list(qkv.shape)}, positions {list(positions.shape)}, cos "
                          f"{list(cos.shape)}")
     block_c = _block(n_ctx, 16)
     if block_c * dh > SHORT_MAX_ELEMENTS or dh < 32 or dh & (dh - 1):
-        raise ValueError(f"{name} holds a kv head's keys in registers and a head dim "
+        raise ValueError(f"rotate_attend holds a kv head's keys in registers and a head dim "
                          f"that is a power of two, at least 32: {n_ctx} cells of {dh} cannot")
+    out = qkv.new_empty((h, dh))  # [H, Dh]
     weight = heads.weight.contiguous() if heads.weight is not None else qkv  # qkv: not read
-    return RotateAttendLaunch(
-        (qkv, weight, cos, sin, cells.k, cells.v, mask if mask is not None else qkv,
-         positions),
-        (n_ctx, h, g, h // g),
-        (heads.eps, scale, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1)),
-        {"NORM": ops.NORMS[heads.norm], "HAS_MASK": mask is not None, "BLOCK_C": block_c,
-         "BLOCK_R": _block(h // g, 16), "BLOCK_P": _block(max(h, g)), "HEAD_DIM": dh,
-         "VALUES_FIRST": block_c * dh <= SHORT_VALUES_FIRST_ELEMENTS})
+    _kernels().rotate_attend_short[(g,)](
+        qkv, weight, cos, sin, cells.k, cells.v, mask if mask is not None else qkv, positions,
+        out, n_ctx, h, g, h // g, heads.eps, scale, keys.stride(0), keys.stride(1),
+        values.stride(0), values.stride(1), NORM=ops.NORMS[heads.norm],
+        HAS_MASK=mask is not None, BLOCK_C=block_c, BLOCK_R=_block(h // g, 16),
+        BLOCK_P=_block(max(h, g)), HEAD_DIM=dh,
+        VALUES_FIRST=block_c * dh <= SHORT_VALUES_FIRST_ELEMENTS,
+        num_warps=SHORT_WARPS if num_warps is None else num_warps,
+        **dependent_launch.kernel_options(qkv.device))
+    return out.view(1, h * dh)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from strata.engine.experts import Experts
-from strata.engine.model import decode_attention, ops, products, projected_attention
+from strata.engine.model import decode_attention, ops, products
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.kv_cells import LayerCells
 from strata.engine.model.ops import (
@@ -167,13 +167,7 @@ class Attention:
         causally, the T tokens being the last T of the N cells (a prompt chunk); None without
         `causal` means every cell (one token: decode).
         """
-        # One token's output product reads its weights beside attention (`products`), or
-        # inside attention's kernel (`projected_attention`).
-        if not causal and projected_attention.projects(qkv, self.heads, cells, n_ctx,
-                                                       positions, self.wo, self.bo):
-            return projected_attention.rotate_attend_project(
-                qkv, self.heads, cos, sin, positions, cells, n_ctx, mask, self.scale,
-                self.wo)  # [1, D]
+        # One token's output product reads its weights beside attention (`products`).
         if not causal and decode_attention.rotates(qkv, self.heads, cells, n_ctx, positions):
             # One token over a short window: the rotation, the K/V write and attention as one
             # kernel.
