@@ -38,13 +38,8 @@ LINE = 64  # bf16 elements a 128-byte cache line holds: one prefetch each
 PREFETCH_PROGRAMS = (16, 64)  # an attention kernel's kv heads; a router kernel's splits
 
 
-def _kernel():
-    """The read kernel (a Triton function made here: Triton is imported only on use)."""
-    return _kernels()[0]
-
-
 def _kernels():
-    """(read, prefetch): the probe's Triton kernels."""
+    """(read, prefetch): the probe's Triton kernels, made here (Triton imported only on use)."""
     import triton
     import triton.language as tl
 
@@ -84,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
+    for flag in ("rows", "cols", "stream_mib", "flush_mib", "repeat"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got "
+                         f"{getattr(args, flag)}")
     if not torch.cuda.is_available():
         print("bench/l2_keep.py: needs CUDA (it times the device's L2 cache)")
         return 0

@@ -311,15 +311,19 @@ def test_the_l2_probe_marks_its_reads_for_the_cache_and_needs_cuda(capsys):
 
     bench = load_bench("l2_keep.py")
     pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    read, prefetch = bench._kernels()
     for evict, mark in (("", "ld.global.v4"), ("evict_first", "L1::evict_first.L2::cache_hint"),
                         ("evict_last", "L1::evict_last.L2::cache_hint")):
-        ptx = compile_for_hopper(bench._kernel(), {"BLOCK": 4096, "EVICT": evict},
+        ptx = compile_for_hopper(read, {"BLOCK": 4096, "EVICT": evict},
                                  {"out_ptr": "*fp32"}).asm["ptx"]
-        assert mark in ptx
+        assert mark in ptx and ("cache_hint" in ptx) == bool(evict)
     # The prefetch's instruction survives though its dummy result is never used.
-    ptx = compile_for_hopper(bench._kernels()[1], {"BLOCK": 4096, "LINE": 64}).asm["ptx"]
+    ptx = compile_for_hopper(prefetch, {"BLOCK": 4096, "LINE": 64}).asm["ptx"]
     assert ptx.count("prefetch.global.L2::evict_last") >= 1 and "ld.global" not in ptx
     if torch.cuda.is_available():
         pytest.skip("the probe itself runs on the GPU machine (bench/gpu_session.sh l2-keep)")
+    with pytest.raises(SystemExit):
+        bench.main(["--stream-mib", "0"])
+    assert "--stream-mib must be at least 1, got 0" in capsys.readouterr().err
     assert bench.main([]) == 0
     assert "needs CUDA" in capsys.readouterr().out
