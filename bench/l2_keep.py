@@ -12,9 +12,10 @@ layer's product would read it from L2. This probe times the real product kernel
 - hot: right after a read of the weight itself (L2's best case);
 - kept: after a read of the weight marked evict_last, then `--stream-mib` MiB of other
   reads, marked evict_first ("kept, stream evict_first") or not ("kept, stream plain");
-- prefetched: after the weight's lines were asked into L2 (`prefetch.global.L2::evict_last`,
-  no registers, nothing waited for) by a few programs, as a latency-bound kernel's programs
-  could ask for the next layer's weight: then the stream, or at once.
+- prefetched: after the weight was asked into L2 by a few programs, as a latency-bound
+  kernel's programs could ask for the next layer's weight (`strata.engine.l2_ahead`), by one
+  `prefetch.global.L2::evict_last` a 128-byte line ("lines") or 32-byte sector ("sectors"),
+  or one `cp.async.bulk.prefetch.L2` a 16 KiB chunk ("bulk"): then the stream, or at once.
 
 It also times the stream alone with and without the evict_first mark (whether the mark slows
 the expert reads), and the prefetching kernel alone (how long its programs take to ask). CUDA
@@ -34,7 +35,6 @@ from pathlib import Path
 import torch
 
 BLOCK = 4096  # elements a program reads a step
-LINE = 64  # bf16 elements a 128-byte cache line holds: one prefetch each
 PREFETCH_PROGRAMS = (16, 64)  # an attention kernel's kv heads; a router kernel's splits
 
 
@@ -42,6 +42,8 @@ def _kernels():
     """(read, prefetch): the probe's Triton kernels, made here (Triton imported only on use)."""
     import triton
     import triton.language as tl
+
+    from strata.engine._l2_triton import ask_into_l2
 
     @triton.jit
     def read(src_ptr, out_ptr, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
@@ -56,16 +58,11 @@ def _kernels():
         tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
     @triton.jit
-    def prefetch(src_ptr, n, BLOCK: tl.constexpr, LINE: tl.constexpr):
-        # Program p asks every LINE-th element's cache line of every BLOCK-th block from p on
-        # into L2, marked evict_last; nothing is loaded into registers or waited for.
-        pid = tl.program_id(0)
-        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-            # past the end: the last element's line again (a prefetch is never masked)
-            offsets = tl.minimum(start + tl.arange(0, BLOCK // LINE) * LINE, n - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
-                                      "=r,l", [src_ptr + offsets], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+    def prefetch(src_ptr, n, CHUNK: tl.constexpr, STEP: tl.constexpr, BULK: tl.constexpr):
+        # The programs ask the n elements' cache lines into L2, marked evict_last, as a
+        # decode kernel's programs do (`strata.engine.l2_ahead`); nothing is loaded into
+        # registers or waited for.
+        ask_into_l2(src_ptr, n, tl.program_id(0), tl.num_programs(0), CHUNK, STEP, BULK)
 
     return read, prefetch
 
@@ -86,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench/l2_keep.py: needs CUDA (it times the device's L2 cache)")
         return 0
+    from strata.engine import l2_ahead
     from strata.engine.model import products
 
     device = torch.device("cuda")
@@ -101,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         return lambda: read[(programs,)](tensor, sums, tensor.numel(), BLOCK=BLOCK,
                                          EVICT=evict)
 
-    def prefetches(tensor, n_programs):
-        return lambda: prefetch[(n_programs,)](tensor, tensor.numel(), BLOCK=BLOCK, LINE=LINE)
+    def prefetches(tensor, n_programs, method):
+        return lambda: prefetch[(n_programs,)](
+            tensor, tensor.numel(), CHUNK=l2_ahead.CHUNK_BYTES[method] // 2,
+            STEP=l2_ahead.CHUNKS_A_STEP, BULK=method == "bulk", num_warps=8)
 
     before = {
         "cold": [reads(flush)],
@@ -113,14 +113,17 @@ def main(argv: list[str] | None = None) -> int:
         "weight plain, stream evict_first": [reads(flush), reads(weight),
                                              reads(stream, "evict_first")],
     }
-    for n in PREFETCH_PROGRAMS:
-        before[f"prefetched ({n} programs), stream evict_first"] = [
-            reads(flush), prefetches(weight, n), reads(stream, "evict_first")]
-        before[f"prefetched ({n} programs), at once"] = [reads(flush), prefetches(weight, n)]
+    methods = [(method, n) for method in l2_ahead.CHUNK_BYTES for n in PREFETCH_PROGRAMS]
+    for method, n in methods:
+        before[f"prefetched ({method}, {n}), stream evict_first"] = [
+            reads(flush), prefetches(weight, n, method), reads(stream, "evict_first")]
+        before[f"prefetched ({method}, {n}), at once"] = [reads(flush),
+                                                          prefetches(weight, n, method)]
     timed = {name: (steps, lambda: products.linear(x, weight, None))
              for name, steps in before.items()}
-    for n in PREFETCH_PROGRAMS:
-        timed[f"prefetch alone ({n} programs)"] = ([reads(flush)], prefetches(weight, n))
+    for method, n in methods:
+        timed[f"prefetch alone ({method}, {n})"] = ([reads(flush)],
+                                                    prefetches(weight, n, method))
     timed["stream plain"] = ([reads(flush)], reads(stream))
     timed["stream evict_first"] = ([reads(flush)], reads(stream, "evict_first"))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         moved = stream.numel() * 2 if name.startswith("stream") else weight_bytes
         rows.append({"case": name, "us": value, "x_base": base / value,
                      "gb_s": moved / value / 1e3})
-        print(f"{name:<34} {value:8.2f} us  {base / value:5.2f}x  {moved / value / 1e3:7.0f} "
+        print(f"{name:<44} {value:8.2f} us  {base / value:5.2f}x  {moved / value / 1e3:7.0f} "
               f"GB/s")
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "date": datetime.date.today().isoformat(), "weight": [args.rows, args.cols],

@@ -318,8 +318,11 @@ def test_the_l2_probe_marks_its_reads_for_the_cache_and_needs_cuda(capsys):
                                  {"out_ptr": "*fp32"}).asm["ptx"]
         assert mark in ptx and ("cache_hint" in ptx) == bool(evict)
     # The prefetch's instruction survives though its dummy result is never used.
-    ptx = compile_for_hopper(prefetch, {"BLOCK": 4096, "LINE": 64}).asm["ptx"]
-    assert ptx.count("prefetch.global.L2::evict_last") >= 1 and "ld.global" not in ptx
+    for bulk, mark in ((False, "prefetch.global.L2::evict_last"),
+                       (True, "cp.async.bulk.prefetch.L2.global.L2::cache_hint")):
+        ptx = compile_for_hopper(prefetch, {"CHUNK": 64, "STEP": 256, "BULK": bulk},
+                                 num_warps=8).asm["ptx"]
+        assert ptx.count(mark) >= 1 and "ld.global" not in ptx
     if torch.cuda.is_available():
         pytest.skip("the probe itself runs on the GPU machine (bench/gpu_session.sh l2-keep)")
     with pytest.raises(SystemExit):

@@ -21,7 +21,8 @@ def compile_for_hopper(kernel: Any, constexprs: dict[str, Any],
     dependent where it has the USE_PDL switch: the compiled kernel (`.asm["ptx"]`,
     `.asm["cubin"]`). Arguments are typed by `types`, then TYPES, else bf16 pointers and i32
     integers, all 16-byte aligned (integers multiples of 16, as launches from real tensors
-    are); a constexpr the kernel needs and `constexprs` lacks fails the test, named."""
+    are); a constexpr the kernel needs and `constexprs` lacks fails the test, named, and one
+    with a default takes it."""
     triton = pytest.importorskip("triton", minversion="3.3",  # attrs keyed by argument paths
                                  reason="the dev extra installs Triton on Linux x86_64")
     import inspect
@@ -33,6 +34,9 @@ def compile_for_hopper(kernel: Any, constexprs: dict[str, Any],
     constexprs = {**constexprs, "USE_PDL": True} if dependent else dict(constexprs)
     wanted = {param.name for param in kernel.params
               if param.is_constexpr and param.default is inspect.Parameter.empty}
+    defaults = {param.name: param.default for param in kernel.params
+                if param.is_constexpr and param.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **constexprs}  # a launch that leaves one out gets its default
     missing = sorted(wanted - set(constexprs))
     assert not missing, f"{kernel.__name__}: no value given for {missing}"
     types = {**TYPES, **(types or {})}

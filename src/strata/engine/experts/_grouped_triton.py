@@ -8,6 +8,8 @@ A program keeps a [BF, BD] (or [BD, BF]) tile of fp32 products summed along its 
 the tile across its columns once, at the end: one cross-thread reduction a program, not one a
 step (1.5x the bandwidth on the H200, bench/results/grouped-experts-h200-2026-12-01.md). The
 order is fixed, so the sums are deterministic.
+EVICT is the weight loads' `eviction_policy` ("evict_first" where
+`l2_ahead.EXPERTS_EVICT_FIRST`: the experts' lines leave L2 before a weight asked in ahead).
 """
 
 import triton
@@ -20,7 +22,7 @@ from strata.engine.experts._activation_triton import silu_mul
 @triton.jit
 def gate_up_act(w_ptr, index_ptr, x_ptr, act_ptr, slot_stride, row_stride, D, F,
                 x_stride, act_stride, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-                USE_PDL: tl.constexpr = False):
+                EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
     # Program (r, b): act[r, b*BLOCK_F : (b+1)*BLOCK_F] of the expert index[r].
     wait_for_prior(USE_PDL)
     r = tl.program_id(0)
@@ -35,9 +37,10 @@ def gate_up_act(w_ptr, index_ptr, x_ptr, act_ptr, slot_stride, row_stride, D, F,
         d_in = d < D
         x = tl.load(x_ptr + r * x_stride + d, mask=d_in, other=0.0).to(tl.float32)
         both = f_in[:, None] & d_in[None, :]
-        gate = tl.load(expert + f[:, None] * row_stride + d[None, :], mask=both, other=0.0)
+        gate = tl.load(expert + f[:, None] * row_stride + d[None, :], mask=both, other=0.0,
+                       eviction_policy=EVICT)
         up = tl.load(expert + (f[:, None] + F) * row_stride + d[None, :], mask=both,
-                     other=0.0)
+                     other=0.0, eviction_policy=EVICT)
         gate_tile += gate.to(tl.float32) * x[None, :]
         up_tile += up.to(tl.float32) * x[None, :]
     store_act(tl.sum(gate_tile, axis=1), tl.sum(up_tile, axis=1), act_ptr, r, act_stride, f,
@@ -56,17 +59,17 @@ def store_act(gate_sum, up_sum, act_ptr, r, act_stride, f, f_in):
 
 @triton.jit
 def _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, act_stride,
-                BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+                BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, EVICT: tl.constexpr):
     # [BD] float32: rows d of the expert in `slot` times row r of act, summed over F in a
-    # fixed order (nothing read where d_in is false).
+    # fixed order (nothing read where d_in is false); the weights' loads marked EVICT.
     tile = tl.zeros([BLOCK_D, BLOCK_F], dtype=tl.float32)
     return _down_steps(tile, w_ptr + tl.maximum(slot, 0) * slot_stride, act_ptr, r, d, d_in,
-                       row_stride, F, act_stride, 0, BLOCK_F)
+                       row_stride, F, act_stride, 0, BLOCK_F, EVICT)
 
 
 @triton.jit
 def _down_steps(tile, expert, act_ptr, r, d, d_in, row_stride, F, act_stride, f_start,
-                BLOCK_F: tl.constexpr):
+                BLOCK_F: tl.constexpr, EVICT: tl.constexpr):
     # `_down_block`'s steps from column f_start on, added onto `tile` [BD, BF], then the tile
     # summed across its columns: [BD].
     for f0 in range(f_start, F, BLOCK_F):
@@ -74,22 +77,25 @@ def _down_steps(tile, expert, act_ptr, r, d, d_in, row_stride, F, act_stride, f_
         f_in = f < F
         act = tl.load(act_ptr + r * act_stride + f, mask=f_in, other=0.0).to(tl.float32)
         w = tl.load(expert + d[:, None] * row_stride + f[None, :],
-                    mask=d_in[:, None] & f_in[None, :], other=0.0)
+                    mask=d_in[:, None] & f_in[None, :], other=0.0, eviction_policy=EVICT)
         tile += w.to(tl.float32) * act[None, :]
     return tl.sum(tile, axis=1)
 
 
 @triton.jit
-def _down_first_tile(w_ptr, slot, d, d_in, slot_stride, row_stride, F, BLOCK_F: tl.constexpr):
+def _down_first_tile(w_ptr, slot, d, d_in, slot_stride, row_stride, F, BLOCK_F: tl.constexpr,
+                     EVICT: tl.constexpr):
     # [BD, BF] in w's dtype: the first step's tile of `_down_block`, columns 0..BF-1.
     f = tl.arange(0, BLOCK_F)  # [BF]
     return tl.load(w_ptr + tl.maximum(slot, 0) * slot_stride + d[:, None] * row_stride
-                   + f[None, :], mask=d_in[:, None] & (f < F)[None, :], other=0.0)
+                   + f[None, :], mask=d_in[:, None] & (f < F)[None, :], other=0.0,
+                   eviction_policy=EVICT)
 
 
 @triton.jit
 def _down_block_after(first, w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F,
-                      act_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+                      act_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+                      EVICT: tl.constexpr):
     # `_down_block` with its first step's weight tile loaded already (`_down_first_tile`):
     # the same steps in the same order onto the same zeros (a zero's sign included), so the
     # sums are the same bytes.
@@ -98,12 +104,12 @@ def _down_block_after(first, w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_
     tile = tl.zeros([BLOCK_D, BLOCK_F], dtype=tl.float32)
     tile += first.to(tl.float32) * act[None, :]  # [BD, BF]
     return _down_steps(tile, w_ptr + tl.maximum(slot, 0) * slot_stride, act_ptr, r, d, d_in,
-                       row_stride, F, act_stride, BLOCK_F, BLOCK_F)
+                       row_stride, F, act_stride, BLOCK_F, BLOCK_F, EVICT)
 
 
 @triton.jit
 def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_stride,
-         y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+         y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, EVICT: tl.constexpr = "",
          USE_PDL: tl.constexpr = False):
     # Program (r, b): y[r, b*BLOCK_D : (b+1)*BLOCK_D] of the expert index[r].
     wait_for_prior(USE_PDL)
@@ -112,7 +118,7 @@ def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_st
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, zeros stored
     y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, act_stride,
-                    BLOCK_D, BLOCK_F)
+                    BLOCK_D, BLOCK_F, EVICT)
     store_rows(y_ptr, r, y_stride, d, D, slot, y)
 
 
@@ -129,7 +135,7 @@ def store_rows(y_ptr, r, y_stride, d, D, slot, y):
 def down_sum(w_ptr, index_ptr, act_ptr, y_ptr, weights_ptr, out_ptr, arrived_ptr, slot_stride,
              row_stride, D, F, act_stride, y_stride, R, BLOCK_D: tl.constexpr,
              BLOCK_F: tl.constexpr, W_FIRST: tl.constexpr = False,
-             USE_PDL: tl.constexpr = False):
+             EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
     # One token's R = K rows. Program (r, b): `down`'s y[r, block b], rounded and stored as
     # `down` stores it; then counted in arrived[b]. The last of block b's R programs to arrive
     # (acquiring the others' rows) sums weights[k] * y[k, block b] over k = 0..R-1 in order in
@@ -146,15 +152,16 @@ def down_sum(w_ptr, index_ptr, act_ptr, y_ptr, weights_ptr, out_ptr, arrived_ptr
     d_in = d < D
     if W_FIRST:
         slot = tl.load(index_ptr + r, cache_modifier=".cg").to(tl.int64)
-        first = _down_first_tile(w_ptr, slot, d, d_in, slot_stride, row_stride, F, BLOCK_F)
+        first = _down_first_tile(w_ptr, slot, d, d_in, slot_stride, row_stride, F, BLOCK_F,
+                                 EVICT)
     wait_for_prior(USE_PDL)
     if W_FIRST:
         y = _down_block_after(first, w_ptr, slot, act_ptr, r, d, d_in, slot_stride,
-                              row_stride, F, act_stride, BLOCK_D, BLOCK_F)
+                              row_stride, F, act_stride, BLOCK_D, BLOCK_F, EVICT)
     else:
         slot = tl.load(index_ptr + r).to(tl.int64)
         y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F,
-                        act_stride, BLOCK_D, BLOCK_F)
+                        act_stride, BLOCK_D, BLOCK_F, EVICT)
     tl.store(y_ptr + r * y_stride + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
     if tl.atomic_add(arrived_ptr + b, 1, sem="acq_rel") == R - 1:
         total = tl.zeros([BLOCK_D], dtype=tl.float32)
