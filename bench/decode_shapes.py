@@ -17,9 +17,9 @@ of D and whether its weights are read before its wait (`router`), and a short wi
 attention split and merged or in one program a kv head (the default), the rotation folded
 in or not, at some warps (`attention`). The last three were staged changes, one call timing
 them all; the short attention with the rotation is on since
-bench/results/decode-shapes-short-h100-2026-12-05.md. `l2`: the next layer's q/k/v weight
-asked into L2 by the short attention's or the router's kernel, the experts' and the products'
-weight loads marked evict_first (`strata.engine.l2_ahead`).
+bench/results/decode-shapes-short-h100-2026-12-05.md. `hints`: the experts' and the
+products' weight loads marked evict_first for L2 or not (`strata.engine.cache_hints`), on
+since bench/results/l2-ahead-h100-2026-12-06.md.
 
     python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
     python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4 --kernels products
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from _common import add_model_arguments, checkpoint_for
-from strata.engine import l2_ahead
+from strata.engine import cache_hints
 from strata.engine.experts import grouped
 from strata.engine.model import decode_attention, products, routing_ops
 from strata.engine.runtime.decode_steps import decode_step
@@ -54,8 +54,7 @@ DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped
            "router": (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST),
            "attention": (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
                          decode_attention.SHORT_WARPS),
-           "l2": (l2_ahead.AHEAD, l2_ahead.AHEAD_METHOD, l2_ahead.EXPERTS_EVICT_FIRST,
-                  l2_ahead.PRODUCTS_EVICT_FIRST)}
+           "hints": (cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST)}
 CUBLAS = (0, 0)  # the products' "shape" that is F.linear in the kernel's place
 # (block, step, warps, stages) tried for each kernel, the other kept at its default; down's
 # with whether its index and first weight tile are read before its wait (`DOWN_W_FIRST`),
@@ -80,11 +79,9 @@ TRIED = {
     "router": [(splits, first) for splits in (16, 32, 64) for first in (False, True)],
     "attention": [(False, False, decode_attention.SHORT_WARPS)]
     + [(True, rotates, warps) for rotates in (False, True) for warps in (4, 8, 16)],
-    # (which kernel asks the next q/k/v weight into L2 and how, experts evict_first, products
-    # too)
-    "l2": [("", l2_ahead.AHEAD_METHOD, True, False), ("", l2_ahead.AHEAD_METHOD, True, True)]
-    + [(ahead, method, True, True) for ahead in ("attention", "router")
-       for method in ("bulk", "sectors")],
+    # (the experts' weight loads marked evict_first, the products')
+    "hints": [(experts, products_too) for experts in (False, True)
+              for products_too in (False, True)],
 }
 
 
@@ -100,7 +97,7 @@ def variants(kernels: tuple[str, ...] = tuple(TRIED)) -> list[dict]:
 
 def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> None:
     """Set the kernels' constants to `variant` (grouped's, products', the router's, the
-    decode attention's, `l2_ahead`'s), with a `down` arrival counter that fits it."""
+    decode attention's, `cache_hints`'), with a `down` arrival counter that fits it."""
     (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, up_warps, up_stages) = variant["gate_up"]
     (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, down_warps, down_stages,
      grouped.DOWN_W_FIRST) = variant["down"]
@@ -114,8 +111,7 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
     routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST = variant["router"]
     (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
      decode_attention.SHORT_WARPS) = variant["attention"]
-    (l2_ahead.AHEAD, l2_ahead.AHEAD_METHOD, l2_ahead.EXPERTS_EVICT_FIRST,
-     l2_ahead.PRODUCTS_EVICT_FIRST) = variant["l2"]
+    cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST = variant["hints"]
     experts._sum_arrivals = grouped.sum_arrivals(hidden_size, device)
 
 
@@ -151,12 +147,9 @@ def label(variant: dict) -> str:
     short, rotates, warps = variant["attention"]
     parts.append((f"attention short{' rotating' if rotates else ''} w{warps}") if short
                  else "attention split")
-    ahead, method, experts, products_too = variant["l2"]
+    experts, products_too = variant["hints"]
     marked = ["experts"] * experts + ["products"] * products_too
-    if ahead or marked:
-        parts.append("L2: " + (f"q/k/v ahead from the {ahead} ({method})" if ahead else
-                               "nothing ahead")
-                     + (f", {' and '.join(marked)} evict_first" if marked else ""))
+    parts.append(f"{' and '.join(marked)} evict_first" if marked else "no evict_first")
     return " / ".join(parts)
 
 

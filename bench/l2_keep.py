@@ -13,7 +13,7 @@ layer's product would read it from L2. This probe times the real product kernel
 - kept: after a read of the weight marked evict_last, then `--stream-mib` MiB of other
   reads, marked evict_first ("kept, stream evict_first") or not ("kept, stream plain");
 - prefetched: after the weight was asked into L2 by a few programs, as a latency-bound
-  kernel's programs could ask for the next layer's weight (`strata.engine.l2_ahead`), by one
+  kernel's programs could ask for the next layer's weight, by one
   `prefetch.global.L2::evict_last` a 128-byte line ("lines") or 32-byte sector ("sectors"),
   or one `cp.async.bulk.prefetch.L2` a 16 KiB chunk ("bulk"): then the stream, or at once.
 
@@ -36,14 +36,16 @@ import torch
 
 BLOCK = 4096  # elements a program reads a step
 PREFETCH_PROGRAMS = (16, 64)  # an attention kernel's kv heads; a router kernel's splits
+# The bytes one prefetch instruction asks for: a bulk prefetch's chunk (a multiple of 16), an
+# L2 line, an L2 sector.
+CHUNK_BYTES = {"bulk": 16384, "lines": 128, "sectors": 32}
+STEP = 256  # chunks a program asks for a step: one for each thread of 8 warps
 
 
 def _kernels():
     """(read, prefetch): the probe's Triton kernels, made here (Triton imported only on use)."""
     import triton
     import triton.language as tl
-
-    from strata.engine._l2_triton import ask_into_l2
 
     @triton.jit
     def read(src_ptr, out_ptr, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
@@ -59,10 +61,27 @@ def _kernels():
 
     @triton.jit
     def prefetch(src_ptr, n, CHUNK: tl.constexpr, STEP: tl.constexpr, BULK: tl.constexpr):
-        # The programs ask the n elements' cache lines into L2, marked evict_last, as a
-        # decode kernel's programs do (`strata.engine.l2_ahead`); nothing is loaded into
-        # registers or waited for.
-        ask_into_l2(src_ptr, n, tl.program_id(0), tl.num_programs(0), CHUNK, STEP, BULK)
+        # The programs ask the n elements into L2 in chunks of CHUNK elements, STEP chunks a
+        # step, marked to be evicted last. BULK: one `cp.async.bulk.prefetch.L2` of each
+        # chunk's bytes (sm_90's asynchronous copy unit; nothing past the end); else one
+        # `prefetch.global.L2` of the line or sector at each chunk's start (a chunk being
+        # that line or sector; past the end the last element's line again, a prefetch taking
+        # no mask). Nothing is loaded into registers or waited for.
+        pid, parts = tl.program_id(0), tl.num_programs(0)
+        for start in range(pid * STEP * CHUNK, n, parts * STEP * CHUNK):
+            at = start + tl.arange(0, STEP) * CHUNK  # [STEP]
+            if BULK:
+                size = tl.minimum(tl.maximum(n - at, 0), CHUNK) * 2 // 16 * 16  # bf16 bytes
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred ask; .reg .b64 policy; setp.ne.u32 ask, $2, 0; "
+                    "createpolicy.fractional.L2::evict_last.b64 policy, 1.0; "
+                    "@ask cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, policy; "
+                    "mov.u32 $0, 0; }", "=r,l,r", [src_ptr + at, size.to(tl.int32)],
+                    dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                tl.inline_asm_elementwise(
+                    "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                    [src_ptr + tl.minimum(at, n - 1)], dtype=tl.int32, is_pure=False, pack=1)
 
     return read, prefetch
 
@@ -83,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench/l2_keep.py: needs CUDA (it times the device's L2 cache)")
         return 0
-    from strata.engine import l2_ahead
     from strata.engine.model import products
 
     device = torch.device("cuda")
@@ -101,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def prefetches(tensor, n_programs, method):
         return lambda: prefetch[(n_programs,)](
-            tensor, tensor.numel(), CHUNK=l2_ahead.CHUNK_BYTES[method] // 2,
-            STEP=l2_ahead.CHUNKS_A_STEP, BULK=method == "bulk", num_warps=8)
+            tensor, tensor.numel(), CHUNK=CHUNK_BYTES[method] // 2, STEP=STEP,
+            BULK=method == "bulk", num_warps=8)
 
     before = {
         "cold": [reads(flush)],
@@ -113,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "weight plain, stream evict_first": [reads(flush), reads(weight),
                                              reads(stream, "evict_first")],
     }
-    methods = [(method, n) for method in l2_ahead.CHUNK_BYTES for n in PREFETCH_PROGRAMS]
+    methods = [(method, n) for method in CHUNK_BYTES for n in PREFETCH_PROGRAMS]
     for method, n in methods:
         before[f"prefetched ({method}, {n}), stream evict_first"] = [
             reads(flush), prefetches(weight, n, method), reads(stream, "evict_first")]

@@ -261,7 +261,7 @@ def test_the_compiled_operators_are_made_once():
 
 def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constants(capsys,
                                                                                    monkeypatch):
-    from strata.engine import l2_ahead
+    from strata.engine import cache_hints
     from strata.engine.experts import grouped
     from strata.engine.model import decode_attention, products, routing_ops
     from support.bench_scripts import load_bench
@@ -272,7 +272,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     labels = [bench.label(v) for v in tried]
     assert len(set(labels)) == len(labels)
     assert set(bench.DEFAULT) == {"gate_up", "down", "products", "norm_product", "logits",
-                                  "router", "attention", "l2"}
+                                  "router", "attention", "hints"}
     for variant in tried[1:]:  # exactly one kernel's shape differs from the default
         assert sum(variant[k] != bench.DEFAULT[k] for k in bench.DEFAULT) == 1
     assert bench.CUBLAS in [v["products"] for v in tried]
@@ -289,8 +289,8 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         _sum_arrivals = None
 
     experts = Experts()
-    for switch in ("AHEAD", "AHEAD_METHOD", "EXPERTS_EVICT_FIRST", "PRODUCTS_EVICT_FIRST"):
-        monkeypatch.setattr(l2_ahead, switch, getattr(l2_ahead, switch))  # restored after
+    for switch in ("EXPERTS_EVICT_FIRST", "PRODUCTS_EVICT_FIRST"):
+        monkeypatch.setattr(cache_hints, switch, getattr(cache_hints, switch))  # restored
     try:
         bench.apply({**bench.DEFAULT, "down": (16, 256, 4, 1, True)}, experts, 2048,
                     torch.device("cpu"))
@@ -319,13 +319,13 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         assert (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST) == (16, True)
         assert decode_attention.SHORT_KERNEL and decode_attention.SHORT_ROTATES
         assert decode_attention.SHORT_WARPS == 16
-        l2 = {**bench.DEFAULT, "l2": ("router", "sectors", True, False)}
-        bench.apply(l2, experts, 2048, torch.device("cpu"))
-        assert (l2_ahead.AHEAD, l2_ahead.AHEAD_METHOD, l2_ahead.EXPERTS_EVICT_FIRST,
-                l2_ahead.PRODUCTS_EVICT_FIRST) == ("router", "sectors", True, False)
-        assert bench.label(l2).endswith(
-            "L2: q/k/v ahead from the router (sectors), experts evict_first")
-        assert "L2" not in bench.label(bench.DEFAULT)
+        hints = {**bench.DEFAULT, "hints": (True, False)}
+        bench.apply(hints, experts, 2048, torch.device("cpu"))
+        assert (cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST) == \
+            (True, False)
+        assert bench.label(hints).endswith(" / experts evict_first")
+        assert bench.label({**bench.DEFAULT, "hints": (False, False)}).endswith(
+            " / no evict_first")
     finally:
         (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.DOWN_W_FIRST,
          grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS,

@@ -9,7 +9,7 @@ the tile across its columns once, at the end: one cross-thread reduction a progr
 step (1.5x the bandwidth on the H200, bench/results/grouped-experts-h200-2026-12-01.md). The
 order is fixed, so the sums are deterministic.
 EVICT is the weight loads' `eviction_policy` ("evict_first" where
-`l2_ahead.EXPERTS_EVICT_FIRST`: the experts' lines leave L2 before a weight asked in ahead).
+`cache_hints.EXPERTS_EVICT_FIRST`: read once a round, their lines leave L2 first).
 """
 
 import triton

@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from strata.engine import dependent_launch, l2_ahead
+from strata.engine import cache_hints, dependent_launch
 from strata.engine.experts.activation import silu_and_mul
 
 __all__ = ["copies_weights", "expert_rows", "expert_rows_gathered", "expert_rows_triton",
@@ -154,7 +154,7 @@ def expert_rows_triton(
         launch(kernels.down)[(x_rows.shape[0], -(-d // down_d))](
             down, index, act, y, down.stride(0), down.stride(1), d, f, act.stride(0),
             y.stride(0), BLOCK_D=down_d, BLOCK_F=down_f,
-            EVICT=l2_ahead.experts_eviction(), num_warps=num_warps[1],
+            EVICT=cache_hints.experts_eviction(), num_warps=num_warps[1],
             num_stages=num_stages[1], **options)
     return y
 
@@ -179,7 +179,7 @@ def _gate_up_act(kernels, gate_up, down, index, x_rows, block_f, block_d, num_wa
         launch(kernels.gate_up_act)[(n_rows, -(-f // block_f))](
             gate_up, index, x_rows, act, gate_up.stride(0), gate_up.stride(1), d, f,
             x_rows.stride(0), act.stride(0), BLOCK_F=block_f, BLOCK_D=block_d,
-            EVICT=l2_ahead.experts_eviction(),
+            EVICT=cache_hints.experts_eviction(),
             num_warps=num_warps, num_stages=num_stages, **options)
     return act, y
 
@@ -218,8 +218,8 @@ def expert_sum_triton(gate_up: torch.Tensor, down: torch.Tensor, index: torch.Te
         kernels.down_sum[(n_rows, -(-d // DOWN_BLOCK_D))](
             down, index, act, y, weights, out, arrived, down.stride(0), down.stride(1), d, f,
             act.stride(0), y.stride(0), n_rows, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F,
-            W_FIRST=DOWN_W_FIRST, EVICT=l2_ahead.experts_eviction(), num_warps=NUM_WARPS[1],
-            num_stages=NUM_STAGES[1], **options)
+            W_FIRST=DOWN_W_FIRST, EVICT=cache_hints.experts_eviction(),
+            num_warps=NUM_WARPS[1], num_stages=NUM_STAGES[1], **options)
     else:
         out.zero_()
     return out

@@ -22,7 +22,7 @@ def product_one(w_ptr, x_ptr, b_ptr, out_ptr, N, K, w_stride, HAS_BIAS: tl.const
     # checks that nothing but w is read before it). Summed in float32 across the row in one
     # fixed order (deterministic), the bias added in float32, rounded once: F.linear's
     # arithmetic up to the order of the sum. EVICT: the weight loads' eviction_policy
-    # (`l2_ahead.PRODUCTS_EVICT_FIRST`).
+    # (`cache_hints.PRODUCTS_EVICT_FIRST`).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k = tl.arange(0, BLOCK_K)  # [BK]
     w = tl.load(w_ptr + n[:, None].to(tl.int64) * w_stride + k[None, :],

@@ -41,7 +41,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from strata.engine import dependent_launch, l2_ahead
+from strata.engine import cache_hints, dependent_launch
 from strata.engine.model.op_kernels import NORM_WARPS
 from strata.engine.model.op_kernels import block as _block
 from strata.engine.model.ops import add_rms_norm
@@ -142,7 +142,7 @@ def linear_one_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         _kernels().product_one[(-(-n_out // block_n),)](
             weight, x, bias if bias is not None else weight, out, n_out, k_in,
             weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVICT=l2_ahead.products_eviction(), num_warps=num_warps,
+            EVICT=cache_hints.products_eviction(), num_warps=num_warps,
             **dependent_launch.kernel_options(x.device))
     return out
 
@@ -190,6 +190,6 @@ def add_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor | None,
         x, delta if delta is not None else x, norm_weight, h, weight,
         bias if bias is not None else weight, out, n_out, k_in, eps, weight.stride(0),
         HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVICT=l2_ahead.products_eviction(), num_warps=num_warps,
+        BLOCK_K=block_k, EVICT=cache_hints.products_eviction(), num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return h, out
