@@ -14,7 +14,8 @@ each layer's sum after attention, the MoE's norm and its routing as `add_rms_nor
 `router_route` instead of one kernel (`ops.NORM_ROUTER_KERNEL`), with attention's dense products
 by cuBLAS instead of the kernel that reads its weights before its wait
 (`products.PRODUCT_KERNEL`), with each layer's first norm as `add_rms_norm` before q/k/v's
-product instead of inside its kernel (`products.NORM_PRODUCT_KERNEL`), three changes each
+product instead of inside its kernel (`products.NORM_PRODUCT_KERNEL`), with no weight load
+marked evict_first for L2 (`cache_hints`), three changes each
 switched on (the logits' product by that kernel, `products.LOGITS_KERNEL`; the router's weights
 read before its wait, `routing_ops.ROUTER_WEIGHTS_FIRST`; a short window attended in one program
 a kv head, its cells read before its wait, `decode_attention.SHORT_KERNEL`; the same with the
@@ -54,7 +55,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from _common import add_model_arguments, byte_tokens, checkpoint_for, sync
-from strata.engine import dependent_launch
+from strata.engine import cache_hints, dependent_launch
 from strata.engine.experts import grouped
 from strata.engine.model import decode_attention, ops, products, routing_ops
 from strata.engine.runtime.decode_steps import decode_step
@@ -251,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                               step_of(True), "products"))
                 steps.append(("decode, CUDA graph, the norm then q/k/v's product as two "
                               "kernels", step_of(True), "norm-product"))
+                steps.append(("decode, CUDA graph, no weight load marked evict_first",
+                              step_of(True), "hints"))
                 steps.append(("decode, CUDA graph, the logits by the kernel", step_of(True),
                               "+logits"))
                 steps.append(("decode, CUDA graph, the router's weights read before its wait",
@@ -284,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                 "norm-router": ((ops, "NORM_ROUTER_KERNEL", False),),
                 "products": ((products, "PRODUCT_KERNEL", False),),
                 "norm-product": ((products, "NORM_PRODUCT_KERNEL", False),),
+                "hints": ((cache_hints, "EXPERTS_EVICT_FIRST", False),
+                          (cache_hints, "PRODUCTS_EVICT_FIRST", False)),
                 "+logits": ((products, "LOGITS_KERNEL", True),),
                 "+router-first": ((routing_ops, "ROUTER_WEIGHTS_FIRST", True),),
                 "+short": ((decode_attention, "SHORT_KERNEL", True),),

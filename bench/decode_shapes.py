@@ -19,7 +19,9 @@ in or not, at some warps (`attention`). The last three were staged changes, one 
 them all; the short attention with the rotation is on since
 bench/results/decode-shapes-short-h100-2026-12-05.md. `hints`: the experts' and the
 products' weight loads marked evict_first for L2 or not (`strata.engine.cache_hints`), on
-since bench/results/l2-ahead-h100-2026-12-06.md.
+since bench/results/l2-ahead-h100-2026-12-06.md; `ahead`: the next layer's q/k/v weight asked
+into L2 by the short attention's kernel, the router's, or half by each, its lines marked
+evict_last or not (staged, off).
 
     python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
     python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4 --kernels products
@@ -54,7 +56,8 @@ DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped
            "router": (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST),
            "attention": (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
                          decode_attention.SHORT_WARPS),
-           "hints": (cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST)}
+           "hints": (cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST),
+           "ahead": (cache_hints.AHEAD, cache_hints.AHEAD_EVICT_LAST)}
 CUBLAS = (0, 0)  # the products' "shape" that is F.linear in the kernel's place
 # (block, step, warps, stages) tried for each kernel, the other kept at its default; down's
 # with whether its index and first weight tile are read before its wait (`DOWN_W_FIRST`),
@@ -82,6 +85,8 @@ TRIED = {
     # (the experts' weight loads marked evict_first, the products')
     "hints": [(experts, products_too) for experts in (False, True)
               for products_too in (False, True)],
+    # (the kernel that asks the next q/k/v weight into L2, its lines marked evict_last)
+    "ahead": [("attention", False), ("router", False), ("both", False), ("both", True)],
 }
 
 
@@ -112,6 +117,7 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
     (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
      decode_attention.SHORT_WARPS) = variant["attention"]
     cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST = variant["hints"]
+    cache_hints.AHEAD, cache_hints.AHEAD_EVICT_LAST = variant["ahead"]
     experts._sum_arrivals = grouped.sum_arrivals(hidden_size, device)
 
 
@@ -150,6 +156,11 @@ def label(variant: dict) -> str:
     experts, products_too = variant["hints"]
     marked = ["experts"] * experts + ["products"] * products_too
     parts.append(f"{' and '.join(marked)} evict_first" if marked else "no evict_first")
+    ahead, last = variant["ahead"]
+    if ahead:
+        where = ("half from the attention, half from the router" if ahead == "both"
+                 else f"from the {ahead}")
+        parts.append(f"q/k/v ahead {where}" + (", evict_last" if last else ""))
     return " / ".join(parts)
 
 

@@ -78,13 +78,13 @@
 # kept rates' split, with 2 and 3 streamed through its staging buffer, the requests
 # interleaved; the first run on a machine measures the rates), offload-loan (4: the 4,096-token
 # prefill with the loan's uploads in 1 and in 4 pipelined batches, qwen3 then olmoe),
-# l2-keep (0.5: bench/l2_keep.py, whether a weight read ahead stays in L2 across the
-# experts' reads), decode-shapes (3: bench/decode_shapes.py, the experts' decode kernels'
+# l2-keep (1: bench/l2_keep.py, whether a weight read ahead stays in L2 across the
+# experts' reads; then again with 30 MiB of L2 set aside for lines marked evict_last), decode-shapes (3: bench/decode_shapes.py, the experts' decode kernels'
 # launch shapes timed inside the whole olmoe-1b-7b's decode round; SHAPES_KERNELS=down sweeps
 # one kernel's, SHAPES_KERNELS=products the dense products' kernel's against cuBLAS, SHAPES_KERNELS=norm_product
 # the norm inside q/k/v's product at its tiles against the two kernels,
 # SHAPES_KERNELS=logits,router,attention the staged changes against the default,
-# SHAPES_KERNELS=hints the L2 marks),
+# SHAPES_KERNELS=hints the L2 marks, SHAPES_KERNELS=ahead the next q/k/v weight asked into L2),
 # decode-shapes-others (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to
 # 2), offload-profile (2: olmoe-1b-7b at 4 GiB, --stream-misses 4 with and without prefetch,
 # each decode run profiled: the device's copy engine and compute busy a round, the host's top
@@ -573,8 +573,10 @@ for stage in "$@"; do
                      > "$OUT/profile-decode-$1.txt" 2> "$OUT/profile-decode-$1.err"
                   grep -E "^decode" "$OUT/profile-decode-$1.txt"
               done ;;
-    l2-keep) (cd bench && timeout 120 python3 l2_keep.py --json "$OUT/l2-keep.json") \
-                 > "$OUT/l2-keep.txt" 2>&1; cat "$OUT/l2-keep.txt" ;;
+    l2-keep) (cd bench && timeout 120 python3 l2_keep.py --json "$OUT/l2-keep.json" \
+                 && timeout 120 python3 l2_keep.py --persisting-mib 30 \
+                 --json "$OUT/l2-keep-persisting.json") > "$OUT/l2-keep.txt" 2>&1
+             cat "$OUT/l2-keep.txt" ;;
     decode-shapes) (cd bench && timeout 300 python3 decode_shapes.py --model \
                  "$(olmoe_checkpoint)" --kernels "${SHAPES_KERNELS:-gate_up,down}" \
                  --json "$OUT/decode-shapes.json") \

@@ -13,15 +13,22 @@ layer's product would read it from L2. This probe times the real product kernel
 - kept: after a read of the weight marked evict_last, then `--stream-mib` MiB of other
   reads, marked evict_first ("kept, stream evict_first") or not ("kept, stream plain");
 - prefetched: after the weight was asked into L2 by a few programs, as a latency-bound
-  kernel's programs could ask for the next layer's weight, by one
-  `prefetch.global.L2::evict_last` a 128-byte line ("lines") or 32-byte sector ("sectors"),
-  or one `cp.async.bulk.prefetch.L2` a 16 KiB chunk ("bulk"): then the stream, or at once.
+  kernel's programs could ask for the next layer's weight, by one `prefetch.global.L2` a
+  128-byte line ("lines") or 32-byte sector ("sectors"), or one `cp.async.bulk.prefetch.L2` a
+  16 KiB chunk ("bulk"), with the evict_last hint or without: then the stream, or at once.
+  (Marked evict_last, prefetches brought a third of the weight on an H100,
+  bench/results/l2-ahead-h100-2026-12-06.md; lines marked so may be held to the persisting
+  part of L2, which is empty unless `cudaLimitPersistingL2CacheSize` sets one.)
 
 It also times the stream alone with and without the evict_first mark (whether the mark slows
 the expert reads), and the prefetching kernel alone (how long its programs take to ask). CUDA
 events, the median of `--repeat`, the figures as ratios against cold in the same run.
 
+`--persisting-mib` sets aside that much of L2 for lines marked evict_last first (the
+context's persisting L2 limit, 0 by default): whether the hinted prefetches then stay.
+
     python bench/l2_keep.py --json out.json          # on the GPU machine
+    python bench/l2_keep.py --persisting-mib 30 --json out.json
 """
 
 from __future__ import annotations
@@ -60,11 +67,12 @@ def _kernels():
         tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
     @triton.jit
-    def prefetch(src_ptr, n, CHUNK: tl.constexpr, STEP: tl.constexpr, BULK: tl.constexpr):
+    def prefetch(src_ptr, n, CHUNK: tl.constexpr, STEP: tl.constexpr, BULK: tl.constexpr,
+                 LAST: tl.constexpr):
         # The programs ask the n elements into L2 in chunks of CHUNK elements, STEP chunks a
-        # step, marked to be evicted last. BULK: one `cp.async.bulk.prefetch.L2` of each
-        # chunk's bytes (sm_90's asynchronous copy unit; nothing past the end); else one
-        # `prefetch.global.L2` of the line or sector at each chunk's start (a chunk being
+        # step, marked to be evicted last where LAST. BULK: one `cp.async.bulk.prefetch.L2`
+        # of each chunk's bytes (sm_90's asynchronous copy unit; nothing past the end); else
+        # one `prefetch.global.L2` of the line or sector at each chunk's start (a chunk being
         # that line or sector; past the end the last element's line again, a prefetch taking
         # no mask). Nothing is loaded into registers or waited for.
         pid, parts = tl.program_id(0), tl.num_programs(0)
@@ -72,15 +80,27 @@ def _kernels():
             at = start + tl.arange(0, STEP) * CHUNK  # [STEP]
             if BULK:
                 size = tl.minimum(tl.maximum(n - at, 0), CHUNK) * 2 // 16 * 16  # bf16 bytes
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred ask; .reg .b64 policy; setp.ne.u32 ask, $2, 0; "
-                    "createpolicy.fractional.L2::evict_last.b64 policy, 1.0; "
-                    "@ask cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, policy; "
-                    "mov.u32 $0, 0; }", "=r,l,r", [src_ptr + at, size.to(tl.int32)],
-                    dtype=tl.int32, is_pure=False, pack=1)
-            else:
+                if LAST:
+                    tl.inline_asm_elementwise(
+                        "{ .reg .pred ask; .reg .b64 policy; setp.ne.u32 ask, $2, 0; "
+                        "createpolicy.fractional.L2::evict_last.b64 policy, 1.0; "
+                        "@ask cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, "
+                        "policy; mov.u32 $0, 0; }", "=r,l,r",
+                        [src_ptr + at, size.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                        pack=1)
+                else:
+                    tl.inline_asm_elementwise(
+                        "{ .reg .pred ask; setp.ne.u32 ask, $2, 0; "
+                        "@ask cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                        "=r,l,r", [src_ptr + at, size.to(tl.int32)], dtype=tl.int32,
+                        is_pure=False, pack=1)
+            elif LAST:
                 tl.inline_asm_elementwise(
                     "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                    [src_ptr + tl.minimum(at, n - 1)], dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                tl.inline_asm_elementwise(
+                    "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
                     [src_ptr + tl.minimum(at, n - 1)], dtype=tl.int32, is_pure=False, pack=1)
 
     return read, prefetch
@@ -93,8 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-mib", type=int, default=100)
     parser.add_argument("--flush-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--persisting-mib", type=int, default=0,
+                        help="set aside this much of L2 for lines marked evict_last (the "
+                        "context's persisting L2 limit) before timing; 0 leaves it as is")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
+    if args.persisting_mib < 0:
+        parser.error(f"--persisting-mib must be at least 0, got {args.persisting_mib}")
     for flag in ("rows", "cols", "stream_mib", "flush_mib", "repeat"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got "
@@ -105,6 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     from strata.engine.model import products
 
     device = torch.device("cuda")
+    torch.cuda.init()  # the primary context the limit is set on
+    if args.persisting_mib:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuCtxSetLimit(driver.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE,
+                                      args.persisting_mib << 20)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            print(f"bench/l2_keep.py: setting aside {args.persisting_mib} MiB of L2 failed: {err}")
+            return 1
     read, prefetch = _kernels()
     programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     sums = torch.empty(programs, dtype=torch.float32, device=device)
@@ -117,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         return lambda: read[(programs,)](tensor, sums, tensor.numel(), BLOCK=BLOCK,
                                          EVICT=evict)
 
-    def prefetches(tensor, n_programs, method):
+    def prefetches(tensor, n_programs, method, last):
         return lambda: prefetch[(n_programs,)](
             tensor, tensor.numel(), CHUNK=CHUNK_BYTES[method] // 2, STEP=STEP,
-            BULK=method == "bulk", num_warps=8)
+            BULK=method == "bulk", LAST=last, num_warps=8)
 
     before = {
         "cold": [reads(flush)],
@@ -131,17 +165,22 @@ def main(argv: list[str] | None = None) -> int:
         "weight plain, stream evict_first": [reads(flush), reads(weight),
                                              reads(stream, "evict_first")],
     }
-    methods = [(method, n) for method in CHUNK_BYTES for n in PREFETCH_PROGRAMS]
-    for method, n in methods:
-        before[f"prefetched ({method}, {n}), stream evict_first"] = [
-            reads(flush), prefetches(weight, n, method), reads(stream, "evict_first")]
-        before[f"prefetched ({method}, {n}), at once"] = [reads(flush),
-                                                          prefetches(weight, n, method)]
+    methods = [(method, last, n) for method in CHUNK_BYTES for last in (True, False)
+               for n in PREFETCH_PROGRAMS]
+
+    def named(method, last, n):
+        return f"{method}{' evict_last' if last else ''}, {n}"
+
+    for method, last, n in methods:
+        asks = prefetches(weight, n, method, last)
+        before[f"prefetched ({named(method, last, n)}), stream evict_first"] = [
+            reads(flush), asks, reads(stream, "evict_first")]
+        before[f"prefetched ({named(method, last, n)}), at once"] = [reads(flush), asks]
     timed = {name: (steps, lambda: products.linear(x, weight, None))
              for name, steps in before.items()}
-    for method, n in methods:
-        timed[f"prefetch alone ({method}, {n})"] = ([reads(flush)],
-                                                    prefetches(weight, n, method))
+    for method, last, n in methods:
+        timed[f"prefetch alone ({named(method, last, n)})"] = (
+            [reads(flush)], prefetches(weight, n, method, last))
     timed["stream plain"] = ([reads(flush)], reads(stream))
     timed["stream evict_first"] = ([reads(flush)], reads(stream, "evict_first"))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -165,11 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         moved = stream.numel() * 2 if name.startswith("stream") else weight_bytes
         rows.append({"case": name, "us": value, "x_base": base / value,
                      "gb_s": moved / value / 1e3})
-        print(f"{name:<44} {value:8.2f} us  {base / value:5.2f}x  {moved / value / 1e3:7.0f} "
+        print(f"{name:<56} {value:8.2f} us  {base / value:5.2f}x  {moved / value / 1e3:7.0f} "
               f"GB/s")
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "date": datetime.date.today().isoformat(), "weight": [args.rows, args.cols],
             "stream_mib": args.stream_mib, "flush_mib": args.flush_mib,
+            "persisting_mib": args.persisting_mib,
             "repeat": args.repeat}
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -272,7 +272,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     labels = [bench.label(v) for v in tried]
     assert len(set(labels)) == len(labels)
     assert set(bench.DEFAULT) == {"gate_up", "down", "products", "norm_product", "logits",
-                                  "router", "attention", "hints"}
+                                  "router", "attention", "hints", "ahead"}
     for variant in tried[1:]:  # exactly one kernel's shape differs from the default
         assert sum(variant[k] != bench.DEFAULT[k] for k in bench.DEFAULT) == 1
     assert bench.CUBLAS in [v["products"] for v in tried]
@@ -289,7 +289,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         _sum_arrivals = None
 
     experts = Experts()
-    for switch in ("EXPERTS_EVICT_FIRST", "PRODUCTS_EVICT_FIRST"):
+    for switch in ("EXPERTS_EVICT_FIRST", "PRODUCTS_EVICT_FIRST", "AHEAD", "AHEAD_EVICT_LAST"):
         monkeypatch.setattr(cache_hints, switch, getattr(cache_hints, switch))  # restored
     try:
         bench.apply({**bench.DEFAULT, "down": (16, 256, 4, 1, True)}, experts, 2048,
@@ -326,6 +326,11 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         assert bench.label(hints).endswith(" / experts evict_first")
         assert bench.label({**bench.DEFAULT, "hints": (False, False)}).endswith(
             " / no evict_first")
+        ahead = {**bench.DEFAULT, "ahead": ("both", True)}
+        bench.apply(ahead, experts, 2048, torch.device("cpu"))
+        assert (cache_hints.AHEAD, cache_hints.AHEAD_EVICT_LAST) == ("both", True)
+        assert bench.label(ahead).endswith(
+            " / q/k/v ahead half from the attention, half from the router, evict_last")
     finally:
         (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.DOWN_W_FIRST,
          grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS,

@@ -318,15 +318,21 @@ def test_the_l2_probe_marks_its_reads_for_the_cache_and_needs_cuda(capsys):
                                  {"out_ptr": "*fp32"}).asm["ptx"]
         assert mark in ptx and ("cache_hint" in ptx) == bool(evict)
     # The prefetch's instruction survives though its dummy result is never used.
-    for bulk, mark in ((False, "prefetch.global.L2::evict_last"),
-                       (True, "cp.async.bulk.prefetch.L2.global.L2::cache_hint")):
-        ptx = compile_for_hopper(prefetch, {"CHUNK": 64, "STEP": 256, "BULK": bulk},
-                                 num_warps=8).asm["ptx"]
+    for bulk, last, mark in ((False, True, "prefetch.global.L2::evict_last"),
+                             (False, False, "prefetch.global.L2 "),
+                             (True, True, "cp.async.bulk.prefetch.L2.global.L2::cache_hint"),
+                             (True, False, "cp.async.bulk.prefetch.L2.global [")):
+        ptx = compile_for_hopper(prefetch, {"CHUNK": 64, "STEP": 256, "BULK": bulk,
+                                            "LAST": last}, num_warps=8).asm["ptx"]
         assert ptx.count(mark) >= 1 and "ld.global" not in ptx
+        assert ("evict_last" in ptx) == last
     if torch.cuda.is_available():
         pytest.skip("the probe itself runs on the GPU machine (bench/gpu_session.sh l2-keep)")
     with pytest.raises(SystemExit):
         bench.main(["--stream-mib", "0"])
     assert "--stream-mib must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--persisting-mib", "-1"])
+    assert "--persisting-mib must be at least 0, got -1" in capsys.readouterr().err
     assert bench.main([]) == 0
     assert "needs CUDA" in capsys.readouterr().out
