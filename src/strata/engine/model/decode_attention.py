@@ -269,8 +269,8 @@ def rotate_attend(qkv: torch.Tensor, heads: ops.QKHeads, cos: torch.Tensor, sin:
     """`ops.rotate_and_write` of one token's projection qkv [1, (H+2G)*Dh] (its k and v stored
     at positions [1]), then `attend_one` over cells [0, n_ctx) with `mask` [1, n_ctx] or None
     -> [1, H*Dh], as one kernel. Only where `rotates` holds. `ahead`: the weight the kernel
-    asks into L2 where `cache_hints.AHEAD` is "attention" (the next layer's q/k/v weight), or
-    None."""
+    asks into L2 (or its first half) where `cache_hints.AHEAD` is "attention" (or "both"): the
+    next layer's q/k/v weight, or None."""
     if not rotates(qkv, heads, cells, n_ctx, positions):
         raise ValueError(
             "rotate_attend takes one token's qkv [1, (H+2G)*Dh] whose rotation writes the cells "

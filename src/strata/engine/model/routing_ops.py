@@ -141,8 +141,8 @@ def add_norm_router_route_triton(
     `block_d`, `num_warps`: its arguments); at its own default of ROUTER_WARPS the last
     program sums the splits' parts in another order, so a logit can round the other way.
 
-    `ahead`: the weight the programs ask into L2 where `cache_hints.AHEAD` is "router" (the
-    next layer's q/k/v weight), or None."""
+    `ahead`: the weight the programs ask into L2 (or its second half) where
+    `cache_hints.AHEAD` is "router" (or "both"): the next layer's q/k/v weight, or None."""
     n_tokens, d = x.shape
     n_experts = router.shape[0]
     _check_router("add_norm_router_route_triton", x, router)
