@@ -38,6 +38,30 @@ def host_read_bytes_per_s(mib: int, repeat: int = 5) -> float:
     return buffer.numel() * 4 / min(times)
 
 
+def set_persisting_l2(mib: int) -> str | None:
+    """Set aside `mib` MiB of the current CUDA device's L2 cache for lines marked evict_last
+    (the context's persisting L2 limit, 0 by default; the driver rounds it to what the device
+    allows): None, or the driver's error as text."""
+    from cuda.bindings import driver
+
+    torch.cuda.init()  # the primary context the limit is set on
+    (err,) = driver.cuCtxSetLimit(driver.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, mib << 20)
+    return None if err == driver.CUresult.CUDA_SUCCESS else str(err)
+
+
+def add_persisting_argument(parser: argparse.ArgumentParser) -> None:
+    """`--persisting-mib`: `set_persisting_l2` before timing (0: leave the limit as it is)."""
+    parser.add_argument("--persisting-mib", type=int, default=0,
+                        help="set aside this much of L2 for lines marked evict_last (the "
+                        "context's persisting L2 limit) before timing; 0 leaves it as is")
+
+
+def check_persisting_argument(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse a negative `--persisting-mib` by name."""
+    if args.persisting_mib < 0:
+        parser.error(f"--persisting-mib must be at least 0, got {args.persisting_mib}")
+
+
 def mem_available_bytes() -> int:
     """The host's MemAvailable (/proc/meminfo): what an allocation took is its drop across it
     (torch's pinned blocks are rounded up to powers of two; `host_blobs`' are not)."""

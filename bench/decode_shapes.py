@@ -23,6 +23,9 @@ since bench/results/l2-ahead-h100-2026-12-06.md; `ahead`: the next layer's q/k/v
 into L2 by the short attention's kernel, the router's, or half by each, its lines marked
 evict_last or not (staged, off).
 
+`--persisting-mib` sets aside that much of L2 for lines marked evict_last first (for the
+`ahead` variants' evict_last rows).
+
     python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
     python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4 --kernels products
 """
@@ -39,7 +42,13 @@ from pathlib import Path
 
 import torch
 
-from _common import add_model_arguments, checkpoint_for
+from _common import (
+    add_model_arguments,
+    add_persisting_argument,
+    check_persisting_argument,
+    checkpoint_for,
+    set_persisting_l2,
+)
 from strata.engine import cache_hints
 from strata.engine.experts import grouped
 from strata.engine.model import decode_attention, products, routing_ops
@@ -173,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default=",".join(TRIED),
                         help=f"comma-separated kernels whose shapes to sweep (default "
                         f"{','.join(TRIED)})")
+    add_persisting_argument(parser)
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = parser.parse_args(argv)
+    check_persisting_argument(parser, args)
     kernels = tuple(k for k in args.kernels.split(",") if k)
     if not set(kernels) <= set(TRIED):
         parser.error(f"--kernels takes {', '.join(TRIED)}, got {args.kernels}")
@@ -182,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cuda" or grouped.copies_weights(device):
         print("bench/decode_shapes.py: needs CUDA with Triton (the kernels' shapes are timed)")
         return 0
+    failed = args.persisting_mib and set_persisting_l2(args.persisting_mib)
+    if failed:
+        print(f"bench/decode_shapes.py: setting aside {args.persisting_mib} MiB of L2 failed: "
+              f"{failed}")
+        return 1
     tried = variants(kernels)
     ms = {label(v): [] for v in tried}
     with tempfile.TemporaryDirectory() as tmp:
@@ -217,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": args.model or args.preset, "layers": model.config.n_layers,
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "date": datetime.date.today().isoformat(), "position": args.position,
+            "persisting_mib": args.persisting_mib,
             "default": label(DEFAULT), "default_ms": default_ms}
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from _common import add_persisting_argument, check_persisting_argument, set_persisting_l2
+
 BLOCK = 4096  # elements a program reads a step
 PREFETCH_PROGRAMS = (16, 64)  # an attention kernel's kv heads; a router kernel's splits
 # The bytes one prefetch instruction asks for: a bulk prefetch's chunk (a multiple of 16), an
@@ -113,13 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-mib", type=int, default=100)
     parser.add_argument("--flush-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--persisting-mib", type=int, default=0,
-                        help="set aside this much of L2 for lines marked evict_last (the "
-                        "context's persisting L2 limit) before timing; 0 leaves it as is")
+    add_persisting_argument(parser)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
-    if args.persisting_mib < 0:
-        parser.error(f"--persisting-mib must be at least 0, got {args.persisting_mib}")
+    check_persisting_argument(parser, args)
     for flag in ("rows", "cols", "stream_mib", "flush_mib", "repeat"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got "
@@ -130,15 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     from strata.engine.model import products
 
     device = torch.device("cuda")
-    torch.cuda.init()  # the primary context the limit is set on
-    if args.persisting_mib:
-        from cuda.bindings import driver
-
-        (err,) = driver.cuCtxSetLimit(driver.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE,
-                                      args.persisting_mib << 20)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            print(f"bench/l2_keep.py: setting aside {args.persisting_mib} MiB of L2 failed: {err}")
-            return 1
+    failed = args.persisting_mib and set_persisting_l2(args.persisting_mib)
+    if failed:
+        print(f"bench/l2_keep.py: setting aside {args.persisting_mib} MiB of L2 failed: {failed}")
+        return 1
     read, prefetch = _kernels()
     programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     sums = torch.empty(programs, dtype=torch.float32, device=device)

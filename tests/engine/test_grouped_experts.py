@@ -342,5 +342,8 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
          decode_attention.SHORT_WARPS) = saved
     if torch.cuda.is_available():
         return
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--persisting-mib", "-2"])
+    assert "--persisting-mib must be at least 0, got -2" in capsys.readouterr().err
     assert bench.main(["--device", "cpu"]) == 0
     assert "needs CUDA" in capsys.readouterr().out
