@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["AHEAD", "AHEAD_EVICT_LAST", "AHEAD_KERNELS", "EXPERTS_EVICT_FIRST",
-           "PRODUCTS_EVICT_FIRST", "ahead_options", "experts_eviction", "products_eviction"]
+__all__ = ["AHEAD", "AHEAD_EVICT_LAST", "AHEAD_KERNELS", "EXPERTS_EVICT_FIRST", "LINES_A_STEP",
+           "LINE_BYTES", "PRODUCTS_EVICT_FIRST", "ahead_options", "experts_eviction",
+           "products_eviction"]
 
 EXPERTS_EVICT_FIRST = True
 PRODUCTS_EVICT_FIRST = True
