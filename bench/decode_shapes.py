@@ -21,7 +21,8 @@ bench/results/decode-shapes-short-h100-2026-12-05.md. `hints`: the experts' and 
 products' weight loads marked evict_first for L2 or not (`strata.engine.cache_hints`), on
 since bench/results/l2-ahead-h100-2026-12-06.md; `ahead`: the next layer's q/k/v weight asked
 into L2 by the short attention's kernel, the router's, or half by each, its lines marked
-evict_last or not (staged, off).
+evict_last or not (staged, off); `one_kernel`: gate_up's and down's programs in one launch, a
+row's down blocks waiting for that row's act only (`grouped.ONE_KERNEL`, staged, off).
 
 `--persisting-mib` sets aside that much of L2 for lines marked evict_last first (for the
 `ahead` variants' evict_last rows).
@@ -66,7 +67,8 @@ DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped
            "attention": (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
                          decode_attention.SHORT_WARPS),
            "hints": (cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST),
-           "ahead": (cache_hints.AHEAD, cache_hints.AHEAD_EVICT_LAST)}
+           "ahead": (cache_hints.AHEAD, cache_hints.AHEAD_EVICT_LAST),
+           "one_kernel": (grouped.ONE_KERNEL, grouped.ONE_KERNEL and grouped.DOWN_W_FIRST)}
 CUBLAS = (0, 0)  # the products' "shape" that is F.linear in the kernel's place
 # (block, step, warps, stages) tried for each kernel, the other kept at its default; down's
 # with whether its index and first weight tile are read before its wait (`DOWN_W_FIRST`),
@@ -96,6 +98,9 @@ TRIED = {
               for products_too in (False, True)],
     # (the kernel that asks the next q/k/v weight into L2, its lines marked evict_last)
     "ahead": [("attention", False), ("router", False), ("both", False), ("both", True)],
+    # (gate_up's and down's programs in one launch (`grouped.ONE_KERNEL`), down's first weight
+    # tile read before its row's wait (`DOWN_W_FIRST` in that kernel)), or two kernels
+    "one_kernel": [(False, False), (True, False), (True, True)],
 }
 
 
@@ -127,6 +132,8 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
      decode_attention.SHORT_WARPS) = variant["attention"]
     cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST = variant["hints"]
     cache_hints.AHEAD, cache_hints.AHEAD_EVICT_LAST = variant["ahead"]
+    grouped.ONE_KERNEL, w_first = variant["one_kernel"]
+    grouped.DOWN_W_FIRST = grouped.DOWN_W_FIRST or w_first
     experts._sum_arrivals = grouped.sum_arrivals(hidden_size, device)
 
 
@@ -170,6 +177,10 @@ def label(variant: dict) -> str:
         where = ("half from the attention, half from the router" if ahead == "both"
                  else f"from the {ahead}")
         parts.append(f"q/k/v ahead {where}" + (", evict_last" if last else ""))
+    one, w_first = variant["one_kernel"]
+    if one:
+        parts.append("gate_up and down in one kernel" + (", down's first tile before its wait"
+                                                         if w_first else ""))
     return " / ".join(parts)
 
 
