@@ -19,13 +19,9 @@ in or not, at some warps (`attention`). The last three were staged changes, one 
 them all; the short attention with the rotation is on since
 bench/results/decode-shapes-short-h100-2026-12-05.md. `hints`: the experts' and the
 products' weight loads marked evict_first for L2 or not (`strata.engine.cache_hints`), on
-since bench/results/l2-ahead-h100-2026-12-06.md; `ahead`: the next layer's q/k/v weight asked
-into L2 by the short attention's kernel, the router's, or half by each, its lines marked
-evict_last or not (staged, off); `one_kernel`: gate_up's and down's programs in one launch, a
-row's down blocks waiting for that row's act only (`grouped.ONE_KERNEL`, staged, off).
-
-`--persisting-mib` sets aside that much of L2 for lines marked evict_last first (for the
-`ahead` variants' evict_last rows).
+since bench/results/l2-ahead-h100-2026-12-06.md. (Asking the next layer's q/k/v weight into
+L2 from the short attention's or the router's kernel, and gate_up and down as one kernel, were
+timed here too and taken out: bench/results/one-kernel-ahead-h100-2026-12-06.md.)
 
     python bench/decode_shapes.py --model /tmp/strata-olmoe-1b-7b --json out.json   # the GPU
     python bench/decode_shapes.py --preset qwen3-30b-a3b --layers 4 --kernels products
@@ -43,13 +39,7 @@ from pathlib import Path
 
 import torch
 
-from _common import (
-    add_model_arguments,
-    add_persisting_argument,
-    check_persisting_argument,
-    checkpoint_for,
-    set_persisting_l2,
-)
+from _common import add_model_arguments, checkpoint_for
 from strata.engine import cache_hints
 from strata.engine.experts import grouped
 from strata.engine.model import decode_attention, products, routing_ops
@@ -66,9 +56,7 @@ DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped
            "router": (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST),
            "attention": (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
                          decode_attention.SHORT_WARPS),
-           "hints": (cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST),
-           "ahead": (cache_hints.AHEAD, cache_hints.AHEAD_EVICT_LAST),
-           "one_kernel": (grouped.ONE_KERNEL, grouped.ONE_KERNEL and grouped.DOWN_W_FIRST)}
+           "hints": (cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST)}
 CUBLAS = (0, 0)  # the products' "shape" that is F.linear in the kernel's place
 # (block, step, warps, stages) tried for each kernel, the other kept at its default; down's
 # with whether its index and first weight tile are read before its wait (`DOWN_W_FIRST`),
@@ -96,11 +84,6 @@ TRIED = {
     # (the experts' weight loads marked evict_first, the products')
     "hints": [(experts, products_too) for experts in (False, True)
               for products_too in (False, True)],
-    # (the kernel that asks the next q/k/v weight into L2, its lines marked evict_last)
-    "ahead": [("attention", False), ("router", False), ("both", False), ("both", True)],
-    # (gate_up's and down's programs in one launch (`grouped.ONE_KERNEL`), down's first weight
-    # tile read before its row's wait (`DOWN_W_FIRST` in that kernel)), or two kernels
-    "one_kernel": [(False, False), (True, False), (True, True)],
 }
 
 
@@ -131,9 +114,6 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
     (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
      decode_attention.SHORT_WARPS) = variant["attention"]
     cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST = variant["hints"]
-    cache_hints.AHEAD, cache_hints.AHEAD_EVICT_LAST = variant["ahead"]
-    grouped.ONE_KERNEL, w_first = variant["one_kernel"]
-    grouped.DOWN_W_FIRST = grouped.DOWN_W_FIRST or w_first
     experts._sum_arrivals = grouped.sum_arrivals(hidden_size, device)
 
 
@@ -172,15 +152,6 @@ def label(variant: dict) -> str:
     experts, products_too = variant["hints"]
     marked = ["experts"] * experts + ["products"] * products_too
     parts.append(f"{' and '.join(marked)} evict_first" if marked else "no evict_first")
-    ahead, last = variant["ahead"]
-    if ahead:
-        where = ("half from the attention, half from the router" if ahead == "both"
-                 else f"from the {ahead}")
-        parts.append(f"q/k/v ahead {where}" + (", evict_last" if last else ""))
-    one, w_first = variant["one_kernel"]
-    if one:
-        parts.append("gate_up and down in one kernel" + (", down's first tile before its wait"
-                                                         if w_first else ""))
     return " / ".join(parts)
 
 
@@ -193,10 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default=",".join(TRIED),
                         help=f"comma-separated kernels whose shapes to sweep (default "
                         f"{','.join(TRIED)})")
-    add_persisting_argument(parser)
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = parser.parse_args(argv)
-    check_persisting_argument(parser, args)
     kernels = tuple(k for k in args.kernels.split(",") if k)
     if not set(kernels) <= set(TRIED):
         parser.error(f"--kernels takes {', '.join(TRIED)}, got {args.kernels}")
@@ -204,11 +173,6 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cuda" or grouped.copies_weights(device):
         print("bench/decode_shapes.py: needs CUDA with Triton (the kernels' shapes are timed)")
         return 0
-    failed = args.persisting_mib and set_persisting_l2(args.persisting_mib)
-    if failed:
-        print(f"bench/decode_shapes.py: setting aside {args.persisting_mib} MiB of L2 failed: "
-              f"{failed}")
-        return 1
     tried = variants(kernels)
     ms = {label(v): [] for v in tried}
     with tempfile.TemporaryDirectory() as tmp:
@@ -244,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": args.model or args.preset, "layers": model.config.n_layers,
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "date": datetime.date.today().isoformat(), "position": args.position,
-            "persisting_mib": args.persisting_mib,
             "default": label(DEFAULT), "default_ms": default_ms}
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

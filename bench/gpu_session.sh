@@ -84,8 +84,7 @@
 # one kernel's, SHAPES_KERNELS=products the dense products' kernel's against cuBLAS, SHAPES_KERNELS=norm_product
 # the norm inside q/k/v's product at its tiles against the two kernels,
 # SHAPES_KERNELS=logits,router,attention the staged changes against the default,
-# SHAPES_KERNELS=hints the L2 marks, SHAPES_KERNELS=ahead the next q/k/v weight asked into L2;
-# SHAPES_ARGS more of its flags, e.g. --persisting-mib 30),
+# SHAPES_KERNELS=hints the L2 marks; SHAPES_ARGS more of its flags, e.g. --position 1024),
 # decode-shapes-others (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to
 # 2), offload-profile (2: olmoe-1b-7b at 4 GiB, --stream-misses 4 with and without prefetch,
 # each decode run profiled: the device's copy engine and compute busy a round, the host's top

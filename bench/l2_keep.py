@@ -56,8 +56,6 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    from strata.engine._cache_hints_triton import ask_into_l2
-
     @triton.jit
     def read(src_ptr, out_ptr, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
         # Program p reads every BLOCK-th block from p on, marked EVICT, and stores a sum (so
@@ -80,11 +78,9 @@ def _kernels():
         # that line or sector; past the end the last element's line again, a prefetch taking
         # no mask). Nothing is loaded into registers or waited for.
         pid, parts = tl.program_id(0), tl.num_programs(0)
-        if not BULK:  # the engine's own (`cache_hints.AHEAD`), a line or sector a chunk
-            ask_into_l2(src_ptr, n, pid, parts, CHUNK, STEP, LAST)
-        else:
-            for start in range(pid * STEP * CHUNK, n, parts * STEP * CHUNK):
-                at = start + tl.arange(0, STEP) * CHUNK  # [STEP]
+        for start in range(pid * STEP * CHUNK, n, parts * STEP * CHUNK):
+            at = start + tl.arange(0, STEP) * CHUNK  # [STEP]
+            if BULK:
                 size = tl.minimum(tl.maximum(n - at, 0), CHUNK) * 2 // 16 * 16  # bf16 bytes
                 if LAST:
                     tl.inline_asm_elementwise(
@@ -100,6 +96,14 @@ def _kernels():
                         "@ask cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
                         "=r,l,r", [src_ptr + at, size.to(tl.int32)], dtype=tl.int32,
                         is_pure=False, pack=1)
+            elif LAST:
+                tl.inline_asm_elementwise(
+                    "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                    [src_ptr + tl.minimum(at, n - 1)], dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                tl.inline_asm_elementwise(
+                    "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                    [src_ptr + tl.minimum(at, n - 1)], dtype=tl.int32, is_pure=False, pack=1)
 
     return read, prefetch
 

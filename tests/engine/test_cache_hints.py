@@ -1,11 +1,8 @@
 """`strata.engine.cache_hints`: the switches, the marks they put on the compiled kernels'
-weight loads, the launch options that ask a weight into L2 and where the compiled kernels ask,
-the model's links from layer to layer, and (on CUDA) a decode step's same bytes whichever
+weight loads, the launches that pass them, and (on CUDA) a decode step's same bytes whichever
 switch is on."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
@@ -93,56 +90,6 @@ def test_the_launches_pass_the_switches_to_the_kernels(monkeypatch):
                         ("add_norm", product_mark)]
 
 
-def test_nothing_is_asked_for_unless_the_switch_names_the_kernel_on_cuda(monkeypatch):
-    like, weight = torch.zeros(4), torch.zeros(8, 4)
-    nothing = {"ahead_ptr": like, "ahead_n": 0, "AHEAD_LINE": 0,
-               "AHEAD_STEP": cache_hints.LINES_A_STEP, "AHEAD_LAST": False}
-    assert cache_hints.AHEAD == "" and cache_hints.ahead_options("router", weight, like) == nothing
-    for ahead in ("router", "both"):
-        monkeypatch.setattr(cache_hints, "AHEAD", ahead)
-        assert cache_hints.ahead_options("attention" if ahead == "router" else "router",
-                                         None, like) == nothing
-        assert cache_hints.ahead_options("router", weight, like) == nothing  # the CPU
-    monkeypatch.setattr(cache_hints, "AHEAD", "experts")
-    with pytest.raises(ValueError, match=r"cache_hints.AHEAD must be one of \('', 'attention', "
-                                         r"'router', 'both'\), got 'experts'"):
-        cache_hints.ahead_options("router", weight, like)
-
-
-def test_each_layer_holds_the_next_layers_qkv_weight_and_the_last_none():
-    model = load_model(cached_checkpoint("olmoe", "small", dtype=torch.float32))
-    layers = model.layers
-    assert len(layers) > 2
-    assert all(layer.ahead is after.attn.wqkv for layer, after in itertools.pairwise(layers))
-    assert layers[-1].ahead is None
-
-
-@pytest.mark.parametrize("line, last", [(0, False), (64, False), (64, True)])
-def test_compiled_for_hopper_the_attention_and_router_ask_after_their_wait(line, last):
-    """AHEAD_LINE > 0: the short attention's and the router's programs ask for lines (one a
-    thread a step, marked evict_last where AHEAD_LAST) after their wait, and load none of
-    them; 0: the kernels have no prefetch."""
-    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
-    from strata.engine.model import _attention_triton, _ops_triton
-
-    attention = compile_for_hopper(
-        _attention_triton.rotate_attend_short,
-        {"NORM": 2, "HAS_MASK": False, "BLOCK_C": 64, "BLOCK_R": 16, "BLOCK_P": 16,
-         "HEAD_DIM": 128, "VALUES_FIRST": True, "AHEAD_LINE": line, "AHEAD_LAST": last},
-        {}, num_warps=8).asm["ptx"]
-    router = compile_for_hopper(
-        _ops_triton.add_norm_router_route,
-        {"HAS_DELTA": True, "NORMALIZE": False, "SPLITS": 64, "BLOCK_ROW": 2048, "BLOCK_D": 32,
-         "BLOCK_E": 64, "BLOCK_K": 8, "AHEAD_LINE": line, "AHEAD_LAST": last},
-        {"partial_ptr": "*fp32", "arrived_ptr": "*i32", "ids_ptr": "*i64",
-         "weights_ptr": "*fp32", "eps": "fp32"}, num_warps=8).asm["ptx"]
-    for ptx in (attention, router):
-        before, _, after = ptx.partition("griddepcontrol.wait")
-        assert "prefetch.global" not in before
-        assert after.count("prefetch.global.L2") == (1 if line else 0)  # in the loop
-        assert ("prefetch.global.L2::evict_last" in after) == (line > 0 and last)
-
-
 def _decode_logits(model, steps: int = 3) -> torch.Tensor:
     """A prompt of 5 tokens, then `steps` one-token steps: their logits [steps, V]."""
     with new_kv(model, 32) as kv:
@@ -152,34 +99,14 @@ def _decode_logits(model, steps: int = 3) -> torch.Tensor:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("ahead", ["attention", "router", "both"])
-def test_on_cuda_the_switches_change_no_byte_and_the_weight_is_asked_for(monkeypatch, ahead):
-    """Decode steps through the marked kernels give the bytes of the unmarked ones; with AHEAD
-    on too, every one-token layer but the last asks for the next layer's q/k/v weight (or
-    its halves) from the kernels AHEAD names, and the bytes are still the same."""
+def test_on_cuda_the_marks_change_no_byte():
+    """Decode steps through the marked kernels give the bytes of the unmarked ones."""
     model = load_model(cached_checkpoint("olmoe", "small", dtype=torch.bfloat16),
                        device="cuda", dtype=torch.bfloat16)
     marked = _decode_logits(model)
-    asked = []
-    options = cache_hints.ahead_options
-
-    def recorded(kernel, weight, like):
-        got = options(kernel, weight, like)
-        if got["ahead_n"]:
-            asked.append((kernel, got["ahead_ptr"].data_ptr(), got["ahead_n"]))
-        return got
-
-    monkeypatch.setattr(cache_hints, "ahead_options", recorded)
-    monkeypatch.setattr(cache_hints, "AHEAD", ahead)
-    assert torch.equal(_decode_logits(model), marked)
-    expected = []
-    for weight in (layer.attn.wqkv for layer in model.layers[1:]):
-        ptr, n, size = weight.data_ptr(), weight.numel(), weight.element_size()
-        expected += {"attention": [("attention", ptr, n)], "router": [("router", ptr, n)],
-                     "both": [("attention", ptr, n // 2),
-                              ("router", ptr + n // 2 * size, n - n // 2)]}[ahead]
-    assert asked == expected * 3
-    monkeypatch.setattr(cache_hints, "AHEAD", "")
-    monkeypatch.setattr(cache_hints, "EXPERTS_EVICT_FIRST", False)
-    monkeypatch.setattr(cache_hints, "PRODUCTS_EVICT_FIRST", False)
-    assert torch.equal(_decode_logits(model), marked)
+    for experts, products_too in ((False, True), (True, False), (False, False)):
+        cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST = experts, products_too
+        try:
+            assert torch.equal(_decode_logits(model), marked), (experts, products_too)
+        finally:
+            cache_hints.EXPERTS_EVICT_FIRST = cache_hints.PRODUCTS_EVICT_FIRST = True

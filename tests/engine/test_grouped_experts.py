@@ -106,9 +106,9 @@ results.append({"missing_rows_zero": bool(torch.equal(
                                              row.expand(2, 80)))
     and torch.equal(with_missing[[1, 3]], torch.zeros(2, 80)))})
 # The weighted sum inside `down` (one token's K rows): `combine`'s bytes, each launch leaving
-# the counters at zero for the next; D not a multiple of the block, and one block; with the
-# index and first weight tile read before the wait (DOWN_W_FIRST) and not, and gate_up's and
-# down's programs in one launch (ONE_KERNEL), F one step of DOWN_BLOCK_F (48), and three (300).
+# the counter at zero for the next; D not a multiple of the block, and one block; with the
+# index and first weight tile read before the wait (DOWN_W_FIRST) and not, F one step of
+# DOWN_BLOCK_F (48), and three (300).
 from strata.engine.experts import grouped
 from strata.engine.experts.combine import weighted_sum_triton
 from strata.engine.experts.grouped import expert_sum_triton, sum_arrivals
@@ -124,12 +124,11 @@ for seed, (s, f, d, index, dtype) in enumerate([(5, 48, 80, [3, 0, 3, 4], torch.
     expected = weighted_sum_triton(expert_rows_triton(gate_up, down, index,
                                                       row.expand(len(index), d)), weights, dtype)
     got = []
-    for w_first, one_kernel in ((False, False), (True, False), (True, False), (False, True),
-                                (False, True), (True, True)):
-        grouped.DOWN_W_FIRST, grouped.ONE_KERNEL = w_first, one_kernel
+    for w_first in (False, True, True):
+        grouped.DOWN_W_FIRST = w_first
         got.append(expert_sum_triton(gate_up, down, index, row.expand(len(index), d), weights,
                                      arrived))
-    grouped.DOWN_W_FIRST = grouped.ONE_KERNEL = False
+    grouped.DOWN_W_FIRST = False
     sums.append({"same_bytes": all(torch.equal(g, expected) for g in got),
                  "shape": list(got[0].shape), "arrived": arrived.tolist()})
 results.append({"sums": sums})
@@ -148,9 +147,9 @@ def test_the_triton_kernels_under_the_interpreter_match_the_reference():
     assert results[len(expected):-1] == [{"repeated_rows_as_copied": True},
                                          {"missing_rows_zero": True}]
     assert results[-1]["sums"] == [
-        {"same_bytes": True, "shape": [1, 80], "arrived": [0] * (3 + 2 + 64)},  # 2.5 blocks
-        {"same_bytes": True, "shape": [1, 32], "arrived": [0] * (1 + 2 + 64)},
-        {"same_bytes": True, "shape": [1, 40], "arrived": [0] * (2 + 2 + 64)}]
+        {"same_bytes": True, "shape": [1, 80], "arrived": [0] * 3},  # 80 = 2.5 blocks of 32
+        {"same_bytes": True, "shape": [1, 32], "arrived": [0]},
+        {"same_bytes": True, "shape": [1, 40], "arrived": [0] * 2}]
 
 
 def test_the_triton_path_refuses_weights_it_cannot_read_in_place():
@@ -194,25 +193,21 @@ def test_the_triton_kernels_on_cuda_match_and_repeat(f, d):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("f, d, k", [(1024, 2048, 8), (768, 2048, 8), (1792, 4096, 2)])
-@pytest.mark.parametrize("down", [(False, 32, 128, False), (True, 32, 128, False),
-                                  (True, 8, 1024, False), (False, 32, 128, True),
-                                  (True, 32, 128, True)],
-                         ids=["wait-first", "w-first", "w-first-whole-rows", "one-kernel",
-                              "one-kernel-w-first"])
+@pytest.mark.parametrize("down", [(False, 32, 128), (True, 32, 128), (True, 8, 1024)],
+                         ids=["wait-first", "w-first", "w-first-whole-rows"])
 def test_on_cuda_the_sum_inside_down_gives_combines_bytes_eager_and_replayed(monkeypatch, f, d,
                                                                              k, down):
     """`expert_sum_triton` against `expert_rows_triton` at the same blocks then `weighted_sum`,
     byte for byte in bf16, eagerly and from a CUDA graph replayed several times (each replay
-    finds its counter at zero), at the olmoe and qwen3 shapes and mixtral's D and K; down's index and first weight
-    tile read before its wait or not (`DOWN_W_FIRST`), that tile a step or a whole row; and
-    gate_up's and down's programs in one launch (`ONE_KERNEL`)."""
+    finds its counter at zero), at the olmoe and qwen3 shapes and mixtral's D and K; down's
+    index and first weight tile read before its wait or not (`DOWN_W_FIRST`), that tile a step
+    or a whole row."""
     pytest.importorskip("triton")
     from strata.engine.experts import grouped
     from strata.engine.experts.combine import weighted_sum
     from strata.engine.experts.grouped import expert_sum_triton, sum_arrivals
 
-    for name, value in zip(("DOWN_W_FIRST", "DOWN_BLOCK_D", "DOWN_BLOCK_F", "ONE_KERNEL"), down,
-                           strict=True):
+    for name, value in zip(("DOWN_W_FIRST", "DOWN_BLOCK_D", "DOWN_BLOCK_F"), down, strict=True):
         monkeypatch.setattr(grouped, name, value)
 
     cuda = torch.device("cuda")
@@ -236,13 +231,6 @@ def test_on_cuda_the_sum_inside_down_gives_combines_bytes_eager_and_replayed(mon
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, expected) and not arrived.any()
-    if grouped.ONE_KERNEL:  # the two kernels' bytes, from a graph whose replays overlap
-        with torch.cuda.graph(graph := torch.cuda.CUDAGraph()):
-            many = [expert_sum_triton(gate_up, down, index, row.expand(k, d), weights, arrived)
-                    for _ in range(16)]
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(one, expected) for one in many) and not arrived.any()
 
 
 @pytest.mark.cuda
@@ -289,7 +277,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     labels = [bench.label(v) for v in tried]
     assert len(set(labels)) == len(labels)
     assert set(bench.DEFAULT) == {"gate_up", "down", "products", "norm_product", "logits",
-                                  "router", "attention", "hints", "ahead", "one_kernel"}
+                                  "router", "attention", "hints"}
     for variant in tried[1:]:  # exactly one kernel's shape differs from the default
         assert sum(variant[k] != bench.DEFAULT[k] for k in bench.DEFAULT) == 1
     assert bench.CUBLAS in [v["products"] for v in tried]
@@ -301,19 +289,17 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
              products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
              decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
              decode_attention.SHORT_WARPS)
-    monkeypatch.setattr(grouped, "ONE_KERNEL", grouped.ONE_KERNEL)  # restored
 
     class Experts:
         _sum_arrivals = None
 
     experts = Experts()
-    for switch in ("EXPERTS_EVICT_FIRST", "PRODUCTS_EVICT_FIRST", "AHEAD", "AHEAD_EVICT_LAST"):
+    for switch in ("EXPERTS_EVICT_FIRST", "PRODUCTS_EVICT_FIRST"):
         monkeypatch.setattr(cache_hints, switch, getattr(cache_hints, switch))  # restored
     try:
         bench.apply({**bench.DEFAULT, "down": (16, 256, 4, 1, True)}, experts, 2048,
                     torch.device("cpu"))
-        # a counter per block of 16 rows, then the one kernel's
-        assert experts._sum_arrivals.shape == (2048 // 16 + 2 + grouped.MAX_ROWS,)
+        assert experts._sum_arrivals.shape == (2048 // 16,)  # a counter per block of 16 rows
         assert grouped.DOWN_W_FIRST and "down 16x256 w4 s1 w first" in bench.label(
             {**bench.DEFAULT, "down": (16, 256, 4, 1, True)})
         assert (bench.DEFAULT["gate_up"][3], 1) == grouped.NUM_STAGES
@@ -345,15 +331,6 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         assert bench.label(hints).endswith(" / experts evict_first")
         assert bench.label({**bench.DEFAULT, "hints": (False, False)}).endswith(
             " / no evict_first")
-        ahead = {**bench.DEFAULT, "ahead": ("both", True)}
-        bench.apply(ahead, experts, 2048, torch.device("cpu"))
-        assert (cache_hints.AHEAD, cache_hints.AHEAD_EVICT_LAST) == ("both", True)
-        assert bench.label(ahead).endswith(
-            " / q/k/v ahead half from the attention, half from the router, evict_last")
-        one_kernel = {**bench.DEFAULT, "one_kernel": (True, True)}
-        bench.apply(one_kernel, experts, 2048, torch.device("cpu"))
-        assert grouped.ONE_KERNEL and grouped.DOWN_W_FIRST and bench.label(one_kernel).endswith(
-            " / gate_up and down in one kernel, down's first tile before its wait")
     finally:
         (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.DOWN_W_FIRST,
          grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS,
@@ -366,7 +343,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     if torch.cuda.is_available():
         return
     with pytest.raises(SystemExit):
-        bench.main(["--device", "cpu", "--persisting-mib", "-2"])
-    assert "--persisting-mib must be at least 0, got -2" in capsys.readouterr().err
+        bench.main(["--device", "cpu", "--kernels", "experts"])
+    assert "--kernels takes gate_up, down" in capsys.readouterr().err
     assert bench.main(["--device", "cpu"]) == 0
     assert "needs CUDA" in capsys.readouterr().out

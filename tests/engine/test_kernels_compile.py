@@ -71,9 +71,6 @@ KERNELS = {
     (f"{EXPERTS}._grouped_triton", "down"): ({"BLOCK_D": 32, "BLOCK_F": 128}, 8),
     (f"{EXPERTS}._grouped_triton", "down_sum"): (
         {"BLOCK_D": 32, "BLOCK_F": 128, "W_FIRST": False}, 8),
-    (f"{EXPERTS}._grouped_triton", "experts_sum"): (
-        {"UP_BLOCK_F": 32, "UP_BLOCK_D": 128, "DOWN_BLOCK_D": 32, "DOWN_BLOCK_F": 128,
-         "W_FIRST": False}, 8),
     (f"{EXPERTS}._quantized_triton", "int8_act"): ({"BLOCK_F": 8, "BLOCK_D": 512}, 4),
     (f"{EXPERTS}._quantized_triton", "int8_down"): ({"BLOCK_D": 8, "BLOCK_F": 512}, 4),
     (f"{EXPERTS}._quantized_triton", "int4_act"): (

@@ -150,10 +150,10 @@ class _Recorder:
         inner, recorder = model.experts, self
         original = layers.Attention.attend
 
-        def attention(self_, qkv, cos, sin, positions, cells, n_ctx, mask, causal, ahead=None):
+        def attention(self_, qkv, cos, sin, positions, cells, n_ctx, mask, causal):
             recorder.attention_rows.append(qkv.shape[0])
             recorder.masked.append(mask is not None)
-            return original(self_, qkv, cos, sin, positions, cells, n_ctx, mask, causal, ahead)
+            return original(self_, qkv, cos, sin, positions, cells, n_ctx, mask, causal)
 
         monkeypatch.setattr(layers.Attention, "attend", attention)
 

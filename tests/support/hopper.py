@@ -9,9 +9,8 @@ import pytest
 
 # Pointer and scalar arguments whose type is not bf16 / i32, by name, in strata's kernels.
 TYPES = {"index_ptr": "*i64", "ids_ptr": "*i64", "positions_ptr": "*i64", "out_ptr": "*bf16",
-         "arrived_ptr": "*i32", "counters_ptr": "*i32", "weights_ptr": "*fp32",
-         "partial_ptr": "*fp32", "acc_ptr": "*fp32", "stats_ptr": "*fp32",
-         "inv_freq_ptr": "*fp32", "blob_ptr": "*u8",
+         "arrived_ptr": "*i32", "weights_ptr": "*fp32", "partial_ptr": "*fp32",
+         "acc_ptr": "*fp32", "stats_ptr": "*fp32", "inv_freq_ptr": "*fp32", "blob_ptr": "*u8",
          "blobs_ptr": "*u8", "eps": "fp32", "scale": "fp32", "temperature": "fp32",
          "top_p": "fp32"}
 

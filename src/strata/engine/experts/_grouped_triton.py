@@ -25,17 +25,9 @@ def gate_up_act(w_ptr, index_ptr, x_ptr, act_ptr, slot_stride, row_stride, D, F,
                 EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
     # Program (r, b): act[r, b*BLOCK_F : (b+1)*BLOCK_F] of the expert index[r].
     wait_for_prior(USE_PDL)
-    _gate_up_block(w_ptr, index_ptr, x_ptr, act_ptr, tl.program_id(0), tl.program_id(1),
-                   slot_stride, row_stride, D, F, x_stride, act_stride, BLOCK_F, BLOCK_D, EVICT)
-
-
-@triton.jit
-def _gate_up_block(w_ptr, index_ptr, x_ptr, act_ptr, r, b, slot_stride, row_stride, D, F,
-                   x_stride, act_stride, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-                   EVICT: tl.constexpr):
-    # act[r, b*BLOCK_F : (b+1)*BLOCK_F] of the expert index[r], its weights' loads marked EVICT.
+    r = tl.program_id(0)
     slot = tl.load(index_ptr + r).to(tl.int64)
-    f = b * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BF]
     f_in = f < tl.where(slot >= 0, F, 0)  # a negative slot: nothing read, nothing stored
     expert = w_ptr + tl.maximum(slot, 0) * slot_stride
     gate_tile = tl.zeros([BLOCK_F, BLOCK_D], dtype=tl.float32)
@@ -67,26 +59,23 @@ def store_act(gate_sum, up_sum, act_ptr, r, act_stride, f, f_in):
 
 @triton.jit
 def _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, act_stride,
-                BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, EVICT: tl.constexpr,
-                ACT_CACHE: tl.constexpr):
+                BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, EVICT: tl.constexpr):
     # [BD] float32: rows d of the expert in `slot` times row r of act, summed over F in a
-    # fixed order (nothing read where d_in is false); the weights' loads marked EVICT, act's
-    # read with the cache modifier ACT_CACHE.
+    # fixed order (nothing read where d_in is false); the weights' loads marked EVICT.
     tile = tl.zeros([BLOCK_D, BLOCK_F], dtype=tl.float32)
     return _down_steps(tile, w_ptr + tl.maximum(slot, 0) * slot_stride, act_ptr, r, d, d_in,
-                       row_stride, F, act_stride, 0, BLOCK_F, EVICT, ACT_CACHE)
+                       row_stride, F, act_stride, 0, BLOCK_F, EVICT)
 
 
 @triton.jit
 def _down_steps(tile, expert, act_ptr, r, d, d_in, row_stride, F, act_stride, f_start,
-                BLOCK_F: tl.constexpr, EVICT: tl.constexpr, ACT_CACHE: tl.constexpr):
+                BLOCK_F: tl.constexpr, EVICT: tl.constexpr):
     # `_down_block`'s steps from column f_start on, added onto `tile` [BD, BF], then the tile
     # summed across its columns: [BD].
     for f0 in range(f_start, F, BLOCK_F):
         f = f0 + tl.arange(0, BLOCK_F)  # [BF]
         f_in = f < F
-        act = tl.load(act_ptr + r * act_stride + f, mask=f_in, other=0.0,
-                      cache_modifier=ACT_CACHE).to(tl.float32)
+        act = tl.load(act_ptr + r * act_stride + f, mask=f_in, other=0.0).to(tl.float32)
         w = tl.load(expert + d[:, None] * row_stride + f[None, :],
                     mask=d_in[:, None] & f_in[None, :], other=0.0, eviction_policy=EVICT)
         tile += w.to(tl.float32) * act[None, :]
@@ -106,17 +95,16 @@ def _down_first_tile(w_ptr, slot, d, d_in, slot_stride, row_stride, F, BLOCK_F: 
 @triton.jit
 def _down_block_after(first, w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F,
                       act_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-                      EVICT: tl.constexpr, ACT_CACHE: tl.constexpr):
+                      EVICT: tl.constexpr):
     # `_down_block` with its first step's weight tile loaded already (`_down_first_tile`):
     # the same steps in the same order onto the same zeros (a zero's sign included), so the
     # sums are the same bytes.
     f = tl.arange(0, BLOCK_F)  # [BF]
-    act = tl.load(act_ptr + r * act_stride + f, mask=f < F, other=0.0,
-                  cache_modifier=ACT_CACHE).to(tl.float32)
+    act = tl.load(act_ptr + r * act_stride + f, mask=f < F, other=0.0).to(tl.float32)
     tile = tl.zeros([BLOCK_D, BLOCK_F], dtype=tl.float32)
     tile += first.to(tl.float32) * act[None, :]  # [BD, BF]
     return _down_steps(tile, w_ptr + tl.maximum(slot, 0) * slot_stride, act_ptr, r, d, d_in,
-                       row_stride, F, act_stride, BLOCK_F, BLOCK_F, EVICT, ACT_CACHE)
+                       row_stride, F, act_stride, BLOCK_F, BLOCK_F, EVICT)
 
 
 @triton.jit
@@ -130,7 +118,7 @@ def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_st
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     d_in = d < tl.where(slot >= 0, D, 0)  # a negative slot: nothing read, zeros stored
     y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, act_stride,
-                    BLOCK_D, BLOCK_F, EVICT, "")
+                    BLOCK_D, BLOCK_F, EVICT)
     store_rows(y_ptr, r, y_stride, d, D, slot, y)
 
 
@@ -169,24 +157,14 @@ def down_sum(w_ptr, index_ptr, act_ptr, y_ptr, weights_ptr, out_ptr, arrived_ptr
     wait_for_prior(USE_PDL)
     if W_FIRST:
         y = _down_block_after(first, w_ptr, slot, act_ptr, r, d, d_in, slot_stride,
-                              row_stride, F, act_stride, BLOCK_D, BLOCK_F, EVICT, "")
+                              row_stride, F, act_stride, BLOCK_D, BLOCK_F, EVICT)
     else:
         slot = tl.load(index_ptr + r).to(tl.int64)
         y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F,
-                        act_stride, BLOCK_D, BLOCK_F, EVICT, "")
-    _store_then_sum(y, y_ptr, r, y_stride, d, d_in, weights_ptr, out_ptr, arrived_ptr, b, R,
-                    BLOCK_D)
-
-
-@triton.jit
-def _store_then_sum(y, y_ptr, r, y_stride, d, d_in, weights_ptr, out_ptr, arrived_ptr, b, R,
-                    BLOCK_D: tl.constexpr):
-    # y [BD] float32 stored as row r's block b of y, rounded as `down` stores it, then counted
-    # in arrived[b]; the last of block b's R rows to arrive sums weights[k] * y[k, block b]
-    # over k = 0..R-1 in order in float32, as `combine` does, into out[block b], and sets
-    # arrived[b] back to 0 for the next launch. The barrier first: every thread's part of the
-    # row is stored before the one thread that counts it releases it.
+                        act_stride, BLOCK_D, BLOCK_F, EVICT)
     tl.store(y_ptr + r * y_stride + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
+    # Every thread's part of the row stored before the one thread that counts it releases it:
+    # the release orders that thread's own writes, and those the barrier put before it.
     tl.debug_barrier()
     if tl.atomic_add(arrived_ptr + b, 1, sem="acq_rel") == R - 1:
         total = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -195,70 +173,3 @@ def _store_then_sum(y, y_ptr, r, y_stride, d, d_in, weights_ptr, out_ptr, arrive
             total += values.to(tl.float32) * tl.load(weights_ptr + k)
         tl.store(out_ptr + d, total.to(out_ptr.dtype.element_ty), mask=d_in)
         tl.store(arrived_ptr + b, 0)
-
-
-# `experts_sum`'s counters, int32 offsets into its counters buffer: the next ticket, the
-# programs finished, then one count of finished gate_up blocks a row.
-TICKET, FINISHED, ROWS_DONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-
-
-@triton.jit
-def experts_sum(gate_up_ptr, down_ptr, index_ptr, x_ptr, act_ptr, y_ptr, weights_ptr, out_ptr,
-                arrived_ptr, counters_ptr, up_slot_stride, up_row_stride, down_slot_stride,
-                down_row_stride, D, F, x_stride, act_stride, y_stride, R,
-                UP_BLOCK_F: tl.constexpr, UP_BLOCK_D: tl.constexpr,
-                DOWN_BLOCK_D: tl.constexpr, DOWN_BLOCK_F: tl.constexpr,
-                W_FIRST: tl.constexpr = False, EVICT: tl.constexpr = "",
-                USE_PDL: tl.constexpr = False):
-    # `gate_up_act` then `down_sum` as one launch of R * (F / UP_BLOCK_F) gate_up programs and
-    # R * (D / DOWN_BLOCK_D) down programs, so that a row's down blocks start once that row's
-    # act is whole, not once every row's is (nor once the kernel before has drained).
-    # A program's work is its ticket, taken from counters[TICKET] in the order programs start,
-    # not its program id: gate_up blocks first, row by row, then down blocks, row by row. A
-    # down block waits for its row's gate_up blocks, which hold smaller tickets, so they were
-    # handed to programs that are running already and wait for nothing: no order in which the
-    # GPU starts programs can leave a waiting program holding the place one it waits for needs.
-    # The last program to finish sets the counters back to 0 for the next launch. The same
-    # bytes as `gate_up_act` then `down_sum`: the same blocks summed in the same order.
-    # W_FIRST: a down block reads its first step's weight tile before it waits for its row
-    # (the index is written before the kernel this one follows, as for `down_sum`'s).
-    wait_for_prior(USE_PDL)
-    n_up_blocks = tl.cdiv(F, UP_BLOCK_F)
-    n_down_blocks = tl.cdiv(D, DOWN_BLOCK_D)
-    n_up = R * n_up_blocks
-    ticket = tl.atomic_add(counters_ptr + TICKET, 1)
-    if ticket < n_up:
-        r = ticket // n_up_blocks
-        _gate_up_block(gate_up_ptr, index_ptr, x_ptr, act_ptr, r, ticket % n_up_blocks,
-                       up_slot_stride, up_row_stride, D, F, x_stride, act_stride, UP_BLOCK_F,
-                       UP_BLOCK_D, EVICT)
-        tl.debug_barrier()  # the whole block stored before it is counted
-        tl.atomic_add(counters_ptr + ROWS_DONE + r, 1, sem="release")
-    else:
-        r = (ticket - n_up) // n_down_blocks
-        b = (ticket - n_up) % n_down_blocks
-        slot = tl.load(index_ptr + r).to(tl.int64)
-        d = b * DOWN_BLOCK_D + tl.arange(0, DOWN_BLOCK_D)  # [BD]
-        d_in = d < D
-        if W_FIRST:
-            first = _down_first_tile(down_ptr, slot, d, d_in, down_slot_stride,
-                                     down_row_stride, F, DOWN_BLOCK_F, EVICT)
-        done = tl.atomic_add(counters_ptr + ROWS_DONE + r, 0, sem="acquire")
-        while done < n_up_blocks:
-            done = tl.atomic_add(counters_ptr + ROWS_DONE + r, 0, sem="acquire")
-        # act is read past L1 (".cg"): other programs wrote it during this launch.
-        if W_FIRST:
-            y = _down_block_after(first, down_ptr, slot, act_ptr, r, d, d_in, down_slot_stride,
-                                  down_row_stride, F, act_stride, DOWN_BLOCK_D, DOWN_BLOCK_F,
-                                  EVICT, ".cg")
-        else:
-            y = _down_block(down_ptr, slot, act_ptr, r, d, d_in, down_slot_stride,
-                            down_row_stride, F, act_stride, DOWN_BLOCK_D, DOWN_BLOCK_F, EVICT,
-                            ".cg")
-        _store_then_sum(y, y_ptr, r, y_stride, d, d_in, weights_ptr, out_ptr, arrived_ptr, b,
-                        R, DOWN_BLOCK_D)
-    if tl.atomic_add(counters_ptr + FINISHED, 1, sem="acq_rel") == n_up + R * n_down_blocks - 1:
-        for k in range(0, R):
-            tl.store(counters_ptr + ROWS_DONE + k, 0)
-        tl.store(counters_ptr + FINISHED, 0)
-        tl.store(counters_ptr + TICKET, 0)

@@ -59,14 +59,6 @@ NUM_STAGES = (3, 3)
 # wait-first shapes (bench/results/down-first-h100-2026-12-05.md); bench/decode_shapes.py's
 # down variants marked "w first" and bench/decode_profile.py's rows time it.
 DOWN_W_FIRST = False
-# Whether `expert_sum_triton` runs gate_up and down as one kernel (`_grouped_triton.experts_sum`):
-# a row's down blocks start once that row's act is whole, instead of once the whole gate_up
-# kernel has finished and its writes are flushed. The same bytes. Staged, off, for its A/B
-# (bench/decode_shapes.py --kernels one_kernel). Its down blocks read their first weight tile
-# before they wait for their row where DOWN_W_FIRST.
-ONE_KERNEL = False
-# Rows (top-k) `experts_sum`'s counters hold, after `sum_arrivals`' blocks of D.
-MAX_ROWS = 64
 
 
 @functools.cache
@@ -156,9 +148,8 @@ def expert_rows_triton(
         raise RuntimeError("expert_rows_triton needs Triton (pip install triton)")
     d, f = x_rows.shape[1], down.shape[2]
     launch, options = dependent_launch.launch_with(launch, x_rows.device)
-    x_rows, act, y = _buffers(gate_up, down, x_rows)
-    _gate_up_act(kernels, gate_up, index, x_rows, act, gate_up_f, gate_up_d, num_warps[0],
-                 num_stages[0], launch, options)
+    act, y = _gate_up_act(kernels, gate_up, down, index, x_rows, gate_up_f, gate_up_d,
+                          num_warps[0], num_stages[0], launch, options)
     if x_rows.shape[0]:
         launch(kernels.down)[(x_rows.shape[0], -(-d // down_d))](
             down, index, act, y, down.stride(0), down.stride(1), d, f, act.stride(0),
@@ -168,10 +159,11 @@ def expert_rows_triton(
     return y
 
 
-def _buffers(gate_up, down, x_rows):
-    """(x_rows with contiguous rows, act [R, F] and y [R, D] unwritten) for the kernels over
-    x_rows [R, D]; ValueError for weights that are not [S, 2F, D] and [S, D, F] with
-    contiguous rows."""
+def _gate_up_act(kernels, gate_up, down, index, x_rows, block_f, block_d, num_warps,
+                 num_stages, launch, options):
+    """(act [R, F], y [R, D] unwritten): `gate_up_act`'s kernel launched over x_rows [R, D]
+    with `options` (`dependent_launch.kernel_options`); ValueError for weights that are not
+    [S, 2F, D] and [S, D, F] with contiguous rows."""
     n_rows, d = x_rows.shape
     f = down.shape[2]
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
@@ -183,33 +175,20 @@ def _buffers(gate_up, down, x_rows):
         x_rows = x_rows.contiguous()
     act = x_rows.new_empty((n_rows, f))  # [R, F]
     y = x_rows.new_empty((n_rows, d))  # [R, D]
-    return x_rows, act, y
-
-
-def _gate_up_act(kernels, gate_up, index, x_rows, act, block_f, block_d, num_warps,
-                 num_stages, launch, options):
-    """`gate_up_act`'s kernel launched over x_rows [R, D] into act [R, F] with `options`
-    (`dependent_launch.kernel_options`)."""
-    (n_rows, d), f = x_rows.shape, act.shape[1]
     if n_rows:
         launch(kernels.gate_up_act)[(n_rows, -(-f // block_f))](
             gate_up, index, x_rows, act, gate_up.stride(0), gate_up.stride(1), d, f,
             x_rows.stride(0), act.stride(0), BLOCK_F=block_f, BLOCK_D=block_d,
             EVICT=cache_hints.experts_eviction(),
             num_warps=num_warps, num_stages=num_stages, **options)
+    return act, y
 
 
 def sum_arrivals(hidden_size: int, device: torch.device) -> torch.Tensor:
-    """The counters `expert_sum_triton` needs for rows of `hidden_size`: int32 zeros, one per
-    block of DOWN_BLOCK_D, then `experts_sum`'s (a ticket, a count of finished programs, one
-    count a row for up to MAX_ROWS rows); each launch leaves them zero. Its owner makes it
-    outside any CUDA graph's capture and uses it on one stream."""
-    return torch.zeros(_n_blocks(hidden_size) + 2 + MAX_ROWS, dtype=torch.int32,
-                       device=device)
-
-
-def _n_blocks(hidden_size: int) -> int:
-    return -(-hidden_size // DOWN_BLOCK_D)
+    """The counter `expert_sum_triton` needs for rows of `hidden_size`: int32 zeros, one per
+    block of DOWN_BLOCK_D; each launch leaves it zero. Its owner makes it outside any CUDA
+    graph's capture and uses it on one stream."""
+    return torch.zeros(-(-hidden_size // DOWN_BLOCK_D), dtype=torch.int32, device=device)
 
 
 def expert_sum_triton(gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor,
@@ -218,9 +197,7 @@ def expert_sum_triton(gate_up: torch.Tensor, down: torch.Tensor, index: torch.Te
     """[1, D]: `weighted_sum(expert_rows_triton(gate_up, down, index, x_rows), weights)` for
     one token's R rows (x_rows [R, D], weights [1, R] float32), with the sum made by the last
     `down` program of each block of D (`_grouped_triton.down_sum`): one kernel less, the same
-    bytes; where `ONE_KERNEL`, gate_up's and down's programs in one launch
-    (`_grouped_triton.experts_sum`), the same bytes again. `arrived`: `sum_arrivals`'
-    counters for D."""
+    bytes. `arrived`: a `sum_arrivals` counter for D."""
     kernels = _kernels()
     if kernels is None:
         raise RuntimeError("expert_sum_triton needs Triton (pip install triton)")
@@ -230,34 +207,19 @@ def expert_sum_triton(gate_up: torch.Tensor, down: torch.Tensor, index: torch.Te
             not weights.is_contiguous():
         raise ValueError(f"weights must be float32 [1, {n_rows}] contiguous, got "
                          f"{weights.dtype} {list(weights.shape)}")
-    if arrived.numel() < _n_blocks(d) + 2 + MAX_ROWS:
-        raise ValueError(f"arrived holds {arrived.numel()} counters, D = {d} needs "
-                         f"{_n_blocks(d) + 2 + MAX_ROWS} (sum_arrivals)")
-    if ONE_KERNEL and n_rows > MAX_ROWS:
-        raise ValueError(f"{n_rows} rows a token; the one-kernel path (ONE_KERNEL) counts "
-                         f"at most {MAX_ROWS}")
+    if arrived.numel() < -(-d // DOWN_BLOCK_D):
+        raise ValueError(f"arrived holds {arrived.numel()} blocks, D = {d} needs "
+                         f"{-(-d // DOWN_BLOCK_D)} (sum_arrivals)")
     launch, options = dependent_launch.launch_with(None, x_rows.device)
-    x_rows, act, y = _buffers(gate_up, down, x_rows)
+    act, y = _gate_up_act(kernels, gate_up, down, index, x_rows, GATE_UP_BLOCK_F,
+                          GATE_UP_BLOCK_D, NUM_WARPS[0], NUM_STAGES[0], launch, options)
     out = x_rows.new_empty((1, d))  # [1, D]
-    if not n_rows:
-        return out.zero_()
-    blocks, counters = arrived[:_n_blocks(d)], arrived[_n_blocks(d):]
-    down_args = (down.stride(0), down.stride(1), d, f)
-    if ONE_KERNEL:
-        n_programs = n_rows * (-(-f // GATE_UP_BLOCK_F) + _n_blocks(d))
-        kernels.experts_sum[(n_programs,)](
-            gate_up, down, index, x_rows, act, y, weights, out, blocks, counters,
-            gate_up.stride(0), gate_up.stride(1), *down_args, x_rows.stride(0),
-            act.stride(0), y.stride(0), n_rows, UP_BLOCK_F=GATE_UP_BLOCK_F,
-            UP_BLOCK_D=GATE_UP_BLOCK_D, DOWN_BLOCK_D=DOWN_BLOCK_D, DOWN_BLOCK_F=DOWN_BLOCK_F,
+    if n_rows:
+        kernels.down_sum[(n_rows, -(-d // DOWN_BLOCK_D))](
+            down, index, act, y, weights, out, arrived, down.stride(0), down.stride(1), d, f,
+            act.stride(0), y.stride(0), n_rows, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F,
             W_FIRST=DOWN_W_FIRST, EVICT=cache_hints.experts_eviction(),
-            num_warps=max(NUM_WARPS), num_stages=max(NUM_STAGES), **options)
-        return out
-    _gate_up_act(kernels, gate_up, index, x_rows, act, GATE_UP_BLOCK_F, GATE_UP_BLOCK_D,
-                 NUM_WARPS[0], NUM_STAGES[0], launch, options)
-    kernels.down_sum[(n_rows, _n_blocks(d))](
-        down, index, act, y, weights, out, blocks, *down_args, act.stride(0), y.stride(0),
-        n_rows, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F, W_FIRST=DOWN_W_FIRST,
-        EVICT=cache_hints.experts_eviction(), num_warps=NUM_WARPS[1],
-        num_stages=NUM_STAGES[1], **options)
+            num_warps=NUM_WARPS[1], num_stages=NUM_STAGES[1], **options)
+    else:
+        out.zero_()
     return out

@@ -8,7 +8,6 @@ least; BLOCK_C the cells a step, or in `attend_short` every cell).
 import triton
 import triton.language as tl
 
-from strata.engine._cache_hints_triton import ask_into_l2
 from strata.engine._dependent_triton import wait_for_prior
 from strata.engine.model._ops_triton import rotate_halves, rstd_heads, weigh_halves
 
@@ -208,12 +207,10 @@ def _weighted(scores, values, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
 @triton.jit
 def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr,
                         positions_ptr, out_ptr, N, H, G, R, eps, scale, k_head_stride,
-                        k_cell_stride, v_head_stride, v_cell_stride, ahead_ptr, ahead_n,
-                        NORM: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_C: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        VALUES_FIRST: tl.constexpr, AHEAD_LINE: tl.constexpr = 0,
-                        AHEAD_STEP: tl.constexpr = 256, AHEAD_LAST: tl.constexpr = False,
-                        USE_PDL: tl.constexpr = False):
+                        k_cell_stride, v_head_stride, v_cell_stride, NORM: tl.constexpr,
+                        HAS_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        VALUES_FIRST: tl.constexpr, USE_PDL: tl.constexpr = False):
     # `qk_norm_rope` writing the token's k and v, then `attend_short`, in one launch. Program
     # g: kv head g. Before the wait, as `attend_short`: the position and the cells' keys (as
     # halves [BC, Dh/2]) and maybe values. After it, from the token's projection qkv
@@ -222,8 +219,6 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
     # weighted and rotated by `qk_norm_rope`'s helpers (the same roundings), the key and the
     # value stored to their cells at the position, and put in those rows of the registers
     # (no read back). Then the scores as two products over the halves, and the softmax.
-    # AHEAD_LINE > 0: right after the wait the programs ask the ahead_n elements at ahead_ptr
-    # (the next layer's q/k/v weight) into L2, each its share of the lines (`cache_hints`).
     position = tl.load(positions_ptr).to(tl.int64)
     g = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -240,8 +235,6 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
         v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=c_in,
                     other=0.0)  # [BC, Dh]
     wait_for_prior(USE_PDL)
-    if AHEAD_LINE > 0:
-        ask_into_l2(ahead_ptr, ahead_n, g, G, AHEAD_LINE, AHEAD_STEP, AHEAD_LAST)
     dtype = out_ptr.dtype.element_ty
     r = tl.arange(0, BLOCK_R)[:, None]  # [BR, 1]
     r_in = r < R

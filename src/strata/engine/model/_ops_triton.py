@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from strata.engine._cache_hints_triton import ask_into_l2
 from strata.engine._dependent_triton import wait_for_prior
 
 
@@ -268,12 +267,10 @@ def router_route(x_ptr, w_ptr, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D
 def add_norm_router_route(x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, router_ptr,
                           partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D, E, K, eps,
                           x_stride, delta_stride, h_stride, normed_stride, router_stride,
-                          BLOCKS_PER_SPLIT, ahead_ptr, ahead_n, HAS_DELTA: tl.constexpr,
-                          NORMALIZE: tl.constexpr, SPLITS: tl.constexpr,
-                          BLOCK_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                          WEIGHTS_FIRST: tl.constexpr = False, AHEAD_LINE: tl.constexpr = 0,
-                          AHEAD_STEP: tl.constexpr = 256, AHEAD_LAST: tl.constexpr = False,
+                          BLOCKS_PER_SPLIT, HAS_DELTA: tl.constexpr, NORMALIZE: tl.constexpr,
+                          SPLITS: tl.constexpr, BLOCK_ROW: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_K: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False,
                           USE_PDL: tl.constexpr = False):
     # `add_rms_norm` then `router_route` in one launch. Program (t, s): first token t's whole
     # row h = x + delta [BLOCK_ROW] for its rstd: every program of t sums the same squares in
@@ -290,9 +287,7 @@ def add_norm_router_route(x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, route
     # split's first block of the router's weights before the wait: no kernel writes them, so
     # as a dependent the program reads them while the kernel before it (attention's output
     # product) runs (tests/engine/test_dependent_launch.py checks that nothing else is read
-    # before it). The bytes are the same either way. AHEAD_LINE > 0: after the wait the
-    # programs ask the ahead_n elements at ahead_ptr (the next layer's q/k/v weight) into L2,
-    # each its share of the lines (`cache_hints`).
+    # before it). The bytes are the same either way.
     split = tl.program_id(1)
     e = tl.arange(0, BLOCK_E)
     e_in = e < E
@@ -300,12 +295,9 @@ def add_norm_router_route(x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, route
     if WEIGHTS_FIRST:
         first = _router_tile(router_ptr, router_stride, e, e_in, col, col_in)  # [BE, BD]
     wait_for_prior(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    if AHEAD_LINE > 0:
-        ask_into_l2(ahead_ptr, ahead_n, t * SPLITS + split, tl.num_programs(0) * SPLITS,
-                    AHEAD_LINE, AHEAD_STEP, AHEAD_LAST)
     if not WEIGHTS_FIRST:
         first = _router_tile(router_ptr, router_stride, e, e_in, col, col_in)  # [BE, BD]
+    t = tl.program_id(0).to(tl.int64)
     dtype = normed_ptr.dtype.element_ty
     row = tl.arange(0, BLOCK_ROW)
     rstd = _rstd(_residual_sum(x_ptr, delta_ptr, t, x_stride, delta_stride, row, row < D,

@@ -41,7 +41,7 @@ import functools
 
 import torch
 
-from strata.engine import cache_hints, dependent_launch
+from strata.engine import dependent_launch
 from strata.engine.model import ops
 from strata.engine.model.kv_cells import LayerCells
 
@@ -264,27 +264,22 @@ def rotates(qkv: torch.Tensor, heads: ops.QKHeads, cells: LayerCells, n_ctx: int
 
 def rotate_attend(qkv: torch.Tensor, heads: ops.QKHeads, cos: torch.Tensor, sin: torch.Tensor,
                   positions: torch.Tensor, cells: LayerCells, n_ctx: int,
-                  mask: torch.Tensor | None, scale: float,
-                  ahead: torch.Tensor | None = None) -> torch.Tensor:
+                  mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """`ops.rotate_and_write` of one token's projection qkv [1, (H+2G)*Dh] (its k and v stored
     at positions [1]), then `attend_one` over cells [0, n_ctx) with `mask` [1, n_ctx] or None
-    -> [1, H*Dh], as one kernel. Only where `rotates` holds. `ahead`: the weight the kernel
-    asks into L2 (or its first half) where `cache_hints.AHEAD` is "attention" (or "both"): the
-    next layer's q/k/v weight, or None."""
+    -> [1, H*Dh], as one kernel. Only where `rotates` holds."""
     if not rotates(qkv, heads, cells, n_ctx, positions):
         raise ValueError(
             "rotate_attend takes one token's qkv [1, (H+2G)*Dh] whose rotation writes the cells "
             "in one kernel (ops.writes_in_kernel), a head dim of at least 32, and a window "
             f"attend_short holds, with SHORT_ROTATES on; got qkv {list(qkv.shape)} "
             f"{qkv.dtype} on {qkv.device}, head dim {heads.head_dim}, {n_ctx} cells")
-    return rotate_attend_triton(qkv, heads, cos, sin, positions, cells, n_ctx, mask, scale,
-                                ahead=ahead)
+    return rotate_attend_triton(qkv, heads, cos, sin, positions, cells, n_ctx, mask, scale)
 
 
 def rotate_attend_triton(qkv: torch.Tensor, heads: ops.QKHeads, cos: torch.Tensor,
                          sin: torch.Tensor, positions: torch.Tensor, cells: LayerCells,
                          n_ctx: int, mask: torch.Tensor | None, scale: float, *,
-                         ahead: torch.Tensor | None = None,
                          num_warps: int | None = None) -> torch.Tensor:
     """`rotate_attend` by its kernel, however the call came (the tests' interpreter)."""
     h, g, dh = heads.n_heads, heads.n_kv_heads, heads.head_dim
@@ -305,9 +300,9 @@ def rotate_attend_triton(qkv: torch.Tensor, heads: ops.QKHeads, cos: torch.Tenso
     _kernels().rotate_attend_short[(g,)](
         qkv, weight, cos, sin, cells.k, cells.v, mask if mask is not None else qkv, positions,
         out, n_ctx, h, g, h // g, heads.eps, scale, keys.stride(0), keys.stride(1),
-        values.stride(0), values.stride(1), **cache_hints.ahead_options("attention", ahead, qkv),
-        NORM=ops.NORMS[heads.norm], HAS_MASK=mask is not None, BLOCK_C=block_c,
-        BLOCK_R=_block(h // g, 16), BLOCK_P=_block(max(h, g)), HEAD_DIM=dh,
+        values.stride(0), values.stride(1), NORM=ops.NORMS[heads.norm],
+        HAS_MASK=mask is not None, BLOCK_C=block_c, BLOCK_R=_block(h // g, 16),
+        BLOCK_P=_block(max(h, g)), HEAD_DIM=dh,
         VALUES_FIRST=block_c * dh <= SHORT_VALUES_FIRST_ELEMENTS,
         num_warps=SHORT_WARPS if num_warps is None else num_warps,
         **dependent_launch.kernel_options(qkv.device))

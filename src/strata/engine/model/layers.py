@@ -156,7 +156,6 @@ class Attention:
         n_ctx: int,
         mask: torch.Tensor | None,
         causal: bool,
-        ahead: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The tokens' q/k/v projection qkv [T, H*Dh + 2*G*Dh] -> [T, D] (the decoder layer
         computes qkv with the norm before it: `products.add_norm_linear`). Writes K/V at
@@ -166,15 +165,14 @@ class Attention:
         are written, and the attended cells dequantized to qkv's dtype as they are read).
         mask [T, N] (`attention_mask`: added to the scores) or None; None with `causal` means
         causally, the T tokens being the last T of the N cells (a prompt chunk); None without
-        `causal` means every cell (one token: decode). `ahead`: a weight one token's kernel
-        may ask into the L2 cache (`cache_hints`), or None.
+        `causal` means every cell (one token: decode).
         """
         # One token's output product reads its weights beside attention (`products`).
         if not causal and decode_attention.rotates(qkv, self.heads, cells, n_ctx, positions):
             # One token over a short window: the rotation, the K/V write and attention as one
             # kernel.
             out = decode_attention.rotate_attend(qkv, self.heads, cos, sin, positions, cells,
-                                                 n_ctx, mask, self.scale, ahead)  # [1, H*Dh]
+                                                 n_ctx, mask, self.scale)  # [1, H*Dh]
             return products.linear(out, self.wo, self.bo)  # [1, D]
         # q's and k's heads normed and rotated side by side, k and v stored: one op.
         q = rotate_and_write(qkv, self.heads, cos, sin, positions, cells)  # [T, H, Dh]
@@ -277,10 +275,6 @@ class DecoderLayer:
         self.mlp_norm = w["mlp_norm"]  # [D]
         self.attn = Attention(cfg, w)
         self.moe = MoE(cfg, layer, w)
-        # The next layer's q/k/v weight, which a one-token step's kernels here may ask into
-        # the L2 cache before that layer's product reads it (`cache_hints`); set by `MoEModel`,
-        # None for the last layer.
-        self.ahead: torch.Tensor | None = None
 
     def forward(
         self,
@@ -305,15 +299,14 @@ class DecoderLayer:
         else:
             x, normed = add_rms_norm(x, delta, self.attn_norm, self.eps)  # [T, D] each
             qkvs = [products.linear(normed[span.rows], attn.wqkv, attn.bqkv) for span in spans]
-        ahead = self.ahead if x.shape[0] == 1 else None
         attended = [
             attn.attend(qkv, span.cos, span.sin, span.positions, cells, span.n_ctx, span.mask,
-                        span.causal, ahead)
+                        span.causal)
             for qkv, span in zip(qkvs, spans, strict=True)
         ]  # [b - a, D] each
         attended = attended[0] if len(attended) == 1 else torch.cat(attended)  # [T, D]
         moe = self.moe
         h, normed, ids, weights = add_norm_router_route(
-            x, attended, self.mlp_norm, self.eps, moe.router, moe.top_k, moe.normalize, ahead
+            x, attended, self.mlp_norm, self.eps, moe.router, moe.top_k, moe.normalize
         )  # [T, D] each, then [T, K] each
         return h, moe.forward_routed(normed, ids, weights, experts)

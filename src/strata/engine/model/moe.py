@@ -9,7 +9,6 @@ roles present. Experts are computed through the `Experts` interface only.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -77,8 +76,6 @@ class MoEModel:
         # `dtype`; they compute in `dtype` either way.
         self.experts_quant = experts_quant
         self.layers = layers
-        for layer, after in itertools.pairwise(layers):
-            layer.ahead = after.attn.wqkv  # asked into L2 where `cache_hints.AHEAD` says
         self.embed = global_weights["embed"]  # [V, D]
         self.final_norm = global_weights["final_norm"]  # [D]
         self.lm_head = global_weights.get("lm_head", self.embed)  # [V, D] (tied: the embedding)

@@ -275,11 +275,11 @@ def router_route(
 
 def add_norm_router_route(
     x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    router: torch.Tensor, top_k: int, normalize: bool, ahead: torch.Tensor | None = None
+    router: torch.Tensor, top_k: int, normalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h, normed, ids, weights): `add_rms_norm` of x and delta [T, D] (delta None: h = x) by
     norm_weight [D], then `router_route` of normed by router [E, D] (ids [T, K] int64,
-    weights [T, K] float32). `ahead`: a weight the kernel may ask into L2 (`cache_hints`).
+    weights [T, K] float32).
 
     A decode layer's residual sum after attention, the MoE's norm and its routing. On CUDA
     where `NORM_ROUTER_KERNEL`, for up to ROUTER_MAX_TOKENS tokens and D up to
@@ -289,7 +289,7 @@ def add_norm_router_route(
     if (NORM_ROUTER_KERNEL and use_kernels(x) and x.shape[0] <= ROUTER_MAX_TOKENS
             and x.shape[-1] <= MAX_KERNEL_WIDTH):
         return add_norm_router_route_triton(x, delta, norm_weight, eps, router, top_k,
-                                            normalize, ahead=ahead)
+                                            normalize)
     h, normed = add_rms_norm(x, delta, norm_weight, eps)
     return (h, normed, *router_route(normed, router, top_k, normalize))
 

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from strata.engine import cache_hints, dependent_launch
+from strata.engine import dependent_launch
 from strata.engine.model.op_kernels import NORM_WARPS, block, kernels
 
 __all__ = ["ROUTER_BLOCK_D", "ROUTER_MAX_TOKENS", "ROUTER_SPLITS", "ROUTER_WARPS",
@@ -128,8 +128,8 @@ def router_route_triton(
 
 def add_norm_router_route_triton(
     x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    router: torch.Tensor, top_k: int, normalize: bool, *, ahead: torch.Tensor | None = None,
-    splits: int | None = None, block_d: int | None = None, num_warps: int = NORM_WARPS
+    router: torch.Tensor, top_k: int, normalize: bool, *, splits: int | None = None,
+    block_d: int | None = None, num_warps: int = NORM_WARPS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ops.add_norm_router_route` by its one Triton kernel (under Triton's interpreter on the
     CPU in tests): (h, normed [T, D], ids [T, K] int64, weights [T, K] float32) for x, delta
@@ -139,10 +139,7 @@ def add_norm_router_route_triton(
     (`num_warps`' default, NORM_WARPS), the row's squares summed in its order. ids and weights
     are those `router_route_triton` gives for that normed at the same launch shape (`splits`,
     `block_d`, `num_warps`: its arguments); at its own default of ROUTER_WARPS the last
-    program sums the splits' parts in another order, so a logit can round the other way.
-
-    `ahead`: the weight the programs ask into L2 (or its second half) where
-    `cache_hints.AHEAD` is "router" (or "both"): the next layer's q/k/v weight, or None."""
+    program sums the splits' parts in another order, so a logit can round the other way."""
     n_tokens, d = x.shape
     n_experts = router.shape[0]
     _check_router("add_norm_router_route_triton", x, router)
@@ -168,9 +165,8 @@ def add_norm_router_route_triton(
     kernels().add_norm_router_route[(n_tokens, splits)](
         x, delta, norm_weight, h, normed, router, partial, _arrived(x.device), ids, weights, d,
         n_experts, top_k, eps, x.stride(0), delta.stride(0), h.stride(0), normed.stride(0),
-        router.stride(0), blocks_per_split, **cache_hints.ahead_options("router", ahead, x),
-        HAS_DELTA=has_delta, NORMALIZE=normalize, SPLITS=splits, BLOCK_ROW=block(d),
-        BLOCK_D=block_d, BLOCK_E=block_e, BLOCK_K=block(top_k),
-        WEIGHTS_FIRST=ROUTER_WEIGHTS_FIRST, num_warps=num_warps,
+        router.stride(0), blocks_per_split, HAS_DELTA=has_delta, NORMALIZE=normalize,
+        SPLITS=splits, BLOCK_ROW=block(d), BLOCK_D=block_d, BLOCK_E=block_e,
+        BLOCK_K=block(top_k), WEIGHTS_FIRST=ROUTER_WEIGHTS_FIRST, num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return h, normed, ids, weights
