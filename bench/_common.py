@@ -38,6 +38,44 @@ def host_read_bytes_per_s(mib: int, repeat: int = 5) -> float:
     return buffer.numel() * 4 / min(times)
 
 
+# The H200's rates as issue 16 states its bound (2.37 GB a token at 4.3 TB/s) and bench/decode.py
+# has measured them: its device-to-device copy rate (bytes read and written) and its bf16
+# matrix rate.
+H200_BANDWIDTH_GBS = 4300.0
+H200_MATMUL_TFLOPS = 790.0
+
+
+def device_rates(device: torch.device, copy_mib: int = 1024,
+                 matmul_n: int = 8192) -> tuple[float, float, str]:
+    """(memory GB/s, bf16 matrix TFLOP/s, where they come from) of `device`, for a decode
+    bound and a MoE share: an H200's the constants above; any other device's measured now, the
+    best of 5 after a warm-up: a copy of `copy_mib` MiB from one buffer to another (its bytes
+    read and written, as the H200's were counted) and a [n, n] @ [n, n] bf16 product."""
+    if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device):
+        return H200_BANDWIDTH_GBS, H200_MATMUL_TFLOPS, "the H200's (issue 16's bound)"
+    src = torch.ones((copy_mib << 20) // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _best_s(lambda: dst.copy_(src), device)
+    a = torch.randn(matmul_n, matmul_n, device=device).to(torch.bfloat16)
+    matmul_s = _best_s(lambda: a @ a, device)
+    return (2 * src.numel() * 4 / copy_s / 1e9, 2 * matmul_n**3 / matmul_s / 1e12,
+            "measured in this run")
+
+
+def _best_s(fn, device: torch.device, repeat: int = 5) -> float:
+    """The shortest of `repeat` timings of fn() in seconds (the device waited for), after one
+    untimed call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def set_persisting_l2(mib: int) -> str | None:
     """Set aside `mib` MiB of the current CUDA device's L2 cache for lines marked evict_last
     (the context's persisting L2 limit, 0 by default; the driver rounds it to what the device

@@ -11,13 +11,16 @@ bound that strata reaches. Writes nothing else.
   token), so that its prefill is left out the same way. Medians over `--repeat` runs.
 - MoE share (CUDA): the routed experts of every layer over `--prompt-tokens` random rows, timed
   alone (`Experts.forward` as a prompt chunk calls it), their FLOPs (2 * T * K * 3 * F * D a
-  layer) against `--matmul-tflops` (default on cuda 790: the H200's measured bf16 rate).
+  layer) against `--matmul-tflops` (default on cuda the device's: `_common.device_rates`,
+  790 on an H200, its measured bf16 rate; measured in the run on any other GPU).
 - `--prefill-lengths`: more prompt lengths whose prefill alone is measured in the same run
   (strata's, with the MoE share of its chunk, and transformers'; 2 new tokens each), so that
   one run prints issue 16's table of prefill at every length beside the decode figures.
 - bound: the bytes one decode token must read (every dense weight, the K routed experts of each
   layer, the lm_head, the K/V at the mean context; from the config), against `--bandwidth-gbs`
-  (on cuda by default 4300 GB/s: the H200's measured device-to-device copy rate).
+  (on cuda by default the device's: 4300 GB/s on an H200, its measured device-to-device copy
+  rate and issue 16's bound; measured in the run on any other GPU, so that an H100's share is
+  of its own rate).
 
     python bench/decode.py --preset tiny --device cpu          # here, in a minute
     python bench/decode.py --preset olmoe-1b-7b --device cuda  # the GPU machine (~14 GB on disk)
@@ -42,7 +45,14 @@ from pathlib import Path
 
 import torch
 
-from _common import add_model_arguments, cli_sampling, free_memory, fresh_request, sync
+from _common import (
+    add_model_arguments,
+    cli_sampling,
+    device_rates,
+    free_memory,
+    fresh_request,
+    sync,
+)
 from decode_report import print_report
 from strata.engine.experts.quant import EXPERTS_DTYPES, expert_blob_bytes, experts_quant_for
 from strata.engine.model.init_model import write_checkpoint
@@ -50,9 +60,6 @@ from strata.engine.model.presets import BYTE_TOKENS, get_preset
 from strata.engine.runtime import decode_loop
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.generate import GenerateOptions, default_prefill_chunk
-
-H200_BANDWIDTH_GBS = 4300.0
-H200_MATMUL_TFLOPS = 790.0
 
 
 def moe_tflops(engine, n_tokens: int, repeat: int) -> tuple[float, float]:
@@ -219,8 +226,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine (median)")
     parser.add_argument(
         "--bandwidth-gbs", type=float,
-        help=f"memory bandwidth for the bound (default on cuda: {H200_BANDWIDTH_GBS:.0f}, the "
-        "H200's; on cpu: no bound unless given)",
+        help="memory bandwidth for the bound (default on cuda: the device's, 4300 on an H200, "
+        "else measured in the run; on cpu: no bound unless given)",
     )
     parser.add_argument("--no-transformers", action="store_true", help="strata alone")
     parser.add_argument(
@@ -238,8 +245,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[
                         "default_prefill_chunk)")
     parser.add_argument(
         "--matmul-tflops", type=float,
-        help=f"bf16 matrix throughput for the MoE share (default on cuda: "
-        f"{H200_MATMUL_TFLOPS:.0f}, the H200's; on cpu: no share unless given)",
+        help="bf16 matrix throughput for the MoE share (default on cuda: the device's, 790 on "
+        "an H200, else measured in the run; on cpu: no share unless given)",
     )
     parser.add_argument("--experts-dtype", default="",
                         help="comma-separated quantized --experts-dtype values (int8, int4, ...):"
@@ -295,9 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             progress=sys.stderr.isatty() and not args.json, router_skew=args.router_skew,
         )
         write_s = time.perf_counter() - start
-        matmul_tflops = args.matmul_tflops
-        if matmul_tflops is None and device.type == "cuda":
-            matmul_tflops = H200_MATMUL_TFLOPS
+        rates = device_rates(device) if device.type == "cuda" else (None, None, None)
+        matmul_tflops = args.matmul_tflops or rates[1]
         run = (ckpt, device, dtype, prompt, args.new_tokens, args.repeat, args.prefill_chunk)
         strata = run_strata(*run, moe_share=matmul_tflops is not None)
         free_memory(device)
@@ -337,9 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     config = strata.pop("config")
     itemsize = torch.empty((), dtype=dtype).element_size()
     token_bytes = bytes_per_token(config, itemsize, args.prompt_tokens + args.new_tokens / 2)
-    bandwidth_gbs = args.bandwidth_gbs
-    if bandwidth_gbs is None and device.type == "cuda":
-        bandwidth_gbs = H200_BANDWIDTH_GBS
+    bandwidth_gbs = args.bandwidth_gbs or rates[0]
     bound_tok_s = bandwidth_gbs * 1e9 / token_bytes if bandwidth_gbs else None
     result = {
         "preset": preset.name,
@@ -377,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         if bound_tok_s and compiled else None,
         "bytes_per_token": token_bytes,
         "bandwidth_gbs": bandwidth_gbs,
+        "bandwidth_from": "given" if args.bandwidth_gbs else rates[2],
         "bound_tok_s": bound_tok_s,
         "bound_share": strata["decode_tok_s"] / bound_tok_s if bound_tok_s else None,
         "tokens_equal_prefix": _common_prefix(strata["tokens"], peer["tokens"]) if peer else None,

@@ -79,7 +79,8 @@ def print_report(result: dict, args) -> None:
     line = f"bytes read per token: {si(token_bytes)}"
     if bound_tok_s:
         line += (
-            f"; bound at {bandwidth_gbs:.0f} GB/s: {bound_tok_s:.0f} tok/s; strata reaches "
+            f"; bound at {bandwidth_gbs:.0f} GB/s ({result['bandwidth_from']}): "
+            f"{bound_tok_s:.0f} tok/s; strata reaches "
             f"{100 * result['bound_share']:.1f}%"
         )
         if sampled:

@@ -8,7 +8,8 @@ random weights and random top-k routing (CUDA events, median of `--repeat` calls
 warm-up), the whole call, and, side by side, the activation as one kernel
 (`strata.engine.experts.activation.silu_and_mul`) against torch's `F.silu(gate) * up`, the two
 kernels it replaced. The products' share is their FLOPs (2 * R * 3 * F * D, R = T * K rows)
-against `--matmul-tflops` (790: the H200's measured bf16 rate), as bench/decode.py prints it.
+against `--matmul-tflops` (default the device's: 790 on an H200, its measured bf16 rate,
+else measured in the run: `_common.device_rates`), as bench/decode.py prints it.
 
 With `--experts-dtype int8,int4-g32` the same layer's experts are quantized too and each format's
 resident prompt call (`ResidentExperts.forward`) is timed two ways: the grouped products a
@@ -31,6 +32,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from _common import device_rates
 from strata.engine.experts import ExpertStore, ResidentExperts
 from strata.engine.experts.activation import silu_and_mul
 from strata.engine.experts.combine import weighted_sum
@@ -131,7 +133,9 @@ def main(argv=None) -> int:
                         help=f"comma-separated presets (default {','.join(SHAPES)})")
     parser.add_argument("--tokens", default="4096", help="comma-separated chunk lengths")
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--matmul-tflops", type=float, default=790.0)
+    parser.add_argument("--matmul-tflops", type=float,
+                        help="bf16 matrix TFLOP/s for the shares (default: the device's, 790 "
+                        "on an H200, else measured in the run)")
     parser.add_argument("--json-out", help="also write the figures as one JSON object here")
     parser.add_argument("--experts-dtype", default="",
                         help="comma-separated quantized formats also timed (int8, int4-g32, "
@@ -147,6 +151,7 @@ def main(argv=None) -> int:
         print("prompt_experts.py times the grouped products: bf16 on a CUDA GPU of compute "
               "capability 9.0 or later", file=sys.stderr)
         return 2
+    args.matmul_tflops = args.matmul_tflops or device_rates(probe.device)[1]
     rows = [one_shape(shape, int(tokens), args.repeat, args.matmul_tflops, fmts)
             for shape in args.shapes.split(",") for tokens in args.tokens.split(",")]
     result = {"command": "python bench/prompt_experts.py " + " ".join(argv or sys.argv[1:]),

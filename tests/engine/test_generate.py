@@ -196,12 +196,26 @@ def test_the_decode_bench_runs_the_clis_default_sampling_and_the_plain_loop_too(
     assert report["cli_sampling"] == defaults
     assert sampled["decode_tok_s"] > 0 and sampled["deterministic"]  # the same seed, the same
     assert report["bound_share_cli_sampling"] == sampled["decode_tok_s"] / report["bound_tok_s"]
+    assert report["bandwidth_gbs"] == 10 and report["bandwidth_from"] == "given"
     plain = report["strata_plain_loop"]  # the round ahead's A/B: the same tokens
     assert plain["tokens"] == report["strata"]["tokens"] and report["ahead_speedup"] > 0
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
     assert "strata-cli: `strata generate`'s default sampling" in printed
     assert "strata-plain: each round's token read before the next round" in printed
+    assert "bound at 10 GB/s (given)" in printed
+
+
+def test_the_benches_rates_are_the_h200s_there_and_measured_on_another_device(monkeypatch):
+    """An H200's rates are issue 16's constants; another device's are measured in the run (a
+    copy's bytes read and written, a bf16 product's FLOPs), so that a share is of the device's
+    own rate."""
+    common = load_bench("_common.py")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert common.device_rates(torch.device("cuda")) == (
+        common.H200_BANDWIDTH_GBS, common.H200_MATMUL_TFLOPS, "the H200's (issue 16's bound)")
+    gbs, tflops, where = common.device_rates(torch.device("cpu"), copy_mib=16, matmul_n=256)
+    assert 0.1 < gbs < 10_000 and 0 < tflops < 1000 and where == "measured in this run"
 
 
 def test_the_decode_bench_refuses_bad_prefill_lengths(capsys):
