@@ -55,17 +55,17 @@ def device_rates(device: torch.device, copy_mib: int = 1024,
         return H200_BANDWIDTH_GBS, H200_MATMUL_TFLOPS, "the H200's (issue 16's bound)"
     src = torch.ones((copy_mib << 20) // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    copy_s = _best_s(lambda: dst.copy_(src), device)
+    dst.copy_(src)  # warm-ups, untimed
+    copy_s = min(wall_times_s(lambda: dst.copy_(src), device, 5))
     a = torch.randn(matmul_n, matmul_n, device=device).to(torch.bfloat16)
-    matmul_s = _best_s(lambda: a @ a, device)
+    a @ a
+    matmul_s = min(wall_times_s(lambda: a @ a, device, 5))
     return (2 * src.numel() * 4 / copy_s / 1e9, 2 * matmul_n**3 / matmul_s / 1e12,
             "measured in this run")
 
 
-def _best_s(fn, device: torch.device, repeat: int = 5) -> float:
-    """The shortest of `repeat` timings of fn() in seconds (the device waited for), after one
-    untimed call."""
-    fn()
+def wall_times_s(fn, device: torch.device, repeat: int) -> list[float]:
+    """Wall seconds of each of `repeat` calls of fn(), the device synced around each."""
     times = []
     for _ in range(repeat):
         sync(device)
@@ -73,7 +73,7 @@ def _best_s(fn, device: torch.device, repeat: int = 5) -> float:
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
 
 
 def set_persisting_l2(mib: int) -> str | None:

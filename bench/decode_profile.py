@@ -47,14 +47,13 @@ import pstats
 import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from _common import add_model_arguments, byte_tokens, checkpoint_for, sync
+from _common import add_model_arguments, byte_tokens, checkpoint_for, sync, wall_times_s
 from strata.engine import cache_hints, dependent_launch
 from strata.engine.experts import grouped
 from strata.engine.model import decode_attention, ops, products, routing_ops
@@ -95,14 +94,7 @@ def kind_of(name: str) -> str:
 
 def timed(fn, device: torch.device, repeat: int) -> float:
     """Median wall seconds of `fn()` with the device synced around it."""
-    times = []
-    for _ in range(repeat):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(wall_times_s(fn, device, repeat))
 
 
 def kernels_of(fn, device: torch.device) -> list[tuple[str, float]]:
