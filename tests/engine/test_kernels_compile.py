@@ -115,3 +115,18 @@ def test_the_kernel_compiles_for_hopper(module, name):
     ptx = compiled.asm["ptx"]
     assert ".entry" in ptx and compiled.asm["cubin"]
     assert ("griddepcontrol.wait" in ptx) == ("USE_PDL" in kernel.arg_names)
+    _assert_arrivals_follow_a_barrier(ptx)
+
+
+def _assert_arrivals_follow_a_barrier(ptx: str) -> None:
+    """A program that counts its arrival after storing its part (`down_sum`, the router's
+    splits, the split attention's) does it with a scalar atomic, which one thread runs: Triton
+    puts a barrier before it, after every thread's stores, so the atomic's release publishes
+    them all to the program that acquires the last count. This checks that Triton still does."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    for i, line in enumerate(lines):
+        if "atom.global" in line:
+            before = lines[:i]
+            stores = [j for j, x in enumerate(before) if "st.global" in x]
+            barriers = [j for j, x in enumerate(before) if x.startswith("bar.sync")]
+            assert barriers and (not stores or barriers[-1] > stores[-1]), line

@@ -163,9 +163,6 @@ def down_sum(w_ptr, index_ptr, act_ptr, y_ptr, weights_ptr, out_ptr, arrived_ptr
         y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F,
                         act_stride, BLOCK_D, BLOCK_F, EVICT)
     tl.store(y_ptr + r * y_stride + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
-    # Every thread's part of the row stored before the one thread that counts it releases it:
-    # the release orders that thread's own writes, and those the barrier put before it.
-    tl.debug_barrier()
     if tl.atomic_add(arrived_ptr + b, 1, sem="acq_rel") == R - 1:
         total = tl.zeros([BLOCK_D], dtype=tl.float32)
         for k in range(0, R):
