@@ -87,9 +87,9 @@ KERNELS = {
 }
 
 
-def _launched_kernels() -> set[tuple[str, str]]:
-    """(module, name) of every @triton.jit function in strata's `_*_triton.py` modules that no
-    other one calls: the kernels a launch site launches (the rest are helpers)."""
+def _jitted() -> tuple[dict[str, tuple[str, ast.FunctionDef]], set[str]]:
+    """({name: (module, definition)} of every @triton.jit function in strata's `_*_triton.py`
+    modules, the names those functions call)."""
     root = Path(strata.__file__).parent
     jitted, called = {}, set()
     for path in sorted(root.rglob("_*_triton.py")):
@@ -97,10 +97,29 @@ def _launched_kernels() -> set[tuple[str, str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and any(
                     ast.unparse(d).startswith("triton.jit") for d in node.decorator_list):
-                jitted[node.name] = module
+                jitted[node.name] = (module, node)
                 called |= {ast.unparse(n.func).split(".")[-1] for n in ast.walk(node)
                            if isinstance(n, ast.Call)}
-    return {(module, name) for name, module in jitted.items() if name not in called}
+    return jitted, called
+
+
+def _launched_kernels() -> set[tuple[str, str]]:
+    """(module, name) of every @triton.jit function that no other one calls: the kernels a
+    launch site launches (the rest are helpers)."""
+    jitted, called = _jitted()
+    return {(module, name) for name, (module, _) in jitted.items() if name not in called}
+
+
+def test_no_helper_takes_a_default():
+    """A helper's default (a jit function another calls) reaches it as a plain Python value
+    with the GPU machine's Triton, the one torch 2.11 brings, where a constexpr string default
+    fails to compile ("'str' object has no attribute 'type'": a device call lost on
+    2026-12-06); CI's Triton 3.9 wraps it and compiles. So every call passes every argument,
+    and only kernels have defaults."""
+    jitted, called = _jitted()
+    with_defaults = sorted(f"{module}.{name}" for name, (module, node) in jitted.items()
+                           if name in called and (node.args.defaults or node.args.kw_defaults))
+    assert with_defaults == []
 
 
 def test_the_table_names_every_kernel_strata_launches():
