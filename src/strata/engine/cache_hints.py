@@ -15,7 +15,9 @@ those. Two switches, read at each launch (bench/decode_shapes.py's `hints` varia
 Both on: inside the whole olmoe-1b-7b's decode round on an H100 the round was 1.024x as fast,
 in two runs (1.018x with the experts' marks alone); qwen3-30b-a3b cut to 4 layers 1.007x,
 mixtral-8x7b cut to 2 1.001x (bench/results/l2-ahead-h100-2026-12-06.md). The bytes never
-change: only which lines L2 keeps does.
+change: only which lines L2 keeps does. Asking the next layer's q/k/v weight into L2 from the
+kernels before it (prefetches) was slower every way tried and is not here
+(bench/results/one-kernel-ahead-h100-2026-12-06.md; the code is in abb1e9e).
 """
 
 from __future__ import annotations
