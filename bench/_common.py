@@ -53,15 +53,22 @@ def device_rates(device: torch.device, copy_mib: int = 1024,
     read and written, as the H200's were counted) and a [n, n] @ [n, n] bf16 product."""
     if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device):
         return H200_BANDWIDTH_GBS, H200_MATMUL_TFLOPS, "the H200's (issue 16's bound)"
-    src = torch.ones((copy_mib << 20) // 4, dtype=torch.float32, device=device)
+    rates = _copy_gbs(device, copy_mib), _matmul_tflops(device, matmul_n)
+    free_memory(device)  # the buffers (2 GiB by default), before the engines load
+    return *rates, "measured in this run"
+
+
+def _copy_gbs(device: torch.device, mib: int) -> float:
+    src = torch.ones((mib << 20) // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-ups, untimed
-    copy_s = min(wall_times_s(lambda: dst.copy_(src), device, 5))
-    a = torch.randn(matmul_n, matmul_n, device=device).to(torch.bfloat16)
-    a @ a
-    matmul_s = min(wall_times_s(lambda: a @ a, device, 5))
-    return (2 * src.numel() * 4 / copy_s / 1e9, 2 * matmul_n**3 / matmul_s / 1e12,
-            "measured in this run")
+    dst.copy_(src)  # a warm-up, untimed
+    return 2 * src.numel() * 4 / min(wall_times_s(lambda: dst.copy_(src), device, 5)) / 1e9
+
+
+def _matmul_tflops(device: torch.device, n: int) -> float:
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    a @ a  # a warm-up, untimed
+    return 2 * n**3 / min(wall_times_s(lambda: a @ a, device, 5)) / 1e12
 
 
 def wall_times_s(fn, device: torch.device, repeat: int) -> list[float]:
