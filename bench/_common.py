@@ -8,6 +8,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -45,17 +46,27 @@ H200_BANDWIDTH_GBS = 4300.0
 H200_MATMUL_TFLOPS = 790.0
 
 
+class DeviceRates(NamedTuple):
+    """A device's rates for a decode bound and a MoE share, and the ones measured in the run."""
+    bandwidth_gbs: float  # what the bound divides by
+    matmul_tflops: float  # what the MoE share divides by
+    source: str  # where those two come from
+    measured_copy_gbs: float  # a device-to-device copy's bytes read and written a second
+    measured_matmul_tflops: float  # a bf16 product's
+
+
 def device_rates(device: torch.device, copy_mib: int = 1024,
-                 matmul_n: int = 8192) -> tuple[float, float, str]:
-    """(memory GB/s, bf16 matrix TFLOP/s, where they come from) of `device`, for a decode
-    bound and a MoE share: an H200's the constants above; any other device's measured now, the
-    best of 5 after a warm-up: a copy of `copy_mib` MiB from one buffer to another (its bytes
-    read and written, as the H200's were counted) and a [n, n] @ [n, n] bf16 product."""
-    if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device):
-        return H200_BANDWIDTH_GBS, H200_MATMUL_TFLOPS, "the H200's (issue 16's bound)"
-    rates = _copy_gbs(device, copy_mib), _matmul_tflops(device, matmul_n)
+                 matmul_n: int = 8192) -> DeviceRates:
+    """`device`'s rates: on an H200 the constants above (issue 16's bound); on any other device
+    the ones measured now, the best of 5 after a warm-up: a copy of `copy_mib` MiB from one
+    buffer to another (its bytes read and written, as the H200's were counted) and a [n, n] @
+    [n, n] bf16 product. Both are measured on an H200 too, and recorded beside its constants."""
+    copy_gbs, matmul_tflops = _copy_gbs(device, copy_mib), _matmul_tflops(device, matmul_n)
     free_memory(device)  # the buffers (2 GiB by default), before the engines load
-    return *rates, "measured in this run"
+    if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device):
+        return DeviceRates(H200_BANDWIDTH_GBS, H200_MATMUL_TFLOPS,
+                           "the H200's (issue 16's bound)", copy_gbs, matmul_tflops)
+    return DeviceRates(copy_gbs, matmul_tflops, "measured in this run", copy_gbs, matmul_tflops)
 
 
 def _copy_gbs(device: torch.device, mib: int) -> float:

@@ -20,7 +20,7 @@ bound that strata reaches. Writes nothing else.
   layer, the lm_head, the K/V at the mean context; from the config), against `--bandwidth-gbs`
   (on cuda by default the device's: 4300 GB/s on an H200, its measured device-to-device copy
   rate and issue 16's bound; measured in the run on any other GPU, so that an H100's share is
-  of its own rate).
+  of its own rate; the rates measured in the run are in the JSON on an H200 too).
 
     python bench/decode.py --preset tiny --device cpu          # here, in a minute
     python bench/decode.py --preset olmoe-1b-7b --device cuda  # the GPU machine (~14 GB on disk)
@@ -302,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             progress=sys.stderr.isatty() and not args.json, router_skew=args.router_skew,
         )
         write_s = time.perf_counter() - start
-        rates = device_rates(device) if device.type == "cuda" else (None, None, None)
-        matmul_tflops = args.matmul_tflops or rates[1]
+        rates = device_rates(device) if device.type == "cuda" else None
+        matmul_tflops = args.matmul_tflops or (rates.matmul_tflops if rates else None)
         run = (ckpt, device, dtype, prompt, args.new_tokens, args.repeat, args.prefill_chunk)
         strata = run_strata(*run, moe_share=matmul_tflops is not None)
         free_memory(device)
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     config = strata.pop("config")
     itemsize = torch.empty((), dtype=dtype).element_size()
     token_bytes = bytes_per_token(config, itemsize, args.prompt_tokens + args.new_tokens / 2)
-    bandwidth_gbs = args.bandwidth_gbs or rates[0]
+    bandwidth_gbs = args.bandwidth_gbs or (rates.bandwidth_gbs if rates else None)
     bound_tok_s = bandwidth_gbs * 1e9 / token_bytes if bandwidth_gbs else None
     result = {
         "preset": preset.name,
@@ -381,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         if bound_tok_s and compiled else None,
         "bytes_per_token": token_bytes,
         "bandwidth_gbs": bandwidth_gbs,
-        "bandwidth_from": "given" if args.bandwidth_gbs else rates[2],
+        "bandwidth_from": "given" if args.bandwidth_gbs else (rates.source if rates else None),
+        "measured_copy_gbs": rates.measured_copy_gbs if rates else None,
+        "measured_matmul_tflops": rates.measured_matmul_tflops if rates else None,
         "bound_tok_s": bound_tok_s,
         "bound_share": strata["decode_tok_s"] / bound_tok_s if bound_tok_s else None,
         "tokens_equal_prefix": _common_prefix(strata["tokens"], peer["tokens"]) if peer else None,

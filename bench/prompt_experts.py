@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         print("prompt_experts.py times the grouped products: bf16 on a CUDA GPU of compute "
               "capability 9.0 or later", file=sys.stderr)
         return 2
-    args.matmul_tflops = args.matmul_tflops or device_rates(probe.device)[1]
+    args.matmul_tflops = args.matmul_tflops or device_rates(probe.device).matmul_tflops
     rows = [one_shape(shape, int(tokens), args.repeat, args.matmul_tflops, fmts)
             for shape in args.shapes.split(",") for tokens in args.tokens.split(",")]
     result = {"command": "python bench/prompt_experts.py " + " ".join(argv or sys.argv[1:]),

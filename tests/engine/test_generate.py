@@ -197,6 +197,7 @@ def test_the_decode_bench_runs_the_clis_default_sampling_and_the_plain_loop_too(
     assert sampled["decode_tok_s"] > 0 and sampled["deterministic"]  # the same seed, the same
     assert report["bound_share_cli_sampling"] == sampled["decode_tok_s"] / report["bound_tok_s"]
     assert report["bandwidth_gbs"] == 10 and report["bandwidth_from"] == "given"
+    assert report["measured_copy_gbs"] is None  # measured on CUDA only
     plain = report["strata_plain_loop"]  # the round ahead's A/B: the same tokens
     assert plain["tokens"] == report["strata"]["tokens"] and report["ahead_speedup"] > 0
     assert bench.main(argv) == 0
@@ -207,15 +208,24 @@ def test_the_decode_bench_runs_the_clis_default_sampling_and_the_plain_loop_too(
 
 
 def test_the_benches_rates_are_the_h200s_there_and_measured_on_another_device(monkeypatch):
-    """An H200's rates are issue 16's constants; another device's are measured in the run (a
-    copy's bytes read and written, a bf16 product's FLOPs), so that a share is of the device's
-    own rate."""
+    """An H200's rates are issue 16's constants (its measured ones recorded beside them);
+    another device's are measured in the run (a copy's bytes read and written, a bf16
+    product's FLOPs), so that a share is of the device's own rate."""
     common = load_bench("_common.py")
+    cpu = common.device_rates(torch.device("cpu"), copy_mib=16, matmul_n=256)
+    assert 0.1 < cpu.bandwidth_gbs < 10_000 and 0 < cpu.matmul_tflops < 1000
+    assert cpu.source == "measured in this run"
+    assert (cpu.measured_copy_gbs, cpu.measured_matmul_tflops) == \
+        (cpu.bandwidth_gbs, cpu.matmul_tflops)
+    # An H200 (named so; its measurements stood in by the CPU's): the constants, and the
+    # measured rates beside them.
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(common, "_copy_gbs", lambda device, mib: 123.0)
+    monkeypatch.setattr(common, "_matmul_tflops", lambda device, n: 4.5)
+    monkeypatch.setattr(common, "free_memory", lambda device: None)
     assert common.device_rates(torch.device("cuda")) == (
-        common.H200_BANDWIDTH_GBS, common.H200_MATMUL_TFLOPS, "the H200's (issue 16's bound)")
-    gbs, tflops, where = common.device_rates(torch.device("cpu"), copy_mib=16, matmul_n=256)
-    assert 0.1 < gbs < 10_000 and 0 < tflops < 1000 and where == "measured in this run"
+        common.H200_BANDWIDTH_GBS, common.H200_MATMUL_TFLOPS, "the H200's (issue 16's bound)",
+        123.0, 4.5)
 
 
 def test_the_decode_bench_refuses_bad_prefill_lengths(capsys):
