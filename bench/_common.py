@@ -39,9 +39,8 @@ def host_read_bytes_per_s(mib: int, repeat: int = 5) -> float:
     return buffer.numel() * 4 / min(times)
 
 
-# The H200's rates as issue 16 states its bound (2.37 GB a token at 4.3 TB/s) and bench/decode.py
-# has measured them: its device-to-device copy rate (bytes read and written) and its bf16
-# matrix rate.
+# The H200's rates as issue 16 states its bound (2.37 GB a token at 4.3 TB/s), from earlier
+# measurements: its device-to-device copy rate and its bf16 matrix rate.
 H200_BANDWIDTH_GBS = 4300.0
 H200_MATMUL_TFLOPS = 790.0
 
@@ -59,8 +58,8 @@ def device_rates(device: torch.device, copy_mib: int = 1024,
                  matmul_n: int = 8192) -> DeviceRates:
     """`device`'s rates: on an H200 the constants above (issue 16's bound); on any other device
     the ones measured now, the best of 5 after a warm-up: a copy of `copy_mib` MiB from one
-    buffer to another (its bytes read and written, as the H200's were counted) and a [n, n] @
-    [n, n] bf16 product. Both are measured on an H200 too, and recorded beside its constants."""
+    buffer to another (its bytes read and written) and a [n, n] @ [n, n] bf16 product. Both
+    are measured on an H200 too and returned beside its constants, to compare them."""
     copy_gbs, matmul_tflops = _copy_gbs(device, copy_mib), _matmul_tflops(device, matmul_n)
     free_memory(device)  # the buffers (2 GiB by default), before the engines load
     if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device):
