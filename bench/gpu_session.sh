@@ -79,9 +79,9 @@
 # interleaved; the first run on a machine measures the rates), offload-loan (4: the 4,096-token
 # prefill with the loan's uploads in 1 and in 4 pipelined batches, qwen3 then olmoe),
 # l2-keep (1: bench/l2_keep.py, whether a weight read ahead stays in L2 across the
-# experts' reads; then again with 30 MiB of L2 set aside for lines marked evict_last), decode-shapes (3: bench/decode_shapes.py, the experts' decode kernels'
-# launch shapes timed inside the whole olmoe-1b-7b's decode round; SHAPES_KERNELS=down sweeps
-# one kernel's, SHAPES_KERNELS=products the dense products' kernel's against cuBLAS, SHAPES_KERNELS=norm_product
+# experts' reads; then again with 30 MiB of L2 set aside for lines marked evict_last),
+# decode-shapes (3: bench/decode_shapes.py, the experts' decode kernels' launch shapes
+# timed inside the whole olmoe-1b-7b's decode round; SHAPES_KERNELS=down sweeps one kernel's, SHAPES_KERNELS=products the dense products' kernel's against cuBLAS, SHAPES_KERNELS=norm_product
 # the norm inside q/k/v's product at its tiles against the two kernels,
 # SHAPES_KERNELS=logits,router,attention the staged changes against the default,
 # SHAPES_KERNELS=hints the L2 marks; SHAPES_ARGS more of its flags, e.g. --position 1024),
