@@ -93,6 +93,34 @@ def wall_times_s(fn, device: torch.device, repeat: int) -> list[float]:
     return times
 
 
+def side_by_side(rounds: list, device: torch.device, sweeps: int) -> list[dict]:
+    """Time rounds (each a function: one decode round, a graph's replay) against the first,
+    the default: `sweeps` sweeps over all of them, each sweep in the other order than the one
+    before, so that a drift of the machine during the run (seen: 5-10% between rows timed
+    minutes apart) falls on every round alike. Each timed call follows an untimed call of the
+    same round, so that it finds the device as a decode loop leaves it, after a round of its
+    own, not as the round timed before left it (an eager round before the default's, in every
+    other sweep, left it 3-4% slower than the same graph captured again:
+    bench/results/profile-control-h100-2026-12-06.md). For each round: "ms", the median of its
+    calls; "x_default", the median over the sweeps of the default's call over its own in the
+    same sweep (above 1: faster than the default); "x_default_q", that ratio's first and third
+    quartiles (quartiles that take in 1: not told apart from the default)."""
+    times: list[list[float]] = [[] for _ in rounds]
+    order = list(range(len(rounds)))
+    for sweep in range(sweeps):
+        for i in order if sweep % 2 == 0 else order[::-1]:
+            rounds[i]()  # the round before it: untimed
+            times[i].append(wall_times_s(rounds[i], device, 1)[0])
+    figures = []
+    for seconds in times:
+        ratios = [base / own for base, own in zip(times[0], seconds, strict=True)]
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        figures.append({"ms": 1e3 * statistics.median(seconds),
+                        "x_default": statistics.median(ratios),
+                        "x_default_q": [quartiles[0], quartiles[2]]})
+    return figures
+
+
 def set_persisting_l2(mib: int) -> str | None:
     """Set aside `mib` MiB of the current CUDA device's L2 cache for lines marked evict_last
     (the context's persisting L2 limit, 0 by default; the driver rounds it to what the device

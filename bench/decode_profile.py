@@ -15,21 +15,16 @@ each layer's sum after attention, the MoE's norm and its routing as `add_rms_nor
 by cuBLAS instead of the kernel that reads its weights before its wait
 (`products.PRODUCT_KERNEL`), with each layer's first norm as `add_rms_norm` before q/k/v's
 product instead of inside its kernel (`products.NORM_PRODUCT_KERNEL`), with no weight load
-marked evict_first for L2 (`cache_hints`), three changes each
-switched on (the logits' product by that kernel, `products.LOGITS_KERNEL`; the router's weights
-read before its wait, `routing_ops.ROUTER_WEIGHTS_FIRST`; a short window attended in one program
-a kv head, its cells read before its wait, `decode_attention.SHORT_KERNEL`; the same with the
-rotation and the K/V write folded in, `decode_attention.SHORT_ROTATES`: these two on by default
-since bench/results/decode-shapes-short-h100-2026-12-05.md, their rows then the default's;
-down's index and first weight tile read before its wait, `grouped.DOWN_W_FIRST`, at the default
-blocks and with each program's rows whole, DOWN_ROWS_FIRST of them), and
-`--compile`'s
-(compiled with the experts' Triton kernels as a custom operator; `--gathered-compile` adds
-the gathered path under inductor, the code before that operator).
+marked evict_first for L2 (`cache_hints`), with the logits' product by cuBLAS instead of that
+kernel (`products.LOGITS_KERNEL`), `--compile`'s (compiled with the experts' Triton kernels as
+a custom operator; `--gathered-compile` adds the gathered path under inductor, the code before
+that operator), and, last, the default's graph captured again: the control.
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
-(torch.profiler): the kernels, their total, and the largest kinds by time. The decode rounds
-are then timed again side by side, in alternating sweeps ("ms_interleaved"): the figures to
-compare rows by, as the machine's speed drifts over a run.
+(torch.profiler): the kernels, their total, and the largest kinds by time. The graphs' rounds
+are then timed again side by side, in alternating sweeps, each timed round after an untimed
+one of its own ("ms_interleaved", and "x_default": each against the default's in the same
+sweeps, with its quartiles): the figures to compare rows by, as the machine's speed drifts over
+a run; the control's says how far apart two captures of one graph come out.
 
     python bench/decode_profile.py --preset olmoe-1b-7b --layers 4 --device cuda
     python bench/decode_profile.py --preset tiny --device cpu --no-compile   # the script's check
@@ -53,15 +48,20 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from _common import add_model_arguments, byte_tokens, checkpoint_for, sync, wall_times_s
+from _common import (
+    add_model_arguments,
+    byte_tokens,
+    checkpoint_for,
+    side_by_side,
+    sync,
+    wall_times_s,
+)
 from strata.engine import cache_hints, dependent_launch
 from strata.engine.experts import grouped
-from strata.engine.model import decode_attention, ops, products, routing_ops
+from strata.engine.model import decode_attention, ops, products
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.prompt_graphs import PromptGraphs
-
-DOWN_ROWS_FIRST = 8  # rows of down a program of the "+down-rows-first" row reads, each whole
 
 # strata's own Triton kernels by their exact names (a substring such as "down" would match
 # others): the experts' decode kernels and the sum of their rows.
@@ -151,22 +151,22 @@ def summary(label: str, fn, device: torch.device, repeat: int, tokens: int,
 
 
 def interleaved(captured: list, device: torch.device, repeat: int) -> None:
-    """Time the decode rounds again side by side: `repeat` sweeps over every row's round,
-    each sweep in the other order than the one before, one call a row a sweep, so that a
-    drift of the machine during the run (seen: 5-10% between rows timed minutes apart) falls
-    on every row alike. Each row gets "ms_interleaved", the median, and the table is printed."""
+    """Time the graph rows' decode rounds again side by side, the default's first
+    (`_common.side_by_side`: `repeat` sweeps, each timed round after one of its own, each row
+    against the default's round of the same sweep): each row gets "ms_interleaved",
+    "x_default" and "x_default_q", and the table is printed. The control row (the default's
+    graph captured again, last) shows how far two captures of one graph come out apart."""
     if len(captured) < 2:
         return
-    times: list[list[float]] = [[] for _ in captured]
-    order = list(range(len(captured)))
-    for sweep in range(repeat):
-        for i in order if sweep % 2 == 0 else order[::-1]:
-            times[i].append(timed(captured[i][1], device, 1))
-    print("\ndecode rounds timed side by side (medians of "
-          f"{repeat} sweeps, alternating order):")
-    for (row, _), seconds in zip(captured, times, strict=True):
-        row["ms_interleaved"] = 1e3 * statistics.median(seconds)
-        print(f"  {row['ms_interleaved']:8.3f} ms  {row['label']}")
+    figures = side_by_side([round_of for _, round_of in captured], device, repeat)
+    print(f"\ndecode rounds timed side by side (medians of {repeat} sweeps, alternating order; "
+          "x default: the default's round over the row's, median of the sweeps, quartiles):")
+    for (row, _), got in zip(captured, figures, strict=True):
+        row["ms_interleaved"], row["x_default"] = got["ms"], got["x_default"]
+        row["x_default_q"] = got["x_default_q"]
+        low, high = got["x_default_q"]
+        print(f"  {got['ms']:8.3f} ms  {got['x_default']:.3f}x ({low:.3f}-{high:.3f})  "
+              f"{row['label']}")
 
 
 def print_summary(row: dict) -> None:
@@ -246,29 +246,20 @@ def main(argv: list[str] | None = None) -> int:
                               "kernels", step_of(True), "norm-product"))
                 steps.append(("decode, CUDA graph, no weight load marked evict_first",
                               step_of(True), "hints"))
-                steps.append(("decode, CUDA graph, the logits by the kernel", step_of(True),
-                              "+logits"))
-                steps.append(("decode, CUDA graph, the router's weights read before its wait",
-                              step_of(True), "+router-first"))
-                steps.append(("decode, CUDA graph, attention in one program a kv head",
-                              step_of(True), "+short"))
-                steps.append(("decode, CUDA graph, the rotation and attention in one program "
-                              "a kv head", step_of(True), "+rotate"))
+                steps.append(("decode, CUDA graph, the logits by cuBLAS", step_of(True),
+                              "logits"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
-                    steps.append(("decode, CUDA graph, down's first weight tile read before "
-                                  "its wait", step_of(True), "+down-first"))
-                    steps.append((f"decode, CUDA graph, down's whole rows read before its "
-                                  f"wait ({DOWN_ROWS_FIRST} a program)", step_of(True),
-                                  "+down-rows-first"))
                 if not args.no_compile:
                     steps.append(("decode, --compile", step_of(True, True), None))
+                # The control: the default's graph captured again, last (`interleaved`).
+                steps.append(("decode, CUDA graph (default, captured again)", step_of(True),
+                              None))
             # What each row's graph is captured with: (object, attribute, value) set while
             # it is captured, then put back. "ops": the layer ops' torch code; "attention":
             # SDPA's folded path; "sum": `down`, then the combine; "pdl": every kernel
-            # launched plainly; "products": F.linear; "+short", "+rotate": `attend_short`,
-            # `rotate_attend`.
+            # launched plainly; "products", "logits": F.linear.
             switches = {
                 None: (),
                 "ops": ((ops, "use_kernels", lambda x: False),),
@@ -281,21 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 "norm-product": ((products, "NORM_PRODUCT_KERNEL", False),),
                 "hints": ((cache_hints, "EXPERTS_EVICT_FIRST", False),
                           (cache_hints, "PRODUCTS_EVICT_FIRST", False)),
-                "+logits": ((products, "LOGITS_KERNEL", True),),
-                "+router-first": ((routing_ops, "ROUTER_WEIGHTS_FIRST", True),),
-                "+short": ((decode_attention, "SHORT_KERNEL", True),),
-                "+rotate": ((decode_attention, "SHORT_KERNEL", True),
-                            (decode_attention, "SHORT_ROTATES", True)),
-                "+down-first": ((grouped, "DOWN_W_FIRST", True),),
-                # A program's rows of down whole (a step of F's power of two), all read
-                # before the wait; its own arrival counter, as the blocks of D are smaller.
-                "+down-rows-first": (
-                    (grouped, "DOWN_W_FIRST", True),
-                    (grouped, "DOWN_BLOCK_D", DOWN_ROWS_FIRST),
-                    (grouped, "DOWN_BLOCK_F", 1 << (model.config.expert_width - 1).bit_length()),
-                    (model.experts, "_sum_arrivals", torch.zeros(
-                        -(-model.config.hidden_size // DOWN_ROWS_FIRST), dtype=torch.int32,
-                        device=device))),
+                "logits": ((products, "LOGITS_KERNEL", False),),
             }
             captured = []  # (row, its round): timed again side by side below
             for label, step, without in steps:
@@ -312,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(summary(label, lambda step=step: step(1, args.position), device,
                                     args.repeat, 1, args.host_profile and step.path == "eager"))
                 print_summary(rows[-1])
-                captured.append((rows[-1], lambda step=step: step(1, args.position)))
+                if step.path != "eager":  # the graphs are compared side by side
+                    captured.append((rows[-1], lambda step=step: step(1, args.position)))
             interleaved(captured, device, args.repeat)
             if on_cuda and args.gathered_compile:
                 # The experts as inductor compiles the gathered path (no custom operator).

@@ -81,10 +81,12 @@
 # l2-keep (1: bench/l2_keep.py, whether a weight read ahead stays in L2 across the
 # experts' reads; then again with 30 MiB of L2 set aside for lines marked evict_last),
 # decode-shapes (3: bench/decode_shapes.py, the experts' decode kernels' launch shapes
-# timed inside the whole olmoe-1b-7b's decode round; SHAPES_KERNELS=down sweeps one kernel's, SHAPES_KERNELS=products the dense products' kernel's against cuBLAS, SHAPES_KERNELS=norm_product
-# the norm inside q/k/v's product at its tiles against the two kernels,
-# SHAPES_KERNELS=logits,router,attention the staged changes against the default,
-# SHAPES_KERNELS=hints the L2 marks; SHAPES_ARGS more of its flags, e.g. --position 1024),
+# timed inside the whole olmoe-1b-7b's decode round, side by side; SHAPES_KERNELS=down sweeps
+# one kernel's, SHAPES_KERNELS=products the dense products' kernel's against cuBLAS,
+# SHAPES_KERNELS=norm_product the norm inside q/k/v's product at its tiles against the two
+# kernels, SHAPES_KERNELS=logits,router,attention the logits' kernel, the router's splits and
+# the short attention's forms against the default, SHAPES_KERNELS=hints the L2 marks;
+# SHAPES_ARGS more of its flags, e.g. --position 1024),
 # decode-shapes-others (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to
 # 2), offload-profile (2: olmoe-1b-7b at 4 GiB, --stream-misses 4 with and without prefetch,
 # each decode run profiled: the device's copy engine and compute busy a round, the host's top

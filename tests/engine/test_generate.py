@@ -251,6 +251,43 @@ def test_the_decode_profile_times_chunks_and_rounds(tmp_path, capsys):
     assert all(row["ms"] > 0 and row["n_kernels"] == 0 for row in rows)  # no CUDA kernels
 
 
+def test_rounds_side_by_side_are_timed_by_sweep_each_after_a_round_of_its_own(monkeypatch):
+    """`_common.side_by_side`: every timed round follows an untimed round of the same function
+    (never the one timed before it), sweeps alternate their order, and each round's ratio is
+    taken against the default's round of the same sweep, so that a sweep's drift cancels."""
+    common = load_bench("_common.py")
+    calls: list[str] = []
+    sweep_speed = iter([1.0, 1.0, 2.0, 2.0, 1.5, 1.5])  # the machine drifts sweep to sweep
+    seconds = {"default": 1.0, "faster": 0.8}
+
+    def wall_times_s(fn, device, repeat):
+        fn()
+        return [seconds[calls[-1]] * next(sweep_speed)]
+
+    def round_of(name):
+        return lambda: calls.append(name)
+
+    monkeypatch.setattr(common, "wall_times_s", wall_times_s)
+    default, faster = common.side_by_side([round_of("default"), round_of("faster")],
+                                          torch.device("cpu"), 3)
+    assert calls == ["default"] * 2 + ["faster"] * 4 + ["default"] * 4 + ["faster"] * 2
+    assert default["x_default"] == 1.0 and default["x_default_q"] == [1.0, 1.0]
+    assert faster["x_default"] == pytest.approx(1.25)  # 1 / 0.8 in every sweep
+    assert faster["x_default_q"] == [pytest.approx(1.25)] * 2
+    assert faster["ms"] == pytest.approx(1200.0)  # 0.8 x the median drift 1.5
+
+
+def test_the_decode_profile_prints_each_row_against_the_default(monkeypatch, capsys):
+    bench = load_bench("decode_profile.py")
+    figures = [{"ms": 1.0, "x_default": 1.0, "x_default_q": [1.0, 1.0]},
+               {"ms": 0.8, "x_default": 1.25, "x_default_q": [1.2, 1.3]}]
+    monkeypatch.setattr(bench, "side_by_side", lambda rounds, device, sweeps: figures)
+    rows = [{"label": "default"}, {"label": "faster"}]
+    bench.interleaved([(row, None) for row in rows], torch.device("cpu"), 3)
+    assert rows[1]["ms_interleaved"] == 0.8 and rows[1]["x_default_q"] == [1.2, 1.3]
+    assert "1.250x (1.200-1.300)  faster" in capsys.readouterr().out
+
+
 def test_the_decode_bench_runs_quantized_experts_against_their_bound(capsys):
     bench = load_bench("decode.py")
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--repeat", "1",

@@ -106,10 +106,8 @@ results.append({"missing_rows_zero": bool(torch.equal(
                                              row.expand(2, 80)))
     and torch.equal(with_missing[[1, 3]], torch.zeros(2, 80)))})
 # The weighted sum inside `down` (one token's K rows): `combine`'s bytes, each launch leaving
-# the counter at zero for the next; D not a multiple of the block, and one block; with the
-# index and first weight tile read before the wait (DOWN_W_FIRST) and not, F one step of
-# DOWN_BLOCK_F (48), and three (300).
-from strata.engine.experts import grouped
+# the counter at zero for the next (three launches); D not a multiple of the block, and one
+# block; F one step of DOWN_BLOCK_F (48), and three (300).
 from strata.engine.experts.combine import weighted_sum_triton
 from strata.engine.experts.grouped import expert_sum_triton, sum_arrivals
 sums = []
@@ -123,12 +121,8 @@ for seed, (s, f, d, index, dtype) in enumerate([(5, 48, 80, [3, 0, 3, 4], torch.
     arrived = sum_arrivals(d, torch.device("cpu"))
     expected = weighted_sum_triton(expert_rows_triton(gate_up, down, index,
                                                       row.expand(len(index), d)), weights, dtype)
-    got = []
-    for w_first in (False, True, True):
-        grouped.DOWN_W_FIRST = w_first
-        got.append(expert_sum_triton(gate_up, down, index, row.expand(len(index), d), weights,
-                                     arrived))
-    grouped.DOWN_W_FIRST = False
+    got = [expert_sum_triton(gate_up, down, index, row.expand(len(index), d), weights,
+                             arrived) for _ in range(3)]
     sums.append({"same_bytes": all(torch.equal(g, expected) for g in got),
                  "shape": list(got[0].shape), "arrived": arrived.tolist()})
 results.append({"sums": sums})
@@ -193,21 +187,19 @@ def test_the_triton_kernels_on_cuda_match_and_repeat(f, d):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("f, d, k", [(1024, 2048, 8), (768, 2048, 8), (1792, 4096, 2)])
-@pytest.mark.parametrize("down", [(False, 32, 128), (True, 32, 128), (True, 8, 1024)],
-                         ids=["wait-first", "w-first", "w-first-whole-rows"])
+@pytest.mark.parametrize("down", [(32, 128), (8, 1024)], ids=["default-blocks", "whole-rows"])
 def test_on_cuda_the_sum_inside_down_gives_combines_bytes_eager_and_replayed(monkeypatch, f, d,
                                                                              k, down):
     """`expert_sum_triton` against `expert_rows_triton` at the same blocks then `weighted_sum`,
     byte for byte in bf16, eagerly and from a CUDA graph replayed several times (each replay
     finds its counter at zero), at the olmoe and qwen3 shapes and mixtral's D and K; down's
-    index and first weight tile read before its wait or not (`DOWN_W_FIRST`), that tile a step
-    or a whole row."""
+    programs at the default blocks and at 8 rows of a whole row each."""
     pytest.importorskip("triton")
     from strata.engine.experts import grouped
     from strata.engine.experts.combine import weighted_sum
     from strata.engine.experts.grouped import expert_sum_triton, sum_arrivals
 
-    for name, value in zip(("DOWN_W_FIRST", "DOWN_BLOCK_D", "DOWN_BLOCK_F"), down, strict=True):
+    for name, value in zip(("DOWN_BLOCK_D", "DOWN_BLOCK_F"), down, strict=True):
         monkeypatch.setattr(grouped, name, value)
 
     cuda = torch.device("cuda")
@@ -281,12 +273,12 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     for variant in tried[1:]:  # exactly one kernel's shape differs from the default
         assert sum(variant[k] != bench.DEFAULT[k] for k in bench.DEFAULT) == 1
     assert bench.CUBLAS in [v["products"] for v in tried]
-    saved = (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.DOWN_W_FIRST,
+    saved = (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F,
              grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS,
              grouped.NUM_STAGES,
              products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
              products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS,
-             products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
+             products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS,
              decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
              decode_attention.SHORT_WARPS)
 
@@ -297,16 +289,18 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     for switch in ("EXPERTS_EVICT_FIRST", "PRODUCTS_EVICT_FIRST"):
         monkeypatch.setattr(cache_hints, switch, getattr(cache_hints, switch))  # restored
     try:
-        bench.apply({**bench.DEFAULT, "down": (16, 256, 4, 1, True)}, experts, 2048,
+        bench.apply({**bench.DEFAULT, "down": (16, 256, 4, 1)}, experts, 2048,
                     torch.device("cpu"))
         assert experts._sum_arrivals.shape == (2048 // 16,)  # a counter per block of 16 rows
-        assert grouped.DOWN_W_FIRST and "down 16x256 w4 s1 w first" in bench.label(
-            {**bench.DEFAULT, "down": (16, 256, 4, 1, True)})
+        assert (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F) == (16, 256)
+        assert "down 16x256 w4 s1" in bench.label({**bench.DEFAULT, "down": (16, 256, 4, 1)})
         assert (bench.DEFAULT["gate_up"][3], 1) == grouped.NUM_STAGES
         assert (bench.DEFAULT["gate_up"][2], 4) == grouped.NUM_WARPS
-        bench.apply({**bench.DEFAULT, "products": (8192, 2), "logits": (True,)}, experts, 2048,
-                    torch.device("cpu"))
-        assert products.PRODUCT_KERNEL and products.LOGITS_KERNEL
+        bench.apply({**bench.DEFAULT, "products": (8192, 2), "logits": (False,)}, experts,
+                    2048, torch.device("cpu"))
+        assert products.PRODUCT_KERNEL and not products.LOGITS_KERNEL
+        assert "logits by cuBLAS" in bench.label({**bench.DEFAULT, "logits": (False,)})
+        assert "logits" not in bench.label(bench.DEFAULT)  # the kernel: the default
         assert (products.TILE_ELEMENTS, products.NUM_WARPS) == (8192, 2)
         bench.apply({**bench.DEFAULT, "products": bench.CUBLAS}, experts, 2048,
                     torch.device("cpu"))
@@ -319,9 +313,9 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         assert products.NORM_PRODUCT_KERNEL and products.NORM_TILE_ELEMENTS == 32768
         assert "norm in q/k/v's product 32768" in bench.label(
             {**bench.DEFAULT, "norm_product": (True, 32768)})
-        bench.apply({**bench.DEFAULT, "router": (16, True), "attention": (True, True, 16)},
+        bench.apply({**bench.DEFAULT, "router": (16,), "attention": (True, True, 16)},
                     experts, 2048, torch.device("cpu"))
-        assert (routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST) == (16, True)
+        assert routing_ops.ROUTER_SPLITS == 16
         assert decode_attention.SHORT_KERNEL and decode_attention.SHORT_ROTATES
         assert decode_attention.SHORT_WARPS == 16
         hints = {**bench.DEFAULT, "hints": (True, False)}
@@ -332,12 +326,12 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         assert bench.label({**bench.DEFAULT, "hints": (False, False)}).endswith(
             " / no evict_first")
     finally:
-        (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F, grouped.DOWN_W_FIRST,
+        (grouped.DOWN_BLOCK_D, grouped.DOWN_BLOCK_F,
          grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS,
          grouped.NUM_STAGES,
          products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
          products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS,
-         products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS, routing_ops.ROUTER_WEIGHTS_FIRST,
+         products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS,
          decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
          decode_attention.SHORT_WARPS) = saved
     if torch.cuda.is_available():

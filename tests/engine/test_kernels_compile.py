@@ -47,7 +47,7 @@ KERNELS = {
                              "BLOCK_K": 8}, 4),
     (OPS, "add_norm_router_route"): ({"HAS_DELTA": True, "NORMALIZE": False, "SPLITS": 64,
                                       "BLOCK_ROW": 2048, "BLOCK_D": 32, "BLOCK_E": 64,
-                                      "BLOCK_K": 8, "WEIGHTS_FIRST": False}, 8),
+                                      "BLOCK_K": 8}, 8),
     (OPS, "rope_and_mask"): ({"HAS_WINDOW": False, "LIBDEVICE": True, "HALF": 64,
                               "BLOCK_N": 1024}, 4),
     ("strata.engine.model._products_triton", "product_one"): (
@@ -69,8 +69,7 @@ KERNELS = {
         {"GROUP": 0, "BLOCK_R": 16, "BLOCK_C": 256}, 4),
     (f"{EXPERTS}._grouped_triton", "gate_up_act"): ({"BLOCK_F": 32, "BLOCK_D": 128}, 8),
     (f"{EXPERTS}._grouped_triton", "down"): ({"BLOCK_D": 32, "BLOCK_F": 128}, 8),
-    (f"{EXPERTS}._grouped_triton", "down_sum"): (
-        {"BLOCK_D": 32, "BLOCK_F": 128, "W_FIRST": False}, 8),
+    (f"{EXPERTS}._grouped_triton", "down_sum"): ({"BLOCK_D": 32, "BLOCK_F": 128}, 8),
     (f"{EXPERTS}._quantized_triton", "int8_act"): ({"BLOCK_F": 8, "BLOCK_D": 512}, 4),
     (f"{EXPERTS}._quantized_triton", "int8_down"): ({"BLOCK_D": 8, "BLOCK_F": 512}, 4),
     (f"{EXPERTS}._quantized_triton", "int4_act"): (

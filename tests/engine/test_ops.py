@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.engine.model import ops, routing_ops
+from strata.engine.model import ops
 from strata.engine.model.kv_cells import LayerCells
 from strata.engine.model.layers import attention_mask, rope_cos_sin, rope_inv_freq
 from strata.engine.model.moe import load_model
@@ -354,7 +354,7 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from test_ops import _norm_router_inputs, _same_bytes
-from strata.engine.model import ops, routing_ops
+from strata.engine.model import ops
 
 rows = []
 # (T, D, E, K, splits, block_d): the default launch (8 splits of one block); 4 splits, the
@@ -374,10 +374,6 @@ for dtype in (torch.bfloat16, torch.float16):
                                                    normalize, **shape)
             again = ops.add_norm_router_route_triton(x, given, weight, 1e-5, router, top_k,
                                                      normalize, **shape)
-            routing_ops.ROUTER_WEIGHTS_FIRST = True
-            first = ops.add_norm_router_route_triton(x, given, weight, 1e-5, router, top_k,
-                                                     normalize, **shape)
-            routing_ops.ROUTER_WEIGHTS_FIRST = False
             h, normed = ops.add_rms_norm_triton(x, given, weight, 1e-5)
             ids, weights = ops.router_route_triton(normed, router, top_k, normalize, **shape)
             rows.append({
@@ -387,8 +383,7 @@ for dtype in (torch.bfloat16, torch.float16):
                 "normed_equal": _same_bytes(got[1], normed),
                 "ids_equal": _same_bytes(got[2], ids),
                 "weights_equal": _same_bytes(got[3], weights),
-                "repeats": all(_same_bytes(a, b) for a, b in zip(got, again)),
-                "weights_first": all(_same_bytes(a, b) for a, b in zip(got, first))})
+                "repeats": all(_same_bytes(a, b) for a, b in zip(got, again))})
 # The op switched on (its kernel at the default launch) against the op switched off (the two
 # kernels), as a layer calls it.
 switched = []
@@ -406,14 +401,13 @@ def test_the_norm_and_router_kernel_under_the_interpreter_is_the_two_kernels():
     """h and normed are `add_rms_norm_triton`'s bytes, ids and weights `router_route_triton`'s
     of that normed at the same launch shape (the interpreter's sums are numpy's, in one order
     whatever the warps; on a GPU, `test_on_cuda_the_norm_and_router_kernel_is_the_two_kernels`);
-    a second launch gives the same bytes (the arrival counts set back to 0), and so does one
-    that reads its router weights before its wait (`routing_ops.ROUTER_WEIGHTS_FIRST`)."""
+    a second launch gives the same bytes (the arrival counts set back to 0)."""
     pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
     results = run_interpreted(_NORM_ROUTER_INTERPRETED, os.path.dirname(__file__))
     assert len(results["rows"]) == 28
     for row in results["rows"]:
         assert all(row[key] for key in ("h_equal", "normed_equal", "ids_equal",
-                                        "weights_equal", "repeats", "weights_first")), row
+                                        "weights_equal", "repeats")), row
         # The interpreter narrows float32 to bf16 by truncation, not to nearest as torch and
         # the GPU do: in bf16 the kernels agree with each other, not with torch's sum.
         assert row["h_is_the_sum"] or row["dtype"] == "torch.bfloat16", row
@@ -567,10 +561,6 @@ def test_on_cuda_the_norm_and_router_kernel_is_the_two_kernels(monkeypatch, n_to
         assert _same_bytes(got[2], ids) and _same_bytes(got[3], weights)
         ids, weights = ops.router_route(normed, router, top_k, True)
         assert torch.equal(got[2], ids) and torch.allclose(got[3], weights, rtol=2e-2)
-        monkeypatch.setattr(routing_ops, "ROUTER_WEIGHTS_FIRST", True)  # the same bytes
-        first = ops.add_norm_router_route_triton(x, given, weight, 1e-6, router, top_k, True)
-        assert all(_same_bytes(a, b) for a, b in zip(first, got, strict=True))
-        monkeypatch.setattr(routing_ops, "ROUTER_WEIGHTS_FIRST", False)
     monkeypatch.setattr(ops, "NORM_ROUTER_KERNEL", True)
     eager = ops.add_norm_router_route(x, delta, weight, 1e-6, router, top_k, True)
     graph = torch.cuda.CUDAGraph()

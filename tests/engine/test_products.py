@@ -214,9 +214,9 @@ def test_the_kernels_under_the_interpreter(script):
 
 
 # (N, K) of the presets' decode products: olmoe's q/k/v and output, qwen3's, mixtral's, and
-# olmoe's logits.
+# the logits of olmoe, qwen3 and mixtral (`products.LOGITS_KERNEL`).
 SHAPES = [(6144, 2048), (2048, 2048), (5120, 2048), (2048, 4096), (6144, 4096), (4096, 4096),
-          (50304, 2048)]
+          (50304, 2048), (151936, 2048), (32000, 4096)]
 
 
 def _hopper() -> bool:

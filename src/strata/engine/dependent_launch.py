@@ -15,15 +15,11 @@ The rule that keeps it correct: every kernel launched this way waits first, befo
 writes anything (`_dependent_triton.wait_for_prior`), and only then lets its own dependents be
 set up. So a kernel never reads what the one it follows writes, and since that one waited on
 its own predecessor, nor what any earlier kernel writes. The exception is what no kernel of
-a round writes: `products`' kernel loads its weight rows before its wait (and, where switched
-on, `add_norm_router_route` its first block of the router's, and `decode_attention`'s short
-kernel the cells, reading again after its wait the one row the round writes), so that the
-read overlaps the kernel before. One more follows from the rule: a kernel's programs start
-only once every program of the one before it has waited, so whatever was written before
-*that* kernel is finished when they start; where switched on (`grouped.DOWN_W_FIRST`),
-`down_sum` reads its expert's index, written before `gate_up_act`, and the first tile of its
-weights before its own wait. tests/engine/test_dependent_launch.py checks the rule in the
-source and, compiled for compute capability 9.0, in the instructions. Kernels that are not
+a round writes: `products`' kernel loads its weight rows before its wait (and
+`decode_attention`'s short kernel the cells, reading again after its wait the one row the
+round writes), so that the read overlaps the kernel before.
+tests/engine/test_dependent_launch.py checks the rule in the source and, compiled for compute
+capability 9.0, in the instructions. Kernels that are not
 ours (cuBLAS, cuDNN, torch's) are launched plainly and wait for ours whole, as always. The
 bytes do not change: only when the next kernel's work starts does.
 

@@ -83,31 +83,6 @@ def _down_steps(tile, expert, act_ptr, r, d, d_in, row_stride, F, act_stride, f_
 
 
 @triton.jit
-def _down_first_tile(w_ptr, slot, d, d_in, slot_stride, row_stride, F, BLOCK_F: tl.constexpr,
-                     EVICT: tl.constexpr):
-    # [BD, BF] in w's dtype: the first step's tile of `_down_block`, columns 0..BF-1.
-    f = tl.arange(0, BLOCK_F)  # [BF]
-    return tl.load(w_ptr + tl.maximum(slot, 0) * slot_stride + d[:, None] * row_stride
-                   + f[None, :], mask=d_in[:, None] & (f < F)[None, :], other=0.0,
-                   eviction_policy=EVICT)
-
-
-@triton.jit
-def _down_block_after(first, w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F,
-                      act_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-                      EVICT: tl.constexpr):
-    # `_down_block` with its first step's weight tile loaded already (`_down_first_tile`):
-    # the same steps in the same order onto the same zeros (a zero's sign included), so the
-    # sums are the same bytes.
-    f = tl.arange(0, BLOCK_F)  # [BF]
-    act = tl.load(act_ptr + r * act_stride + f, mask=f < F, other=0.0).to(tl.float32)
-    tile = tl.zeros([BLOCK_D, BLOCK_F], dtype=tl.float32)
-    tile += first.to(tl.float32) * act[None, :]  # [BD, BF]
-    return _down_steps(tile, w_ptr + tl.maximum(slot, 0) * slot_stride, act_ptr, r, d, d_in,
-                       row_stride, F, act_stride, BLOCK_F, BLOCK_F, EVICT)
-
-
-@triton.jit
 def down(w_ptr, index_ptr, act_ptr, y_ptr, slot_stride, row_stride, D, F, act_stride,
          y_stride, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, EVICT: tl.constexpr = "",
          USE_PDL: tl.constexpr = False):
@@ -134,34 +109,22 @@ def store_rows(y_ptr, r, y_stride, d, D, slot, y):
 @triton.jit
 def down_sum(w_ptr, index_ptr, act_ptr, y_ptr, weights_ptr, out_ptr, arrived_ptr, slot_stride,
              row_stride, D, F, act_stride, y_stride, R, BLOCK_D: tl.constexpr,
-             BLOCK_F: tl.constexpr, W_FIRST: tl.constexpr = False,
-             EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
+             BLOCK_F: tl.constexpr, EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
     # One token's R = K rows. Program (r, b): `down`'s y[r, block b], rounded and stored as
     # `down` stores it; then counted in arrived[b]. The last of block b's R programs to arrive
     # (acquiring the others' rows) sums weights[k] * y[k, block b] over k = 0..R-1 in order in
     # float32, as `combine` does, into out[block b] (the same bytes as `down` then `combine`,
-    # whichever program is last), and sets arrived[b] back to 0 for the next launch.
-    # W_FIRST: the expert's index and the first step's weight tile are read before the wait.
-    # No kernel writes the weights; the index is written before `gate_up_act`, the kernel
-    # this one follows, and that kernel lets this one start only after its own wait, so the
-    # writer has finished by then (`grouped.DOWN_W_FIRST`). The index is read past the L1
-    # cache (".cg"), which may still hold the last launch's.
+    # whichever program is last), and sets arrived[b] back to 0 for the next launch. (Reading
+    # the expert's index and first weight tile before the wait was timed and was slower:
+    # bench/results/profile-control-h100-2026-12-06.md.)
+    wait_for_prior(USE_PDL)
     r = tl.program_id(0)
     b = tl.program_id(1)
     d = b * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     d_in = d < D
-    if W_FIRST:
-        slot = tl.load(index_ptr + r, cache_modifier=".cg").to(tl.int64)
-        first = _down_first_tile(w_ptr, slot, d, d_in, slot_stride, row_stride, F, BLOCK_F,
-                                 EVICT)
-    wait_for_prior(USE_PDL)
-    if W_FIRST:
-        y = _down_block_after(first, w_ptr, slot, act_ptr, r, d, d_in, slot_stride,
-                              row_stride, F, act_stride, BLOCK_D, BLOCK_F, EVICT)
-    else:
-        slot = tl.load(index_ptr + r).to(tl.int64)
-        y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F,
-                        act_stride, BLOCK_D, BLOCK_F, EVICT)
+    slot = tl.load(index_ptr + r).to(tl.int64)
+    y = _down_block(w_ptr, slot, act_ptr, r, d, d_in, slot_stride, row_stride, F, act_stride,
+                    BLOCK_D, BLOCK_F, EVICT)
     tl.store(y_ptr + r * y_stride + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
     if tl.atomic_add(arrived_ptr + b, 1, sem="acq_rel") == R - 1:
         total = tl.zeros([BLOCK_D], dtype=tl.float32)

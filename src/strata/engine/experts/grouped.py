@@ -50,15 +50,6 @@ NUM_WARPS = (8, 8)
 # The software pipeline's depth of a gate_up and of a down program (Triton's num_stages: how
 # many steps' loads are in flight ahead of the math). Triton's own default on CUDA.
 NUM_STAGES = (3, 3)
-# Whether `expert_sum_triton`'s down programs read their expert's index and first weight tile
-# before their wait for `gate_up_act` (launched as dependents: `dependent_launch`), so that the
-# read overlaps the end of gate_up's. It may: the index is written before gate_up_act (by the
-# routing, or the cache's slot map), and gate_up_act lets its dependents start only after its
-# own wait, so that writer has finished. Off: on an H100 the whole olmoe-1b-7b's round was
-# 0.968x as fast with the default's blocks and at best 1.005x, inside the spread of the
-# wait-first shapes (bench/results/down-first-h100-2026-12-05.md); bench/decode_shapes.py's
-# down variants marked "w first" and bench/decode_profile.py's rows time it.
-DOWN_W_FIRST = False
 
 
 @functools.cache
@@ -218,7 +209,7 @@ def expert_sum_triton(gate_up: torch.Tensor, down: torch.Tensor, index: torch.Te
         kernels.down_sum[(n_rows, -(-d // DOWN_BLOCK_D))](
             down, index, act, y, weights, out, arrived, down.stride(0), down.stride(1), d, f,
             act.stride(0), y.stride(0), n_rows, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F,
-            W_FIRST=DOWN_W_FIRST, EVICT=cache_hints.experts_eviction(),
+            EVICT=cache_hints.experts_eviction(),
             num_warps=NUM_WARPS[1], num_stages=NUM_STAGES[1], **options)
     else:
         out.zero_()

@@ -205,18 +205,12 @@ def _split_columns(split, b, BLOCKS_PER_SPLIT, D, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _router_tile(w_ptr, w_stride, e, e_in, col, col_in):
-    # The router's weights [BE, BD] over one block of columns col [BD], every expert e [BE].
-    return tl.load(w_ptr + e[:, None].to(tl.int64) * w_stride + col[None, :],
-                   mask=e_in[:, None] & col_in[None, :], other=0.0)
-
-
-@triton.jit
 def _router_block(w_ptr, w_stride, x, e, e_in, col, col_in):
     # The router's product over one block of columns col [BD] for every expert e [BE]:
     # sum over col of w[e, col] * x[col] in float32 -> [BE]. x [BD] float32, 0 where not
     # col_in.
-    w = _router_tile(w_ptr, w_stride, e, e_in, col, col_in)  # [BE, BD]
+    w = tl.load(w_ptr + e[:, None].to(tl.int64) * w_stride + col[None, :],
+                mask=e_in[:, None] & col_in[None, :], other=0.0)  # [BE, BD]
     return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
 
 
@@ -270,8 +264,7 @@ def add_norm_router_route(x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, route
                           BLOCKS_PER_SPLIT, HAS_DELTA: tl.constexpr, NORMALIZE: tl.constexpr,
                           SPLITS: tl.constexpr, BLOCK_ROW: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_K: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False,
-                          USE_PDL: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     # `add_rms_norm` then `router_route` in one launch. Program (t, s): first token t's whole
     # row h = x + delta [BLOCK_ROW] for its rstd: every program of t sums the same squares in
     # the same order (`_rstd`), so they share one rstd, `add_rms_norm`'s when launched with
@@ -283,29 +276,20 @@ def add_norm_router_route(x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, route
     # together they write h[t] and normed[t] whole. Nothing here reads those stores back (the
     # routing takes the values in registers), so they need no ordering; the kernels that read
     # them (the experts', the next layer's) are launched after this one and see its writes
-    # once it has ended (as dependents too: `wait_for_prior`). WEIGHTS_FIRST loads the
-    # split's first block of the router's weights before the wait: no kernel writes them, so
-    # as a dependent the program reads them while the kernel before it (attention's output
-    # product) runs (tests/engine/test_dependent_launch.py checks that nothing else is read
-    # before it). The bytes are the same either way.
+    # once it has ended (as dependents too: `wait_for_prior`). Reading the split's first block
+    # of the router's weights before the wait (no kernel writes them) was timed and was no
+    # faster: bench/results/profile-control-h100-2026-12-06.md.
+    wait_for_prior(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     e = tl.arange(0, BLOCK_E)
     e_in = e < E
-    col, col_in = _split_columns(split, 0, BLOCKS_PER_SPLIT, D, BLOCK_D)  # [BD] each
-    if WEIGHTS_FIRST:
-        first = _router_tile(router_ptr, router_stride, e, e_in, col, col_in)  # [BE, BD]
-    wait_for_prior(USE_PDL)
-    if not WEIGHTS_FIRST:
-        first = _router_tile(router_ptr, router_stride, e, e_in, col, col_in)  # [BE, BD]
-    t = tl.program_id(0).to(tl.int64)
     dtype = normed_ptr.dtype.element_ty
     row = tl.arange(0, BLOCK_ROW)
     rstd = _rstd(_residual_sum(x_ptr, delta_ptr, t, x_stride, delta_stride, row, row < D,
                                HAS_DELTA), D, eps)
-    acc = tl.sum(first.to(tl.float32) * _norm_block(
-        x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, t, rstd, col, col_in, x_stride,
-        delta_stride, h_stride, normed_stride, dtype, HAS_DELTA)[None, :], axis=1)  # [BE]
-    for b in range(1, BLOCKS_PER_SPLIT):
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for b in range(0, BLOCKS_PER_SPLIT):
         col, col_in = _split_columns(split, b, BLOCKS_PER_SPLIT, D, BLOCK_D)  # [BD] each
         normed = _norm_block(x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, t, rstd, col,
                              col_in, x_stride, delta_stride, h_stride, normed_stride, dtype,

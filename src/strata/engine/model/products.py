@@ -27,11 +27,14 @@ float32 in one fixed order (deterministic), not cuBLAS's order: a bf16 decode st
 differ from `F.linear`'s in the last bit now and then, as a different library's would.
 `PRODUCT_KERNEL` is the switch a benchmark turns off for its A/B (bench/decode_profile.py's
 row "the dense products by cuBLAS"). `logits` is the last product of a decode step, the
-vocabulary's, the same way where `LOGITS_KERNEL`: off, against cuBLAS, which reads a whole
-logits matrix at about 94% of the H200's bandwidth (bench/decode_profile.py's row "the logits
-by the kernel"); timed on an H100 it was 1.012-1.018x a round on qwen3-30b-a3b's and
-mixtral-8x7b's cuts, but its logits differed from cuBLAS's by up to 1.6e-02
-(bench/results/decode-shapes-short-h100-2026-12-05.md).
+vocabulary's, the same way where `LOGITS_KERNEL` (on): cuBLAS reads a whole logits matrix at
+about 94% of the bandwidth, and the kernel reads it beside the final norm. On an H100 the
+kernel's round was 1.011x (its quartiles 1.001-1.016) cuBLAS's on the whole olmoe-1b-7b and
+1.021x in another way of timing it, 1.012-1.018x on qwen3-30b-a3b's and mixtral-8x7b's cuts
+(bench/results/profile-control-h100-2026-12-06.md, decode-shapes-short-h100-2026-12-05.md).
+Like the other products, its logits differ from cuBLAS's in the last bit of bf16 now and then
+(up to 1.6e-02 of a logit there), the same run to run. bench/decode_profile.py's row "the
+logits by cuBLAS" is the A/B.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ __all__ = ["LOGITS_KERNEL", "MAX_K", "NORM_PRODUCT_KERNEL", "PRODUCT_KERNEL",
            "takes"]
 
 PRODUCT_KERNEL = True
-LOGITS_KERNEL = False
+LOGITS_KERNEL = True
 MAX_K = 8192  # a program holds BLOCK_N whole rows in registers: wider rows take F.linear
 # The launch shape: the weight elements a program holds (BLOCK_N rows of BLOCK_K, the power of
 # two at least K; one row at least) and its warps. Small tiles won inside the whole
@@ -102,8 +105,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The vocabulary's product x [T, D] @ weight [V, D]^T -> [T, V]: `linear` where
-    LOGITS_KERNEL, else `F.linear`."""
+    """The vocabulary's product x [T, D] @ weight [V, D]^T -> [T, V]: `linear` (the kernel for
+    one token where it `takes` it) where LOGITS_KERNEL, else `F.linear`."""
     return linear(x, weight) if LOGITS_KERNEL else F.linear(x, weight)
 
 

@@ -19,7 +19,6 @@ from strata.engine import dependent_launch
 from strata.engine.model.op_kernels import NORM_WARPS, block, kernels
 
 __all__ = ["ROUTER_BLOCK_D", "ROUTER_MAX_TOKENS", "ROUTER_SPLITS", "ROUTER_WARPS",
-           "ROUTER_WEIGHTS_FIRST",
            "add_norm_router_route_triton", "route_triton", "router_route_triton"]
 
 # `router_route`'s kernel takes calls of at most this many tokens (decode's, a prompt's last
@@ -32,12 +31,6 @@ ROUTER_MAX_TOKENS = 8
 ROUTER_SPLITS = 64
 ROUTER_BLOCK_D = 32
 ROUTER_WARPS = 4
-# Whether `add_norm_router_route`'s programs load their first block of the router's weights
-# before their dependent-launch wait (as `products`' kernel does its weights), not after it.
-# The same bytes; off: 0.988x and 0.996x a round on qwen3-30b-a3b's and mixtral-8x7b's cuts
-# on an H100 (bench/results/decode-shapes-short-h100-2026-12-05.md; bench/decode_profile.py's
-# row "the router's weights read before its wait").
-ROUTER_WEIGHTS_FIRST = False
 
 
 def route_triton(
@@ -167,6 +160,6 @@ def add_norm_router_route_triton(
         n_experts, top_k, eps, x.stride(0), delta.stride(0), h.stride(0), normed.stride(0),
         router.stride(0), blocks_per_split, HAS_DELTA=has_delta, NORMALIZE=normalize,
         SPLITS=splits, BLOCK_ROW=block(d), BLOCK_D=block_d, BLOCK_E=block_e,
-        BLOCK_K=block(top_k), WEIGHTS_FIRST=ROUTER_WEIGHTS_FIRST, num_warps=num_warps,
+        BLOCK_K=block(top_k), num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return h, normed, ids, weights
