@@ -537,7 +537,7 @@ for stage in "$@"; do
                       (cd bench && timeout 240 python3 decode_profile.py --preset $shape \
                          --prompt-tokens 32,4096 --json "$OUT/profile-${shape%% *}.json") \
                          >> "$OUT/profile-shapes.txt" 2>> "$OUT/profile-shapes.err"
-                    done; grep -E "^(prompt|decode)" "$OUT/profile-shapes.txt" ;;
+                    done; grep -E "^(prompt|decode)|^ +[0-9.]+ ms +[0-9]+\.[0-9]+x \(" "$OUT/profile-shapes.txt" ;;
     decode16) (cd bench && timeout 540 python3 decode.py --model "$(olmoe_checkpoint)" \
                  --compile --new-tokens 64 --repeat 3 --prefill-lengths 512,4096,16384 \
                  --json) > "$OUT/decode16.json" \
@@ -561,19 +561,19 @@ for stage in "$@"; do
                  --layers 4 --prompt-tokens 32,4096 --no-compile \
                  --json "$OUT/profile-decode.json") > "$OUT/profile-decode.txt" \
                  2> "$OUT/profile-decode.err"
-                    grep -E "^(prompt|decode)" "$OUT/profile-decode.txt" ;;
+                    grep -E "^(prompt|decode)|^ +[0-9.]+ ms +[0-9]+\.[0-9]+x \(" "$OUT/profile-decode.txt" ;;
     profile-decode16) # the decode round's A/Bs on the whole olmoe-1b-7b (16 layers)
               (cd bench && timeout 200 python3 decode_profile.py --model "$(olmoe_checkpoint)" \
                  --prompt-tokens 32 --no-compile --json "$OUT/profile-decode16.json") \
                  > "$OUT/profile-decode16.txt" 2> "$OUT/profile-decode16.err"
-                    grep -E "^(prompt|decode)" "$OUT/profile-decode16.txt" ;;
+                    grep -E "^(prompt|decode)|^ +[0-9.]+ ms +[0-9]+\.[0-9]+x \(" "$OUT/profile-decode16.txt" ;;
     profile-decode-shapes) # the decode round's A/Bs on qwen3-30b-a3b (4 layers), mixtral (2)
               for shape in "qwen3-30b-a3b 4" "mixtral-8x7b 2"; do
                   set -- $shape
                   (cd bench && timeout 150 python3 decode_profile.py --preset "$1" --layers "$2" \
                      --prompt-tokens 32 --no-compile --json "$OUT/profile-decode-$1.json") \
                      > "$OUT/profile-decode-$1.txt" 2> "$OUT/profile-decode-$1.err"
-                  grep -E "^decode" "$OUT/profile-decode-$1.txt"
+                  grep -E "^decode|^ +[0-9.]+ ms +[0-9]+\.[0-9]+x \(" "$OUT/profile-decode-$1.txt"
               done ;;
     l2-keep) (cd bench && timeout 120 python3 l2_keep.py --json "$OUT/l2-keep.json" \
                  && timeout 120 python3 l2_keep.py --persisting-mib 30 \
@@ -597,7 +597,7 @@ for stage in "$@"; do
               (cd bench && timeout 240 python3 decode_profile.py --preset olmoe-1b-7b --layers 4 \
                  --prompt-tokens 32 --position 16384 --no-compile \
                  --json "$OUT/profile-long.json") > "$OUT/profile-long.txt" \
-                 2> "$OUT/profile-long.err"; grep -E "^(prompt|decode)" "$OUT/profile-long.txt" ;;
+                 2> "$OUT/profile-long.err"; grep -E "^(prompt|decode)|^ +[0-9.]+ ms +[0-9]+\.[0-9]+x \(" "$OUT/profile-long.txt" ;;
     profile) (cd bench && timeout 420 python3 decode_profile.py --preset olmoe-1b-7b --layers 4 \
                 --prompt-tokens 32,512,4096 --gathered-compile --json "$OUT/profile.json") \
                 > "$OUT/profile.txt" 2> "$OUT/profile.err"; tail -3 "$OUT/profile.err" ;;
