@@ -100,7 +100,7 @@ def side_by_side(rounds: list, device: torch.device, sweeps: int) -> list[dict]:
     minutes apart) falls on every round alike. Each timed call follows an untimed call of the
     same round, so that it finds the device as a decode loop leaves it, after a round of its
     own, not as the round timed before left it (an eager round before the default's, in every
-    other sweep, left it 3-4% slower than the same graph captured again:
+    other sweep, left it 2-4% slower than the same graph captured again:
     bench/results/profile-control-h100-2026-12-06.md). For each round: "ms", the median of its
     calls; "x_default", the median over the sweeps of the default's call over its own in the
     same sweep (above 1: faster than the default); "x_default_q", that ratio's first and third
