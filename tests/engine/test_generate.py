@@ -344,3 +344,23 @@ def test_compiled_decode_is_deterministic_and_follows_eager_in_fp32():
     assert first.tokens == second.tokens
     # Inductor sums in another order than eager: fp32 keeps greedy choices the same here.
     assert first.tokens == eager.tokens
+
+
+def test_every_decode_profile_row_the_code_and_docs_name_is_one_it_prints():
+    """`bench/decode_profile.py's row "..."` in src/ and docs/ names a row the profile has: a
+    row taken out of the profile fails here until its mentions go too."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    profile = (root / "bench" / "decode_profile.py").read_text()
+    profile = re.sub(r'"\s+"', "", profile)  # a label's string literals, joined
+    labels = {" ".join(label.split()) for label in re.findall(r'\("decode, [^"]*"', profile)}
+    mentions = []
+    for path in [*(root / "src").rglob("*.py"), *(root / "docs").rglob("*.md")]:
+        text = " ".join(path.read_text().replace("#", " ").split())  # comments, line breaks
+        mentions += [(path.name, m) for m in re.findall(r"decode_profile\.py's row \"([^\"]+)\"",
+                                                        text)]
+    assert mentions  # the check reads what it means to read
+    for name, row in mentions:
+        assert any(row in label for label in labels), (name, row)

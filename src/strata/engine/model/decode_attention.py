@@ -19,10 +19,10 @@ Where it runs (`takes`), from bench/decode_attention.py's sweep on the H200
 `UNGROUPED_MAX_CELLS` cells, past which SDPA's kernel reads the cells faster than this one,
 whose merge is serial in S.
 
-On by default (`SHORT_KERNEL`; bench/decode_profile.py's row "attention in one program a kv
-head"): a short window attended by `attend_short`, one program a kv head over every cell, no
-split and no merge. A round writes the cells at one position only (the
-kernel before attention stores the token's k and v there), so the program reads the keys
+On by default (`SHORT_KERNEL`; `bench/decode_shapes.py --kernels attention` times it against
+the split kernel): a short window attended by `attend_short`, one program a kv head over every
+cell, no split and no merge. A round writes the cells at one position only (the kernel before
+attention stores the token's k and v there), so the program reads the keys
 (and at up to 128 cells the values) before its dependent-launch wait, beside that kernel,
 then reads the one written row again after it. At a few hundred cells a decode step's
 attention is a chain of dependent reads (q, the cells, the partials, the merge), about 7 µs
