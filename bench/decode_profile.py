@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                         "eager decode round goes (cProfile)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat takes a count >= 1, got {args.repeat}")
     lengths = [int(n) for n in args.prompt_tokens.split(",") if n]
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{','.join(TRIED)})")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat takes a count >= 1, got {args.repeat}")
     kernels = tuple(k for k in args.kernels.split(",") if k)
     if not set(kernels) <= set(TRIED):
         parser.error(f"--kernels takes {', '.join(TRIED)}, got {args.kernels}")

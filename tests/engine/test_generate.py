@@ -364,3 +364,11 @@ def test_every_decode_profile_row_the_code_and_docs_name_is_one_it_prints():
     assert mentions  # the check reads what it means to read
     for name, row in mentions:
         assert any(row in label for label in labels), (name, row)
+
+
+@pytest.mark.parametrize("script", ["decode_profile.py", "decode_shapes.py"])
+def test_the_side_by_side_benches_refuse_no_sweeps(script, capsys):
+    bench = load_bench(script)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--repeat", "0"])
+    assert "--repeat takes a count >= 1, got 0" in capsys.readouterr().err
