@@ -10,13 +10,18 @@ before `strata.engine.model.ops` had kernels: the baseline of the same run), wit
 `decode_attention`'s kernel (each the A/B of one kernel), with every kernel launched plainly
 instead of as a dependent of the one before (`strata.engine.dependent_launch`), with a forward's
 rotary tables and mask as the torch ops instead of one kernel (`ops.ROPE_MASK_KERNEL`), with
-each layer's sum after attention, the MoE's norm and its routing as `add_rms_norm` then
-`router_route` instead of one kernel (`ops.NORM_ROUTER_KERNEL`), with attention's dense products
+attention's output product apart from the sum after it, the MoE's norm and its routing
+(`products.PRODUCT_ROUTE_KERNEL`), and those three as three kernels (the product,
+`add_rms_norm`, `router_route`: `ops.NORM_ROUTER_KERNEL` off too), with the routing's top K
+taken in K rounds instead of each expert's place counted at once (`routing_ops.TOP_K_BY_RANK`),
+with attention's dense products
 by cuBLAS instead of the kernel that reads its weights before its wait
 (`products.PRODUCT_KERNEL`), with each layer's first norm as `add_rms_norm` before q/k/v's
 product instead of inside its kernel (`products.NORM_PRODUCT_KERNEL`), with no weight load
 marked evict_first for L2 (`cache_hints`), with the logits' product by cuBLAS instead of that
-kernel (`products.LOGITS_KERNEL`), `--compile`'s (compiled with the experts' Triton kernels as
+kernel (`products.LOGITS_KERNEL`), two bounds rather than A/Bs (no routing after the
+output product, the routing fixed; no short attention kernel: what either costs the round,
+with wrong logits), `--compile`'s (compiled with the experts' Triton kernels as
 a custom operator; `--gathered-compile` adds the gathered path under inductor, the code before
 that operator), and, last, the default's graph captured again: the control.
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -58,7 +63,8 @@ from _common import (
 )
 from strata.engine import cache_hints, dependent_launch
 from strata.engine.experts import grouped
-from strata.engine.model import decode_attention, ops, products
+from strata.engine.model import decode_attention, ops, products, routing_ops
+from strata.engine.model.routing_ops import ROUTER_MAX_TOKENS
 from strata.engine.runtime.decode_steps import decode_step
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.prompt_graphs import PromptGraphs
@@ -169,6 +175,27 @@ def interleaved(captured: list, device: torch.device, repeat: int) -> None:
               f"{row['label']}")
 
 
+def fixed_routing(config, device: torch.device):
+    """`products.linear_add_norm_route` as attention's output product alone: x as the stream
+    and the norm, every token routed to experts 0..K-1 alike (the same bytes of expert
+    weights a round reads, from tensors made here, before any capture). A bound for the
+    profile, not a model."""
+    ids = torch.arange(config.top_k, device=device).expand(ROUTER_MAX_TOKENS, -1).contiguous()
+    weights = torch.full(ids.shape, 1 / config.top_k, dtype=torch.float32, device=device)
+
+    def route(a, weight, bias, x, norm_weight, eps, router, top_k, normalize):
+        products.linear(a, weight, bias)
+        return x, x, ids[:x.shape[0]], weights[:x.shape[0]]
+    return route
+
+
+def no_attention(config, device: torch.device, dtype: torch.dtype):
+    """`decode_attention.rotate_attend` launching nothing: a zero output of its shape, made
+    here, before any capture. A bound for the profile, not a model."""
+    out = torch.zeros((1, config.n_heads * config.head_dim), dtype=dtype, device=device)
+    return lambda *args: out
+
+
 def print_summary(row: dict) -> None:
     share = f"{100 * row['kernel_share']:.0f}%" if row["kernel_share"] is not None else "-"
     print(f"\n{row['label']}: {row['ms']:.3f} ms ({row['tok_s']:,.0f} tok/s); "
@@ -240,16 +267,28 @@ def main(argv: list[str] | None = None) -> int:
                 steps.append(("decode, CUDA graph, plain launches", step_of(True), "pdl"))
                 steps.append(("decode, CUDA graph, the rotary tables and mask in torch",
                               step_of(True), "rope-mask"))
-                steps.append(("decode, CUDA graph, the norm and the router as two kernels",
-                              step_of(True), "norm-router"))
+                steps.append(("decode, CUDA graph, the output product, then the norm and "
+                              "the router", step_of(True), "product-route"))
+                steps.append(("decode, CUDA graph, the output product, the norm and the "
+                              "router as three kernels", step_of(True), "norm-router"))
                 steps.append(("decode, CUDA graph, the dense products by cuBLAS",
                               step_of(True), "products"))
                 steps.append(("decode, CUDA graph, the norm then q/k/v's product as two "
                               "kernels", step_of(True), "norm-product"))
+                steps.append(("decode, CUDA graph, the top K taken in K rounds",
+                              step_of(True), "top-k-rounds"))
                 steps.append(("decode, CUDA graph, no weight load marked evict_first",
                               step_of(True), "hints"))
                 steps.append(("decode, CUDA graph, the logits by cuBLAS", step_of(True),
                               "logits"))
+                # Two bounds, not A/Bs (the logits are wrong): what a round would gain if a
+                # layer's routing (its norm and router, after the output product) or its short
+                # attention cost nothing.
+                steps.append(("decode, CUDA graph, no routing after the output product (a "
+                              "bound: the routing fixed, wrong logits)", step_of(True),
+                              "no-router"))
+                steps.append(("decode, CUDA graph, no attention kernel (a bound: wrong "
+                              "logits)", step_of(True), "no-attention"))
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
@@ -269,12 +308,19 @@ def main(argv: list[str] | None = None) -> int:
                 "sum": ((model.experts, "_sum_arrivals", None),),
                 "pdl": ((dependent_launch, "enabled", False),),
                 "rope-mask": ((ops, "ROPE_MASK_KERNEL", False),),
-                "norm-router": ((ops, "NORM_ROUTER_KERNEL", False),),
+                "product-route": ((products, "PRODUCT_ROUTE_KERNEL", False),),
+                "norm-router": ((products, "PRODUCT_ROUTE_KERNEL", False),
+                                (ops, "NORM_ROUTER_KERNEL", False)),
                 "products": ((products, "PRODUCT_KERNEL", False),),
                 "norm-product": ((products, "NORM_PRODUCT_KERNEL", False),),
                 "hints": ((cache_hints, "EXPERTS_EVICT_FIRST", False),
                           (cache_hints, "PRODUCTS_EVICT_FIRST", False)),
                 "logits": ((products, "LOGITS_KERNEL", False),),
+                "no-router": ((products, "linear_add_norm_route",
+                               fixed_routing(config, device)),),
+                "top-k-rounds": ((routing_ops, "TOP_K_BY_RANK", False),),
+                "no-attention": ((decode_attention, "rotate_attend", no_attention(config, device,
+                                                                                   dtype)),),
             }
             captured = []  # (row, its round): timed again side by side below
             for label, step, without in steps:

@@ -13,13 +13,15 @@ shape moves at a time from the default: the gate_up kernel's (block F x step D, 
 stages), then down's (block D x step F, warps, stages), then the dense products' kernel's
 (`products`: weight elements a program, warps; "cuBLAS" is `F.linear` in its place), q/k/v's
 product with the layer's norm inside its kernel at some weight elements a program, or after
-`add_rms_norm` (`norm_product`), then the logits' product by that kernel (the default since
-bench/results/profile-control-h100-2026-12-06.md) or by cuBLAS (`logits`), the router's splits
-of D (`router`), a short window's attention split and merged or in one program a kv head (the
-default since bench/results/decode-shapes-short-h100-2026-12-05.md), the rotation folded in or
-not, at some warps (`attention`), and the experts' and the products' weight loads marked
-evict_first for L2 or not (`hints`: `strata.engine.cache_hints`, on since
-bench/results/l2-ahead-h100-2026-12-06.md). Timed here too and taken out: the next layer's
+`add_rms_norm` (`norm_product`), attention's output product with the MoE's norm and routing
+inside its kernel at some weight elements a program and parts of the logits, or before
+`add_norm_router_route` (`product_route`), then the logits' product by that kernel (the
+default since bench/results/profile-control-h100-2026-12-06.md) or by cuBLAS (`logits`), the
+router's splits of D (`router`), a short window's attention split and merged or in one
+program a kv head (the default since bench/results/decode-shapes-short-h100-2026-12-05.md),
+the rotation folded in or not, at some warps (`attention`), and the experts' and the
+products' weight loads marked evict_first for L2 or not (`hints`: `strata.engine.cache_hints`,
+on since bench/results/l2-ahead-h100-2026-12-06.md). Timed here too and taken out: the next layer's
 q/k/v weight asked into L2 from the short attention's or the router's kernel, gate_up and down
 as one kernel (bench/results/one-kernel-ahead-h100-2026-12-06.md), the router's first weights
 and down's index and first tile read before the kernel's wait
@@ -52,6 +54,8 @@ DEFAULT = {"gate_up": (grouped.GATE_UP_BLOCK_F, grouped.GATE_UP_BLOCK_D, grouped
                     grouped.NUM_STAGES[1]),
            "products": (products.TILE_ELEMENTS, products.NUM_WARPS),
            "norm_product": (products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS),
+           "product_route": (products.PRODUCT_ROUTE_KERNEL, products.ROUTE_TILE_ELEMENTS,
+                             products.ROUTE_PARTS),
            "logits": (products.LOGITS_KERNEL,),
            "router": (routing_ops.ROUTER_SPLITS,),
            "attention": (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
@@ -72,6 +76,11 @@ TRIED = {
     # program (its warps the norm's), or (False) `add_rms_norm`, then the products' kernel
     "norm_product": [(False, products.NORM_TILE_ELEMENTS)]
     + [(True, tile) for tile in (2048, 4096, 8192, 16384, 32768)],
+    # attention's output product with the MoE's norm and routing in its kernel at these
+    # weight elements and parts of the logits at most, or (False) the product, then
+    # `add_norm_router_route`
+    "product_route": [(False, products.ROUTE_TILE_ELEMENTS, products.ROUTE_PARTS)]
+    + [(True, tile, parts) for tile in (4096, 16384, 32768) for parts in (8192, 16384, 32768)],
     "logits": [(False,), (True,)],  # the logits' product by cuBLAS, or by the kernel
     "router": [(splits,) for splits in (16, 32, 64)],
     "attention": [(False, False, decode_attention.SHORT_WARPS)]
@@ -103,6 +112,8 @@ def apply(variant: dict, experts, hidden_size: int, device: torch.device) -> Non
     if products.PRODUCT_KERNEL:
         products.TILE_ELEMENTS, products.NUM_WARPS = variant["products"]
     products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS = variant["norm_product"]
+    (products.PRODUCT_ROUTE_KERNEL, products.ROUTE_TILE_ELEMENTS,
+     products.ROUTE_PARTS) = variant["product_route"]
     (products.LOGITS_KERNEL,) = variant["logits"]
     (routing_ops.ROUTER_SPLITS,) = variant["router"]
     (decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
@@ -128,6 +139,9 @@ def label(variant: dict) -> str:
     parts.append("products cuBLAS" if shape == CUBLAS else "products {} w{}".format(*shape))
     fused, tile = variant["norm_product"]
     parts.append(f"norm in q/k/v's product {tile}" if fused else "norm then q/k/v's product")
+    fused, tile, route_parts = variant["product_route"]
+    parts.append(f"output product routing {tile} p{route_parts}" if fused
+                 else "output product then routing")
     if not variant["logits"][0]:
         parts.append("logits by cuBLAS")
     parts.append("router s{}".format(*variant["router"]))

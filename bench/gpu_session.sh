@@ -86,7 +86,7 @@
 # SHAPES_KERNELS=norm_product the norm inside q/k/v's product at its tiles against the two
 # kernels, SHAPES_KERNELS=logits,router,attention the logits' kernel, the router's splits and
 # the short attention's forms against the default, SHAPES_KERNELS=hints the L2 marks;
-# SHAPES_ARGS more of its flags, e.g. --position 1024),
+# SHAPES_ARGS more of its flags, e.g. --position 1024; SHAPES_TIMEOUT its seconds, default 300),
 # decode-shapes-others (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to
 # 2), offload-profile (2: olmoe-1b-7b at 4 GiB, --stream-misses 4 with and without prefetch,
 # each decode run profiled: the device's copy engine and compute busy a round, the host's top
@@ -579,7 +579,7 @@ for stage in "$@"; do
                  && timeout 120 python3 l2_keep.py --persisting-mib 30 \
                  --json "$OUT/l2-keep-persisting.json") > "$OUT/l2-keep.txt" 2>&1
              cat "$OUT/l2-keep.txt" ;;
-    decode-shapes) (cd bench && timeout 300 python3 decode_shapes.py --model \
+    decode-shapes) (cd bench && timeout "${SHAPES_TIMEOUT:-300}" python3 decode_shapes.py --model \
                  "$(olmoe_checkpoint)" --kernels "${SHAPES_KERNELS:-gate_up,down}" \
                  ${SHAPES_ARGS:-} --json "$OUT/decode-shapes.json") \
                  > "$OUT/decode-shapes.txt" 2> "$OUT/decode-shapes.err"

@@ -105,11 +105,13 @@ def test_on_cuda_decode_as_dependents_gives_the_plain_launches_tokens(monkeypatc
 
 
 # Kernels that read before their wait, and the pointer arguments they may read there: what no
-# kernel of a round writes. Attention's one-token products and the router their weights; the
+# kernel of a round writes. Attention's one-token products their weights (the output's with
+# the router's and the norm's); the
 # short attention kernels the round's positions and the cells, which the round writes at one
 # position only (`attend_short` reads that row again after its wait; `rotate_attend_short`
 # writes it itself, after its wait, and attends the row it wrote).
 READ_BEFORE_WAIT = {"product_one": {"w_ptr"}, "add_norm_product_one": {"w_ptr"},
+                    "product_add_norm_route": {"w_ptr", "router_ptr", "norm_w_ptr"},
                     "attend_short": {"k_ptr", "v_ptr", "positions_ptr"},
                     "rotate_attend_short": {"k_ptr", "v_ptr", "positions_ptr"}}
 

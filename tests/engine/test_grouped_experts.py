@@ -268,8 +268,8 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
     assert tried[0] == bench.DEFAULT
     labels = [bench.label(v) for v in tried]
     assert len(set(labels)) == len(labels)
-    assert set(bench.DEFAULT) == {"gate_up", "down", "products", "norm_product", "logits",
-                                  "router", "attention", "hints"}
+    assert set(bench.DEFAULT) == {"gate_up", "down", "products", "norm_product",
+                                  "product_route", "logits", "router", "attention", "hints"}
     for variant in tried[1:]:  # exactly one kernel's shape differs from the default
         assert sum(variant[k] != bench.DEFAULT[k] for k in bench.DEFAULT) == 1
     assert bench.CUBLAS in [v["products"] for v in tried]
@@ -278,6 +278,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
              grouped.NUM_STAGES,
              products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
              products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS,
+             products.PRODUCT_ROUTE_KERNEL, products.ROUTE_TILE_ELEMENTS, products.ROUTE_PARTS,
              products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS,
              decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
              decode_attention.SHORT_WARPS)
@@ -313,6 +314,14 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
         assert products.NORM_PRODUCT_KERNEL and products.NORM_TILE_ELEMENTS == 32768
         assert "norm in q/k/v's product 32768" in bench.label(
             {**bench.DEFAULT, "norm_product": (True, 32768)})
+        routed = {**bench.DEFAULT, "product_route": (True, 4096, 8192)}
+        bench.apply(routed, experts, 2048, torch.device("cpu"))
+        assert (products.PRODUCT_ROUTE_KERNEL, products.ROUTE_TILE_ELEMENTS,
+                products.ROUTE_PARTS) == (True, 4096, 8192)
+        assert "output product routing 4096 p8192" in bench.label(routed)
+        bench.apply({**bench.DEFAULT, "product_route": (False, 16384, 16384)}, experts, 2048,
+                    torch.device("cpu"))
+        assert not products.PRODUCT_ROUTE_KERNEL
         bench.apply({**bench.DEFAULT, "router": (16,), "attention": (True, True, 16)},
                     experts, 2048, torch.device("cpu"))
         assert routing_ops.ROUTER_SPLITS == 16
@@ -331,6 +340,7 @@ def test_the_launch_shape_sweep_moves_one_kernel_at_a_time_and_sets_its_constant
          grouped.NUM_STAGES,
          products.PRODUCT_KERNEL, products.TILE_ELEMENTS, products.NUM_WARPS,
          products.NORM_PRODUCT_KERNEL, products.NORM_TILE_ELEMENTS,
+         products.PRODUCT_ROUTE_KERNEL, products.ROUTE_TILE_ELEMENTS, products.ROUTE_PARTS,
          products.LOGITS_KERNEL, routing_ops.ROUTER_SPLITS,
          decode_attention.SHORT_KERNEL, decode_attention.SHORT_ROTATES,
          decode_attention.SHORT_WARPS) = saved

@@ -54,6 +54,9 @@ KERNELS = {
         {"HAS_BIAS": False, "BLOCK_N": 2, "BLOCK_K": 2048}, 4),
     ("strata.engine.model._products_triton", "add_norm_product_one"): (
         {"HAS_DELTA": True, "HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 2048}, 8),
+    ("strata.engine.model._products_triton", "product_add_norm_route"): (
+        {"HAS_BIAS": False, "NORMALIZE": False, "BLOCK_N": 8, "BLOCK_K": 2048,
+         "BLOCK_ROW": 2048, "BLOCK_P": 256, "BLOCK_E": 64, "BLOCK_TOP_K": 8}, 8),
     ("strata.engine.model._attention_triton", "decode_attention"): (
         {"HAS_MASK": True, "CELLS_PER_SPLIT": 128, "BLOCK_C": 64, "BLOCK_R": 16,
          "BLOCK_D": 128, "BLOCK_S": 2, "MERGE_SPLITS": 0}, 8),

@@ -150,10 +150,12 @@ class _Recorder:
         inner, recorder = model.experts, self
         original = layers.Attention.attend
 
-        def attention(self_, qkv, cos, sin, positions, cells, n_ctx, mask, causal):
+        def attention(self_, qkv, cos, sin, positions, cells, n_ctx, mask, causal,
+                      project=True):
             recorder.attention_rows.append(qkv.shape[0])
             recorder.masked.append(mask is not None)
-            return original(self_, qkv, cos, sin, positions, cells, n_ctx, mask, causal)
+            return original(self_, qkv, cos, sin, positions, cells, n_ctx, mask, causal,
+                            project)
 
         monkeypatch.setattr(layers.Attention, "attend", attention)
 

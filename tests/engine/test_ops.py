@@ -415,6 +415,37 @@ def test_the_norm_and_router_kernel_under_the_interpreter_is_the_two_kernels():
     assert results["switched_equal"]
 
 
+_TOP_K_INTERPRETED = r"""
+import json
+import torch
+from strata.engine.model import ops, routing_ops
+gen = torch.Generator().manual_seed(3)
+cases = [torch.randn(n, e, generator=gen) * 2 for n, e in ((1, 64), (5, 60), (2, 128), (3, 8))]
+cases.append(torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0, 0.0, 0.0, 0.0]]))  # ties
+rows = []
+for logits in cases:
+    for normalize in (False, True):
+        top_k = min(8, logits.shape[1] // 2)
+        routing_ops.TOP_K_BY_RANK = False
+        ids, weights = ops.route_triton(logits, top_k, normalize)
+        routing_ops.TOP_K_BY_RANK = True
+        ranked_ids, ranked_weights = ops.route_triton(logits, top_k, normalize)
+        rows.append({"ids_equal": torch.equal(ids, ranked_ids),
+                     "error": (weights - ranked_weights).abs().max().item()})
+print(json.dumps(rows))
+"""
+
+
+def test_the_top_k_by_rank_is_the_top_k_by_rounds():
+    """`routing_ops.TOP_K_BY_RANK` on and off: the same ids in the same order (ties to the
+    lower id), the same weights up to the renormalizing sum's order."""
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    rows = run_interpreted(_TOP_K_INTERPRETED, os.path.dirname(__file__))
+    assert len(rows) == 10
+    for row in rows:
+        assert row["ids_equal"] and row["error"] <= 1e-6, row
+
+
 @pytest.mark.cuda
 def test_on_cuda_the_kernels_match_the_references_in_bf16():
     pytest.importorskip("triton")

@@ -1,6 +1,7 @@
 """Programmatic dependent launch of strata's own Triton kernels, where the GPU has it.
 
-A decode round is about fourteen kernels a layer, most a few microseconds long, and between two
+A decode round is a few kernels a layer (five on olmoe-1b-7b since attention's output product
+took the routing in; fourteen when this came), most a few microseconds long, and between two
 of them the device idles: the second is only set up once the first has finished (on the H200,
 plain launches left a 4-layer olmoe-1b-7b round's kernels 23% of its wall time apart). From
 compute capability 9.0 a kernel launched as a *dependent* of the one before it in its stream

@@ -157,23 +157,37 @@ def rotate_halves(x1, x2, cos_row, sin_row, c, half, dtype: tl.constexpr):
 
 @triton.jit
 def _top_k(probs, e, e_in, ids_ptr, weights_ptr, t, K, NORMALIZE: tl.constexpr,
-           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BY_RANK: tl.constexpr):
     # Token t's K largest of probs [BE] in order (equal values: the lower id first), stored as
-    # ids [T, K] and weights [T, K], renormalized to sum to 1 when NORMALIZE.
+    # ids [T, K] and weights [T, K], renormalized to sum to 1 when NORMALIZE. BY_RANK: each
+    # expert's place counted at once (the experts before it: larger, or equal and of a lower
+    # id), the first K stored at their places, two reductions; else K rounds of taking the
+    # largest left, two reductions a round. The same ids and probabilities; the renormalizing
+    # sum adds the same K values in another order.
     probs = tl.where(e_in, probs, -1.0)  # below every probability: never chosen
-    slot = tl.arange(0, BLOCK_K)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
-    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k in range(0, K):
-        best = tl.max(probs, axis=0)
-        best_id = tl.min(tl.where(probs == best, e, BLOCK_E), axis=0)
-        ids = tl.where(slot == k, best_id.to(tl.int64), ids)
-        weights = tl.where(slot == k, best, weights)
-        probs = tl.where(e == best_id, -1.0, probs)
-    if NORMALIZE:
-        weights = weights / tl.sum(weights, axis=0)
-    tl.store(ids_ptr + t * K + slot, ids, mask=slot < K)
-    tl.store(weights_ptr + t * K + slot, weights, mask=slot < K)
+    if BY_RANK:
+        before = (probs[None, :] > probs[:, None]) | (
+            (probs[None, :] == probs[:, None]) & (e[None, :] < e[:, None]))  # [BE, BE]
+        rank = tl.sum(before.to(tl.int32), axis=1)  # [BE]
+        chosen = rank < K
+        if NORMALIZE:
+            probs = probs / tl.sum(tl.where(chosen, probs, 0.0), axis=0)
+        tl.store(ids_ptr + t * K + rank, e.to(tl.int64), mask=chosen)
+        tl.store(weights_ptr + t * K + rank, probs, mask=chosen)
+    else:
+        slot = tl.arange(0, BLOCK_K)
+        ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+        weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k in range(0, K):
+            best = tl.max(probs, axis=0)
+            best_id = tl.min(tl.where(probs == best, e, BLOCK_E), axis=0)
+            ids = tl.where(slot == k, best_id.to(tl.int64), ids)
+            weights = tl.where(slot == k, best, weights)
+            probs = tl.where(e == best_id, -1.0, probs)
+        if NORMALIZE:
+            weights = weights / tl.sum(weights, axis=0)
+        tl.store(ids_ptr + t * K + slot, ids, mask=slot < K)
+        tl.store(weights_ptr + t * K + slot, weights, mask=slot < K)
 
 
 @triton.jit
@@ -186,7 +200,7 @@ def _softmax(logits):
 @triton.jit
 def route(logits_ptr, ids_ptr, weights_ptr, E, K, logits_stride,
           NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-          USE_PDL: tl.constexpr = False):
+          BY_RANK: tl.constexpr = True, USE_PDL: tl.constexpr = False):
     # Program t: softmax over token t's E logits in float32, then its top K (`_top_k`).
     wait_for_prior(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -194,7 +208,8 @@ def route(logits_ptr, ids_ptr, weights_ptr, E, K, logits_stride,
     e_in = e < E
     logits = tl.load(logits_ptr + t * logits_stride + e, mask=e_in,
                      other=float("-inf")).to(tl.float32)
-    _top_k(_softmax(logits), e, e_in, ids_ptr, weights_ptr, t, K, NORMALIZE, BLOCK_E, BLOCK_K)
+    _top_k(_softmax(logits), e, e_in, ids_ptr, weights_ptr, t, K, NORMALIZE, BLOCK_E, BLOCK_K,
+           BY_RANK)
 
 
 @triton.jit
@@ -217,7 +232,7 @@ def _router_block(w_ptr, w_stride, x, e, e_in, col, col_in):
 @triton.jit
 def _route_split(acc, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, t, split, e, e_in, K,
                  dtype: tl.constexpr, NORMALIZE: tl.constexpr, SPLITS: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BY_RANK: tl.constexpr):
     # Program (t, split)'s part acc [BE] of token t's router product, stored to partial
     # [T, SPLITS, BE] in float32. The program then counts itself in arrived[t]; the last to
     # arrive (acquiring the others' partials) sums the SPLITS partials in split order (the
@@ -232,7 +247,7 @@ def _route_split(acc, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, t, split, 
         logits = tl.sum(parts, axis=0).to(dtype).to(tl.float32)
         logits = tl.where(e_in, logits, float("-inf"))
         _top_k(_softmax(logits), e, e_in, ids_ptr, weights_ptr, t, K, NORMALIZE, BLOCK_E,
-               BLOCK_K)
+               BLOCK_K, BY_RANK)
         tl.store(arrived_ptr + t, 0)
 
 
@@ -240,7 +255,8 @@ def _route_split(acc, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, t, split, 
 def router_route(x_ptr, w_ptr, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D, E, K,
                  x_stride, w_stride, BLOCKS_PER_SPLIT, NORMALIZE: tl.constexpr,
                  SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                 BLOCK_K: tl.constexpr, BY_RANK: tl.constexpr = True,
+                 USE_PDL: tl.constexpr = False):
     # Program (t, s): the router's product over split s of D for token t, every expert at
     # once, then the split's part routed with the others' (`_route_split`).
     wait_for_prior(USE_PDL)
@@ -254,7 +270,7 @@ def router_route(x_ptr, w_ptr, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, D
         x = tl.load(x_ptr + t * x_stride + col, mask=col_in, other=0.0).to(tl.float32)
         acc += _router_block(w_ptr, w_stride, x, e, e_in, col, col_in)
     _route_split(acc, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, t, split, e, e_in, K,
-                 x_ptr.dtype.element_ty, NORMALIZE, SPLITS, BLOCK_E, BLOCK_K)
+                 x_ptr.dtype.element_ty, NORMALIZE, SPLITS, BLOCK_E, BLOCK_K, BY_RANK)
 
 
 @triton.jit
@@ -264,7 +280,8 @@ def add_norm_router_route(x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, route
                           BLOCKS_PER_SPLIT, HAS_DELTA: tl.constexpr, NORMALIZE: tl.constexpr,
                           SPLITS: tl.constexpr, BLOCK_ROW: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr, BY_RANK: tl.constexpr = True,
+                          USE_PDL: tl.constexpr = False):
     # `add_rms_norm` then `router_route` in one launch. Program (t, s): first token t's whole
     # row h = x + delta [BLOCK_ROW] for its rstd: every program of t sums the same squares in
     # the same order (`_rstd`), so they share one rstd, `add_rms_norm`'s when launched with
@@ -296,7 +313,7 @@ def add_norm_router_route(x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, route
                              HAS_DELTA)
         acc += _router_block(router_ptr, router_stride, normed, e, e_in, col, col_in)
     _route_split(acc, partial_ptr, arrived_ptr, ids_ptr, weights_ptr, t, split, e, e_in, K,
-                 dtype, NORMALIZE, SPLITS, BLOCK_E, BLOCK_K)
+                 dtype, NORMALIZE, SPLITS, BLOCK_E, BLOCK_K, BY_RANK)
 
 
 @triton.jit

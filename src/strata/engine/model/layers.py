@@ -156,10 +156,13 @@ class Attention:
         n_ctx: int,
         mask: torch.Tensor | None,
         causal: bool,
+        project: bool = True,
     ) -> torch.Tensor:
         """The tokens' q/k/v projection qkv [T, H*Dh + 2*G*Dh] -> [T, D] (the decoder layer
         computes qkv with the norm before it: `products.add_norm_linear`). Writes K/V at
-        `positions`, attends over cells [0, n_ctx).
+        `positions`, attends over cells [0, n_ctx). Without `project`, attention's output
+        [T, H*Dh] before the output product (the decoder layer runs that product with the
+        MoE's norm and routing: `products.linear_add_norm_route`).
 
         `cells` is the layer's K/V (bf16, fp32 or int8 cells: int8 rows are quantized as they
         are written, and the attended cells dequantized to qkv's dtype as they are read).
@@ -173,7 +176,7 @@ class Attention:
             # kernel.
             out = decode_attention.rotate_attend(qkv, self.heads, cos, sin, positions, cells,
                                                  n_ctx, mask, self.scale)  # [1, H*Dh]
-            return products.linear(out, self.wo, self.bo)  # [1, D]
+            return products.linear(out, self.wo, self.bo) if project else out  # [1, D]
         # q's and k's heads normed and rotated side by side, k and v stored: one op.
         q = rotate_and_write(qkv, self.heads, cos, sin, positions, cells)  # [T, H, Dh]
         keys, values = cells.read(n_ctx, q.dtype)  # [N, G, Dh] each
@@ -184,7 +187,7 @@ class Attention:
             out = decode_attention.attend_one(q, keys, values, mask, self.scale, positions)
         else:
             out = self._folded(q, keys, values, mask)
-        return products.linear(out, self.wo, self.bo)  # [T, D]
+        return products.linear(out, self.wo, self.bo) if project else out  # [T, D]
 
     def _prompt(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """A prompt chunk, the last T of the N cells: causal, aligned at the last cell (row t
@@ -290,22 +293,27 @@ class DecoderLayer:
         `products.add_norm_linear`, the norm inside q/k/v's product for a decode step's token
         on CUDA). Attention span by span, in order (a span attends the K/V the spans before it
         wrote), then the MoE over all T tokens at once: its sum, norm and routing one op
-        (`add_norm_router_route`, one kernel on CUDA where `ops.NORM_ROUTER_KERNEL`)."""
-        attn = self.attn
+        (`add_norm_router_route`, one kernel on CUDA where `ops.NORM_ROUTER_KERNEL`; with one
+        attention call, `products.linear_add_norm_route`: attention's output product in that
+        op's kernel too, for a decode step's token on CUDA)."""
+        attn, moe = self.attn, self.moe
         if len(spans) == 1:  # the norm and q/k/v's product one kernel for one token on CUDA
+            span = spans[0]
             x, qkv = products.add_norm_linear(x, delta, self.attn_norm, self.eps, attn.wqkv,
                                               attn.bqkv)  # [T, D], [T, H*Dh + 2*G*Dh]
-            qkvs = [qkv]
-        else:
-            x, normed = add_rms_norm(x, delta, self.attn_norm, self.eps)  # [T, D] each
-            qkvs = [products.linear(normed[span.rows], attn.wqkv, attn.bqkv) for span in spans]
-        attended = [
+            out = attn.attend(qkv, span.cos, span.sin, span.positions, cells, span.n_ctx,
+                              span.mask, span.causal, project=False)  # [T, H*Dh]
+            h, normed, ids, weights = products.linear_add_norm_route(
+                out, attn.wo, attn.bo, x, self.mlp_norm, self.eps, moe.router, moe.top_k,
+                moe.normalize)  # [T, D] each, then [T, K] each
+            return h, moe.forward_routed(normed, ids, weights, experts)
+        x, normed = add_rms_norm(x, delta, self.attn_norm, self.eps)  # [T, D] each
+        qkvs = [products.linear(normed[span.rows], attn.wqkv, attn.bqkv) for span in spans]
+        attended = torch.cat([
             attn.attend(qkv, span.cos, span.sin, span.positions, cells, span.n_ctx, span.mask,
                         span.causal)
             for qkv, span in zip(qkvs, spans, strict=True)
-        ]  # [b - a, D] each
-        attended = attended[0] if len(attended) == 1 else torch.cat(attended)  # [T, D]
-        moe = self.moe
+        ])  # [T, D]
         h, normed, ids, weights = add_norm_router_route(
             x, attended, self.mlp_norm, self.eps, moe.router, moe.top_k, moe.normalize
         )  # [T, D] each, then [T, K] each

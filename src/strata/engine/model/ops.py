@@ -68,7 +68,9 @@ MASK_BLOCK_CELLS = 1024  # the mask cells one program of `rope_and_mask_triton` 
 # rounds 1.164 against 1.217 ms (the whole olmoe-1b-7b), 0.485 against 0.515 (qwen3-30b-a3b,
 # 4 layers), 0.615 against 0.633 (mixtral-8x7b, 2 layers); bench/decode.py's greedy decode
 # 925 against 921 tok/s, alternating runs (bench/results/decode-fusions-h200-2026-12-02.md).
-# bench/decode_profile.py's row "the norm and the router as two kernels" is the A/B.
+# A decode step's token takes `products.linear_add_norm_route` before it (attention's output
+# product in this kernel too); bench/decode_profile.py's row "the output product, the norm and
+# the router as three kernels" is the A/B, with that one off as well.
 NORM_ROUTER_KERNEL = True
 
 

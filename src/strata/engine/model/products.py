@@ -18,7 +18,10 @@ residual and norms it (`ops.add_rms_norm`) inside the product's kernel where `li
 run the kernel (`NORM_PRODUCT_KERNEL`), one launch a layer fewer. Every program norms the
 whole row itself (a few KiB from the cache, beside the weight rows it reads), as
 `add_norm_router_route`'s programs do, so the norm needs no second kernel; the bytes are the
-two kernels' when both run at the norm's warps (tests/engine/test_products.py).
+two kernels' when both run at the norm's warps (tests/engine/test_products.py). Its last
+product, the output's, takes the residual sum, the MoE's norm and its routing after it:
+`linear_add_norm_route` (`PRODUCT_ROUTE_KERNEL`), each program its rows' part of every
+expert's logit, the last to arrive the norm and the routing (docs/reference/engine-model.md).
 
 `linear` is `F.linear` wherever that cannot happen: more than one token, float32, off CUDA or
 without dependent launches (before compute capability 9.0 the kernel would only match cuBLAS),
@@ -45,13 +48,16 @@ import torch
 import torch.nn.functional as F
 
 from strata.engine import cache_hints, dependent_launch
+from strata.engine.model import routing_ops
 from strata.engine.model.op_kernels import NORM_WARPS
 from strata.engine.model.op_kernels import block as _block
-from strata.engine.model.ops import add_rms_norm
+from strata.engine.model.ops import MAX_KERNEL_WIDTH, add_norm_router_route, add_rms_norm
+from strata.engine.model.routing_ops import arrival_counts
 
 __all__ = ["LOGITS_KERNEL", "MAX_K", "NORM_PRODUCT_KERNEL", "PRODUCT_KERNEL",
-           "add_norm_linear", "add_norm_linear_triton", "linear", "linear_one_triton", "logits",
-           "takes"]
+           "PRODUCT_ROUTE_KERNEL", "add_norm_linear", "add_norm_linear_triton", "linear",
+           "linear_add_norm_route", "linear_add_norm_route_triton", "linear_one_triton",
+           "logits", "takes"]
 
 PRODUCT_KERNEL = True
 LOGITS_KERNEL = True
@@ -71,6 +77,14 @@ NUM_WARPS = 4
 # olmoe's round 1.026x the two kernels' (bench/results/norm-product-h200-2026-12-05.md).
 NORM_PRODUCT_KERNEL = True
 NORM_TILE_ELEMENTS = 16384
+# `linear_add_norm_route`'s kernel on or off (off: `linear`, then `ops.add_norm_router_route`),
+# and its launch shape: at least ROUTE_TILE_ELEMENTS weight elements a program, and rows
+# enough that the programs' parts of the logits, which its last program sums, are at most
+# ROUTE_PARTS floats; a shape past MAX_ROUTE_TILE elements a program takes the two kernels.
+PRODUCT_ROUTE_KERNEL = True
+ROUTE_TILE_ELEMENTS = 16384
+ROUTE_PARTS = 16384
+MAX_ROUTE_TILE = 65536
 
 
 @functools.cache
@@ -196,3 +210,85 @@ def add_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor | None,
         BLOCK_K=block_k, EVICT=cache_hints.products_eviction(), num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return h, out
+
+
+def _route_shape(n_out: int, k_in: int, n_experts: int, tile_elements: int) -> int | None:
+    """`linear_add_norm_route_triton`'s rows a program for a weight [N, K] and E experts, or
+    None where they would hold more than MAX_ROUTE_TILE weight elements."""
+    block_n = max(1, tile_elements // _block(k_in), _block(-(-n_out * _block(n_experts)
+                                                              // ROUTE_PARTS)))
+    return block_n if block_n * _block(k_in) <= MAX_ROUTE_TILE else None
+
+
+def linear_add_norm_route(
+    a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+    norm_weight: torch.Tensor, eps: float, router: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, normed, ids, weights) for h = x + linear(a, weight, bias), a [T, K], x [T, N],
+    weight [N, K]: `linear`, then `ops.add_norm_router_route` of x and that product by
+    norm_weight [N] and router [E, N] (ids [T, K] int64, weights [T, K] float32). A decode
+    layer's attention output product, the residual sum, the MoE's norm and its routing: one
+    kernel where `linear` would run its kernel, PRODUCT_ROUTE_KERNEL is on and the shapes fit
+    (`linear_add_norm_route_triton`), else the two as they run apart."""
+    if (PRODUCT_ROUTE_KERNEL and takes(a, weight) and x.shape == (1, weight.shape[0])
+            and x.dtype == a.dtype and router.dtype == a.dtype and x.stride(1) == 1
+            and router.stride(1) == 1 and norm_weight.stride(0) == 1
+            and weight.shape[0] <= MAX_KERNEL_WIDTH and 1 <= top_k <= router.shape[0]
+            and _route_shape(*weight.shape, router.shape[0], ROUTE_TILE_ELEMENTS) is not None):
+        return linear_add_norm_route_triton(a, weight, bias, x, norm_weight, eps, router,
+                                            top_k, normalize)
+    return add_norm_router_route(x, linear(a, weight, bias), norm_weight, eps, router, top_k,
+                                 normalize)
+
+
+def linear_add_norm_route_triton(
+    a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+    norm_weight: torch.Tensor, eps: float, router: torch.Tensor, top_k: int, normalize: bool,
+    *, tile_elements: int | None = None, num_warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`linear_add_norm_route` of one token a [1, K] by its kernel (under Triton's interpreter
+    on the CPU in tests), launched as a dependent where `dependent_launch.kernel_options` says
+    so. h is the two kernels' to the bit; normed is `ops.add_rms_norm`'s at its warps
+    (`num_warps`' default, NORM_WARPS); the router's product takes the norm before its rounding
+    to the dtype, so a logit can round the other way in its last bit, and a near tie route
+    another way, the same run to run. `tile_elements` (ROUTE_TILE_ELEMENTS) and `num_warps`
+    override the launch shape for a benchmark's sweep."""
+    tile_elements = ROUTE_TILE_ELEMENTS if tile_elements is None else tile_elements
+    num_warps = NORM_WARPS if num_warps is None else num_warps
+    n_out, k_in = weight.shape
+    n_experts = router.shape[0]
+    _check_one_token("linear_add_norm_route_triton", a, weight, bias, tile_elements)
+    if x.shape != (1, n_out) or x.dtype != a.dtype or x.stride(1) != 1:
+        raise ValueError(f"x must be one token [1, {n_out}] of dtype {a.dtype} with a "
+                         f"contiguous row; got {list(x.shape)} {x.dtype}")
+    if norm_weight.shape != (n_out,) or norm_weight.stride(0) != 1 \
+            or router.shape[1:] != (n_out,) or router.dtype != a.dtype or router.stride(1) != 1:
+        raise ValueError(f"linear_add_norm_route_triton needs a contiguous norm weight "
+                         f"[{n_out}] and a router [E, {n_out}] of dtype {a.dtype} with "
+                         f"contiguous rows, got {list(norm_weight.shape)} and "
+                         f"{list(router.shape)} {router.dtype}")
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k must be in [1, {n_experts}], got {top_k}")
+    block_n = _route_shape(n_out, k_in, n_experts, tile_elements)
+    if block_n is None or not 1 <= n_out <= MAX_KERNEL_WIDTH:
+        raise ValueError(f"linear_add_norm_route_triton cannot hold a weight [{n_out}, "
+                         f"{k_in}] with {n_experts} experts at {tile_elements} elements a "
+                         f"program (at most {MAX_ROUTE_TILE} a program, {MAX_KERNEL_WIDTH} "
+                         f"outputs)")
+    programs = -(-n_out // block_n)
+    block_e = _block(n_experts)
+    h = torch.empty_like(x)  # [1, N]
+    normed = torch.empty_like(x)  # [1, N]
+    ids = torch.empty((1, top_k), dtype=torch.int64, device=x.device)  # [1, K]
+    weights = torch.empty((1, top_k), dtype=torch.float32, device=x.device)  # [1, K]
+    partial = torch.empty((programs, block_e), dtype=torch.float32, device=x.device)
+    _kernels().product_add_norm_route[(programs,)](
+        weight, a, bias if bias is not None else weight, x, norm_weight, router, h, normed,
+        partial, arrival_counts(x.device), ids, weights, n_out, k_in, n_experts, top_k, eps,
+        weight.stride(0), router.stride(0), programs, HAS_BIAS=bias is not None,
+        NORMALIZE=normalize, BLOCK_N=block_n, BLOCK_K=_block(k_in), BLOCK_ROW=_block(n_out),
+        BLOCK_P=_block(programs), BLOCK_E=block_e, BLOCK_TOP_K=_block(top_k),
+        BY_RANK=routing_ops.TOP_K_BY_RANK, EVICT=cache_hints.products_eviction(),
+        num_warps=num_warps,
+        **dependent_launch.kernel_options(x.device))
+    return h, normed, ids, weights

@@ -19,7 +19,8 @@ from strata.engine import dependent_launch
 from strata.engine.model.op_kernels import NORM_WARPS, block, kernels
 
 __all__ = ["ROUTER_BLOCK_D", "ROUTER_MAX_TOKENS", "ROUTER_SPLITS", "ROUTER_WARPS",
-           "add_norm_router_route_triton", "route_triton", "router_route_triton"]
+           "TOP_K_BY_RANK", "add_norm_router_route_triton", "arrival_counts", "route_triton",
+           "router_route_triton"]
 
 # `router_route`'s kernel takes calls of at most this many tokens (decode's, a prompt's last
 # few); larger ones run the router's product as a matrix product, then `route`'s kernel.
@@ -31,6 +32,9 @@ ROUTER_MAX_TOKENS = 8
 ROUTER_SPLITS = 64
 ROUTER_BLOCK_D = 32
 ROUTER_WARPS = 4
+# How the routing kernels take a token's top K (`_ops_triton._top_k`): each expert's place
+# counted at once (True), or K rounds of taking the largest left (False: the A/B).
+TOP_K_BY_RANK = True
 
 
 def route_triton(
@@ -45,7 +49,8 @@ def route_triton(
     if n_tokens:
         kernels().route[(n_tokens,)](
             logits, ids, weights, n_experts, top_k, logits.stride(0), NORMALIZE=normalize,
-            BLOCK_E=block(n_experts), BLOCK_K=block(top_k), num_warps=1,
+            BLOCK_E=block(n_experts), BLOCK_K=block(top_k), BY_RANK=TOP_K_BY_RANK,
+            num_warps=1,
             **dependent_launch.kernel_options(logits.device))
     return ids, weights
 
@@ -58,13 +63,14 @@ def _routing(n_tokens: int, top_k: int,
 
 
 @functools.cache
-def _arrived(device: torch.device) -> torch.Tensor:
+def arrival_counts(device: torch.device) -> torch.Tensor:
     """The router kernels' count of arrived programs per token, on `device`: zeros between
     launches (a launch's last program sets them back). One per device, kept for the process: a
-    CUDA graph holds its address. `router_route`'s and `add_norm_router_route`'s kernels share
-    it: launches on a stream run one after the other, each leaving it zeroed. Made by an eager
-    call: a graph's capture would record its zeroing without running it (the engine's warm-up
-    runs every op before it captures)."""
+    CUDA graph holds its address. `router_route`'s, `add_norm_router_route`'s and
+    `products.linear_add_norm_route`'s kernels share it: launches on a stream run one after
+    the other, each leaving it zeroed. Made by an eager call: a graph's capture would record
+    its zeroing without running it (the engine's warm-up runs every op before it
+    captures)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a router kernel's first call on a device must be eager, not "
                            "inside a CUDA graph's capture: run the step once before capturing it")
@@ -112,9 +118,10 @@ def router_route_triton(
     block_e = block(n_experts)
     partial = torch.empty((n_tokens, splits, block_e), dtype=torch.float32, device=x.device)
     kernels().router_route[(n_tokens, splits)](
-        x, router, partial, _arrived(x.device), ids, weights, d, n_experts, top_k, x.stride(0),
-        router.stride(0), blocks_per_split, NORMALIZE=normalize, SPLITS=splits, BLOCK_D=block_d,
-        BLOCK_E=block_e, BLOCK_K=block(top_k), num_warps=num_warps,
+        x, router, partial, arrival_counts(x.device), ids, weights, d, n_experts, top_k,
+        x.stride(0), router.stride(0), blocks_per_split, NORMALIZE=normalize, SPLITS=splits,
+        BLOCK_D=block_d, BLOCK_E=block_e, BLOCK_K=block(top_k), BY_RANK=TOP_K_BY_RANK,
+        num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return ids, weights
 
@@ -156,10 +163,11 @@ def add_norm_router_route_triton(
     has_delta = delta is not None
     delta = delta if has_delta else x  # not read: a placeholder pointer
     kernels().add_norm_router_route[(n_tokens, splits)](
-        x, delta, norm_weight, h, normed, router, partial, _arrived(x.device), ids, weights, d,
-        n_experts, top_k, eps, x.stride(0), delta.stride(0), h.stride(0), normed.stride(0),
-        router.stride(0), blocks_per_split, HAS_DELTA=has_delta, NORMALIZE=normalize,
+        x, delta, norm_weight, h, normed, router, partial, arrival_counts(x.device), ids,
+        weights, d, n_experts, top_k, eps, x.stride(0), delta.stride(0), h.stride(0),
+        normed.stride(0), router.stride(0), blocks_per_split, HAS_DELTA=has_delta,
+        NORMALIZE=normalize,
         SPLITS=splits, BLOCK_ROW=block(d), BLOCK_D=block_d, BLOCK_E=block_e,
-        BLOCK_K=block(top_k), num_warps=num_warps,
+        BLOCK_K=block(top_k), BY_RANK=TOP_K_BY_RANK, num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return h, normed, ids, weights
