@@ -226,7 +226,8 @@ def linear_add_norm_route(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h, normed, ids, weights) for h = x + linear(a, weight, bias), a [T, K], x [T, N],
     weight [N, K]: `linear`, then `ops.add_norm_router_route` of x and that product by
-    norm_weight [N] and router [E, N] (ids [T, K] int64, weights [T, K] float32). A decode
+    norm_weight [N] and router [E, N] (ids and weights [T, top_k], int64 and float32; K here
+    is the product's input features). A decode
     layer's attention output product, the residual sum, the MoE's norm and its routing: one
     kernel where `linear` would run its kernel, PRODUCT_ROUTE_KERNEL is on and the shapes fit
     (`linear_add_norm_route_triton`), else the two as they run apart."""
@@ -279,8 +280,8 @@ def linear_add_norm_route_triton(
     block_e = _block(n_experts)
     h = torch.empty_like(x)  # [1, N]
     normed = torch.empty_like(x)  # [1, N]
-    ids = torch.empty((1, top_k), dtype=torch.int64, device=x.device)  # [1, K]
-    weights = torch.empty((1, top_k), dtype=torch.float32, device=x.device)  # [1, K]
+    ids = torch.empty((1, top_k), dtype=torch.int64, device=x.device)  # [1, top_k]
+    weights = torch.empty((1, top_k), dtype=torch.float32, device=x.device)  # [1, top_k]
     partial = torch.empty((programs, block_e), dtype=torch.float32, device=x.device)
     _kernels().product_add_norm_route[(programs,)](
         weight, a, bias if bias is not None else weight, x, norm_weight, router, h, normed,
