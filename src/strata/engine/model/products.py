@@ -227,10 +227,10 @@ def linear_add_norm_route(
     """(h, normed, ids, weights) for h = x + linear(a, weight, bias), a [T, K], x [T, N],
     weight [N, K]: `linear`, then `ops.add_norm_router_route` of x and that product by
     norm_weight [N] and router [E, N] (ids and weights [T, top_k], int64 and float32; K here
-    is the product's input features). A decode
-    layer's attention output product, the residual sum, the MoE's norm and its routing: one
-    kernel where `linear` would run its kernel, PRODUCT_ROUTE_KERNEL is on and the shapes fit
-    (`linear_add_norm_route_triton`), else the two as they run apart."""
+    is the product's input features). A decode layer's attention output product, the residual
+    sum, the MoE's norm and its routing: one kernel where `linear` would run its kernel,
+    PRODUCT_ROUTE_KERNEL is on and the shapes fit (`linear_add_norm_route_triton`), else the
+    two as they run apart."""
     if (PRODUCT_ROUTE_KERNEL and takes(a, weight) and x.shape == (1, weight.shape[0])
             and x.dtype == a.dtype and router.dtype == a.dtype and x.stride(1) == 1
             and router.stride(1) == 1 and norm_weight.stride(0) == 1
@@ -290,6 +290,5 @@ def linear_add_norm_route_triton(
         NORMALIZE=normalize, BLOCK_N=block_n, BLOCK_K=_block(k_in), BLOCK_ROW=_block(n_out),
         BLOCK_P=_block(programs), BLOCK_E=block_e, BLOCK_TOP_K=_block(top_k),
         BY_RANK=routing_ops.TOP_K_BY_RANK, EVICT=cache_hints.products_eviction(),
-        num_warps=num_warps,
-        **dependent_launch.kernel_options(x.device))
+        num_warps=num_warps, **dependent_launch.kernel_options(x.device))
     return h, normed, ids, weights

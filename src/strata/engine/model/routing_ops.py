@@ -50,8 +50,7 @@ def route_triton(
         kernels().route[(n_tokens,)](
             logits, ids, weights, n_experts, top_k, logits.stride(0), NORMALIZE=normalize,
             BLOCK_E=block(n_experts), BLOCK_K=block(top_k), BY_RANK=TOP_K_BY_RANK,
-            num_warps=1,
-            **dependent_launch.kernel_options(logits.device))
+            num_warps=1, **dependent_launch.kernel_options(logits.device))
     return ids, weights
 
 
@@ -121,8 +120,7 @@ def router_route_triton(
         x, router, partial, arrival_counts(x.device), ids, weights, d, n_experts, top_k,
         x.stride(0), router.stride(0), blocks_per_split, NORMALIZE=normalize, SPLITS=splits,
         BLOCK_D=block_d, BLOCK_E=block_e, BLOCK_K=block(top_k), BY_RANK=TOP_K_BY_RANK,
-        num_warps=num_warps,
-        **dependent_launch.kernel_options(x.device))
+        num_warps=num_warps, **dependent_launch.kernel_options(x.device))
     return ids, weights
 
 
@@ -166,8 +164,7 @@ def add_norm_router_route_triton(
         x, delta, norm_weight, h, normed, router, partial, arrival_counts(x.device), ids,
         weights, d, n_experts, top_k, eps, x.stride(0), delta.stride(0), h.stride(0),
         normed.stride(0), router.stride(0), blocks_per_split, HAS_DELTA=has_delta,
-        NORMALIZE=normalize,
-        SPLITS=splits, BLOCK_ROW=block(d), BLOCK_D=block_d, BLOCK_E=block_e,
-        BLOCK_K=block(top_k), BY_RANK=TOP_K_BY_RANK, num_warps=num_warps,
+        NORMALIZE=normalize, SPLITS=splits, BLOCK_ROW=block(d), BLOCK_D=block_d,
+        BLOCK_E=block_e, BLOCK_K=block(top_k), BY_RANK=TOP_K_BY_RANK, num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return h, normed, ids, weights
