@@ -21,7 +21,8 @@ product instead of inside its kernel (`products.NORM_PRODUCT_KERNEL`), with no w
 marked evict_first for L2 (`cache_hints`), with the logits' product by cuBLAS instead of that
 kernel (`products.LOGITS_KERNEL`), two bounds rather than A/Bs (no routing after the
 output product, the routing fixed; no short attention kernel: what either costs the round,
-with wrong logits), `--compile`'s (compiled with the experts' Triton kernels as
+with wrong logits; a third, the experts' bytes read by one kernel: what running gate_up and
+down as two kernels with a sum costs), `--compile`'s (compiled with the experts' Triton kernels as
 a custom operator; `--gathered-compile` adds the gathered path under inductor, the code before
 that operator), and, last, the default's graph captured again: the control.
 Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
@@ -196,6 +197,31 @@ def no_attention(config, device: torch.device, dtype: torch.dtype):
     return lambda *args: out
 
 
+def experts_as_one_read(config, device: torch.device, dtype: torch.dtype):
+    """`grouped.expert_sum_triton` as one `gate_up_act` launch over the same bytes: each of
+    the K rows reads a [3F, D] expert (gate, up and down's bytes as one block, from a tensor
+    made here, before any capture), so the round keeps the experts' reads but loses the second
+    kernel, its wait for the first and its sum. A bound for the profile, not a model: its
+    output, a row of D, is the first D of act's K * 1.5F elements (`one_read_fits`)."""
+    k, d, f = config.top_k, config.hidden_size, config.expert_width
+    weights = torch.randn((k, 3 * f, d), device=device, dtype=dtype)  # f' = 1.5F: [K, 2F', D]
+    index = torch.arange(k, device=device)
+    wide = torch.empty((k, d, 3 * f // 2), device=device, dtype=dtype)  # only its shape read
+
+    def experts(gate_up, down, _index, x_rows, _weights, _arrived):
+        act, _ = grouped._gate_up_act(
+            grouped._kernels(), weights, wide, index, x_rows, grouped.GATE_UP_BLOCK_F,
+            grouped.GATE_UP_BLOCK_D, grouped.NUM_WARPS[0], grouped.NUM_STAGES[0],
+            *dependent_launch.launch_with(None, x_rows.device))
+        return act.view(-1)[:d].view(1, d)  # [1, D]: act's first D elements (K * 1.5F >= D)
+    return experts
+
+
+def one_read_fits(config) -> bool:
+    """Whether `experts_as_one_read`'s act holds a row of D."""
+    return config.top_k * 3 * config.expert_width // 2 >= config.hidden_size
+
+
 def print_summary(row: dict) -> None:
     share = f"{100 * row['kernel_share']:.0f}%" if row["kernel_share"] is not None else "-"
     print(f"\n{row['label']}: {row['ms']:.3f} ms ({row['tok_s']:,.0f} tok/s); "
@@ -292,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
                 if getattr(model.experts, "_sum_arrivals", None) is not None:
                     steps.append(("decode, CUDA graph, down then the combine", step_of(True),
                                   "sum"))
+                if getattr(model.experts, "_sum_arrivals", None) is not None \
+                        and one_read_fits(config):
+                    steps.append(("decode, CUDA graph, the experts' bytes as one kernel's "
+                                  "read (a bound: wrong logits)", step_of(True), "one-read"))
                 if not args.no_compile:
                     steps.append(("decode, --compile", step_of(True, True), None))
                 # The control: the default's graph captured again, last (`interleaved`).
@@ -321,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                 "top-k-rounds": ((routing_ops, "TOP_K_BY_RANK", False),),
                 "no-attention": ((decode_attention, "rotate_attend", no_attention(config, device,
                                                                                    dtype)),),
+                "one-read": ((grouped, "expert_sum_triton",
+                              experts_as_one_read(config, device, dtype)
+                              if on_cuda and one_read_fits(config) else None),),
             }
             captured = []  # (row, its round): timed again side by side below
             for label, step, without in steps:

@@ -63,8 +63,11 @@
 # (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to 2, one JSON object a
 # line in decode-shapes-sampling.jsonl),
 # profile-decode (1.5: the profile stage's decode rounds and prompt
-# chunks of 32 and 4,096 without --compile), profile-decode16 (2: the decode round's A/Bs on the
-# whole olmoe-1b-7b), profile-decode-shapes (2.5: the same on qwen3-30b-a3b cut to 4 layers and
+# chunks of 32 and 4,096 without --compile), profile-decode16 (3.5: the decode round's A/Bs on
+# the whole olmoe-1b-7b, under PROFILE_TIMEOUT seconds, default 250), graph-launch (0.3:
+# bench/graph_launch.py, the host's time to launch a graph by torch's replay and by the driver's
+# cuGraphLaunch, graphs of 8 and 30 kernels, one JSON object a line in graph-launch.jsonl),
+# profile-decode-shapes (2.5: the same on qwen3-30b-a3b cut to 4 layers and
 # mixtral-8x7b cut to 2), stream-issue (0.5: bench/stream_issue.py, the
 # host's time issuing streamed misses, part by part, olmoe and qwen3 shapes, sync-checked),
 # router-route (2: bench/router_route.py, the decode router kernel's launch shapes swept),
@@ -563,10 +566,14 @@ for stage in "$@"; do
                  2> "$OUT/profile-decode.err"
                     grep -E "^(prompt|decode)|^ +[0-9.]+ ms +[0-9]+\.[0-9]+x \(" "$OUT/profile-decode.txt" ;;
     profile-decode16) # the decode round's A/Bs on the whole olmoe-1b-7b (16 layers)
-              (cd bench && timeout 200 python3 decode_profile.py --model "$(olmoe_checkpoint)" \
-                 --prompt-tokens 32 --no-compile --json "$OUT/profile-decode16.json") \
+              (cd bench && timeout "${PROFILE_TIMEOUT:-250}" python3 decode_profile.py \
+                 --model "$(olmoe_checkpoint)" --prompt-tokens 32 --no-compile --json "$OUT/profile-decode16.json") \
                  > "$OUT/profile-decode16.txt" 2> "$OUT/profile-decode16.err"
                     grep -E "^(prompt|decode)|^ +[0-9.]+ ms +[0-9]+\.[0-9]+x \(" "$OUT/profile-decode16.txt" ;;
+    graph-launch) for kernels in 8 30; do  # the launch call alone, by the host's clock
+                      (cd bench && timeout 60 python3 graph_launch.py --kernels $kernels --json) \
+                          >> "$OUT/graph-launch.jsonl" 2>> "$OUT/graph-launch.err"
+                  done; cat "$OUT/graph-launch.jsonl" ;;
     profile-decode-shapes) # the decode round's A/Bs on qwen3-30b-a3b (4 layers), mixtral (2)
               for shape in "qwen3-30b-a3b 4" "mixtral-8x7b 2"; do
                   set -- $shape

@@ -366,6 +366,35 @@ def test_every_decode_profile_row_the_code_and_docs_name_is_one_it_prints():
         assert any(row in label for label in labels), (name, row)
 
 
+def test_the_experts_one_read_bound_fits_the_shapes_it_runs_on():
+    """decode_profile's bound hands back the first D of its act's K * 1.5F elements: olmoe's,
+    qwen3's and mixtral's shapes hold a row of D, and a shape that cannot is left out."""
+    from strata.engine.model.presets import get_preset
+
+    bench = load_bench("decode_profile.py")
+    for name in ("olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b"):
+        assert bench.one_read_fits(get_preset(name))
+    narrow = dataclasses.replace(get_preset("olmoe-1b-7b"), top_k=1, expert_width=512)
+    assert not bench.one_read_fits(narrow)  # 1 x 768 < 2048
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_graph_launch_bench_says_it_needs_cuda(capsys):
+    bench = load_bench("graph_launch.py")
+    with pytest.raises(SystemExit):
+        bench.main([])
+    assert "graph_launch.py needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_the_graph_launch_bench_launches_the_graph_both_ways(capsys):
+    bench = load_bench("graph_launch.py")
+    assert bench.main(["--kernels", "3", "--launches", "100", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["every_launch_ran"] and report["kernels"] == 3
+    assert set(report["us_median"]) == {"torch replay", "cuGraphLaunch"}
+
+
 @pytest.mark.parametrize("script", ["decode_profile.py", "decode_shapes.py"])
 def test_the_side_by_side_benches_refuse_no_sweeps(script, capsys):
     bench = load_bench(script)
