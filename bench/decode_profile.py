@@ -206,7 +206,8 @@ def experts_as_one_read(config, device: torch.device, dtype: torch.dtype):
     k, d, f = config.top_k, config.hidden_size, config.expert_width
     weights = torch.randn((k, 3 * f, d), device=device, dtype=dtype)  # f' = 1.5F: [K, 2F', D]
     index = torch.arange(k, device=device)
-    wide = torch.empty((k, d, 3 * f // 2), device=device, dtype=dtype)  # only its shape read
+    # Only its shape and strides are read: one row's memory, expanded.
+    wide = torch.empty((1, 1, 3 * f // 2), device=device, dtype=dtype).expand(k, d, -1)
 
     def experts(gate_up, down, _index, x_rows, _weights, _arrived):
         act, _ = grouped._gate_up_act(

@@ -190,6 +190,52 @@ def test_close_releases_everything_and_is_idempotent(backend):
             call()
 
 
+def _reserved(address):
+    """Whether `address` lies in a mapping of this process (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+def test_a_view_kept_past_close_keeps_its_addresses_until_it_is_freed(backend):
+    """Close releases the chunks at once, but a view still alive keeps the range's addresses
+    reserved: no later range is placed under it, and on the host it reads zeros instead of
+    faulting. The last view freed frees the addresses."""
+    c = backend.chunk_bytes
+    rng = backend.reserve(4 * c)
+    rng.map(0, 4)
+    view = rng.view(c, (c // 4,), torch.int32)[1:]  # a slice: the span lives in its storage
+    view.fill_(7)
+    address, nbytes = rng.address, rng.nbytes
+    rng.close()
+    assert rng.closed and backend.alive_chunks == 0 and backend.bytes_mapped == 0
+    others = [backend.reserve(4 * c) for _ in range(8)]
+    for other in others:
+        assert other.address + other.nbytes <= address or other.address >= address + nbytes
+    if backend.kind == "host":
+        assert int(view.abs().sum()) == 0  # the held range reads zeros
+        assert _reserved(address + c)
+    del view
+    gc.collect()
+    if backend.kind == "host":
+        assert not _reserved(address + c)
+    for other in others:
+        other.close()
+
+
+def test_a_range_closed_without_views_frees_its_addresses_at_once(backend):
+    rng = backend.reserve(2 * backend.chunk_bytes)
+    rng.map(0, 2)
+    address = rng.address
+    rng.view(0, (4,), torch.int32).fill_(1)  # freed at once: no view is left
+    rng.close()
+    if backend.kind == "host":
+        assert not _reserved(address)
+
+
 def test_dropping_a_range_without_close_frees_it(backend):
     rng = backend.reserve(4 * backend.chunk_bytes)
     rng.map(0, 4)

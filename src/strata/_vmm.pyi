@@ -116,10 +116,14 @@ class Range:
         """A zero-copy tensor over bytes [offset, offset + nbytes) of the range.
 
         Every chunk it covers must be mapped (else ValueError). The view must not be used after
-        those chunks are unmapped or the range is closed.
+        those chunks are unmapped or the range is closed. A view kept past `close` still names
+        addresses nothing else is given: the range's addresses stay reserved until its last
+        view is freed (on the host it reads zeros meanwhile; on CUDA a read faults).
         """
     def close(self) -> None:
-        """Unmap and release every chunk, then free the address range. Idempotent."""
+        """Unmap and release every chunk, then free the address range, or, while a view of it
+        is alive, hold the range's addresses until the last view is freed (`view`).
+        Idempotent."""
 
 def open_backend(kind: str, **options) -> Backend:
     """`host` or `cuda` (options: `chunk_bytes` for host, `device` for cuda)."""

@@ -233,6 +233,12 @@ cdef class Backend:
     cdef _free_reservation(self, object address, Py_ssize_t nbytes):
         raise NotImplementedError
 
+    cdef _hold_reservation(self, object address, Py_ssize_t nbytes):
+        # A closed range whose views are still alive keeps its (unmapped) addresses reserved
+        # until the last view goes, so that no later mapping lands under a stale view. Best
+        # effort and never raising: close has already released the chunks.
+        pass
+
     cdef _create_chunk(self, Chunk chunk):
         raise NotImplementedError
 
@@ -301,6 +307,12 @@ cdef class HostBackend(Backend):
     cdef _free_reservation(self, object address, Py_ssize_t nbytes):
         if munmap(<void*><Py_ssize_t>address, nbytes) != 0:
             raise _os_error("munmap of a reservation")
+
+    cdef _hold_reservation(self, object address, Py_ssize_t nbytes):
+        # The unmapped chunks are PROT_NONE anonymous pages (`_unmap_chunks`): readable, a
+        # stale view reads zeros (the shared zero page, no memory) instead of faulting. A write
+        # still faults. If mprotect fails the range stays PROT_NONE, reserved all the same.
+        mprotect(<void*><Py_ssize_t>address, nbytes, PROT_READ)
 
     cdef _create_chunk(self, Chunk chunk):
         if self._free:
@@ -382,6 +394,8 @@ cdef class Range:
     cdef readonly Py_ssize_t chunk_bytes
     cdef list _chunks      # [n_chunks] Chunk or None
     cdef readonly Py_ssize_t n_mapped
+    cdef Py_ssize_t _n_views   # live `_Span`s: the tensors `view` made that are not yet freed
+    cdef object _held_address  # closed with views alive: chunk 0's address, freed by the last
     cdef object __weakref__
 
     cdef _init(self, Backend backend, object address, Py_ssize_t n_chunks):
@@ -391,6 +405,8 @@ cdef class Range:
         self.chunk_bytes = backend.chunk_bytes
         self._chunks = [None] * n_chunks
         self.n_mapped = 0
+        self._n_views = 0
+        self._held_address = None
 
     @property
     def address(self):
@@ -538,7 +554,9 @@ cdef class Range:
         """A zero-copy tensor over bytes [offset, offset + nbytes) of the range.
 
         Every chunk it covers must be mapped (else ValueError). The view must not be used after
-        those chunks are unmapped or the range is closed.
+        those chunks are unmapped or the range is closed. A view kept past `close` still names
+        addresses nothing else is given: the range's addresses stay reserved until its last
+        view is freed (on the host it reads zeros meanwhile; on CUDA a read faults).
         """
         import torch
 
@@ -576,21 +594,41 @@ cdef class Range:
         return "cpu" if self.backend.kind == "host" else f"cuda:{self.backend.device}"
 
     def close(self):
-        """Unmap and release every chunk, then free the address range. Idempotent."""
+        """Unmap and release every chunk, then free the address range, or, while a view of it
+        is alive, hold the range's addresses until the last view is freed (`view`).
+        Idempotent."""
         if self._address is None:
             return
         chunks = self.unmap(0, self.n_chunks)
         for chunk in chunks:
             (<Chunk>chunk)._release()
-        self.backend._free_reservation(self._address, self.nbytes)
+        if self._n_views:
+            self.backend._hold_reservation(self._address, self.nbytes)
+            self._held_address = self._address
+        else:
+            self.backend._free_reservation(self._address, self.nbytes)
         self._address = None
         self.backend._ranges.discard(self)
 
+    cdef _view_freed(self):
+        """One of `view`'s tensors was freed: the last one of a closed range frees its held
+        addresses. Called from `_Span.__dealloc__`, so it never raises."""
+        self._n_views -= 1
+        if self._n_views == 0 and self._held_address is not None:
+            address, self._held_address = self._held_address, None
+            try:
+                self.backend._free_reservation(address, self.nbytes)
+            except Exception:
+                pass  # the addresses stay reserved: lost address space, no lost memory
+
     def __dealloc__(self):
-        if self._address is None or self.backend is None:
+        if self.backend is None:
             return
         try:
-            self.close()
+            if self._address is not None:
+                self.close()
+            elif self._held_address is not None:  # no view can be left: they hold the range
+                self.backend._free_reservation(self._held_address, self.nbytes)
         except Exception:
             pass
 
@@ -601,18 +639,26 @@ cdef class Range:
 
 @cython.no_gc_clear
 cdef class _Span:
-    """The bytes behind one view; keeps its range alive while a tensor uses them."""
+    """The bytes behind one view; keeps its range alive while a tensor uses them, and counted
+    in its range's views until the tensor's memory is freed (`Range.view`, `Range.close`)."""
 
     cdef readonly Range owner
     cdef readonly Py_ssize_t address
     cdef readonly Py_ssize_t nbytes
     cdef Py_ssize_t _shape[1]
     cdef Py_ssize_t _strides[1]
+    cdef bint _counted
 
     def __init__(self, Range owner, Py_ssize_t address, Py_ssize_t nbytes):
         self.owner = owner
         self.address = address
         self.nbytes = nbytes
+        owner._n_views += 1
+        self._counted = True
+
+    def __dealloc__(self):
+        if self._counted and self.owner is not None:
+            self.owner._view_freed()
 
     def __getbuffer__(self, Py_buffer* buffer, int flags):
         self._shape[0] = self.nbytes

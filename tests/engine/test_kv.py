@@ -85,6 +85,19 @@ def test_layer_errors_and_close(backend):
         kv.v(0)
 
 
+def test_a_cell_view_kept_past_close_reads_zeros_and_its_memory_is_released(backend):
+    """A K view held past close (a test's traceback locals, a caller's variable) is read
+    without a fault: the chunks are released at close, and the addresses stay reserved, reading
+    zeros, until the view is dropped (`Range.view`)."""
+    kv = KVCache(backend, 2, 64, 2, 8, torch.float32)
+    keys = kv.k(1)[:10]
+    keys.fill_(3.0)
+    kv.close()
+    assert backend.alive_chunks == 0 and backend.bytes_mapped == 0
+    assert not keys.any() and keys.shape == (10, 2, 8)
+    assert "tensor" in repr(keys)  # what pytest prints for a failing test's locals
+
+
 def test_kv_backend():
     backend = device_backend("cpu")
     assert isinstance(backend, _vmm.HostBackend)

@@ -259,7 +259,9 @@ class KVCache:
         return self._range.closed
 
     def close(self) -> None:
-        """Unmap and release everything; the views must not be used afterwards. Idempotent."""
+        """Unmap and release everything; the views must not be used afterwards (one kept
+        reads zeros on the host and faults on CUDA, and its addresses stay reserved until it is
+        freed: `Range.view`). Idempotent."""
         self._k, self._v, self._scales = [], [], []
         self._range.close()
 
