@@ -41,8 +41,13 @@ def _rstd(h, D, eps):
 def _normed(h, rstd, weight_ptr, col, col_in, dtype: tl.constexpr):
     # weight * (h * rstd) at columns col: the norm rounded to dtype, then the weight's product
     # rounded again (`ops.rms_norm`'s order: the scale after the cast back).
+    return _scaled(h, rstd, tl.load(weight_ptr + col, mask=col_in, other=0.0), dtype)
+
+
+@triton.jit
+def _scaled(h, rstd, weight, dtype: tl.constexpr):
+    # `_normed` of a weight already loaded.
     normed = (h.to(tl.float32) * rstd).to(dtype)
-    weight = tl.load(weight_ptr + col, mask=col_in, other=0.0)
     return (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype)
 
 

@@ -8,7 +8,14 @@ import triton
 import triton.language as tl
 
 from strata.engine._dependent_triton import wait_for_prior
-from strata.engine.model._ops_triton import _normed, _residual_sum, _rstd, _softmax, _top_k
+from strata.engine.model._ops_triton import (
+    _normed,
+    _residual_sum,
+    _rstd,
+    _scaled,
+    _softmax,
+    _top_k,
+)
 
 
 @triton.jit
@@ -74,8 +81,8 @@ def product_add_norm_route(w_ptr, a_ptr, b_ptr, x_ptr, norm_w_ptr, router_ptr, h
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_ROW: tl.constexpr, BLOCK_P: tl.constexpr,
                            BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
-                           BY_RANK: tl.constexpr = True, EVICT: tl.constexpr = "",
-                           USE_PDL: tl.constexpr = False):
+                           BY_RANK: tl.constexpr = True, READS_FIRST: tl.constexpr = False,
+                           EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
     # One token's output product, the residual sum after it, the MoE's norm and its routing
     # in one launch (`product_one`, then `add_norm_router_route`). Program p, of PROGRAMS:
     # its BLOCK_N rows n of the product's weight, their columns of the router [E, BN] and the
@@ -89,7 +96,10 @@ def product_add_norm_route(w_ptr, a_ptr, b_ptr, x_ptr, norm_w_ptr, router_ptr, h
     # (the same bytes whichever program is last) times rstd, rounds the logits to the dtype,
     # routes them as `route` does, and sets arrived[0] back to 0. The router's product so
     # takes the norm before its rounding to the dtype (the two kernels' path multiplies the
-    # rounded norm): a logit can differ in its last bit, deterministically.
+    # rounded norm): a logit can differ in its last bit, deterministically. READS_FIRST: the
+    # last program issues its three reads (the row h, the parts, the norm's weight) together,
+    # before any arithmetic, so that their latencies overlap; else each as its arithmetic
+    # needs it. The same bytes either way.
     p = tl.program_id(0)
     n = p * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_in = n < N
@@ -117,12 +127,19 @@ def product_add_norm_route(w_ptr, a_ptr, b_ptr, x_ptr, norm_w_ptr, router_ptr, h
         row = tl.arange(0, BLOCK_ROW)
         row_in = row < N
         whole = tl.load(h_ptr + row, mask=row_in, other=0.0, volatile=True)  # [BR]
-        rstd = _rstd(whole, N, eps)
-        tl.store(normed_ptr + row, _normed(whole, rstd, norm_w_ptr, row, row_in, dtype),
-                 mask=row_in)
         s = tl.arange(0, BLOCK_P)
-        parts = tl.load(partial_ptr + s[:, None] * BLOCK_E + e[None, :],
-                        mask=(s < PROGRAMS)[:, None], other=0.0, volatile=True)  # [BP, BE]
+        if READS_FIRST:
+            parts = tl.load(partial_ptr + s[:, None] * BLOCK_E + e[None, :],
+                            mask=(s < PROGRAMS)[:, None], other=0.0, volatile=True)  # [BP, BE]
+            norm_row = tl.load(norm_w_ptr + row, mask=row_in, other=0.0)  # [BR]
+            rstd = _rstd(whole, N, eps)
+            tl.store(normed_ptr + row, _scaled(whole, rstd, norm_row, dtype), mask=row_in)
+        else:
+            rstd = _rstd(whole, N, eps)
+            tl.store(normed_ptr + row, _normed(whole, rstd, norm_w_ptr, row, row_in, dtype),
+                     mask=row_in)
+            parts = tl.load(partial_ptr + s[:, None] * BLOCK_E + e[None, :],
+                            mask=(s < PROGRAMS)[:, None], other=0.0, volatile=True)  # [BP, BE]
         logits = (tl.sum(parts, axis=0) * rstd).to(dtype).to(tl.float32)
         logits = tl.where(e_in, logits, float("-inf"))
         _top_k(_softmax(logits), e, e_in, ids_ptr, weights_ptr, 0, TOP_K, NORMALIZE, BLOCK_E,

@@ -85,6 +85,11 @@ PRODUCT_ROUTE_KERNEL = True
 ROUTE_TILE_ELEMENTS = 16384
 ROUTE_PARTS = 16384
 MAX_ROUTE_TILE = 65536
+# Staged, off until timed on a GPU (bench/decode_profile.py's row "the routing's last
+# program's reads issued together"): that kernel's last program issues its reads of the row,
+# the parts and the norm's weight together, before its arithmetic, instead of the weight and
+# the parts after the norm (two more trips to L2 in its chain). The same bytes.
+ROUTE_READS_FIRST = False
 
 
 @functools.cache
@@ -289,6 +294,7 @@ def linear_add_norm_route_triton(
         weight.stride(0), router.stride(0), programs, HAS_BIAS=bias is not None,
         NORMALIZE=normalize, BLOCK_N=block_n, BLOCK_K=_block(k_in), BLOCK_ROW=_block(n_out),
         BLOCK_P=_block(programs), BLOCK_E=block_e, BLOCK_TOP_K=_block(top_k),
-        BY_RANK=routing_ops.TOP_K_BY_RANK, EVICT=cache_hints.products_eviction(),
+        BY_RANK=routing_ops.TOP_K_BY_RANK, READS_FIRST=ROUTE_READS_FIRST,
+        EVICT=cache_hints.products_eviction(),
         num_warps=num_warps, **dependent_launch.kernel_options(x.device))
     return h, normed, ids, weights
