@@ -126,10 +126,10 @@ for seed, (n_out, k_in, n_experts, top_k, dtype, bias, parts) in enumerate([
     exact = rms_norm(want_h.double(), norm.double(), 1e-5)  # the norm unrounded, in float64
     again = linear_add_norm_route_triton(a, weight, b, x, norm, 1e-5, router, top_k, normalize,
                                          tile_elements=256)
-    products.ROUTE_READS_FIRST = True  # the last program's reads together: the same bytes
+    products.READS_FIRST = True  # the last program's reads together: the same bytes
     together = linear_add_norm_route_triton(a, weight, b, x, norm, 1e-5, router, top_k,
                                             normalize, tile_elements=256)
-    products.ROUTE_READS_FIRST = False
+    products.READS_FIRST = False
     results.append({
         "h": torch.equal(h, want_h), "normed": torch.equal(normed, want_normed),
         "routed": _routes_a_top_k(ids, weights, exact, router, top_k, normalize, dtype),
@@ -153,10 +153,11 @@ def test_the_kernel_under_the_interpreter():
 
 
 def test_its_last_program_issues_its_reads_together_where_asked():
-    """`ROUTE_READS_FIRST`'s point, in the code Triton makes for sm_90 (its own ptxas, no GPU):
-    after the arrival, every global read of the last program (the row, the norm's weight, the
-    parts) comes before its norm's rsqrt, so their latencies overlap; without it the norm's
-    weight and the parts are read after the rsqrt and the norm's store, one trip each."""
+    """`products.READS_FIRST`'s point, in the code Triton makes for sm_90 (its own ptxas, no
+    GPU): after the arrival, every global read of the last program (the row, the norm's weight,
+    the parts) comes before its norm's rsqrt, so their latencies overlap; without it the norm's
+    weight and the parts are read after the rsqrt and the norm's store, one trip each (q/k/v's
+    product's half of the switch: tests/engine/test_dependent_launch.py)."""
     from strata.engine.model import _products_triton
     from support.hopper import compile_for_hopper
 
@@ -211,10 +212,10 @@ def test_on_cuda_at_the_presets_shapes_as_a_dependent_and_from_a_graph(monkeypat
                                                  True)
             assert all(torch.equal(g, w) for g, w in zip(got, (h, normed, ids, weights),
                                                               strict=True))
-        monkeypatch.setattr(products, "ROUTE_READS_FIRST", True)  # staged: the same bytes
+        monkeypatch.setattr(products, "READS_FIRST", True)  # staged: the same bytes
         together = products.linear_add_norm_route_triton(a, weight, b, x, norm, 1e-5, router,
                                                          top_k, True)
-        monkeypatch.setattr(products, "ROUTE_READS_FIRST", False)
+        monkeypatch.setattr(products, "READS_FIRST", False)
         assert all(torch.equal(g, w) for g, w in zip(together, (h, normed, ids, weights),
                                                       strict=True))
     if not _hopper():

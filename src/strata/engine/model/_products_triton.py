@@ -47,7 +47,8 @@ def product_one(w_ptr, x_ptr, b_ptr, out_ptr, N, K, w_stride, HAS_BIAS: tl.const
 def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_ptr, N, K,
                          eps, w_stride, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
+                         READS_FIRST: tl.constexpr = False, EVICT: tl.constexpr = "",
+                         USE_PDL: tl.constexpr = False):
     # `add_rms_norm` of one token, then `product_one` of its norm, in one launch. Program p:
     # its BLOCK_N weight rows loaded before the wait (as `product_one`'s), then the token's
     # whole row h = x + delta [K] and its norm, which every program computes alike (the same
@@ -55,18 +56,24 @@ def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_
     # of `add_rms_norm`'s norm), and out[n] = w[n, :] . norm (+ b[n]) for its rows. Program 0
     # stores h (the residual stream the layer goes on with; without a delta h is x and nothing
     # is stored); nothing here reads it back. The norm is never stored: only this product
-    # reads it.
+    # reads it. READS_FIRST: the norm's weight is read before the wait too (no kernel writes
+    # it) instead of after the row's rstd, one trip to L2 fewer after the wait.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k = tl.arange(0, BLOCK_K)  # [BK]
     k_in = k < K
     w = tl.load(w_ptr + n[:, None].to(tl.int64) * w_stride + k[None, :],
                 mask=(n < N)[:, None] & k_in[None, :], other=0.0,
                 eviction_policy=EVICT)  # [BN, BK]
+    if READS_FIRST:
+        norm_row = tl.load(norm_w_ptr + k, mask=k_in, other=0.0)  # [BK]
     wait_for_prior(USE_PDL)
     h = _residual_sum(x_ptr, delta_ptr, 0, 0, 0, k, k_in, HAS_DELTA)  # [BK]
     if HAS_DELTA and tl.program_id(0) == 0:
         tl.store(h_ptr + k, h, mask=k_in)
-    normed = _normed(h, _rstd(h, K, eps), norm_w_ptr, k, k_in, x_ptr.dtype.element_ty)
+    if READS_FIRST:
+        normed = _scaled(h, _rstd(h, K, eps), norm_row, x_ptr.dtype.element_ty)
+    else:
+        normed = _normed(h, _rstd(h, K, eps), norm_w_ptr, k, k_in, x_ptr.dtype.element_ty)
     y = tl.sum(w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
