@@ -211,6 +211,47 @@ def _weighted(scores, values, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _halves_of(row_ptr, q_at, k_at, r_in, half):
+    # A row laid out as qkv lays out its heads (the q/k norm's weights): the halves at the
+    # group's q heads q_at [BR, Dh/2] (rows r_in) and at its key head k_at [1, Dh/2].
+    return (tl.load(row_ptr + q_at, mask=r_in, other=0.0),
+            tl.load(row_ptr + q_at + half, mask=r_in, other=0.0),
+            tl.load(row_ptr + k_at), tl.load(row_ptr + k_at + half))
+
+
+@triton.jit
+def _q_k_rstd(qkv_ptr, q1, q2, x1, x2, j, H, G, R, eps, NORM: tl.constexpr,
+              BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr, READS_FIRST: tl.constexpr):
+    # `rotate_attend_short`'s q and k norms' rstd (NORM 1 or 2, as `qk_norm_rope`'s): "full"
+    # over every head of the part (each program reads them all from qkv; READS_FIRST: k's
+    # heads read before q's sum, not after it), "head" over the group's q halves q1, q2 and
+    # its key's x1, x2. One return: Triton types a function's returns alike.
+    half: tl.constexpr = HEAD_DIM // 2
+    if NORM == 1:
+        p = tl.arange(0, BLOCK_P)[:, None]
+        every_q = p * HEAD_DIM + j[None, :]
+        every_k = (H + p) * HEAD_DIM + j[None, :]
+        if READS_FIRST:
+            all_q1 = tl.load(qkv_ptr + every_q, mask=p < H, other=0.0)
+            all_q2 = tl.load(qkv_ptr + every_q + half, mask=p < H, other=0.0)
+            all_k1 = tl.load(qkv_ptr + every_k, mask=p < G, other=0.0)
+            all_k2 = tl.load(qkv_ptr + every_k + half, mask=p < G, other=0.0)
+            q_rstd = rstd_heads(all_q1, all_q2, H, eps, NORM, HEAD_DIM)
+            k_rstd = rstd_heads(all_k1, all_k2, G, eps, NORM, HEAD_DIM)
+        else:
+            q_rstd = rstd_heads(tl.load(qkv_ptr + every_q, mask=p < H, other=0.0),
+                                 tl.load(qkv_ptr + every_q + half, mask=p < H, other=0.0), H,
+                                 eps, NORM, HEAD_DIM)
+            k_rstd = rstd_heads(tl.load(qkv_ptr + every_k, mask=p < G, other=0.0),
+                                 tl.load(qkv_ptr + every_k + half, mask=p < G, other=0.0), G,
+                                 eps, NORM, HEAD_DIM)
+    else:
+        q_rstd = rstd_heads(q1, q2, R, eps, NORM, HEAD_DIM)
+        k_rstd = rstd_heads(x1, x2, 1, eps, NORM, HEAD_DIM)
+    return q_rstd, k_rstd
+
+
+@triton.jit
 def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr,
                         positions_ptr, out_ptr, N, H, G, R, eps, scale, k_head_stride,
                         k_cell_stride, v_head_stride, v_cell_stride, NORM: tl.constexpr,
@@ -226,10 +267,8 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
     # weighted and rotated by `qk_norm_rope`'s helpers (the same roundings), the key and the
     # value stored to their cells at the position, and put in those rows of the registers
     # (no read back). Then the scores as two products over the halves, and the softmax.
-    # READS_FIRST: the norm's weights are read before the wait too (no kernel writes them),
-    # and the rotation's cos and sin and the token's value together with q and k after it,
-    # instead of each as its arithmetic needs it: fewer trips to L2 in the chain, the same
-    # bytes.
+    # READS_FIRST: the norm's weights read before the wait too, cos, sin and the token's value
+    # with q and k after it, not as the arithmetic needs them (fewer L2 trips; same bytes).
     position = tl.load(positions_ptr).to(tl.int64)
     g = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -249,11 +288,8 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
     r_in = r < R
     q_at = (g * R + r) * HEAD_DIM + j[None, :]  # [BR, Dh/2]: the group's q halves in qkv
     k_at = (H + g) * HEAD_DIM + j[None, :]  # [1, Dh/2]: its key head's
-    if READS_FIRST and NORM != 0:  # the norm's weights, as qkv lays its heads out
-        wq1 = tl.load(norm_w_ptr + q_at, mask=r_in, other=0.0)
-        wq2 = tl.load(norm_w_ptr + q_at + half, mask=r_in, other=0.0)
-        wk1 = tl.load(norm_w_ptr + k_at)
-        wk2 = tl.load(norm_w_ptr + k_at + half)
+    if READS_FIRST and NORM != 0:  # no kernel writes the norm's weights
+        wq1, wq2, wk1, wk2 = _halves_of(norm_w_ptr, q_at, k_at, r_in, half)
     wait_for_prior(USE_PDL)
     dtype = out_ptr.dtype.element_ty
     q1 = tl.load(qkv_ptr + q_at, mask=r_in, other=0.0)
@@ -265,28 +301,9 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
         sin1 = tl.load(sin_ptr + j[None, :])
         sin2 = tl.load(sin_ptr + j[None, :] + half)
         new_v = tl.load(qkv_ptr + (H + G + g) * HEAD_DIM + d)  # [Dh]: v's heads follow k's
-    if NORM == 1:  # over every head of the part: all of q's, all of k's
-        p = tl.arange(0, BLOCK_P)[:, None]
-        every_q = p * HEAD_DIM + j[None, :]
-        every_k = (H + p) * HEAD_DIM + j[None, :]
-        if READS_FIRST:  # k's heads read before q's sum, not after it
-            all_q1 = tl.load(qkv_ptr + every_q, mask=p < H, other=0.0)
-            all_q2 = tl.load(qkv_ptr + every_q + half, mask=p < H, other=0.0)
-            all_k1 = tl.load(qkv_ptr + every_k, mask=p < G, other=0.0)
-            all_k2 = tl.load(qkv_ptr + every_k + half, mask=p < G, other=0.0)
-            q_rstd = rstd_heads(all_q1, all_q2, H, eps, NORM, HEAD_DIM)
-            k_rstd = rstd_heads(all_k1, all_k2, G, eps, NORM, HEAD_DIM)
-        else:
-            q_rstd = rstd_heads(tl.load(qkv_ptr + every_q, mask=p < H, other=0.0),
-                                 tl.load(qkv_ptr + every_q + half, mask=p < H, other=0.0), H,
-                                 eps, NORM, HEAD_DIM)
-            k_rstd = rstd_heads(tl.load(qkv_ptr + every_k, mask=p < G, other=0.0),
-                                 tl.load(qkv_ptr + every_k + half, mask=p < G, other=0.0), G,
-                                 eps, NORM, HEAD_DIM)
-    if NORM == 2:  # each head over its own Dh
-        q_rstd = rstd_heads(q1, q2, R, eps, NORM, HEAD_DIM)
-        k_rstd = rstd_heads(x1, x2, 1, eps, NORM, HEAD_DIM)
     if NORM != 0:
+        q_rstd, k_rstd = _q_k_rstd(qkv_ptr, q1, q2, x1, x2, j, H, G, R, eps, NORM, BLOCK_P,
+                                   HEAD_DIM, READS_FIRST)
         if READS_FIRST:
             q1, q2 = weigh_loaded(q1, q2, q_rstd, wq1, wq2, dtype)
             x1, x2 = weigh_loaded(x1, x2, k_rstd, wk1, wk2, dtype)
