@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launches", type=int, default=1000, help="launches each way")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    for name in ("kernels", "launches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} takes a count >= 1, got {getattr(args, name)}")
     if not torch.cuda.is_available():
         parser.error("graph_launch.py needs a CUDA device")
     from cuda.bindings import driver

@@ -386,6 +386,14 @@ def test_the_graph_launch_bench_says_it_needs_cuda(capsys):
     assert "graph_launch.py needs a CUDA device" in capsys.readouterr().err
 
 
+def test_the_graph_launch_bench_refuses_an_empty_count(capsys):
+    bench = load_bench("graph_launch.py")
+    for flag in ("--kernels", "--launches"):
+        with pytest.raises(SystemExit):
+            bench.main([flag, "0"])
+        assert f"{flag} takes a count >= 1, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.cuda
 def test_the_graph_launch_bench_launches_the_graph_both_ways(capsys):
     bench = load_bench("graph_launch.py")
