@@ -40,6 +40,12 @@ import torch
 
 __all__ = ["Cut", "Pieces", "capture_pieces"]
 
+# Staged, off (issue 17): launch each graph by the driver's cuGraphLaunch on torch's graph exec
+# instead of `CUDAGraph.replay`, the same graph on the same stream. A round launches L + 1
+# graphs from the host between the experts' calls; bench/graph_launch.py times the two calls
+# alone, bench/offload.py's -driver runs (`--driver-launch`) a round each way.
+DRIVER_LAUNCH = False
+
 
 @dataclass
 class Pieces:
@@ -57,6 +63,27 @@ class Pieces:
         default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     logits: torch.Tensor | None = None
+    _execs: list[Any] | None = None  # the graphs' driver handles, with DRIVER_LAUNCH
+
+    def launcher(self) -> Callable[[int], None]:
+        """What launches graph i on the current stream: its `replay`, or with DRIVER_LAUNCH the
+        driver's cuGraphLaunch of the same graph exec (the handles looked up once)."""
+        if not DRIVER_LAUNCH:
+            return lambda i: self.graphs[i].replay()
+        from cuda.bindings import driver
+
+        if self._execs is None:
+            self._execs = [driver.CUgraphExec(graph.raw_cuda_graph_exec())
+                           for graph in self.graphs]
+        execs = self._execs
+        stream = driver.CUstream(torch.cuda.current_stream(self.model.device).cuda_stream)
+
+        def launch(i: int) -> None:
+            (err,) = driver.cuGraphLaunch(execs[i], stream)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuGraphLaunch of graph {i} of {len(execs)}: {err}")
+
+        return launch
 
     def replay(self) -> None:
         """Graph 0, the experts, graph 1, ..., graph L; the logits are in `logits` after. A
@@ -65,15 +92,16 @@ class Pieces:
         end (the call's books, or with ahead the wait for the CPU's rows too) called after it,
         whatever the launch does."""
         experts = self.model.experts
-        self.graphs[0].replay()
-        for graph, call, out in zip(self.graphs[1:], self.calls, self.outputs, strict=True):
+        launch = self.launcher()
+        launch(0)
+        for i, (call, out) in enumerate(zip(self.calls, self.outputs, strict=True), start=1):
             if not self.split:
                 out.copy_(experts.forward(*call))
-                graph.replay()
+                launch(i)
                 continue
             rest = experts.fill_misses(*call, out, books_after=True)
             try:
-                graph.replay()
+                launch(i)
             finally:
                 if rest is not None:
                     rest()
