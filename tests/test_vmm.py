@@ -202,8 +202,9 @@ def _reserved(address):
 
 def test_a_view_kept_past_close_keeps_its_addresses_until_it_is_freed(backend):
     """Close releases the chunks at once, but a view still alive keeps the range's addresses
-    reserved: no later range is placed under it, and on the host it reads zeros instead of
-    faulting. The last view freed frees the addresses."""
+    reserved: no later range is placed under it, and it reads zeros instead of faulting (on
+    CUDA a chunk of zeros is mapped read-only under it). The last view freed frees the
+    addresses."""
     c = backend.chunk_bytes
     rng = backend.reserve(4 * c)
     rng.map(0, 4)
@@ -215,15 +216,102 @@ def test_a_view_kept_past_close_keeps_its_addresses_until_it_is_freed(backend):
     others = [backend.reserve(4 * c) for _ in range(8)]
     for other in others:
         assert other.address + other.nbytes <= address or other.address >= address + nbytes
+    assert backend.held_ranges == 1
+    assert int(view.abs().sum()) == 0  # the held range reads zeros
     if backend.kind == "host":
-        assert int(view.abs().sum()) == 0  # the held range reads zeros
         assert _reserved(address + c)
+    else:
+        torch.cuda.synchronize()  # the read did not fault
     del view
     gc.collect()
+    assert backend.held_ranges == 0
     if backend.kind == "host":
         assert not _reserved(address + c)
     for other in others:
         other.close()
+
+
+def test_two_held_ranges_read_zeros_and_free_their_addresses_apart(backend):
+    """Each held range reads zeros (on CUDA the same chunk of zeros under both) until its own
+    last view is freed; a range reserved after both can map and write its own bytes."""
+    c = backend.chunk_bytes
+    views = []
+    for _ in range(2):
+        rng = backend.reserve(2 * c)
+        rng.map(0, 2)
+        views.append(rng.view(0, (2 * c // 4,), torch.int32))
+        views[-1].fill_(3)
+        rng.close()
+    assert backend.held_ranges == 2 and backend.alive_chunks == 0
+    assert all(int(view.abs().sum()) == 0 for view in views)
+    del views[0]
+    gc.collect()
+    assert backend.held_ranges == 1 and int(views[0].abs().sum()) == 0
+    fresh = backend.reserve(c)
+    fresh.map(0, 1)
+    written = fresh.view(0, (c // 4,), torch.int32)
+    written.fill_(5)
+    assert int(written.sum()) == 5 * (c // 4) and int(views[0].abs().sum()) == 0
+    del views
+    gc.collect()
+    assert backend.held_ranges == 0
+    fresh.close()
+
+
+def test_a_hold_whose_access_fails_leaves_the_addresses_reserved_until_the_view_goes(backend):
+    """A fault while a held range is made readable: close still succeeds, the addresses stay
+    reserved (not readable: the view must not be read) and are freed with the view; a later
+    hold is readable again."""
+    c = backend.chunk_bytes
+    rng = backend.reserve(2 * c)
+    rng.map(0, 2)
+    address = rng.address
+    stale = rng.view(0, (4,), torch.int32)
+    backend.inject_fault("access")  # the hold's; close itself sets no access
+    rng.close()
+    backend.clear_faults()
+    assert rng.closed and backend.alive_chunks == 0 and backend.held_ranges == 1
+    if backend.kind == "host":
+        assert _reserved(address)
+    del stale
+    gc.collect()
+    assert backend.held_ranges == 0
+    if backend.kind == "host":
+        assert not _reserved(address)
+    again = backend.reserve(c)
+    again.map(0, 1)
+    kept = again.view(0, (4,), torch.int32)
+    again.close()
+    assert int(kept.abs().sum()) == 0
+
+
+@pytest.mark.cuda
+def test_a_cuda_hold_that_fails_to_map_leaves_the_range_reserved_and_nothing_mapped():
+    """A fault while the chunk of zeros is mapped under a held range: the mappings made are
+    undone, the zeros released, and the addresses stay reserved until the view is freed; a
+    later hold maps its zeros again."""
+    torch.zeros(1, device="cuda")
+    backend = _vmm.CudaBackend()
+    c = backend.chunk_bytes
+    rng = backend.reserve(3 * c)
+    rng.map(0, 3)
+    stale = rng.view(0, (4,), torch.int32)
+    backend.inject_fault("map", nth=2)  # the second of the hold's three maps
+    rng.close()  # never raises: close has released the chunks already
+    backend.clear_faults()
+    assert rng.closed and backend.alive_chunks == 0 and backend.held_ranges == 1
+    del stale  # never read: nothing is mapped under it
+    gc.collect()
+    assert backend.held_ranges == 0
+    again = backend.reserve(c)
+    again.map(0, 1)
+    kept = again.view(0, (4,), torch.int32)
+    again.close()
+    assert int(kept.abs().sum()) == 0
+    torch.cuda.synchronize()
+    del kept
+    gc.collect()
+    assert backend.held_ranges == 0
 
 
 def test_a_range_closed_without_views_frees_its_addresses_at_once(backend):

@@ -42,6 +42,9 @@ class Backend:
     @property
     def bytes_mapped(self) -> int:
         """Bytes mapped in all open ranges of this backend."""
+    @property
+    def held_ranges(self) -> int:
+        """Closed ranges of this backend whose addresses are held by views still alive."""
     def reserve(self, nbytes: int) -> Range:
         """Reserve a range of `nbytes` rounded up to whole chunks; nothing is mapped."""
     def create_chunks(self, n: int) -> list[Chunk]:

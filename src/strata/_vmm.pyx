@@ -143,6 +143,7 @@ cdef class Backend:
     cdef readonly Py_ssize_t chunk_bytes
     cdef Py_ssize_t _alive
     cdef Py_ssize_t _bytes_mapped
+    cdef Py_ssize_t _n_held  # closed ranges whose addresses their live views still hold
     cdef int _countdown[4]
     cdef object _ranges  # weakref.WeakSet of open Range objects
 
@@ -160,6 +161,11 @@ cdef class Backend:
     def bytes_mapped(self):
         """Bytes mapped in all open ranges of this backend."""
         return self._bytes_mapped
+
+    @property
+    def held_ranges(self):
+        """Closed ranges of this backend whose addresses are held by views still alive."""
+        return self._n_held
 
     def inject_fault(self, op, nth=1):
         """Make the `nth` next call of `op` ('create', 'map', 'access', 'unmap') fail with VmmError.
@@ -233,11 +239,27 @@ cdef class Backend:
     cdef _free_reservation(self, object address, Py_ssize_t nbytes):
         raise NotImplementedError
 
+    cdef _hold(self, object address, Py_ssize_t nbytes):
+        """A closed range whose views are still alive keeps its (unmapped) addresses reserved
+        until the last view goes (`_free_held`), so that no later mapping lands under a stale
+        view. Never raises: close has already released the chunks."""
+        self._n_held += 1
+        try:
+            self._hold_reservation(address, nbytes)
+        except Exception:
+            pass  # reserved all the same, only not readable
+
+    cdef _free_held(self, object address, Py_ssize_t nbytes):
+        """The last view of a held range is gone: its addresses are freed."""
+        self._n_held -= 1
+        self._release_hold(address, nbytes)
+
     cdef _hold_reservation(self, object address, Py_ssize_t nbytes):
-        # A closed range whose views are still alive keeps its (unmapped) addresses reserved
-        # until the last view goes, so that no later mapping lands under a stale view. Best
-        # effort and never raising: close has already released the chunks.
+        # What a backend does to a held range's addresses so that a stale view reads zeros.
         pass
+
+    cdef _release_hold(self, object address, Py_ssize_t nbytes):
+        self._free_reservation(address, nbytes)
 
     cdef _create_chunk(self, Chunk chunk):
         raise NotImplementedError
@@ -312,7 +334,9 @@ cdef class HostBackend(Backend):
         # The unmapped chunks are PROT_NONE anonymous pages (`_unmap_chunks`): readable, a
         # stale view reads zeros (the shared zero page, no memory) instead of faulting. A write
         # still faults. If mprotect fails the range stays PROT_NONE, reserved all the same.
-        mprotect(<void*><Py_ssize_t>address, nbytes, PROT_READ)
+        self._tick(OP_ACCESS)
+        if mprotect(<void*><Py_ssize_t>address, nbytes, PROT_READ) != 0:
+            raise _os_error("mprotect of a held range")
 
     cdef _create_chunk(self, Chunk chunk):
         if self._free:
@@ -603,7 +627,7 @@ cdef class Range:
         for chunk in chunks:
             (<Chunk>chunk)._release()
         if self._n_views:
-            self.backend._hold_reservation(self._address, self.nbytes)
+            self.backend._hold(self._address, self.nbytes)
             self._held_address = self._address
         else:
             self.backend._free_reservation(self._address, self.nbytes)
@@ -617,7 +641,7 @@ cdef class Range:
         if self._n_views == 0 and self._held_address is not None:
             address, self._held_address = self._held_address, None
             try:
-                self.backend._free_reservation(address, self.nbytes)
+                self.backend._free_held(address, self.nbytes)
             except Exception:
                 pass  # the addresses stay reserved: lost address space, no lost memory
 
@@ -628,7 +652,7 @@ cdef class Range:
             if self._address is not None:
                 self.close()
             elif self._held_address is not None:  # no view can be left: they hold the range
-                self.backend._free_reservation(self._held_address, self.nbytes)
+                self.backend._free_held(self._held_address, self.nbytes)
         except Exception:
             pass
 

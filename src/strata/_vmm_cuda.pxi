@@ -33,6 +33,8 @@ cdef class CudaBackend(Backend):
     cdef object _prop
     cdef object _access
     cdef bint _retained
+    cdef object _zero_handle  # one chunk of zeros mapped under every held range; None: none
+    cdef set _zero_mapped     # held ranges' addresses mapped to it
 
     def __init__(self, device=0, chunk_bytes=None):
         try:
@@ -81,6 +83,7 @@ cdef class CudaBackend(Backend):
         access.location.id = device
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
+        self._zero_mapped = set()
 
     cdef object _call(self, str what, fn, tuple args):
         """One driver call. If the thread has no current context (a thread torch never used),
@@ -132,7 +135,94 @@ cdef class CudaBackend(Backend):
 
         return torch.as_tensor(span, device=f"cuda:{self.device}")
 
+    cdef _hold_reservation(self, object address, Py_ssize_t nbytes):
+        # A kernel reading an unmapped address faults, and the fault is sticky: the context is
+        # lost. So a held range gets one chunk of zeros mapped under each of its chunks, read
+        # only (the host's held range reads zeros the same way): a stale view reads zeros.
+        # All or nothing: on a failure the range is left unmapped, reserved all the same.
+        d = self._driver
+        cdef Py_ssize_t i, n_mapped = 0
+        if self._zero_handle is None:
+            self._zero_handle = self._zeroed_chunk()
+        try:
+            for i in range(nbytes // self.chunk_bytes):
+                self._tick(OP_MAP)
+                args = (d.CUdeviceptr(address + i * self.chunk_bytes), self.chunk_bytes, 0,
+                        self._zero_handle, 0)
+                self._call("cuMemMap", d.cuMemMap, args)
+                n_mapped += 1
+            self._tick(OP_ACCESS)
+            self._set_read_only(address, nbytes)
+        except BaseException:
+            try:
+                self._unmap_zeros(address, n_mapped)
+            finally:
+                self._drop_zeros()
+            raise
+        self._zero_mapped.add(address)
+
+    cdef _release_hold(self, object address, Py_ssize_t nbytes):
+        if address in self._zero_mapped:
+            self._zero_mapped.discard(address)
+            self._unmap_zeros(address, nbytes // self.chunk_bytes)
+            self._drop_zeros()
+        self._free_reservation(address, nbytes)
+
+    cdef object _zeroed_chunk(self):
+        """A new physical chunk holding zeros: mapped at a scratch reservation, set, unmapped."""
+        d = self._driver
+        handle = int(self._call("cuMemCreate", d.cuMemCreate, (self.chunk_bytes, self._prop, 0)))
+        scratch = None
+        try:
+            scratch = self._reserve(self.chunk_bytes)
+            ptr = d.CUdeviceptr(scratch)
+            self._call("cuMemMap", d.cuMemMap, (ptr, self.chunk_bytes, 0, handle, 0))
+            try:
+                self._set_access(scratch, self.chunk_bytes)
+                self._call("cuMemsetD8", d.cuMemsetD8, (ptr, 0, self.chunk_bytes))
+                self._call("cuCtxSynchronize", d.cuCtxSynchronize, ())  # set before it is read
+            finally:
+                self._call("cuMemUnmap", d.cuMemUnmap, (ptr, self.chunk_bytes))
+        except BaseException:
+            self._call("cuMemRelease", d.cuMemRelease, (handle,))
+            raise
+        finally:
+            if scratch is not None:
+                self._free_reservation(scratch, self.chunk_bytes)
+        return handle
+
+    cdef _set_read_only(self, object address, Py_ssize_t nbytes):
+        """Read-only access to a held range; read-write where the driver refuses read-only
+        (a write through a stale view then changes only the zeros other stale views read)."""
+        d = self._driver
+        access = d.CUmemAccessDesc()
+        access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        try:
+            self._call("cuMemSetAccess", d.cuMemSetAccess, (d.CUdeviceptr(address), nbytes,
+                                                             [access], 1))
+        except VmmError:
+            self._set_access(address, nbytes)
+
+    cdef _unmap_zeros(self, object address, Py_ssize_t n_chunks):
+        d = self._driver
+        cdef Py_ssize_t i
+        for i in range(n_chunks):
+            ptr = d.CUdeviceptr(address + i * self.chunk_bytes)
+            self._call("cuMemUnmap", d.cuMemUnmap, (ptr, self.chunk_bytes))
+
+    cdef _drop_zeros(self):
+        """The zero chunk released once no held range maps it (a mapping keeps its memory
+        alive until unmapped anyway)."""
+        if not self._zero_mapped and self._zero_handle is not None:
+            handle, self._zero_handle = self._zero_handle, None
+            self._call("cuMemRelease", self._driver.cuMemRelease, (handle,))
+
     def __dealloc__(self):
+        if self._zero_handle is not None and self._driver is not None:
+            self._driver.cuMemRelease(self._zero_handle)
+            self._zero_handle = None
         if self._retained and self._driver is not None:
             self._driver.cuDevicePrimaryCtxRelease(self._cu_device)
             self._retained = False
