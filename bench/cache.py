@@ -149,6 +149,9 @@ def decode_figures(requests: list) -> dict:
         "decode_tok_s": best.decode_tok_s,
         "decode_ms_per_round": best.decode_ms_per_round,
         "decode_ms_per_round_each": [r.decode_ms_per_round for r in runs],
+        # The host's waits for the tokens (the device's work), a round: `decode_token_wait_s`.
+        "decode_token_wait_ms_per_round":
+            1000 * best.decode_token_wait_s / max(best.decode_rounds, 1),
         "decode_path": best.decode_path,
         "deterministic": all(r.tokens == runs[0].tokens for r in runs),
         "threads_per_round": sched_per_round(requests[median][1],

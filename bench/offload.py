@@ -63,9 +63,11 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   bound); the CPU experts' GB/s and its share of the host read bandwidth (beside which the
   JSON has the machine's transparent huge page mode and, per experts format, the share of the
   store the kernel backs with huge pages: the CPU's rate depends on its pages); the host-side time
-  of a round: the round less the CPU experts' time and the cache's time waiting for the device
-  (`CacheStats`: `cpu_s`, `wait_s`), i.e. issuing, booking and everything around the kernels
-  (a wait outside the cache, such as sampling's read of the token, counts as host-side); under
+  of a round: the round less the CPU experts' time, the cache's time waiting for the device
+  (`CacheStats`: `cpu_s`, `wait_s`) and the decode loop's wait for the round's token (the
+  device's tail of the round: `decode_token_wait_s`, `token_wait_ms`), i.e. issuing, booking
+  and everything around the kernels (`host_ms_with_token_wait` counts the token's wait too,
+  as runs before 2026-12-06 did); under
   `--cpu-schedule steal`, the share of the CPU kernel's tasks the engine's thread ran while it
   waited for them (`CacheStats`: `cpu_waiter_tasks` of `cpu_tasks`); what the scheduler did
   to the process's threads a round, the engine's and the others' (the CPU's team, named

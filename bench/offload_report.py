@@ -6,9 +6,9 @@ over the copy rate and all of them over what the host's memory gave both readers
 device's own round: a lower bound, summed over the round), the CPU experts' rate and share of the
 host's read rate (where the CPU's own thread ran them, a decode call's on CUDA, also the rate of its
 runs alone and of each of their passes, beside their hand-over, team wake-up and notice:
-`CpuExperts.last_call`), and the host-side time (the round less the CPU experts' time and the
-cache's waits for the device). A prefill run's (`prefill_figures`): the upload bound, the bytes
-uploaded over the copy rate.
+`CpuExperts.last_call`), and the host-side time (the round less the CPU experts' time, the
+cache's waits for the device and the decode loop's for the token). A prefill run's
+(`prefill_figures`): the upload bound, the bytes uploaded over the copy rate.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ def round_figures(run: dict, blob_bytes: int, machine: dict, device_round_ms: fl
     rounds = max(d["passes"], 1)
     round_ms = run["decode_ms_per_round"]
     cpu_ms, wait_ms = 1000 * d["cpu_s"] / rounds, 1000 * d["wait_s"] / rounds
+    # The decode loop's wait for each round's token: the device's tail of the round (the last
+    # layer's graph, the logits, the pick), not the host's work. Runs before it was measured
+    # have none, and their host-side figure counts it.
+    token_wait_ms = run.get("decode_token_wait_ms_per_round", 0.0)
     cpu_experts, streamed = d["cpu_experts"] / rounds, d["streamed_experts"] / rounds
     misses = cpu_experts + streamed
     cpu_bytes, copy_bytes = cpu_experts * blob_bytes, streamed * blob_bytes
@@ -52,8 +56,10 @@ def round_figures(run: dict, blob_bytes: int, machine: dict, device_round_ms: fl
         "over_bound": round_ms / bound if bound else None,
         "cpu_ms": cpu_ms, "wait_ms": wait_ms, "device_issue_ms": 1000 * d["device_s"] / rounds,
         "in_cache_ms": 1000 * d["forward_s"] / rounds,
-        "host_ms": round_ms - cpu_ms - wait_ms,
-        "host_share": (round_ms - cpu_ms - wait_ms) / round_ms,
+        "token_wait_ms": token_wait_ms,
+        "host_ms": round_ms - cpu_ms - wait_ms - token_wait_ms,
+        "host_share": (round_ms - cpu_ms - wait_ms - token_wait_ms) / round_ms,
+        "host_ms_with_token_wait": round_ms - cpu_ms - wait_ms,
         "cpu_gb_s": cpu_rate / GB if cpu_rate else None,
         "cpu_share_of_host_read": cpu_rate / machine["host_read_bytes_per_s"]
         if cpu_rate else None,
@@ -93,7 +99,8 @@ def decode_lines(name: str, run: dict) -> list[str]:
     cpu_rate = f" ({r['cpu_gb_s']:.1f} GB/s{cpu_parts(r)})" if r["cpu_gb_s"] else ""
     lines = [f"{name}: {r['round_ms']:.2f} ms a round (bound {r['bound_ms']:.2f}), "
              f"{r['ms_per_layer']:.3f} ms a layer, host-side {r['host_ms']:.2f} ms, CPU experts "
-             f"{r['cpu_ms']:.2f}{cpu_rate}, wait {r['wait_ms']:.2f}" + (
+             f"{r['cpu_ms']:.2f}{cpu_rate}, wait {r['wait_ms']:.2f}, token wait "
+             f"{r['token_wait_ms']:.2f}" + (
                  f", prefetched {ahead['prefetched_experts']} experts, used {ahead['used']}"
                  if ahead else ""),
              f"{name}, {describe(run['threads_per_round'])}"]
@@ -175,8 +182,9 @@ def print_report(result: dict, args) -> None:
             f"read{cpu_parts(r)}"
         print(f"  misses a round {r['misses_per_round']:.2f}: CPU {r['cpu_experts_per_round']:.2f}"
               f", copies {r['streamed_experts_per_round']:.2f} (CPU / copy {shares}); CPU "
-              f"experts {r['cpu_ms']:.2f} ms ({cpu_rate}); waiting {r['wait_ms']:.2f} ms; "
-              f"host-side {r['host_ms']:.2f} ms ({100 * r['host_share']:.0f}% of the round)"
+              f"experts {r['cpu_ms']:.2f} ms ({cpu_rate}); waiting {r['wait_ms']:.2f} ms, "
+              f"{r['token_wait_ms']:.2f} for the token; host-side {r['host_ms']:.2f} ms "
+              f"({100 * r['host_share']:.0f}% of the round)"
               + ("" if not r["cpu_waiter_task_share"] else
                  f"; the engine's thread ran {100 * r['cpu_waiter_task_share']:.0f}% of the "
                  f"CPU's tasks"))

@@ -32,7 +32,8 @@ COLUMNS = (("ms a round", "round_ms", ".2f"), ("ms a layer", "ms_per_layer", ".3
            ("CPU GB/s", "cpu_gb_s", ".1f"), ("run ms", "cpu_run_ms", ".2f"),
            ("run GB/s", "cpu_run_gb_s", ".1f"), ("team up ms", "cpu_team_up_ms", ".2f"),
            ("gate+up GB/s", "cpu_pass1_gb_s", ".1f"), ("down GB/s", "cpu_pass2_gb_s", ".1f"),
-           ("wait ms", "wait_ms", ".2f"), ("host-side ms", "host_ms", ".2f"),
+           ("wait ms", "wait_ms", ".2f"), ("token wait ms", "token_wait_ms", ".2f"),
+           ("host-side ms", "host_ms", ".2f"),
            ("CPU misses", "cpu_experts_per_round", ".1f"),
            ("streamed", "streamed_experts_per_round", ".1f"))
 TEAM = "strata-cpu"  # `_cpu_experts.WORKER_NAME`: the CPU team's threads' name

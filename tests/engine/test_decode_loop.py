@@ -7,6 +7,7 @@ too, which exercises the same loop (the bookkeeping, the drops, the growth's wai
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -108,15 +109,37 @@ def test_at_most_one_round_ahead_none_past_the_last_and_growth_between_rounds(
         monkeypatch, n_rounds):
     monkeypatch.setattr(decode_loop, "AHEAD_PATHS", frozenset({"eager"}))
     step = _CountingStep(mapped_cells=5)
-    _, stopped = decode_loop.decode_rounds(
+    rounds = decode_loop.decode_rounds(
         step, Sampler(0.0), 1, 2, n_rounds, stop_ids=frozenset(), on_token=step.read.append,
         should_stop=None, grow=step.grow)
-    assert not stopped
+    assert not rounds.stopped and rounds.step is step and rounds.token_wait_s >= 0.0
     assert step.read == [p % 7 for p in range(2, 2 + n_rounds)]  # round p picks p % 7
     assert len(step.launched) == n_rounds  # none past the last
     assert all(position - 2 - read <= 1 for position, read in step.launched)  # one ahead
     assert all(in_flight == 0 for _, in_flight in step.grown)  # growth between rounds
     assert [p for p, _ in step.grown] == [p for p in (5, 9) if p < 2 + n_rounds]
+
+
+def test_the_host_s_waits_for_the_tokens_are_counted(monkeypatch):
+    """`Rounds.token_wait_s`: the time each token's read held the host (here 5 ms a read),
+    within the rounds' time; none when `should_stop` ends them before the first."""
+    read = decode_loop._Pending.read
+
+    def slow(pending):
+        time.sleep(0.005)
+        return read(pending)
+
+    monkeypatch.setattr(decode_loop._Pending, "read", slow)
+    step = _CountingStep(mapped_cells=100)
+    started = time.perf_counter()
+    rounds = decode_loop.decode_rounds(step, Sampler(0.0), 1, 2, 4, stop_ids=frozenset(),
+                                       on_token=step.read.append, should_stop=None, grow=None)
+    spent = time.perf_counter() - started
+    assert len(step.read) == 4 and 4 * 0.005 <= rounds.token_wait_s <= spent
+    stopped = decode_loop.decode_rounds(step, Sampler(0.0), 1, 2, 4, stop_ids=frozenset(),
+                                        on_token=step.read.append, should_stop=lambda: True,
+                                        grow=None)
+    assert stopped.stopped and stopped.token_wait_s == 0.0
 
 
 @pytest.mark.cuda

@@ -20,21 +20,33 @@ between rounds, as in the plain loop.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from strata.engine.runtime.sampling import Sampler
 
-__all__ = ["AHEAD_PATHS", "decode_rounds"]
+__all__ = ["AHEAD_PATHS", "Rounds", "decode_rounds"]
 
 # The decode steps' paths that launch a round ahead: a CUDA graph's replay, whose launch
 # costs the host a few microseconds and whose round then runs on the device alone. Eager and
 # piecewise rounds read the routing or launch every kernel from the host, which the host's
 # wait for a token does not delay.
 AHEAD_PATHS = frozenset({"cuda-graph", "compiled-cuda-graph"})
+
+
+class Rounds(NamedTuple):
+    """What `decode_rounds` ends with: the step last used, whether `should_stop` ended the
+    rounds, and the seconds the host waited for the rounds' tokens (the device's work queued
+    before each read: for a round read right after its launch, its tail, the logits and the
+    pick; 0 off CUDA, where a token is read as it is computed)."""
+
+    step: Any
+    stopped: bool
+    token_wait_s: float
 
 
 class _Pending:
@@ -60,7 +72,7 @@ class _Pending:
 def decode_rounds(step: Any, sampler: Sampler, token: int, position: int, n_rounds: int, *,
                   stop_ids: frozenset[int], on_token: Callable[[int], None],
                   should_stop: Callable[[], bool] | None,
-                  grow: Callable[[int], Any] | None) -> tuple[Any, bool]:
+                  grow: Callable[[int], Any] | None) -> Rounds:
     """Run up to `n_rounds` rounds from `token` at cell `position` through `step` (a
     `decode_steps` step), each new token to `on_token`, until a token in `stop_ids` or
     `should_stop()` returns True (asked before each round counts: before the first, and after
@@ -68,13 +80,13 @@ def decode_rounds(step: Any, sampler: Sampler, token: int, position: int, n_roun
 
     `grow(position)`: called before a round at a cell the K/V has not mapped (None: never
     needed); it makes the cell available (the elastic K/V's `require`: KvFullError when it
-    cannot) and returns the step to continue with (a new one when the old one went stale).
-    Returns (the step last used, whether `should_stop` ended the rounds)."""
+    cannot) and returns the step to continue with (a new one when the old one went stale)."""
     if n_rounds and should_stop is not None and should_stop():
-        return step, True
+        return Rounds(step, True, 0.0)
     ahead = 1 if step.path in AHEAD_PATHS else 0
     in_flight: deque[_Pending] = deque()
     launched = read = 0
+    token_wait_s = 0.0
     step.token.fill_(token)
     while True:
         while launched < n_rounds and len(in_flight) <= ahead:
@@ -93,11 +105,14 @@ def decode_rounds(step: Any, sampler: Sampler, token: int, position: int, n_roun
             launched += 1
             position += 1
         if not in_flight:
-            return step, False
+            return Rounds(step, False, token_wait_s)
+        waited = time.perf_counter()
         token = in_flight.popleft().read()
+        token_wait_s += time.perf_counter() - waited
         read += 1
         on_token(token)
         if token in stop_ids or read == n_rounds:
-            return step, False
+            return Rounds(step, False, token_wait_s)
+        # Asked before the next round, as the plain loop asks it.
         if should_stop is not None and should_stop():
-            return step, True  # asked before the next round, as the plain loop asks it
+            return Rounds(step, True, token_wait_s)

@@ -103,6 +103,8 @@ class GenerateResult:
     decode_rounds: int
     decode_s: float
     decode_setup_s: float  # capturing CUDA graphs before the decode clock (0 when eager)
+    # Of decode_s, the host's waits for the rounds' tokens (`decode_loop.Rounds`): the device's.
+    decode_token_wait_s: float
     stop_reason: str  # "eos" (a stop id was generated), "max_new" or "stopped" (should_stop)
     decode_path: str  # "cuda-graph", "piecewise-cuda-graph" or "eager"
     first_logits: torch.Tensor = field(repr=False)  # float32 [V] on the CPU: the first position
@@ -139,6 +141,7 @@ class GenerateResult:
             "decode_ms_per_round": self.decode_ms_per_round,
             "decode_tok_s": self.decode_tok_s,
             "decode_setup_s": self.decode_setup_s,
+            "decode_token_wait_s": self.decode_token_wait_s,
             "stop_reason": self.stop_reason,
             "decode_path": self.decode_path,
             **({"cache": self.cache.as_dict()} if self.cache is not None else {}),
@@ -271,6 +274,7 @@ def generate(
         decode_rounds=len(tokens) - 1,
         decode_s=run.decode_s,
         decode_setup_s=run.decode_setup_s,
+        decode_token_wait_s=run.decode_token_wait_s,
         stop_reason="eos" if tokens[-1] in stop_ids else "stopped" if run.stopped else "max_new",
         decode_path=run.path,
         first_logits=run.first_logits,
@@ -294,7 +298,7 @@ class _Run:
         self.stopped = False
         self.sampler = Sampler(options.temperature, options.top_p, options.top_k, options.seed)
         self.tokens: list[int] = []
-        self.prefill_s = self.decode_s = self.decode_setup_s = 0.0
+        self.prefill_s = self.decode_s = self.decode_setup_s = self.decode_token_wait_s = 0.0
         self.path = "eager"
 
     def _step(self) -> Any:
@@ -369,10 +373,11 @@ class _Run:
 
         start = time.perf_counter()
         if token not in self.stop_ids:
-            _, self.stopped = decode_rounds(
+            rounds = decode_rounds(
                 step, self.sampler, token, position, options.max_new - len(tokens),
                 stop_ids=self.stop_ids, on_token=take, should_stop=self.should_stop,
                 grow=self._grow if self.elastic is not None else None)
+            self.stopped, self.decode_token_wait_s = rounds.stopped, rounds.token_wait_s
         _sync(model.device)
         self.decode_s = time.perf_counter() - start
 
