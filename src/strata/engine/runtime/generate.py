@@ -237,22 +237,12 @@ def generate(
     text = _TextStream(tokenizer, prompt, stop_ids, on_text)
     cached = expert_cache(model.experts)
     cache_stats = None
-    # The elastic K/V (--kv-grow) is kept across requests (`kv`); else one per request.
-    elastic = kv
-    if elastic is not None and options.max_context > elastic.kv.max_cells:
-        raise ValueError(f"max_context {options.max_context} is past the elastic K/V's window "
-                         f"of {elastic.kv.max_cells} cells")
     if not 0 <= reused < len(prompt):
         raise ValueError(f"reused {reused} must be in [0, {len(prompt) - 1}]: the last prompt "
                          "token is always read, its logits give the first new token")
+    elastic = kv
     own_cells = elastic is None and cells is None
-    if cells is not None and cells.max_cells < options.max_context:
-        raise ValueError(f"max_context {options.max_context} is past the K/V's window of "
-                         f"{cells.max_cells} cells")
-    if elastic is not None:
-        cells = elastic.kv
-    elif cells is None:
-        cells = new_kv(model, options.max_context)
+    cells = _request_cells(model, options, elastic, cells)
     run = _Run(model, cells, elastic, cached, options, stop_ids, warm, should_stop)
     try:
         if cached is not None:
@@ -283,6 +273,22 @@ def generate(
         cache=cache_stats,
         kv=elastic.stats.copy() if elastic is not None else None,
     )
+
+
+def _request_cells(model: Any, options: GenerateOptions, elastic: ElasticKV | None,
+                   cells: KVCache | None) -> KVCache:
+    """The request's K/V cells: the elastic K/V's (--kv-grow, kept across requests), else the
+    caller's `cells`, else new ones of `max_context` cells (the caller releases them).
+    ValueError when `max_context` is past the window of the ones given."""
+    if elastic is not None and options.max_context > elastic.kv.max_cells:
+        raise ValueError(f"max_context {options.max_context} is past the elastic K/V's window "
+                         f"of {elastic.kv.max_cells} cells")
+    if cells is not None and cells.max_cells < options.max_context:
+        raise ValueError(f"max_context {options.max_context} is past the K/V's window of "
+                         f"{cells.max_cells} cells")
+    if elastic is not None:
+        return elastic.kv
+    return cells if cells is not None else new_kv(model, options.max_context)
 
 
 class _Run:
