@@ -63,7 +63,8 @@ class Pieces:
         default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     logits: torch.Tensor | None = None
-    _execs: list[Any] | None = None  # the graphs' driver handles, with DRIVER_LAUNCH
+    # The graphs' driver handles, looked up at the first round with DRIVER_LAUNCH.
+    _execs: list[Any] | None = field(default=None, init=False, repr=False)
 
     def launcher(self) -> Callable[[int], None]:
         """What launches graph i on the current stream: its `replay`, or with DRIVER_LAUNCH the
