@@ -42,8 +42,10 @@ __all__ = ["Cut", "Pieces", "capture_pieces"]
 
 # Staged, off (issue 17): launch each graph by the driver's cuGraphLaunch on torch's graph exec
 # instead of `CUDAGraph.replay`, the same graph on the same stream. A round launches L + 1
-# graphs from the host between the experts' calls; bench/graph_launch.py times the two calls
-# alone, bench/offload.py's -driver runs (`--driver-launch`) a round each way.
+# graphs from the host between the experts' calls. Alone, the driver's launch took the host
+# 0.66-0.69x torch's replay on an H100, about 1-1.6 us less a launch
+# (bench/results/graph-launch-h100-2026-12-06.md); bench/offload.py's -driver
+# (`--driver-launch`) runs a round each way, not yet on a GPU.
 DRIVER_LAUNCH = False
 
 
