@@ -155,7 +155,7 @@ cdef class CudaBackend(Backend):
             self._set_read_only(address, nbytes)
         except BaseException:
             try:
-                self._unmap_zeros(address, n_mapped)
+                self._unmap_chunks(address, n_mapped)
             finally:
                 self._drop_zeros()
             raise
@@ -164,7 +164,7 @@ cdef class CudaBackend(Backend):
     cdef _release_hold(self, object address, Py_ssize_t nbytes):
         if address in self._zero_mapped:
             self._zero_mapped.discard(address)
-            self._unmap_zeros(address, nbytes // self.chunk_bytes)
+            self._unmap_chunks(address, nbytes // self.chunk_bytes)
             self._drop_zeros()
         self._free_reservation(address, nbytes)
 
@@ -204,13 +204,6 @@ cdef class CudaBackend(Backend):
                                                              [access], 1))
         except VmmError:
             self._set_access(address, nbytes)
-
-    cdef _unmap_zeros(self, object address, Py_ssize_t n_chunks):
-        d = self._driver
-        cdef Py_ssize_t i
-        for i in range(n_chunks):
-            ptr = d.CUdeviceptr(address + i * self.chunk_bytes)
-            self._call("cuMemUnmap", d.cuMemUnmap, (ptr, self.chunk_bytes))
 
     cdef _drop_zeros(self):
         """The zero chunk released once no held range maps it (a mapping keeps its memory
