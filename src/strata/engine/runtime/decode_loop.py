@@ -42,7 +42,7 @@ class Rounds(NamedTuple):
     """What `decode_rounds` ends with: the step last used, whether `should_stop` ended the
     rounds, and the seconds the host waited for the rounds' tokens (the device's work queued
     before each read: for a round read right after its launch, its tail, the logits and the
-    pick; 0 off CUDA, where a token is read as it is computed)."""
+    pick; off CUDA, where a token is read as it is computed, only the read's own time)."""
 
     step: Any
     stopped: bool
