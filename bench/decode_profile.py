@@ -14,10 +14,6 @@ attention's output product apart from the sum after it, the MoE's norm and its r
 (`products.PRODUCT_ROUTE_KERNEL`), and those three as three kernels (the product,
 `add_rms_norm`, `router_route`: `ops.NORM_ROUTER_KERNEL` off too), with the routing's top K
 taken in K rounds instead of each expert's place counted at once (`routing_ops.TOP_K_BY_RANK`),
-with the products' kernels issuing their reads after the wait together (the norm's weight
-before it, the routing's last program's three reads at once: `products.READS_FIRST`, staged,
-off), with the short attention's the same way (`decode_attention.SHORT_READS_FIRST`, staged,
-off),
 with attention's dense products
 by cuBLAS instead of the kernel that reads its weights before its wait
 (`products.PRODUCT_KERNEL`), with each layer's first norm as `add_rms_norm` before q/k/v's
@@ -308,10 +304,6 @@ def main(argv: list[str] | None = None) -> int:
                               "kernels", step_of(True), "norm-product"))
                 steps.append(("decode, CUDA graph, the top K taken in K rounds",
                               step_of(True), "top-k-rounds"))
-                steps.append(("decode, CUDA graph, the products' reads after their wait "
-                              "issued together (staged)", step_of(True), "+reads-first"))
-                steps.append(("decode, CUDA graph, the short attention's reads issued together "
-                              "(staged)", step_of(True), "+short-reads-first"))
                 steps.append(("decode, CUDA graph, no weight load marked evict_first",
                               step_of(True), "hints"))
                 steps.append(("decode, CUDA graph, the logits by cuBLAS", step_of(True),
@@ -358,8 +350,6 @@ def main(argv: list[str] | None = None) -> int:
                 "no-router": ((products, "linear_add_norm_route",
                                fixed_routing(config, device)),),
                 "top-k-rounds": ((routing_ops, "TOP_K_BY_RANK", False),),
-                "+reads-first": ((products, "READS_FIRST", True),),
-                "+short-reads-first": ((decode_attention, "SHORT_READS_FIRST", True),),
                 "no-attention": ((decode_attention, "rotate_attend", no_attention(config, device,
                                                                                    dtype)),),
                 "one-read": ((grouped, "expert_sum_triton",

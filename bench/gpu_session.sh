@@ -67,9 +67,6 @@
 # the whole olmoe-1b-7b, under PROFILE_TIMEOUT seconds, default 250), graph-launch (0.3:
 # bench/graph_launch.py, the host's time to launch a graph by torch's replay and by the driver's
 # cuGraphLaunch, graphs of 8 and 30 kernels, one JSON object a line in graph-launch.jsonl),
-# offload-driver (2.5: issue 17's int8 round on qwen3-30b-a3b's 16 layers, the piecewise graphs
-# launched by the driver's cuGraphLaunch against torch's replay, interleaved in one process,
-# `piecewise.DRIVER_LAUNCH`; DRIVER_ARGS adds offload.py flags),
 # profile-decode-shapes (2.5: the same on qwen3-30b-a3b cut to 4 layers and
 # mixtral-8x7b cut to 2), stream-issue (0.5: bench/stream_issue.py, the
 # host's time issuing streamed misses, part by part, olmoe and qwen3 shapes, sync-checked),
@@ -458,10 +455,6 @@ for stage in "$@"; do
                --wake-cpu --prefill-tokens 0
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --stream-misses 3,4 \
                --wake-cpu --prefill-tokens 0 ;;
-    offload-driver)  # the piecewise graphs launched by cuGraphLaunch or torch's replay: A/B
-           offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
-               --share-per-format --stream-misses auto --driver-launch --interleave --repeat 4 \
-               --prefill-tokens 0 ${DRIVER_ARGS:-} ;;
     offload-ahead)  # the next graph launched ahead of the CPU's rows: A/B in one process
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
                --share-per-format --stream-misses auto --launch-ahead --interleave \

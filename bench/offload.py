@@ -45,15 +45,13 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   thread's OpenMP pool left as it grows, not shrunk before the CPU's thread computes
   (`CpuExperts.shrink_caller_team` off, the way before), named -noshrink;
   `--interleave` runs those (-static, -guided, -cpupfN, -rowsGxD, -downblockN, -teamN, -sync,
-  -spin, -pin, -noshrink), -wake, -ahead and -driver in the base run's engine, one request of
-  each in turn, so that a machine's drift falls on all alike, and with
+  -spin, -pin, -noshrink), -wake and -ahead in the base run's engine, one request of each in
+  turn, so that a machine's drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
   (the counts compared with the same slots; with `--sync-cpu` each again as -splitN-sync,
   with `--no-cpu-shrink` as -splitN-noshrink); `--launch-ahead` with each split call's next
   graph launched before the CPU's rows are done, queued behind a wait the host sets when they
-  are (`graph_call.LAUNCH_AHEAD`), named -ahead (interleaved too); `--driver-launch` with the
-  piecewise graphs launched by the driver's cuGraphLaunch, not torch's `CUDAGraph.replay`
-  (`piecewise.DRIVER_LAUNCH`), named -driver (interleaved too);
+  are (`graph_call.LAUNCH_AHEAD`), named -ahead (interleaved too);
   `--cli-sampling` with
   `strata generate`'s default sampling instead of greedy, named -sampled: the pick's host time
   in a round the host holds). For

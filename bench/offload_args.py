@@ -212,9 +212,6 @@ VARIANT_FLAGS = {
     "--launch-ahead": "also run each decode with each split call's next graph launched before "
                       "the CPU's rows are done, behind a wait the host sets when they are "
                       "(`graph_call.LAUNCH_AHEAD`), named -ahead",
-    "--driver-launch": "also run each decode with the piecewise graphs launched by the driver's "
-                       "cuGraphLaunch instead of torch's `CUDAGraph.replay` "
-                       "(`piecewise.DRIVER_LAUNCH`), named -driver",
     "--whole-calls": "also run each decode with the cache's calls whole, not split around the "
                      "piecewise graphs (`graph_call`): the split's baseline, named -whole",
 }

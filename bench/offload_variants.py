@@ -17,7 +17,6 @@ from typing import Any
 from strata import _cpu_experts
 from strata.engine.cache import graph_call
 from strata.engine.experts.streamed import StreamSplit
-from strata.engine.runtime import piecewise
 
 
 def cache_settings(args: argparse.Namespace) -> list[str]:
@@ -32,8 +31,7 @@ def cache_settings(args: argparse.Namespace) -> list[str]:
             *(["-spin"] if args.cpu_spin else []),
             *(["-pin"] if args.cpu_pin else []),
             *(["-noshrink"] if args.no_cpu_shrink else []),
-            *(["-ahead"] if args.launch_ahead else []),
-            *(["-driver"] if args.driver_launch else [])]
+            *(["-ahead"] if args.launch_ahead else [])]
 
 
 def decode_variants(args: argparse.Namespace, settings: list[str]) -> list[tuple[str, int]]:
@@ -60,11 +58,10 @@ def apply_setting(cache: Any, setting: str, args: argparse.Namespace,
                   rule: StreamSplit | None, top_k: int) -> None:
     """Set `cache` (a `CachedExperts`) as `setting` says, every other setting back to the
     base run's: `rule` its streamer's split rule, `args.cpu_threads` its CPU threads. ""
-    puts everything back (and `graph_call.LAUNCH_AHEAD` and `piecewise.DRIVER_LAUNCH` off)."""
+    puts everything back (and `graph_call.LAUNCH_AHEAD` off)."""
     count = setting.removeprefix("-split").partition("-")[0]
     cache.wake_cpu = setting == "-wake"
     graph_call.LAUNCH_AHEAD = setting == "-ahead"
-    piecewise.DRIVER_LAUNCH = setting == "-driver"
     cache.cpu.keep_team_up = setting == "-spin"
     cache.cpu.pin_team = setting == "-pin"
     cache.cpu.shrink_caller_team = not setting.endswith("-noshrink")

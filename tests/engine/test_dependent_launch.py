@@ -110,10 +110,10 @@ def test_on_cuda_decode_as_dependents_gives_the_plain_launches_tokens(monkeypatc
 # short attention kernels the round's positions and the cells, which the round writes at one
 # position only (`attend_short` reads that row again after its wait; `rotate_attend_short`
 # writes it itself, after its wait, and attends the row it wrote).
-READ_BEFORE_WAIT = {"product_one": {"w_ptr"}, "add_norm_product_one": {"w_ptr", "norm_w_ptr"},
+READ_BEFORE_WAIT = {"product_one": {"w_ptr"}, "add_norm_product_one": {"w_ptr"},
                     "product_add_norm_route": {"w_ptr", "router_ptr", "norm_w_ptr"},
                     "attend_short": {"k_ptr", "v_ptr", "positions_ptr"},
-                    "rotate_attend_short": {"k_ptr", "v_ptr", "positions_ptr", "norm_w_ptr"}}
+                    "rotate_attend_short": {"k_ptr", "v_ptr", "positions_ptr"}}
 
 
 def _before_wait_only_these_are_read(path, node, allowed):
@@ -197,12 +197,6 @@ def test_compiled_for_hopper_the_products_kernel_loads_its_weights_before_the_wa
                         {"eps": "fp32"}, num_warps=8)
     before, after = _loads_around_the_wait(fused)  # 4 x 2048 bf16 over 256 threads: the same
     assert before == 4 and after >= 3  # then x's, delta's and the norm weight's
-    first = _hopper_ptx(_products_triton.add_norm_product_one,
-                        {"HAS_DELTA": True, "HAS_BIAS": False, "BLOCK_N": 4, "BLOCK_K": 2048,
-                         "READS_FIRST": True}, {"eps": "fp32"}, num_warps=8)
-    # `products.READS_FIRST` (staged): the norm's weight, 2048 bf16 over 256 threads, one
-    # 16-byte load, moves before the wait; x's and delta's stay after it.
-    assert _loads_around_the_wait(first) == (before + 1, after - 1)
     norm = _hopper_ptx(_ops_triton.add_rms_norm, {"HAS_DELTA": True, "BLOCK_D": 2048},
                        {"eps": "fp32"}, num_warps=8)
     assert _loads_around_the_wait(norm)[0] == 0
@@ -249,28 +243,16 @@ def test_compiled_for_hopper_the_short_attention_reads_the_cells_before_the_wait
 @pytest.mark.parametrize("norm", [0, 1, 2])
 def test_compiled_for_hopper_the_rotating_short_kernel_reads_the_cells_before_the_wait(norm):
     """The keys' halves before the wait (and the position); the projection, the norm's weights
-    and the rotation's tables after it; with `decode_attention.SHORT_READS_FIRST` (staged) the
-    norm's weights before it too, and every read after it ahead of the norm's first rsqrt.
-    Compiling also checks what the interpreter does not: the helpers it shares with
-    `qk_norm_rope` type-check (one return type each)."""
+    and the rotation's tables after it. Compiling also checks what the interpreter does not:
+    the helpers it shares with `qk_norm_rope` type-check (one return type each)."""
     from strata.engine.model import _attention_triton, _ops_triton
 
-    shape = {"NORM": norm, "HAS_MASK": True, "BLOCK_C": 256, "BLOCK_R": 16, "BLOCK_P": 32,
-             "HEAD_DIM": 128, "VALUES_FIRST": False}
-    types = {"positions_ptr": "*i64", "eps": "fp32", "scale": "fp32"}
-    ptx = _hopper_ptx(_attention_triton.rotate_attend_short, shape, types, num_warps=8)
+    ptx = _hopper_ptx(_attention_triton.rotate_attend_short,
+                      {"NORM": norm, "HAS_MASK": True, "BLOCK_C": 256, "BLOCK_R": 16,
+                       "BLOCK_P": 32, "HEAD_DIM": 128, "VALUES_FIRST": False},
+                      {"positions_ptr": "*i64", "eps": "fp32", "scale": "fp32"}, num_warps=8)
     before, after = _loads_around_the_wait(ptx)
     assert before == 2 * 256 * 64 // (256 * 8) + 1 and after > 0
-    first = _hopper_ptx(_attention_triton.rotate_attend_short, {**shape, "READS_FIRST": True},
-                        types, num_warps=8)
-    first_before, _ = _loads_around_the_wait(first)
-    assert (first_before > before) == (norm != 0) and first_before >= before
-    if norm:  # fewer reads left after the first rsqrt: the mask's and the values' only
-
-        def after_rsqrt(code):
-            return code.partition("griddepcontrol.wait")[2].partition("rsqrt.")[2].count(
-                "ld.global")
-        assert after_rsqrt(first) < after_rsqrt(ptx)
     for write in (False, True):
         rope = _hopper_ptx(_ops_triton.qk_norm_rope,
                            {"NORM": norm, "WRITE": write, "HEAD_DIM": 128, "BLOCK_P": 32},

@@ -126,17 +126,11 @@ for seed, (n_out, k_in, n_experts, top_k, dtype, bias, parts) in enumerate([
     exact = rms_norm(want_h.double(), norm.double(), 1e-5)  # the norm unrounded, in float64
     again = linear_add_norm_route_triton(a, weight, b, x, norm, 1e-5, router, top_k, normalize,
                                          tile_elements=256)
-    products.READS_FIRST = True  # the last program's reads together: the same bytes
-    together = linear_add_norm_route_triton(a, weight, b, x, norm, 1e-5, router, top_k,
-                                            normalize, tile_elements=256)
-    products.READS_FIRST = False
     results.append({
         "h": torch.equal(h, want_h), "normed": torch.equal(normed, want_normed),
         "routed": _routes_a_top_k(ids, weights, exact, router, top_k, normalize, dtype),
         "same_bytes": all(torch.equal(g.view(torch.uint8), w.view(torch.uint8))
                           for g, w in zip((h, normed, ids, weights), again)),
-        "reads_first_same_bytes": all(torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-                                      for g, w in zip((h, normed, ids, weights), together)),
         "count_back_to_zero": int(arrival_counts(a.device)[0]) == 0})
 print(json.dumps(results))
 """
@@ -150,30 +144,6 @@ def test_the_kernel_under_the_interpreter():
     assert len(results) == 4
     for result in results:
         assert all(result.values()), result
-
-
-def test_its_last_program_issues_its_reads_together_where_asked():
-    """`products.READS_FIRST`'s point, in the code Triton makes for sm_90 (its own ptxas, no
-    GPU): after the arrival, every global read of the last program (the row, the norm's weight,
-    the parts) comes before its norm's rsqrt, so their latencies overlap; without it the norm's
-    weight and the parts are read after the rsqrt and the norm's store, one trip each (q/k/v's
-    product's half of the switch: tests/engine/test_dependent_launch.py)."""
-    from strata.engine.model import _products_triton
-    from support.hopper import compile_for_hopper
-
-    shape = {"HAS_BIAS": False, "NORMALIZE": False, "BLOCK_N": 8, "BLOCK_K": 2048,
-             "BLOCK_ROW": 2048, "BLOCK_P": 256, "BLOCK_E": 64, "BLOCK_TOP_K": 8}
-    reads_after_rsqrt = {}
-    for first in (False, True):
-        compiled = compile_for_hopper(_products_triton.product_add_norm_route,
-                                      {**shape, "READS_FIRST": first}, num_warps=8)
-        lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
-        tail = lines[next(i for i, line in enumerate(lines) if "atom.global" in line):]
-        rsqrt = next(i for i, line in enumerate(tail) if line.startswith("rsqrt."))
-        reads = [i for i, line in enumerate(tail) if "ld.global" in line or "ld.volatile" in line]
-        assert any(i < rsqrt for i in reads)  # the row, read first either way
-        reads_after_rsqrt[first] = sum(i > rsqrt for i in reads)
-    assert reads_after_rsqrt[True] == 0 and reads_after_rsqrt[False] > 0
 
 
 def _hopper() -> bool:
@@ -212,12 +182,6 @@ def test_on_cuda_at_the_presets_shapes_as_a_dependent_and_from_a_graph(monkeypat
                                                  True)
             assert all(torch.equal(g, w) for g, w in zip(got, (h, normed, ids, weights),
                                                               strict=True))
-        monkeypatch.setattr(products, "READS_FIRST", True)  # staged: the same bytes
-        together = products.linear_add_norm_route_triton(a, weight, b, x, norm, 1e-5, router,
-                                                         top_k, True)
-        monkeypatch.setattr(products, "READS_FIRST", False)
-        assert all(torch.equal(g, w) for g, w in zip(together, (h, normed, ids, weights),
-                                                      strict=True))
     if not _hopper():
         return
     n_out, k_in, n_experts, top_k = PRESETS[0]

@@ -176,7 +176,6 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from test_products import _operands
-from strata.engine.model import products
 from strata.engine.model.ops import add_rms_norm_triton
 from strata.engine.model.products import add_norm_linear_triton, linear_one_triton
 results = []
@@ -193,14 +192,9 @@ for seed, (n_out, k_in, dtype, delta, bias, tile) in enumerate([
     want_h, normed = add_rms_norm_triton(x, d, norm, 1e-6)
     want = linear_one_triton(normed, weight, b, tile_elements=tile)
     again = add_norm_linear_triton(x, d, norm, 1e-6, weight, b, tile_elements=tile)[1]
-    products.READS_FIRST = True  # the norm's weight read before the wait: the same bytes
-    first = add_norm_linear_triton(x, d, norm, 1e-6, weight, b, tile_elements=tile)
-    products.READS_FIRST = False
     results.append({"h": torch.equal(h, want_h), "h_is_x": (h is x) == (d is None),
                     "product": torch.equal(got, want),
-                    "same_bytes": torch.equal(got.view(torch.uint8), again.view(torch.uint8)),
-                    "reads_first_same_bytes": torch.equal(first[0], h)
-                    and torch.equal(first[1].view(torch.uint8), got.view(torch.uint8))})
+                    "same_bytes": torch.equal(got.view(torch.uint8), again.view(torch.uint8))})
 print(json.dumps(results))
 """
 
@@ -245,7 +239,7 @@ def test_on_cuda_the_kernel_is_the_product_at_the_presets_shapes(dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fused", [False, True, "reads first"])
+@pytest.mark.parametrize("fused", [False, True])
 def test_on_cuda_as_a_dependent_it_reads_the_token_the_kernel_before_wrote(monkeypatch, fused):
     """A chain of norms and products, each product's token written by the norm just before it
     (and each norm reading the product before), or of the fused norm and product, each reading
@@ -254,7 +248,6 @@ def test_on_cuda_as_a_dependent_it_reads_the_token_the_kernel_before_wrote(monke
     wait would read a row the kernel before was still writing."""
     if not _hopper():
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    monkeypatch.setattr(products, "READS_FIRST", fused == "reads first")  # staged, off
     gen = torch.Generator().manual_seed(5)
     weights = [(torch.randn(4096, 4096, generator=gen) / 64).to(torch.bfloat16).cuda()
                for _ in range(8)]
@@ -304,13 +297,6 @@ def test_on_cuda_the_norm_and_product_kernel_is_the_two_kernels_bytes():
         assert torch.equal(h, want_h) and torch.equal(got, want), (n_out, k_in)
         again = products.add_norm_linear_triton(x, delta, norm, 1e-6, weight, bias)
         assert torch.equal(again[1].view(torch.int16), got.view(torch.int16))
-        products.READS_FIRST = True  # staged: the norm's weight read before the wait
-        try:
-            first = products.add_norm_linear_triton(x, delta, norm, 1e-6, weight, bias)
-        finally:
-            products.READS_FIRST = False
-        assert torch.equal(first[0], h) and torch.equal(first[1].view(torch.int16),
-                                                        got.view(torch.int16))
         if _hopper():
             fused = products.add_norm_linear(x, delta, norm, 1e-6, weight, bias)
             assert torch.equal(fused[0], h) and torch.equal(fused[1], got)

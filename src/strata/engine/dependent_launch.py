@@ -17,11 +17,9 @@ writes anything (`_dependent_triton.wait_for_prior`), and only then lets its own
 set up. So a kernel never reads what the one it follows writes, and since that one waited on
 its own predecessor, nor what any earlier kernel writes. The exception is what no kernel of
 a round writes: `products`' kernels load their weight rows before their wait (the output
-product's with its rows' columns of the router and of the norm's weight; q/k/v's with the
-norm's weight where `products.READS_FIRST`), and
-`decode_attention`'s short kernel the cells (and the q/k norm's weights where
-`decode_attention.SHORT_READS_FIRST`), reading again after its wait the one row the round
-writes, so that the read overlaps the kernel before.
+product's with its rows' columns of the router and of the norm's weight), and
+`decode_attention`'s short kernel the cells, reading again after its wait the one row the
+round writes, so that the read overlaps the kernel before.
 tests/engine/test_dependent_launch.py checks the rule in the source and, compiled for compute
 capability 9.0, in the instructions. Kernels that are not
 ours (cuBLAS, cuDNN, torch's) are launched plainly and wait for ours whole, as always. The

@@ -188,43 +188,6 @@ def test_piecewise_graphs_with_split_calls_give_the_same_bytes(small, stream_mis
     assert split.cache.decode.cpu_experts + split.cache.decode.streamed_experts > 0
 
 
-def test_piecewise_graphs_launched_by_the_driver_give_the_same_bytes(small, monkeypatch):
-    """`piecewise.DRIVER_LAUNCH` (staged): the same graphs launched by cuGraphLaunch on the
-    same stream, the same tokens, logits and books as torch's replay; each run launched its
-    pieces the way it was asked to."""
-    from cuda.bindings import driver as cuda_driver
-
-    from strata.engine.runtime import piecewise as pieces_module
-
-    launches = []
-    launch = cuda_driver.cuGraphLaunch
-
-    def counted(*args):
-        launches.append(args)
-        return launch(*args)
-
-    monkeypatch.setattr(cuda_driver, "cuGraphLaunch", counted)
-    ckpt, _ = small
-    piecewise = dataclasses.replace(OPTIONS, cuda_graphs=True, piecewise_graphs=True)
-    runs, books, counts = [], [], []
-    for driver in (False, True):
-        monkeypatch.setattr(pieces_module, "DRIVER_LAUNCH", driver)
-        model = _cached(ckpt, expert_cache_mib=8, policy=Lru(), stream_misses=2)
-        try:
-            _poison_free_memory()
-            runs.append(generate(model, None, PROMPT, piecewise))
-            books.append(model.experts.table.res.copy())
-            counts.append(len(launches))
-        finally:
-            _close(model)
-    assert counts[0] == 0 < counts[1]  # replay launched none through the driver
-    replayed, launched = runs
-    assert launched.decode_path == "piecewise-cuda-graph"
-    assert launched.tokens == replayed.tokens
-    assert torch.equal(launched.first_logits, replayed.first_logits)
-    assert (books[0] == books[1]).all()
-
-
 def test_piecewise_graphs_that_prefetch_keep_the_books_and_repeat(small):
     """Split calls that predict and prefetch the next layer's misses on the copy stream
     (`strata.engine.cache.prefetch`): the books and counts of the calls without it, logits

@@ -12,7 +12,6 @@ import pytest
 
 from strata.engine.cache import graph_call
 from strata.engine.experts.cpu import CpuExperts
-from strata.engine.runtime import piecewise
 from strata.machine import transparent_huge_pages
 from support.bench_scripts import load_bench
 
@@ -106,7 +105,7 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
             "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
             "--stream-misses", "2", "--expert-share", "0.25", "--json", "--interleave",
             "--wake-cpu", "--sync-cpu", "--cpu-spin", "--cpu-pin", "--no-cpu-shrink",
-            "--launch-ahead", "--driver-launch",
+            "--launch-ahead",
             "--cpu-weight-rows", "1x2", "--cpu-down-block-rows", "32", "--cpu-team", "1,3",
             "--cpu-schedule",
             "static,steal,steal-alone", "--cpu-prefetch", "512", "--split-counts", "1,3"]
@@ -127,14 +126,13 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     assert bench.main(argv) == 0
     assert teams == {None, 2, 4} and weight_rows == {(1, 1), (1, 2)} and down_blocks == {64, 32}
     assert not graph_call.LAUNCH_AHEAD  # the -ahead run's switch put back
-    assert not piecewise.DRIVER_LAUNCH  # and the -driver run's
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.
     # With --sync-cpu each count runs again on the engine's thread, -split1-sync, and with
     # --no-cpu-shrink with the caller's team left grown, -split1-noshrink.
     names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-sync",
              "decode-stream-2-spin", "decode-stream-2-pin", "decode-stream-2-noshrink",
-             "decode-stream-2-ahead", "decode-stream-2-driver",
+             "decode-stream-2-ahead",
              "decode-stream-2-static", "decode-stream-2-steal", "decode-stream-2-steal-alone",
              "decode-stream-2-cpupf512", "decode-stream-2-rows1x2", "decode-stream-2-downblock32",
              "decode-stream-2-team1",

@@ -9,13 +9,7 @@ import triton
 import triton.language as tl
 
 from strata.engine._dependent_triton import wait_for_prior
-from strata.engine.model._ops_triton import (
-    rotate_halves,
-    rotate_loaded,
-    rstd_heads,
-    weigh_halves,
-    weigh_loaded,
-)
+from strata.engine.model._ops_triton import rotate_halves, rstd_heads, weigh_halves
 
 
 @triton.jit
@@ -211,54 +205,12 @@ def _weighted(scores, values, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _halves_of(row_ptr, q_at, k_at, r_in, half):
-    # A row laid out as qkv lays out its heads (the q/k norm's weights): the halves at the
-    # group's q heads q_at [BR, Dh/2] (rows r_in) and at its key head k_at [1, Dh/2].
-    return (tl.load(row_ptr + q_at, mask=r_in, other=0.0),
-            tl.load(row_ptr + q_at + half, mask=r_in, other=0.0),
-            tl.load(row_ptr + k_at), tl.load(row_ptr + k_at + half))
-
-
-@triton.jit
-def _q_k_rstd(qkv_ptr, q1, q2, x1, x2, j, H, G, R, eps, NORM: tl.constexpr,
-              BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr, READS_FIRST: tl.constexpr):
-    # `rotate_attend_short`'s q and k norms' rstd (NORM 1 or 2, as `qk_norm_rope`'s): "full"
-    # over every head of the part (each program reads them all from qkv; READS_FIRST: k's
-    # heads read before q's sum, not after it), "head" over the group's q halves q1, q2 and
-    # its key's x1, x2. One return: Triton types a function's returns alike.
-    half: tl.constexpr = HEAD_DIM // 2
-    if NORM == 1:
-        p = tl.arange(0, BLOCK_P)[:, None]
-        every_q = p * HEAD_DIM + j[None, :]
-        every_k = (H + p) * HEAD_DIM + j[None, :]
-        if READS_FIRST:
-            all_q1 = tl.load(qkv_ptr + every_q, mask=p < H, other=0.0)
-            all_q2 = tl.load(qkv_ptr + every_q + half, mask=p < H, other=0.0)
-            all_k1 = tl.load(qkv_ptr + every_k, mask=p < G, other=0.0)
-            all_k2 = tl.load(qkv_ptr + every_k + half, mask=p < G, other=0.0)
-            q_rstd = rstd_heads(all_q1, all_q2, H, eps, NORM, HEAD_DIM)
-            k_rstd = rstd_heads(all_k1, all_k2, G, eps, NORM, HEAD_DIM)
-        else:
-            q_rstd = rstd_heads(tl.load(qkv_ptr + every_q, mask=p < H, other=0.0),
-                                 tl.load(qkv_ptr + every_q + half, mask=p < H, other=0.0), H,
-                                 eps, NORM, HEAD_DIM)
-            k_rstd = rstd_heads(tl.load(qkv_ptr + every_k, mask=p < G, other=0.0),
-                                 tl.load(qkv_ptr + every_k + half, mask=p < G, other=0.0), G,
-                                 eps, NORM, HEAD_DIM)
-    else:
-        q_rstd = rstd_heads(q1, q2, R, eps, NORM, HEAD_DIM)
-        k_rstd = rstd_heads(x1, x2, 1, eps, NORM, HEAD_DIM)
-    return q_rstd, k_rstd
-
-
-@triton.jit
 def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr,
                         positions_ptr, out_ptr, N, H, G, R, eps, scale, k_head_stride,
                         k_cell_stride, v_head_stride, v_cell_stride, NORM: tl.constexpr,
                         HAS_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        VALUES_FIRST: tl.constexpr, READS_FIRST: tl.constexpr = False,
-                        USE_PDL: tl.constexpr = False):
+                        VALUES_FIRST: tl.constexpr, USE_PDL: tl.constexpr = False):
     # `qk_norm_rope` writing the token's k and v, then `attend_short`, in one launch. Program
     # g: kv head g. Before the wait, as `attend_short`: the position and the cells' keys (as
     # halves [BC, Dh/2]) and maybe values. After it, from the token's projection qkv
@@ -267,8 +219,6 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
     # weighted and rotated by `qk_norm_rope`'s helpers (the same roundings), the key and the
     # value stored to their cells at the position, and put in those rows of the registers
     # (no read back). Then the scores as two products over the halves, and the softmax.
-    # READS_FIRST: the norm's weights read before the wait too, cos, sin and the token's value
-    # with q and k after it, not as the arithmetic needs them (fewer L2 trips; same bytes).
     position = tl.load(positions_ptr).to(tl.int64)
     g = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -284,39 +234,36 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
     if VALUES_FIRST:
         v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=c_in,
                     other=0.0)  # [BC, Dh]
+    wait_for_prior(USE_PDL)
+    dtype = out_ptr.dtype.element_ty
     r = tl.arange(0, BLOCK_R)[:, None]  # [BR, 1]
     r_in = r < R
     q_at = (g * R + r) * HEAD_DIM + j[None, :]  # [BR, Dh/2]: the group's q halves in qkv
     k_at = (H + g) * HEAD_DIM + j[None, :]  # [1, Dh/2]: its key head's
-    if READS_FIRST and NORM != 0:  # no kernel writes the norm's weights
-        wq1, wq2, wk1, wk2 = _halves_of(norm_w_ptr, q_at, k_at, r_in, half)
-    wait_for_prior(USE_PDL)
-    dtype = out_ptr.dtype.element_ty
     q1 = tl.load(qkv_ptr + q_at, mask=r_in, other=0.0)
     q2 = tl.load(qkv_ptr + q_at + half, mask=r_in, other=0.0)
     x1 = tl.load(qkv_ptr + k_at)
     x2 = tl.load(qkv_ptr + k_at + half)
-    if READS_FIRST:
-        cos = tl.load(cos_ptr + j[None, :])  # [1, Dh/2]
-        sin1 = tl.load(sin_ptr + j[None, :])
-        sin2 = tl.load(sin_ptr + j[None, :] + half)
-        new_v = tl.load(qkv_ptr + (H + G + g) * HEAD_DIM + d)  # [Dh]: v's heads follow k's
-    if NORM != 0:
-        q_rstd, k_rstd = _q_k_rstd(qkv_ptr, q1, q2, x1, x2, j, H, G, R, eps, NORM, BLOCK_P,
-                                   HEAD_DIM, READS_FIRST)
-        if READS_FIRST:
-            q1, q2 = weigh_loaded(q1, q2, q_rstd, wq1, wq2, dtype)
-            x1, x2 = weigh_loaded(x1, x2, k_rstd, wk1, wk2, dtype)
-        else:
-            q1, q2 = weigh_halves(q1, q2, q_rstd, norm_w_ptr, q_at, r_in, half, dtype)
-            x1, x2 = weigh_halves(x1, x2, k_rstd, norm_w_ptr, k_at, k_at >= 0, half, dtype)
-    if READS_FIRST:
-        q1, q2 = rotate_loaded(q1, q2, cos, sin1, sin2, dtype)
-        x1, x2 = rotate_loaded(x1, x2, cos, sin1, sin2, dtype)  # [1, Dh/2]
-    else:
-        q1, q2 = rotate_halves(q1, q2, cos_ptr, sin_ptr, j[None, :], half, dtype)
-        x1, x2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, j[None, :], half, dtype)  # [1, Dh/2]
-        new_v = tl.load(qkv_ptr + (H + G + g) * HEAD_DIM + d)  # [Dh]: v's heads follow k's
+    if NORM == 1:  # over every head of the part: all of q's, all of k's
+        p = tl.arange(0, BLOCK_P)[:, None]
+        every_q = p * HEAD_DIM + j[None, :]
+        q_rstd = rstd_heads(tl.load(qkv_ptr + every_q, mask=p < H, other=0.0),
+                             tl.load(qkv_ptr + every_q + half, mask=p < H, other=0.0), H, eps,
+                             NORM, HEAD_DIM)
+        every_k = (H + p) * HEAD_DIM + j[None, :]
+        k_rstd = rstd_heads(tl.load(qkv_ptr + every_k, mask=p < G, other=0.0),
+                             tl.load(qkv_ptr + every_k + half, mask=p < G, other=0.0), G, eps,
+                             NORM, HEAD_DIM)
+        q1, q2 = weigh_halves(q1, q2, q_rstd, norm_w_ptr, q_at, r_in, half, dtype)
+        x1, x2 = weigh_halves(x1, x2, k_rstd, norm_w_ptr, k_at, k_at >= 0, half, dtype)
+    if NORM == 2:  # each head over its own Dh
+        q1, q2 = weigh_halves(q1, q2, rstd_heads(q1, q2, R, eps, NORM, HEAD_DIM), norm_w_ptr,
+                               q_at, r_in, half, dtype)
+        x1, x2 = weigh_halves(x1, x2, rstd_heads(x1, x2, 1, eps, NORM, HEAD_DIM), norm_w_ptr,
+                               k_at, k_at >= 0, half, dtype)
+    q1, q2 = rotate_halves(q1, q2, cos_ptr, sin_ptr, j[None, :], half, dtype)
+    x1, x2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, j[None, :], half, dtype)  # [1, Dh/2]
+    new_v = tl.load(qkv_ptr + (H + G + g) * HEAD_DIM + d)  # [Dh]: v's heads follow k's
     cell = position * k_cell_stride
     tl.store(k_head + cell + j[None, :], x1)
     tl.store(k_head + cell + half + j[None, :], x2)

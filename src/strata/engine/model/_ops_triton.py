@@ -41,13 +41,8 @@ def _rstd(h, D, eps):
 def _normed(h, rstd, weight_ptr, col, col_in, dtype: tl.constexpr):
     # weight * (h * rstd) at columns col: the norm rounded to dtype, then the weight's product
     # rounded again (`ops.rms_norm`'s order: the scale after the cast back).
-    return _scaled(h, rstd, tl.load(weight_ptr + col, mask=col_in, other=0.0), dtype)
-
-
-@triton.jit
-def _scaled(h, rstd, weight, dtype: tl.constexpr):
-    # `_normed` of a weight already loaded.
     normed = (h.to(tl.float32) * rstd).to(dtype)
+    weight = tl.load(weight_ptr + col, mask=col_in, other=0.0)
     return (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype)
 
 
@@ -138,31 +133,19 @@ def rstd_heads(x1, x2, n_heads, eps, NORM: tl.constexpr, HEAD_DIM: tl.constexpr)
 def weigh_halves(x1, x2, rstd, weight_ptr, offsets, rows_in, half, dtype: tl.constexpr):
     # x1, x2 normed by rstd, rounded to dtype, times their weights at offsets (and + half),
     # rounded again: `ops.rms_norm`'s order (the scale after the cast back).
-    return weigh_loaded(x1, x2, rstd, tl.load(weight_ptr + offsets, mask=rows_in, other=0.0),
-                        tl.load(weight_ptr + offsets + half, mask=rows_in, other=0.0), dtype)
-
-
-@triton.jit
-def weigh_loaded(x1, x2, rstd, w1, w2, dtype: tl.constexpr):
-    # `weigh_halves` of weights w1, w2 already loaded.
-    return ((w1.to(tl.float32) * (x1.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype),
-            (w2.to(tl.float32) * (x2.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype))
+    w1 = tl.load(weight_ptr + offsets, mask=rows_in, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + offsets + half, mask=rows_in, other=0.0).to(tl.float32)
+    return ((w1 * (x1.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype),
+            (w2 * (x2.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype))
 
 
 @triton.jit
 def rotate_halves(x1, x2, cos_row, sin_row, c, half, dtype: tl.constexpr):
     # Heads' halves x1, x2 [BP, Dh/2] rotated by a token's cos and folded sin rows [Dh]
     # (`ops.apply_rope`: x*cos + [x2, x1]*sin), each product and the sum rounded to dtype.
-    return rotate_loaded(x1, x2, tl.load(cos_row + c),  # [1, Dh/2]: both halves'
-                         tl.load(sin_row + c), tl.load(sin_row + c + half), dtype)  # -sin, sin
-
-
-@triton.jit
-def rotate_loaded(x1, x2, cos, sin1, sin2, dtype: tl.constexpr):
-    # `rotate_halves` by cos, sin1 (-sin) and sin2 (sin) [1, Dh/2] already loaded.
-    cos = cos.to(tl.float32)
-    sin1 = sin1.to(tl.float32)
-    sin2 = sin2.to(tl.float32)
+    cos = tl.load(cos_row + c).to(tl.float32)  # [1, Dh/2]: both halves'
+    sin1 = tl.load(sin_row + c).to(tl.float32)  # -sin
+    sin2 = tl.load(sin_row + c + half).to(tl.float32)  # sin
     wide1 = x1.to(tl.float32)
     wide2 = x2.to(tl.float32)
     out1 = ((wide1 * cos).to(dtype).to(tl.float32)

@@ -8,14 +8,7 @@ import triton
 import triton.language as tl
 
 from strata.engine._dependent_triton import wait_for_prior
-from strata.engine.model._ops_triton import (
-    _normed,
-    _residual_sum,
-    _rstd,
-    _scaled,
-    _softmax,
-    _top_k,
-)
+from strata.engine.model._ops_triton import _normed, _residual_sum, _rstd, _softmax, _top_k
 
 
 @triton.jit
@@ -47,8 +40,7 @@ def product_one(w_ptr, x_ptr, b_ptr, out_ptr, N, K, w_stride, HAS_BIAS: tl.const
 def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_ptr, N, K,
                          eps, w_stride, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         READS_FIRST: tl.constexpr = False, EVICT: tl.constexpr = "",
-                         USE_PDL: tl.constexpr = False):
+                         EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
     # `add_rms_norm` of one token, then `product_one` of its norm, in one launch. Program p:
     # its BLOCK_N weight rows loaded before the wait (as `product_one`'s), then the token's
     # whole row h = x + delta [K] and its norm, which every program computes alike (the same
@@ -56,24 +48,18 @@ def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_
     # of `add_rms_norm`'s norm), and out[n] = w[n, :] . norm (+ b[n]) for its rows. Program 0
     # stores h (the residual stream the layer goes on with; without a delta h is x and nothing
     # is stored); nothing here reads it back. The norm is never stored: only this product
-    # reads it. READS_FIRST: the norm's weight is read before the wait too (no kernel writes
-    # it) instead of after the row's rstd, one trip to L2 fewer after the wait.
+    # reads it.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k = tl.arange(0, BLOCK_K)  # [BK]
     k_in = k < K
     w = tl.load(w_ptr + n[:, None].to(tl.int64) * w_stride + k[None, :],
                 mask=(n < N)[:, None] & k_in[None, :], other=0.0,
                 eviction_policy=EVICT)  # [BN, BK]
-    if READS_FIRST:
-        norm_row = tl.load(norm_w_ptr + k, mask=k_in, other=0.0)  # [BK]
     wait_for_prior(USE_PDL)
     h = _residual_sum(x_ptr, delta_ptr, 0, 0, 0, k, k_in, HAS_DELTA)  # [BK]
     if HAS_DELTA and tl.program_id(0) == 0:
         tl.store(h_ptr + k, h, mask=k_in)
-    if READS_FIRST:
-        normed = _scaled(h, _rstd(h, K, eps), norm_row, x_ptr.dtype.element_ty)
-    else:
-        normed = _normed(h, _rstd(h, K, eps), norm_w_ptr, k, k_in, x_ptr.dtype.element_ty)
+    normed = _normed(h, _rstd(h, K, eps), norm_w_ptr, k, k_in, x_ptr.dtype.element_ty)
     y = tl.sum(w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
@@ -88,8 +74,8 @@ def product_add_norm_route(w_ptr, a_ptr, b_ptr, x_ptr, norm_w_ptr, router_ptr, h
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_ROW: tl.constexpr, BLOCK_P: tl.constexpr,
                            BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
-                           BY_RANK: tl.constexpr = True, READS_FIRST: tl.constexpr = False,
-                           EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
+                           BY_RANK: tl.constexpr = True, EVICT: tl.constexpr = "",
+                           USE_PDL: tl.constexpr = False):
     # One token's output product, the residual sum after it, the MoE's norm and its routing
     # in one launch (`product_one`, then `add_norm_router_route`). Program p, of PROGRAMS:
     # its BLOCK_N rows n of the product's weight, their columns of the router [E, BN] and the
@@ -103,10 +89,7 @@ def product_add_norm_route(w_ptr, a_ptr, b_ptr, x_ptr, norm_w_ptr, router_ptr, h
     # (the same bytes whichever program is last) times rstd, rounds the logits to the dtype,
     # routes them as `route` does, and sets arrived[0] back to 0. The router's product so
     # takes the norm before its rounding to the dtype (the two kernels' path multiplies the
-    # rounded norm): a logit can differ in its last bit, deterministically. READS_FIRST: the
-    # last program issues its three reads (the row h, the parts, the norm's weight) together,
-    # before any arithmetic, so that their latencies overlap; else each as its arithmetic
-    # needs it. The same bytes either way.
+    # rounded norm): a logit can differ in its last bit, deterministically.
     p = tl.program_id(0)
     n = p * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_in = n < N
@@ -134,19 +117,12 @@ def product_add_norm_route(w_ptr, a_ptr, b_ptr, x_ptr, norm_w_ptr, router_ptr, h
         row = tl.arange(0, BLOCK_ROW)
         row_in = row < N
         whole = tl.load(h_ptr + row, mask=row_in, other=0.0, volatile=True)  # [BR]
+        rstd = _rstd(whole, N, eps)
+        tl.store(normed_ptr + row, _normed(whole, rstd, norm_w_ptr, row, row_in, dtype),
+                 mask=row_in)
         s = tl.arange(0, BLOCK_P)
-        if READS_FIRST:
-            parts = tl.load(partial_ptr + s[:, None] * BLOCK_E + e[None, :],
-                            mask=(s < PROGRAMS)[:, None], other=0.0, volatile=True)  # [BP, BE]
-            norm_row = tl.load(norm_w_ptr + row, mask=row_in, other=0.0)  # [BR]
-            rstd = _rstd(whole, N, eps)
-            tl.store(normed_ptr + row, _scaled(whole, rstd, norm_row, dtype), mask=row_in)
-        else:
-            rstd = _rstd(whole, N, eps)
-            tl.store(normed_ptr + row, _normed(whole, rstd, norm_w_ptr, row, row_in, dtype),
-                     mask=row_in)
-            parts = tl.load(partial_ptr + s[:, None] * BLOCK_E + e[None, :],
-                            mask=(s < PROGRAMS)[:, None], other=0.0, volatile=True)  # [BP, BE]
+        parts = tl.load(partial_ptr + s[:, None] * BLOCK_E + e[None, :],
+                        mask=(s < PROGRAMS)[:, None], other=0.0, volatile=True)  # [BP, BE]
         logits = (tl.sum(parts, axis=0) * rstd).to(dtype).to(tl.float32)
         logits = tl.where(e_in, logits, float("-inf"))
         _top_k(_softmax(logits), e, e_in, ids_ptr, weights_ptr, 0, TOP_K, NORMALIZE, BLOCK_E,

@@ -68,11 +68,6 @@ SHORT_ROTATES = True
 SHORT_MAX_ELEMENTS = 256 * 128
 SHORT_VALUES_FIRST_ELEMENTS = 128 * 128
 SHORT_WARPS = 8
-# Staged, off until timed on a GPU (bench/decode_profile.py's row "the short attention's reads
-# issued together"): `rotate_attend`'s kernel reads the q/k norm's weights before its wait and
-# the rotation's cos and sin and the token's value with q and k after it, instead of each as
-# its arithmetic needs it (fewer trips to L2 in its chain). The same bytes.
-SHORT_READS_FIRST = False
 
 
 @functools.cache
@@ -308,7 +303,7 @@ def rotate_attend_triton(qkv: torch.Tensor, heads: ops.QKHeads, cos: torch.Tenso
         values.stride(0), values.stride(1), NORM=ops.NORMS[heads.norm],
         HAS_MASK=mask is not None, BLOCK_C=block_c, BLOCK_R=_block(h // g, 16),
         BLOCK_P=_block(max(h, g)), HEAD_DIM=dh,
-        VALUES_FIRST=block_c * dh <= SHORT_VALUES_FIRST_ELEMENTS, READS_FIRST=SHORT_READS_FIRST,
+        VALUES_FIRST=block_c * dh <= SHORT_VALUES_FIRST_ELEMENTS,
         num_warps=SHORT_WARPS if num_warps is None else num_warps,
         **dependent_launch.kernel_options(qkv.device))
     return out.view(1, h * dh)

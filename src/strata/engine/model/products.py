@@ -85,13 +85,6 @@ PRODUCT_ROUTE_KERNEL = True
 ROUTE_TILE_ELEMENTS = 16384
 ROUTE_PARTS = 16384
 MAX_ROUTE_TILE = 65536
-# Staged, off until timed on a GPU (bench/decode_profile.py's row "the products' reads after
-# their wait issued together"): `linear_add_norm_route`'s last program issues its reads of the
-# row, the parts and the norm's weight together, before its arithmetic, instead of the weight
-# and the parts after the norm (two trips to L2 fewer in its chain, by the sm_90 code), and
-# `add_norm_linear`'s programs read the norm's weight before their wait instead of after the
-# row's rstd (one fewer). The same bytes either way.
-READS_FIRST = False
 
 
 @functools.cache
@@ -214,8 +207,7 @@ def add_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor | None,
         x, delta if delta is not None else x, norm_weight, h, weight,
         bias if bias is not None else weight, out, n_out, k_in, eps, weight.stride(0),
         HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, READS_FIRST=READS_FIRST, EVICT=cache_hints.products_eviction(),
-        num_warps=num_warps,
+        BLOCK_K=block_k, EVICT=cache_hints.products_eviction(), num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return h, out
 
@@ -297,7 +289,6 @@ def linear_add_norm_route_triton(
         weight.stride(0), router.stride(0), programs, HAS_BIAS=bias is not None,
         NORMALIZE=normalize, BLOCK_N=block_n, BLOCK_K=_block(k_in), BLOCK_ROW=_block(n_out),
         BLOCK_P=_block(programs), BLOCK_E=block_e, BLOCK_TOP_K=_block(top_k),
-        BY_RANK=routing_ops.TOP_K_BY_RANK, READS_FIRST=READS_FIRST,
-        EVICT=cache_hints.products_eviction(),
+        BY_RANK=routing_ops.TOP_K_BY_RANK, EVICT=cache_hints.products_eviction(),
         num_warps=num_warps, **dependent_launch.kernel_options(x.device))
     return h, normed, ids, weights

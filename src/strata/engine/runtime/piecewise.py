@@ -40,14 +40,6 @@ import torch
 
 __all__ = ["Cut", "Pieces", "capture_pieces"]
 
-# Staged, off (issue 17): launch each graph by the driver's cuGraphLaunch on torch's graph exec
-# instead of `CUDAGraph.replay`, the same graph on the same stream. A round launches L + 1
-# graphs from the host between the experts' calls. Alone, the driver's launch took the host
-# 0.66-0.69x torch's replay on an H100, about 1-1.6 us less a launch
-# (bench/results/graph-launch-h100-2026-12-06.md); bench/offload.py's -driver
-# (`--driver-launch`) runs a round each way, not yet on a GPU.
-DRIVER_LAUNCH = False
-
 
 @dataclass
 class Pieces:
@@ -65,28 +57,6 @@ class Pieces:
         default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     logits: torch.Tensor | None = None
-    # The graphs' driver handles, looked up at the first round with DRIVER_LAUNCH.
-    _execs: list[Any] | None = field(default=None, init=False, repr=False)
-
-    def launcher(self) -> Callable[[int], None]:
-        """What launches graph i on the current stream: its `replay`, or with DRIVER_LAUNCH the
-        driver's cuGraphLaunch of the same graph exec (the handles looked up once)."""
-        if not DRIVER_LAUNCH:
-            return lambda i: self.graphs[i].replay()
-        from cuda.bindings import driver
-
-        if self._execs is None:
-            self._execs = [driver.CUgraphExec(graph.raw_cuda_graph_exec())
-                           for graph in self.graphs]
-        execs = self._execs
-        stream = driver.CUstream(torch.cuda.current_stream(self.model.device).cuda_stream)
-
-        def launch(i: int) -> None:
-            (err,) = driver.cuGraphLaunch(execs[i], stream)
-            if err != driver.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuGraphLaunch of graph {i} of {len(execs)}: {err}")
-
-        return launch
 
     def replay(self) -> None:
         """Graph 0, the experts, graph 1, ..., graph L; the logits are in `logits` after. A
@@ -95,16 +65,15 @@ class Pieces:
         end (the call's books, or with ahead the wait for the CPU's rows too) called after it,
         whatever the launch does."""
         experts = self.model.experts
-        launch = self.launcher()
-        launch(0)
-        for i, (call, out) in enumerate(zip(self.calls, self.outputs, strict=True), start=1):
+        self.graphs[0].replay()
+        for graph, call, out in zip(self.graphs[1:], self.calls, self.outputs, strict=True):
             if not self.split:
                 out.copy_(experts.forward(*call))
-                launch(i)
+                graph.replay()
                 continue
             rest = experts.fill_misses(*call, out, books_after=True)
             try:
-                launch(i)
+                graph.replay()
             finally:
                 if rest is not None:
                     rest()
