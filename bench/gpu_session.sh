@@ -46,7 +46,10 @@
 # experts in each of QUANT_DTYPES, default auto,int8,int4, the same cache MiB, and the prefill of
 # QUANT_PREFILL tokens, default 4096, 0 for none),
 # quant-offload-qwen3 (6: the same on qwen3's 16 layers, QUANT_DTYPES default auto,int8;
-# QUANT_ARGS=--share-per-format caches 22% of the experts in each format), quant-decode (3:
+# QUANT_ARGS=--share-per-format caches 22% of the experts in each format), offload-int8 (4:
+# issue 17's decode condition alone, qwen3's 16 layers, int8 experts at 22%, --stream-misses
+# auto, no prefill, uniform and then --router-skew 0.5, each on its checkpoint, the split's
+# rates measured by the first and read back by the second), quant-decode (3:
 # bench/decode.py with every expert resident, bf16 against int8 and int4 experts, each against
 # the bandwidth bound at its bytes, an 8-layer olmoe cut), profile (4: bench/decode_profile.py,
 # the kernels of prompt chunks of 32, 512 and 4,096 tokens and of a decode round, eager, graph
@@ -524,6 +527,11 @@ for stage in "$@"; do
            if [ "$stage" = offload ] || [ "$stage" = offload-qwen3-skewed ]; then
                offload "$(checkpoint 0.5)" qwen3-30b-a3b --expert-share 0.22 $streams
            fi ;;
+    offload-int8)  # issue 17's decode condition, uniform then skewed
+           for skew in 0 0.5; do
+               offload "$(checkpoint $skew)" qwen3-30b-a3b --expert-share 0.22 \
+                   --experts-dtype int8 --share-per-format --stream-misses auto --prefill-tokens 0
+           done ;;
     quant-offload-olmoe)
            OFFLOAD_TIMEOUT=400 offload "$(olmoe_checkpoint)" olmoe-1b-7b --budget-mib 4096 \
                --stream-misses "${QUANT_STREAMS:-3}" --experts-dtype "${QUANT_DTYPES:-auto,int8,int4}" \
