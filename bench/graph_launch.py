@@ -7,7 +7,8 @@ for that replay on an H100 machine (bench/results/host-steps-h100-2026-12-05.md)
 the launch call alone, by the host's clock: a graph of `--kernels` small kernels captured once,
 then `--launches` launches of it each way, in alternating blocks of 50 (the device drained
 between blocks, so that no launch waits on a full queue), the median of each way's per-call
-times, and their ratio.
+times, and their ratio. In the round the difference fell inside the CPU's spread, and the round
+kept torch's replay (bench/results/staged-reads-driver-h100-2026-12-06.md).
 
     python bench/graph_launch.py            # the GPU machine
 """
