@@ -176,7 +176,8 @@
 # DOT_THREADS threads, default 1,16: rows of 768 and 2,048 bytes, 1, 2 and 4 at once adjacent
 # and apart, prefetched 0 and 4096 bytes ahead, each thread its own part or blocks handed out
 # as they come; DOT_ARGS adds flags, e.g. "--schedules dynamic"), rates-probe (1.5: bench/rates_probe.py, every timed call of
-# `--stream-misses auto`'s rates round by round, qwen3-30b-a3b's and olmoe-1b-7b's shapes),
+# `--stream-misses auto`'s rates round by round, qwen3-30b-a3b's and olmoe-1b-7b's shapes;
+# RATES_ARGS adds flags, e.g. "--experts-dtype int8": the rates of int8 experts),
 # offload-async (5: olmoe at --stream-misses 2,4 and qwen3's 16 layers at 3,4, each with the
 # CPU's misses on their own thread, `CachedExperts.async_cpu`, and on the engine's, -sync,
 # interleaved), offload-sampled (4: the same runs
@@ -373,7 +374,7 @@ for stage in "$@"; do
     dot-stream) (cd bench && timeout 300 python3 dot_stream.py --formats int8 \
                     --threads "${DOT_THREADS:-1,16}" --weight-mib 2048 ${DOT_ARGS:-}) \
                     > "$OUT/dot-stream.txt" 2>&1; cat "$OUT/dot-stream.txt" ;;
-    rates-probe) (cd bench && timeout 200 python3 rates_probe.py \
+    rates-probe) (cd bench && timeout 200 python3 rates_probe.py ${RATES_ARGS:-} \
                      --json-out "$OUT/rates-probe.jsonl") 2>&1 | tee "$OUT/rates-probe.txt" ;;
     cpu-wake) for preset in olmoe-1b-7b qwen3-30b-a3b; do
                 (cd bench && timeout 100 python3 cpu_experts.py --preset $preset --dtypes bf16 \

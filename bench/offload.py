@@ -243,7 +243,7 @@ def cached_engine(setup: Setup, fmt: Format, stream: int | str, max_context: int
     call (auto: resolved from the kept rates, which its notes say), and the notes."""
     cfg, args = setup.cfg, setup.args
     value, notes = resolve_stream_misses(stream, cfg, setup.dtype, setup.device,
-                                         cpu_threads=args.cpu_threads)
+                                         cpu_threads=args.cpu_threads, quant=fmt.quant)
     config = plan_cache(cfg, setup.dtype, setup.device, rank=setup.rank,
                         max_context=max_context, prefill_chunk=args.prefill_chunk,
                         prefill_loan=loan, stream_misses=value, experts_quant=fmt.quant,
@@ -268,7 +268,8 @@ def decode_runs(setup: Setup, fmt: Format, prompt: list[int], max_context: int
             # Resolved here only for a cap: the engine's own resolve then says whether auto's
             # rates were measured now or read.
             if cap and cap > staging_blobs(resolve_stream_misses(
-                    stream, cfg, setup.dtype, device, cpu_threads=args.cpu_threads)[0]):
+                    stream, cfg, setup.dtype, device, cpu_threads=args.cpu_threads,
+                    quant=fmt.quant)[0]):
                 continue  # fewer staging blobs (none: 0, or auto off CUDA) than the cap
             name = f"decode-stream-{stream}{variant}{fmt.suffix}"
             engine, notes = cached_engine(setup, fmt, stream, max_context, loan=False,

@@ -13,6 +13,7 @@ shrunk it, until each round grew it untimed first (bench/results/rates-probe-h20
 and rates-probe-grown-h200-2026-12-04.txt).
 
     python bench/rates_probe.py --preset qwen3-30b-a3b --repeat 7
+    python bench/rates_probe.py --preset qwen3-30b-a3b --experts-dtype int8
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ import torch
 
 from strata.engine.cache.rate_calls import TimedCalls, samples, synthetic_store
 from strata.engine.cache.rates import REPEAT, TARGET_BYTES, MissRates, RatesKey, _grid, _table
+from strata.engine.experts.quant import experts_quant_for
 from strata.engine.model.presets import get_preset
 
 
 def probe(preset: str, dtype: torch.dtype, device: torch.device, repeat: int,
-          threads: int | None) -> dict:
-    """Every sample of `measure_rates`' calls on `preset`'s expert shape, and what it keeps."""
-    key = RatesKey.of(get_preset(preset), dtype, device, threads)  # its D, F and K
+          threads: int | None, quant: str | None = None) -> dict:
+    """Every sample of `measure_rates`' calls on `preset`'s expert shape, the experts in
+    `quant`'s format (None: `dtype`'s), and what it keeps."""
+    key = RatesKey.of(get_preset(preset), dtype, device, threads, quant)  # its D, F and K
     store = synthetic_store(key.hidden_size, key.expert_width, key.top_k, dtype,
-                            device.type == "cuda", TARGET_BYTES)
+                            device.type == "cuda", TARGET_BYTES, quant)
     calls = TimedCalls(store, key.top_k, device, threads)
     stream_t, cpu_t, joint_t, staged_t = samples(calls, key.top_k, repeat)
     rates = MissRates(_table(stream_t), _table(cpu_t), key.blob_bytes, joint_s=_grid(joint_t),
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="qwen3-30b-a3b,olmoe-1b-7b",
                         help="comma-separated presets")
     parser.add_argument("--dtype", default="bf16", choices=["bf16"])
+    parser.add_argument("--experts-dtype", default="auto", choices=["auto", "int8", "int4"],
+                        help="the experts' format, as strata generate's flag (auto: bf16)")
     parser.add_argument("--repeat", type=int, default=REPEAT)
     parser.add_argument("--threads", type=int, default=None, help="the CPU experts' threads")
     parser.add_argument("--device", default=None, help="default: cuda where there is one")
@@ -77,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also write one JSON object a preset, a line each, to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    quant = experts_quant_for(args.experts_dtype, torch.bfloat16)
     results = []
     for preset in args.preset.split(","):
-        results.append(probe(preset, torch.bfloat16, device, args.repeat, args.threads))
+        results.append(probe(preset, torch.bfloat16, device, args.repeat, args.threads, quant))
         print_table(results[-1])
         sys.stdout.flush()
     if args.json_out:

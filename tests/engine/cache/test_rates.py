@@ -24,6 +24,8 @@ from strata.engine.cache.kept_rates import (
 )
 from strata.engine.cache.rate_calls import TimedCalls, samples, synthetic_store
 from strata.engine.cache.rates import MissRates, RatesKey, balanced_split, measure_rates
+from strata.engine.experts.cpu import CpuExperts
+from strata.engine.experts.quant import dequantize_blobs, expert_blob_bytes, int8_blob_bytes
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.streamed import StreamedMisses, StreamSplit
 from strata.engine.model.config import ModelConfig
@@ -320,6 +322,53 @@ def test_auto_split_reads_the_cache_dir(small, tmp_path, monkeypatch):
     assert "GB/s" in note and "read from" in note
 
 
+def test_a_quantized_store_has_rates_of_its_own(small, tmp_path):
+    """int8 experts are half a bf16 blob's bytes, read by the kernel's int8 code and uploaded
+    at their own size: their split is measured over int8 blobs, kept beside the bf16 entry,
+    whose key reads as it did before formats were part of it."""
+    _, config = small
+    path = tmp_path / "rates.json"
+    bf16 = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1)
+    int8 = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1, quant="int8")
+    assert bf16.quant is None and "experts in" not in bf16.text()
+    assert "| bfloat16 experts in int8 |" in int8.text() and int8.text() != bf16.text()
+    assert int8.blob_bytes == int8_blob_bytes(config.expert_width, config.hidden_size) \
+        < bf16.blob_bytes
+    with pytest.raises(ValueError, match=r"fmt must be one of .*, got 'int3'"):
+        RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1, quant="int3")
+    split, rates = auto_split(config, torch.bfloat16, CPU, cpu_threads=1, path=path,
+                              target_bytes=SMALL_BYTES, quant="int8")
+    assert rates.blob_bytes == int8.blob_bytes and "measured now" in rates.source
+    assert split.counts == rates.split().counts and rates.timed_calls == "split"
+    assert list(json.loads(path.read_text())["entries"]) == [int8.text()]
+    auto_split(config, torch.bfloat16, CPU, cpu_threads=1, path=path, target_bytes=SMALL_BYTES)
+    assert set(json.loads(path.read_text())["entries"]) == {int8.text(), bf16.text()}
+    again, kept = auto_split(config, torch.bfloat16, CPU, cpu_threads=1, path=path,
+                             quant="int8")
+    assert "read from" in kept.source and (kept.stream_s, kept.staged_s) == (
+        rates.stream_s, rates.staged_s) and again.counts == split.counts
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4-g32"])
+def test_the_synthetic_store_holds_blobs_of_the_format(quant):
+    """The CPU's kernel computes the synthetic quantized experts as the dequantized weights
+    say (what the rates time is that format's real work, on real blobs)."""
+    store = synthetic_store(64, 32, 4, torch.bfloat16, False, 1 << 16, quant)
+    try:
+        assert store.quant == quant and store.blob_bytes == expert_blob_bytes(
+            32, 64, torch.bfloat16, quant)
+        x = torch.full((1, 64), 0.5, dtype=torch.bfloat16)  # [1, D]
+        out = CpuExperts(store, 1).compute(1, x, Routed.of(np.array([[2]])))  # [1, D]
+        gate_up, down = dequantize_blobs(store.blob(1, 2)[None], quant, 32, 64, torch.float32)
+        gate, up = gate_up[0].float().chunk(2)  # [F, D] each
+        act = torch.nn.functional.silu(x.float() @ gate.T) * (x.float() @ up.T)  # [1, F]
+        expected = act @ down[0].float().T  # [1, D]
+        assert out.abs().max() > 0
+        torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.02)
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize(("content", "why"), [
     ("{not json", "not JSON"),
     ('["a list"]', 'not an object with "entries"'),
@@ -469,8 +518,11 @@ def test_the_default_measures_rates_only_for_a_cache_that_is_used(small, monkeyp
     class Resolved(Exception):
         pass
 
+    quants = []
+
     def resolve(value, *args, **kwargs):
         resolved.append(value)
+        quants.append(kwargs["quant"])
         raise Resolved  # past here the plan would size a CUDA cache
 
     monkeypatch.setattr(options_module, "resolve_stream_misses", resolve)
@@ -491,6 +543,11 @@ def test_the_default_measures_rates_only_for_a_cache_that_is_used(small, monkeyp
             plan_cache_options(given, config, torch.bfloat16, cuda, max_context=128,
                                prefill_chunk=48)
     assert resolved == ["auto", None] and len(sized) == 2
+    # The experts' format reaches the rates: a quantized store's split is timed over its blobs.
+    with pytest.raises(Resolved):
+        plan_cache_options(CacheOptions(expert_cache_mib=12), config, torch.bfloat16, cuda,
+                           max_context=128, prefill_chunk=48, experts_quant="int8")
+    assert quants == [None, None, None, "int8"]
 
 
 @pytest.mark.cuda

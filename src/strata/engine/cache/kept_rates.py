@@ -162,10 +162,12 @@ def kept_rates(key: RatesKey, measure: Callable[[], MissRates], path: Path | Non
 
 def auto_split(config: ModelConfig, dtype: torch.dtype, device: torch.device, *,
                cpu_threads: int | None = None, path: Path | None = None,
-               target_bytes: int = TARGET_BYTES) -> tuple[StreamSplit, MissRates]:
-    """The balanced split for `config` in `dtype` on `device` from the kept rates (measured
-    now when the file has none for this key). Runs on any device (off CUDA: the host twin)."""
-    key = RatesKey.of(config, dtype, device, cpu_threads)
+               target_bytes: int = TARGET_BYTES, quant: str | None = None
+               ) -> tuple[StreamSplit, MissRates]:
+    """The balanced split for `config` in `dtype` on `device`, the experts in `quant`'s format
+    (None: the dtype's), from the kept rates (measured now when the file has none for this
+    key). Runs on any device (off CUDA: the host twin)."""
+    key = RatesKey.of(config, dtype, device, cpu_threads, quant)
     rates = kept_rates(key, lambda: measure_rates(key, dtype, device, cpu_threads=cpu_threads,
                                                   target_bytes=target_bytes), path)
     return rates.split(), rates
@@ -173,18 +175,20 @@ def auto_split(config: ModelConfig, dtype: torch.dtype, device: torch.device, *,
 
 def resolve_stream_misses(value: int | str | None, config: ModelConfig, dtype: torch.dtype,
                           device: torch.device, *, cpu_threads: int | None = None,
-                          path: Path | None = None) -> tuple[int | StreamSplit, list[str]]:
+                          path: Path | None = None, quant: str | None = None
+                          ) -> tuple[int | StreamSplit, list[str]]:
     """`--stream-misses` as the cache takes it, and the notes to print: an int N stays (the
     first min(N, M) misses); "auto", and None (the default), is the balanced split from the
-    kept rates on CUDA and 0 elsewhere (no bus). ValueError for a bad value; RatesError (a
-    ValueError) as `kept_rates`."""
+    kept rates of the store's format (`quant`) on CUDA, and 0 elsewhere (no bus). ValueError
+    for a bad value; RatesError (a ValueError) as `kept_rates`."""
     device = torch.device(device)
     k = config.top_k
     if value is None or value == "auto":
         if device.type != "cuda":
             return 0, []
         threads = cpu_threads or torch.get_num_threads()
-        split, rates = auto_split(config, dtype, device, cpu_threads=cpu_threads, path=path)
+        split, rates = auto_split(config, dtype, device, cpu_threads=cpu_threads, path=path,
+                                  quant=quant)
         return split, [rates.note(split, threads)]
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= k:
         raise ValueError(f"--stream-misses must be auto or in [0, {k}] (a decode layer misses "

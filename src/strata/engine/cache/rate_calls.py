@@ -4,7 +4,8 @@ each side alone, or both in one call as a round runs it.
 Dimension letters: K experts per token, M missed experts of a layer call, s streamed, D hidden
 size.
 
-The store is a few layers of K experts of the model's shape, in the real store's kind of
+The store is a few layers of K experts of the model's shape and the real store's format
+(bf16, int8, int4: the CPU's kernel and the uploads read each at its own rate), in its kind of
 memory (`host_blobs`' pages, page-locked on CUDA: the rates depend on the pages), read
 round robin so that each call reads weights no recent call read (a CPU's last-level
 cache would flatter one layer), as the engine's misses do.
@@ -31,7 +32,7 @@ import torch
 
 from strata.engine.experts import ExpertStore, grouped
 from strata.engine.experts.cpu import CpuExperts
-from strata.engine.experts.quant import expert_blob_bytes
+from strata.engine.experts.quant import expert_blob_bytes, make_blob
 from strata.engine.experts.routed import Routed
 from strata.engine.experts.store import host_blobs
 from strata.engine.experts.streamed import StreamedMisses
@@ -43,19 +44,27 @@ ROUND_GAP_S = 0.0005  # the host's wait for the device between two calls, untime
 
 
 def synthetic_store(hidden_size: int, expert_width: int, top_k: int, dtype: torch.dtype,
-                    pin: bool, target_bytes: int) -> ExpertStore:
+                    pin: bool, target_bytes: int, quant: str | None = None) -> ExpertStore:
     """Layers of K experts of the shape, at least `target_bytes` in all (at most MAX_LAYERS
-    layers), filled with small values, page-locked for CUDA when `pin`."""
-    blob = expert_blob_bytes(expert_width, hidden_size, dtype)
+    layers), filled with small values, page-locked for CUDA when `pin`; with `quant`, in that
+    format (`strata.engine.experts.quant`: the blobs a quantized store holds)."""
+    blob = expert_blob_bytes(expert_width, hidden_size, dtype, quant)
     n_layers = max(1, min(MAX_LAYERS, -(-target_bytes // (top_k * blob))))
+    gen = torch.Generator().manual_seed(0)
+    if quant is None:
+        numel = blob // dtype.itemsize
+        pattern = (torch.randn(numel, generator=gen) * hidden_size ** -0.5).to(dtype)
+        pattern = pattern.view(torch.uint8)  # [B]
+    else:
+        f, d = expert_width, hidden_size
+        gate, up, down = (torch.randn(shape, generator=gen) * d ** -0.5
+                          for shape in ((f, d), (f, d), (d, f)))
+        pattern = make_blob(quant, gate, up, down)  # [B]
     pages, buffer = host_blobs(n_layers, top_k, blob, "the rates' synthetic experts")
     if pin:
         pages.register(torch.cuda.current_device())
-    gen = torch.Generator().manual_seed(0)
-    numel = blob // torch.empty((), dtype=dtype).element_size()
-    pattern = (torch.randn(numel, generator=gen) * hidden_size ** -0.5).to(dtype)
-    buffer.copy_(pattern.view(torch.uint8).expand_as(buffer))
-    return ExpertStore(list(buffer.unbind(0)), hidden_size, expert_width, dtype,
+    buffer.copy_(pattern.expand_as(buffer))
+    return ExpertStore(list(buffer.unbind(0)), hidden_size, expert_width, dtype, quant=quant,
                        pages=pages)
 
 

@@ -47,9 +47,9 @@ the timing (`TIMING`), so rates kept by a strata that timed calls otherwise are 
 anew.
 
 The times depend on the machine and the configuration (`RatesKey`: the GPU's name, the CPU's
-model, the CPU experts' threads, the dtype and the expert's shape), not on the weights, and the
-split made from them is part of what the output bytes depend on: they are measured once and
-kept (`strata.engine.cache.kept_rates`), never taken during a run.
+model, the CPU experts' threads, the dtype, the experts' format and the expert's shape), not on
+the weights, and the split made from them is part of what the output bytes depend on: they
+are measured once and kept (`strata.engine.cache.kept_rates`), never taken during a run.
 
 `measure_rates` times its calls over a synthetic store of the model's expert shape
 (`rate_calls.synthetic_store`: the checkpoint is not loaded yet when the budget is planned,
@@ -94,7 +94,9 @@ TIMING = f"round-gap{round(ROUND_GAP_S * 1e6)}us-shrunk-grouped-grown"
 class RatesKey:
     """What the times depend on: the device (a GPU's name; "cpu" for the host twin), the CPU's
     model, the CPU experts' threads and kernel (`kernel_id`: with its prefetch distance), the
-    dtype, the expert's shape and K, and how the calls were timed (`TIMING`)."""
+    dtype, the experts' format (`quant`: a quantized store's blobs are fewer bytes, read by
+    the kernel's own code for the format; None, the dtype's own blobs), the expert's shape and
+    K, and how the calls were timed (`TIMING`)."""
 
     device: str
     cpu: str
@@ -105,25 +107,32 @@ class RatesKey:
     expert_width: int
     top_k: int
     timing: str = TIMING
+    quant: str | None = None
 
     @classmethod
     def of(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-           cpu_threads: int | None = None) -> RatesKey:
+           cpu_threads: int | None = None, quant: str | None = None) -> RatesKey:
+        """ValueError for a `quant` that is not a format (`expert_blob_bytes`)."""
         device = torch.device(device)
+        if quant is not None:
+            expert_blob_bytes(config.expert_width, config.hidden_size, dtype, quant)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         return cls(device=name, cpu=cpu_model(), threads=cpu_threads or torch.get_num_threads(),
                    kernel=kernel_id(dtype), dtype=str(dtype).removeprefix("torch."),
                    hidden_size=config.hidden_size, expert_width=config.expert_width,
-                   top_k=config.top_k)
+                   top_k=config.top_k, quant=quant)
 
     @property
     def blob_bytes(self) -> int:
-        return expert_blob_bytes(self.expert_width, self.hidden_size, getattr(torch, self.dtype))
+        return expert_blob_bytes(self.expert_width, self.hidden_size, getattr(torch, self.dtype),
+                                 self.quant)
 
     def text(self) -> str:
-        """The key of its entry in the file: readable, one line."""
+        """The key of its entry in the file: readable, one line. A key without `quant` reads as
+        keys did before formats were part of it, so the rates kept then are still read."""
+        experts = f" experts in {self.quant}" if self.quant is not None else ""
         return (f"{self.device} | {self.cpu} | {self.threads} threads, {self.kernel} kernel | "
-                f"{self.dtype} | "
+                f"{self.dtype}{experts} | "
                 f"D {self.hidden_size} F {self.expert_width} K {self.top_k} | "
                 f"timed {self.timing}")
 
@@ -285,7 +294,7 @@ def measure_rates(key: RatesKey, dtype: torch.dtype, device: torch.device, *,
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     store = synthetic_store(key.hidden_size, key.expert_width, key.top_k, dtype,
-                            device.type == "cuda", target_bytes)
+                            device.type == "cuda", target_bytes, key.quant)
     try:
         stream_t, cpu_t, joint_t, staged_t = samples(
             TimedCalls(store, key.top_k, device, cpu_threads), key.top_k, repeat)

@@ -185,7 +185,7 @@ def plan_cache_options(
                 **sizing, "stream_misses": default_stream_misses(config, device)}):
         return CachePlan(None)  # before auto's rates: they are measured only for a cache
     sizing["stream_misses"], stream_notes = resolve_stream_misses(
-        stream, config, dtype, device, cpu_threads=options.cpu_threads)
+        stream, config, dtype, device, cpu_threads=options.cpu_threads, quant=experts_quant)
     notes += stream_notes
     n_staging = staging_blobs(sizing["stream_misses"])
     if options.prefetch_misses and not n_staging:
