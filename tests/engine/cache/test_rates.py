@@ -470,19 +470,24 @@ def test_the_kept_split_gives_the_same_bytes_run_to_run(small, tmp_path):
 
 
 @pytest.mark.cuda
-def test_auto_on_cuda_measures_once_and_repeats(small, tmp_path):
+@pytest.mark.parametrize(("dtype", "quant"), [(torch.float32, None),
+                                              (torch.bfloat16, "int8")])
+def test_auto_on_cuda_measures_once_and_repeats(small, tmp_path, dtype, quant):
     _, config = small
     path = tmp_path / "rates.json"
     cuda = torch.device("cuda")
-    split, notes = resolve_stream_misses("auto", config, torch.float32, cuda, path=path)
+    split, notes = resolve_stream_misses("auto", config, dtype, cuda, path=path, quant=quant)
     assert isinstance(split, StreamSplit) and "measured now" in notes[0]
-    again, notes = resolve_stream_misses("auto", config, torch.float32, cuda, path=path)
+    again, notes = resolve_stream_misses("auto", config, dtype, cuda, path=path, quant=quant)
     assert again == split and "read from" in notes[0]
-    rates = MissRates.from_entry(next(iter(json.loads(path.read_text())["entries"].values())),
-                                 "")
+    entries = json.loads(path.read_text())["entries"]
+    assert list(entries) == [RatesKey.of(config, dtype, cuda, quant=quant).text()]
+    rates = MissRates.from_entry(next(iter(entries.values())), "")
     assert rates.stream_bytes_per_s > 0 and rates.cpu_bytes_per_s > 0
+    assert rates.blob_bytes == expert_blob_bytes(config.expert_width, config.hidden_size,
+                                                 dtype, quant)
     # Not given, it is auto too (the default): the same kept split.
-    default, notes = resolve_stream_misses(None, config, torch.float32, cuda, path=path)
+    default, notes = resolve_stream_misses(None, config, dtype, cuda, path=path, quant=quant)
     assert default == split and "read from" in notes[0]
 
 
