@@ -115,7 +115,8 @@
 # of down each, default 16, against the default 64, interleaved, `CpuExperts.down_block_rows`;
 # DOWN_BLOCK_ARGS adds flags; offload-down-block-olmoe, 3: the same on olmoe-1b-7b at 4 GiB),
 # offload-team (4:
-# the same round with the CPU's own thread's team of CPU_TEAMS threads, default 12,11, against the default 15, interleaved: a team as large as the cores left
+# the same round with the CPU's own thread's team of CPU_TEAMS threads, default 15,11,
+# against the default 12 (`default_team`) on 16 cores, interleaved: a team as large as the cores left
 # waits for any thread the scheduler takes a core from; each run's threads' sleeps,
 # preemptions and time waiting for a core are in its JSON, bench/thread_sched.py), cpu-schedule (1.5: bench/cpu_experts.py
 # over 2, 3 and 4 experts after no gap and an 800 us gap, the kernel's tasks handed out
@@ -478,7 +479,7 @@ for stage in "$@"; do
                --prefill-tokens 0 ${DOWN_BLOCK_ARGS:-} ;;
     offload-team)  # the CPU's team smaller than the cores left: A/B in one process
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \
-               --share-per-format --stream-misses auto --cpu-team "${CPU_TEAMS:-12,11}" \
+               --share-per-format --stream-misses auto --cpu-team "${CPU_TEAMS:-15,11}" \
                --interleave --prefill-tokens 0 ;;
     sampling) for vocab in 50304 151936; do
                   (cd bench && timeout 120 python3 sampling.py --vocab $vocab)

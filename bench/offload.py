@@ -32,9 +32,10 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   with the CPU kernel's pass-2 tasks N rows of down each, named -downblockN:
   `CpuExperts.down_block_rows`;
   `--cpu-team N[,N...]` with the CPU's
-  own thread's team N threads strong (the default is one short of the cache's CPU threads,
-  torch's count), leaving the other cores to the engine's thread and everything else the
-  process and the machine run, named -teamN: `CpuExperts.cpu_threads` N + 1, the misses
+  own thread's team N threads strong (the default, `default_team`, is a quarter short of the
+  cache's CPU threads, torch's count), leaving the other cores to the engine's thread and
+  everything else the process and the machine run, named -teamN: `CpuExperts.team_threads`
+  N, the misses
   split as the base run's, a straggler test (a team as large as the cores left waits for any
   thread the scheduler takes a core from); `--sync-cpu` with the
   CPU's misses computed on the engine's thread after its uploads, not on a thread of their own

@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     parser.add_argument("--cpu-team", default="",
                         help="comma-separated thread counts: also run each decode with the "
                         "CPU's own thread's OpenMP team that many threads strong, named "
-                        "-teamN (`CpuExperts.cpu_threads` N + 1; the default team is one "
-                        "short of --cpu-threads, torch's threads by default)")
+                        "-teamN (`CpuExperts.team_threads`; the default team is a quarter "
+                        "short of --cpu-threads, torch's threads by default: `default_team`)")
     parser.add_argument("--interleave", action="store_true",
                         help="run --wake-cpu's, --sync-cpu's, --cpu-schedule's, "
                         "--cpu-prefetch's, --cpu-weight-rows', --cpu-down-block-rows', "

@@ -57,7 +57,7 @@ def split_settings(args: argparse.Namespace, streamer: Any) -> list[str]:
 def apply_setting(cache: Any, setting: str, args: argparse.Namespace,
                   rule: StreamSplit | None, top_k: int) -> None:
     """Set `cache` (a `CachedExperts`) as `setting` says, every other setting back to the
-    base run's: `rule` its streamer's split rule, `args.cpu_threads` its CPU threads. ""
+    base run's: `rule` its streamer's split rule, the team `default_team`'s. ""
     puts everything back (and `graph_call.LAUNCH_AHEAD` off)."""
     count = setting.removeprefix("-split").partition("-")[0]
     cache.wake_cpu = setting == "-wake"
@@ -76,8 +76,8 @@ def apply_setting(cache: Any, setting: str, args: argparse.Namespace,
         if setting.startswith("-rows") else (_cpu_experts.GATE_UP_ROWS, _cpu_experts.DOWN_ROWS)
     cache.cpu.down_block_rows = int(setting.removeprefix("-downblock")) \
         if setting.startswith("-downblock") else _cpu_experts.DOWN_BLOCK_ROWS
-    cache.cpu.cpu_threads = int(setting.removeprefix("-team")) + 1 \
-        if setting.startswith("-team") else args.cpu_threads
+    cache.cpu.team_threads = int(setting.removeprefix("-team")) \
+        if setting.startswith("-team") else None
     if cache.streamer is not None:
         cache.streamer.split_rule = StreamSplit.fixed(int(count), top_k) \
             if setting.startswith("-split") else rule

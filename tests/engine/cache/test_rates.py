@@ -197,7 +197,7 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypat
     assert again.split().counts == first.split().counts
     document = json.loads(path.read_text())
     assert document["format"] == FORMAT and list(document["entries"]) == [key.text()]
-    assert "cpu" in key.text() and "1 threads, torch kernel" in key.text() \
+    assert "cpu" in key.text() and "1 threads, team 1, torch kernel" in key.text() \
         and "float32" in key.text()
     # Another key (another thread count) is another entry beside it.
     other = RatesKey.of(config, torch.float32, CPU, cpu_threads=2)
@@ -325,7 +325,7 @@ def test_auto_split_reads_the_cache_dir(small, tmp_path, monkeypatch):
 def test_a_quantized_store_has_rates_of_its_own(small, tmp_path):
     """int8 experts are half a bf16 blob's bytes, read by the kernel's int8 code and uploaded
     at their own size: their split is measured over int8 blobs, kept beside the bf16 entry,
-    whose key reads as it did before formats were part of it."""
+    whose key names no format."""
     _, config = small
     path = tmp_path / "rates.json"
     bf16 = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1)

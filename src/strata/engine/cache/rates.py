@@ -71,7 +71,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.engine.cache.rate_calls import ROUND_GAP_S, TimedCalls, samples, synthetic_store
-from strata.engine.experts.cpu import kernel_id
+from strata.engine.experts.cpu import default_team, kernel_id
 from strata.engine.experts.quant import expert_blob_bytes
 from strata.engine.experts.streamed import StreamSplit
 from strata.engine.model.config import ModelConfig
@@ -93,14 +93,16 @@ TIMING = f"round-gap{round(ROUND_GAP_S * 1e6)}us-shrunk-grouped-grown"
 @dataclass(frozen=True)
 class RatesKey:
     """What the times depend on: the device (a GPU's name; "cpu" for the host twin), the CPU's
-    model, the CPU experts' threads and kernel (`kernel_id`: with its prefetch distance), the
-    dtype, the experts' format (`quant`: a quantized store's blobs are fewer bytes, read by
-    the kernel's own code for the format; None, the dtype's own blobs), the expert's shape and
-    K, and how the calls were timed (`TIMING`)."""
+    model, the CPU experts' threads, the team a split call's CPU share runs on (`default_team`
+    of them) and kernel (`kernel_id`: with its prefetch distance), the dtype, the experts'
+    format (`quant`: a quantized store's blobs are fewer bytes, read by the kernel's own code
+    for the format; None, the dtype's own blobs), the expert's shape and K, and how the calls
+    were timed (`TIMING`)."""
 
     device: str
     cpu: str
     threads: int
+    team: int
     kernel: str
     dtype: str
     hidden_size: int
@@ -117,7 +119,8 @@ class RatesKey:
         if quant is not None:
             expert_blob_bytes(config.expert_width, config.hidden_size, dtype, quant)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        return cls(device=name, cpu=cpu_model(), threads=cpu_threads or torch.get_num_threads(),
+        threads = cpu_threads or torch.get_num_threads()
+        return cls(device=name, cpu=cpu_model(), threads=threads, team=default_team(threads),
                    kernel=kernel_id(dtype), dtype=str(dtype).removeprefix("torch."),
                    hidden_size=config.hidden_size, expert_width=config.expert_width,
                    top_k=config.top_k, quant=quant)
@@ -128,10 +131,11 @@ class RatesKey:
                                  self.quant)
 
     def text(self) -> str:
-        """The key of its entry in the file: readable, one line. A key without `quant` reads as
-        keys did before formats were part of it, so the rates kept then are still read."""
+        """The key of its entry in the file: readable, one line. Rates kept before the team
+        was part of it were timed on a team one short of the threads, and are measured anew."""
         experts = f" experts in {self.quant}" if self.quant is not None else ""
-        return (f"{self.device} | {self.cpu} | {self.threads} threads, {self.kernel} kernel | "
+        return (f"{self.device} | {self.cpu} | {self.threads} threads, team {self.team}, "
+                f"{self.kernel} kernel | "
                 f"{self.dtype}{experts} | "
                 f"D {self.hidden_size} F {self.expert_width} K {self.top_k} | "
                 f"timed {self.timing}")

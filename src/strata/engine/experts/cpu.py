@@ -22,9 +22,9 @@ A Python worker thread was measured to cost 1.7-2.8x per expert on the 16-core G
 (bench/cpu_experts.py, `worker`): it needs the GIL to start each call, and its intra-op team
 and the calling thread's contend for the same cores. `start` / `finish` run a decode call of
 strata's kernel on a native thread instead (`_cpu_experts.CpuWorker`: no GIL, an OpenMP team
-of its own one thread smaller than the caller's count), so that the caller can queue the
-call's uploads meanwhile (`CachedExperts.async_cpu`, on by default: 1.04-1.22x rounds in 8 of
-10 interleaved pairs on the H200, bench/results/offload-async-h200-2026-12-03.md).
+of its own a quarter smaller than the caller's count, `default_team`), so that the caller can
+queue the call's uploads meanwhile (`CachedExperts.async_cpu`, on by default: 1.04-1.22x
+rounds in 8 of 10 interleaved pairs on the H200, bench/results/offload-async-h200-2026-12-03.md).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from strata.engine.experts.blobs import BlobStack
 from strata.engine.experts.cpu_settings import KernelSettings
 from strata.engine.experts.routed import Routed
 
-__all__ = ["KERNEL_FORMATS", "KERNEL_MAX_ROWS", "CpuCallTimes", "CpuExperts", "kernel_for",
-           "kernel_id"]
+__all__ = ["KERNEL_FORMATS", "KERNEL_MAX_ROWS", "CpuCallTimes", "CpuExperts", "default_team",
+           "kernel_for", "kernel_id"]
 
 # The kernel's format of each quantized store (`ExpertStore.quant`).
 KERNEL_FORMATS = {"int8": _cpu_experts.FORMAT_INT8, "int4-g32": _cpu_experts.FORMAT_INT4_G32,
@@ -76,6 +76,16 @@ def kernel_id(dtype: torch.dtype) -> str:
     if kernel != "strata":
         return kernel
     return f"{kernel}-r{_cpu_experts.REVISION}-pf{_cpu_experts.PREFETCH_BYTES}"
+
+
+def default_team(n_threads: int) -> int:
+    """The OpenMP team of `CpuExperts.start`'s thread for `n_threads` CPU threads: a quarter of
+    them fewer (at least one fewer, at least one in the team), the cores left to the engine's
+    thread, the driver's and the copies'. With one fewer (15 of 16) the team's threads waited
+    0.6-1.0 ms a round for a core; with 12 the rounds took 0.89-0.92x as long on the H200
+    (6 of 6 requests faster) and 0.93x on an H100 (10 of 12), the same tokens
+    (bench/offload.py --cpu-team, bench/results/cpu-team-h200-2026-12-06.md)."""
+    return max(1, n_threads - max(1, n_threads // 4))
 
 
 class CpuCallTimes(NamedTuple):
@@ -156,6 +166,9 @@ class CpuExperts(KernelSettings):
         # (bench/offload.py --cpu-pin, bench/results/pin-cpu-2026-12-05.md); the same bytes
         # either way.
         self.pin_team = False
+        # `start`'s team, in threads; None: `default_team` of the call's threads. The
+        # benchmarks set it for their A/B (bench/offload.py --cpu-team); the same bytes.
+        self.team_threads: int | None = None
         self._pinned_cpus: dict[int, tuple[int, ...]] = {}  # by team size, read once
         # `start` shrinking its caller's OpenMP pool first, after anything that may have grown
         # it (`_cpu_experts.shrink_team`): on the H200 the worker's threads slept 64 times a
@@ -193,9 +206,10 @@ class CpuExperts(KernelSettings):
         be [1, D]: the one input every row reads (a decode call's token, not copied R times).
 
         The thread (`_cpu_experts.CpuWorker`, made on first use) is the master of an OpenMP
-        team of its own, one thread fewer than `compute`'s so that the caller keeps a core for
-        what it does meanwhile (under "steal", the caller's core joins the call in `finish`);
-        the bytes are `compute`'s whatever the count. With
+        team of its own, `team_threads` strong (by default `default_team`: a quarter fewer
+        than `compute`'s, so that the caller and the driver keep cores for what they do
+        meanwhile; under "steal", the caller's core joins the call in `finish`); the bytes are
+        `compute`'s whatever the count. With
         `shrink_caller_team`, the caller's own OpenMP pool is first cut to one idle thread if a
         `compute` or `wake` (or, before any, the load) may have grown it, so that the two teams
         fit the CPUs and the worker's threads spin between barriers instead of sleeping
@@ -217,8 +231,8 @@ class CpuExperts(KernelSettings):
             self._worker.keep_team_up = self.keep_team_up
         if self._worker.pending:  # before the kept buffers, which the call in flight reads
             raise RuntimeError("a call is in flight on these CpuExperts: finish() it first")
-        n_threads = self.cpu_threads or torch.get_num_threads()
-        team_cpus = self._team_cpus(max(1, n_threads - 1)) if self.pin_team else None
+        team = self.team_threads or default_team(self.cpu_threads or torch.get_num_threads())
+        team_cpus = self._team_cpus(team) if self.pin_team else None
         if self._worker.team_cpus != team_cpus:
             self._worker.team_cpus = team_cpus
         lo, hi = int(routed.starts[0]), int(routed.starts[-1])
@@ -235,7 +249,7 @@ class CpuExperts(KernelSettings):
             self._blobs[layer], self._format, np.ascontiguousarray(routed.experts, np.int64),
             np.ascontiguousarray(starts, np.int64), x_float,
             self._out_view(out if lo == 0 and hi == out.shape[0] else out[lo:hi]),
-            self.store.expert_width, max(1, n_threads - 1), *self.kernel_settings())
+            self.store.expert_width, team, *self.kernel_settings())
         return True
 
     def _team_cpus(self, n_threads: int) -> tuple[int, ...]:
@@ -246,8 +260,8 @@ class CpuExperts(KernelSettings):
             allowed = sorted(os.sched_getaffinity(0))
             if n_threads > len(allowed):
                 raise ValueError(f"pin_team: a team of {n_threads} threads, but this process "
-                                 f"may run on {len(allowed)} CPUs; set cpu_threads to at most "
-                                 f"{len(allowed) + 1}, or pin_team off")
+                                 f"may run on {len(allowed)} CPUs; set team_threads to at most "
+                                 f"{len(allowed)}, or pin_team off")
             cpus = self._pinned_cpus[n_threads] = tuple(allowed[-n_threads:])
         return cpus
 
