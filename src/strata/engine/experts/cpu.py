@@ -84,7 +84,7 @@ def default_team(n_threads: int) -> int:
     thread, the driver's and the copies'. With one fewer (15 of 16) the team's threads waited
     0.6-1.0 ms a round for a core; with 12 the rounds took 0.89-0.92x as long on the H200
     (6 of 6 requests faster) and 0.93x on an H100 (10 of 12), the same tokens
-    (bench/offload.py --cpu-team, bench/results/cpu-team-h200-2026-12-06.md)."""
+    (bench/offload.py --cpu-team; bench/results/h200-figures-2026-12-06.md)."""
     return max(1, n_threads - max(1, n_threads // 4))
 
 
