@@ -109,22 +109,22 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
             "--cpu-weight-rows", "1x2", "--cpu-down-block-rows", "32", "--cpu-team", "1,3",
             "--cpu-schedule",
             "static,steal,steal-alone", "--cpu-prefetch", "512", "--split-counts", "1,3"]
-    # Which team each CPU call ran with (on the host twin the misses run on the engine's
-    # thread, `compute`, with cpu_threads of them: -teamN's N + 1, the base's None).
+    # Which team each CPU call was set to run on (`team_threads`: -teamN's N, the base's None,
+    # `default_team`; on the host twin the misses run on the engine's thread, `compute`).
     # And how many weight rows its kernel read at once (-rows1x2's, the others' the defaults)
     # and its pass-2 tasks' rows (-downblock32's, the others' the default 64).
     teams, weight_rows, down_blocks = set(), set(), set()
     compute = CpuExperts.compute
 
     def counting(self, *args, **kwargs):
-        teams.add(self.cpu_threads)
+        teams.add(self.team_threads)
         weight_rows.add((self.gate_up_rows, self.down_rows))
         down_blocks.add(self.down_block_rows)
         return compute(self, *args, **kwargs)
 
     monkeypatch.setattr(CpuExperts, "compute", counting)
     assert bench.main(argv) == 0
-    assert teams == {None, 2, 4} and weight_rows == {(1, 1), (1, 2)} and down_blocks == {64, 32}
+    assert teams == {None, 1, 3} and weight_rows == {(1, 1), (1, 2)} and down_blocks == {64, 32}
     assert not graph_call.LAUNCH_AHEAD  # the -ahead run's switch put back
     runs = json.loads(capsys.readouterr().out)["runs"]
     # -split3 is skipped: the run's staging buffer holds 2 blobs.
