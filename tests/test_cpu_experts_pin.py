@@ -124,6 +124,10 @@ def test_pin_team_pins_a_started_call_s_team_to_the_last_cpus_with_the_same_byte
     cpu.finish()
     assert cpu._worker.team_cpus == tuple(allowed[-1:])
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ValueError, match=r"team_threads must be None or an int >= 1, got "):
+            cpu.team_threads = bad
+    assert cpu.team_threads == 1  # a refused value changes nothing
     cpu.team_threads = len(allowed) + 1
     with pytest.raises(ValueError, match=rf"pin_team: a team of {len(allowed) + 1} threads, "
                                          rf"but this process may run on {len(allowed)} CPUs; "

@@ -199,6 +199,9 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypat
     assert document["format"] == FORMAT and list(document["entries"]) == [key.text()]
     assert "cpu" in key.text() and "1 threads, team 1, torch kernel" in key.text() \
         and "float32" in key.text()
+    # The team a split call's CPU share runs on is part of the key: rates timed on another
+    # team (before `default_team`, one short of the threads) are another entry.
+    assert "| 16 threads, team 12, " in RatesKey.of(config, torch.float32, CPU, 16).text()
     # Another key (another thread count) is another entry beside it.
     other = RatesKey.of(config, torch.float32, CPU, cpu_threads=2)
     kept_rates(other, lambda: first, path)

@@ -166,9 +166,7 @@ class CpuExperts(KernelSettings):
         # (bench/offload.py --cpu-pin, bench/results/pin-cpu-2026-12-05.md); the same bytes
         # either way.
         self.pin_team = False
-        # `start`'s team, in threads; None: `default_team` of the call's threads. The
-        # benchmarks set it for their A/B (bench/offload.py --cpu-team); the same bytes.
-        self.team_threads: int | None = None
+        self._team_threads: int | None = None  # `team_threads`
         self._pinned_cpus: dict[int, tuple[int, ...]] = {}  # by team size, read once
         # `start` shrinking its caller's OpenMP pool first, after anything that may have grown
         # it (`_cpu_experts.shrink_team`): on the H200 the worker's threads slept 64 times a
@@ -190,6 +188,20 @@ class CpuExperts(KernelSettings):
         self._x_float = torch.empty((1, store.hidden_size), dtype=torch.float32)
         self._x_float_view = self._x_float.numpy()
         self._out_views: dict[tuple[int, int], np.ndarray] = {}
+
+    @property
+    def team_threads(self) -> int | None:
+        """`start`'s team, in threads; None (the default): `default_team` of the call's
+        threads. The benchmarks set it for their A/B (bench/offload.py --cpu-team); the same
+        bytes whatever it is. ValueError when set to anything but None or an int >= 1."""
+        return self._team_threads
+
+    @team_threads.setter
+    def team_threads(self, n_threads: int | None) -> None:
+        if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(
+                n_threads, int) or n_threads < 1):
+            raise ValueError(f"team_threads must be None or an int >= 1, got {n_threads!r}")
+        self._team_threads = n_threads
 
     def wake(self) -> None:
         """Start the threads strata's kernel computes on (`_cpu_experts.wake`), so that a call
@@ -231,7 +243,7 @@ class CpuExperts(KernelSettings):
             self._worker.keep_team_up = self.keep_team_up
         if self._worker.pending:  # before the kept buffers, which the call in flight reads
             raise RuntimeError("a call is in flight on these CpuExperts: finish() it first")
-        team = self.team_threads or default_team(self.cpu_threads or torch.get_num_threads())
+        team = self._team_threads or default_team(self.cpu_threads or torch.get_num_threads())
         team_cpus = self._team_cpus(team) if self.pin_team else None
         if self._worker.team_cpus != team_cpus:
             self._worker.team_cpus = team_cpus
