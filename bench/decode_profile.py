@@ -19,19 +19,18 @@ by cuBLAS instead of the kernel that reads its weights before its wait
 (`products.PRODUCT_KERNEL`), with each layer's first norm as `add_rms_norm` before q/k/v's
 product instead of inside its kernel (`products.NORM_PRODUCT_KERNEL`), with no weight load
 marked evict_first for L2 (`cache_hints`), with the logits' product by cuBLAS instead of that
-kernel (`products.LOGITS_KERNEL`), with the first layers' dense weights up to 24 and 40 MiB
-kept in L2 from one round to the next (`cache_hints.L2_KEPT`, staged), two bounds rather
-than A/Bs (no routing after the output product, the routing fixed; no short attention kernel:
-what either costs the round, with wrong logits; a third, the experts' bytes read by one kernel:
-what running gate_up and down as two kernels with a sum costs), `--compile`'s (compiled with
-the experts' Triton kernels as a custom operator; `--gathered-compile` adds the gathered path
-under inductor, the code before that operator), and, last, the default's graph captured again:
-the control. Each is timed (median of `--repeat`, wall clock around a device sync) and profiled
-once (torch.profiler): the kernels, their total, and the largest kinds by time. The graphs'
-rounds are then timed again side by side, in alternating sweeps, each timed round after an
-untimed one of its own ("ms_interleaved", and "x_default": each against the default's in the
-same sweeps, with its quartiles): the figures to compare rows by, as the machine's speed drifts
-over a run; the control's says how far apart two captures of one graph come out.
+kernel (`products.LOGITS_KERNEL`), two bounds rather than A/Bs (no routing after the
+output product, the routing fixed; no short attention kernel: what either costs the round,
+with wrong logits; a third, the experts' bytes read by one kernel: what running gate_up and
+down as two kernels with a sum costs), `--compile`'s (compiled with the experts' Triton kernels as
+a custom operator; `--gathered-compile` adds the gathered path under inductor, the code before
+that operator), and, last, the default's graph captured again: the control.
+Each is timed (median of `--repeat`, wall clock around a device sync) and profiled once
+(torch.profiler): the kernels, their total, and the largest kinds by time. The graphs' rounds
+are then timed again side by side, in alternating sweeps, each timed round after an untimed
+one of its own ("ms_interleaved", and "x_default": each against the default's in the same
+sweeps, with its quartiles): the figures to compare rows by, as the machine's speed drifts over
+a run; the control's says how far apart two captures of one graph come out.
 
     python bench/decode_profile.py --preset olmoe-1b-7b --layers 4 --device cuda
     python bench/decode_profile.py --preset tiny --device cpu --no-compile   # the script's check
@@ -75,9 +74,6 @@ from strata.engine.runtime.prompt_graphs import PromptGraphs
 # others): the experts' decode kernels and the sum of their rows.
 OWN_KERNELS = {"gate_up_act": "experts (triton)", "down": "experts (triton)",
                "down_sum": "experts (triton)", "combine": "experts (triton)"}
-# The L2 budgets of the rows that keep the first layers' dense weights there across rounds (MiB;
-# 24: olmoe-1b-7b's first q/k/v; 40: with the first two output products).
-L2_KEPT_MIB = (24, 40)
 # Other kernel names -> the kind they are counted under, first match wins (lower-case
 # substrings).
 KINDS = (
@@ -312,10 +308,6 @@ def main(argv: list[str] | None = None) -> int:
                               step_of(True), "hints"))
                 steps.append(("decode, CUDA graph, the logits by cuBLAS", step_of(True),
                               "logits"))
-                for mib in L2_KEPT_MIB:
-                    steps.append((f"decode, CUDA graph, the first dense weights up to {mib} "
-                                  "MiB kept in L2 across rounds", step_of(True),
-                                  f"+l2-keep-{mib}"))
                 # Two bounds, not A/Bs (the logits are wrong): what a round would gain if a
                 # layer's routing (its norm and router, after the output product) or its short
                 # attention cost nothing.
@@ -355,9 +347,6 @@ def main(argv: list[str] | None = None) -> int:
                 "hints": ((cache_hints, "EXPERTS_EVICT_FIRST", False),
                           (cache_hints, "PRODUCTS_EVICT_FIRST", False)),
                 "logits": ((products, "LOGITS_KERNEL", False),),
-                **{f"+l2-keep-{mib}": ((cache_hints, "L2_KEPT",
-                                        cache_hints.kept_weights(model.layers, mib << 20)),)
-                   for mib in L2_KEPT_MIB},
                 "no-router": ((products, "linear_add_norm_route",
                                fixed_routing(config, device)),),
                 "top-k-rounds": ((routing_ops, "TOP_K_BY_RANK", False),),

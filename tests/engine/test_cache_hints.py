@@ -24,36 +24,6 @@ def test_the_marks_follow_their_switches_and_are_on_by_default(monkeypatch):
     assert cache_hints.products_eviction() == ""
 
 
-def test_a_kept_weight_is_left_unmarked_and_the_others_are_not(monkeypatch):
-    kept, other = torch.zeros(4, 8), torch.zeros(4, 8)
-    monkeypatch.setattr(cache_hints, "L2_KEPT", frozenset({kept.data_ptr()}))
-    assert (cache_hints.products_eviction(kept), cache_hints.products_eviction(other),
-            cache_hints.products_eviction()) == ("", "evict_first", "evict_first")
-
-
-class _Attn:
-    def __init__(self, qkv_rows: int, o_rows: int):
-        self.wqkv, self.wo = torch.zeros(qkv_rows, 64), torch.zeros(o_rows, 64)  # 256 B a row
-
-
-class _Layer:
-    def __init__(self, qkv_rows: int, o_rows: int):
-        self.attn = _Attn(qkv_rows, o_rows)
-
-
-def test_kept_weights_fill_the_budget_in_the_rounds_order():
-    """Each layer's q/k/v, then its output weight, in layer order; one that does not fit is
-    passed over and a smaller one after it still taken."""
-    layers = [_Layer(12, 4), _Layer(12, 4)]  # 3 KiB and 1 KiB each
-    ptr = [[layer.attn.wqkv.data_ptr(), layer.attn.wo.data_ptr()] for layer in layers]
-    assert cache_hints.kept_weights(layers, 0) == frozenset()
-    assert cache_hints.kept_weights(layers, 3 << 10) == {ptr[0][0]}
-    assert cache_hints.kept_weights(layers, 5 << 10) == {ptr[0][0], ptr[0][1], ptr[1][1]}
-    assert cache_hints.kept_weights(layers, 8 << 10) == {*ptr[0], *ptr[1]}
-    with pytest.raises(ValueError, match="budget_bytes must be >= 0, got -1"):
-        cache_hints.kept_weights(layers, -1)
-
-
 def test_compiled_for_hopper_evict_first_marks_the_weight_loads():
     """EVICT="evict_first": the products' and the experts' weight loads carry the L2 cache
     hint (PTX's evict-first cache policy); left out, no load of theirs does."""
@@ -116,14 +86,6 @@ def test_the_launches_pass_the_switches_to_the_kernels(monkeypatch):
         assert seen == [("gate_up_act", mark), ("down", mark), ("gate_up_act", mark),
                         ("down_sum", mark), ("product_one", product_mark),
                         ("add_norm", product_mark)]
-    kept = torch.zeros(8, 64)
-    monkeypatch.setattr(cache_hints, "PRODUCTS_EVICT_FIRST", True)
-    monkeypatch.setattr(cache_hints, "L2_KEPT", frozenset({kept.data_ptr()}))
-    seen.clear()
-    products.linear_one_triton(x[:1], kept)
-    products.add_norm_linear_triton(x[:1], None, torch.ones(64), 1e-6, kept)
-    products.linear_one_triton(x[:1], torch.zeros(8, 64))
-    assert seen == [("product_one", ""), ("add_norm", ""), ("product_one", "evict_first")]
 
 
 def _decode_logits(model, steps: int = 3) -> torch.Tensor:
@@ -135,15 +97,11 @@ def _decode_logits(model, steps: int = 3) -> torch.Tensor:
 
 
 @pytest.mark.cuda
-def test_on_cuda_the_marks_change_no_byte(monkeypatch):
-    """Decode steps through the marked kernels give the bytes of the unmarked ones, and of
-    those with the first dense weights kept in L2."""
+def test_on_cuda_the_marks_change_no_byte():
+    """Decode steps through the marked kernels give the bytes of the unmarked ones."""
     model = load_model(cached_checkpoint("olmoe", "small", dtype=torch.bfloat16),
                        device="cuda", dtype=torch.bfloat16)
     marked = _decode_logits(model)
-    with monkeypatch.context() as patch:
-        patch.setattr(cache_hints, "L2_KEPT", cache_hints.kept_weights(model.layers, 1 << 30))
-        assert torch.equal(_decode_logits(model), marked)
     for experts, products_too in ((False, True), (True, False), (False, False)):
         cache_hints.EXPERTS_EVICT_FIRST, cache_hints.PRODUCTS_EVICT_FIRST = experts, products_too
         try:

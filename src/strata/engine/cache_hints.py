@@ -17,30 +17,21 @@ in two runs (1.018x with the experts' marks alone); qwen3-30b-a3b cut to 4 layer
 mixtral-8x7b cut to 2 1.001x (bench/results/l2-ahead-h100-2026-12-06.md). The bytes never
 change: only which lines L2 keeps does. Asking the next layer's q/k/v weight into L2 from the
 kernels before it (prefetches) was slower every way tried and is not here
-(bench/results/one-kernel-ahead-h100-2026-12-06.md; the code is in abb1e9e).
-
-Staged, off: `L2_KEPT`, the weights whose loads the products' kernels leave unmarked, so that
-they stay in L2 from one round to the next. With every other weight load marked, a weight
-read plainly was still in L2 after 100 and 200 MiB of marked reads, and one-token products
-read a 24 MiB weight 1.40x as fast from there, an 8 MiB one 1.16x (bench/results/
-l2-keep-h100-2026-12-06.md); a 48 MiB one did not fit. A round reads the same dense weights
-every time, so the first layers' q/k/v and output weights, up to a budget of L2, could be read
-from L2 every round instead of from memory. `kept_weights` picks them; bench/decode_profile.py's
-rows "+l2-keep-24" and "+l2-keep-40" set L2_KEPT for their graphs (the A/B).
+(bench/results/one-kernel-ahead-h100-2026-12-06.md; the code is in abb1e9e). Nor did
+leaving the first layers' dense weights unmarked, so that L2 would keep them from one round
+to the next (a weight read plainly stayed in L2 across 200 MiB of marked reads in
+bench/l2_keep.py): with 24 and 40 MiB of them so kept, the whole olmoe-1b-7b's round was
+0.995x and 0.994x on an H100 (bench/results/h100-figures-2026-12-07.md; the code is in
+4993307).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import torch
-
-__all__ = ["EXPERTS_EVICT_FIRST", "L2_KEPT", "PRODUCTS_EVICT_FIRST", "experts_eviction",
-           "kept_weights", "products_eviction"]
+__all__ = ["EXPERTS_EVICT_FIRST", "PRODUCTS_EVICT_FIRST", "experts_eviction",
+           "products_eviction"]
 
 EXPERTS_EVICT_FIRST = True
 PRODUCTS_EVICT_FIRST = True
-L2_KEPT: frozenset[int] = frozenset()  # the kept weights' data_ptr()s (`kept_weights`)
 
 
 def experts_eviction() -> str:
@@ -49,25 +40,6 @@ def experts_eviction() -> str:
     return "evict_first" if EXPERTS_EVICT_FIRST else ""
 
 
-def products_eviction(weight: torch.Tensor | None = None) -> str:
-    """The products' kernels' weight loads' `eviction_policy`, as `experts_eviction`: "" for
-    a weight in L2_KEPT (its loads unmarked, so L2 keeps its lines over the marked ones)."""
-    if weight is not None and weight.data_ptr() in L2_KEPT:
-        return ""
+def products_eviction() -> str:
+    """The products' kernels' weight loads' `eviction_policy`, as `experts_eviction`."""
     return "evict_first" if PRODUCTS_EVICT_FIRST else ""
-
-
-def kept_weights(layers: Iterable, budget_bytes: int) -> frozenset[int]:
-    """The data_ptr()s of the decoder layers' dense weights that fit `budget_bytes` together,
-    taken in the order a round reads them (each layer's q/k/v, then its output product),
-    passing over one that does not fit: a value for L2_KEPT."""
-    if budget_bytes < 0:
-        raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-    kept, used = set(), 0
-    for layer in layers:
-        for weight in (layer.attn.wqkv, layer.attn.wo):
-            size = weight.numel() * weight.element_size()
-            if used + size <= budget_bytes:
-                kept.add(weight.data_ptr())
-                used += size
-    return frozenset(kept)

@@ -159,7 +159,7 @@ def linear_one_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         _kernels().product_one[(-(-n_out // block_n),)](
             weight, x, bias if bias is not None else weight, out, n_out, k_in,
             weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVICT=cache_hints.products_eviction(weight), num_warps=num_warps,
+            EVICT=cache_hints.products_eviction(), num_warps=num_warps,
             **dependent_launch.kernel_options(x.device))
     return out
 
@@ -207,7 +207,7 @@ def add_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor | None,
         x, delta if delta is not None else x, norm_weight, h, weight,
         bias if bias is not None else weight, out, n_out, k_in, eps, weight.stride(0),
         HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVICT=cache_hints.products_eviction(weight), num_warps=num_warps,
+        BLOCK_K=block_k, EVICT=cache_hints.products_eviction(), num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return h, out
 
@@ -289,6 +289,6 @@ def linear_add_norm_route_triton(
         weight.stride(0), router.stride(0), programs, HAS_BIAS=bias is not None,
         NORMALIZE=normalize, BLOCK_N=block_n, BLOCK_K=_block(k_in), BLOCK_ROW=_block(n_out),
         BLOCK_P=_block(programs), BLOCK_E=block_e, BLOCK_TOP_K=_block(top_k),
-        BY_RANK=routing_ops.TOP_K_BY_RANK, EVICT=cache_hints.products_eviction(weight),
+        BY_RANK=routing_ops.TOP_K_BY_RANK, EVICT=cache_hints.products_eviction(),
         num_warps=num_warps, **dependent_launch.kernel_options(x.device))
     return h, normed, ids, weights
