@@ -29,6 +29,7 @@ bound that strata reaches. Writes nothing else.
     python bench/decode.py ... --prefill-lengths 512,4096,16384  # + prefill at those lengths
     python bench/decode.py ... --cli-sampling --plain-loop  # + strata generate's sampling, and
                                                             # each round's token read first
+    python bench/decode.py ... --pick-in-graph  # + greedy picks inside the graphs (or outside)
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from decode_report import print_report
 from strata.engine.experts.quant import EXPERTS_DTYPES, expert_blob_bytes, experts_quant_for
 from strata.engine.model.init_model import write_checkpoint
 from strata.engine.model.presets import BYTE_TOKENS, get_preset
-from strata.engine.runtime import decode_loop
+from strata.engine.runtime import decode_loop, decode_steps
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.generate import GenerateOptions, default_prefill_chunk
 
@@ -259,6 +260,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[
                         help="also run strata greedy with each round's token read before the "
                         "next round is launched (strata-plain: the A/B of "
                         "strata.engine.runtime.decode_loop's round ahead)")
+    parser.add_argument("--pick-in-graph", action="store_true",
+                        help="also run strata greedy with each round's pick made inside its "
+                        "CUDA graph (strata-pick-in-graph: the A/B of strata.engine.runtime."
+                        "decode_steps.GREEDY_PICK_IN_GRAPH, the other side of the default's)")
     parser.add_argument("--cli-sampling", action="store_true",
                         help="also run strata decoding with `strata generate`'s default "
                         "sampling (temperature, top-p) instead of greedy: what a user gets "
@@ -307,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         run = (ckpt, device, dtype, prompt, args.new_tokens, args.repeat, args.prefill_chunk)
         strata = run_strata(*run, moe_share=matmul_tflops is not None)
         free_memory(device)
-        compiled = loop = sampled = plain = None
+        compiled = loop = sampled = plain = in_graph = None
         sampling = cli_sampling() if args.cli_sampling else None
         if args.plain_loop:
             ahead, decode_loop.AHEAD_PATHS = decode_loop.AHEAD_PATHS, frozenset()
@@ -316,6 +321,15 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 decode_loop.AHEAD_PATHS = ahead
             plain.pop("config")
+            free_memory(device)
+        if args.pick_in_graph:
+            held, decode_steps.GREEDY_PICK_IN_GRAPH = decode_steps.GREEDY_PICK_IN_GRAPH, \
+                not decode_steps.GREEDY_PICK_IN_GRAPH
+            try:
+                in_graph = run_strata(*run)
+            finally:
+                decode_steps.GREEDY_PICK_IN_GRAPH = held
+            in_graph.pop("config")
             free_memory(device)
         if args.cli_sampling:
             sampled = run_strata(*run, sampling=sampling)
@@ -365,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         "strata_cli_sampling": sampled,
         "strata_plain_loop": plain,
         "ahead_speedup": strata["decode_tok_s"] / plain["decode_tok_s"] if plain else None,
+        "strata_pick_in_graph": in_graph,
+        "pick_in_graph": None if in_graph is None else not decode_steps.GREEDY_PICK_IN_GRAPH,
+        "pick_in_graph_speedup": in_graph["decode_tok_s"] / strata["decode_tok_s"]
+        if in_graph else None,
         "cli_sampling": sampling,
         "bound_share_cli_sampling": sampled["decode_tok_s"] / bound_tok_s
         if bound_tok_s and sampled else None,
@@ -399,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
             if bandwidth_gbs else None
         figures["speedup"] = figures["decode_tok_s"] / strata["decode_tok_s"]
         figures["tokens_equal_prefix"] = _common_prefix(figures["tokens"], strata["tokens"])
+    if in_graph:
+        in_graph["same_tokens"] = in_graph["tokens"] == strata["tokens"]
     if args.json:
         print(json.dumps(result))
         return 0

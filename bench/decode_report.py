@@ -16,6 +16,7 @@ def print_report(result: dict, args) -> None:
     strata, peer = result["strata"], result["transformers"]
     compiled, loop = result["strata_compiled"], result["strata_loop_prefill"]
     sampled, plain = result["strata_cli_sampling"], result["strata_plain_loop"]
+    in_graph = result["strata_pick_in_graph"]
     prefills, quantized = result["prefill_lengths"], result["quantized"]
     matmul_tflops, token_bytes = result["matmul_tflops"], result["bytes_per_token"]
     bandwidth_gbs, bound_tok_s = result["bandwidth_gbs"], result["bound_tok_s"]
@@ -28,7 +29,7 @@ def print_report(result: dict, args) -> None:
     print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/round':>10}")
     for name, figures in (("strata", strata), ("strata+compile", compiled),
                           ("strata-loop", loop), ("strata-cli", sampled),
-                          ("strata-plain", plain),
+                          ("strata-plain", plain), ("strata-pick", in_graph),
                           ("transformers", peer)):
         if figures:
             print(
@@ -41,6 +42,11 @@ def print_report(result: dict, args) -> None:
         print(f"strata-plain: each round's token read before the next round is launched; "
               f"the round ahead is {result['ahead_speedup']:.3f}x; the same tokens: "
               f"{plain['tokens'] == strata['tokens']}")
+    if in_graph:
+        where = "inside" if result["pick_in_graph"] else "outside"
+        print(f"strata-pick: each greedy pick {where} the round's CUDA graph; "
+              f"{result['pick_in_graph_speedup']:.3f}x the default's decode tok/s; the same "
+              f"tokens: {in_graph['same_tokens']}")
     if sampled:
         print(f"strata-cli: `strata generate`'s default sampling {result['cli_sampling']}; "
               f"repeat runs identical: {sampled['deterministic']}")

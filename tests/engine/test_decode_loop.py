@@ -185,3 +185,68 @@ def test_a_step_changed_by_the_growth_reads_the_token_picked_last(monkeypatch):
                               on_token=step.read.append, should_stop=None, grow=step.grow)
     # Round p is fed the token round p - 1 picked (p - 1) % 7; the first the token given.
     assert fed == [(2, 1)] + [(p, (p - 1) % 7) for p in range(3, 8)]
+
+
+class _PickingStep(_CountingStep):
+    """A step that picks inside its round, as a graph with the greedy pick captured in it
+    does (`decode_steps.GREEDY_PICK_IN_GRAPH`): the pick (position % 7) left in `token`."""
+
+    picks = True
+
+    def round(self, position: int) -> torch.Tensor:
+        logits = super().round(position)
+        self.token.fill_(position % 7)
+        return torch.full_like(logits, float("nan"))  # the caller must not pick from them
+
+
+@pytest.mark.parametrize("ahead", [frozenset(), frozenset({"eager"})])
+def test_a_step_that_picks_gives_its_picks_and_takes_no_sampled_pick(monkeypatch, ahead):
+    monkeypatch.setattr(decode_loop, "AHEAD_PATHS", ahead)
+    step = _PickingStep(mapped_cells=100)
+    decode_loop.decode_rounds(step, Sampler(0.0), 1, 2, 9, stop_ids=frozenset({5}),
+                              on_token=step.read.append, should_stop=None, grow=None)
+    assert step.read == [2, 3, 4, 5]  # round p picks p % 7; 5 stops
+    sampled = _PickingStep(mapped_cells=100)
+    with pytest.raises(ValueError, match="picks greedily inside its rounds was given a "
+                       "sampled pick: make the step with greedy=False"):
+        decode_loop.decode_rounds(sampled, Sampler(0.8, seed=1), 1, 2, 9, stop_ids=frozenset(),
+                                  on_token=sampled.read.append, should_stop=None, grow=None)
+    assert sampled.launched == [] and sampled.read == []  # refused before any round
+
+
+@pytest.mark.cuda
+def test_on_cuda_greedy_picks_inside_the_graphs_give_the_same_tokens(monkeypatch):
+    """GREEDY_PICK_IN_GRAPH: the graphs' own picks are the loop's, across the 256-cell window
+    (the second graph captured inside the rounds, its warm-up's token and position put back),
+    with a round dropped after a stop id, and the same step's rounds from the start again
+    after it."""
+    from strata.engine.kv import new_kv
+    from strata.engine.runtime import decode_steps
+
+    ckpt = cached_checkpoint("qwen3_moe", "tiny", dtype=torch.bfloat16)
+    model = load_model(ckpt, device="cuda")
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(decode_steps, "GREEDY_PICK_IN_GRAPH", on)
+        with new_kv(model, 512) as kv:
+            model.forward(torch.tensor([3, 1, 4, 1, 5], device="cuda"), 0, kv)
+            step = decode_steps.decode_step(model, kv, None, cuda_graphs=True,
+                                            piecewise_graphs=False, compile=False, greedy=True)
+            assert step.path == "cuda-graph" and step.picks == on
+            step.prepare(9, 5, 5)  # the first window's graph only
+            tokens = []
+            decode_loop.decode_rounds(step, Sampler(0.0), 9, 5, 300, stop_ids=frozenset(),
+                                      on_token=tokens.append, should_stop=None, grow=None)
+            assert len(step.graphs) == 2
+            stop = tokens[120]
+            stopped = []
+            decode_loop.decode_rounds(step, Sampler(0.0), 9, 5, 300,
+                                      stop_ids=frozenset({stop}), on_token=stopped.append,
+                                      should_stop=None, grow=None)
+            again = []  # after a dropped round: the position written again, not assumed
+            decode_loop.decode_rounds(step, Sampler(0.0), 9, 5, 50, stop_ids=frozenset(),
+                                      on_token=again.append, should_stop=None, grow=None)
+        runs.append((tokens, stopped, again))
+    assert runs[1] == runs[0]
+    tokens, stopped, again = runs[0]
+    assert stopped == tokens[: tokens.index(tokens[120]) + 1] and again == tokens[:50]

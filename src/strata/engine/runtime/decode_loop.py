@@ -51,7 +51,7 @@ class Rounds(NamedTuple):
 
 class _Pending:
     """A launched round's token on its way to the host: a pinned copy and an event on CUDA,
-    the tensor itself elsewhere."""
+    a copy of the tensor elsewhere."""
 
     def __init__(self, token: torch.Tensor) -> None:  # token [1] int64, on the device
         self.event = None
@@ -60,13 +60,30 @@ class _Pending:
             self.host.copy_(token, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
-        else:
-            self.host = token
+        else:  # a copy: a step that picks in its round writes the next pick into `token`
+            self.host = token.clone()
 
     def read(self) -> int:
         if self.event is not None:
             self.event.synchronize()
         return int(self.host[0])
+
+
+def _launch(step: Any, sampler: Sampler, position: int) -> torch.Tensor:
+    """Launch the round at `position` and its pick: the token [1], on the device, also left in
+    `step.token` as the next round's input. A step that `picks` makes the greedy pick inside
+    its round (`decode_steps.GREEDY_PICK_IN_GRAPH`)."""
+    picks = getattr(step, "picks", False)
+    if picks and not sampler.greedy:
+        raise ValueError(f"a {step.path} step that picks greedily inside its rounds was given "
+                         "a sampled pick: make the step with greedy=False")
+    u = sampler.draw()  # before the logits: the draws never depend on them
+    logits = step.round(position)  # [V]
+    if picks:
+        return step.token
+    picked = sampler.pick(logits, u)  # [1], on the device
+    step.token.copy_(picked)  # the next round's input, written on the device
+    return picked
 
 
 def decode_rounds(step: Any, sampler: Sampler, token: int, position: int, n_rounds: int, *,
@@ -98,10 +115,7 @@ def decode_rounds(step: Any, sampler: Sampler, token: int, position: int, n_roun
                     grown.token.copy_(step.token)
                     step = grown
                 ahead = 1 if step.path in AHEAD_PATHS else 0
-            u = sampler.draw()  # before the logits: the draws never depend on them
-            picked = sampler.pick(step.round(position), u)  # [1], on the device
-            step.token.copy_(picked)  # the next round's input, written on the device
-            in_flight.append(_Pending(picked))
+            in_flight.append(_Pending(_launch(step, sampler, position)))
             launched += 1
             position += 1
         if not in_flight:

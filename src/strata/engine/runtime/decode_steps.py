@@ -6,6 +6,14 @@ for the round's attention window (`GRAPH_WINDOW_CELLS`-cell buckets, so a round 
 the cells it needs). With a cache that misses (it reads the routing on the host every layer)
 or a wrapper around the experts, a round replays graphs cut at the experts calls, which run
 eagerly between them (`strata.engine.runtime.piecewise`). `decode_step` picks one.
+
+Staged, off: `GREEDY_PICK_IN_GRAPH`. Between two graph replays a greedy round runs, outside
+any graph, the pick (`torch.argmax`), the copy of the pick into the next round's token and the
+next position's fill: three launches the device waits on between the rounds. With the switch
+on, a step made for greedy rounds (`decode_step(greedy=True)`) captures them into its graphs:
+each replay ends with its pick written to `token` and `position` moved on by one, so the
+loop launches the replay alone (`picks`). The tokens are the same (the same `torch.argmax`).
+bench/decode.py `--pick-in-graph` is the A/B.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from strata.engine.experts import ResidentExperts
 __all__ = ["GRAPH_WINDOW_CELLS", "capture_graph", "decode_step"]
 
 GRAPH_WINDOW_CELLS = 256  # decode graphs attend over windows of a multiple of this many cells
+GREEDY_PICK_IN_GRAPH = False
 
 
 def capture_graph(step: Callable[[], torch.Tensor], device: torch.device,
@@ -46,6 +55,7 @@ class _EagerDecode:
     """One decode round through `model.forward`."""
 
     path = "eager"
+    picks = False  # the caller picks each round's token
 
     def __init__(self, model: Any, kv: Any) -> None:
         self.model, self.kv = model, kv
@@ -83,8 +93,13 @@ class _GraphDecode:
 
     path = "cuda-graph"
 
-    def __init__(self, model: Any, kv: Any, compile: bool = False, cache: Any = None) -> None:
+    def __init__(self, model: Any, kv: Any, compile: bool = False, cache: Any = None,
+                 picks: bool = False) -> None:
         self.model, self.kv = model, kv
+        # Whether each graph ends with the round's greedy pick written to `token` and
+        # `position` moved on by one (GREEDY_PICK_IN_GRAPH): the caller then picks nothing.
+        self.picks = picks
+        self._position_held: int | None = None  # what `position` holds on the device, if known
         self.cache = cache  # a device-only CachedExperts: told of captures and replays
         self.forward_at = model.forward_at
         if compile:
@@ -104,10 +119,21 @@ class _GraphDecode:
 
     def _capture(self, n_ctx: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         def step() -> torch.Tensor:
-            return self.forward_at(self.token, self.position, self.kv, n_ctx)[-1]  # [V]
+            logits = self.forward_at(self.token, self.position, self.kv, n_ctx)[-1]  # [V]
+            if self.picks:  # after every read of the token and the position
+                self.token.copy_(torch.argmax(logits).reshape(1))
+                self.position.add_(1)
+            return logits
 
+        # The warm-up runs write the token and the position when the graph picks: the round's
+        # own are put back for its replay.
+        held = (self.token.clone(), self.position.clone()) if self.picks else None
         with self.cache.graph_capture() if self.cache is not None else nullcontext():
-            return capture_graph(step, self.model.device, self.pool)
+            captured = capture_graph(step, self.model.device, self.pool)
+        if held is not None:
+            self.token.copy_(held[0])
+            self.position.copy_(held[1])
+        return captured
 
     def prepare(self, token: int, first: int, last: int) -> None:
         """Capture the graphs of the rounds at positions [first, last]; `token` is round 1's."""
@@ -117,6 +143,7 @@ class _GraphDecode:
             if n_ctx not in self.graphs:
                 self.token.fill_(token)
                 self.position.fill_(position)
+                self._position_held = position
                 self.graphs[n_ctx] = self._capture(n_ctx)
             position = n_ctx  # the first position of the next window
 
@@ -131,13 +158,18 @@ class _GraphDecode:
 
     def round(self, position: int) -> torch.Tensor:
         """The round of the token in `self.token` (written there on the device by whoever
-        picked it, or by `__call__`) at `position`: its graph replayed, logits [V]."""
-        self.position.fill_(position)
+        picked it, or by `__call__`) at `position`: its graph replayed, logits [V]. Where the
+        step `picks`, the replay also leaves the round's greedy pick in `token`, and the
+        position is written only where the round before did not leave it there."""
+        if position != self._position_held:
+            self.position.fill_(position)
+            self._position_held = position
         n_ctx = self._window(position)
         if n_ctx not in self.graphs:  # not prepared for: capture now (inside the clock)
             self.graphs[n_ctx] = self._capture(n_ctx)
         graph, logits = self.graphs[n_ctx]
         graph.replay()
+        self._position_held = position + 1 if self.picks else position
         if self.cache is not None:
             self.cache.count_replay()
         return logits
@@ -168,10 +200,13 @@ class _PiecewiseDecode(_GraphDecode):
 
 def decode_step(model: Any, kv: Any, cached: CachedExperts | None, *, cuda_graphs: bool,
                 piecewise_graphs: bool, compile: bool,
-                warm: dict[tuple[Any, ...], Any] | None = None) -> Any:
+                warm: dict[tuple[Any, ...], Any] | None = None, greedy: bool = False) -> Any:
     """The decode round for `model` over `kv` (`cached`: its expert cache, or None): a graph
     replay where the experts need nothing on the host, graphs cut at the experts calls where
     they do, eager rounds off CUDA or when graphs are off.
+
+    `greedy`: the rounds' picks will be greedy; with GREEDY_PICK_IN_GRAPH a graph replay then
+    makes the pick itself (the step `picks`: for greedy rounds only).
 
     `warm`: steps made before for this model and K/V (an engine keeps them for its life), by
     kind; a step found there is used again, with the graphs it captured: the K/V's and the
@@ -182,8 +217,11 @@ def decode_step(model: Any, kv: Any, cached: CachedExperts | None, *, cuda_graph
     resident = isinstance(model.experts, ResidentExperts)
     graph_cache = cached if cached is model.experts and cached.device_only else None
     if cuda_graphs and on_cuda and (resident or graph_cache):
-        key: tuple[Any, ...] = ("graph", id(kv), compile and resident, graph_cache is not None)
-        make: Any = lambda: _GraphDecode(model, kv, compile and resident, graph_cache)  # noqa: E731
+        picks = greedy and GREEDY_PICK_IN_GRAPH
+        key: tuple[Any, ...] = ("graph", id(kv), compile and resident, graph_cache is not None,
+                                picks)
+        make: Any = lambda: _GraphDecode(model, kv, compile and resident,  # noqa: E731
+                                         graph_cache, picks)
     elif cuda_graphs and piecewise_graphs and on_cuda:
         key, make = ("piecewise", id(kv)), lambda: _PiecewiseDecode(model, kv)
     else:

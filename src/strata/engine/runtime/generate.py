@@ -311,7 +311,7 @@ class _Run:
         options = self.options
         step = decode_step(self.model, self.kv, self.cached, cuda_graphs=options.cuda_graphs,
                            piecewise_graphs=options.piecewise_graphs, compile=options.compile,
-                           warm=self.warm)
+                           warm=self.warm, greedy=self.sampler.greedy)
         self.path, self._current = step.path, step
         return step
 
