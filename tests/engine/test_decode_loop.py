@@ -250,3 +250,25 @@ def test_on_cuda_greedy_picks_inside_the_graphs_give_the_same_tokens(monkeypatch
     assert runs[1] == runs[0]
     tokens, stopped, again = runs[0]
     assert stopped == tokens[: tokens.index(tokens[120]) + 1] and again == tokens[:50]
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_failed_capture_of_a_picking_graph_puts_the_token_and_position_back(
+        monkeypatch):
+    from strata.engine.kv import new_kv
+    from strata.engine.runtime import decode_steps
+
+    def warm_up_then_fail(step, device, pool):
+        step(), step()  # the warm-ups pick and move the position on
+        raise RuntimeError("capture failed")
+
+    model = load_model(cached_checkpoint("qwen3_moe", "tiny", dtype=torch.bfloat16),
+                       device="cuda")
+    monkeypatch.setattr(decode_steps, "GREEDY_PICK_IN_GRAPH", True)
+    monkeypatch.setattr(decode_steps, "capture_graph", warm_up_then_fail)
+    with new_kv(model, 64) as kv:
+        step = decode_steps.decode_step(model, kv, None, cuda_graphs=True,
+                                        piecewise_graphs=False, compile=False, greedy=True)
+        with pytest.raises(RuntimeError, match="capture failed"):
+            step.prepare(9, 5, 5)
+        assert (int(step.token[0]), int(step.position[0])) == (9, 5) and not step.graphs

@@ -126,14 +126,15 @@ class _GraphDecode:
             return logits
 
         # The warm-up runs write the token and the position when the graph picks: the round's
-        # own are put back for its replay.
+        # own are put back for its replay, or for the next round when the capture fails.
         held = (self.token.clone(), self.position.clone()) if self.picks else None
-        with self.cache.graph_capture() if self.cache is not None else nullcontext():
-            captured = capture_graph(step, self.model.device, self.pool)
-        if held is not None:
-            self.token.copy_(held[0])
-            self.position.copy_(held[1])
-        return captured
+        try:
+            with self.cache.graph_capture() if self.cache is not None else nullcontext():
+                return capture_graph(step, self.model.device, self.pool)
+        finally:
+            if held is not None:
+                self.token.copy_(held[0])
+                self.position.copy_(held[1])
 
     def prepare(self, token: int, first: int, last: int) -> None:
         """Capture the graphs of the rounds at positions [first, last]; `token` is round 1's."""
