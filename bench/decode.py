@@ -35,6 +35,7 @@ bound that strata reaches. Writes nothing else.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -43,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -314,40 +316,29 @@ def main(argv: list[str] | None = None) -> int:
         free_memory(device)
         compiled = loop = sampled = plain = in_graph = None
         sampling = cli_sampling() if args.cli_sampling else None
+
+        def variant(switch=None, **options):
+            """run_strata(*run, **options) with `switch` (owner, attribute, value) set while it
+            runs, its config left out, the device's memory freed after."""
+            with patch.object(*switch) if switch else contextlib.nullcontext():
+                figures = run_strata(*run, **options)
+            figures.pop("config")
+            free_memory(device)
+            return figures
+
         if args.plain_loop:
-            ahead, decode_loop.AHEAD_PATHS = decode_loop.AHEAD_PATHS, frozenset()
-            try:
-                plain = run_strata(*run)
-            finally:
-                decode_loop.AHEAD_PATHS = ahead
-            plain.pop("config")
-            free_memory(device)
+            plain = variant((decode_loop, "AHEAD_PATHS", frozenset()))
         if args.pick_in_graph:
-            held, decode_steps.GREEDY_PICK_IN_GRAPH = decode_steps.GREEDY_PICK_IN_GRAPH, \
-                not decode_steps.GREEDY_PICK_IN_GRAPH
-            try:
-                in_graph = run_strata(*run)
-            finally:
-                decode_steps.GREEDY_PICK_IN_GRAPH = held
-            in_graph.pop("config")
-            free_memory(device)
+            in_graph = variant((decode_steps, "GREEDY_PICK_IN_GRAPH",
+                                not decode_steps.GREEDY_PICK_IN_GRAPH))
         if args.cli_sampling:
-            sampled = run_strata(*run, sampling=sampling)
-            sampled.pop("config")
-            free_memory(device)
+            sampled = variant(sampling=sampling)
         if args.compile:
-            compiled = run_strata(*run, compile=True)
-            compiled.pop("config")
-            free_memory(device)
+            compiled = variant(compile=True)
         if args.loop_prefill:
-            loop = run_strata(*run, grouped_prefill=False)
-            loop.pop("config")
-            free_memory(device)
-        quantized = {}
-        for fmt in formats:
-            quantized[fmt] = run_strata(*run, experts_quant=experts_quant_for(fmt, dtype))
-            quantized[fmt].pop("config")
-            free_memory(device)
+            loop = variant(grouped_prefill=False)
+        quantized = {fmt: variant(experts_quant=experts_quant_for(fmt, dtype))
+                     for fmt in formats}
         peer = None
         if not args.no_transformers:
             peer = run_transformers(ckpt, device, dtype, prompt, args.new_tokens, args.repeat)

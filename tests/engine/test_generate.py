@@ -185,11 +185,15 @@ def test_the_decode_bench_times_the_moe_of_a_chunk(capsys):
 
 
 def test_the_decode_bench_runs_the_clis_default_sampling_and_the_plain_loop_too(capsys):
+    from strata.engine.runtime import decode_loop, decode_steps
+
     bench = load_bench("decode.py")
     defaults = bench.cli_sampling()
     assert defaults["temperature"] > 0 and 0 < defaults["top_p"] <= 1  # not greedy
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "6", "--repeat", "2",
-            "--no-transformers", "--cli-sampling", "--plain-loop", "--bandwidth-gbs", "10"]
+            "--no-transformers", "--cli-sampling", "--plain-loop", "--pick-in-graph",
+            "--bandwidth-gbs", "10"]
+    switches = (decode_loop.AHEAD_PATHS, decode_steps.GREEDY_PICK_IN_GRAPH)
     assert bench.main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     sampled = report["strata_cli_sampling"]
@@ -200,10 +204,16 @@ def test_the_decode_bench_runs_the_clis_default_sampling_and_the_plain_loop_too(
     assert report["measured_copy_gbs"] is None  # measured on CUDA only
     plain = report["strata_plain_loop"]  # the round ahead's A/B: the same tokens
     assert plain["tokens"] == report["strata"]["tokens"] and report["ahead_speedup"] > 0
+    in_graph = report["strata_pick_in_graph"]  # eager rounds on the CPU: the same path
+    assert in_graph["same_tokens"] and report["pick_in_graph_speedup"] > 0
+    assert report["pick_in_graph"] is (not decode_steps.GREEDY_PICK_IN_GRAPH)
+    assert switches == (decode_loop.AHEAD_PATHS, decode_steps.GREEDY_PICK_IN_GRAPH)  # put back
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
     assert "strata-cli: `strata generate`'s default sampling" in printed
     assert "strata-plain: each round's token read before the next round" in printed
+    where = "outside" if decode_steps.GREEDY_PICK_IN_GRAPH else "inside"
+    assert f"strata-pick: each greedy pick {where} the round's CUDA graph" in printed
     assert "bound at 10 GB/s (given)" in printed
 
 
