@@ -30,6 +30,7 @@ bound that strata reaches. Writes nothing else.
     python bench/decode.py ... --cli-sampling --plain-loop  # + strata generate's sampling, and
                                                             # each round's token read first
     python bench/decode.py ... --pick-in-graph  # + greedy picks inside the graphs (or outside)
+    python bench/decode.py ... --argmax-kernel  # + the greedy pick by one kernel (or torch's)
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from strata.engine.experts.quant import EXPERTS_DTYPES, expert_blob_bytes, exper
 from strata.engine.model.init_model import write_checkpoint
 from strata.engine.model.presets import BYTE_TOKENS, get_preset
 from strata.engine.runtime import decode_loop, decode_steps
+from strata.engine.runtime import sampling as sampling_module
 from strata.engine.runtime.engine import Engine
 from strata.engine.runtime.generate import GenerateOptions, default_prefill_chunk
 
@@ -266,6 +268,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[
                         help="also run strata greedy with each round's pick made inside its "
                         "CUDA graph (strata-pick-in-graph: the A/B of strata.engine.runtime."
                         "decode_steps.GREEDY_PICK_IN_GRAPH, the other side of the default's)")
+    parser.add_argument("--argmax-kernel", action="store_true",
+                        help="also run strata greedy with the greedy pick from the other side "
+                        "of strata.engine.runtime.sampling.ARGMAX_KERNEL than the default's "
+                        "(one Triton launch, or torch's argmax): strata-argmax")
     parser.add_argument("--cli-sampling", action="store_true",
                         help="also run strata decoding with `strata generate`'s default "
                         "sampling (temperature, top-p) instead of greedy: what a user gets "
@@ -314,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         run = (ckpt, device, dtype, prompt, args.new_tokens, args.repeat, args.prefill_chunk)
         strata = run_strata(*run, moe_share=matmul_tflops is not None)
         free_memory(device)
-        compiled = loop = sampled = plain = in_graph = None
+        compiled = loop = sampled = plain = in_graph = argmax = None
         sampling = cli_sampling() if args.cli_sampling else None
 
         def variant(switch=None, **options):
@@ -331,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.pick_in_graph:
             in_graph = variant((decode_steps, "GREEDY_PICK_IN_GRAPH",
                                 not decode_steps.GREEDY_PICK_IN_GRAPH))
+        if args.argmax_kernel:
+            argmax = variant((sampling_module, "ARGMAX_KERNEL",
+                              not sampling_module.ARGMAX_KERNEL))
         if args.cli_sampling:
             sampled = variant(sampling=sampling)
         if args.compile:
@@ -374,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         "pick_in_graph": None if in_graph is None else not decode_steps.GREEDY_PICK_IN_GRAPH,
         "pick_in_graph_speedup": in_graph["decode_tok_s"] / strata["decode_tok_s"]
         if in_graph else None,
+        "strata_argmax": argmax,
+        "argmax_kernel": None if argmax is None else not sampling_module.ARGMAX_KERNEL,
+        "argmax_speedup": argmax["decode_tok_s"] / strata["decode_tok_s"] if argmax else None,
         "cli_sampling": sampling,
         "bound_share_cli_sampling": sampled["decode_tok_s"] / bound_tok_s
         if bound_tok_s and sampled else None,
@@ -408,8 +420,9 @@ def main(argv: list[str] | None = None) -> int:
             if bandwidth_gbs else None
         figures["speedup"] = figures["decode_tok_s"] / strata["decode_tok_s"]
         figures["tokens_equal_prefix"] = _common_prefix(figures["tokens"], strata["tokens"])
-    if in_graph:
-        in_graph["same_tokens"] = in_graph["tokens"] == strata["tokens"]
+    for figures in (in_graph, argmax):
+        if figures:
+            figures["same_tokens"] = figures["tokens"] == strata["tokens"]
     if args.json:
         print(json.dumps(result))
         return 0

@@ -16,7 +16,7 @@ def print_report(result: dict, args) -> None:
     strata, peer = result["strata"], result["transformers"]
     compiled, loop = result["strata_compiled"], result["strata_loop_prefill"]
     sampled, plain = result["strata_cli_sampling"], result["strata_plain_loop"]
-    in_graph = result["strata_pick_in_graph"]
+    in_graph, argmax = result["strata_pick_in_graph"], result["strata_argmax"]
     prefills, quantized = result["prefill_lengths"], result["quantized"]
     matmul_tflops, token_bytes = result["matmul_tflops"], result["bytes_per_token"]
     bandwidth_gbs, bound_tok_s = result["bandwidth_gbs"], result["bound_tok_s"]
@@ -30,6 +30,7 @@ def print_report(result: dict, args) -> None:
     for name, figures in (("strata", strata), ("strata+compile", compiled),
                           ("strata-loop", loop), ("strata-cli", sampled),
                           ("strata-plain", plain), ("strata-pick", in_graph),
+                          ("strata-argmax", argmax),
                           ("transformers", peer)):
         if figures:
             print(
@@ -47,6 +48,10 @@ def print_report(result: dict, args) -> None:
         print(f"strata-pick: each greedy pick {where} the round's CUDA graph; "
               f"{result['pick_in_graph_speedup']:.3f}x the default's decode tok/s; the same "
               f"tokens: {in_graph['same_tokens']}")
+    if argmax:
+        how = "one kernel" if result["argmax_kernel"] else "torch's argmax"
+        print(f"strata-argmax: each greedy pick by {how}; {result['argmax_speedup']:.3f}x the "
+              f"default's decode tok/s; the same tokens: {argmax['same_tokens']}")
     if sampled:
         print(f"strata-cli: `strata generate`'s default sampling {result['cli_sampling']}; "
               f"repeat runs identical: {sampled['deterministic']}")

@@ -63,7 +63,8 @@
 # alone beside transformers, greedy and with `strata generate`'s default sampling),
 # decode16-ahead (2: the default path alone, greedy, greedy with each round's token read
 # before the next is launched, greedy with the pick on the other side of the graph
-# (`--pick-in-graph`), and with `strata generate`'s sampling), decode-shapes-sampling
+# (`--pick-in-graph`), greedy with the other argmax (`--argmax-kernel`), and with `strata
+# generate`'s sampling), decode-shapes-sampling
 # (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to 2, one JSON object a
 # line in decode-shapes-sampling.jsonl),
 # profile-decode (1.5: the profile stage's decode rounds and prompt
@@ -557,11 +558,10 @@ for stage in "$@"; do
                  --json) > "$OUT/decode16.json" \
                  2> "$OUT/decode16.err"; tail -2 "$OUT/decode16.err" ;;
     decode16-ahead) # the default path greedy, with the rounds read one at a time, with the greedy
-                    # pick on the other side of the graph, and sampled
-              (cd bench && timeout 240 python3 decode.py --model "$(olmoe_checkpoint)" \
-                 --new-tokens 64 --repeat 5 --plain-loop --pick-in-graph --cli-sampling \
-                 --no-transformers \
-                 --json) > "$OUT/decode16-ahead.json" 2> "$OUT/decode16-ahead.err"
+                    # pick on the other side of the graph, by the other argmax, and sampled
+              (cd bench && timeout 270 python3 decode.py --model "$(olmoe_checkpoint)" \
+                 --new-tokens 64 --repeat 5 --plain-loop --pick-in-graph --argmax-kernel \
+                 --cli-sampling --no-transformers --json) > "$OUT/decode16-ahead.json" 2> "$OUT/decode16-ahead.err"
               tail -2 "$OUT/decode16-ahead.err" ;;
     decode-shapes-sampling) # the default path, greedy and with the CLI's sampling, on the cuts
               for shape in "qwen3-30b-a3b --layers 4" "mixtral-8x7b --layers 2"; do

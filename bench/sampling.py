@@ -12,6 +12,9 @@ times, over one row of logits [V] (fp32, as the model returns them), for each se
   CUDA with Triton);
 - `pick <setting> graph`: `--picks` picks captured in one CUDA graph and replayed (CUDA only):
   the kernels' own time a pick, without the host's launches;
+- `pick greedy kernel` (or `pick greedy torch`) and its graph: the greedy pick from the other
+  side of `sampling.ARGMAX_KERNEL` (one Triton launch, or torch's argmax; off CUDA both are
+  torch's);
 - `sorted <setting>` and `sorted <setting> graph`: the sampler before it (`inverse_cdf_pick`):
   a sort of V, softmax, cumulative sums, top-p's mask and the search for the draw: the
   baseline, same run.
@@ -37,9 +40,11 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from unittest.mock import patch
 
 import torch
 
+from strata.engine.runtime import sampling
 from strata.engine.runtime.decode_steps import capture_graph
 from strata.engine.runtime.sampling import Sampler, gumbel_noise, race_keys
 
@@ -150,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         sampler = Sampler(**options)
         if sampler.greedy:
             timed(f"pick {name}", lambda i, s=sampler: s.pick(logits, None), 1)
+            # The other side of `sampling.ARGMAX_KERNEL`: one Triton launch or torch's argmax.
+            with patch.object(sampling, "ARGMAX_KERNEL", not sampling.ARGMAX_KERNEL):
+                timed(f"pick {name} {'kernel' if sampling.ARGMAX_KERNEL else 'torch'}",
+                      lambda i, s=sampler: s.pick(logits, None), 1)
             continue
         # The seeded draws of `--picks` steps, each step's winner inside or outside as it falls.
         draws = [sampler.draw() for _ in range(args.picks)]

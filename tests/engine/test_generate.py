@@ -185,15 +185,16 @@ def test_the_decode_bench_times_the_moe_of_a_chunk(capsys):
 
 
 def test_the_decode_bench_runs_the_clis_default_sampling_and_the_plain_loop_too(capsys):
-    from strata.engine.runtime import decode_loop, decode_steps
+    from strata.engine.runtime import decode_loop, decode_steps, sampling
 
     bench = load_bench("decode.py")
     defaults = bench.cli_sampling()
     assert defaults["temperature"] > 0 and 0 < defaults["top_p"] <= 1  # not greedy
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "6", "--repeat", "2",
             "--no-transformers", "--cli-sampling", "--plain-loop", "--pick-in-graph",
-            "--bandwidth-gbs", "10"]
-    switches = (decode_loop.AHEAD_PATHS, decode_steps.GREEDY_PICK_IN_GRAPH)
+            "--argmax-kernel", "--bandwidth-gbs", "10"]
+    switches = (decode_loop.AHEAD_PATHS, decode_steps.GREEDY_PICK_IN_GRAPH,
+                sampling.ARGMAX_KERNEL)
     assert bench.main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     sampled = report["strata_cli_sampling"]
@@ -207,13 +208,19 @@ def test_the_decode_bench_runs_the_clis_default_sampling_and_the_plain_loop_too(
     in_graph = report["strata_pick_in_graph"]  # eager rounds on the CPU: the same path
     assert in_graph["same_tokens"] and report["pick_in_graph_speedup"] > 0
     assert report["pick_in_graph"] is (not decode_steps.GREEDY_PICK_IN_GRAPH)
-    assert switches == (decode_loop.AHEAD_PATHS, decode_steps.GREEDY_PICK_IN_GRAPH)  # put back
+    argmax = report["strata_argmax"]
+    assert argmax["same_tokens"] and report["argmax_speedup"] > 0
+    assert report["argmax_kernel"] is (not sampling.ARGMAX_KERNEL)
+    assert switches == (decode_loop.AHEAD_PATHS, decode_steps.GREEDY_PICK_IN_GRAPH,
+                        sampling.ARGMAX_KERNEL)  # put back
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
     assert "strata-cli: `strata generate`'s default sampling" in printed
     assert "strata-plain: each round's token read before the next round" in printed
     where = "outside" if decode_steps.GREEDY_PICK_IN_GRAPH else "inside"
     assert f"strata-pick: each greedy pick {where} the round's CUDA graph" in printed
+    how = "torch's argmax" if sampling.ARGMAX_KERNEL else "one kernel"
+    assert f"strata-argmax: each greedy pick by {how}" in printed
     assert "bound at 10 GB/s (given)" in printed
 
 

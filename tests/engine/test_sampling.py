@@ -11,6 +11,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from strata.engine.runtime import sampling
 from strata.engine.runtime.sampling import (
     Sampler,
     gumbel_noise,
@@ -283,3 +284,71 @@ def test_on_cuda_a_graph_of_picks_replays_the_eager_picks():
         assert picked.tolist() == eager
     assert any(not first_winner_is_candidate(logits.cpu(), 1.0, 0.5, 0, race_keys(u))
                for u in draws)  # the graph holds the slow path too
+
+
+def argmax_rows():
+    """Rows of logits [V] whose greedy pick torch.argmax says: ties, equal rows, -inf, +inf,
+    NaN (the first NaN wins), one token, bf16."""
+    rows = []
+    for n_tokens in (1, 3, 1000, 1024, 1025, 3000):
+        rows.append(case_logits(n_tokens, "normal", n_tokens))
+        rows.append(case_logits(n_tokens, "ties", n_tokens))
+    rows += [torch.zeros(2048), torch.full((1500,), float("-inf")),
+             case_logits(1500, "minus-inf", 1), case_logits(1100, "bf16", 2)]
+    late = case_logits(3000, "ties", 4)
+    late[2999] = late.max()  # a tie with the last token of a partial block
+    rows.append(late)
+    infinite = case_logits(3000, "normal", 5)
+    infinite[[700, 2100]] = float("inf")
+    rows.append(infinite)
+    for nan_at in ([0], [2500], [1100, 40], list(range(3000))):
+        nans = case_logits(3000, "normal", 6)
+        nans[nan_at] = float("nan")
+        nans[10] = float("inf")
+        rows.append(nans)
+    return rows
+
+
+_ARGMAX_INTERPRETED = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_sampling import argmax_rows
+from strata.engine.runtime import _sampling_triton
+from strata.engine.runtime.sampling import _argmax_cuda
+# Each row twice: the first launch's last program must leave the count at zero for the next.
+print(json.dumps([[int(_argmax_cuda(_sampling_triton, row)) for _ in range(2)]
+                  for row in argmax_rows()]))
+"""
+
+
+def test_the_argmax_kernel_under_the_interpreter_picks_torchs_token():
+    pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
+    got = run_interpreted(_ARGMAX_INTERPRETED, os.path.dirname(__file__))
+    assert got == [[int(torch.argmax(row))] * 2 for row in argmax_rows()]
+
+
+def test_the_greedy_pick_is_torchs_argmax_off_cuda(monkeypatch):
+    monkeypatch.setattr(sampling, "ARGMAX_KERNEL", True)  # off CUDA: torch's argmax anyway
+    for row in argmax_rows():
+        assert Sampler(0.0).pick(row, None).tolist() == [int(torch.argmax(row))]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_tokens", [50304, 151936])
+def test_on_cuda_the_argmax_kernel_picks_torchs_token_eager_and_in_a_graph(monkeypatch,
+                                                                             n_tokens):
+    pytest.importorskip("triton")
+    from strata.engine.runtime.decode_steps import capture_graph
+
+    monkeypatch.setattr(sampling, "ARGMAX_KERNEL", True)
+    rows = [row.cuda() for row in argmax_rows()]
+    rows += [(torch.randn(n_tokens, generator=torch.Generator().manual_seed(s)) * 3).cuda()
+             for s in range(8)]
+    want = [int(torch.argmax(row)) for row in rows]
+    assert [int(sampling.argmax_pick(row)) for row in rows] == want
+    graph, picked = capture_graph(lambda: torch.cat([sampling.argmax_pick(r) for r in rows]),
+                                  torch.device("cuda"), None)
+    for _ in range(2):
+        graph.replay()
+        assert picked.tolist() == want

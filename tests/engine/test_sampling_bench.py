@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from strata.engine.runtime import sampling
 from support.bench_scripts import load_bench
 
 
@@ -18,7 +19,9 @@ def test_the_sampling_bench_times_every_row(capsys):
                        "--picks", "3", "--draws", "20"]) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[0])
     sampled = [name for name, options in bench.SETTINGS.items() if options["temperature"]]
-    assert set(report["ms"]) == {"pick greedy", *(f"pick {name}" for name in sampled),
+    other_argmax = "kernel" if not sampling.ARGMAX_KERNEL else "torch"  # the switch's other side
+    assert set(report["ms"]) == {"pick greedy", f"pick greedy {other_argmax}",
+                                 *(f"pick {name}" for name in sampled),
                                  *(f"sorted {name}" for name in sampled)}
     assert all(ms > 0 for ms in report["ms"].values())
     assert set(report["first_winner_outside"]) == set(sampled)

@@ -66,8 +66,9 @@ def arrival_counts(device: torch.device) -> torch.Tensor:
     """The router kernels' count of arrived programs per token, on `device`: zeros between
     launches (a launch's last program sets them back). One per device, kept for the process: a
     CUDA graph holds its address. `router_route`'s, `add_norm_router_route`'s and
-    `products.linear_add_norm_route`'s kernels share it: launches on a stream run one after
-    the other, each leaving it zeroed. Made by an eager call: a graph's capture would record
+    `products.linear_add_norm_route`'s kernels share it, and the greedy pick's
+    (`sampling.argmax_pick`, its first count): launches on a stream run one after the other,
+    each leaving it zeroed. Made by an eager call: a graph's capture would record
     its zeroing without running it (the engine's warm-up runs every op before it
     captures)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

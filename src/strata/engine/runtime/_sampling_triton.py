@@ -16,6 +16,9 @@ kernels over one row of logits [V]: no sort.
    step), until one is (the first token in the order always is). With top_p 0.95 a winner is
    a candidate 95% of the time or more, so the loop is the rare path.
 
+The greedy pick has a kernel of its own, `argmax_blocks` (one launch: each block's largest
+logit, the last program to arrive takes the row's), for `sampling.argmax_pick`.
+
 With top_k, the caller passes the top_k largest logits (torch's topk: their values, which ties
 do not change): tokens below the last never enter the race, and the first top_k's mass is
 theirs.
@@ -197,3 +200,35 @@ def race_pick(logits_ptr, race_ptr, V, temperature, top_p, top_k, top_values_ptr
             best = tl.maximum(best, b_best)
         found = _is_candidate(mass, count, limit, top_k, CHECK_MASS) | (nxt >= V)
     tl.store(out_ptr, tl.minimum(c, V - 1).to(tl.int64))  # in the row, whatever the logits
+
+
+@triton.jit
+def argmax_blocks(logits_ptr, V, best_ptr, best_id_ptr, nan_id_ptr, arrived_ptr, out_ptr,
+                  n_blocks, BLOCK: tl.constexpr, NB: tl.constexpr):
+    # The greedy pick, torch.argmax's token, in one launch (`sampling.argmax_pick`). Program p,
+    # over tokens [p * BLOCK, (p + 1) * BLOCK): its largest logit, the lowest id holding it and
+    # the lowest id holding NaN (V where none), stored to best, best_id and nan_id [n_blocks].
+    # The program then counts itself in arrived[0]; the last to arrive (acquiring the others'
+    # stores) takes the lowest id holding NaN where there is one (torch counts NaN as the
+    # largest), else the lowest id holding the largest logit, stores it to out [1] int64, and
+    # sets arrived[0] back to 0. Minima and maxima: the same token whichever program is last.
+    p = tl.program_id(0)
+    ids = p * BLOCK + tl.arange(0, BLOCK)
+    inside = ids < V
+    x = tl.load(logits_ptr + ids, mask=inside, other=float("-inf")).to(tl.float32)
+    is_nan = inside & (x != x)
+    x = tl.where(is_nan, float("-inf"), x)
+    best = tl.max(x, axis=0)
+    tl.store(best_ptr + p, best)
+    tl.store(best_id_ptr + p, tl.min(tl.where(inside & (x == best), ids, V), axis=0))
+    tl.store(nan_id_ptr + p, tl.min(tl.where(is_nan, ids, V), axis=0))
+    if tl.atomic_add(arrived_ptr, 1, sem="acq_rel") == n_blocks - 1:
+        b = tl.arange(0, NB)
+        b_in = b < n_blocks
+        bests = tl.load(best_ptr + b, mask=b_in, other=float("-inf"), volatile=True)
+        best_ids = tl.load(best_id_ptr + b, mask=b_in, other=V, volatile=True)
+        first_nan = tl.min(tl.load(nan_id_ptr + b, mask=b_in, other=V, volatile=True), axis=0)
+        top = tl.max(bests, axis=0)
+        token = tl.min(tl.where(b_in & (bests == top), best_ids, V), axis=0)
+        tl.store(out_ptr, tl.where(first_nan < V, first_nan, token).to(tl.int64))
+        tl.store(arrived_ptr, 0)

@@ -12,7 +12,8 @@ any graph, the pick (`torch.argmax`), the copy of the pick into the next round's
 next position's fill: three launches the device waits on between the rounds. With the switch
 on, a step made for greedy rounds (`decode_step(greedy=True)`) captures them into its graphs:
 each replay ends with its pick written to `token` and `position` moved on by one, so the
-loop launches the replay alone (`picks`). The tokens are the same (the same `torch.argmax`).
+loop launches the replay alone (`picks`). The tokens are the same (the same
+`sampling.argmax_pick`).
 bench/decode.py `--pick-in-graph` is the A/B.
 """
 
@@ -26,6 +27,7 @@ import torch
 
 from strata.engine.cache.cached_experts import CachedExperts
 from strata.engine.experts import ResidentExperts
+from strata.engine.runtime.sampling import argmax_pick
 
 __all__ = ["GRAPH_WINDOW_CELLS", "capture_graph", "decode_step"]
 
@@ -121,7 +123,7 @@ class _GraphDecode:
         def step() -> torch.Tensor:
             logits = self.forward_at(self.token, self.position, self.kv, n_ctx)[-1]  # [V]
             if self.picks:  # after every read of the token and the position
-                self.token.copy_(torch.argmax(logits).reshape(1))
+                self.token.copy_(argmax_pick(logits))
                 self.position.add_(1)
             return logits
 

@@ -15,6 +15,13 @@ Triton kernels (`_sampling_triton`; with top_k, torch's topk first); the sort of
 that inverse CDF needed cost more than the rest of the pick together. Elsewhere it is
 `race_pick_torch`'s torch ops, no sort either.
 
+A greedy step is `argmax_pick`: torch.argmax (the lowest id among the largest logits, NaN
+counted as the largest). Staged, off: `ARGMAX_KERNEL`, the same token on CUDA from one Triton
+launch (`_sampling_triton.argmax_blocks`) instead of torch's reduction, which took 12.7 us of
+device time a pick at a 50,304-token vocabulary on the H200 (bench/results/
+sampling-race-h200-2026-12-03.md), 1.5% of olmoe-1b-7b's round; bench/decode.py
+`--argmax-kernel` is its A/B, bench/sampling.py's row "pick greedy kernel graph" its time.
+
 Seeded and deterministic: a step's one random number is drawn from a torch.Generator on the CPU
 (`draw`), whatever device the logits are on, and g is a hash of it and the token id
 (`gumbel_noise`) computed with the same integer steps on every device. The CPU and the GPU pick
@@ -29,8 +36,12 @@ import math
 
 import torch
 
-__all__ = ["HASH_MULTIPLIER", "Sampler", "gumbel_noise", "hash32", "race_keys",
-           "race_pick_torch"]
+from strata.engine.model.routing_ops import arrival_counts
+
+__all__ = ["ARGMAX_KERNEL", "HASH_MULTIPLIER", "Sampler", "argmax_pick", "gumbel_noise",
+           "hash32", "race_keys", "race_pick_torch"]
+
+ARGMAX_KERNEL = False
 
 HASH_MULTIPLIER = 0x45D9F3B  # of the 32-bit integer hash `hash32`
 _MASK32 = 0xFFFFFFFF
@@ -135,6 +146,31 @@ def _race_pick_cuda(kernels, logits: torch.Tensor, temperature: float, top_p: fl
     return out
 
 
+def argmax_pick(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy pick of logits [V]: torch.argmax's token as a [1] int64 tensor on the logits'
+    device, from `_sampling_triton.argmax_blocks` on CUDA where ARGMAX_KERNEL and Triton are
+    there (nothing read on the host: a CUDA graph can hold it)."""
+    kernels = _kernels()
+    if ARGMAX_KERNEL and logits.is_cuda and kernels is not None:
+        return _argmax_cuda(kernels, logits.contiguous())
+    return torch.argmax(logits).reshape(1)  # [1]
+
+
+def _argmax_cuda(kernels, logits: torch.Tensor) -> torch.Tensor:
+    """`argmax_pick` by `kernels.argmax_blocks` (under Triton's interpreter on the CPU in
+    tests): [1] int64."""
+    n_tokens = logits.shape[0]
+    n_blocks = -(-n_tokens // kernels.BLOCK)
+    best = torch.empty(n_blocks, dtype=torch.float32, device=logits.device)
+    ids = torch.empty((2, n_blocks), dtype=torch.int32, device=logits.device)  # best, first NaN
+    out = torch.empty(1, dtype=torch.int64, device=logits.device)
+    kernels.argmax_blocks[(n_blocks,)](logits, n_tokens, best, ids[0], ids[1],
+                                       arrival_counts(logits.device), out, n_blocks,
+                                       BLOCK=kernels.BLOCK,
+                                       NB=1 << max(n_blocks - 1, 0).bit_length())
+    return out
+
+
 class Sampler:
     """Picks one token per step. `temperature` 0 means greedy (argmax, lowest id on ties); the
     draws then consume no random numbers. `top_k` 0 and `top_p` 1 switch those filters off."""
@@ -188,7 +224,7 @@ class Sampler:
         if logits.dim() != 1 or logits.shape[0] < 1:
             raise ValueError(f"logits must be 1-D and non-empty, got shape {list(logits.shape)}")
         if self.greedy:
-            return torch.argmax(logits).reshape(1)  # [1]
+            return argmax_pick(logits)  # [1]
         if not (isinstance(u, float) and 0.0 <= u < 1.0):
             raise ValueError(f"a sampled pick needs the step's draw u, a float in [0, 1) "
                              f"(Sampler.draw), got {u!r}")
