@@ -215,13 +215,17 @@ def test_a_step_that_picks_gives_its_picks_and_takes_no_sampled_pick(monkeypatch
 
 
 @pytest.mark.cuda
-def test_on_cuda_greedy_picks_inside_the_graphs_give_the_same_tokens(monkeypatch):
+@pytest.mark.parametrize("argmax_kernel", [False, True])
+def test_on_cuda_greedy_picks_inside_the_graphs_give_the_same_tokens(monkeypatch,
+                                                                     argmax_kernel):
     """GREEDY_PICK_IN_GRAPH: the graphs' own picks are the loop's, across the 256-cell window
     (the second graph captured inside the rounds, its warm-up's token and position put back),
     with a round dropped after a stop id, and the same step's rounds from the start again
-    after it."""
+    after it; by torch's argmax and by the argmax kernel (`sampling.ARGMAX_KERNEL`)."""
     from strata.engine.kv import new_kv
-    from strata.engine.runtime import decode_steps
+    from strata.engine.runtime import decode_steps, sampling
+
+    monkeypatch.setattr(sampling, "ARGMAX_KERNEL", argmax_kernel)
 
     ckpt = cached_checkpoint("qwen3_moe", "tiny", dtype=torch.bfloat16)
     model = load_model(ckpt, device="cuda")

@@ -316,8 +316,11 @@ sys.path.insert(0, sys.argv[1])
 from test_sampling import argmax_rows
 from strata.engine.runtime import _sampling_triton
 from strata.engine.runtime.sampling import _argmax_cuda
-# Each row twice: the first launch's last program must leave the count at zero for the next.
-print(json.dumps([[int(_argmax_cuda(_sampling_triton, row)) for _ in range(2)]
+# Each row twice, the second into a given tensor: the first launch's last program must leave
+# the count at zero for the next.
+out = torch.full((1,), -1, dtype=torch.int64)
+print(json.dumps([[int(_argmax_cuda(_sampling_triton, row)),
+                   int(_argmax_cuda(_sampling_triton, row, out)), int(out[0])]
                   for row in argmax_rows()]))
 """
 
@@ -325,13 +328,27 @@ print(json.dumps([[int(_argmax_cuda(_sampling_triton, row)) for _ in range(2)]
 def test_the_argmax_kernel_under_the_interpreter_picks_torchs_token():
     pytest.importorskip("triton", reason="the dev extra installs Triton on Linux x86_64")
     got = run_interpreted(_ARGMAX_INTERPRETED, os.path.dirname(__file__))
-    assert got == [[int(torch.argmax(row))] * 2 for row in argmax_rows()]
+    assert got == [[int(torch.argmax(row))] * 3 for row in argmax_rows()]
 
 
 def test_the_greedy_pick_is_torchs_argmax_off_cuda(monkeypatch):
     monkeypatch.setattr(sampling, "ARGMAX_KERNEL", True)  # off CUDA: torch's argmax anyway
+    out = torch.zeros(1, dtype=torch.int64)
     for row in argmax_rows():
         assert Sampler(0.0).pick(row, None).tolist() == [int(torch.argmax(row))]
+        assert sampling.argmax_pick(row, out=out) is out and out.tolist() == [
+            int(torch.argmax(row))]
+
+
+def test_the_argmax_kernel_refuses_an_out_it_cannot_write_before_launching():
+    class Kernels:
+        BLOCK = 1024
+        argmax_blocks = None  # a launch would fail on it
+
+    logits = torch.zeros(5000)
+    for bad in (torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"out must be one int64 \[1\] on cpu"):
+            sampling._argmax_cuda(Kernels, logits, bad)
 
 
 @pytest.mark.cuda

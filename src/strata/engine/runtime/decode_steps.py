@@ -7,14 +7,13 @@ the cells it needs). With a cache that misses (it reads the routing on the host 
 or a wrapper around the experts, a round replays graphs cut at the experts calls, which run
 eagerly between them (`strata.engine.runtime.piecewise`). `decode_step` picks one.
 
-Staged, off: `GREEDY_PICK_IN_GRAPH`. Between two graph replays a greedy round runs, outside
-any graph, the pick (`torch.argmax`), the copy of the pick into the next round's token and the
-next position's fill: three launches the device waits on between the rounds. With the switch
-on, a step made for greedy rounds (`decode_step(greedy=True)`) captures them into its graphs:
-each replay ends with its pick written to `token` and `position` moved on by one, so the
-loop launches the replay alone (`picks`). The tokens are the same (the same
-`sampling.argmax_pick`).
-bench/decode.py `--pick-in-graph` is the A/B.
+Staged, off: `GREEDY_PICK_IN_GRAPH`. Between two graph replays a greedy round runs, outside any
+graph, the pick (`sampling.argmax_pick`), the copy of the pick into the next round's token and
+the next position's fill: three launches the device waits on between the rounds. With the
+switch on, a step made for greedy rounds (`decode_step(greedy=True)`) captures them into its
+graphs: each replay ends with its pick written into `token` (no copy) and `position` moved on
+by one, so the loop launches the replay alone (`picks`). The tokens are the same (the same
+`sampling.argmax_pick`). bench/decode.py `--pick-in-graph` is the A/B.
 """
 
 from __future__ import annotations
@@ -123,7 +122,7 @@ class _GraphDecode:
         def step() -> torch.Tensor:
             logits = self.forward_at(self.token, self.position, self.kv, n_ctx)[-1]  # [V]
             if self.picks:  # after every read of the token and the position
-                self.token.copy_(argmax_pick(logits))
+                argmax_pick(logits, out=self.token)
                 self.position.add_(1)
             return logits
 

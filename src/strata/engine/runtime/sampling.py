@@ -146,24 +146,30 @@ def _race_pick_cuda(kernels, logits: torch.Tensor, temperature: float, top_p: fl
     return out
 
 
-def argmax_pick(logits: torch.Tensor) -> torch.Tensor:
+def argmax_pick(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The greedy pick of logits [V]: torch.argmax's token as a [1] int64 tensor on the logits'
-    device, from `_sampling_triton.argmax_blocks` on CUDA where ARGMAX_KERNEL and Triton are
-    there (nothing read on the host: a CUDA graph can hold it)."""
+    device (written into `out` where given: a decode step's next token, no copy), from
+    `_sampling_triton.argmax_blocks` on CUDA where ARGMAX_KERNEL and Triton are there (nothing
+    read on the host: a CUDA graph can hold it)."""
     kernels = _kernels()
     if ARGMAX_KERNEL and logits.is_cuda and kernels is not None:
-        return _argmax_cuda(kernels, logits.contiguous())
-    return torch.argmax(logits).reshape(1)  # [1]
+        return _argmax_cuda(kernels, logits.contiguous(), out)
+    return torch.argmax(logits, dim=0, keepdim=True, out=out)  # [1]
 
 
-def _argmax_cuda(kernels, logits: torch.Tensor) -> torch.Tensor:
+def _argmax_cuda(kernels, logits: torch.Tensor, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """`argmax_pick` by `kernels.argmax_blocks` (under Triton's interpreter on the CPU in
-    tests): [1] int64."""
+    tests): [1] int64, `out` where given."""
     n_tokens = logits.shape[0]
     n_blocks = -(-n_tokens // kernels.BLOCK)
     best = torch.empty(n_blocks, dtype=torch.float32, device=logits.device)
     ids = torch.empty((2, n_blocks), dtype=torch.int32, device=logits.device)  # best, first NaN
-    out = torch.empty(1, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(1, dtype=torch.int64, device=logits.device)
+    elif out.shape != (1,) or out.dtype != torch.int64 or out.device != logits.device:
+        raise ValueError(f"out must be one int64 [1] on {logits.device}, got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
     kernels.argmax_blocks[(n_blocks,)](logits, n_tokens, best, ids[0], ids[1],
                                        arrival_counts(logits.device), out, n_blocks,
                                        BLOCK=kernels.BLOCK,
