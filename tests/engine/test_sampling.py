@@ -369,3 +369,15 @@ def test_on_cuda_the_argmax_kernel_picks_torchs_token_eager_and_in_a_graph(monke
     for _ in range(2):
         graph.replay()
         assert picked.tolist() == want
+
+
+def test_a_pick_goes_into_the_tensor_given_and_is_the_same_token():
+    logits = case_logits(3000, "normal", 8)
+    for options in ({"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.95},
+                    {"temperature": 1.0, "top_k": 5}):
+        sampler = Sampler(**options, seed=3)
+        draws = [sampler.draw() for _ in range(5)]
+        out = torch.full((1,), -1, dtype=torch.int64)
+        for u in draws:
+            alone = sampler.pick(logits, u)
+            assert sampler.pick(logits, u, out=out) is out and torch.equal(out, alone)

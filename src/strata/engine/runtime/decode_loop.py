@@ -81,9 +81,8 @@ def _launch(step: Any, sampler: Sampler, position: int) -> torch.Tensor:
     logits = step.round(position)  # [V]
     if picks:
         return step.token
-    picked = sampler.pick(logits, u)  # [1], on the device
-    step.token.copy_(picked)  # the next round's input, written on the device
-    return picked
+    # The next round's input, written on the device straight into the step's token.
+    return sampler.pick(logits, u, out=step.token)  # [1]
 
 
 def decode_rounds(step: Any, sampler: Sampler, token: int, position: int, n_rounds: int, *,

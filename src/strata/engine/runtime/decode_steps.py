@@ -8,12 +8,12 @@ or a wrapper around the experts, a round replays graphs cut at the experts calls
 eagerly between them (`strata.engine.runtime.piecewise`). `decode_step` picks one.
 
 Staged, off: `GREEDY_PICK_IN_GRAPH`. Between two graph replays a greedy round runs, outside any
-graph, the pick (`sampling.argmax_pick`), the copy of the pick into the next round's token and
-the next position's fill: three launches the device waits on between the rounds. With the
-switch on, a step made for greedy rounds (`decode_step(greedy=True)`) captures them into its
-graphs: each replay ends with its pick written into `token` (no copy) and `position` moved on
-by one, so the loop launches the replay alone (`picks`). The tokens are the same (the same
-`sampling.argmax_pick`). bench/decode.py `--pick-in-graph` is the A/B.
+graph, the pick (`sampling.argmax_pick`, written into the next round's token) and the next
+position's fill: two launches the device waits on between the rounds. With the switch on, a
+step made for greedy rounds (`decode_step(greedy=True)`) captures them into its graphs: each
+replay ends with its pick written into `token` and `position` moved on by one, so the loop
+launches the replay alone (`picks`). The tokens are the same (the same `sampling.argmax_pick`).
+bench/decode.py `--pick-in-graph` is the A/B.
 """
 
 from __future__ import annotations

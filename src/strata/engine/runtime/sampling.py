@@ -115,16 +115,29 @@ def _kernels():
     return _sampling_triton
 
 
+def _pick_out(out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Where a kernel's pick goes: `out`, checked (one int64 [1] on `device`: ValueError
+    otherwise, before any launch), or a new tensor."""
+    if out is None:
+        return torch.empty(1, dtype=torch.int64, device=device)
+    if out.shape != (1,) or out.dtype != torch.int64 or out.device != device:
+        raise ValueError(f"out must be one int64 [1] on {device}, got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
+    return out
+
+
 def _race_pick_cuda(kernels, logits: torch.Tensor, temperature: float, top_p: float,
-                    top_k: int, keys: tuple[int, int]) -> torch.Tensor:
-    """`race_pick_torch`'s pick from `_sampling_triton`'s three kernels: [1] int64."""
+                    top_k: int, keys: tuple[int, int], out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """`race_pick_torch`'s pick from `_sampling_triton`'s three kernels: [1] int64, `out`
+    where given (`_pick_out`)."""
     n_tokens = logits.shape[0]
     n_blocks = -(-n_tokens // kernels.BLOCK)
     nb = 1 << max(n_blocks - 1, 0).bit_length()
     # The blocks' parts: largest s, sum, winner; mass before the winner and the next winner.
     floats = torch.empty((5, n_blocks), dtype=torch.float32, device=logits.device)
     ints = torch.empty((3, n_blocks), dtype=torch.int32, device=logits.device)
-    out = torch.empty(1, dtype=torch.int64, device=logits.device)
+    out = _pick_out(out, logits.device)
     race = torch.empty(n_tokens, dtype=torch.float32, device=logits.device)  # s + g [V]
     top, total, best, mass, next_best = floats
     best_id, count, next_id = ints
@@ -165,11 +178,7 @@ def _argmax_cuda(kernels, logits: torch.Tensor, out: torch.Tensor | None = None
     n_blocks = -(-n_tokens // kernels.BLOCK)
     best = torch.empty(n_blocks, dtype=torch.float32, device=logits.device)
     ids = torch.empty((2, n_blocks), dtype=torch.int32, device=logits.device)  # best, first NaN
-    if out is None:
-        out = torch.empty(1, dtype=torch.int64, device=logits.device)
-    elif out.shape != (1,) or out.dtype != torch.int64 or out.device != logits.device:
-        raise ValueError(f"out must be one int64 [1] on {logits.device}, got {out.dtype} "
-                         f"{list(out.shape)} on {out.device}")
+    out = _pick_out(out, logits.device)
     kernels.argmax_blocks[(n_blocks,)](logits, n_tokens, best, ids[0], ids[1],
                                        arrival_counts(logits.device), out, n_blocks,
                                        BLOCK=kernels.BLOCK,
@@ -222,15 +231,17 @@ class Sampler:
         with Triton."""
         return not self.greedy and logits.is_cuda and _kernels() is not None
 
-    def pick(self, logits: torch.Tensor, u: float | None) -> torch.Tensor:
+    def pick(self, logits: torch.Tensor, u: float | None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """The next token id from logits [V] and the step's draw `u` (`draw`), as a [1] int64
-        tensor on the logits' device. On CUDA with Triton nothing is read on the host, so a
+        tensor on the logits' device, written into `out` where given (a decode step's next
+        token: no copy after the pick). On CUDA with Triton nothing is read on the host, so a
         decode loop can feed it to the next round before it knows its value (without Triton,
         `race_pick_torch` reads each check)."""
         if logits.dim() != 1 or logits.shape[0] < 1:
             raise ValueError(f"logits must be 1-D and non-empty, got shape {list(logits.shape)}")
         if self.greedy:
-            return argmax_pick(logits)  # [1]
+            return argmax_pick(logits, out)  # [1]
         if not (isinstance(u, float) and 0.0 <= u < 1.0):
             raise ValueError(f"a sampled pick needs the step's draw u, a float in [0, 1) "
                              f"(Sampler.draw), got {u!r}")
@@ -238,5 +249,6 @@ class Sampler:
         top_k = self.top_k if self.top_k < logits.shape[0] else 0
         if self.uses_kernels(logits):
             return _race_pick_cuda(_kernels(), logits.contiguous(), self.temperature,
-                                   self.top_p, top_k, keys)
-        return race_pick_torch(logits, self.temperature, self.top_p, top_k, keys)
+                                   self.top_p, top_k, keys, out)
+        picked = race_pick_torch(logits, self.temperature, self.top_p, top_k, keys)
+        return picked if out is None else out.copy_(picked)
