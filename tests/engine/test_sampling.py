@@ -340,7 +340,7 @@ def test_the_greedy_pick_is_torchs_argmax_off_cuda(monkeypatch):
             int(torch.argmax(row))]
 
 
-def test_the_argmax_kernel_refuses_an_out_it_cannot_write_before_launching():
+def test_a_pick_refuses_an_out_it_cannot_write_before_launching():
     class Kernels:
         BLOCK = 1024
         argmax_blocks = None  # a launch would fail on it
@@ -349,6 +349,10 @@ def test_the_argmax_kernel_refuses_an_out_it_cannot_write_before_launching():
     for bad in (torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)):
         with pytest.raises(ValueError, match=r"out must be one int64 \[1\] on cpu"):
             sampling._argmax_cuda(Kernels, logits, bad)
+        for options in ({"temperature": 0.0}, {"temperature": 0.8}):  # torch's paths too
+            with pytest.raises(ValueError, match=r"out must be one int64 \[1\] on cpu"):
+                Sampler(**options).pick(logits, 0.5, out=bad)
+        assert bad.eq(0).all()  # nothing written
 
 
 @pytest.mark.cuda

@@ -116,8 +116,8 @@ def _kernels():
 
 
 def _pick_out(out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """Where a kernel's pick goes: `out`, checked (one int64 [1] on `device`: ValueError
-    otherwise, before any launch), or a new tensor."""
+    """Where a pick goes: `out`, checked (one int64 [1] on `device`: ValueError otherwise,
+    before anything is launched), or a new tensor."""
     if out is None:
         return torch.empty(1, dtype=torch.int64, device=device)
     if out.shape != (1,) or out.dtype != torch.int64 or out.device != device:
@@ -167,7 +167,7 @@ def argmax_pick(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     kernels = _kernels()
     if ARGMAX_KERNEL and logits.is_cuda and kernels is not None:
         return _argmax_cuda(kernels, logits.contiguous(), out)
-    return torch.argmax(logits, dim=0, keepdim=True, out=out)  # [1]
+    return torch.argmax(logits, dim=0, keepdim=True, out=_pick_out(out, logits.device))  # [1]
 
 
 def _argmax_cuda(kernels, logits: torch.Tensor, out: torch.Tensor | None = None
@@ -240,6 +240,8 @@ class Sampler:
         `race_pick_torch` reads each check)."""
         if logits.dim() != 1 or logits.shape[0] < 1:
             raise ValueError(f"logits must be 1-D and non-empty, got shape {list(logits.shape)}")
+        if out is not None:
+            _pick_out(out, logits.device)  # checked before anything runs
         if self.greedy:
             return argmax_pick(logits, out)  # [1]
         if not (isinstance(u, float) and 0.0 <= u < 1.0):
