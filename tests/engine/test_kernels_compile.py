@@ -36,6 +36,9 @@ OWN_TYPES = {
         "top_ptr": "*fp32", "sum_ptr": "*fp32", "best_ptr": "*fp32", "id_ptr": "*i32",
         "mass_ptr": "*fp32", "count_ptr": "*i32", "next_best_ptr": "*fp32",
         "next_id_ptr": "*i32", "out_ptr": "*i64"},
+    ("strata.engine.runtime._sampling_triton", "argmax_blocks"): {
+        "logits_ptr": "*fp32", "best_ptr": "*fp32", "best_id_ptr": "*i32",
+        "nan_id_ptr": "*i32", "out_ptr": "*i64"},
 }
 OPS, EXPERTS = "strata.engine.model._ops_triton", "strata.engine.experts"
 # (module, kernel) -> (constexprs, warps): olmoe-1b-7b's and qwen3-30b-a3b's decode shapes.
@@ -86,6 +89,7 @@ KERNELS = {
     ("strata.engine.runtime._sampling_triton", "race_pick"): (
         {"HAS_TOP_K": False, "CHECK_MASS": True, "BLOCK": 1024, "ROW_BLOCK": 4096, "NB": 64},
         16),
+    ("strata.engine.runtime._sampling_triton", "argmax_blocks"): ({"BLOCK": 1024, "NB": 64}, 4),
 }
 
 
