@@ -240,8 +240,6 @@ class Sampler:
         `race_pick_torch` reads each check)."""
         if logits.dim() != 1 or logits.shape[0] < 1:
             raise ValueError(f"logits must be 1-D and non-empty, got shape {list(logits.shape)}")
-        if out is not None:
-            _pick_out(out, logits.device)  # checked before anything runs
         if self.greedy:
             return argmax_pick(logits, out)  # [1]
         if not (isinstance(u, float) and 0.0 <= u < 1.0):
@@ -252,5 +250,7 @@ class Sampler:
         if self.uses_kernels(logits):
             return _race_pick_cuda(_kernels(), logits.contiguous(), self.temperature,
                                    self.top_p, top_k, keys, out)
+        if out is not None:  # checked before the pick runs, as the kernels' paths check it
+            out = _pick_out(out, logits.device)
         picked = race_pick_torch(logits, self.temperature, self.top_p, top_k, keys)
         return picked if out is None else out.copy_(picked)
