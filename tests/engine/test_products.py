@@ -48,14 +48,24 @@ def test_off_cuda_and_for_more_than_one_token_it_is_f_linear():
     assert torch.equal(products.linear(rows, weight), F.linear(rows, weight))
 
 
-def test_the_logits_take_linear_only_where_switched_on(monkeypatch):
+def test_the_logits_are_f_linear_widened_and_take_the_kernel_only_where_switched_on(
+        monkeypatch):
     x, weight, _ = _operands(24, 40, torch.bfloat16, seed=0)
+    want = F.linear(x, weight).float()
+    got = products.logits(x, weight)
+    assert got.dtype == torch.float32 and torch.equal(got, want)  # CPU: not taken
     taken = []
-    monkeypatch.setattr(products, "linear", lambda x, w: taken.append(w) or F.linear(x, w))
+
+    def kernel(x, w, *, out_dtype):
+        taken.append(out_dtype)
+        return F.linear(x, w).to(out_dtype)
+
+    monkeypatch.setattr(products, "takes", lambda x, w: True)
+    monkeypatch.setattr(products, "linear_one_triton", kernel)
     monkeypatch.setattr(products, "LOGITS_KERNEL", False)
-    assert torch.equal(products.logits(x, weight), F.linear(x, weight)) and not taken
+    assert torch.equal(products.logits(x, weight), want) and not taken
     monkeypatch.setattr(products, "LOGITS_KERNEL", True)
-    assert torch.equal(products.logits(x, weight), F.linear(x, weight)) and len(taken) == 1
+    assert torch.equal(products.logits(x, weight), want) and taken == [torch.float32]
 
 
 def test_takes_only_one_token_in_bf16_or_fp16_of_rows_it_can_hold(monkeypatch):
@@ -164,9 +174,11 @@ for seed, (n_out, k_in, dtype, bias, tile) in enumerate([
     x, weight, b = _operands(n_out, k_in, dtype, seed, bias)
     got = linear_one_triton(x, weight, b, tile_elements=tile)
     again = linear_one_triton(x, weight, b, tile_elements=tile)
+    wide = linear_one_triton(x, weight, b, tile_elements=tile, out_dtype=torch.float32)
     results.append({"shape": list(got.shape) == [1, n_out], "dtype": got.dtype == dtype,
                     "within": _within(got, x, weight, b),
-                    "same_bytes": torch.equal(got.view(torch.uint8), again.view(torch.uint8))})
+                    "same_bytes": torch.equal(got.view(torch.uint8), again.view(torch.uint8)),
+                    "widened": wide.dtype == torch.float32 and torch.equal(wide, got.float())})
 print(json.dumps(results))
 """
 
@@ -233,6 +245,8 @@ def test_on_cuda_the_kernel_is_the_product_at_the_presets_shapes(dtype):
         assert _within(got, x, weight, bias), (n_out, k_in)
         again = products.linear_one_triton(x, weight, bias)
         assert torch.equal(got.view(torch.int16), again.view(torch.int16))
+        wide = products.linear_one_triton(x, weight, bias, out_dtype=torch.float32)
+        assert torch.equal(wide, got.float())  # the logits' float32: rounded, then widened
         if _hopper():
             assert products.takes(x, weight)
             assert torch.equal(products.linear(x, weight, bias), got)

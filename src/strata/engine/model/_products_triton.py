@@ -21,8 +21,9 @@ def product_one(w_ptr, x_ptr, b_ptr, out_ptr, N, K, w_stride, HAS_BIAS: tl.const
     # output, waits (an exception to "wait first": tests/engine/test_dependent_launch.py
     # checks that nothing but w is read before it). Summed in float32 across the row in one
     # fixed order (deterministic), the bias added in float32, rounded once: F.linear's
-    # arithmetic up to the order of the sum. EVICT: the weight loads' eviction_policy
-    # (`cache_hints.PRODUCTS_EVICT_FIRST`).
+    # arithmetic up to the order of the sum. Rounded to x's dtype, then stored in out's (the
+    # logits' float32: F.linear's bytes widened, with no cast kernel after this one). EVICT:
+    # the weight loads' eviction_policy (`cache_hints.PRODUCTS_EVICT_FIRST`).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k = tl.arange(0, BLOCK_K)  # [BK]
     w = tl.load(w_ptr + n[:, None].to(tl.int64) * w_stride + k[None, :],
@@ -33,6 +34,7 @@ def product_one(w_ptr, x_ptr, b_ptr, out_ptr, N, K, w_stride, HAS_BIAS: tl.const
     y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    y = y.to(x_ptr.dtype.element_ty)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < N)
 
 

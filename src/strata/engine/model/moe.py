@@ -194,7 +194,7 @@ class MoEModel:
         elif last_only:
             x, delta = x[-1:], delta[-1:]  # [1, D] each
         _, x = add_rms_norm(x, delta, self.final_norm, self.config.rms_norm_eps)
-        return products.logits(x, self.lm_head).float()  # [T, V]
+        return products.logits(x, self.lm_head)  # [T, V] float32
 
 
 def runtime_dtype(cfg: ModelConfig, dtype: torch.dtype | None) -> torch.dtype:

@@ -119,9 +119,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The vocabulary's product x [T, D] @ weight [V, D]^T -> [T, V]: `linear` (the kernel for
-    one token where it `takes` it) where LOGITS_KERNEL, else `F.linear`."""
-    return linear(x, weight) if LOGITS_KERNEL else F.linear(x, weight)
+    """The vocabulary's product x [T, D] @ weight [V, D]^T -> [T, V] float32, each rounded to
+    x's dtype first, as `F.linear(x, weight).float()`. Where LOGITS_KERNEL and `takes` (one
+    token), by `linear_one_triton`, which stores the float32 itself: no cast kernel after it."""
+    if LOGITS_KERNEL and takes(x, weight):
+        return linear_one_triton(x, weight, out_dtype=torch.float32)
+    return F.linear(x, weight).float()
 
 
 def _check_one_token(name: str, x: torch.Tensor, weight: torch.Tensor,
@@ -142,19 +145,20 @@ def _check_one_token(name: str, x: torch.Tensor, weight: torch.Tensor,
 
 
 def linear_one_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      *, tile_elements: int | None = None, num_warps: int | None = None
-                      ) -> torch.Tensor:
+                      *, tile_elements: int | None = None, num_warps: int | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`linear` of one token x [1, K] by the kernel (under Triton's interpreter on the CPU in
     tests), launched as a dependent where `dependent_launch.kernel_options` says so.
     `tile_elements` (a power of two) and `num_warps` override the launch shape (TILE_ELEMENTS,
-    NUM_WARPS) for bench/decode_shapes.py's sweep."""
+    NUM_WARPS) for bench/decode_shapes.py's sweep. `out_dtype` (default x's) is the output's:
+    each value rounded to x's dtype first, then stored in it (the logits' float32)."""
     tile_elements = TILE_ELEMENTS if tile_elements is None else tile_elements
     num_warps = NUM_WARPS if num_warps is None else num_warps
     n_out, k_in = weight.shape
     _check_one_token("linear_one_triton", x, weight, bias, tile_elements)
     block_k = _block(k_in)
     block_n = max(1, tile_elements // block_k)
-    out = x.new_empty((1, n_out))  # [1, N]
+    out = x.new_empty((1, n_out), dtype=out_dtype)  # [1, N]
     if n_out:
         _kernels().product_one[(-(-n_out // block_n),)](
             weight, x, bias if bias is not None else weight, out, n_out, k_in,

@@ -39,6 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from strata.engine._dependent_triton import wait_for_prior
+
 # Tokens a program of steps 1 and 2 covers, and the fallback's step over the row (in the one
 # program of step 3, with ROW_WARPS warps). Fixed, not tuned: the blocks fix the order of the
 # sums, and so the bytes of a pick.
@@ -204,7 +206,8 @@ def race_pick(logits_ptr, race_ptr, V, temperature, top_p, top_k, top_values_ptr
 
 @triton.jit
 def argmax_blocks(logits_ptr, V, best_ptr, best_id_ptr, nan_id_ptr, arrived_ptr, out_ptr,
-                  n_blocks, BLOCK: tl.constexpr, NB: tl.constexpr):
+                  n_blocks, BLOCK: tl.constexpr, NB: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):
     # The greedy pick, torch.argmax's token, in one launch (`sampling.argmax_pick`). Program p,
     # over tokens [p * BLOCK, (p + 1) * BLOCK): its largest logit, the lowest id holding it and
     # the lowest id holding NaN (V where none), stored to best, best_id and nan_id [n_blocks].
@@ -212,6 +215,8 @@ def argmax_blocks(logits_ptr, V, best_ptr, best_id_ptr, nan_id_ptr, arrived_ptr,
     # stores) takes the lowest id holding NaN where there is one (torch counts NaN as the
     # largest), else the lowest id holding the largest logit, stores it to out [1] int64, and
     # sets arrived[0] back to 0. Minima and maxima: the same token whichever program is last.
+    # As a dependent (USE_PDL) it is set up while the logits' product finishes.
+    wait_for_prior(USE_PDL)
     p = tl.program_id(0)
     ids = p * BLOCK + tl.arange(0, BLOCK)
     inside = ids < V

@@ -17,7 +17,8 @@ that inverse CDF needed cost more than the rest of the pick together. Elsewhere 
 
 A greedy step is `argmax_pick`: torch.argmax (the lowest id among the largest logits, NaN
 counted as the largest). Staged, off: `ARGMAX_KERNEL`, the same token on CUDA from one Triton
-launch (`_sampling_triton.argmax_blocks`) instead of torch's reduction, which took 12.7 us of
+launch (`_sampling_triton.argmax_blocks`, a dependent of the logits' product where the GPU has
+programmatic dependent launch) instead of torch's reduction, which took 12.7 us of
 device time a pick at a 50,304-token vocabulary on the H200 (bench/results/
 sampling-race-h200-2026-12-03.md), 1.5% of olmoe-1b-7b's round; bench/decode.py
 `--argmax-kernel` is its A/B, bench/sampling.py's row "pick greedy kernel graph" its time.
@@ -36,6 +37,7 @@ import math
 
 import torch
 
+from strata.engine import dependent_launch
 from strata.engine.model.routing_ops import arrival_counts
 
 __all__ = ["ARGMAX_KERNEL", "HASH_MULTIPLIER", "Sampler", "argmax_pick", "gumbel_noise",
@@ -182,7 +184,8 @@ def _argmax_cuda(kernels, logits: torch.Tensor, out: torch.Tensor | None = None
     kernels.argmax_blocks[(n_blocks,)](logits, n_tokens, best, ids[0], ids[1],
                                        arrival_counts(logits.device), out, n_blocks,
                                        BLOCK=kernels.BLOCK,
-                                       NB=1 << max(n_blocks - 1, 0).bit_length())
+                                       NB=1 << max(n_blocks - 1, 0).bit_length(),
+                                       **dependent_launch.kernel_options(logits.device))
     return out
 
 
