@@ -64,7 +64,8 @@
 # decode16-ahead (2: the default path alone, greedy, greedy with each round's token read
 # before the next is launched, greedy with the pick on the other side of the graph
 # (`--pick-in-graph`), greedy with the other argmax (`--argmax-kernel`), and with `strata
-# generate`'s sampling), decode-shapes-sampling
+# generate`'s sampling), decode16-picks (1.5: the default greedy, the pick in the graph and the
+# other argmax alone, under PICKS_TIMEOUT seconds, default 200), decode-shapes-sampling
 # (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to 2, one JSON object a
 # line in decode-shapes-sampling.jsonl),
 # profile-decode (1.5: the profile stage's decode rounds and prompt
@@ -563,6 +564,12 @@ for stage in "$@"; do
                  --new-tokens 64 --repeat 5 --plain-loop --pick-in-graph --argmax-kernel \
                  --cli-sampling --no-transformers --json) > "$OUT/decode16-ahead.json" 2> "$OUT/decode16-ahead.err"
               tail -2 "$OUT/decode16-ahead.err" ;;
+    decode16-picks) # decode16-ahead's greedy A/Bs alone: the pick in the graph, the other argmax
+              (cd bench && timeout "${PICKS_TIMEOUT:-200}" python3 decode.py \
+                 --model "$(olmoe_checkpoint)" --new-tokens 64 --repeat 5 --pick-in-graph \
+                 --argmax-kernel --no-transformers --json) > "$OUT/decode16-picks.json" \
+                 2> "$OUT/decode16-picks.err"
+              tail -2 "$OUT/decode16-picks.err" ;;
     decode-shapes-sampling) # the default path, greedy and with the CLI's sampling, on the cuts
               for shape in "qwen3-30b-a3b --layers 4" "mixtral-8x7b --layers 2"; do
                 (cd bench && timeout 150 python3 decode.py --preset $shape --new-tokens 64 \
