@@ -77,16 +77,16 @@ NUM_WARPS = 4
 # olmoe's round 1.026x the two kernels' (bench/results/norm-product-h200-2026-12-05.md).
 NORM_PRODUCT_KERNEL = True
 NORM_TILE_ELEMENTS = 16384
-# `linear_add_norm_route`'s kernel on or off (off: `linear`, then `ops.add_norm_router_route`),
-# and its launch shape: at least ROUTE_TILE_ELEMENTS weight elements a program, and rows
-# enough that the programs' parts of the logits, which its last program sums, are at most
-# ROUTE_PARTS floats; a shape past MAX_ROUTE_TILE elements a program takes the two kernels.
 # Staged, off: `norm_logits`' one kernel (the final norm inside the logits' product), and its
 # weight elements a program: every program norms the whole row again, so the vocabulary's
 # product takes fewer, larger programs than q/k/v's. bench/decode_profile.py's row "the final
 # norm inside the logits' kernel" is its A/B.
 NORM_LOGITS_KERNEL = False
 NORM_LOGITS_TILE_ELEMENTS = 32768
+# `linear_add_norm_route`'s kernel on or off (off: `linear`, then `ops.add_norm_router_route`),
+# and its launch shape: at least ROUTE_TILE_ELEMENTS weight elements a program, and rows
+# enough that the programs' parts of the logits, which its last program sums, are at most
+# ROUTE_PARTS floats; a shape past MAX_ROUTE_TILE elements a program takes the two kernels.
 PRODUCT_ROUTE_KERNEL = True
 ROUTE_TILE_ELEMENTS = 16384
 ROUTE_PARTS = 16384
