@@ -197,11 +197,6 @@ def test_compiled_for_hopper_the_products_kernel_loads_its_weights_before_the_wa
                         {"eps": "fp32"}, num_warps=8)
     before, after = _loads_around_the_wait(fused)  # 4 x 2048 bf16 over 256 threads: the same
     assert before == 4 and after >= 3  # then x's, delta's and the norm weight's
-    gathered = _hopper_ptx(_products_triton.add_norm_product_one,
-                           {"HAS_DELTA": False, "HAS_BIAS": False, "BLOCK_N": 4,
-                            "BLOCK_K": 2048, "GATHER": True}, {"eps": "fp32"}, num_warps=8)
-    before, after = _loads_around_the_wait(gathered)  # the first layer's: the same weights
-    assert before == 4 and after >= 3  # then the token's id, its row and the norm weight
     norm = _hopper_ptx(_ops_triton.add_rms_norm, {"HAS_DELTA": True, "BLOCK_D": 2048},
                        {"eps": "fp32"}, num_warps=8)
     assert _loads_around_the_wait(norm)[0] == 0

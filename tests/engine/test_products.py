@@ -174,35 +174,6 @@ def test_add_norm_linear_takes_the_kernel_only_where_linear_would(monkeypatch):
     assert (len(fused), len(unfused)) == (1, 4)
 
 
-def test_the_first_layers_embedding_is_gathered_by_the_kernel_only_where_switched_on(
-        monkeypatch):
-    """`Embedded` rows: off CUDA F.embedding's rows, then the norm and the product; where the
-    kernel would run, one token's row is read by it (`ids` given), unless EMBED_IN_PRODUCT is
-    off or there are two tokens: then the rows are gathered first."""
-    table, weight, _ = _operands(24, 40, torch.bfloat16, seed=8)
-    table = torch.cat([table * i for i in range(1, 6)])  # [5, 40]
-    norm = torch.rand(40, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
-    one, two = products.Embedded(table, torch.tensor([3])), products.Embedded(
-        table, torch.tensor([4, 0]))
-    for embedded in (one, two):
-        h, y = products.add_norm_linear(embedded, None, norm, 1e-6, weight)
-        want_h, normed = ops.add_rms_norm(table[embedded.ids], None, norm, 1e-6)
-        assert torch.equal(h, want_h) and torch.equal(y, F.linear(normed, weight))
-    taken = []
-
-    def kernel(x, delta, norm_weight, eps, w, b=None, *, ids=None):
-        taken.append(None if ids is None else ids.tolist())
-        return x, x
-
-    monkeypatch.setattr(products, "add_norm_linear_triton", kernel)
-    monkeypatch.setattr(products, "takes", lambda x, weight: x.shape[0] == 1)
-    products.add_norm_linear(one, None, norm, 1e-6, weight)
-    products.add_norm_linear(two, None, norm, 1e-6, weight)  # gathered: `linear`'s F.linear
-    monkeypatch.setattr(products, "EMBED_IN_PRODUCT", False)
-    products.add_norm_linear(one, None, norm, 1e-6, weight)  # gathered, then the kernel
-    assert taken == [[3], None]
-
-
 def test_add_norm_linear_refuses_bad_operands_by_name():
     x, weight, _ = _operands(8, 64, torch.float32, seed=7)
     norm = torch.ones(64)
@@ -217,18 +188,6 @@ def test_add_norm_linear_refuses_bad_operands_by_name():
         products.add_norm_linear_triton(x, None, torch.ones(128)[::2], 1e-6, weight)
     with pytest.raises(ValueError, match=r"bias must be \[8\], got \[7\]"):
         products.add_norm_linear_triton(x, None, norm, 1e-6, weight, torch.zeros(7))
-    table, ids = torch.zeros(5, 64), torch.tensor([3])
-    with pytest.raises(ValueError, match=r"with ids, x is a table \[V, 64\] and ids \[1\] int64.*"
-                                         r"got x \[5, 64\], ids \[2\] torch.int64"):
-        products.add_norm_linear_triton(table, None, norm, 1e-6, weight, ids=torch.tensor([1, 2]))
-    with pytest.raises(ValueError, match=r"ids \[1\] torch.int32"):
-        products.add_norm_linear_triton(table, None, norm, 1e-6, weight, ids=ids.int())
-    with pytest.raises(ValueError, match="delta given"):
-        products.add_norm_linear_triton(table, table[:1], norm, 1e-6, weight, ids=ids)
-    with pytest.raises(ValueError, match=r"got x \[0, 64\]"):
-        products.add_norm_linear_triton(table[:0], None, norm, 1e-6, weight, ids=ids)
-    with pytest.raises(ValueError, match=r"one token x \[1, K\].*got x \[1, 32\]"):
-        products.add_norm_linear_triton(table[:, :32], None, norm, 1e-6, weight, ids=ids)
 
 
 _INTERPRETED = r"""
@@ -283,20 +242,6 @@ for seed, (n_out, k_in, dtype, delta, bias, tile) in enumerate([
                     "product": torch.equal(got, want),
                     "widened": wide.dtype == torch.float32 and torch.equal(wide, got.float()),
                     "same_bytes": torch.equal(got.view(torch.uint8), again.view(torch.uint8))})
-for seed, (n_rows, n_out, k_in, dtype, bias, tile, row) in enumerate([
-        (9, 37, 96, torch.float32, False, 256, 4),   # a row inside a table
-        (3, 5, 2048, torch.float16, True, None, 2),  # the last row; one program
-        (4, 33, 40, torch.bfloat16, False, 16, 4),   # past the table: a row of zeros
-        (4, 8, 40, torch.bfloat16, False, 16, -1)]): # before it: the same
-    table = torch.cat([_operands(1, k_in, dtype, seed + 20 + i)[0] for i in range(n_rows)])
-    weight, b = _operands(n_out, k_in, dtype, seed, bias)[1:]
-    norm = torch.rand(k_in, generator=torch.Generator().manual_seed(seed)).to(dtype) + 0.5
-    token = table[row:row + 1] if 0 <= row < n_rows else torch.zeros(1, k_in, dtype=dtype)
-    h, got = add_norm_linear_triton(table, None, norm, 1e-6, weight, b, tile_elements=tile,
-                                    ids=torch.tensor([row]))
-    want = add_norm_linear_triton(token, None, norm, 1e-6, weight, b, tile_elements=tile)[1]
-    results.append({"gathered_h": torch.equal(h, token) and h is not table,
-                    "gathered_product": torch.equal(got, want)})
 print(json.dumps(results))
 """
 
@@ -304,14 +249,13 @@ print(json.dumps(results))
 @pytest.mark.parametrize("script", ["product", "norm and product"])
 def test_the_kernels_under_the_interpreter(script):
     """The product kernel is the product in float64 (within float32's summing error); the
-    norm and product kernel is the norm's kernel, then the product's, to the bit, and with
-    `ids` its own bytes on the table's row (a row of zeros for an id outside the table)."""
+    norm and product kernel is the norm's kernel, then the product's, to the bit."""
     pytest.importorskip("triton")
     import os
 
-    results = run_interpreted({"product": _INTERPRETED, "norm and product": _INTERPRETED_NORM
-                               }[script], os.path.dirname(__file__))
-    assert len(results) == {"product": 5, "norm and product": 9}[script]
+    script = {"product": _INTERPRETED, "norm and product": _INTERPRETED_NORM}[script]
+    results = run_interpreted(script, os.path.dirname(__file__))
+    assert len(results) == 5
     for result in results:
         assert all(result.values()), result
 
@@ -386,9 +330,8 @@ def test_on_cuda_as_a_dependent_it_reads_the_token_the_kernel_before_wrote(monke
 @pytest.mark.cuda
 def test_on_cuda_the_norm_and_product_kernel_is_the_two_kernels_bytes():
     """At the presets' q/k/v shapes: h is `add_rms_norm`'s and the product is the product
-    kernel's at the same tile and warps, to the bit; the same bytes call to call; a table's
-    row read by the kernel (`ids`, the first layer's embedding) gives the row's own bytes; and
-    where `takes`, `add_norm_linear` is the kernel."""
+    kernel's at the same tile and warps, to the bit; the same bytes call to call; and where
+    `takes`, `add_norm_linear` is the kernel."""
     for seed, (n_out, k_in) in enumerate(SHAPES[::2][:3]):  # olmoe's, qwen3's, mixtral's qkv
         x, weight, bias = (t.cuda() if t is not None else None
                            for t in _operands(n_out, k_in, torch.bfloat16, seed, seed % 2 == 1))
@@ -403,18 +346,9 @@ def test_on_cuda_the_norm_and_product_kernel_is_the_two_kernels_bytes():
         assert torch.equal(h, want_h) and torch.equal(got, want), (n_out, k_in)
         again = products.add_norm_linear_triton(x, delta, norm, 1e-6, weight, bias)
         assert torch.equal(again[1].view(torch.int16), got.view(torch.int16))
-        table = torch.cat((torch.randn(40, k_in, device="cuda").to(torch.bfloat16), x))
-        ids = torch.tensor([40], device="cuda")  # x, the table's last row
-        gathered = products.add_norm_linear_triton(table, None, norm, 1e-6, weight, bias,
-                                                   ids=ids)
-        alone = products.add_norm_linear_triton(x, None, norm, 1e-6, weight, bias)
-        assert torch.equal(gathered[0], x) and torch.equal(gathered[1], alone[1])
         if _hopper():
             fused = products.add_norm_linear(x, delta, norm, 1e-6, weight, bias)
             assert torch.equal(fused[0], h) and torch.equal(fused[1], got)
-            first = products.add_norm_linear(products.Embedded(table, ids), None, norm, 1e-6,
-                                             weight, bias)
-            assert torch.equal(first[0], x) and torch.equal(first[1], alone[1])
 
 
 @pytest.mark.cuda

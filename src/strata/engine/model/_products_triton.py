@@ -39,22 +39,18 @@ def product_one(w_ptr, x_ptr, b_ptr, out_ptr, N, K, w_stride, HAS_BIAS: tl.const
 
 
 @triton.jit
-def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_ptr, ids_ptr,
-                         N, K, V, eps, w_stride, x_stride, HAS_DELTA: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GATHER: tl.constexpr = False, EVICT: tl.constexpr = "",
-                         USE_PDL: tl.constexpr = False):
+def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_ptr, N, K,
+                         eps, w_stride, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
     # `add_rms_norm` of one token, then `product_one` of its norm, in one launch. Program p:
     # its BLOCK_N weight rows loaded before the wait (as `product_one`'s), then the token's
     # whole row h = x + delta [K] and its norm, which every program computes alike (the same
     # loads, the same order of squares: launched with `op_kernels.NORM_WARPS` warps, the bytes
-    # of `add_rms_norm`'s norm), and out[n] = w[n, :] . norm (+ b[n]) for its rows. GATHER: x
-    # is a table [V, K] (the embedding) and the token its row ids[0], read after the wait
-    # (the step before wrote it); an id outside [0, V) reads as a row of zeros, never past
-    # the table. Program 0 stores h (the residual stream the layer goes on with; without a
-    # delta or a gather h is x and nothing is stored); nothing here reads it back. The norm
-    # is never stored: only this product reads it. out[n] is rounded to x's dtype, then
-    # stored in out's (`product_one`'s).
+    # of `add_rms_norm`'s norm), and out[n] = w[n, :] . norm (+ b[n]) for its rows. Program 0
+    # stores h (the residual stream the layer goes on with; without a delta h is x and nothing
+    # is stored); nothing here reads it back. The norm is never stored: only this product
+    # reads it. out[n] is rounded to x's dtype, then stored in out's (`product_one`'s).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k = tl.arange(0, BLOCK_K)  # [BK]
     k_in = k < K
@@ -62,14 +58,8 @@ def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_
                 mask=(n < N)[:, None] & k_in[None, :], other=0.0,
                 eviction_policy=EVICT)  # [BN, BK]
     wait_for_prior(USE_PDL)
-    if GATHER:
-        row = tl.load(ids_ptr).to(tl.int64)
-        # where, not `&`: a block's mask `&` a scalar's is not a mask under the interpreter
-        row_in = tl.where((row >= 0) & (row < V), k_in, False)  # [BK]
-        h = _residual_sum(x_ptr, delta_ptr, row, x_stride, 0, k, row_in, HAS_DELTA)  # [BK]
-    else:
-        h = _residual_sum(x_ptr, delta_ptr, 0, 0, 0, k, k_in, HAS_DELTA)  # [BK]
-    if (HAS_DELTA or GATHER) and tl.program_id(0) == 0:
+    h = _residual_sum(x_ptr, delta_ptr, 0, 0, 0, k, k_in, HAS_DELTA)  # [BK]
+    if HAS_DELTA and tl.program_id(0) == 0:
         tl.store(h_ptr + k, h, mask=k_in)
     normed = _normed(h, _rstd(h, K, eps), norm_w_ptr, k, k_in, x_ptr.dtype.element_ty)
     y = tl.sum(w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)  # [BN]

@@ -281,17 +281,15 @@ class DecoderLayer:
 
     def forward(
         self,
-        x: torch.Tensor | products.Embedded,
+        x: torch.Tensor,
         delta: torch.Tensor | None,
         spans: list[AttentionSpan],
         cells: LayerCells,
         experts: Experts,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream x [T, D] and what the layer before adds to it, delta [T, D] (None
-        for the first layer, whose x is the tokens' `products.Embedded` rows, gathered inside
-        q/k/v's kernel for a decode step's token on CUDA, else first) -> this layer's (stream,
-        delta): the sum x + delta is left to the next norm (`add_rms_norm`: one kernel for
-        both on CUDA; with one attention call
+        for the first layer) -> this layer's (stream, delta): the sum x + delta is left to the
+        next norm (`add_rms_norm`: one kernel for both on CUDA; with one attention call
         `products.add_norm_linear`, the norm inside q/k/v's product for a decode step's token
         on CUDA). Attention span by span, in order (a span attends the K/V the spans before it
         wrote), then the MoE over all T tokens at once: its sum, norm and routing one op
@@ -309,8 +307,6 @@ class DecoderLayer:
                 out, attn.wo, attn.bo, x, self.mlp_norm, self.eps, moe.router, moe.top_k,
                 moe.normalize)  # [T, D] each, then [T, K] each
             return h, moe.forward_routed(normed, ids, weights, experts)
-        if isinstance(x, products.Embedded):
-            x = x.gather()  # [T, D]
         x, normed = add_rms_norm(x, delta, self.attn_norm, self.eps)  # [T, D] each
         qkvs = [products.linear(normed[span.rows], attn.wqkv, attn.bqkv) for span in spans]
         attended = torch.cat([

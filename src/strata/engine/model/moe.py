@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from strata.engine.experts import Experts, ExpertStore, ResidentExperts
 from strata.engine.model import families, products
@@ -181,7 +182,7 @@ class MoEModel:
         self, token_ids: torch.Tensor, spans: list[AttentionSpan], kv: KVCells, last_only: bool,
         logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = products.Embedded(self.embed, token_ids)  # [T, D], gathered by the first layer
+        x = F.embedding(token_ids, self.embed)  # [T, D]
         delta = None  # what the last layer adds to x, left to the next norm
         for layer in self.layers:
             x, delta = layer.forward(x, delta, spans, kv.layer(layer.layer), self.experts)

@@ -43,7 +43,6 @@ logits by cuBLAS" is the A/B.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +54,10 @@ from strata.engine.model.op_kernels import block as _block
 from strata.engine.model.ops import MAX_KERNEL_WIDTH, add_norm_router_route, add_rms_norm
 from strata.engine.model.routing_ops import arrival_counts
 
-__all__ = ["EMBED_IN_PRODUCT", "LOGITS_KERNEL", "MAX_K", "NORM_LOGITS_KERNEL",
-           "NORM_PRODUCT_KERNEL", "PRODUCT_KERNEL", "PRODUCT_ROUTE_KERNEL", "Embedded",
-           "add_norm_linear", "add_norm_linear_triton", "linear", "linear_add_norm_route",
-           "linear_add_norm_route_triton", "linear_one_triton", "logits", "norm_logits",
-           "takes"]
+__all__ = ["LOGITS_KERNEL", "MAX_K", "NORM_LOGITS_KERNEL", "NORM_PRODUCT_KERNEL",
+           "PRODUCT_KERNEL", "PRODUCT_ROUTE_KERNEL", "add_norm_linear", "add_norm_linear_triton",
+           "linear", "linear_add_norm_route", "linear_add_norm_route_triton",
+           "linear_one_triton", "logits", "norm_logits", "takes"]
 
 PRODUCT_KERNEL = True
 LOGITS_KERNEL = True
@@ -79,10 +77,6 @@ NUM_WARPS = 4
 # olmoe's round 1.026x the two kernels' (bench/results/norm-product-h200-2026-12-05.md).
 NORM_PRODUCT_KERNEL = True
 NORM_TILE_ELEMENTS = 16384
-# The first layer's `add_norm_linear` kernel reads its token's embedding row from the table
-# itself (`Embedded`): one launch a round fewer, F.embedding's, the same bytes. Off:
-# F.embedding first (bench/decode_profile.py's row "the embedding gathered by its own kernel").
-EMBED_IN_PRODUCT = True
 # Staged, off: `norm_logits`' one kernel (the final norm inside the logits' product), and its
 # weight elements a program: every program norms the whole row again, so the vocabulary's
 # product takes fewer, larger programs than q/k/v's. bench/decode_profile.py's row "the final
@@ -97,19 +91,6 @@ PRODUCT_ROUTE_KERNEL = True
 ROUTE_TILE_ELEMENTS = 16384
 ROUTE_PARTS = 16384
 MAX_ROUTE_TILE = 65536
-
-
-class Embedded(NamedTuple):
-    """Tokens' embedding rows not gathered yet: the rows ids [T] int64 of table [V, D]. The
-    first layer's `add_norm_linear` reads a decode step's row inside its kernel (where
-    EMBED_IN_PRODUCT); every other reader takes `gather()` first."""
-
-    table: torch.Tensor  # [V, D]
-    ids: torch.Tensor  # [T] int64
-
-    def gather(self) -> torch.Tensor:
-        """The rows [T, D]: F.embedding's."""
-        return F.embedding(self.ids, self.table)
 
 
 @functools.cache
@@ -209,20 +190,12 @@ def linear_one_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out
 
 
-def add_norm_linear(x: torch.Tensor | Embedded, delta: torch.Tensor | None,
-                    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, linear(weight * norm(h), weight, bias)) for h = x + delta, x and delta [T, K]
     (delta None: h = x), norm_weight [K], weight [N, K]: `ops.add_rms_norm`, then `linear`,
-    as one kernel where `linear` would run its kernel and NORM_PRODUCT_KERNEL is on. x may be
-    `Embedded` (the first layer's, delta None): one token's row is read by that kernel where
-    EMBED_IN_PRODUCT, else the rows are gathered first."""
-    if isinstance(x, Embedded):
-        if EMBED_IN_PRODUCT and NORM_PRODUCT_KERNEL and delta is None \
-                and x.ids.shape == (1,) and takes(x.table[:1], weight):
-            return add_norm_linear_triton(x.table, None, norm_weight, eps, weight, bias,
-                                          ids=x.ids)
-        x = x.gather()  # [T, K]
+    as one kernel where `linear` would run its kernel and NORM_PRODUCT_KERNEL is on."""
     if NORM_PRODUCT_KERNEL and takes(x, weight) and _takes_delta(x, delta):
         return add_norm_linear_triton(x, delta, norm_weight, eps, weight, bias)
     h, normed = add_rms_norm(x, delta, norm_weight, eps)  # [T, K] each
@@ -240,29 +213,17 @@ def add_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor | None,
                            norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                            bias: torch.Tensor | None = None, *,
                            tile_elements: int | None = None, num_warps: int | None = None,
-                           out_dtype: torch.dtype | None = None, ids: torch.Tensor | None = None
+                           out_dtype: torch.dtype | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_norm_linear` of one token x [1, K] by its kernel (under Triton's interpreter on the
     CPU in tests), launched as a dependent where `dependent_launch.kernel_options` says so.
     `tile_elements` and `num_warps` override NORM_TILE_ELEMENTS and NORM_WARPS (a test's
     comparison at other warps, a benchmark's sweep); `out_dtype` (default x's) is the
-    product's, each value rounded to x's dtype first (`norm_logits`' float32). `ids` [1] int64
-    on x's device (delta None): x is a table [V, K] and the token its row ids[0], read by the
-    kernel (an id outside [0, V) as a row of zeros: callers check ids, as
-    `generate.check_prompt` does); h is then that row, stored."""
+    product's, each value rounded to x's dtype first (`norm_logits`' float32)."""
     tile_elements = NORM_TILE_ELEMENTS if tile_elements is None else tile_elements
     num_warps = NORM_WARPS if num_warps is None else num_warps
     n_out, k_in = weight.shape
-    if ids is not None:
-        if delta is not None or ids.shape != (1,) or ids.dtype != torch.int64 \
-                or ids.device != x.device or x.dim() != 2 or not len(x):
-            raise ValueError(f"with ids, x is a table [V, {k_in}] and ids [1] int64 on its "
-                             f"device, with no delta; got x {list(x.shape)}, ids "
-                             f"{list(ids.shape)} {ids.dtype} on {ids.device}, delta "
-                             f"{'given' if delta is not None else 'None'}")
-        _check_one_token("add_norm_linear_triton", x[:1], weight, bias, tile_elements)
-    else:
-        _check_one_token("add_norm_linear_triton", x, weight, bias, tile_elements)
+    _check_one_token("add_norm_linear_triton", x, weight, bias, tile_elements)
     if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype
                               or delta.stride(1) != 1):
         raise ValueError(f"delta must be x's shape [1, {k_in}] and dtype {x.dtype} with a "
@@ -271,19 +232,16 @@ def add_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor | None,
         raise ValueError(f"norm_weight must be a contiguous [{k_in}], got "
                          f"{list(norm_weight.shape)} with strides {list(norm_weight.stride())}")
     if not n_out:  # no program would store h
-        token = x if ids is None else F.embedding(ids, x)  # [1, K]
-        return (add_rms_norm(token, delta, norm_weight, eps)[0],
-                x.new_empty((1, 0), dtype=out_dtype))
+        return add_rms_norm(x, delta, norm_weight, eps)[0], x.new_empty((1, 0), dtype=out_dtype)
     block_k = _block(k_in)
     block_n = max(1, tile_elements // block_k)
-    h = x if delta is None and ids is None else x.new_empty((1, k_in))  # [1, K]
+    h = x if delta is None else torch.empty_like(x)  # [1, K]
     out = x.new_empty((1, n_out), dtype=out_dtype)  # [1, N]
     _kernels().add_norm_product_one[(-(-n_out // block_n),)](
         x, delta if delta is not None else x, norm_weight, h, weight,
-        bias if bias is not None else weight, out, ids if ids is not None else x, n_out, k_in,
-        len(x), eps, weight.stride(0), x.stride(0), HAS_DELTA=delta is not None,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=ids is not None,
-        EVICT=cache_hints.products_eviction(), num_warps=num_warps,
+        bias if bias is not None else weight, out, n_out, k_in, eps, weight.stride(0),
+        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, EVICT=cache_hints.products_eviction(), num_warps=num_warps,
         **dependent_launch.kernel_options(x.device))
     return h, out
 
