@@ -19,8 +19,7 @@ by cuBLAS instead of the kernel that reads its weights before its wait
 (`products.PRODUCT_KERNEL`), with each layer's first norm as `add_rms_norm` before q/k/v's
 product instead of inside its kernel (`products.NORM_PRODUCT_KERNEL`), with no weight load
 marked evict_first for L2 (`cache_hints`), with the logits' product by cuBLAS instead of that
-kernel (`products.LOGITS_KERNEL`), with the final norm inside the logits' kernel (the staged
-`products.NORM_LOGITS_KERNEL` switched on), two bounds rather than A/Bs (no routing after the
+kernel (`products.LOGITS_KERNEL`), two bounds rather than A/Bs (no routing after the
 output product, the routing fixed; no short attention kernel: what either costs the round,
 with wrong logits; a third, the experts' bytes read by one kernel: what running gate_up and
 down as two kernels with a sum costs), `--compile`'s (compiled with the experts' Triton kernels as
@@ -309,8 +308,6 @@ def main(argv: list[str] | None = None) -> int:
                               step_of(True), "hints"))
                 steps.append(("decode, CUDA graph, the logits by cuBLAS", step_of(True),
                               "logits"))
-                steps.append(("decode, CUDA graph, the final norm inside the logits' kernel "
-                              "(staged)", step_of(True), "+norm-logits"))
                 # Two bounds, not A/Bs (the logits are wrong): what a round would gain if a
                 # layer's routing (its norm and router, after the output product) or its short
                 # attention cost nothing.
@@ -350,7 +347,6 @@ def main(argv: list[str] | None = None) -> int:
                 "hints": ((cache_hints, "EXPERTS_EVICT_FIRST", False),
                           (cache_hints, "PRODUCTS_EVICT_FIRST", False)),
                 "logits": ((products, "LOGITS_KERNEL", False),),
-                "+norm-logits": ((products, "NORM_LOGITS_KERNEL", True),),
                 "no-router": ((products, "linear_add_norm_route",
                                fixed_routing(config, device)),),
                 "top-k-rounds": ((routing_ops, "TOP_K_BY_RANK", False),),

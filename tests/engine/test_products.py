@@ -6,7 +6,7 @@ shapes, its bytes the same call to call, replayed from a CUDA graph and launched
 of a kernel that writes its token (a program that read the token before its wait would not).
 The same for `add_norm_linear`, the norm and the product in one kernel: the bytes of
 `ops.add_rms_norm` then the product's kernel at the same launch shape; and for the logits
-(`logits`, `norm_logits`), stored in float32 by the kernels: their bytes widened."""
+(`logits`), stored in float32 by the kernel: its bytes widened."""
 
 from __future__ import annotations
 
@@ -67,37 +67,6 @@ def test_the_logits_are_f_linear_widened_and_take_the_kernel_only_where_switched
     assert torch.equal(products.logits(x, weight), want) and not taken
     monkeypatch.setattr(products, "LOGITS_KERNEL", True)
     assert torch.equal(products.logits(x, weight), want) and taken == [torch.float32]
-
-
-def test_norm_logits_take_one_kernel_only_where_switched_on_and_the_parts_would(monkeypatch):
-    x, weight, _ = _operands(24, 40, torch.bfloat16, seed=0)
-    delta = _operands(1, 40, torch.bfloat16, seed=1)[0]
-    norm = torch.rand(40, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    want = products.logits(ops.add_rms_norm(x, delta, norm, 1e-6)[1], weight)
-    assert torch.equal(products.norm_logits(x, delta, norm, 1e-6, weight), want)  # CPU
-    taken = []
-
-    def kernel(x, delta, norm_weight, eps, w, *, tile_elements, out_dtype):
-        taken.append((tile_elements, out_dtype))
-        return None, products.logits(ops.add_rms_norm(x, delta, norm_weight, eps)[1], w)
-
-    monkeypatch.setattr(products, "takes", lambda x, w: True)
-    monkeypatch.setattr(products, "linear_one_triton",
-                        lambda x, w, *, out_dtype: F.linear(x, w).to(out_dtype))
-    monkeypatch.setattr(products, "add_norm_linear_triton", kernel)
-    assert torch.equal(products.norm_logits(x, delta, norm, 1e-6, weight), want)
-    assert not taken  # staged: off by default
-    monkeypatch.setattr(products, "NORM_LOGITS_KERNEL", True)
-    for switch in ("NORM_PRODUCT_KERNEL", "LOGITS_KERNEL"):  # either part's kernel off
-        monkeypatch.setattr(products, switch, False)
-        products.norm_logits(x, delta, norm, 1e-6, weight)
-        monkeypatch.setattr(products, switch, True)
-    strided = torch.stack((delta, delta), dim=2)[..., 0]  # delta's values, a strided row
-    assert torch.equal(products.norm_logits(x, strided, norm, 1e-6, weight), want)
-    assert not taken
-    assert torch.equal(products.norm_logits(x, delta, norm, 1e-6, weight), want)
-    products.norm_logits(x, None, norm, 1e-6, weight)
-    assert taken == [(products.NORM_LOGITS_TILE_ELEMENTS, torch.float32)] * 2
 
 
 def test_takes_only_one_token_in_bf16_or_fp16_of_rows_it_can_hold(monkeypatch):
@@ -236,11 +205,8 @@ for seed, (n_out, k_in, dtype, delta, bias, tile) in enumerate([
     want_h, normed = add_rms_norm_triton(x, d, norm, 1e-6)
     want = linear_one_triton(normed, weight, b, tile_elements=tile)
     again = add_norm_linear_triton(x, d, norm, 1e-6, weight, b, tile_elements=tile)[1]
-    wide = add_norm_linear_triton(x, d, norm, 1e-6, weight, b, tile_elements=tile,
-                                  out_dtype=torch.float32)[1]
     results.append({"h": torch.equal(h, want_h), "h_is_x": (h is x) == (d is None),
                     "product": torch.equal(got, want),
-                    "widened": wide.dtype == torch.float32 and torch.equal(wide, got.float()),
                     "same_bytes": torch.equal(got.view(torch.uint8), again.view(torch.uint8))})
 print(json.dumps(results))
 """
@@ -349,31 +315,6 @@ def test_on_cuda_the_norm_and_product_kernel_is_the_two_kernels_bytes():
         if _hopper():
             fused = products.add_norm_linear(x, delta, norm, 1e-6, weight, bias)
             assert torch.equal(fused[0], h) and torch.equal(fused[1], got)
-
-
-@pytest.mark.cuda
-def test_on_cuda_norm_logits_switched_on_is_the_norm_and_product_kernel_widened(monkeypatch):
-    """At the presets' vocabularies: `norm_logits` with NORM_LOGITS_KERNEL is
-    `add_norm_linear_triton` at its tile, rounded to bf16 and widened, to the bit, and within
-    float32's summing error of the product; off, it is `logits` of `add_rms_norm`'s norm."""
-    if not _hopper():
-        pytest.skip("the kernels run where dependent launches do")
-    for seed, (n_out, k_in) in enumerate(SHAPES[6:]):  # olmoe's, qwen3's, mixtral's logits
-        x, weight, _ = (t.cuda() if t is not None else None
-                        for t in _operands(n_out, k_in, torch.bfloat16, seed))
-        delta = _operands(1, k_in, torch.bfloat16, seed + 10)[1].cuda()
-        norm = (torch.rand(k_in, generator=torch.Generator().manual_seed(seed)) + 0.5).to(
-            torch.bfloat16).cuda()
-        normed = ops.add_rms_norm(x, delta, norm, 1e-6)[1]
-        assert torch.equal(products.norm_logits(x, delta, norm, 1e-6, weight),
-                           products.logits(normed, weight))
-        monkeypatch.setattr(products, "NORM_LOGITS_KERNEL", True)
-        got = products.norm_logits(x, delta, norm, 1e-6, weight)
-        monkeypatch.setattr(products, "NORM_LOGITS_KERNEL", False)
-        want = products.add_norm_linear_triton(
-            x, delta, norm, 1e-6, weight, tile_elements=products.NORM_LOGITS_TILE_ELEMENTS)[1]
-        assert got.dtype == torch.float32 and torch.equal(got, want.float()), (n_out, k_in)
-        assert _within(want, normed, weight, None), (n_out, k_in)
 
 
 def test_the_l2_probe_marks_its_reads_for_the_cache_and_needs_cuda(capsys):

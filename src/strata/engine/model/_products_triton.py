@@ -50,7 +50,7 @@ def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_
     # of `add_rms_norm`'s norm), and out[n] = w[n, :] . norm (+ b[n]) for its rows. Program 0
     # stores h (the residual stream the layer goes on with; without a delta h is x and nothing
     # is stored); nothing here reads it back. The norm is never stored: only this product
-    # reads it. out[n] is rounded to x's dtype, then stored in out's (`product_one`'s).
+    # reads it.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k = tl.arange(0, BLOCK_K)  # [BK]
     k_in = k < K
@@ -65,7 +65,6 @@ def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_
     y = tl.sum(w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-    y = y.to(x_ptr.dtype.element_ty)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < N)
 
 

@@ -25,6 +25,7 @@ from strata.engine.model.layers import (
     ATTENTION_PIECE_TOKENS,
     AttentionSpan,
     DecoderLayer,
+    add_rms_norm,
     attention_mask,
     rope_and_mask,
     rope_cos_sin,
@@ -192,8 +193,8 @@ class MoEModel:
             # [R, D] each
         elif last_only:
             x, delta = x[-1:], delta[-1:]  # [1, D] each
-        return products.norm_logits(x, delta, self.final_norm, self.config.rms_norm_eps,
-                                    self.lm_head)  # [T, V] float32
+        _, x = add_rms_norm(x, delta, self.final_norm, self.config.rms_norm_eps)
+        return products.logits(x, self.lm_head)  # [T, V] float32
 
 
 def runtime_dtype(cfg: ModelConfig, dtype: torch.dtype | None) -> torch.dtype:

@@ -54,10 +54,10 @@ from strata.engine.model.op_kernels import block as _block
 from strata.engine.model.ops import MAX_KERNEL_WIDTH, add_norm_router_route, add_rms_norm
 from strata.engine.model.routing_ops import arrival_counts
 
-__all__ = ["LOGITS_KERNEL", "MAX_K", "NORM_LOGITS_KERNEL", "NORM_PRODUCT_KERNEL",
+__all__ = ["LOGITS_KERNEL", "MAX_K", "NORM_PRODUCT_KERNEL",
            "PRODUCT_KERNEL", "PRODUCT_ROUTE_KERNEL", "add_norm_linear", "add_norm_linear_triton",
            "linear", "linear_add_norm_route", "linear_add_norm_route_triton",
-           "linear_one_triton", "logits", "norm_logits", "takes"]
+           "linear_one_triton", "logits", "takes"]
 
 PRODUCT_KERNEL = True
 LOGITS_KERNEL = True
@@ -77,12 +77,6 @@ NUM_WARPS = 4
 # olmoe's round 1.026x the two kernels' (bench/results/norm-product-h200-2026-12-05.md).
 NORM_PRODUCT_KERNEL = True
 NORM_TILE_ELEMENTS = 16384
-# Staged, off: `norm_logits`' one kernel (the final norm inside the logits' product), and its
-# weight elements a program: every program norms the whole row again, so the vocabulary's
-# product takes fewer, larger programs than q/k/v's. bench/decode_profile.py's row "the final
-# norm inside the logits' kernel" is its A/B.
-NORM_LOGITS_KERNEL = False
-NORM_LOGITS_TILE_ELEMENTS = 32768
 # `linear_add_norm_route`'s kernel on or off (off: `linear`, then `ops.add_norm_router_route`),
 # and its launch shape: at least ROUTE_TILE_ELEMENTS weight elements a program, and rows
 # enough that the programs' parts of the logits, which its last program sums, are at most
@@ -131,22 +125,6 @@ def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if LOGITS_KERNEL and takes(x, weight):
         return linear_one_triton(x, weight, out_dtype=torch.float32)
     return F.linear(x, weight).float()
-
-
-def norm_logits(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
-                eps: float, weight: torch.Tensor) -> torch.Tensor:
-    """A step's last ops: `logits` of `ops.add_rms_norm(x, delta, norm_weight, eps)`'s norm, x
-    and delta [T, D] (delta None: x alone), weight [V, D] -> [T, V] float32. One kernel,
-    `add_norm_linear_triton` storing float32 at NORM_LOGITS_TILE_ELEMENTS, where
-    NORM_LOGITS_KERNEL and `add_norm_linear` and `logits` would both run theirs (one token):
-    one launch fewer a round, the products summed at another tile (the last bit of a logit
-    now and then, deterministically)."""
-    if NORM_LOGITS_KERNEL and NORM_PRODUCT_KERNEL and LOGITS_KERNEL and takes(x, weight) \
-            and _takes_delta(x, delta):
-        return add_norm_linear_triton(x, delta, norm_weight, eps, weight,
-                                      tile_elements=NORM_LOGITS_TILE_ELEMENTS,
-                                      out_dtype=torch.float32)[1]
-    return logits(add_rms_norm(x, delta, norm_weight, eps)[1], weight)
 
 
 def _check_one_token(name: str, x: torch.Tensor, weight: torch.Tensor,
@@ -212,14 +190,12 @@ def _takes_delta(x: torch.Tensor, delta: torch.Tensor | None) -> bool:
 def add_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor | None,
                            norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                            bias: torch.Tensor | None = None, *,
-                           tile_elements: int | None = None, num_warps: int | None = None,
-                           out_dtype: torch.dtype | None = None
+                           tile_elements: int | None = None, num_warps: int | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_norm_linear` of one token x [1, K] by its kernel (under Triton's interpreter on the
     CPU in tests), launched as a dependent where `dependent_launch.kernel_options` says so.
     `tile_elements` and `num_warps` override NORM_TILE_ELEMENTS and NORM_WARPS (a test's
-    comparison at other warps, a benchmark's sweep); `out_dtype` (default x's) is the
-    product's, each value rounded to x's dtype first (`norm_logits`' float32)."""
+    comparison at other warps, a benchmark's sweep)."""
     tile_elements = NORM_TILE_ELEMENTS if tile_elements is None else tile_elements
     num_warps = NORM_WARPS if num_warps is None else num_warps
     n_out, k_in = weight.shape
@@ -232,11 +208,11 @@ def add_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor | None,
         raise ValueError(f"norm_weight must be a contiguous [{k_in}], got "
                          f"{list(norm_weight.shape)} with strides {list(norm_weight.stride())}")
     if not n_out:  # no program would store h
-        return add_rms_norm(x, delta, norm_weight, eps)[0], x.new_empty((1, 0), dtype=out_dtype)
+        return add_rms_norm(x, delta, norm_weight, eps)[0], x.new_empty((1, 0))
     block_k = _block(k_in)
     block_n = max(1, tile_elements // block_k)
     h = x if delta is None else torch.empty_like(x)  # [1, K]
-    out = x.new_empty((1, n_out), dtype=out_dtype)  # [1, N]
+    out = x.new_empty((1, n_out))  # [1, N]
     _kernels().add_norm_product_one[(-(-n_out // block_n),)](
         x, delta if delta is not None else x, norm_weight, h, weight,
         bias if bias is not None else weight, out, n_out, k_in, eps, weight.stride(0),

@@ -15,13 +15,15 @@ Triton kernels (`_sampling_triton`; with top_k, torch's topk first); the sort of
 that inverse CDF needed cost more than the rest of the pick together. Elsewhere it is
 `race_pick_torch`'s torch ops, no sort either.
 
-A greedy step is `argmax_pick`: torch.argmax (the lowest id among the largest logits, NaN
-counted as the largest). Staged, off: `ARGMAX_KERNEL`, the same token on CUDA from one Triton
-launch (`_sampling_triton.argmax_blocks`, a dependent of the logits' product where the GPU has
-programmatic dependent launch) instead of torch's reduction, which took 12.7 us of
+A greedy step is `argmax_pick`: torch.argmax's token (the lowest id among the largest logits,
+NaN counted as the largest). On CUDA it comes from one Triton launch where `ARGMAX_KERNEL` (on
+since 2026-12-07): `_sampling_triton.argmax_blocks`, a dependent of the logits' product where
+the GPU has programmatic dependent launch, instead of torch's reduction, which took 12.7 us of
 device time a pick at a 50,304-token vocabulary on the H200 (bench/results/
-sampling-race-h200-2026-12-03.md), 1.5% of olmoe-1b-7b's round; bench/decode.py
-`--argmax-kernel` is its A/B, bench/sampling.py's row "pick greedy kernel graph" its time.
+sampling-race-h200-2026-12-03.md). On an H100 the whole olmoe-1b-7b's greedy decode ran 1.010x
+as fast with the kernel, the same 64 tokens (bench/results/h100-figures-2026-12-07b.md);
+bench/decode.py `--argmax-kernel` is the A/B (now torch's side), bench/sampling.py's row "pick
+greedy kernel graph" its time.
 
 Seeded and deterministic: a step's one random number is drawn from a torch.Generator on the CPU
 (`draw`), whatever device the logits are on, and g is a hash of it and the token id
@@ -43,7 +45,7 @@ from strata.engine.model.routing_ops import arrival_counts
 __all__ = ["ARGMAX_KERNEL", "HASH_MULTIPLIER", "Sampler", "argmax_pick", "gumbel_noise",
            "hash32", "race_keys", "race_pick_torch"]
 
-ARGMAX_KERNEL = False
+ARGMAX_KERNEL = True
 
 HASH_MULTIPLIER = 0x45D9F3B  # of the 32-bit integer hash `hash32`
 _MASK32 = 0xFFFFFFFF
