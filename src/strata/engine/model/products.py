@@ -54,10 +54,10 @@ from strata.engine.model.op_kernels import block as _block
 from strata.engine.model.ops import MAX_KERNEL_WIDTH, add_norm_router_route, add_rms_norm
 from strata.engine.model.routing_ops import arrival_counts
 
-__all__ = ["LOGITS_KERNEL", "MAX_K", "NORM_PRODUCT_KERNEL",
-           "PRODUCT_KERNEL", "PRODUCT_ROUTE_KERNEL", "add_norm_linear", "add_norm_linear_triton",
-           "linear", "linear_add_norm_route", "linear_add_norm_route_triton",
-           "linear_one_triton", "logits", "takes"]
+__all__ = ["LOGITS_KERNEL", "MAX_K", "NORM_PRODUCT_KERNEL", "PRODUCT_KERNEL",
+           "PRODUCT_ROUTE_KERNEL", "add_norm_linear", "add_norm_linear_triton", "linear",
+           "linear_add_norm_route", "linear_add_norm_route_triton", "linear_one_triton",
+           "logits", "takes"]
 
 PRODUCT_KERNEL = True
 LOGITS_KERNEL = True
@@ -174,17 +174,11 @@ def add_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: to
     """(h, linear(weight * norm(h), weight, bias)) for h = x + delta, x and delta [T, K]
     (delta None: h = x), norm_weight [K], weight [N, K]: `ops.add_rms_norm`, then `linear`,
     as one kernel where `linear` would run its kernel and NORM_PRODUCT_KERNEL is on."""
-    if NORM_PRODUCT_KERNEL and takes(x, weight) and _takes_delta(x, delta):
+    if NORM_PRODUCT_KERNEL and takes(x, weight) and (delta is None or (
+            delta.shape == x.shape and delta.dtype == x.dtype and delta.stride(1) == 1)):
         return add_norm_linear_triton(x, delta, norm_weight, eps, weight, bias)
     h, normed = add_rms_norm(x, delta, norm_weight, eps)  # [T, K] each
     return h, linear(normed, weight, bias)
-
-
-def _takes_delta(x: torch.Tensor, delta: torch.Tensor | None) -> bool:
-    """Whether `add_norm_linear_triton` takes delta beside x: None, or x's shape and dtype with
-    a contiguous row."""
-    return delta is None or (delta.shape == x.shape and delta.dtype == x.dtype
-                             and delta.stride(1) == 1)
 
 
 def add_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor | None,

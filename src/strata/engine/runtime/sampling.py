@@ -20,10 +20,10 @@ NaN counted as the largest). On CUDA it comes from one Triton launch where `ARGM
 since 2026-12-07): `_sampling_triton.argmax_blocks`, a dependent of the logits' product where
 the GPU has programmatic dependent launch, instead of torch's reduction, which took 12.7 us of
 device time a pick at a 50,304-token vocabulary on the H200 (bench/results/
-sampling-race-h200-2026-12-03.md). On an H100 the whole olmoe-1b-7b's greedy decode ran 1.010x
-as fast with the kernel, the same 64 tokens (bench/results/h100-figures-2026-12-07b.md);
-bench/decode.py `--argmax-kernel` is the A/B (now torch's side), bench/sampling.py's row "pick
-greedy kernel graph" its time.
+sampling-race-h200-2026-12-03.md). On two H100 machines the whole olmoe-1b-7b's greedy decode
+ran 1.010x and 1.013x as fast with the kernel, the same 64 tokens (bench/results/
+h100-figures-2026-12-07b.md); bench/decode.py `--argmax-kernel` is the A/B (now torch's side),
+bench/sampling.py's row "pick greedy kernel graph" its time.
 
 Seeded and deterministic: a step's one random number is drawn from a torch.Generator on the CPU
 (`draw`), whatever device the logits are on, and g is a hash of it and the token id
