@@ -7,16 +7,16 @@ the cells it needs). With a cache that misses (it reads the routing on the host 
 or a wrapper around the experts, a round replays graphs cut at the experts calls, which run
 eagerly between them (`strata.engine.runtime.piecewise`). `decode_step` picks one.
 
-Staged, off: `GREEDY_PICK_IN_GRAPH`. Between two graph replays a greedy round runs, outside any
-graph, the pick (`sampling.argmax_pick`, written into the next round's token) and the next
-position's fill: two launches the device waits on between the rounds. With the switch on, a
-step made for greedy rounds (`decode_step(greedy=True)`) captures them into its graphs: each
-replay ends with its pick written into `token` and `position` moved on by one, so the loop
-launches the replay alone (`picks`). The tokens are the same (the same `sampling.argmax_pick`).
-bench/decode.py `--pick-in-graph` is the A/B: on two H100 machines the whole olmoe-1b-7b's
-greedy decode ran 1.002x, 1.004x and 1.003x as fast with it, the same tokens
-(bench/results/h100-figures-2026-12-07b.md); it is to be switched on once the whole
-`pytest -m cuda` has run with it on.
+On by default: `GREEDY_PICK_IN_GRAPH`. Left outside the graph, a greedy round's pick
+(`sampling.argmax_pick`, written into the next round's token) and the next position's fill
+would be two launches the device waits on between two replays. A step made for greedy rounds
+(`decode_step(greedy=True)`) captures them into its graphs instead: each replay ends with its
+pick written into `token` and `position` moved on by one, so the loop launches the replay
+alone (`picks`). The tokens are the same (the same `sampling.argmax_pick`). bench/decode.py
+`--pick-in-graph` is the A/B: on H100 machines the whole olmoe-1b-7b's greedy decode ran
+1.002x, 1.004x, 1.003x and 1.002x as fast with it in four runs, the same tokens each time
+(bench/results/h100-figures-2026-12-07b.md and -07c.md); the whole `pytest -m cuda` passed
+with it on.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from strata.engine.runtime.sampling import argmax_pick
 __all__ = ["GRAPH_WINDOW_CELLS", "capture_graph", "decode_step"]
 
 GRAPH_WINDOW_CELLS = 256  # decode graphs attend over windows of a multiple of this many cells
-GREEDY_PICK_IN_GRAPH = False
+GREEDY_PICK_IN_GRAPH = True
 
 
 def capture_graph(step: Callable[[], torch.Tensor], device: torch.device,
