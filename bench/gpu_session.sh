@@ -8,7 +8,8 @@
 #   PACK=1 OUT=$OUT bash bench/gpu_session.sh tests profile-decode16     # one .tgz back
 #
 # Stages (minutes, roughly): tests (4: pytest -m cuda over CUDA_TESTS, default tests, under
-# TESTS_TIMEOUT seconds, default 420, TESTS_K a -k expression), kernels (1:
+# TESTS_TIMEOUT seconds, default 420, TESTS_K a -k expression, a test's stacks dumped past
+# TESTS_DUMP_S seconds, default 120), kernels (1:
 # bench/grouped_experts.py, the bf16 and the quantized decode kernels; KERNELS_ARGS adds
 # flags, e.g. `--presets qwen3-30b-a3b --valid-rows 2,3`: the quantized kernels over a split
 # call's few valid rows),
@@ -65,7 +66,10 @@
 # before the next is launched, greedy with the pick on the other side of the graph
 # (`--pick-in-graph`), greedy with the other argmax (`--argmax-kernel`), and with `strata
 # generate`'s sampling), decode16-picks (1.5: the default greedy, the pick in the graph and the
-# other argmax alone, under PICKS_TIMEOUT seconds, default 200), decode-shapes-sampling
+# other argmax alone, under PICKS_TIMEOUT seconds, default 200), decode16-ab (2.5: the default
+# greedy decode with the tree's sources, then with AB_BASE's copies of some, then the tree's
+# again: an A/B of kernels that have no switch, decode16-ab-{1-a,2-b,3-a}.json),
+# decode-shapes-sampling
 # (3: the same on qwen3-30b-a3b cut to 4 layers and mixtral-8x7b cut to 2, one JSON object a
 # line in decode-shapes-sampling.jsonl),
 # profile-decode (1.5: the profile stage's decode rounds and prompt
@@ -238,8 +242,11 @@ for stage in "$@"; do
     case $stage in
     tests) # tests/serve needs the serve stage's packages (carried wheels), not there by default.
            skip=$(python3 -c "import openai" 2> /dev/null || echo "--ignore=tests/serve")
+           # A test past TESTS_DUMP_S seconds dumps every thread's stack into the log: two
+           # whole runs on 2026-12-07 stalled with nothing printed (h100-figures-2026-12-07c.md).
            timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m cuda ${CUDA_TESTS:-tests} -q \
-               -p no:cacheprovider $skip ${TESTS_K:+-k "$TESTS_K"} \
+               -p no:cacheprovider -o faulthandler_timeout="${TESTS_DUMP_S:-120}" $skip \
+               ${TESTS_K:+-k "$TESTS_K"} \
                > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
     kernels) (cd bench && timeout 300 python3 grouped_experts.py ${KERNELS_ARGS:-}) \
                  > "$OUT/kernels.txt" 2>&1
@@ -570,6 +577,23 @@ for stage in "$@"; do
                  --argmax-kernel --no-transformers --json) > "$OUT/decode16-picks.json" \
                  2> "$OUT/decode16-picks.err"
               tail -2 "$OUT/decode16-picks.err" ;;
+    decode16-ab) # the tree's default greedy decode (a) against AB_BASE's copies of some of its
+                 # source files (b: a folder holding them at their paths in the tree), a, b, a
+              if [ ! -d "${AB_BASE:-}" ]; then echo "decode16-ab: AB_BASE names no folder"
+              else
+                  model=$(olmoe_checkpoint); kept=$(mktemp -d)
+                  files=$(cd "$AB_BASE" && find . -type f -name "*.py")
+                  for f in $files; do mkdir -p "$kept/$(dirname "$f")"; cp "$f" "$kept/$f"; done
+                  for run in 1-a 2-b 3-a; do
+                      from=$kept; [ "$run" = 2-b ] && from=$AB_BASE
+                      for f in $files; do cp "$from/$f" "$f"; done
+                      (cd bench && timeout 150 python3 decode.py --model "$model" \
+                          --new-tokens 64 --repeat 5 --no-transformers --json) \
+                          > "$OUT/decode16-ab-$run.json" 2> "$OUT/decode16-ab-$run.err"
+                      tail -1 "$OUT/decode16-ab-$run.err"
+                  done
+                  for f in $files; do cp "$kept/$f" "$f"; done
+              fi ;;
     decode-shapes-sampling) # the default path, greedy and with the CLI's sampling, on the cuts
               for shape in "qwen3-30b-a3b --layers 4" "mixtral-8x7b --layers 2"; do
                 (cd bench && timeout 150 python3 decode.py --preset $shape --new-tokens 64 \

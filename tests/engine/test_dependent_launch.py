@@ -106,14 +106,14 @@ def test_on_cuda_decode_as_dependents_gives_the_plain_launches_tokens(monkeypatc
 
 # Kernels that read before their wait, and the pointer arguments they may read there: what no
 # kernel of a round writes. Attention's one-token products their weights (the output's with
-# the router's and the norm's); the
-# short attention kernels the round's positions and the cells, which the round writes at one
-# position only (`attend_short` reads that row again after its wait; `rotate_attend_short`
-# writes it itself, after its wait, and attends the row it wrote).
-READ_BEFORE_WAIT = {"product_one": {"w_ptr"}, "add_norm_product_one": {"w_ptr"},
+# the router's, and the norms'); the short attention kernels the round's positions and the
+# cells, which the round writes at one position only (`attend_short` reads that row again
+# after its wait; `rotate_attend_short` writes it itself, after its wait, and attends the row
+# it wrote), and the rotating one the q/k norm's weights.
+READ_BEFORE_WAIT = {"product_one": {"w_ptr"}, "add_norm_product_one": {"w_ptr", "norm_w_ptr"},
                     "product_add_norm_route": {"w_ptr", "router_ptr", "norm_w_ptr"},
                     "attend_short": {"k_ptr", "v_ptr", "positions_ptr"},
-                    "rotate_attend_short": {"k_ptr", "v_ptr", "positions_ptr"}}
+                    "rotate_attend_short": {"k_ptr", "v_ptr", "positions_ptr", "norm_w_ptr"}}
 
 
 def _before_wait_only_these_are_read(path, node, allowed):
@@ -183,7 +183,8 @@ def _loads_around_the_wait(ptx):
 def test_compiled_for_hopper_the_products_kernel_loads_its_weights_before_the_wait():
     """The source rule above, checked where it counts: in the instructions. The weight tile's
     vector loads come before `griddepcontrol.wait` (the compiler did not sink them past it),
-    the token's after; a wait-first kernel loads nothing before it."""
+    and with a norm the norm's weight too; the token's after; a wait-first kernel loads
+    nothing before it."""
     from strata.engine.model import _ops_triton, _products_triton
 
     ptx = _hopper_ptx(_products_triton.product_one,
@@ -195,11 +196,44 @@ def test_compiled_for_hopper_the_products_kernel_loads_its_weights_before_the_wa
     fused = _hopper_ptx(_products_triton.add_norm_product_one,
                         {"HAS_DELTA": True, "HAS_BIAS": False, "BLOCK_N": 4, "BLOCK_K": 2048},
                         {"eps": "fp32"}, num_warps=8)
-    before, after = _loads_around_the_wait(fused)  # 4 x 2048 bf16 over 256 threads: the same
-    assert before == 4 and after >= 3  # then x's, delta's and the norm weight's
+    # 4 x 2048 bf16 over 256 threads: the same four, and the norm's 2048 one more; then x's
+    # and delta's, and no load after the norm's reduction.
+    before, after = _loads_around_the_wait(fused)
+    assert before == 5 and after == 2
+    assert _loads_after_the_first_sync(fused.partition("griddepcontrol.wait")[2]) == 0
     norm = _hopper_ptx(_ops_triton.add_rms_norm, {"HAS_DELTA": True, "BLOCK_D": 2048},
                        {"eps": "fp32"}, num_warps=8)
-    assert _loads_around_the_wait(norm)[0] == 0
+    assert _loads_around_the_wait(norm)[0] == 0  # x, delta and the weight at once after it
+    assert _loads_after_the_first_sync(norm.partition("griddepcontrol.wait")[2]) == 0
+
+
+def _loads_after_the_first_sync(ptx):
+    """How many loads from global memory `ptx` issues after its first `bar.sync` (the first
+    reduction's): each such load is a trip to memory the kernel waits on after the trips
+    before it, rather than alongside them."""
+    return ptx.partition("bar.sync")[2].count("ld.global") \
+        + ptx.partition("bar.sync")[2].count("ld.volatile.global")
+
+
+def test_compiled_for_hopper_the_last_program_of_the_routing_loads_all_it_reads_at_once():
+    """`product_add_norm_route`'s last program to arrive, on which the experts' kernel waits:
+    the whole row h, every program's part of the logits and the norm's weight are loaded
+    before its first reduction (one trip to memory), none after it."""
+    import re
+
+    from strata.engine.model import _products_triton
+
+    ptx = _hopper_ptx(_products_triton.product_add_norm_route,
+                      {"HAS_BIAS": False, "NORMALIZE": False, "BLOCK_N": 8, "BLOCK_K": 2048,
+                       "BLOCK_ROW": 2048, "BLOCK_P": 256, "BLOCK_E": 64, "BLOCK_TOP_K": 8},
+                      {"partial_ptr": "*fp32", "arrived_ptr": "*i32", "ids_ptr": "*i64",
+                       "weights_ptr": "*fp32", "eps": "fp32"}, num_warps=8)
+    arrived = ptx.partition("atom.global")[2]
+    last = re.split(r"\bbra\b", arrived, maxsplit=1)[1]  # past the branch on the count
+    first = last.partition("bar.sync")[0]
+    # h: 2048 bf16 over 256 threads, one 16-byte load; the parts: 256 x 64 float32, 16.
+    assert first.count("ld.volatile.global") == 17 and first.count("ld.global") == 1
+    assert _loads_after_the_first_sync(last) == 0
 
 
 def test_compiled_for_hopper_the_router_and_down_sum_read_nothing_before_the_wait():
@@ -242,9 +276,11 @@ def test_compiled_for_hopper_the_short_attention_reads_the_cells_before_the_wait
 
 @pytest.mark.parametrize("norm", [0, 1, 2])
 def test_compiled_for_hopper_the_rotating_short_kernel_reads_the_cells_before_the_wait(norm):
-    """The keys' halves before the wait (and the position); the projection, the norm's weights
-    and the rotation's tables after it. Compiling also checks what the interpreter does not:
-    the helpers it shares with `qk_norm_rope` type-check (one return type each)."""
+    """The keys' halves before the wait (and the position), and with a norm its weights; the
+    projection, the rotation's tables and the mask after it, with a norm all of them before
+    its first reduction: only the values' loads after that (at 256 cells they come once the
+    keys are spent). Compiling also checks what the interpreter does not: the helpers it
+    shares with `qk_norm_rope` type-check (one return type each)."""
     from strata.engine.model import _attention_triton, _ops_triton
 
     ptx = _hopper_ptx(_attention_triton.rotate_attend_short,
@@ -252,7 +288,10 @@ def test_compiled_for_hopper_the_rotating_short_kernel_reads_the_cells_before_th
                        "BLOCK_P": 32, "HEAD_DIM": 128, "VALUES_FIRST": False},
                       {"positions_ptr": "*i64", "eps": "fp32", "scale": "fp32"}, num_warps=8)
     before, after = _loads_around_the_wait(ptx)
-    assert before == 2 * 256 * 64 // (256 * 8) + 1 and after > 0
+    keys = 2 * 256 * 64 // (256 * 8) + 1
+    assert (before > keys if norm else before == keys) and after > 0
+    if norm:  # the values: [256, 128] bf16 over 256 threads, sixteen 16-byte loads
+        assert _loads_after_the_first_sync(ptx.partition("griddepcontrol.wait")[2]) == 16
     for write in (False, True):
         rope = _hopper_ptx(_ops_triton.qk_norm_rope,
                            {"NORM": norm, "WRITE": write, "HEAD_DIM": 128, "BLOCK_P": 32},

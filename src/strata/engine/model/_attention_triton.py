@@ -9,7 +9,13 @@ import triton
 import triton.language as tl
 
 from strata.engine._dependent_triton import wait_for_prior
-from strata.engine.model._ops_triton import rotate_halves, rstd_heads, weigh_halves
+from strata.engine.model._ops_triton import (
+    halves,
+    rope_rows,
+    rotate_halves,
+    rstd_heads,
+    weigh_halves,
+)
 
 
 @triton.jit
@@ -62,10 +68,8 @@ def decode_attention(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, stats_ptr, arrived_
                     + d[None, :], mask=cd_in, other=0.0)  # [BC, BD]
         v = tl.load(v_ptr + g * v_head_stride + c[:, None].to(tl.int64) * v_cell_stride
                     + d[None, :], mask=cd_in, other=0.0)  # [BC, BD]
-        scores = tl.dot(q, tl.trans(k)) * scale  # [BR, BC]
-        if HAS_MASK:
-            scores += tl.load(mask_ptr + c, mask=c_in, other=0.0).to(tl.float32)[None, :]
-        scores = tl.where(c_in[None, :], scores, float("-inf"))
+        mask_row = _mask_row(mask_ptr, c, N, HAS_MASK)  # [BC]
+        scores = _masked(tl.dot(q, tl.trans(k)) * scale, mask_row, c, N, HAS_MASK)  # [BR, BC]
         row_max, row_sum, acc = _online(row_max, row_sum, acc, scores, v)
     part = g * n_splits + split
     tl.store(stats_ptr + (part * 2) * BLOCK_R + r, row_max, mask=r_in)
@@ -172,10 +176,11 @@ def attend_short(q_ptr, k_ptr, v_ptr, mask_ptr, positions_ptr, out_ptr, N, R, Dh
     r = tl.arange(0, BLOCK_R)
     rd_in = (r < R)[:, None] & (d < Dh)[None, :]
     q = tl.load(q_ptr + (g * R + r[:, None]) * Dh + d[None, :], mask=rd_in, other=0.0)
+    mask_row = _mask_row(mask_ptr, c, N, HAS_MASK)  # [BC]
     fresh = (c == position)[:, None]  # [BC, 1]: the cell this round wrote
     k = tl.where(fresh, tl.load(k_head + position * k_cell_stride + d, mask=d < Dh, other=0.0,
                                 volatile=True)[None, :], k)
-    scores = _masked(tl.dot(q, tl.trans(k)) * scale, mask_ptr, c, N, HAS_MASK)  # [BR, BC]
+    scores = _masked(tl.dot(q, tl.trans(k)) * scale, mask_row, c, N, HAS_MASK)  # [BR, BC]
     if not VALUES_FIRST:  # loaded once the keys are spent: both at once would spill
         v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=cd_in,
                     other=0.0)  # [BC, BD]
@@ -187,10 +192,21 @@ def attend_short(q_ptr, k_ptr, v_ptr, mask_ptr, positions_ptr, out_ptr, N, R, Dh
 
 
 @triton.jit
-def _masked(scores, mask_ptr, c, N, HAS_MASK: tl.constexpr):
-    # Scores [BR, BC] over cells c with the mask [N] added (HAS_MASK) and -inf past N.
+def _mask_row(mask_ptr, c, N, HAS_MASK: tl.constexpr):
+    # The mask [N] at cells c in float32 (0 past N, and everywhere without HAS_MASK): loaded
+    # by itself, so that a kernel issues it with its other loads, not after its products.
+    row = tl.zeros_like(c).to(tl.float32)
     if HAS_MASK:
-        scores += tl.load(mask_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+        row = tl.load(mask_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+    return row
+
+
+@triton.jit
+def _masked(scores, mask_row, c, N, HAS_MASK: tl.constexpr):
+    # Scores [BR, BC] over cells c with the mask's row (`_mask_row`) added (HAS_MASK) and
+    # -inf past N.
+    if HAS_MASK:
+        scores += mask_row[None, :]
     return tl.where((c < N)[None, :], scores, float("-inf"))
 
 
@@ -213,12 +229,14 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
                         VALUES_FIRST: tl.constexpr, USE_PDL: tl.constexpr = False):
     # `qk_norm_rope` writing the token's k and v, then `attend_short`, in one launch. Program
     # g: kv head g. Before the wait, as `attend_short`: the position and the cells' keys (as
-    # halves [BC, Dh/2]) and maybe values. After it, from the token's projection qkv
-    # [(H + 2G) * Dh]: kv head g's R query heads and its key head, normed (NORM as
-    # `qk_norm_rope`'s: "full" over every head of the part, so each program reads them all),
-    # weighted and rotated by `qk_norm_rope`'s helpers (the same roundings), the key and the
-    # value stored to their cells at the position, and put in those rows of the registers
-    # (no read back). Then the scores as two products over the halves, and the softmax.
+    # halves [BC, Dh/2]) and maybe values; and the norm's weights of the group's heads (no
+    # kernel writes them). After it, from the token's projection qkv [(H + 2G) * Dh] and
+    # with the round's rotary rows, all loaded at once: kv head g's R query heads and its key
+    # head, normed (NORM as `qk_norm_rope`'s: "full" over every head of the part, so each
+    # program reads them all), weighted and rotated by `qk_norm_rope`'s helpers (the same
+    # roundings), the key and the value stored to their cells at the position, and put in
+    # those rows of the registers (no read back). Then the scores as two products over the
+    # halves, and the softmax.
     position = tl.load(positions_ptr).to(tl.int64)
     g = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -234,36 +252,36 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
     if VALUES_FIRST:
         v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=c_in,
                     other=0.0)  # [BC, Dh]
-    wait_for_prior(USE_PDL)
-    dtype = out_ptr.dtype.element_ty
     r = tl.arange(0, BLOCK_R)[:, None]  # [BR, 1]
     r_in = r < R
     q_at = (g * R + r) * HEAD_DIM + j[None, :]  # [BR, Dh/2]: the group's q halves in qkv
     k_at = (H + g) * HEAD_DIM + j[None, :]  # [1, Dh/2]: its key head's
-    q1 = tl.load(qkv_ptr + q_at, mask=r_in, other=0.0)
-    q2 = tl.load(qkv_ptr + q_at + half, mask=r_in, other=0.0)
-    x1 = tl.load(qkv_ptr + k_at)
-    x2 = tl.load(qkv_ptr + k_at + half)
+    if NORM != 0:
+        q_w1, q_w2 = halves(norm_w_ptr, q_at, r_in, half)
+        k_w1, k_w2 = halves(norm_w_ptr, k_at, k_at >= 0, half)
+    wait_for_prior(USE_PDL)
+    dtype = out_ptr.dtype.element_ty
+    q1, q2 = halves(qkv_ptr, q_at, r_in, half)
+    x1, x2 = halves(qkv_ptr, k_at, k_at >= 0, half)
     if NORM == 1:  # over every head of the part: all of q's, all of k's
         p = tl.arange(0, BLOCK_P)[:, None]
-        every_q = p * HEAD_DIM + j[None, :]
-        q_rstd = rstd_heads(tl.load(qkv_ptr + every_q, mask=p < H, other=0.0),
-                             tl.load(qkv_ptr + every_q + half, mask=p < H, other=0.0), H, eps,
-                             NORM, HEAD_DIM)
-        every_k = (H + p) * HEAD_DIM + j[None, :]
-        k_rstd = rstd_heads(tl.load(qkv_ptr + every_k, mask=p < G, other=0.0),
-                             tl.load(qkv_ptr + every_k + half, mask=p < G, other=0.0), G, eps,
-                             NORM, HEAD_DIM)
-        q1, q2 = weigh_halves(q1, q2, q_rstd, norm_w_ptr, q_at, r_in, half, dtype)
-        x1, x2 = weigh_halves(x1, x2, k_rstd, norm_w_ptr, k_at, k_at >= 0, half, dtype)
-    if NORM == 2:  # each head over its own Dh
-        q1, q2 = weigh_halves(q1, q2, rstd_heads(q1, q2, R, eps, NORM, HEAD_DIM), norm_w_ptr,
-                               q_at, r_in, half, dtype)
-        x1, x2 = weigh_halves(x1, x2, rstd_heads(x1, x2, 1, eps, NORM, HEAD_DIM), norm_w_ptr,
-                               k_at, k_at >= 0, half, dtype)
-    q1, q2 = rotate_halves(q1, q2, cos_ptr, sin_ptr, j[None, :], half, dtype)
-    x1, x2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, j[None, :], half, dtype)  # [1, Dh/2]
+        every_q1, every_q2 = halves(qkv_ptr, p * HEAD_DIM + j[None, :], p < H, half)
+        every_k1, every_k2 = halves(qkv_ptr, (H + p) * HEAD_DIM + j[None, :], p < G, half)
     new_v = tl.load(qkv_ptr + (H + G + g) * HEAD_DIM + d)  # [Dh]: v's heads follow k's
+    cos, sin1, sin2 = rope_rows(cos_ptr, sin_ptr, j[None, :], half)
+    mask_row = _mask_row(mask_ptr, c, N, HAS_MASK)  # [BC]
+    if NORM == 1:
+        q_rstd = rstd_heads(every_q1, every_q2, H, eps, NORM, HEAD_DIM)
+        k_rstd = rstd_heads(every_k1, every_k2, G, eps, NORM, HEAD_DIM)
+        q1, q2 = weigh_halves(q1, q2, q_rstd, q_w1, q_w2, dtype)
+        x1, x2 = weigh_halves(x1, x2, k_rstd, k_w1, k_w2, dtype)
+    if NORM == 2:  # each head over its own Dh
+        q1, q2 = weigh_halves(q1, q2, rstd_heads(q1, q2, R, eps, NORM, HEAD_DIM), q_w1, q_w2,
+                              dtype)
+        x1, x2 = weigh_halves(x1, x2, rstd_heads(x1, x2, 1, eps, NORM, HEAD_DIM), k_w1, k_w2,
+                              dtype)
+    q1, q2 = rotate_halves(q1, q2, cos, sin1, sin2, dtype)
+    x1, x2 = rotate_halves(x1, x2, cos, sin1, sin2, dtype)  # [1, Dh/2]
     cell = position * k_cell_stride
     tl.store(k_head + cell + j[None, :], x1)
     tl.store(k_head + cell + half + j[None, :], x2)
@@ -271,7 +289,7 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
     fresh = (c == position)[:, None]  # [BC, 1]
     k1 = tl.where(fresh, x1, k1)
     k2 = tl.where(fresh, x2, k2)
-    scores = _masked((tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale, mask_ptr,
+    scores = _masked((tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale, mask_row,
                      c, N, HAS_MASK)  # [BR, BC]
     if not VALUES_FIRST:  # loaded once the keys are spent: both at once would spill
         v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=c_in,

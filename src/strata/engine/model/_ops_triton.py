@@ -38,11 +38,12 @@ def _rstd(h, D, eps):
 
 
 @triton.jit
-def _normed(h, rstd, weight_ptr, col, col_in, dtype: tl.constexpr):
-    # weight * (h * rstd) at columns col: the norm rounded to dtype, then the weight's product
-    # rounded again (`ops.rms_norm`'s order: the scale after the cast back).
+def _normed(h, rstd, weight, dtype: tl.constexpr):
+    # weight * (h * rstd): the norm rounded to dtype, then the weight's product rounded again
+    # (`ops.rms_norm`'s order: the scale after the cast back). The caller loads the weight
+    # (any dtype, widened here) where its read costs least: before its wait, or with the
+    # row's own loads, not after the reduction that rstd waits on.
     normed = (h.to(tl.float32) * rstd).to(dtype)
-    weight = tl.load(weight_ptr + col, mask=col_in, other=0.0)
     return (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype)
 
 
@@ -57,9 +58,10 @@ def add_rms_norm(x_ptr, delta_ptr, weight_ptr, h_ptr, out_ptr, D, eps,
     d = tl.arange(0, BLOCK_D)  # [BD]
     d_in = d < D
     h = _residual_sum(x_ptr, delta_ptr, t, x_stride, delta_stride, d, d_in, HAS_DELTA)
+    weight = tl.load(weight_ptr + d, mask=d_in, other=0.0)  # with the row's loads
     if HAS_DELTA:
         tl.store(h_ptr + t * h_stride + d, h, mask=d_in)
-    out = _normed(h, _rstd(h, D, eps), weight_ptr, d, d_in, out_ptr.dtype.element_ty)
+    out = _normed(h, _rstd(h, D, eps), weight, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * out_stride + d, out, mask=d_in)
 
 
@@ -87,13 +89,15 @@ def qk_norm_rope(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, positions_ptr, 
     local = p * HEAD_DIM + c  # [BP, Dh/2]: the first halves' columns within the part
     offsets = first_head * HEAD_DIM + local  # within the row
     dtype = out_ptr.dtype.element_ty
-    x1 = tl.load(qkv_ptr + t * qkv_stride + offsets, mask=p_in, other=0.0)
-    x2 = tl.load(qkv_ptr + t * qkv_stride + offsets + half, mask=p_in, other=0.0)
+    # The tables and the weights loaded with the heads (none waits on another): one trip to
+    # memory before the norm's reduction, not one after it and another after the weights.
+    x1, x2 = halves(qkv_ptr + t * qkv_stride, offsets, p_in, half)
+    cos, sin1, sin2 = rope_rows(cos_ptr + t * cos_stride, sin_ptr + t * sin_stride, c, half)
     if NORM != 0:
-        x1, x2 = weigh_halves(x1, x2, rstd_heads(x1, x2, n_heads, eps, NORM, HEAD_DIM),
-                               weight_ptr, offsets, p_in, half, dtype)
-    out1, out2 = rotate_halves(x1, x2, cos_ptr + t * cos_stride, sin_ptr + t * sin_stride, c,
-                                half, dtype)
+        w1, w2 = halves(weight_ptr, offsets, p_in, half)
+        x1, x2 = weigh_halves(x1, x2, rstd_heads(x1, x2, n_heads, eps, NORM, HEAD_DIM), w1, w2,
+                              dtype)
+    out1, out2 = rotate_halves(x1, x2, cos, sin1, sin2, dtype)
     if WRITE:
         if part == 0:
             tl.store(out_ptr + t * out_stride + local, out1, mask=p_in)
@@ -111,8 +115,25 @@ def qk_norm_rope(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, positions_ptr, 
         tl.store(out_ptr + t * out_stride + offsets + half, out2, mask=p_in)
 
 
-# rstd_heads, weigh_halves and rotate_halves are `qk_norm_rope`'s steps, shared with
-# `_attention_triton.rotate_attend_short` so that the two write the same k bytes.
+# halves, rope_rows, rstd_heads, weigh_halves and rotate_halves are `qk_norm_rope`'s steps,
+# shared with `_attention_triton.rotate_attend_short` so that the two write the same k bytes.
+# The loads are steps of their own, so that a kernel issues them together, early.
+@triton.jit
+def halves(base_ptr, offsets, rows_in, half):
+    # The first and second halves of heads at offsets [BP, Dh/2] from base_ptr (0 where not
+    # rows_in), as stored.
+    return (tl.load(base_ptr + offsets, mask=rows_in, other=0.0),
+            tl.load(base_ptr + offsets + half, mask=rows_in, other=0.0))
+
+
+@triton.jit
+def rope_rows(cos_row, sin_row, c, half):
+    # A token's rotary rows at columns c [1, Dh/2] in float32: cos (both halves' alike), the
+    # folded sin's first half (-sin) and second (sin).
+    return (tl.load(cos_row + c).to(tl.float32), tl.load(sin_row + c).to(tl.float32),
+            tl.load(sin_row + c + half).to(tl.float32))
+
+
 @triton.jit
 def rstd_heads(x1, x2, n_heads, eps, NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
     # The norm's 1 / sqrt(mean + eps) of heads held as halves x1, x2 [BP, Dh/2] (0 past the
@@ -130,22 +151,17 @@ def rstd_heads(x1, x2, n_heads, eps, NORM: tl.constexpr, HEAD_DIM: tl.constexpr)
 
 
 @triton.jit
-def weigh_halves(x1, x2, rstd, weight_ptr, offsets, rows_in, half, dtype: tl.constexpr):
-    # x1, x2 normed by rstd, rounded to dtype, times their weights at offsets (and + half),
+def weigh_halves(x1, x2, rstd, w1, w2, dtype: tl.constexpr):
+    # x1, x2 normed by rstd, rounded to dtype, times their weights' halves w1, w2 (`halves`),
     # rounded again: `ops.rms_norm`'s order (the scale after the cast back).
-    w1 = tl.load(weight_ptr + offsets, mask=rows_in, other=0.0).to(tl.float32)
-    w2 = tl.load(weight_ptr + offsets + half, mask=rows_in, other=0.0).to(tl.float32)
-    return ((w1 * (x1.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype),
-            (w2 * (x2.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype))
+    return ((w1.to(tl.float32) * (x1.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype),
+            (w2.to(tl.float32) * (x2.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype))
 
 
 @triton.jit
-def rotate_halves(x1, x2, cos_row, sin_row, c, half, dtype: tl.constexpr):
-    # Heads' halves x1, x2 [BP, Dh/2] rotated by a token's cos and folded sin rows [Dh]
-    # (`ops.apply_rope`: x*cos + [x2, x1]*sin), each product and the sum rounded to dtype.
-    cos = tl.load(cos_row + c).to(tl.float32)  # [1, Dh/2]: both halves'
-    sin1 = tl.load(sin_row + c).to(tl.float32)  # -sin
-    sin2 = tl.load(sin_row + c + half).to(tl.float32)  # sin
+def rotate_halves(x1, x2, cos, sin1, sin2, dtype: tl.constexpr):
+    # Heads' halves x1, x2 [BP, Dh/2] rotated by a token's rotary rows (`rope_rows`; `ops.
+    # apply_rope`: x*cos + [x2, x1]*sin), each product and the sum rounded to dtype.
     wide1 = x1.to(tl.float32)
     wide2 = x2.to(tl.float32)
     out1 = ((wide1 * cos).to(dtype).to(tl.float32)
@@ -326,7 +342,7 @@ def _norm_block(x_ptr, delta_ptr, norm_w_ptr, h_ptr, normed_ptr, t, rstd, col, c
     h = _residual_sum(x_ptr, delta_ptr, t, x_stride, delta_stride, col, col_in, HAS_DELTA)
     if HAS_DELTA:
         tl.store(h_ptr + t * h_stride + col, h, mask=col_in)
-    normed = _normed(h, rstd, norm_w_ptr, col, col_in, dtype)
+    normed = _normed(h, rstd, tl.load(norm_w_ptr + col, mask=col_in, other=0.0), dtype)
     tl.store(normed_ptr + t * normed_stride + col, normed, mask=col_in)
     return normed.to(tl.float32)
 

@@ -44,7 +44,9 @@ def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
     # `add_rms_norm` of one token, then `product_one` of its norm, in one launch. Program p:
-    # its BLOCK_N weight rows loaded before the wait (as `product_one`'s), then the token's
+    # its BLOCK_N weight rows and the norm's weight loaded before the wait (as `product_one`'s;
+    # the norm's after the wait would be a trip to memory after the norm's reduction), then
+    # the token's
     # whole row h = x + delta [K] and its norm, which every program computes alike (the same
     # loads, the same order of squares: launched with `op_kernels.NORM_WARPS` warps, the bytes
     # of `add_rms_norm`'s norm), and out[n] = w[n, :] . norm (+ b[n]) for its rows. Program 0
@@ -57,11 +59,12 @@ def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_
     w = tl.load(w_ptr + n[:, None].to(tl.int64) * w_stride + k[None, :],
                 mask=(n < N)[:, None] & k_in[None, :], other=0.0,
                 eviction_policy=EVICT)  # [BN, BK]
+    norm_w = tl.load(norm_w_ptr + k, mask=k_in, other=0.0)  # [BK]
     wait_for_prior(USE_PDL)
     h = _residual_sum(x_ptr, delta_ptr, 0, 0, 0, k, k_in, HAS_DELTA)  # [BK]
     if HAS_DELTA and tl.program_id(0) == 0:
         tl.store(h_ptr + k, h, mask=k_in)
-    normed = _normed(h, _rstd(h, K, eps), norm_w_ptr, k, k_in, x_ptr.dtype.element_ty)
+    normed = _normed(h, _rstd(h, K, eps), norm_w, x_ptr.dtype.element_ty)
     y = tl.sum(w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
@@ -86,12 +89,14 @@ def product_add_norm_route(w_ptr, a_ptr, b_ptr, x_ptr, norm_w_ptr, router_ptr, h
     # rounded again (the residual stream, stored), and the program's part of every expert's
     # logit, sum over n of router[e, n] * norm_w[n] * h[n] in float32, stored to partial
     # [PROGRAMS, BE]. The program then counts itself in arrived[0]; the last to arrive
-    # (acquiring the others' h and parts) norms the whole row h [N] as `add_rms_norm` does
-    # (its rstd to the bit at its warps) and stores the norm, sums the parts in program order
-    # (the same bytes whichever program is last) times rstd, rounds the logits to the dtype,
-    # routes them as `route` does, and sets arrived[0] back to 0. The router's product so
-    # takes the norm before its rounding to the dtype (the two kernels' path multiplies the
-    # rounded norm): a logit can differ in its last bit, deterministically.
+    # (acquiring the others' h and parts) loads the whole row h [N], every part and the
+    # norm's weight at once (one trip to memory: the next kernel waits on this program
+    # alone), sums the parts in program order (the same bytes whichever program is last)
+    # times the row's rstd (`add_rms_norm`'s to the bit at its warps), rounds the logits to
+    # the dtype, routes them as `route` does, stores the norm of the row, and sets
+    # arrived[0] back to 0. The router's product so takes the norm before its rounding to
+    # the dtype (the two kernels' path multiplies the rounded norm): a logit can differ in
+    # its last bit, deterministically.
     p = tl.program_id(0)
     n = p * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_in = n < N
@@ -119,14 +124,14 @@ def product_add_norm_route(w_ptr, a_ptr, b_ptr, x_ptr, norm_w_ptr, router_ptr, h
         row = tl.arange(0, BLOCK_ROW)
         row_in = row < N
         whole = tl.load(h_ptr + row, mask=row_in, other=0.0, volatile=True)  # [BR]
-        rstd = _rstd(whole, N, eps)
-        tl.store(normed_ptr + row, _normed(whole, rstd, norm_w_ptr, row, row_in, dtype),
-                 mask=row_in)
         s = tl.arange(0, BLOCK_P)
         parts = tl.load(partial_ptr + s[:, None] * BLOCK_E + e[None, :],
                         mask=(s < PROGRAMS)[:, None], other=0.0, volatile=True)  # [BP, BE]
+        row_norm_w = tl.load(norm_w_ptr + row, mask=row_in, other=0.0)  # [BR]
+        rstd = _rstd(whole, N, eps)
         logits = (tl.sum(parts, axis=0) * rstd).to(dtype).to(tl.float32)
         logits = tl.where(e_in, logits, float("-inf"))
         _top_k(_softmax(logits), e, e_in, ids_ptr, weights_ptr, 0, TOP_K, NORMALIZE, BLOCK_E,
                BLOCK_TOP_K, BY_RANK)
+        tl.store(normed_ptr + row, _normed(whole, rstd, row_norm_w, dtype), mask=row_in)
         tl.store(arrived_ptr, 0)
