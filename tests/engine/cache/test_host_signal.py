@@ -1,5 +1,6 @@
 """`HostSignal`: the wait the device's stream holds for the CPU's rows, and its host twin."""
 
+import gc
 import time
 
 import pytest
@@ -42,6 +43,53 @@ def test_one_failing_queue_behind_the_wait_still_lets_the_rest_run():
     with pytest.raises(RuntimeError, match="injected"):
         signal.set()
     assert ran == ["after"] and not signal.pending
+
+
+@pytest.fixture
+def collector_on():
+    """The cyclic collector on, as a process has it, and as it was afterwards."""
+    was_on = gc.isenabled()
+    gc.enable()
+    yield
+    if not was_on:
+        gc.disable()
+
+
+def test_the_collector_is_off_while_any_wait_is_pending(collector_on):
+    """A finalizer run by the collector inside the window could synchronise the device, which
+    waits for the set: the collector is off from the first wait queued to the last set."""
+    first, second = HostSignal("cpu"), HostSignal("cpu")
+    first.queue_wait()
+    assert not gc.isenabled()
+    second.queue_wait()
+    with pytest.raises(RuntimeError, match="queued already"):
+        first.queue_wait()  # refused: holds nothing more
+    first.set()
+    assert not gc.isenabled()  # the second's wait still pending
+    second.set()
+    assert gc.isenabled()
+    second.set()  # nothing pending: nothing released twice
+    first.queue_wait()
+    first.set()
+    assert gc.isenabled()
+
+
+def test_a_collector_the_process_turned_off_stays_off(collector_on):
+    gc.disable()
+    signal = HostSignal("cpu")
+    signal.queue_wait()
+    signal.set()
+    assert not gc.isenabled()
+
+
+def test_a_signal_dropped_with_its_wait_pending_lets_the_stream_and_the_collector_go(
+        collector_on):
+    signal = HostSignal("cpu")
+    ran = []
+    signal.queue_wait()
+    signal.behind(lambda: ran.append("behind"))
+    del signal
+    assert ran == ["behind"] and gc.isenabled()
 
 
 def test_the_values_wrap_around_32_bits():

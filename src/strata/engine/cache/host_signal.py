@@ -11,7 +11,12 @@ all queued while the CPU still computes; the host sets the value once the rows a
 
 The rule that keeps it from hanging: between `queue_wait` and `set` the host waits for
 nothing the device does after the wait (no read of the device, no synchronisation); `set` is
-called on every path, errors included (`graph_call` does it in `finally`).
+called on every path, errors included (`graph_call` does it in `finally`), and a signal
+dropped with its wait pending sets it then. Code the caller does not see could break the rule:
+Python's cyclic garbage collector runs finalizers in whichever thread allocates, and a
+finalizer may synchronise the device (registered host pages unlock only once the device is
+idle, `_vmm.HostPages.unregister`). So the collector is off while any signal's wait is
+pending, and back as it was once none is (a finalizer due then runs after the `set`).
 
 The word is pinned and mapped (torch's pinned memory is, under unified addressing); the values
 count up by one a wait, compared cyclically (`CU_STREAM_WAIT_VALUE_GEQ`), so a wait never
@@ -22,6 +27,8 @@ in the device's order.
 
 from __future__ import annotations
 
+import gc
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -30,6 +37,29 @@ import torch
 __all__ = ["HostSignal"]
 
 _WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
+
+# The cyclic collector's hold (see the module): how many waits are pending, over every
+# signal of the process, and whether the collector was on when the first was queued.
+_hold_lock = threading.Lock()
+_holds = 0
+_collector_was_on = False
+
+
+def _hold_collector() -> None:
+    global _holds, _collector_was_on
+    with _hold_lock:
+        if _holds == 0:
+            _collector_was_on = gc.isenabled()
+            gc.disable()
+        _holds += 1
+
+
+def _release_collector() -> None:
+    global _holds
+    with _hold_lock:
+        _holds -= 1
+        if _holds == 0 and _collector_was_on:
+            gc.enable()
 
 
 class HostSignal:
@@ -69,6 +99,7 @@ class HostSignal:
             stream = driver.CUstream(torch._C._cuda_getCurrentRawStream(self.device.index))
             (result,) = driver.cuStreamWaitValue32(stream, self._address, value, _WAIT_GEQ)
             _check(driver, result, "queueing the wait for the CPU's rows (cuStreamWaitValue32)")
+        _hold_collector()  # only once the wait is queued: a refused one holds nothing
         self._queued = value
 
     def behind(self, queue: Callable[[], None]) -> None:
@@ -86,6 +117,7 @@ class HostSignal:
         if not self.pending:
             return
         self._value[0] = self._queued
+        _release_collector()
         behind, self._behind = self._behind, []
         error = None
         for queue in behind:
@@ -95,6 +127,12 @@ class HostSignal:
                 error = error or exc
         if error is not None:
             raise error
+
+    def __del__(self) -> None:
+        # Dropped with its wait pending (a path that missed its `set`): the stream, and the
+        # collector, are let go rather than held for good.
+        if "_queued" in self.__dict__ and self.pending:
+            self.set()
 
 
 def _check(driver, result, what: str) -> None:
