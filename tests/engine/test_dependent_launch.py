@@ -13,7 +13,7 @@ from strata.engine.model.moe import load_model
 from strata.engine.model.tokenizer import Tokenizer
 from strata.engine.runtime.generate import GenerateOptions, generate
 from support.checkpoints import cached_checkpoint
-from support.hopper import compile_for_hopper
+from support.hopper import compile_for_hopper, spill_bytes
 
 
 def test_off_cuda_the_kernels_are_launched_plainly(monkeypatch):
@@ -279,14 +279,20 @@ def test_compiled_for_hopper_the_rotating_short_kernel_reads_the_cells_before_th
     """The keys' halves before the wait (and the position), and with a norm its weights; the
     projection, the rotation's tables and the mask after it, with a norm all of them before
     its first reduction: only the values' loads after that (at 256 cells they come once the
-    keys are spent). Compiling also checks what the interpreter does not: the helpers it
-    shares with `qk_norm_rope` type-check (one return type each)."""
+    keys are spent). Without a norm the mask's row is loaded after the keys' products: held
+    across them it spilled at 8 warps (255 registers a thread). Compiling also checks what
+    the interpreter does not: the helpers it shares with `qk_norm_rope` type-check (one
+    return type each)."""
     from strata.engine.model import _attention_triton, _ops_triton
 
-    ptx = _hopper_ptx(_attention_triton.rotate_attend_short,
-                      {"NORM": norm, "HAS_MASK": True, "BLOCK_C": 256, "BLOCK_R": 16,
-                       "BLOCK_P": 32, "HEAD_DIM": 128, "VALUES_FIRST": False},
-                      {"positions_ptr": "*i64", "eps": "fp32", "scale": "fp32"}, num_warps=8)
+    compiled = compile_for_hopper(_attention_triton.rotate_attend_short,
+                                  {"NORM": norm, "HAS_MASK": True, "BLOCK_C": 256,
+                                   "BLOCK_R": 16, "BLOCK_P": 32, "HEAD_DIM": 128,
+                                   "VALUES_FIRST": False},
+                                  {"positions_ptr": "*i64", "eps": "fp32", "scale": "fp32"},
+                                  num_warps=8)
+    ptx = compiled.asm["ptx"]
+    assert spill_bytes(compiled) == 0  # without a norm the mask's row comes after the products
     before, after = _loads_around_the_wait(ptx)
     keys = 2 * 256 * 64 // (256 * 8) + 1
     assert (before > keys if norm else before == keys) and after > 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import strata
-from support.hopper import compile_for_hopper
+from support.hopper import compile_for_hopper, spill_bytes
 
 # A kernel's own argument types, past `support.hopper.TYPES`: (module, kernel) -> {argument:
 # type}.
@@ -141,6 +141,7 @@ def test_the_kernel_compiles_for_hopper(module, name):
     assert ".entry" in ptx and compiled.asm["cubin"]
     assert ("griddepcontrol.wait" in ptx) == ("USE_PDL" in kernel.arg_names)
     _assert_arrivals_follow_a_barrier(ptx)
+    assert spill_bytes(compiled) == 0  # at its launch's constexprs and warps
 
 
 def _assert_arrivals_follow_a_barrier(ptx: str) -> None:

@@ -52,3 +52,36 @@ def compile_for_hopper(kernel: Any, constexprs: dict[str, Any],
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                                     attrs=aligned),
                           target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def spill_bytes(compiled: Any) -> int:
+    """The bytes a compiled kernel (`compile_for_hopper`'s) spills to local memory, stores and
+    loads, as Triton's own ptxas reports them for its PTX (`-v`): register pressure the
+    interpreter never shows, which costs a trip to memory in the middle of a kernel. The
+    first of Triton's ptxas binaries that takes the PTX's version answers, run with the flags
+    Triton runs it with; none: a skip."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as file:
+            file.write(compiled.asm["ptx"])
+        for name in ("ptxas-blackwell", "ptxas"):
+            ptxas = os.path.join(tools, name)
+            if not os.path.exists(ptxas):
+                continue
+            # Triton's own flags (its `make_cubin`): its register allocation, not the default.
+            done = subprocess.run([ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2",
+                                   "--gpu-name=sm_90a", ptx, "-o", os.devnull],
+                                  capture_output=True, text=True)
+            report = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                               done.stderr)
+            if done.returncode == 0 and report:
+                return int(report[1]) + int(report[2])
+    pytest.skip("no ptxas of Triton's takes this PTX")

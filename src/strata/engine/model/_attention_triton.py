@@ -269,7 +269,8 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
         every_k1, every_k2 = halves(qkv_ptr, (H + p) * HEAD_DIM + j[None, :], p < G, half)
     new_v = tl.load(qkv_ptr + (H + G + g) * HEAD_DIM + d)  # [Dh]: v's heads follow k's
     cos, sin1, sin2 = rope_rows(cos_ptr, sin_ptr, j[None, :], half)
-    mask_row = _mask_row(mask_ptr, c, N, HAS_MASK)  # [BC]
+    if NORM != 0:  # without a norm the row would be held across the products: it spills
+        mask_row = _mask_row(mask_ptr, c, N, HAS_MASK)  # [BC]
     if NORM == 1:
         q_rstd = rstd_heads(every_q1, every_q2, H, eps, NORM, HEAD_DIM)
         k_rstd = rstd_heads(every_k1, every_k2, G, eps, NORM, HEAD_DIM)
@@ -289,8 +290,10 @@ def rotate_attend_short(qkv_ptr, norm_w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mas
     fresh = (c == position)[:, None]  # [BC, 1]
     k1 = tl.where(fresh, x1, k1)
     k2 = tl.where(fresh, x2, k2)
-    scores = _masked((tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale, mask_row,
-                     c, N, HAS_MASK)  # [BR, BC]
+    scores = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale  # [BR, BC]
+    if NORM == 0:
+        mask_row = _mask_row(mask_ptr, c, N, HAS_MASK)
+    scores = _masked(scores, mask_row, c, N, HAS_MASK)
     if not VALUES_FIRST:  # loaded once the keys are spent: both at once would spill
         v = tl.load(v_head + c[:, None].to(tl.int64) * v_cell_stride + d[None, :], mask=c_in,
                     other=0.0)  # [BC, Dh]
