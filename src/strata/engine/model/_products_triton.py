@@ -46,13 +46,12 @@ def add_norm_product_one(x_ptr, delta_ptr, norm_w_ptr, h_ptr, w_ptr, b_ptr, out_
     # `add_rms_norm` of one token, then `product_one` of its norm, in one launch. Program p:
     # its BLOCK_N weight rows and the norm's weight loaded before the wait (as `product_one`'s;
     # the norm's after the wait would be a trip to memory after the norm's reduction), then
-    # the token's
-    # whole row h = x + delta [K] and its norm, which every program computes alike (the same
-    # loads, the same order of squares: launched with `op_kernels.NORM_WARPS` warps, the bytes
-    # of `add_rms_norm`'s norm), and out[n] = w[n, :] . norm (+ b[n]) for its rows. Program 0
-    # stores h (the residual stream the layer goes on with; without a delta h is x and nothing
-    # is stored); nothing here reads it back. The norm is never stored: only this product
-    # reads it.
+    # the token's whole row h = x + delta [K] and its norm, which every program computes alike
+    # (the same loads, the same order of squares: launched with `op_kernels.NORM_WARPS` warps,
+    # the bytes of `add_rms_norm`'s norm), and out[n] = w[n, :] . norm (+ b[n]) for its rows.
+    # Program 0 stores h (the residual stream the layer goes on with; without a delta h is x
+    # and nothing is stored); nothing here reads it back. The norm is never stored: only this
+    # product reads it.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k = tl.arange(0, BLOCK_K)  # [BK]
     k_in = k < K
