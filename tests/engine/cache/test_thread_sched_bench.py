@@ -3,6 +3,7 @@ from /proc for a thread that sleeps and one that computes, apart from the caller
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -30,6 +31,16 @@ def _in_a_thread(work) -> tuple[int, threading.Thread]:
     return tid[0], thread
 
 
+def _until_gone(tid: int, timeout_s: float = 5.0) -> None:
+    """Wait until thread `tid` has left /proc/self/task: `Thread.join` returns once Python is
+    done with the thread, a moment before the kernel has reaped it (CI saw the entry still
+    there)."""
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(f"/proc/self/task/{tid}"):
+        assert time.monotonic() < deadline, f"thread {tid} still listed after {timeout_s} s"
+        time.sleep(0.001)
+
+
 def test_a_thread_that_ends_in_the_span_is_left_out_and_the_caller_is_the_engine():
     sched = load_bench("thread_sched.py")
     go = threading.Event()
@@ -37,6 +48,7 @@ def test_a_thread_that_ends_in_the_span_is_left_out_and_the_caller_is_the_engine
     before = sched.thread_scheds()
     go.set()
     thread.join()
+    _until_gone(tid)
     after = sched.thread_scheds()
     assert tid in before and tid not in after
     assert sched.sched_span(before, after, engine_tid=tid)["engine"] == {}
