@@ -4,6 +4,9 @@
 books, stats and admissions, at every hit rate, with streamed misses, observing and admitting
 policies, and repeated experts."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -400,3 +403,26 @@ def test_a_failure_while_the_cpu_misses_run_on_their_thread_waits_for_them(monke
         split_call(cache, *calls[1])  # the next call starts its own
     finally:
         cache.close()
+
+
+def test_a_cache_goes_with_its_last_name_not_at_a_collection():
+    """No reference cycle keeps a cache alive past its last name (the executor's upload
+    counter holds it weakly): it goes at once, with what it holds, and not wherever Python's
+    collector next runs. On CUDA a store's page-locked pages unlock only on an idle device, so
+    an unlock at a collection inside another cache's signal window would wait on a stream
+    that waits on the host (`host_signal`)."""
+    store = store_of(cached_checkpoint("qwen3_moe", "small", dtype=torch.bfloat16))
+    cache = make_cache(store, 8, "sieve", 2, token_path=True)
+    cache.async_cpu = True
+    for call in token_calls(store, 4, seed=7, repeats=False):
+        split_call(cache, *call, ahead=True)
+    gone = weakref.ref(cache)
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        cache.close()
+        del cache, call
+        assert gone() is None
+    finally:
+        if was_on:
+            gc.enable()

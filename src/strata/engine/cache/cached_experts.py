@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -104,9 +105,10 @@ class CachedExperts:
         self.expert_width, self.hidden_size = store.expert_width, store.hidden_size
         self.phase = "prompt"
         self.stats = CacheStats(slots=arena.n_slots, policy=self.checked.name)
+        me = weakref.ref(self)  # not self: the cycle would keep the cache past its last name
         self.executor = CacheExecutor(store, arena, table, self.device, events=events,
-                                      on_upload=lambda n_bytes, seconds: self.stats.phase(
-                                          self.phase).count_upload(n_bytes, seconds),
+                                      on_upload=lambda n_bytes, seconds: me().stats.phase(
+                                          me().phase).count_upload(n_bytes, seconds),
                                       listener=self.checked)
         self.loan = PromptLoan(self.executor, self.checked, loan) if loan is not None else None
         self.cpu = CpuExperts(store, cpu_threads)
