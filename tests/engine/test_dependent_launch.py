@@ -303,3 +303,5 @@ def test_compiled_for_hopper_the_rotating_short_kernel_reads_the_cells_before_th
                            {"NORM": norm, "WRITE": write, "HEAD_DIM": 128, "BLOCK_P": 32},
                            {"positions_ptr": "*i64", "eps": "fp32"})
         assert _loads_around_the_wait(rope)[0] == 0
+        if not write:  # its heads, weights and tables at once (writing, v's copy comes after)
+            assert _loads_after_the_first_sync(rope.partition("griddepcontrol.wait")[2]) == 0
