@@ -26,6 +26,43 @@ def test_off_cuda_the_kernels_are_launched_plainly(monkeypatch):
     assert dependent_launch.kernel_options(torch.device("cpu")) == {}
 
 
+def test_on_cuda_every_launch_asks_for_fused_multiply_adds(monkeypatch):
+    """Not left to Triton's default, which 3.10 turns to no contraction (other float32
+    roundings after an upgrade, and 3.9 warns each run); as dependents or not, and not on the
+    host, whose interpreter has no such choice, nor under torch.compile's tracing."""
+    cuda = torch.device("cuda")
+    assert dependent_launch.compile_options(cuda) == {"enable_fp_fusion": True}
+    monkeypatch.setattr(dependent_launch, "supported", lambda device: False)
+    assert dependent_launch.kernel_options(cuda) == {"enable_fp_fusion": True}
+    monkeypatch.setattr(dependent_launch, "supported", lambda device: True)
+    assert dependent_launch.kernel_options(cuda) == {"enable_fp_fusion": True, "USE_PDL": True,
+                                                     "launch_pdl": True}
+    assert dependent_launch.compile_options(torch.device("cpu")) == {}
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert dependent_launch.compile_options(cuda) == {}
+
+
+def test_every_launch_of_our_kernels_passes_its_options():
+    """Each `kernel[grid](...)` in the package spreads its options (`kernel_options`,
+    `compile_options`, or `launch_with`'s), so none is compiled by Triton's defaults."""
+    import ast
+    from pathlib import Path
+
+    import strata
+
+    launches = []
+    for path in sorted(Path(strata.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) \
+                    and "kernels" in ast.unparse(node.func.value):
+                spread = [ast.unparse(k.value) for k in node.keywords if k.arg is None]
+                launches.append((f"{path.name}:{node.lineno}", spread))
+    assert len(launches) >= 25  # every launch site found (a rename would hide them)
+    unpassed = [site for site, spread in launches
+                if not any(s == "options" or s.startswith("dependent_launch.") for s in spread)]
+    assert not unpassed, f"launches without their options: {unpassed}"
+
+
 def test_a_wrapped_launch_passes_the_switch_off_and_a_plain_one_takes_the_options(monkeypatch):
     def wrap(kernel):  # as torch.library.wrap_triton: takes every argument, launches itself
         return kernel
@@ -45,8 +82,8 @@ def _hopper() -> bool:
 def test_on_hopper_the_decode_kernels_are_launched_as_dependents():
     if not _hopper():
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    assert dependent_launch.kernel_options(torch.device("cuda")) == {"USE_PDL": True,
-                                                                      "launch_pdl": True}
+    assert dependent_launch.kernel_options(torch.device("cuda")) == {
+        "enable_fp_fusion": True, "USE_PDL": True, "launch_pdl": True}
 
 
 def _chain(x, deltas, weight):

@@ -48,7 +48,8 @@ def compile_for_hopper(kernel: Any, constexprs: dict[str, Any],
         signature[arg] = types.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
         if signature[arg] != "fp32":
             aligned[(index,)] = [["tt.divisibility", 16]]
-    options = {"num_warps": num_warps, **({"launch_pdl": True} if dependent else {})}
+    options = {"num_warps": num_warps, "enable_fp_fusion": True,  # as strata launches them
+               **({"launch_pdl": True} if dependent else {})}
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                                     attrs=aligned),
                           target=GPUTarget("cuda", 90, 32), options=options)

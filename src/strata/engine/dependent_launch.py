@@ -30,6 +30,13 @@ device of capability 9.0 or more with a Triton that has the launch option, the k
 `USE_PDL` switch and Triton's `launch_pdl`; elsewhere (older GPUs, Triton's interpreter on the
 CPU, inside `torch.compile`'s tracing) nothing, and the kernels run as plain launches.
 `enabled` is the process-wide switch a benchmark turns off for its A/B.
+
+Every launch on a CUDA device also says how the kernel is compiled where Triton's default is
+about to change (`compile_options`, which `kernel_options` includes): multiplies and adds
+contracted into fused multiply-adds, as every figure and token so far was made. Triton 3.9
+warns that its default turns to no contraction in 3.10; left to it, the kernels' float32 sums
+would round differently after an upgrade (other bytes, maybe other tokens) and each run would
+print the warning.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["enabled", "kernel_options", "launch_with", "supported"]
+__all__ = ["compile_options", "enabled", "kernel_options", "launch_with", "supported"]
 
 enabled = True  # benchmarks set it False to measure the plain launches in the same run
 
@@ -72,13 +79,23 @@ def supported(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def compile_options(device: torch.device) -> dict[str, bool]:
+    """The compile options a launch of one of our kernels on `device` passes (see the module):
+    {"enable_fp_fusion": True} on a CUDA device outside `torch.compile`'s tracing (whose
+    launches are inductor's), else {} (Triton's interpreter has no such choice)."""
+    if torch.device(device).type != "cuda" or torch.compiler.is_compiling():
+        return {}
+    return {"enable_fp_fusion": True}
+
+
 def kernel_options(device: torch.device) -> dict[str, bool]:
-    """The keyword arguments a launch of one of our kernels on `device` adds: {"USE_PDL":
-    True, "launch_pdl": True} where `supported` and `enabled`, else {} (the kernel's USE_PDL
-    defaults to False: a plain launch)."""
+    """The keyword arguments a launch of one of our kernels on `device` adds: its
+    `compile_options`, and {"USE_PDL": True, "launch_pdl": True} where `supported` and
+    `enabled` (without them the kernel's USE_PDL defaults to False: a plain launch)."""
+    options = compile_options(device)
     if enabled and supported(device):
-        return {"USE_PDL": True, "launch_pdl": True}
-    return {}
+        options.update(USE_PDL=True, launch_pdl=True)
+    return options
 
 
 def launch_with(launch: Callable[[Any], Any] | None, device: torch.device

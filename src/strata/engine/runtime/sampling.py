@@ -150,16 +150,18 @@ def _race_pick_cuda(kernels, logits: torch.Tensor, temperature: float, top_p: fl
     # Keys as signed 32-bit: one argument type whatever their value (no recompiles).
     key1, key2 = (k - (1 << 32) if k >= 1 << 31 else k for k in keys)
     grid = (n_blocks,)
+    options = dependent_launch.compile_options(logits.device)
     kernels.race_blocks[grid](logits, n_tokens, temperature, key1, key2, top_k, top_values, race,
                               top, total, best, best_id, HAS_TOP_K=top_k > 0,
-                              BLOCK=kernels.BLOCK)
+                              BLOCK=kernels.BLOCK, **options)
     kernels.race_before_blocks[grid](logits, race, n_tokens, temperature, top, best, best_id,
                                      n_blocks, mass, count, next_best, next_id,
-                                     BLOCK=kernels.BLOCK, NB=nb)
+                                     BLOCK=kernels.BLOCK, NB=nb, **options)
     kernels.race_pick[(1,)](logits, race, n_tokens, temperature, top_p, top_k, top_values, top,
                             total, best, best_id, n_blocks, mass, count, next_best, next_id, out,
                             HAS_TOP_K=top_k > 0, CHECK_MASS=top_p < 1.0, BLOCK=kernels.BLOCK,
-                            ROW_BLOCK=kernels.ROW_BLOCK, NB=nb, num_warps=kernels.ROW_WARPS)
+                            ROW_BLOCK=kernels.ROW_BLOCK, NB=nb, num_warps=kernels.ROW_WARPS,
+                            **options)
     return out
 
 
