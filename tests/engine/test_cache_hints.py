@@ -38,7 +38,7 @@ def test_compiled_for_hopper_evict_first_marks_the_weight_loads():
                 {"eps": "fp32"}),
                (_grouped_triton.gate_up_act, {"BLOCK_F": 32, "BLOCK_D": 128}, {}),
                (_grouped_triton.down, {"BLOCK_D": 32, "BLOCK_F": 128}, {}),
-               (_grouped_triton.down_sum, {"BLOCK_D": 32, "BLOCK_F": 128},
+               (_grouped_triton.down_sum, {"BLOCK_D": 32, "BLOCK_F": 128, "BLOCK_R": 8},
                 {"arrived_ptr": "*i32", "weights_ptr": "*fp32"})]
     for kernel, constexprs, types in kernels:
         plain = compile_for_hopper(kernel, constexprs, types, num_warps=8).asm["ptx"]

@@ -285,11 +285,27 @@ def test_compiled_for_hopper_the_router_and_down_sum_read_nothing_before_the_wai
     router = _hopper_ptx(_ops_triton.add_norm_router_route,
                          {"HAS_DELTA": True, "NORMALIZE": True, "SPLITS": 64, "BLOCK_ROW": 2048,
                           "BLOCK_D": 32, "BLOCK_E": 64, "BLOCK_K": 8}, types, num_warps=8)
-    down = _hopper_ptx(_grouped_triton.down_sum, {"BLOCK_D": 8, "BLOCK_F": 1024},
+    down = _hopper_ptx(_grouped_triton.down_sum, {"BLOCK_D": 8, "BLOCK_F": 1024, "BLOCK_R": 8},
                        {"arrived_ptr": "*i32", "weights_ptr": "*fp32"}, num_warps=8)
     for ptx in (router, down):
         before, after = _loads_around_the_wait(ptx)
         assert before == 0 and after > 0
+
+
+def test_compiled_for_hopper_down_sums_last_program_loads_its_rows_at_once():
+    """`down_sum`'s last program to arrive (on which the next kernel waits) sums its K rows
+    in BLOCK_R unrolled steps: every row's and weight's load is in the code after the count,
+    none in a loop that would issue them a trip to memory apart (1.006x and 1.004x the
+    olmoe-1b-7b round on an H200, bench/results/h200-figures-2026-12-07.md)."""
+    import re
+
+    from strata.engine.experts import _grouped_triton
+
+    ptx = _hopper_ptx(_grouped_triton.down_sum, {"BLOCK_D": 32, "BLOCK_F": 128, "BLOCK_R": 8},
+                      {"arrived_ptr": "*i32", "weights_ptr": "*fp32"}, num_warps=8)
+    last = ptx.partition("atom.global")[2]
+    assert last.count("ld.volatile.global") == 8 and last.count("ld.global") == 8
+    assert len(re.findall(r"\bbra\b", last)) == 1  # past the sum, not back into a loop
 
 
 @pytest.mark.parametrize("cells, values_first", [(128, True), (256, False)])

@@ -75,7 +75,8 @@ KERNELS = {
         {"GROUP": 0, "BLOCK_R": 16, "BLOCK_C": 256}, 4),
     (f"{EXPERTS}._grouped_triton", "gate_up_act"): ({"BLOCK_F": 32, "BLOCK_D": 128}, 8),
     (f"{EXPERTS}._grouped_triton", "down"): ({"BLOCK_D": 32, "BLOCK_F": 128}, 8),
-    (f"{EXPERTS}._grouped_triton", "down_sum"): ({"BLOCK_D": 32, "BLOCK_F": 128}, 8),
+    (f"{EXPERTS}._grouped_triton", "down_sum"): (
+        {"BLOCK_D": 32, "BLOCK_F": 128, "BLOCK_R": 8}, 8),
     (f"{EXPERTS}._quantized_triton", "int8_act"): ({"BLOCK_F": 8, "BLOCK_D": 512}, 4),
     (f"{EXPERTS}._quantized_triton", "int8_down"): ({"BLOCK_D": 8, "BLOCK_F": 512}, 4),
     (f"{EXPERTS}._quantized_triton", "int4_act"): (

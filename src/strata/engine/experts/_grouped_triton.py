@@ -109,12 +109,15 @@ def store_rows(y_ptr, r, y_stride, d, D, slot, y):
 @triton.jit
 def down_sum(w_ptr, index_ptr, act_ptr, y_ptr, weights_ptr, out_ptr, arrived_ptr, slot_stride,
              row_stride, D, F, act_stride, y_stride, R, BLOCK_D: tl.constexpr,
-             BLOCK_F: tl.constexpr, EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False):
+             BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr, EVICT: tl.constexpr = "",
+             USE_PDL: tl.constexpr = False):
     # One token's R = K rows. Program (r, b): `down`'s y[r, block b], rounded and stored as
     # `down` stores it; then counted in arrived[b]. The last of block b's R programs to arrive
     # (acquiring the others' rows) sums weights[k] * y[k, block b] over k = 0..R-1 in order in
     # float32, as `combine` does, into out[block b] (the same bytes as `down` then `combine`,
-    # whichever program is last), and sets arrived[b] back to 0 for the next launch. (Reading
+    # whichever program is last), and sets arrived[b] back to 0 for the next launch. Its
+    # BLOCK_R steps (a power of two at least R) are unrolled, so their loads are issued at
+    # once, not a trip to memory a row or four; a step past R adds 0 * 0. (Reading
     # the expert's index and first weight tile before the wait was timed and was slower:
     # bench/results/profile-control-h100-2026-12-06.md.)
     wait_for_prior(USE_PDL)
@@ -128,8 +131,9 @@ def down_sum(w_ptr, index_ptr, act_ptr, y_ptr, weights_ptr, out_ptr, arrived_ptr
     tl.store(y_ptr + r * y_stride + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
     if tl.atomic_add(arrived_ptr + b, 1, sem="acq_rel") == R - 1:
         total = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for k in range(0, R):
-            values = tl.load(y_ptr + k * y_stride + d, mask=d_in, other=0.0, volatile=True)
-            total += values.to(tl.float32) * tl.load(weights_ptr + k)
+        for k in tl.static_range(BLOCK_R):
+            values = tl.load(y_ptr + k * y_stride + d, mask=tl.where(k < R, d_in, False),
+                             other=0.0, volatile=True)
+            total += values.to(tl.float32) * tl.load(weights_ptr + k, mask=k < R, other=0.0)
         tl.store(out_ptr + d, total.to(out_ptr.dtype.element_ty), mask=d_in)
         tl.store(arrived_ptr + b, 0)
