@@ -9,7 +9,7 @@
 #
 # Stages (minutes, roughly): tests (4: pytest -m cuda over CUDA_TESTS, default tests, under
 # TESTS_TIMEOUT seconds, default 420, TESTS_K a -k expression, a test's stacks dumped past
-# TESTS_DUMP_S seconds, default 120), kernels (1:
+# TESTS_DUMP_S seconds, default 45), kernels (1:
 # bench/grouped_experts.py, the bf16 and the quantized decode kernels; KERNELS_ARGS adds
 # flags, e.g. `--presets qwen3-30b-a3b --valid-rows 2,3`: the quantized kernels over a split
 # call's few valid rows),
@@ -242,10 +242,11 @@ for stage in "$@"; do
     case $stage in
     tests) # tests/serve needs the serve stage's packages (carried wheels), not there by default.
            skip=$(python3 -c "import openai" 2> /dev/null || echo "--ignore=tests/serve")
-           # A test past TESTS_DUMP_S seconds dumps every thread's stack into the log: two
-           # whole runs on 2026-12-07 stalled with nothing printed (h100-figures-2026-12-07c.md).
+           # A test past TESTS_DUMP_S seconds dumps every thread's stack into the log and goes
+           # on: three whole runs on 2026-12-07 were cut with nothing printed, the third before
+           # a 120 s dump could come (h100-figures-2026-12-07c.md, h200-figures-2026-12-07.md).
            timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m cuda ${CUDA_TESTS:-tests} -q \
-               -p no:cacheprovider -o faulthandler_timeout="${TESTS_DUMP_S:-120}" $skip \
+               -p no:cacheprovider -o faulthandler_timeout="${TESTS_DUMP_S:-45}" $skip \
                ${TESTS_K:+-k "$TESTS_K"} \
                > "$OUT/cuda-tests.txt" 2>&1; tail -3 "$OUT/cuda-tests.txt" ;;
     kernels) (cd bench && timeout 300 python3 grouped_experts.py ${KERNELS_ARGS:-}) \
