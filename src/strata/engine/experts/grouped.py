@@ -37,7 +37,6 @@ import torch
 
 from strata.engine import cache_hints, dependent_launch
 from strata.engine.experts.activation import silu_and_mul
-from strata.engine.model.op_kernels import block
 
 __all__ = ["copies_weights", "expert_rows", "expert_rows_gathered", "expert_rows_triton",
            "expert_sum_triton", "sum_arrivals"]
@@ -210,7 +209,7 @@ def expert_sum_triton(gate_up: torch.Tensor, down: torch.Tensor, index: torch.Te
         kernels.down_sum[(n_rows, -(-d // DOWN_BLOCK_D))](
             down, index, act, y, weights, out, arrived, down.stride(0), down.stride(1), d, f,
             act.stride(0), y.stride(0), n_rows, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=DOWN_BLOCK_F,
-            BLOCK_R=block(n_rows),
+            BLOCK_R=1 << max(n_rows - 1, 0).bit_length(),  # the least power of two >= R
             EVICT=cache_hints.experts_eviction(),
             num_warps=NUM_WARPS[1], num_stages=NUM_STAGES[1], **options)
     else:
