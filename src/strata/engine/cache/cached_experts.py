@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -65,7 +64,7 @@ from strata.engine.cache.host_rows import HostRows
 from strata.engine.cache.loan import LoanOptions, PromptLoan
 from strata.engine.cache.prefetch import MissPrefetch, check_prefetch_misses
 from strata.engine.cache.routed_call import routed_forward
-from strata.engine.cache.stats import PHASES, CacheStats, PhaseStats
+from strata.engine.cache.stats import PHASES, CacheStats, PhaseStats, upload_counter
 from strata.engine.cache.token_call import token_forward
 from strata.engine.experts import ExpertStore, grouped, weighted_sum
 from strata.engine.experts.cpu import CpuExperts
@@ -105,11 +104,8 @@ class CachedExperts:
         self.expert_width, self.hidden_size = store.expert_width, store.hidden_size
         self.phase = "prompt"
         self.stats = CacheStats(slots=arena.n_slots, policy=self.checked.name)
-        me = weakref.ref(self)  # not self: the cycle would keep the cache past its last name
         self.executor = CacheExecutor(store, arena, table, self.device, events=events,
-                                      on_upload=lambda n_bytes, seconds: me().stats.phase(
-                                          me().phase).count_upload(n_bytes, seconds),
-                                      listener=self.checked)
+                                      on_upload=upload_counter(self), listener=self.checked)
         self.loan = PromptLoan(self.executor, self.checked, loan) if loan is not None else None
         self.cpu = CpuExperts(store, cpu_threads)
         self.stream_misses = staging_blobs(stream_misses)  # N; ValueError for a bad value

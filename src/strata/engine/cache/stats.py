@@ -24,6 +24,8 @@ but no times.
 from __future__ import annotations
 
 import dataclasses
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,3 +194,20 @@ class CacheStats:
                 f"cache {1000 * p.forward_s / n:.2f} ms ({p.passes} {units})"
             )
         return lines
+
+
+def upload_counter(cache: Any) -> Callable[[int, float], None]:
+    """A cache executor's `on_upload` for `cache` (a `CachedExperts`): each upload's bytes and
+    seconds counted into `cache.stats` under `cache.phase`, both read at the upload (a request
+    makes new stats). It holds the cache weakly: held strongly it would be a cycle (the cache
+    holds its executor) that kept a dropped cache, its arena and its store's page-locked pages
+    until a collection, wherever that ran. An upload after the cache went (by an elastic K/V
+    that still holds the executor) counts nowhere."""
+    cache_ref = weakref.ref(cache)
+
+    def count(n_bytes: int, seconds: float) -> None:
+        owner = cache_ref()
+        if owner is not None:
+            owner.stats.phase(owner.phase).count_upload(n_bytes, seconds)
+
+    return count
