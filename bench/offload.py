@@ -50,9 +50,14 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   turn, so that a machine's drift falls on all alike, and with
   `--split-counts N[,N...]` that engine streaming min(N, M) of M misses too, named -splitN
   (the counts compared with the same slots; with `--sync-cpu` each again as -splitN-sync,
-  with `--no-cpu-shrink` as -splitN-noshrink); `--launch-ahead` with each split call's next
-  graph launched before the CPU's rows are done, queued behind a wait the host sets when they
-  are (`graph_call.LAUNCH_AHEAD`), named -ahead (interleaved too);
+  with `--no-cpu-shrink` as -splitN-noshrink); `--split-tables T[/T...]` with each table of
+  counts (counts[M] of M misses streamed) as the split, named -table<counts>, and
+  `--rates-gaps US[,US...]` with the split auto's rates give when their timed calls are US
+  microseconds apart, measured then, named -gap<us>, and `--split-rules R[,R...]` with the
+  split the kept rates give by each rule (`rates.SPLIT_RULES`), named -rule<name> (each where
+  the staging buffer holds it; the JSON's `split` says each run's table); `--launch-ahead`
+  with each split call's next graph launched before the CPU's rows are done, queued behind a
+  wait the host sets when they are (`graph_call.LAUNCH_AHEAD`), named -ahead (interleaved too);
   `--cli-sampling` with
   `strata generate`'s default sampling instead of greedy, named -sampled: the pick's host time
   in a round the host holds). For
@@ -145,7 +150,14 @@ from offload_report import (
     print_report,
     round_figures,
 )
-from offload_variants import apply_setting, cache_settings, decode_variants, split_settings
+from offload_variants import (
+    apply_setting,
+    cache_settings,
+    decode_variants,
+    setting_split,
+    split_settings,
+    table_splits,
+)
 from strata.engine.cache.build import build_cached_experts, plan_cache, staging_blobs
 from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.experts import ResidentExperts
@@ -261,6 +273,7 @@ def decode_runs(setup: Setup, fmt: Format, prompt: list[int], max_context: int
     """Every decode run of `fmt`: each `--stream-misses` value with each variant
     (`offload_variants`), by name, their round's figures added and said."""
     args, cfg, device = setup.args, setup.cfg, setup.device
+    table_splits(args, cfg, setup.dtype, device, fmt.quant, setup.say)
     settings = cache_settings(args)
     together = settings if args.interleave else []
     runs: dict[str, dict] = {}
@@ -292,6 +305,9 @@ def decode_runs(setup: Setup, fmt: Format, prompt: list[int], max_context: int
                         cuda_graphs=not args.eager, piecewise=not args.eager)
                     decoded = {f"decode-stream-{stream}{setting}{fmt.suffix}": run
                                for setting, run in named.items()}
+                    for setting, run in named.items():  # the table each setting split by
+                        chosen = setting_split(setting, args, rule, cfg.top_k)
+                        run["split"] = None if chosen is None else chosen.text()
                     set_up("")
                 else:
                     set_up(variant)

@@ -3,8 +3,9 @@
 `parse_args` returns argparse's namespace with these lists on it: `streams` (`--stream-misses`: auto
 or ints), `loan_batches` (`--loan-upload-batches`; [None]: the engine's), `prefetch_caps`
 (`--prefetch`), `split_counts` (`--split-counts`, in place of its text), `cpu_schedules`,
-`cpu_prefetches` (strings), `cpu_weight_rows` ((G, D) pairs), `cpu_down_blocks`, `cpu_teams` and
-`formats` (`--experts-dtype`). A bad value is the parser's error, naming the flag and what it takes.
+`cpu_prefetches` (strings), `cpu_weight_rows` ((G, D) pairs), `cpu_down_blocks`, `cpu_teams`,
+`split_tables` (tuples of counts), `rates_gaps` (microseconds), `split_rules` and `formats`
+(`--experts-dtype`). A bad value is the parser's error, naming the flag and what it takes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from _common import (
     rows_at_once,
 )
 from strata import _cpu_experts
+from strata.engine.cache.rates import SPLIT_RULES
 from strata.engine.experts.quant import EXPERTS_DTYPES
 
 
@@ -95,6 +97,24 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
                         "staging buffer (N up to its blobs), named -splitN: counts compared "
                         "with the same slots, interleaved (with --sync-cpu each count again "
                         "as -splitN-sync, with --no-cpu-shrink as -splitN-noshrink)")
+    parser.add_argument("--split-tables", default="",
+                        help="with --interleave, /-separated tables of K + 1 comma-separated "
+                        "counts (counts[M]: of M misses, how many a layer streams), e.g. "
+                        "0,0,1,1,1,1,2,2,2: also run each decode with each table as its split "
+                        "(`StreamSplit`), named -table<counts>, where the run's staging buffer "
+                        "holds its largest count")
+    parser.add_argument("--rates-gaps", default="",
+                        help="with --interleave, comma-separated microseconds: also run each "
+                        "decode with the split that --stream-misses auto's rates give when "
+                        "each timed call waits that long after the last (measured now, not "
+                        "kept; the kept rates wait `rate_calls.ROUND_GAP_S`), named -gap<us>, "
+                        "where the run's staging buffer holds it")
+    parser.add_argument("--split-rules", default="",
+                        help="with --interleave, comma-separated rules of "
+                        f"{', '.join(SPLIT_RULES)}: also run each decode with the split the "
+                        "kept rates give by that rule (`MissRates.split`; the default rule is "
+                        "`rates.SPLIT_RULE`), named -rule<name>, where the run's staging buffer "
+                        "holds it")
     for flag, text in VARIANT_FLAGS.items():  # each adds a run of every decode, named -<name>
         parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--profile", metavar="DIR",
@@ -140,6 +160,21 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         if args.split_counts else []
     if args.split_counts and not args.interleave:
         parser.error("--split-counts runs in the base run's engine: give --interleave too")
+    tables, gaps = split_tables(args.split_tables), gaps_us(args.rates_gaps)
+    if tables is None:
+        parser.error(f"--split-tables takes distinct /-separated tables of comma-separated "
+                     f"counts, each 0 first and counts[M] <= M, got {args.split_tables!r}")
+    if gaps is None:
+        parser.error(f"--rates-gaps takes distinct comma-separated microseconds >= 0, got "
+                     f"{args.rates_gaps!r}")
+    rules = [rule for rule in args.split_rules.split(",") if rule]
+    if len(set(rules)) != len(rules) or not set(rules) <= set(SPLIT_RULES):
+        parser.error(f"--split-rules takes distinct comma-separated rules of "
+                     f"{', '.join(SPLIT_RULES)}, got {args.split_rules!r}")
+    args.split_tables, args.rates_gaps, args.split_rules = tables, gaps, rules
+    if (tables or gaps or rules) and not args.interleave:
+        parser.error("--split-tables, --rates-gaps and --split-rules run in the base run's "
+                     "engine: give --interleave too")
     args.cpu_schedules = args.cpu_schedule.split(",") if args.cpu_schedule else []
     if len(set(args.cpu_schedules)) != len(args.cpu_schedules) \
             or not set(args.cpu_schedules) <= {"static", "guided", "steal", "steal-alone"}:
@@ -171,6 +206,30 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         parser.error("--share-per-format sizes each format's cache by --expert-share, which "
                      "--budget-mib replaces: give one of them")
     return args
+
+
+def split_tables(text: str) -> list[tuple[int, ...]] | None:
+    """`--split-tables`' tables (none for ""), or None for text that is not distinct tables of
+    counts with counts[0] == 0 and 0 <= counts[M] <= M (K + 1 is checked against the model's
+    K where a run takes them)."""
+    tables = []
+    for part in filter(None, text.split("/")):
+        try:
+            table = tuple(int(n) for n in part.split(","))
+        except ValueError:
+            return None
+        if table[0] != 0 or any(not 0 <= n <= m for m, n in enumerate(table)):
+            return None
+        tables.append(table)
+    return tables if len(set(tables)) == len(tables) else None
+
+
+def gaps_us(text: str) -> list[int] | None:
+    """`--rates-gaps`' microseconds (none for ""), or None for anything but distinct ints >= 0."""
+    parts = [part.strip() for part in text.split(",")] if text else []
+    if not all(part.isdigit() for part in parts) or len(set(parts)) != len(parts):
+        return None
+    return [int(part) for part in parts]
 
 
 def stream_values(text: str) -> list[int | str]:

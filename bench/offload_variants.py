@@ -3,10 +3,10 @@ changed, named by a suffix of the run's name.
 
 Variants that only set an attribute of a built cache (the CPU's schedule, prefetch distance, weight
 rows at once, team, spinning, pinning, the caller's pool, the async CPU, the wake-up, the launch
-ahead, a fixed split count) are *settings*: under `--interleave` they run in the base run's
-engine, one request of each in turn, so that the machine's drift falls on all alike
-(`cache.run_decode_interleaved`). The others (-whole, -sampled, -prefetchN) need an engine of their
-own.
+ahead, a fixed split count, a split table) are *settings*: under `--interleave` they run in the
+base run's engine, one request of each in turn, so that the machine's drift falls on all alike
+(`cache.run_decode_interleaved`). The others (-whole, -sampled, -prefetchN) need an engine of
+their own.
 """
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
+
 from strata import _cpu_experts
 from strata.engine.cache import graph_call
+from strata.engine.cache.kept_rates import auto_split
+from strata.engine.cache.rates import RatesKey, measure_rates
 from strata.engine.experts.streamed import StreamSplit
 
 
@@ -47,11 +51,47 @@ def decode_variants(args: argparse.Namespace, settings: list[str]) -> list[tuple
 def split_settings(args: argparse.Namespace, streamer: Any) -> list[str]:
     """-splitN for each `--split-counts` N the run's staging buffer holds (streaming min(N, M)
     of a layer's M misses), each again as -splitN-sync with `--sync-cpu` and -splitN-noshrink
-    with `--no-cpu-shrink`; none without a staging buffer."""
-    return [f"-split{n}{mode}" for n in args.split_counts
-            if streamer is not None and n <= streamer.n_blobs
-            for mode in ["", *(["-sync"] if args.sync_cpu else []),
-                         *(["-noshrink"] if args.no_cpu_shrink else [])]]
+    with `--no-cpu-shrink`; then each of `table_splits`' tables the buffer holds; none without
+    a staging buffer."""
+    if streamer is None:
+        return []
+    return [*(f"-split{n}{mode}" for n in args.split_counts if n <= streamer.n_blobs
+              for mode in ["", *(["-sync"] if args.sync_cpu else []),
+                           *(["-noshrink"] if args.no_cpu_shrink else [])]),
+            *(name for name, rule in args.table_rules.items()
+              if rule.n_blobs <= streamer.n_blobs)]
+
+
+def table_splits(args: argparse.Namespace, config: Any, dtype: Any, device: Any,
+                 quant: str | None, say: Any) -> None:
+    """`args.table_rules`, by setting: -table<counts> for each `--split-tables` table,
+    -rule<name> for each `--split-rules` rule the split the kept rates give by it, and -gap<us>
+    for each `--rates-gaps` gap the split `measure_rates` gives with each timed call that long
+    after the last (measured now, on this format's store, kept nowhere); each rule's and
+    gap's split said. ValueError for a table not K + 1 long."""
+    rules = {}
+    for counts in args.split_tables:
+        if len(counts) != config.top_k + 1:
+            raise ValueError(f"--split-tables' table {counts} is not K + 1 = "
+                             f"{config.top_k + 1} counts")
+        rules["-table" + "".join(map(str, counts))] = StreamSplit(counts, "--split-tables")
+    if args.split_rules and torch.device(device).type == "cuda":
+        _, kept = auto_split(config, dtype, device, cpu_threads=args.cpu_threads, quant=quant)
+        for name in args.split_rules:
+            split = kept.split(name)
+            say(f"the kept rates split by {name}: {split.text()}")
+            rules[f"-rule{name}"] = StreamSplit(split.counts, f"rule {name}")
+    if args.rates_gaps and torch.device(device).type == "cuda":
+        key = RatesKey.of(config, dtype, device, args.cpu_threads, quant)
+        for gap_us in args.rates_gaps:
+            rates = measure_rates(key, dtype, device, cpu_threads=args.cpu_threads,
+                                  gap_s=gap_us / 1e6)
+            split = rates.split()
+            say(f"rates timed {gap_us} us apart: split {split.text()} (upload and compute "
+                f"{rates.stream_bytes_per_s / 1e9:.1f} GB/s, CPU experts "
+                f"{rates.cpu_bytes_per_s / 1e9:.1f} GB/s)")
+            rules[f"-gap{gap_us}"] = StreamSplit(split.counts, f"rates {gap_us} us apart")
+    args.table_rules = rules
 
 
 def apply_setting(cache: Any, setting: str, args: argparse.Namespace,
@@ -59,7 +99,6 @@ def apply_setting(cache: Any, setting: str, args: argparse.Namespace,
     """Set `cache` (a `CachedExperts`) as `setting` says, every other setting back to the
     base run's: `rule` its streamer's split rule, the team `default_team`'s. ""
     puts everything back (and `graph_call.LAUNCH_AHEAD` off)."""
-    count = setting.removeprefix("-split").partition("-")[0]
     cache.wake_cpu = setting == "-wake"
     graph_call.LAUNCH_AHEAD = setting == "-ahead"
     cache.cpu.keep_team_up = setting == "-spin"
@@ -79,5 +118,15 @@ def apply_setting(cache: Any, setting: str, args: argparse.Namespace,
     cache.cpu.team_threads = int(setting.removeprefix("-team")) \
         if setting.startswith("-team") else None
     if cache.streamer is not None:
-        cache.streamer.split_rule = StreamSplit.fixed(int(count), top_k) \
-            if setting.startswith("-split") else rule
+        cache.streamer.split_rule = setting_split(setting, args, rule, top_k)
+
+
+def setting_split(setting: str, args: argparse.Namespace, rule: StreamSplit | None,
+                  top_k: int) -> StreamSplit | None:
+    """The split `setting` runs with: its table's, min(N, M) for -splitN, else the run's
+    `rule`."""
+    if setting in args.table_rules:
+        return args.table_rules[setting]
+    if setting.startswith("-split"):
+        return StreamSplit.fixed(int(setting.removeprefix("-split").partition("-")[0]), top_k)
+    return rule

@@ -16,10 +16,16 @@ from strata.machine import transparent_huge_pages
 from support.bench_scripts import load_bench
 
 
-def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
+@pytest.fixture
+def offload_bench(monkeypatch):
+    """bench/offload.py loaded, the STRATA_LOAN_KEEP_SLOTS it sets put back after the test."""
     monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
-    monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")  # the bench sets it: restored after the test
-    bench = load_bench("offload.py")
+    monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")
+    return load_bench("offload.py")
+
+
+def test_the_offload_bench_runs_and_reports(capsys, offload_bench):
+    bench = offload_bench
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "6", "--prefill-tokens",
             "160", "--prefill-chunk", "80", "--host-read-mib", "16", "--loan-keep-slots", "0",
             "--repeat", "1", "--stream-misses", "auto,1", "--expert-share", "0.25", "--json",
@@ -95,12 +101,11 @@ def test_the_offload_bench_runs_and_reports(capsys, monkeypatch):
     assert prefill["scaled_tok_s"] == prefill["prefill_tok_s"]  # the preset's own depth
 
 
-def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys, monkeypatch):
+def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys, monkeypatch,
+                                                                          offload_bench):
     """--interleave: the schedules and the wake-up run in the base run's engine, a request of
     each in turn, each reported as its own run with the base's tokens."""
-    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
-    monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")  # the bench sets it: restored after the test
-    bench = load_bench("offload.py")
+    bench = offload_bench
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--prefill-tokens", "0",
             "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
             "--stream-misses", "2", "--expert-share", "0.25", "--json", "--interleave",
@@ -176,12 +181,46 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
         bench.main([a for a in argv if a != "--interleave"])  # split counts need it
 
 
-def test_the_offload_bench_runs_a_prefill_for_each_count_of_upload_batches(capsys,
-                                                                            monkeypatch):
-    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
-    monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")  # the bench sets it: restored after the test
+def test_the_offload_bench_interleaves_split_tables_and_refuses_bad_ones(capsys, offload_bench):
+    """--split-tables: each table a run in the base run's engine that streams what it says
+    (-table<counts>, its `split` in the JSON), one the staging buffer cannot hold left out;
+    a bad table, rule or gap, or any of them without --interleave, is the parser's error."""
+    bench = offload_bench
+    argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--prefill-tokens", "0",
+            "--host-read-mib", "16", "--loan-keep-slots", "0", "--repeat", "2",
+            "--stream-misses", "1", "--expert-share", "0.25", "--json", "--interleave",
+            "--split-tables", "0,0,1/0,0,0/0,1,2"]
+    assert bench.main(argv) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    # 0,1,2 is left out: the run's staging buffer (--stream-misses 1) holds 1 blob.
+    assert sorted(runs) == ["decode-stream-1", "decode-stream-1-table000",
+                            "decode-stream-1-table001"]
+    assert runs["decode-stream-1-table000"]["split"] == "0,0,0"
+    assert runs["decode-stream-1-table000"]["round"]["streamed_experts_per_round"] == 0
+    assert 0 < runs["decode-stream-1-table001"]["round"]["streamed_experts_per_round"] \
+        <= runs["decode-stream-1"]["round"]["streamed_experts_per_round"]
+    for table, message in [("0,2,1", "each 0 first and counts[M] <= M"),
+                           ("1,1,1", "each 0 first"), ("0,0,1/0,0,1", "distinct"),
+                           ("0,a", "comma-separated counts")]:
+        with pytest.raises(SystemExit):
+            bench.main([*argv[:-1], table])
+        assert message in capsys.readouterr().err
+    for flag, value, message in [("--split-rules", "fastest", "--split-rules takes"),
+                                 ("--rates-gaps", "-5", "--rates-gaps takes")]:
+        with pytest.raises(SystemExit):
+            bench.main([*argv[:-2], flag, value])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main([a for a in argv if a != "--interleave"])
+    assert "give --interleave too" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"is not K \+ 1 = 3 counts"):
+        bench.main([*argv[:-1], "0,0,1,1"])
+
+
+def test_the_offload_bench_runs_a_prefill_for_each_count_of_upload_batches(capsys, monkeypatch,
+                                                                            offload_bench):
     monkeypatch.setenv("STRATA_LOAN_UPLOAD_BATCHES", "3")
-    bench = load_bench("offload.py")
+    bench = offload_bench
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "2", "--prefill-tokens",
             "160", "--prefill-chunk", "80", "--host-read-mib", "16", "--loan-keep-slots", "0",
             "--repeat", "1", "--stream-misses", "0", "--expert-share", "0.25", "--json",
@@ -200,10 +239,8 @@ def test_the_offload_bench_runs_a_prefill_for_each_count_of_upload_batches(capsy
         capsys.readouterr().err
 
 
-def test_the_offload_bench_measures_each_experts_dtype(capsys, monkeypatch):
-    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
-    monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")
-    bench = load_bench("offload.py")
+def test_the_offload_bench_measures_each_experts_dtype(capsys, offload_bench):
+    bench = offload_bench
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "4", "--prefill-tokens",
             "96", "--prefill-chunk", "48", "--host-read-mib", "16", "--loan-keep-slots", "0",
             "--repeat", "1", "--stream-misses", "1", "--expert-share", "0.25",
@@ -247,10 +284,8 @@ def test_the_stream_issue_bench_times_each_part_for_each_k(capsys):
         assert set(row["sync"].values()) == {"n/a (no device)"}
 
 
-def test_the_offload_bench_profiles_a_decode_run(capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("STRATA_LOAN_KEEP_SLOTS", "1")
-    monkeypatch.delenv("STRATA_LOAN_KEEP_SLOTS")
-    bench = load_bench("offload.py")
+def test_the_offload_bench_profiles_a_decode_run(capsys, offload_bench, tmp_path):
+    bench = offload_bench
     argv = ["--preset", "tiny", "--device", "cpu", "--new-tokens", "8", "--prefill-tokens", "0",
             "--host-read-mib", "16", "--repeat", "1", "--stream-misses", "1",
             "--expert-share", "0.25", "--json", "--profile", str(tmp_path)]

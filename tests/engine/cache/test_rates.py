@@ -7,9 +7,11 @@ import json
 import math
 import time
 
+import hypothesis
 import numpy as np
 import pytest
 import torch
+from hypothesis import strategies as st
 
 from strata import _cpu_experts
 from strata.engine.cache import rates as rates_module
@@ -120,6 +122,66 @@ def test_split_calls_timed_come_first_and_an_older_entry_splits_as_it_did():
     oldest = MissRates.from_entry({k: v for k, v in entry.items()
                                    if k not in ("staged_s", "joint_s")}, "oldest")
     assert oldest.timed_calls == "" and oldest.split().counts == balanced_split(*alone)
+
+
+def _grid(k: int, stream_fixed: float, stream_each: float, cpu_fixed: float,
+          cpu_each: float) -> tuple[tuple[float, ...], ...]:
+    """A grid of split calls timed as max(the stream's, the CPU's) with fixed costs a side."""
+    def side(fixed: float, each: float, n: int) -> float:
+        return fixed + each * n if n else 0.0
+
+    return ((0.0,), *(tuple(max(side(stream_fixed, stream_each, s),
+                                side(cpu_fixed, cpu_each, m - s)) for s in range(m + 1))
+                      for m in range(1, k + 1)))
+
+
+def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_costs():
+    """Calls that carry a large fixed cost on the CPU's side (a team waking after the timing's
+    gap) make each M's fastest call stream more than the two sides' per-expert times balance:
+    the "slopes" rule fits those times to the calls that use one side alone and balances them;
+    "calls", the default (`SPLIT_RULE`), keeps the fastest call."""
+    assert rates_module.SPLIT_RULE == "calls"
+    grid = _grid(8, stream_fixed=0.25, stream_each=0.086, cpu_fixed=0.6, cpu_each=0.083)
+    alone = (tuple(0.086 * k for k in range(9)), tuple(0.083 * k for k in range(9)))
+    rates = MissRates(*alone, 1000, staged_s=grid)
+    stream_t, cpu_t = rates_module.per_expert_s(grid)
+    assert stream_t == pytest.approx(0.086) and cpu_t == pytest.approx(0.083)
+    slopes = rates.split("slopes").counts
+    assert slopes == balanced_split(tuple(0.086 * k for k in range(9)),
+                                    tuple(0.083 * k for k in range(9)))
+    assert slopes == (0, 0, 1, 1, 2, 2, 3, 3, 4)
+    calls = rates.split("calls").counts
+    assert calls == rates.split().counts == tuple(row.index(min(row)) for row in grid)
+    assert sum(calls) > sum(slopes)  # the CPU's fixed cost pushes the fastest calls to stream
+    assert MissRates(*alone, 1000, joint_s=grid).split("slopes").counts == slopes  # whole calls
+    assert MissRates(*alone, 1000).split("slopes").counts == balanced_split(*alone)  # no grid
+    with pytest.raises(ValueError, match="a split rule is one of"):
+        rates.split("fastest")
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(k=st.integers(2, 8), stream_fixed=st.floats(0, 1), cpu_fixed=st.floats(0, 1),
+       stream_each=st.floats(0.01, 1), cpu_each=st.floats(0.01, 1))
+def test_the_slopes_are_each_side_s_time_an_expert_whatever_its_fixed_cost(
+        k, stream_fixed, cpu_fixed, stream_each, cpu_each):
+    grid = _grid(k, stream_fixed, stream_each, cpu_fixed, cpu_each)
+    stream_t, cpu_t = rates_module.per_expert_s(grid)
+    assert stream_t == pytest.approx(stream_each) and cpu_t == pytest.approx(cpu_each)
+    counts = MissRates(tuple(stream_each * n for n in range(k + 1)),
+                       tuple(cpu_each * n for n in range(k + 1)), 1000,
+                       staged_s=grid).split("slopes").counts
+    for m, s in enumerate(counts):  # no s finishes both sides sooner, at the slopes
+        assert max(s * stream_t, (m - s) * cpu_t) <= min(
+            max(t * stream_t, (m - t) * cpu_t) for t in range(m + 1)) + 1e-12
+
+
+def test_a_slope_that_noise_makes_non_positive_is_the_largest_call_over_its_experts():
+    grid = list(_grid(4, stream_fixed=0.0, stream_each=1.0, cpu_fixed=0.0, cpu_each=2.0))
+    grid[3] = (*grid[3][:3], 5.0)  # the all-streamed calls at M = 2..4: 2, 5, 4: slope 1.0
+    grid[2] = (6.0, *grid[2][1:])  # the all-CPU calls at M = 2..4: 6, 6, 4: falling,
+    grid[4] = (4.0, *grid[4][1:])  # so M = 4's call over its 4 experts
+    stream_t, cpu_t = rates_module.per_expert_s(tuple(grid))
+    assert stream_t == pytest.approx(1.0) and cpu_t == pytest.approx(1.0)
 
 
 def test_the_split_table_checks_itself():

@@ -46,6 +46,14 @@ engine thread's calls and the split calls one kind after the other each round; t
 the timing (`TIMING`), so rates kept by a strata that timed calls otherwise are measured
 anew.
 
+Even so, timed calls carry fixed costs a round's calls do not: on an H100 machine on
+2026-12-07 one expert streamed alone took 335 µs and one on the CPU alone 670, against about
+90 and 70 µs an expert in the rounds, and each M's fastest call streamed so much
+(0,1,2,3,3,4,4,4,5) that tables streaming less took 0.73-0.88x its rounds
+(bench/results/split-tables-h100-2026-12-07.md). The "slopes" rule (`SPLIT_RULE`,
+`per_expert_s`) balances the two sides' per-expert times fitted to the same calls instead,
+their fixed costs left out; it is staged until timed in rounds.
+
 The times depend on the machine and the configuration (`RatesKey`: the GPU's name, the CPU's
 model, the CPU experts' threads, the dtype, the experts' format and the expert's shape), not on
 the weights, and the split made from them is part of what the output bytes depend on: they
@@ -76,9 +84,17 @@ from strata.engine.experts.quant import expert_blob_bytes
 from strata.engine.experts.streamed import StreamSplit
 from strata.engine.model.config import ModelConfig
 
-__all__ = ["MissRates", "RatesKey", "balanced_split", "cpu_model", "measure_rates"]
+__all__ = ["SPLIT_RULE", "SPLIT_RULES", "MissRates", "RatesKey", "balanced_split", "cpu_model",
+           "measure_rates", "per_expert_s"]
 
 REPEAT = 7  # timed rounds of every k, after one untimed
+# How a timed grid of calls gives the split (`MissRates.split`; the module). Staged, not the
+# default: "slopes" (the two sides' per-expert times balanced, the calls' fixed costs left
+# out) has not yet been timed in a round against "calls" (each M's fastest call), whose rounds
+# took 1.14-1.38x those of hand-picked tables that stream less on an H100 machine
+# (bench/results/split-tables-h100-2026-12-07.md); bench/offload.py --split-rules times both.
+SPLIT_RULES = ("calls", "slopes")
+SPLIT_RULE = "calls"
 TARGET_BYTES = 512 << 20  # the synthetic store: at least this many bytes, read round robin
 # How the calls are timed (`rate_calls`), part of the key: rates kept by a strata that timed
 # them otherwise are measured anew. "round-gap500us-shrunk-grouped-grown": each call after the
@@ -148,6 +164,27 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def per_expert_s(grid: tuple[tuple[float, ...], ...]) -> tuple[float, float]:
+    """(stream, cpu): the seconds one more expert adds to a call of a side alone in `grid`
+    (`MissRates.staged_s` or `joint_s`, rows M = 0..K): the least-squares slopes over M = K // 2
+    (at least 1) .. K of the calls that stream every miss (grid[M][M]) and of those that stream
+    none (grid[M][0]). A slope that is not positive (noise over too few M) is the largest M's
+    call over M instead. The calls' intercepts, their fixed costs, are left out (the module)."""
+    k = len(grid) - 1
+    ms = range(max(1, k // 2), k + 1)
+
+    def slope(times: list[float]) -> float:
+        if len(times) > 1:
+            mean_m, mean_t = statistics.fmean(ms), statistics.fmean(times)
+            fitted = sum((m - mean_m) * (t - mean_t) for m, t in zip(ms, times, strict=True)) \
+                / sum((m - mean_m) ** 2 for m in ms)
+            if fitted > 0:
+                return fitted
+        return times[-1] / k
+
+    return slope([grid[m][m] for m in ms]), slope([grid[m][0] for m in ms])
 
 
 def balanced_split(stream_s: tuple[float, ...], cpu_s: tuple[float, ...]) -> tuple[int, ...]:
@@ -227,14 +264,24 @@ class MissRates:
         (`joint_s`), or "" (each side timed alone)."""
         return "split" if self.staged_s else "whole" if self.joint_s else ""
 
-    def split(self) -> StreamSplit:
-        """For each M the s of the fastest call in `staged_s`, else in `joint_s` (the smaller s
-        on a tie: fewer uploads); without either, the split that makes the two sides finish
-        together (`balanced_split`)."""
+    def split(self, rule: str | None = None) -> StreamSplit:
+        """The split by `rule` (default `SPLIT_RULE`) where `staged_s`, else `joint_s`, was
+        timed: "calls", for each M the s of the fastest call (the smaller s on a tie: fewer
+        uploads); "slopes", the split that makes the two sides finish together at their
+        per-expert times in those calls (`per_expert_s`), without the calls' fixed costs.
+        Without either grid, the split that makes the two sides alone finish together
+        (`balanced_split`). ValueError for another rule."""
+        rule = SPLIT_RULE if rule is None else rule
+        if rule not in SPLIT_RULES:
+            raise ValueError(f"a split rule is one of {SPLIT_RULES}, got {rule!r}")
         grid = self.staged_s or self.joint_s
-        if grid:
+        if grid and rule == "calls":
             counts = tuple(min(range(len(row)), key=lambda s, row=row: (row[s], s))
                            for row in grid)
+        elif grid:
+            stream_t, cpu_t = per_expert_s(grid)
+            ks = range(self.top_k + 1)
+            counts = balanced_split(tuple(k * stream_t for k in ks), tuple(k * cpu_t for k in ks))
         else:
             counts = balanced_split(self.stream_s, self.cpu_s)
         return StreamSplit(counts, f"--stream-misses auto ({self.source})")
@@ -290,8 +337,10 @@ def _table(samples: list[list[float]]) -> tuple[float, ...]:
 
 def measure_rates(key: RatesKey, dtype: torch.dtype, device: torch.device, *,
                   cpu_threads: int | None = None, repeat: int = REPEAT,
-                  target_bytes: int = TARGET_BYTES) -> MissRates:
-    """Time both sides for k = 1..K on `device` (see the module); `source` left empty."""
+                  target_bytes: int = TARGET_BYTES, gap_s: float = ROUND_GAP_S) -> MissRates:
+    """Time both sides for k = 1..K on `device` (see the module), each call after the host's
+    untimed `gap_s` (`rate_calls.ROUND_GAP_S`, the key's `TIMING`; another gap is for a
+    benchmark's A/B, its rates not to be kept under this key); `source` left empty."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -301,7 +350,7 @@ def measure_rates(key: RatesKey, dtype: torch.dtype, device: torch.device, *,
                             device.type == "cuda", target_bytes, key.quant)
     try:
         stream_t, cpu_t, joint_t, staged_t = samples(
-            TimedCalls(store, key.top_k, device, cpu_threads), key.top_k, repeat)
+            TimedCalls(store, key.top_k, device, cpu_threads, gap_s), key.top_k, repeat)
     finally:
         store.close()  # unlocked here, not whenever the collector frees it
         del store
