@@ -1,6 +1,7 @@
 """bench/offload.py runs its docstring's CPU example and reports every figure it names (no GPU
 here: no copy rate, so no streamed misses and no upload bound), so a GPU session does not find
-it broken; so does bench/stream_issue.py, on the host twin."""
+it broken; so does bench/stream_issue.py, on the host twin; bench/rounds.py and
+bench/split_model.py read what it writes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import re
 
+import numpy as np
 import pytest
 
 from strata.engine.cache import graph_call
@@ -422,3 +424,40 @@ def test_the_benches_read_pass_2s_rows_a_task_as_the_kernel_takes_them():
     assert parse("") == [] and parse("16,1024,64") == [16, 1024, 64]
     for bad in ("24", "0", "1040", "16,16", "x", "32,-16", "3.2e1"):
         assert parse(bad) is None, bad
+
+
+def test_the_split_model_fits_rounds_made_by_its_own_model_and_predicts_an_unrun_table(
+        capsys, tmp_path, monkeypatch):
+    """bench/split_model.py: runs whose rounds its model made (known per-call figures, a
+    constant a routing) are fitted back exactly, and a table not among them is predicted as
+    the model gives it."""
+    model = load_bench("split_model.py")
+    monkeypatch.setattr(model, "GRID_US", {"cpu_each": (50, 70, 10), "upload_each": (80, 100, 10),
+                                           "cpu_fixed": (0, 40, 20),
+                                           "upload_fixed": (60, 100, 20)})
+    truth = np.array([[0.06, 0.09, 0.02, 0.08]])  # cpu_each, upload_each, fixed: ms
+    constants = {0.0: 2.0, 0.5: 1.5}
+    auto = [0, 1, 2, 3, 3, 4, 4, 4, 5]
+    tables = {"": auto, "-table001112223": [0, 0, 1, 1, 1, 2, 2, 2, 3],
+              "-table000111222": [0, 0, 0, 1, 1, 1, 2, 2, 2]}
+    lines = []
+    for skew, misses in ((0.0, 6.2), (0.5, 3.5)):
+        chances = model.binomial(8, misses / 8)
+        runs = {f"decode-stream-auto{suffix}": {
+            "split": None if not suffix else ",".join(map(str, table)),
+            "round": {"round_ms": 16 * model.layer_ms(np.array(table), chances, truth)[0]
+                      + constants[skew], "misses_per_round": 16 * misses}}
+            for suffix, table in tables.items()}
+        lines.append(json.dumps({"router_skew": skew, "layers": 16, "runs": runs}))
+    path = tmp_path / "runs.jsonl"
+    path.write_text("\n".join(["not JSON: a progress line", *lines]) + "\n")
+    unrun = [0, 0, 1, 1, 2, 2, 3, 3, 4]
+    assert model.main([str(path), "--auto", ",".join(map(str, auto)),
+                       "--tables", ",".join(map(str, unrun))]) == 0
+    out = capsys.readouterr().out
+    assert "cpu_each 60 µs, upload_each 90 µs, cpu_fixed 20 µs, upload_fixed 80 µs" in out
+    assert "rms relative error 0.000 over 6 runs" in out
+    for skew, misses in ((0.0, 6.2), (0.5, 3.5)):
+        expected = 16 * model.layer_ms(np.array(unrun), model.binomial(8, misses / 8),
+                                       truth)[0] + constants[skew]
+        assert f"skew {skew}: 0,0,1,1,2,2,3,3,4 {expected:.2f} ms predicted\n" in out
