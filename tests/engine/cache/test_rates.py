@@ -135,7 +135,8 @@ def _grid(k: int, stream_fixed: float, stream_each: float, cpu_fixed: float,
                       for m in range(1, k + 1)))
 
 
-def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_costs():
+def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_costs(
+        monkeypatch):
     """Calls that carry a large fixed cost on the CPU's side (a team waking after the timing's
     gap) make each M's fastest call stream more than the two sides' per-expert times balance:
     the "slopes" rule fits those times to the calls that use one side alone and balances them;
@@ -154,6 +155,11 @@ def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_c
     assert calls == rates.split().counts == tuple(row.index(min(row)) for row in grid)
     assert sum(calls) > sum(slopes)  # the CPU's fixed cost pushes the fastest calls to stream
     assert MissRates(*alone, 1000, joint_s=grid).split("slopes").counts == slopes  # whole calls
+    assert "per-expert times" not in rates.note(rates.split(), 4)
+    monkeypatch.setattr(rates_module, "SPLIT_RULE", "slopes")  # the rule staged, switched on
+    assert rates.split().counts == slopes
+    assert "calls split around the graphs, their per-expert times balanced, " in \
+        rates.note(rates.split(), 4)
     assert MissRates(*alone, 1000).split("slopes").counts == balanced_split(*alone)  # no grid
     with pytest.raises(ValueError, match="a split rule is one of"):
         rates.split("fastest")

@@ -313,13 +313,14 @@ class MissRates:
 
     def note(self, split: StreamSplit, threads: int) -> str:
         """One line for the startup notes: the split, the rates, where they came from."""
+        how = _HOW_TIMED[self.timed_calls]
+        if self.timed_calls and SPLIT_RULE == "slopes":
+            how += ", their per-expert times balanced"
         return (f"--stream-misses auto: of M = 0..{self.top_k} missed experts a decode layer "
                 f"streams {split.text()} to the device ({split.n_blobs} staging blobs), the CPU "
                 f"the rest; rates: upload and compute {self.stream_bytes_per_s / 1e9:.1f} GB/s, "
                 f"CPU experts {self.cpu_bytes_per_s / 1e9:.1f} GB/s on {threads} threads (at "
-                f"{self.top_k} experts), split by "
-                f"{_HOW_TIMED[self.timed_calls]}, "
-                f"{self.source}")
+                f"{self.top_k} experts), split by {how}, {self.source}")
 
 
 _HOW_TIMED = {"split": "both sides timed together in calls split around the graphs",
