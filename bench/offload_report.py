@@ -43,10 +43,10 @@ def round_figures(run: dict, blob_bytes: int, machine: dict, device_round_ms: fl
     bound = max(cpu_bound, copy_bound, shared_bound) + (device_round_ms or 0.0)
     # The same misses at the split that finishes both sides together at these rates, whatever
     # the split taken: `bound` rises with a split that streams more than the copy engine's
-    # share (the copies' time is its largest term), this one does not.
+    # share (the copies' time is its largest term), this one does not. No bus, no other split.
     miss_bytes, host_read = cpu_bytes + copy_bytes, machine["host_read_bytes_per_s"]
-    best_bound = max(1000 * miss_bytes / (host_read + (copy_rate or 0.0)), shared_bound) \
-        + (device_round_ms or 0.0)
+    best_bound = max(1000 * miss_bytes / (host_read + copy_rate), shared_bound) \
+        + (device_round_ms or 0.0) if copy_rate else bound
     cpu_rate = cpu_bytes / (d["cpu_s"] / rounds) if d["cpu_s"] else None
     # Where the CPU's own thread ran them (a decode call's on CUDA): the runs on its team alone,
     # without the hand-over and the engine's steps around them.

@@ -2,16 +2,17 @@
 write them) as the tables bench/results/ keeps: each decode run's round, and for an A/B
 (offload-ab's lines, tagged with `side` and `round`) each pair's ratios.
 
-A row a decode run: its ms a round and a layer, over its bound, the CPU experts' ms and GB/s, where
-the CPU's own thread ran them the runs' own ms and GB/s, the team's wake-up and each pass's GB/s
-(gate and up, then down: `CpuExperts.last_call`), the wait for the device, the host-side ms, the
-misses a round on the CPU and streamed, and what the scheduler did to the CPU's team (`strata-cpu`
-threads: sleeps, preemptions and ms waiting for a core a round, where recorded). A figure a run does
-not have is "-". With `--ab`, the pairs: for each round and run name, the new side's ms a round, CPU
-ms and host-side ms over the base side's. With `--interleaved`, each setting of a process whose
-settings took turns request by request in one engine (offload.py `--interleave`) against its base:
-its rounds over the base's, request by request (the median and the range, the machine's drift
-falling on both), and whether its tokens are the base's.
+A row a decode run: its ms a round and a layer, over its bound and over the best split's, the CPU
+experts' ms and GB/s, where the CPU's own thread ran them the runs' own ms and GB/s, the team's
+wake-up and each pass's GB/s (gate and up, then down: `CpuExperts.last_call`), the wait for the
+device, the host-side ms, the misses a round on the CPU and streamed, and what the scheduler did to
+the CPU's team (`strata-cpu` threads: sleeps, preemptions and ms waiting for a core a round, where
+recorded). A figure a run does not have (runs before it was measured) is "-". With `--ab`, the
+pairs: for each round and run name, the new side's ms a round, CPU ms and host-side ms over the
+base side's. With `--interleaved`, each setting of a process whose settings took turns request by
+request in one engine (offload.py `--interleave`) against its base: its rounds over the base's,
+request by request (the median and the range, the machine's drift falling on both), and whether
+its tokens are the base's.
 
     python bench/rounds.py gpu-out/offload.jsonl
     python bench/rounds.py gpu-out/offload-ab.jsonl --ab
@@ -28,7 +29,8 @@ from pathlib import Path
 
 # The columns of a run's row: (heading, the figure's key in its `round`, format).
 COLUMNS = (("ms a round", "round_ms", ".2f"), ("ms a layer", "ms_per_layer", ".3f"),
-           ("over bound", "over_bound", ".2f"), ("CPU ms", "cpu_ms", ".2f"),
+           ("over bound", "over_bound", ".2f"),
+           ("over the best split's", "over_best_split_bound", ".2f"), ("CPU ms", "cpu_ms", ".2f"),
            ("CPU GB/s", "cpu_gb_s", ".1f"), ("run ms", "cpu_run_ms", ".2f"),
            ("run GB/s", "cpu_run_gb_s", ".1f"), ("team up ms", "cpu_team_up_ms", ".2f"),
            ("gate+up GB/s", "cpu_pass1_gb_s", ".1f"), ("down GB/s", "cpu_pass2_gb_s", ".1f"),

@@ -82,6 +82,7 @@ def test_the_offload_bench_runs_and_reports(capsys, offload_bench):
     for r in (auto, one):
         assert r["deterministic"]
         assert r["bound_ms"] >= r["device_round_ms"] and r["over_bound"] > 0
+        assert r["device_round_ms"] <= r["best_split_bound_ms"] <= r["bound_ms"]
         # The token's wait is the device's, not the host's: off CUDA a token is read as it is
         # computed, a wait of the read alone.
         assert 0 <= r["token_wait_ms"] < r["round_ms"]
@@ -349,6 +350,28 @@ def test_a_round_s_cpu_runs_on_its_own_thread_are_reported_with_their_parts():
     assert report.cpu_parts(r) == ""
 
 
+def test_a_split_that_streams_too_much_raises_its_own_bound_not_the_best_split_s():
+    """The bound counts the split taken (its copies at the copy rate), the best split's bound
+    the same misses split so that both sides finish together, and the host's memory shared
+    where both read it at once."""
+    report = load_bench("offload_report.py")
+    decode = {"passes": 1, "cpu_s": 0.001, "wait_s": 0.0, "cpu_experts": 4,
+              "streamed_experts": 8, "hit_rate": 0.0, "device_s": 0.0, "forward_s": 0.0,
+              "cpu_waiter_tasks": 0, "cpu_tasks": 0, **{f"cpu_{part}_s": 0.0 for part in (
+                  "hand_over", "team_up", "pass1", "run", "noticed")}}
+    run = {"cache": {"decode": decode}, "decode_ms_per_round": 6.0, "decode_tok_s": 1.0,
+           "decode_path": "piecewise", "deterministic": True}
+    machine = {"host_read_bytes_per_s": 100e9, "copy_bytes_per_s": 50e9}
+    r = report.round_figures(run, 10**7, machine, 1.0, n_layers=1, full_layers=1)
+    # 40 MB on the CPU (0.4 ms), 80 MB streamed (1.6 ms): its own bound 2.6 ms; the 120 MB
+    # split 80 / 40 finish together in 0.8 ms: 1.8.
+    assert r["bound_ms"] == pytest.approx(2.6) and r["best_split_bound_ms"] == pytest.approx(1.8)
+    assert r["over_best_split_bound"] == pytest.approx(6.0 / 1.8)
+    machine["joint_bytes_per_s"] = {"cpu": 60e9, "copy": 40e9, "total": 100e9}  # 1.2 ms
+    r = report.round_figures(run, 10**7, machine, 1.0, n_layers=1, full_layers=1)
+    assert r["bound_ms"] == pytest.approx(2.6) and r["best_split_bound_ms"] == pytest.approx(2.2)
+
+
 def test_the_rounds_summary_tables_offload_s_lines_and_pairs_an_a_b(capsys, tmp_path):
     """bench/rounds.py reads offload.py's JSON lines as gpu_session.sh writes them (progress
     lines among them) and prints a row a decode run; with --ab, each base line's pair with the
@@ -371,7 +394,7 @@ def test_the_rounds_summary_tables_offload_s_lines_and_pairs_an_a_b(capsys, tmp_
     assert out.count("| decode-stream-1 |") == 4 + 2 and f"| {round_ms:.2f} |" in out
     # Off CUDA no run of the CPU's own thread: 0 ms of runs and team wake-up, no rate.
     assert re.search(r"\| decode-stream-1 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| "
-                     r"0\.00 \| - \| 0\.00 \|", out)
+                     r"[\d.]+ \| 0\.00 \| - \| 0\.00 \|", out)
     # Two pairs (lines 2-3 and 4-5 of the file), each the same figures: 1.000.
     pairs = [row for row in out.splitlines() if "side base round 1 | 1 |" in row]
     assert len(pairs) == 2 and all(row.endswith("| 1.000 | 1.000 | 1.000 |") for row in pairs)
