@@ -5,14 +5,18 @@ bench/split_model.py read what it writes."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from strata.engine.cache import graph_call
+from strata.engine.cache.rates import MissRates
 from strata.engine.experts.cpu import CpuExperts
 from strata.machine import transparent_huge_pages
 from support.bench_scripts import load_bench
@@ -484,3 +488,40 @@ def test_the_split_model_fits_rounds_made_by_its_own_model_and_predicts_an_unrun
         expected = 16 * model.layer_ms(np.array(unrun), model.binomial(8, misses / 8),
                                        truth)[0] + constants[skew]
         assert f"skew {skew}: 0,0,1,1,2,2,3,3,4 {expected:.2f} ms predicted\n" in out
+
+
+def test_the_split_rules_and_gaps_take_the_kept_and_the_new_rates_splits(monkeypatch):
+    """On CUDA, -rule<name> is the kept rates' split by that rule and -gap<us> the split of rates
+    measured with that gap (both stood in for here: there is no GPU), beside the tables; each
+    said; a table of the wrong length is refused before any is made."""
+    variants = load_bench("offload_variants.py")
+    grid = ((0.0,), *(tuple(max(0.25 + 0.086 * s if s else 0.0,
+                                0.6 + 0.083 * (m - s) if m - s else 0.0) for s in range(m + 1))
+                      for m in range(1, 9)))
+    kept = MissRates(tuple(0.086 * k for k in range(9)), tuple(0.083 * k for k in range(9)),
+                     1000, staged_s=grid)
+    gaps = []
+
+    def measure(key, dtype, device, *, cpu_threads=None, gap_s):
+        gaps.append(gap_s)
+        return kept
+
+    monkeypatch.setattr(variants, "auto_split", lambda *a, **k: (kept.split(), kept))
+    monkeypatch.setattr(variants, "measure_rates", measure)
+    monkeypatch.setattr(variants.RatesKey, "of", classmethod(lambda cls, *a: None))
+    args = argparse.Namespace(split_tables=[(0, 0, 1, 1, 1, 2, 2, 2, 3)],
+                              split_rules=["slopes", "calls"], rates_gaps=[100],
+                              cpu_threads=None)
+    said = []
+    variants.table_splits(args, SimpleNamespace(top_k=8), torch.bfloat16, "cuda", "int8",
+                          said.append)
+    assert {name: rule.counts for name, rule in args.table_rules.items()} == {
+        "-table001112223": (0, 0, 1, 1, 1, 2, 2, 2, 3),
+        "-ruleslopes": kept.split("slopes").counts, "-rulecalls": kept.split("calls").counts,
+        "-gap100": kept.split().counts}
+    assert gaps == [100e-6] and len(said) == 3
+    assert said[0] == f"the kept rates split by slopes: {kept.split('slopes').text()}"
+    args.split_tables = [(0, 0, 1)]
+    with pytest.raises(ValueError, match=r"is not K \+ 1 = 9 counts"):
+        variants.table_splits(args, SimpleNamespace(top_k=8), torch.bfloat16, "cuda", "int8",
+                              said.append)
