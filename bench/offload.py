@@ -389,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = checkpoint_for(args, Path(tmp), dtype,
                               progress=sys.stderr.isatty() and not args.json)
         cfg = ModelConfig.from_dir(ckpt)
+        for counts in args.split_tables:  # checked before anything is loaded or measured
+            if len(counts) != cfg.top_k + 1:
+                raise SystemExit(f"bench/offload.py: --split-tables' table "
+                                 f"{','.join(map(str, counts))} is not K + 1 = {cfg.top_k + 1} "
+                                 f"counts (the model's K is {cfg.top_k})")
         router_skew = json.loads((ckpt / "config.json").read_text()).get(
             "strata_router_skew", args.router_skew)  # --model's own
         small = ({"budget_mib": args.budget_mib} if args.budget_mib else

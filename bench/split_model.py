@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from offload_args import split_tables
+
 # The grid searched, in µs: (lowest, highest, step) of each per-call figure.
 GRID_US = {"cpu_each": (20, 160, 4), "upload_each": (20, 200, 4), "cpu_fixed": (0, 300, 15),
            "upload_fixed": (0, 300, 15)}
@@ -51,9 +53,9 @@ def layer_ms(counts: np.ndarray, chances: np.ndarray, figures: np.ndarray) -> np
     return (np.maximum(cpu, upload) * chances).sum(axis=1)
 
 
-def read_runs(paths: list[Path], auto: list[int]) -> list[dict]:
+def read_runs(paths: list[Path], auto: tuple[int, ...]) -> list[dict]:
     """Each decode run of the JSON lines: its routing's skew, layers, table, round (ms) and
-    misses a layer."""
+    misses a layer. ValueError naming the file and run whose table is not len(auto) long."""
     runs = []
     for path in paths:
         for line in path.read_text().splitlines():
@@ -64,22 +66,29 @@ def read_runs(paths: list[Path], auto: list[int]) -> list[dict]:
                 if not name.startswith("decode"):
                     continue
                 r = run["round"]
+                counts = [int(c) for c in run["split"].split(",")] if run.get("split") \
+                    else list(auto)
+                if len(counts) != len(auto):
+                    raise ValueError(f"{path}: run {name} splits by {counts}, not K + 1 = "
+                                     f"{len(auto)} counts as --auto's table")
                 runs.append({"name": name, "skew": document["router_skew"],
-                             "layers": document["layers"],
-                             "counts": np.array([int(c) for c in run["split"].split(",")]
-                                                if run.get("split") else auto),
+                             "layers": document["layers"], "counts": np.array(counts),
                              "round_ms": r["round_ms"],
                              "misses": r["misses_per_round"] / document["layers"]})
     return runs
 
 
-def fit(runs: list[dict], k: int) -> tuple[dict, dict, float]:
+def chances_of(runs: list[dict], k: int) -> dict[float, np.ndarray]:
+    """Each routing's chances [K + 1] of M: binomial at its runs' mean misses a layer."""
+    return {skew: binomial(k, np.mean([r["misses"] for r in runs if r["skew"] == skew]) / k)
+            for skew in {r["skew"] for r in runs}}
+
+
+def fit(runs: list[dict], chances: dict[float, np.ndarray]) -> tuple[dict, dict, float]:
     """(the per-call figures in ms, the constant of each routing in ms, the rms relative error)
-    that fit `runs` best on the grid."""
+    that fit `runs` best on the grid, M of each routing by `chances`."""
     grid = np.array(list(itertools.product(*(np.arange(lo, hi + step, step) / 1000
                                               for lo, hi, step in GRID_US.values()))))
-    chances = {skew: binomial(k, np.mean([r["misses"] for r in runs if r["skew"] == skew]) / k)
-               for skew in {r["skew"] for r in runs}}
     measured = np.array([r["round_ms"] for r in runs])  # [N]
     modelled = np.stack([r["layers"] * layer_ms(r["counts"], chances[r["skew"]], grid)
                          for r in runs], axis=1)  # [G, N]
@@ -103,21 +112,31 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto's kept table in those runs (comma-separated counts)")
     parser.add_argument("--tables", default="", help="/-separated tables to predict")
     args = parser.parse_args(argv)
-    auto = [int(c) for c in args.auto.split(",")]
-    runs = read_runs(args.paths, auto)
-    k = len(auto) - 1
-    figures, constants, error = fit(runs, k)
+    tables = split_tables(args.auto), split_tables(args.tables)
+    if not tables[0] or len(tables[0]) != 1 or tables[1] is None:
+        parser.error(f"--auto takes one table and --tables /-separated tables of "
+                     f"comma-separated counts, each 0 first and counts[M] <= M, got "
+                     f"{args.auto!r} and {args.tables!r}")
+    auto, k = tables[0][0], len(tables[0][0]) - 1
+    if any(len(table) != k + 1 for table in tables[1]):
+        parser.error(f"--tables' tables must be K + 1 = {k + 1} counts as --auto's, got "
+                     f"{args.tables!r}")
+    try:
+        runs = read_runs(args.paths, auto)
+    except ValueError as error:
+        parser.error(str(error))
+    if not runs:
+        parser.error(f"no decode run in {', '.join(map(str, args.paths))}")
+    chances = chances_of(runs, k)
+    figures, constants, error = fit(runs, chances)
     print("per call: " + ", ".join(f"{name} {1000 * ms:.0f} µs" for name, ms in figures.items())
           + "; a round's constant: " + ", ".join(f"skew {skew} {c:.2f} ms"
                                                  for skew, c in sorted(constants.items()))
           + f"; rms relative error {error:.3f} over {len(runs)} runs")
     row = np.array([list(figures.values())])
-    chances = {skew: binomial(k, np.mean([r["misses"] for r in runs if r["skew"] == skew]) / k)
-               for skew in constants}
-    tables = [auto, *([int(c) for c in t.split(",")] for t in args.tables.split("/") if t)]
     for skew in sorted(constants):
         layers = next(r["layers"] for r in runs if r["skew"] == skew)
-        for table in tables:
+        for table in [list(auto), *map(list, tables[1])]:
             ms = layers * layer_ms(np.array(table), chances[skew], row)[0] + constants[skew]
             measured = [r["round_ms"] for r in runs
                         if r["skew"] == skew and list(r["counts"]) == table]

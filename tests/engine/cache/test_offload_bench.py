@@ -220,7 +220,8 @@ def test_the_offload_bench_interleaves_split_tables_and_refuses_bad_ones(capsys,
     with pytest.raises(SystemExit):
         bench.main([a for a in argv if a != "--interleave"])
     assert "give --interleave too" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"is not K \+ 1 = 3 counts"):
+    with pytest.raises(SystemExit, match=r"table 0,0,1,1 is not K \+ 1 = 3 counts \(the "
+                       r"model's K is 2\)"):
         bench.main([*argv[:-1], "0,0,1,1"])
 
 
@@ -488,12 +489,27 @@ def test_the_split_model_fits_rounds_made_by_its_own_model_and_predicts_an_unrun
         expected = 16 * model.layer_ms(np.array(unrun), model.binomial(8, misses / 8),
                                        truth)[0] + constants[skew]
         assert f"skew {skew}: 0,0,1,1,2,2,3,3,4 {expected:.2f} ms predicted\n" in out
+    # Bad input is the parser's error, naming what was wrong: a table that is not one, a table
+    # of another K than auto's, runs split by another K, no runs at all.
+    for argv, message in [(["--auto", "0,x"], "--auto takes one table"),
+                          (["--auto", ",".join(map(str, auto)), "--tables", "0,1"],
+                           "must be K + 1 = 9 counts as --auto's"),
+                          (["--auto", "0,1,2"], "splits by [0, 0, 1, 1, 1, 2, 2, 2, 3], not K + 1 "
+                                                "= 3 counts")]:
+        with pytest.raises(SystemExit):
+            model.main([str(path), *argv])
+        assert message in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("progress only\n")
+    with pytest.raises(SystemExit):
+        model.main([str(empty), "--auto", ",".join(map(str, auto))])
+    assert "no decode run in" in capsys.readouterr().err
 
 
 def test_the_split_rules_and_gaps_take_the_kept_and_the_new_rates_splits(monkeypatch):
     """On CUDA, -rule<name> is the kept rates' split by that rule and -gap<us> the split of rates
     measured with that gap (both stood in for here: there is no GPU), beside the tables; each
-    said; a table of the wrong length is refused before any is made."""
+    said."""
     variants = load_bench("offload_variants.py")
     grid = ((0.0,), *(tuple(max(0.25 + 0.086 * s if s else 0.0,
                                 0.6 + 0.083 * (m - s) if m - s else 0.0) for s in range(m + 1))
@@ -521,7 +537,3 @@ def test_the_split_rules_and_gaps_take_the_kept_and_the_new_rates_splits(monkeyp
         "-gap100": kept.split().counts}
     assert gaps == [100e-6] and len(said) == 3
     assert said[0] == f"the kept rates split by slopes: {kept.split('slopes').text()}"
-    args.split_tables = [(0, 0, 1)]
-    with pytest.raises(ValueError, match=r"is not K \+ 1 = 9 counts"):
-        variants.table_splits(args, SimpleNamespace(top_k=8), torch.bfloat16, "cuda", "int8",
-                              said.append)
