@@ -287,23 +287,24 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypat
 
 def test_the_key_names_how_the_calls_were_timed(small, tmp_path):
     """Rates timed otherwise by an earlier strata (back to back; in a round's gaps with the
-    caller's OpenMP pool left grown; with its regrowth timed as one expert's CPU time) are
+    caller's OpenMP pool left grown; with its regrowth timed as one expert's CPU time; with its
+    shrink timed as the first split call's) are
     another key than rates timed as a round runs its calls now: a file holding only them is
     measured anew, not read."""
     _, config = small
     key = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1)
-    assert key.timing == rates_module.TIMING == "round-gap500us-shrunk-grouped-grown"
-    assert key.text().endswith("| timed round-gap500us-shrunk-grouped-grown")
+    assert key.timing == rates_module.TIMING == "round-gap500us-shrunk-grouped-grown-primed"
+    assert key.text().endswith("| timed round-gap500us-shrunk-grouped-grown-primed")
     path = tmp_path / "rates.json"
     older = _rates([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], key.blob_bytes)
     for timing in ("back-to-back", "round-gap500us", "round-gap500us-shrunk",
-                   "round-gap500us-shrunk-grouped"):
+                   "round-gap500us-shrunk-grouped", "round-gap500us-shrunk-grouped-grown"):
         kept_rates(dataclasses.replace(key, timing=timing), lambda: older, path)
     measured = []
     kept = kept_rates(key, lambda: measured.append(1) or _rates(
         [0, 2, 4, 6, 8], [0, 1, 2, 3, 4], key.blob_bytes), path)
     assert measured == [1] and kept.stream_s == (0.0, 2.0, 4.0, 6.0, 8.0)
-    assert len(json.loads(path.read_text())["entries"]) == 5  # the older entries stay
+    assert len(json.loads(path.read_text())["entries"]) == 6  # the older entries stay
 
 
 def _bf16_calls(gap_s: float, device: torch.device = CPU) -> TimedCalls:
@@ -337,13 +338,15 @@ def test_a_split_call_is_timed_as_a_round_runs_it(device):
 
 def test_the_engine_threads_calls_and_the_split_calls_are_timed_apart_each_round(monkeypatch):
     """A round of samples grows the caller's OpenMP pool untimed, times the engine thread's
-    calls, then the split ones: the pool is shrunk once a round (the first split call after a
-    `compute`), not before every split call, as no round of decode makes and lets go of its
-    threads each layer, and made again before the engine thread's first timed call."""
+    calls, shrinks the pool again with an untimed split call, then times the split ones: the
+    pool is shrunk once a round and by no timed call (the first split call of a round timed the
+    shrink before: 1.4-1.5x the next M's on two H100 machines), as no round of decode makes and
+    lets go of its threads each layer, and made again before the engine thread's first timed
+    call."""
     calls = _bf16_calls(gap_s=0.0)
-    order, shrunk = [], []
+    order, shrunk, timed = [], [], []
     monkeypatch.setattr(_cpu_experts, "shrink_team", lambda: shrunk.append(len(order)))
-    for name in ("grow_caller_team", "stream", "on_cpu", "call"):
+    for name in ("grow_caller_team", "shrink_caller_team", "stream", "on_cpu", "call"):
         real = getattr(calls, name)
         monkeypatch.setattr(calls, name, lambda *a, real=real, name=name, **kw: (
             order.append("split" if kw.get("split") else name), real(*a, **kw))[1])
@@ -357,9 +360,14 @@ def test_the_engine_threads_calls_and_the_split_calls_are_timed_apart_each_round
     for round_ in range(repeat + 1):
         kinds = order[round_ * per_round:(round_ + 1) * per_round]
         assert kinds[0] == "grow_caller_team" and kinds.count("grow_caller_team") == 1
-        assert kinds[-n_split:] == ["split"] * n_split and "split" not in kinds[:-n_split]
-    assert len(shrunk) == repeat + 1  # once a round, at its first split call with a CPU share
-    assert calls.cpu_started == (repeat + 1) * (n_split - top_k)  # s < M: a CPU share
+        # the untimed split call (its own `call` inside) just before the timed ones
+        assert kinds[-n_split - 2:-n_split] == ["shrink_caller_team", "split"]
+        assert kinds[-n_split:] == ["split"] * n_split and "split" not in kinds[:-n_split - 2]
+        timed.append((round_ + 1) * per_round - n_split)  # the round's first timed split call
+    # once a round, inside the untimed split call, so before the round's first timed one (a
+    # shrink's position is the count of calls begun before it)
+    assert shrunk == timed
+    assert calls.cpu_started == (repeat + 1) * (n_split - top_k + 1)  # s < M, and the priming
 
 
 def test_a_failed_upload_still_waits_for_the_cpus_thread(monkeypatch):

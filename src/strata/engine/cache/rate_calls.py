@@ -125,6 +125,15 @@ class TimedCalls:
         split calls' `CpuExperts.start` shrank it, before its calls are timed."""
         self.cpu.compute(self._layer(), self.x_host[:1], self.routed[1])
 
+    def shrink_caller_team(self) -> None:
+        """One untimed split call with a CPU share: the engine thread's OpenMP pool shrunk
+        (`CpuExperts.start`, after the engine thread's timed calls grew it) before the split
+        calls are timed, as a round's calls find it after its first layer. Timed, the first
+        split call of each round paid the shrink: on two H100 machines on 2026-12-07 one
+        expert on the CPU took 670 and 358 µs where two took 514 and 243
+        (bench/results/split-tables-rates-h100-2026-12-07.json)."""
+        self.call(1, 0, split=True)
+
     def on_cpu(self, k: int) -> float:
         layer = self._layer()
         start = time.perf_counter()
@@ -171,11 +180,12 @@ def samples(calls: TimedCalls, top_k: int, repeat: int) -> tuple[list, ...]:
     staged[M][s]; row 0 empty; staged [] where calls are not split).
 
     Each round times every call of the engine's thread (each side alone, the whole calls),
-    then every split call. A round of decode runs one kind or the other throughout, and the
-    CPU's OpenMP teams follow the kind: the engine thread's pool grows for its `compute`, and
-    the CPU's own thread shrinks it before its first call after (`CpuExperts.start`); taking
-    the kinds in turn call by call would time that pool's threads made and let go on every
-    call, which no round pays."""
+    then, after one untimed split call (`TimedCalls.shrink_caller_team`), every split call. A
+    round of decode runs one kind or the other throughout, and the CPU's OpenMP teams follow
+    the kind: the engine thread's pool grows for its `compute`, and the CPU's own thread
+    shrinks it before its first call after (`CpuExperts.start`); taking the kinds in turn call
+    by call would time that pool's threads made and let go on every call, which no round
+    pays."""
     sides = [[] for _ in range(top_k + 1)], [[] for _ in range(top_k + 1)]
     grids = tuple([[[] for _ in range(m + 1)] for m in range(top_k + 1)] for _ in range(2))
     for round_ in range(repeat + 1):  # the first untimed
@@ -185,6 +195,7 @@ def samples(calls: TimedCalls, top_k: int, repeat: int) -> tuple[list, ...]:
             times += [(sides[0][k], calls.stream(k)), (sides[1][k], calls.on_cpu(k))]
             times += [(grids[0][k][s], calls.call(k, s, split=False)) for s in range(k + 1)]
         if calls.splits:
+            calls.shrink_caller_team()
             times += [(grids[1][k][s], calls.call(k, s, split=True))
                       for k in range(1, top_k + 1) for s in range(k + 1)]
         if round_:

@@ -97,13 +97,14 @@ SPLIT_RULES = ("calls", "slopes")
 SPLIT_RULE = "calls"
 TARGET_BYTES = 512 << 20  # the synthetic store: at least this many bytes, read round robin
 # How the calls are timed (`rate_calls`), part of the key: rates kept by a strata that timed
-# them otherwise are measured anew. "round-gap500us-shrunk-grouped-grown": each call after the
-# round's untimed gap of 0.5 ms, a split call's CPU share on the CPU's own thread with the
-# caller's OpenMP pool shrunk first (`CpuExperts.shrink_caller_team`, on by default), the
-# engine thread's calls and the split calls timed apart, one kind after the other, each round,
-# and the engine thread's pool grown again by an untimed call before its calls are timed
-# (`rate_calls.samples`).
-TIMING = f"round-gap{round(ROUND_GAP_S * 1e6)}us-shrunk-grouped-grown"
+# them otherwise are measured anew. "round-gap500us-shrunk-grouped-grown-primed": each call
+# after the round's untimed gap of 0.5 ms, a split call's CPU share on the CPU's own thread
+# with the caller's OpenMP pool shrunk first (`CpuExperts.shrink_caller_team`, on by
+# default), the engine thread's calls and the split calls timed apart, one kind after the
+# other, each round, the engine thread's pool grown again by an untimed call before its calls
+# are timed, and shrunk again by an untimed split call before the split calls are timed, so
+# that none of them pays the shrink (`rate_calls.samples`).
+TIMING = f"round-gap{round(ROUND_GAP_S * 1e6)}us-shrunk-grouped-grown-primed"
 
 
 @dataclass(frozen=True)
