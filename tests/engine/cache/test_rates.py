@@ -89,7 +89,7 @@ def test_a_joint_table_splits_by_the_fastest_call_over_the_sides_rates():
     alone = ([float(k) for k in range(5)], [float(k) for k in range(5)])
     joint = ((0.0,), (1.0, 1.0), (2.0, 1.5, 1.8), (3.0, 2.5, 2.0, 2.2), (4.0, 3.5, 3.0, 2.6, 2.9))
     rates = MissRates(*map(tuple, alone), 1000, joint_s=joint)
-    assert rates.split().counts == (0, 0, 1, 2, 3)
+    assert rates.split("calls").counts == (0, 0, 1, 2, 3)
     assert _rates(*alone).split().counts == balanced_split(*map(tuple, alone))
     entry = rates.as_entry()
     assert entry["joint_s"] == [list(row) for row in joint]
@@ -112,13 +112,13 @@ def test_split_calls_timed_come_first_and_an_older_entry_splits_as_it_did():
     joint = ((0.0,), (1.0, 1.0), (2.0, 1.5, 1.8), (3.0, 2.5, 2.0, 2.2))  # whole: 0, 1, 2
     staged = ((0.0,), (1.0, 0.5), (2.0, 1.2, 0.9), (3.0, 2.0, 1.9, 1.0))  # split: 1, 2, 3
     rates = MissRates(*alone, 1000, joint_s=joint, staged_s=staged)
-    assert rates.timed_calls == "split" and rates.split().counts == (0, 1, 2, 3)
+    assert rates.timed_calls == "split" and rates.split("calls").counts == (0, 1, 2, 3)
     assert "timed together in calls split around the graphs" in rates.note(rates.split(), 4)
     entry = rates.as_entry()
     assert entry["staged_s"] == [list(row) for row in staged]
     assert MissRates.from_entry(entry, "here") == dataclasses.replace(rates, source="here")
     older = MissRates.from_entry({k: v for k, v in entry.items() if k != "staged_s"}, "older")
-    assert older.timed_calls == "whole" and older.split().counts == (0, 0, 1, 2)
+    assert older.timed_calls == "whole" and older.split("calls").counts == (0, 0, 1, 2)
     oldest = MissRates.from_entry({k: v for k, v in entry.items()
                                    if k not in ("staged_s", "joint_s")}, "oldest")
     assert oldest.timed_calls == "" and oldest.split().counts == balanced_split(*alone)
@@ -139,9 +139,9 @@ def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_c
         monkeypatch):
     """Calls that carry a large fixed cost on the CPU's side (a team waking after the timing's
     gap) make each M's fastest call stream more than the two sides' per-expert times balance:
-    the "slopes" rule fits those times to the calls that use one side alone and balances them;
-    "calls", the default (`SPLIT_RULE`), keeps the fastest call."""
-    assert rates_module.SPLIT_RULE == "calls"
+    the "slopes" rule, the default (`SPLIT_RULE`), fits those times to the calls that use one
+    side alone and balances them; "calls" keeps the fastest call."""
+    assert rates_module.SPLIT_RULE == "slopes"
     grid = _grid(8, stream_fixed=0.25, stream_each=0.086, cpu_fixed=0.6, cpu_each=0.083)
     alone = (tuple(0.086 * k for k in range(9)), tuple(0.083 * k for k in range(9)))
     rates = MissRates(*alone, 1000, staged_s=grid)
@@ -151,15 +151,16 @@ def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_c
     assert slopes == balanced_split(tuple(0.086 * k for k in range(9)),
                                     tuple(0.083 * k for k in range(9)))
     assert slopes == (0, 0, 1, 1, 2, 2, 3, 3, 4)
-    calls = rates.split("calls").counts
-    assert calls == rates.split().counts == tuple(row.index(min(row)) for row in grid)
-    assert sum(calls) > sum(slopes)  # the CPU's fixed cost pushes the fastest calls to stream
-    assert MissRates(*alone, 1000, joint_s=grid).split("slopes").counts == slopes  # whole calls
-    assert "per-expert times" not in rates.note(rates.split(), 4)
-    monkeypatch.setattr(rates_module, "SPLIT_RULE", "slopes")  # the rule staged, switched on
     assert rates.split().counts == slopes
     assert "calls split around the graphs, their per-expert times balanced, " in \
         rates.note(rates.split(), 4)
+    calls = rates.split("calls").counts
+    assert calls == tuple(row.index(min(row)) for row in grid)
+    assert sum(calls) > sum(slopes)  # the CPU's fixed cost pushes the fastest calls to stream
+    assert MissRates(*alone, 1000, joint_s=grid).split("slopes").counts == slopes  # whole calls
+    monkeypatch.setattr(rates_module, "SPLIT_RULE", "calls")  # the rule before, for the A/B
+    assert rates.split().counts == calls
+    assert "calls split around the graphs, each M's fastest call, " in rates.note(rates.split(), 4)
     assert MissRates(*alone, 1000).split("slopes").counts == balanced_split(*alone)  # no grid
     with pytest.raises(ValueError, match="a split rule is one of"):
         rates.split("fastest")
@@ -251,12 +252,15 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypat
         assert table[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(table))
         assert table[-1] > 0
     # Each M's calls timed for s = 0..M streamed, whole and split around the graphs; the
-    # split is the split calls' fastest.
+    # split balances the split calls' per-expert times ("calls": their fastest).
     for grid in (first.joint_s, first.staged_s):
         assert [len(row) for row in grid] == list(range(1, config.top_k + 2))
         assert all(t > 0 for row in grid[1:] for t in row)
     assert first.timed_calls == "split"
-    assert first.split().counts == tuple(row.index(min(row)) for row in first.staged_s)
+    per_expert = rates_module.per_expert_s(first.staged_s)
+    ks = range(config.top_k + 1)
+    assert first.split().counts == balanced_split(*(tuple(k * t for k in ks) for t in per_expert))
+    assert first.split("calls").counts == tuple(row.index(min(row)) for row in first.staged_s)
     again = kept_rates(key, measure, path)
     assert calls == [1]  # read, not measured again
     assert again.source.startswith(f"read from {path} (measured ")

@@ -50,9 +50,11 @@ Even so, timed calls carry fixed costs a round's calls do not: on an H100 machin
 2026-12-07 one expert streamed alone took 335 µs and one on the CPU alone 670, against about
 90 and 70 µs an expert in the rounds, and each M's fastest call streamed so much
 (0,1,2,3,3,4,4,4,5) that tables streaming less took 0.73-0.88x its rounds
-(bench/results/split-tables-h100-2026-12-07.md). The "slopes" rule (`SPLIT_RULE`,
-`per_expert_s`) balances the two sides' per-expert times fitted to the same calls instead,
-their fixed costs left out; it is staged until timed in rounds.
+(bench/results/split-tables-h100-2026-12-07.md). So the split balances the two sides'
+per-expert times fitted to the same calls instead, their fixed costs left out (the "slopes"
+rule, `SPLIT_RULE`, `per_expert_s`): on an H100 machine on 2026-12-07 its rounds took 0.71x
+(uniform routing) and 0.76x (skewed) those of each M's fastest call ("calls"), within 5-8% of
+the best of three hand-picked tables (bench/results/split-rule-h100-2026-12-07.md).
 
 The times depend on the machine and the configuration (`RatesKey`: the GPU's name, the CPU's
 model, the CPU experts' threads, the dtype, the experts' format and the expert's shape), not on
@@ -88,13 +90,12 @@ __all__ = ["SPLIT_RULE", "SPLIT_RULES", "MissRates", "RatesKey", "balanced_split
            "measure_rates", "per_expert_s"]
 
 REPEAT = 7  # timed rounds of every k, after one untimed
-# How a timed grid of calls gives the split (`MissRates.split`; the module). Staged, not the
-# default: "slopes" (the two sides' per-expert times balanced, the calls' fixed costs left
-# out) has not yet been timed in a round against "calls" (each M's fastest call), whose rounds
-# took 1.14-1.38x those of hand-picked tables that stream less on an H100 machine
-# (bench/results/split-tables-h100-2026-12-07.md); bench/offload.py --split-rules times both.
+# How a timed grid of calls gives the split (`MissRates.split`; the module): "slopes", the two
+# sides' per-expert times balanced, the calls' fixed costs left out, whose rounds took
+# 0.71-0.76x those of "calls", each M's fastest call, on an H100 machine
+# (bench/results/split-rule-h100-2026-12-07.md); bench/offload.py --split-rules times both.
 SPLIT_RULES = ("calls", "slopes")
-SPLIT_RULE = "calls"
+SPLIT_RULE = "slopes"
 TARGET_BYTES = 512 << 20  # the synthetic store: at least this many bytes, read round robin
 # How the calls are timed (`rate_calls`), part of the key: rates kept by a strata that timed
 # them otherwise are measured anew. "round-gap500us-shrunk-grouped-grown-primed": each call
@@ -315,8 +316,8 @@ class MissRates:
     def note(self, split: StreamSplit, threads: int) -> str:
         """One line for the startup notes: the split, the rates, where they came from."""
         how = _HOW_TIMED[self.timed_calls]
-        if self.timed_calls and SPLIT_RULE == "slopes":
-            how += ", their per-expert times balanced"
+        if self.timed_calls:
+            how += _HOW_SPLIT[SPLIT_RULE]
         return (f"--stream-misses auto: of M = 0..{self.top_k} missed experts a decode layer "
                 f"streams {split.text()} to the device ({split.n_blobs} staging blobs), the CPU "
                 f"the rest; rates: upload and compute {self.stream_bytes_per_s / 1e9:.1f} GB/s, "
@@ -324,6 +325,7 @@ class MissRates:
                 f"{self.top_k} experts), split by {how}, {self.source}")
 
 
+_HOW_SPLIT = {"slopes": ", their per-expert times balanced", "calls": ", each M's fastest call"}
 _HOW_TIMED = {"split": "both sides timed together in calls split around the graphs",
               "whole": "both sides timed together in whole calls",
               "": "each side timed alone"}
