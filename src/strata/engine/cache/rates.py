@@ -21,7 +21,7 @@ call both sides read the host's memory at once and each carries costs of its own
 CPU's threads, the device's launches), which sharing the misses pays twice. So `joint_s` is
 also measured: `joint_s[M][s]`, the wall time of a call of M misses with s streamed, both
 sides run as a call runs them (the device's share queued first, the CPU's computed meanwhile,
-then the wait for the device). The split takes each M's fastest s from it, where it is there
+then the wait for the device). The split took each M's fastest s from it, where it is there
 (`MissRates.split`); a table kept without it (measured by an earlier strata) splits by the
 two sides' times.
 
@@ -34,12 +34,12 @@ streamed nothing below 4 misses (bench/results/offload-host-h200-2026-12-02.md).
 `staged_s` is measured too: `staged_s[M][s]`, the wall time of a call as `fill_misses` and
 the next graph run it (the s blobs staged, the other M - s experts computed on the CPU
 meanwhile, then the staged experts computed on the device after their uploads). The split
-takes each M's fastest s from it first, then from `joint_s`: a table kept by a strata that
-measured neither, or only whole calls, splits as it did. In a round on the H200 that split
-(0,1,2,2,3,3,4,4,4 on olmoe-1b-7b at 4 GiB) was still 1.07x slower than streaming a fixed 2
-(bench/results/offload-balance-staged-h200-2026-12-03.md): calls timed back to back do not
-pay what a round's calls do on the CPU's side, whose threads wake after each wait for the
-device. So the calls of both sides are now timed as a round runs them
+is taken from it first, then from `joint_s` (each M's fastest s, then; the rule is below): a
+table kept by a strata that measured neither, or only whole calls, splits as it did. In a
+round on the H200 that split (0,1,2,2,3,3,4,4,4 on olmoe-1b-7b at 4 GiB) was still 1.07x
+slower than streaming a fixed 2 (bench/results/offload-balance-staged-h200-2026-12-03.md):
+calls timed back to back do not pay what a round's calls do on the CPU's side, whose threads
+wake after each wait for the device. So the calls of both sides are now timed as a round runs them
 (`strata.engine.cache.rate_calls`): each after an untimed wait of the host, a split call's
 CPU share on the CPU's own thread (the caller's OpenMP pool shrunk first, as in a round), the
 engine thread's calls and the split calls one kind after the other each round; the key names
