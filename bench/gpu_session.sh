@@ -124,9 +124,9 @@
 # offload-tables (6: qwen3's 16 layers at 22% in int8, uniform then `--router-skew 0.5`
 # (TABLES_SKEWS), auto's kept split against each of SPLIT_TABLES' tables (default the two
 # best of split-rule-h100-2026-12-07.md), the kept rates' split by each of SPLIT_RULES
-# (default calls, the rule before: `rates.SPLIT_RULES`) and the splits of rates timed RATES_GAPS (default
-# none) microseconds apart, interleaved, TABLES_REPEAT requests each, default 4; an empty
-# variable runs none of its kind), offload-team (4:
+# (default calls, the rule before slopes: `rates.SPLIT_RULES`) and the splits of rates
+# timed RATES_GAPS (default none) microseconds apart, interleaved, TABLES_REPEAT requests
+# each, default 4; an empty variable runs none of its kind), offload-team (4:
 # the same round with the CPU's own thread's team of CPU_TEAMS threads, default 15,11,
 # against the default 12 (`default_team`) on 16 cores, interleaved: a team as large as the cores left
 # waits for any thread the scheduler takes a core from; each run's threads' sleeps,

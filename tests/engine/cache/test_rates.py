@@ -292,9 +292,8 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypat
 def test_the_key_names_how_the_calls_were_timed(small, tmp_path):
     """Rates timed otherwise by an earlier strata (back to back; in a round's gaps with the
     caller's OpenMP pool left grown; with its regrowth timed as one expert's CPU time; with its
-    shrink timed as the first split call's) are
-    another key than rates timed as a round runs its calls now: a file holding only them is
-    measured anew, not read."""
+    shrink timed as the first split call's) are another key than rates timed as a round runs
+    its calls now: a file holding only them is measured anew, not read."""
     _, config = small
     key = RatesKey.of(config, torch.bfloat16, CPU, cpu_threads=1)
     assert key.timing == rates_module.TIMING == "round-gap500us-shrunk-grouped-grown-primed"
