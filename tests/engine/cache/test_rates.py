@@ -5,7 +5,9 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 import time
+from pathlib import Path
 
 import hypothesis
 import numpy as np
@@ -164,6 +166,23 @@ def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_c
     assert MissRates(*alone, 1000).split("slopes").counts == balanced_split(*alone)  # no grid
     with pytest.raises(ValueError, match="a split rule is one of"):
         rates.split("fastest")
+
+
+def test_the_documented_note_has_the_form_strata_prints():
+    """docs/expert-cache.md shows the startup note of a kept split (its figures illustrate):
+    its words are those `MissRates.note` prints (`strata: ` first, as the CLI says a note) for
+    rates timed in split calls, under the default rule."""
+    page = Path(__file__).parents[3] / "docs" / "expert-cache.md"
+    documented = [line for line in page.read_text().splitlines()
+                  if line.startswith("strata: --stream-misses auto:")]
+    assert len(documented) == 1
+    each = (0.086, 0.083)
+    rates = MissRates(*(tuple(t * k for k in range(9)) for t in each), 1000,
+                      source="read from ~/.cache/strata/rates.json (measured 2026-12-07)",
+                      staged_s=_grid(8, 0.25, each[0], 0.6, each[1]))
+    printed = "strata: " + rates.note(rates.split(), 16)
+    figures = re.compile(r"\d[\d.,]*\d|\d")  # a number, a table of counts, a date's parts
+    assert figures.sub("#", documented[0]) == figures.sub("#", printed)
 
 
 @hypothesis.settings(max_examples=60, deadline=None)
@@ -343,7 +362,7 @@ def test_the_engine_threads_calls_and_the_split_calls_are_timed_apart_each_round
     """A round of samples grows the caller's OpenMP pool untimed, times the engine thread's
     calls, shrinks the pool again with an untimed split call, then times the split ones: the
     pool is shrunk once a round and by no timed call (the first split call of a round timed the
-    shrink before: 1.4-1.5x the next M's on two H100 machines), as no round of decode makes and
+    shrink before: 1.3-1.5x the next M's on two H100 machines), as no round of decode makes and
     lets go of its threads each layer, and made again before the engine thread's first timed
     call."""
     calls = _bf16_calls(gap_s=0.0)
