@@ -168,6 +168,53 @@ def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_c
         rates.split("fastest")
 
 
+def test_the_slopes_upload_rule_adds_the_uploads_fixed_cost_to_the_device_s_side():
+    """ "slopes-upload" balances the per-expert times as "slopes" does, with the intercept of
+    the calls that stream every miss added to the device's side of any s > 0 (the CPU's
+    intercept still left out): it streams no more than "slopes" for any M, and fewer where
+    that fixed cost outweighs an expert's difference."""
+    grid = _grid(8, stream_fixed=0.1, stream_each=0.086, cpu_fixed=0.6, cpu_each=0.072)
+    alone = (tuple(0.086 * k for k in range(9)), tuple(0.072 * k for k in range(9)))
+    rates = MissRates(*alone, 1000, staged_s=grid)
+    assert rates_module.upload_fixed_s(grid) == pytest.approx(0.1)
+    upload = rates.split("slopes-upload").counts
+    assert upload == balanced_split(tuple(0.1 * (k > 0) + 0.086 * k for k in range(9)),
+                                    tuple(0.072 * k for k in range(9)))
+    slopes = rates.split("slopes").counts
+    assert all(u <= s for u, s in zip(upload, slopes, strict=True)) and upload != slopes
+    assert rates_module.upload_fixed_s(_grid(8, 0.0, 0.086, 0.6, 0.072)) == pytest.approx(0.0)
+    assert MissRates(*alone, 1000, staged_s=_grid(8, 0.0, 0.086, 0.6, 0.072)).split(
+        "slopes-upload").counts == MissRates(*alone, 1000, staged_s=grid).split("slopes").counts
+
+
+def _kept_rates(name: str, machine: str | None = None) -> MissRates:
+    """The one entry of a rates file recorded under bench/results (`machine`: the key of a
+    file that holds several machines' files)."""
+    recorded = json.loads((Path(__file__).parents[3] / "bench" / "results" / name).read_text())
+    (entry,) = (recorded[machine] if machine else recorded)["entries"].values()
+    return MissRates.from_entry(entry, name)
+
+
+def test_the_documented_splits_of_each_rule_are_the_recorded_rates():
+    """docs/expert-cache.md quotes what "slopes" and "slopes-upload" give from the kept rates
+    of three H100 machines, and the uploads' fixed costs: they are what the rules give from
+    the files recorded in bench/results."""
+    page = " ".join((Path(__file__).parents[3] / "docs" / "expert-cache.md").read_text().split())
+    machines = [_kept_rates("split-rule-slow-host-rates-h100-2026-12-07.json"),
+                _kept_rates("split-rule-rates-h100-2026-12-07.json"),
+                _kept_rates("split-tables-rates-h100-2026-12-07.json",
+                            "slow-host machine (calls 4-5)")]
+    slopes = [rates.split("slopes").text() for rates in machines]
+    upload = [rates.split("slopes-upload").text() for rates in machines]
+    assert slopes == ["0,0,1,1,2,2,3,3,4", "0,0,1,1,2,2,3,3,3", "0,0,1,1,2,2,3,3,4"]
+    assert upload == ["0,0,1,1,1,2,2,3,3", "0,0,0,1,1,1,2,2,3", "0,0,0,1,1,2,2,3,3"]
+    assert f"gives {upload[0]}, {upload[1]} and {upload[2]} from the three machines" in page
+    assert f"the rule split {slopes[0]}, and" in page
+    fixed_us = [round(rates_module.upload_fixed_s(rates.staged_s) * 1e6) for rates in machines]
+    assert fixed_us == [56, 103, 92]
+    assert f"every miss ({min(fixed_us)}-{max(fixed_us)} µs on three machines)" in page
+
+
 def test_the_documented_note_has_the_form_strata_prints():
     """docs/expert-cache.md shows the startup note of a kept split (its figures illustrate):
     its words are those `MissRates.note` prints (`strata: ` first, as the CLI says a note) for

@@ -87,14 +87,17 @@ from strata.engine.experts.streamed import StreamSplit
 from strata.engine.model.config import ModelConfig
 
 __all__ = ["SPLIT_RULE", "SPLIT_RULES", "MissRates", "RatesKey", "balanced_split", "cpu_model",
-           "measure_rates", "per_expert_s"]
+           "measure_rates", "per_expert_s", "upload_fixed_s"]
 
 REPEAT = 7  # timed rounds of every k, after one untimed
 # How a timed grid of calls gives the split (`MissRates.split`; the module): "slopes", the two
 # sides' per-expert times balanced, the calls' fixed costs left out, whose rounds took
 # 0.71-0.76x those of "calls", each M's fastest call, on an H100 machine
-# (bench/results/split-rule-h100-2026-12-07.md); bench/offload.py --split-rules times both.
-SPLIT_RULES = ("calls", "slopes")
+# (bench/results/split-rule-h100-2026-12-07.md); "slopes-upload", the slopes with the uploads'
+# fixed cost a call on the device's side, staged: tables that stream as little took 0.87-0.90x
+# the slopes' rounds (split-rule-slow-host-h100-2026-12-07.md), the rule itself not yet timed
+# in rounds. bench/offload.py --split-rules times each beside auto's.
+SPLIT_RULES = ("calls", "slopes", "slopes-upload")
 SPLIT_RULE = "slopes"
 TARGET_BYTES = 512 << 20  # the synthetic store: at least this many bytes, read round robin
 # How the calls are timed (`rate_calls`), part of the key: rates kept by a strata that timed
@@ -168,25 +171,39 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def per_expert_s(grid: tuple[tuple[float, ...], ...]) -> tuple[float, float]:
-    """(stream, cpu): the seconds one more expert adds to a call of a side alone in `grid`
-    (`MissRates.staged_s` or `joint_s`, rows M = 0..K): the least-squares slopes over M = K // 2
-    (at least 1) .. K of the calls that stream every miss (grid[M][M]) and of those that stream
-    none (grid[M][0]). A slope that is not positive (noise over too few M) is the largest M's
-    call over M instead. The calls' intercepts, their fixed costs, are left out (the module)."""
+def _one_side_lines(grid: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, float], ...]:
+    """((slope, intercept) of the calls that stream every miss, grid[M][M]; the same of those
+    that stream none, grid[M][0]): least-squares lines over M = K // 2 (at least 1) .. K of
+    `grid` (`MissRates.staged_s` or `joint_s`, rows M = 0..K). A slope that is not positive
+    (noise over too few M) is the largest M's call over M instead, its intercept 0."""
     k = len(grid) - 1
     ms = range(max(1, k // 2), k + 1)
 
-    def slope(times: list[float]) -> float:
+    def line(times: list[float]) -> tuple[float, float]:
         if len(times) > 1:
             mean_m, mean_t = statistics.fmean(ms), statistics.fmean(times)
             fitted = sum((m - mean_m) * (t - mean_t) for m, t in zip(ms, times, strict=True)) \
                 / sum((m - mean_m) ** 2 for m in ms)
             if fitted > 0:
-                return fitted
-        return times[-1] / k
+                return fitted, mean_t - fitted * mean_m
+        return times[-1] / k, 0.0
 
-    return slope([grid[m][m] for m in ms]), slope([grid[m][0] for m in ms])
+    return line([grid[m][m] for m in ms]), line([grid[m][0] for m in ms])
+
+
+def per_expert_s(grid: tuple[tuple[float, ...], ...]) -> tuple[float, float]:
+    """(stream, cpu): the seconds one more expert adds to a call of a side alone in `grid`
+    (`MissRates.staged_s` or `joint_s`): the slopes of `_one_side_lines`. The calls'
+    intercepts, their fixed costs, are left out (the module)."""
+    (stream_t, _), (cpu_t, _) = _one_side_lines(grid)
+    return stream_t, cpu_t
+
+
+def upload_fixed_s(grid: tuple[tuple[float, ...], ...]) -> float:
+    """The seconds a call that streams any miss pays once, whatever its count: the intercept
+    of the calls that stream every miss in `grid` (`_one_side_lines`), at least 0."""
+    (_, fixed), _ = _one_side_lines(grid)
+    return max(fixed, 0.0)
 
 
 def balanced_split(stream_s: tuple[float, ...], cpu_s: tuple[float, ...]) -> tuple[int, ...]:
@@ -270,9 +287,11 @@ class MissRates:
         """The split by `rule` (default `SPLIT_RULE`) where `staged_s`, else `joint_s`, was
         timed: "calls", for each M the s of the fastest call (the smaller s on a tie: fewer
         uploads); "slopes", the split that makes the two sides finish together at their
-        per-expert times in those calls (`per_expert_s`), without the calls' fixed costs.
-        Without either grid, the split that makes the two sides alone finish together
-        (`balanced_split`). ValueError for another rule."""
+        per-expert times in those calls (`per_expert_s`), without the calls' fixed costs;
+        "slopes-upload", the same with the fixed cost of the calls that stream every miss
+        (`upload_fixed_s`) added to the device's side of any s > 0. Without either grid,
+        the split that makes the two sides alone finish together (`balanced_split`).
+        ValueError for another rule."""
         rule = SPLIT_RULE if rule is None else rule
         if rule not in SPLIT_RULES:
             raise ValueError(f"a split rule is one of {SPLIT_RULES}, got {rule!r}")
@@ -282,8 +301,10 @@ class MissRates:
                            for row in grid)
         elif grid:
             stream_t, cpu_t = per_expert_s(grid)
+            fixed = upload_fixed_s(grid) if rule == "slopes-upload" else 0.0
             ks = range(self.top_k + 1)
-            counts = balanced_split(tuple(k * stream_t for k in ks), tuple(k * cpu_t for k in ks))
+            counts = balanced_split(tuple((fixed if k else 0.0) + k * stream_t for k in ks),
+                                    tuple(k * cpu_t for k in ks))
         else:
             counts = balanced_split(self.stream_s, self.cpu_s)
         return StreamSplit(counts, f"--stream-misses auto ({self.source})")
@@ -325,7 +346,8 @@ class MissRates:
                 f"{self.top_k} experts), split by {how}, {self.source}")
 
 
-_HOW_SPLIT = {"slopes": ", their per-expert times balanced", "calls": ", each M's fastest call"}
+_HOW_SPLIT = {"slopes": ", their per-expert times balanced", "calls": ", each M's fastest call",
+              "slopes-upload": ", their per-expert times and the uploads' fixed cost balanced"}
 _HOW_TIMED = {"split": "both sides timed together in calls split around the graphs",
               "whole": "both sides timed together in whole calls",
               "": "each side timed alone"}
