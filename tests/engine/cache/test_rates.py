@@ -168,7 +168,7 @@ def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_c
         rates.split("fastest")
 
 
-def test_the_slopes_upload_rule_adds_the_uploads_fixed_cost_to_the_device_s_side():
+def test_the_slopes_upload_rule_adds_the_uploads_fixed_cost_to_the_device_s_side(monkeypatch):
     """ "slopes-upload" balances the per-expert times as "slopes" does, with the intercept of
     the calls that stream every miss added to the device's side of any s > 0 (the CPU's
     intercept still left out): it streams no more than "slopes" for any M, and fewer where
@@ -185,6 +185,10 @@ def test_the_slopes_upload_rule_adds_the_uploads_fixed_cost_to_the_device_s_side
     assert rates_module.upload_fixed_s(_grid(8, 0.0, 0.086, 0.6, 0.072)) == pytest.approx(0.0)
     assert MissRates(*alone, 1000, staged_s=_grid(8, 0.0, 0.086, 0.6, 0.072)).split(
         "slopes-upload").counts == MissRates(*alone, 1000, staged_s=grid).split("slopes").counts
+    monkeypatch.setattr(rates_module, "SPLIT_RULE", "slopes-upload")  # for its A/B's note
+    assert rates.split().counts == upload
+    assert "their per-expert times and the uploads' fixed cost balanced, " in \
+        rates.note(rates.split(), 4)
 
 
 def _kept_rates(name: str, machine: str | None = None) -> MissRates:

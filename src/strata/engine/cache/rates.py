@@ -171,7 +171,10 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _one_side_lines(grid: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, float], ...]:
+_Line = tuple[float, float]  # (seconds an expert, seconds a call): a side's calls fitted
+
+
+def _one_side_lines(grid: tuple[tuple[float, ...], ...]) -> tuple[_Line, _Line]:
     """((slope, intercept) of the calls that stream every miss, grid[M][M]; the same of those
     that stream none, grid[M][0]): least-squares lines over M = K // 2 (at least 1) .. K of
     `grid` (`MissRates.staged_s` or `joint_s`, rows M = 0..K). A slope that is not positive
