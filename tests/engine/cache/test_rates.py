@@ -34,6 +34,7 @@ from strata.engine.experts.routed import Routed
 from strata.engine.experts.streamed import StreamedMisses, StreamSplit
 from strata.engine.model.config import ModelConfig
 from strata.engine.runtime.generate import GenerateOptions, generate
+from support.bench_scripts import load_bench
 from support.cache_models import cached_model
 from support.checkpoints import cached_checkpoint
 
@@ -193,7 +194,7 @@ def test_the_slopes_upload_rule_adds_the_uploads_fixed_cost_to_the_device_s_side
 
 def _kept_rates(name: str, machine: str | None = None) -> MissRates:
     """The one entry of a rates file recorded under bench/results (`machine`: the key of a
-    file that holds several machines' files)."""
+    file that holds several machines' rates files)."""
     recorded = json.loads((Path(__file__).parents[3] / "bench" / "results" / name).read_text())
     (entry,) = (recorded[machine] if machine else recorded)["entries"].values()
     return MissRates.from_entry(entry, name)
@@ -201,8 +202,8 @@ def _kept_rates(name: str, machine: str | None = None) -> MissRates:
 
 def test_the_documented_splits_of_each_rule_are_the_recorded_rates():
     """docs/expert-cache.md quotes what "slopes" and "slopes-upload" give from the kept rates
-    of three H100 machines, and the uploads' fixed costs: they are what the rules give from
-    the files recorded in bench/results."""
+    of three H100 machines, the uploads' fixed costs and the third machine's rounds: they are
+    what the rules and bench/rounds.py give from the files recorded in bench/results."""
     page = " ".join((Path(__file__).parents[3] / "docs" / "expert-cache.md").read_text().split())
     machines = [_kept_rates("split-rule-slow-host-rates-h100-2026-12-07.json"),
                 _kept_rates("split-rule-rates-h100-2026-12-07.json"),
@@ -217,6 +218,14 @@ def test_the_documented_splits_of_each_rule_are_the_recorded_rates():
     fixed_us = [round(rates_module.upload_fixed_s(rates.staged_s) * 1e6) for rates in machines]
     assert fixed_us == [56, 103, 92]
     assert f"every miss ({min(fixed_us)}-{max(fixed_us)} µs on three machines)" in page
+    rounds = load_bench("rounds.py")  # and the table's rounds over the rule's, as rounds.py
+    results = Path(__file__).parents[3] / "bench" / "results"
+    ratios = {ratio["where"]: ratio for ratio in rounds.interleaved_ratios(rounds.read_lines(
+        [results / "split-rule-slow-host-h100-2026-12-07.jsonl"]))
+        if ratio["run"] == "decode-stream-auto-table000112233"}
+    uniform, skewed = (ratios[f"split-rule-slow-host-h100-2026-12-07.jsonl:{n}"]["median"]
+                       for n in (1, 2))
+    assert f"took {uniform:.3f}x its rounds uniform and {skewed:.3f}x skewed" in page
 
 
 def test_the_documented_note_has_the_form_strata_prints():

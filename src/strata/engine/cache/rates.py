@@ -182,7 +182,7 @@ def _one_side_lines(grid: tuple[tuple[float, ...], ...]) -> tuple[_Line, _Line]:
     k = len(grid) - 1
     ms = range(max(1, k // 2), k + 1)
 
-    def line(times: list[float]) -> tuple[float, float]:
+    def line(times: list[float]) -> _Line:
         if len(times) > 1:
             mean_m, mean_t = statistics.fmean(ms), statistics.fmean(times)
             fitted = sum((m - mean_m) * (t - mean_t) for m, t in zip(ms, times, strict=True)) \
