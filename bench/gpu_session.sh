@@ -124,7 +124,8 @@
 # offload-tables (6: qwen3's 16 layers at 22% in int8, uniform then `--router-skew 0.5`
 # (TABLES_SKEWS), auto's kept split against each of SPLIT_TABLES' tables (default the two
 # best of split-rule-h100-2026-12-07.md), the kept rates' split by each of SPLIT_RULES
-# (default slopes-upload, the rule staged: `rates.SPLIT_RULES`) and the splits of rates
+# (default none, `rates.SPLIT_RULES`; one streaming more than auto's largest count is said
+# and left out: the staging buffer holds auto's) and the splits of rates
 # timed RATES_GAPS (default none) microseconds apart, interleaved, TABLES_REPEAT requests
 # each, default 4; an empty variable runs none of its kind), offload-team (4:
 # the same round with the CPU's own thread's team of CPU_TEAMS threads, default 15,11,
@@ -500,7 +501,7 @@ for stage in "$@"; do
                    --experts-dtype int8 --share-per-format --stream-misses auto --interleave \
                    --prefill-tokens 0 --repeat "${TABLES_REPEAT:-4}" \
                    --split-tables "${SPLIT_TABLES-0,0,1,1,2,2,2,3,3/0,0,0,1,1,2,2,3,3}" \
-                   --rates-gaps "${RATES_GAPS-}" --split-rules "${SPLIT_RULES-slopes-upload}"
+                   --rates-gaps "${RATES_GAPS-}" --split-rules "${SPLIT_RULES-}"
            done ;;
     offload-team)  # the CPU's team smaller than the cores left: A/B in one process
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \

@@ -291,7 +291,7 @@ def decode_runs(setup: Setup, fmt: Format, prompt: list[int], max_context: int
             engine.cache.split_calls = variant != "-whole"
             streamer = engine.cache.streamer
             rule = streamer.split_rule if streamer is not None else None
-            splits = split_settings(args, streamer)
+            splits = split_settings(args, streamer, setup.say) if variant == "" else []
             set_up = functools.partial(apply_setting, engine.cache, args=args, rule=rule,
                                        top_k=cfg.top_k)
             with engine:

@@ -48,18 +48,26 @@ def decode_variants(args: argparse.Namespace, settings: list[str]) -> list[tuple
             *((f"-prefetch{cap}", cap) for cap in args.prefetch_caps)]
 
 
-def split_settings(args: argparse.Namespace, streamer: Any) -> list[str]:
+def split_settings(args: argparse.Namespace, streamer: Any, say: Any) -> list[str]:
     """-splitN for each `--split-counts` N the run's staging buffer holds (streaming min(N, M)
     of a layer's M misses), each again as -splitN-sync with `--sync-cpu` and -splitN-noshrink
     with `--no-cpu-shrink`; then each of `table_splits`' tables the buffer holds; none without
-    a staging buffer."""
+    a staging buffer. Each one asked for that the buffer cannot hold is said, not run: a larger
+    buffer would take slots from the cache the runs share."""
     if streamer is None:
         return []
-    return [*(f"-split{n}{mode}" for n in args.split_counts if n <= streamer.n_blobs
+    blobs = streamer.n_blobs
+    for n in args.split_counts:
+        if n > blobs:
+            say(f"-split{n} left out: the run's staging buffer holds {blobs} experts")
+    for name, rule in args.table_rules.items():
+        if rule.n_blobs > blobs:
+            say(f"{name} ({rule.text()}) left out: it streams up to {rule.n_blobs} experts, "
+                f"the run's staging buffer holds {blobs}")
+    return [*(f"-split{n}{mode}" for n in args.split_counts if n <= blobs
               for mode in ["", *(["-sync"] if args.sync_cpu else []),
                            *(["-noshrink"] if args.no_cpu_shrink else [])]),
-            *(name for name, rule in args.table_rules.items()
-              if rule.n_blobs <= streamer.n_blobs)]
+            *(name for name, rule in args.table_rules.items() if rule.n_blobs <= blobs)]
 
 
 def table_splits(args: argparse.Namespace, config: Any, dtype: Any, device: Any,

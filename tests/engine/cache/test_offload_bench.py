@@ -138,8 +138,10 @@ def test_the_offload_bench_interleaves_the_cache_s_settings_in_one_engine(capsys
     assert bench.main(argv) == 0
     assert teams == {None, 1, 3} and weight_rows == {(1, 1), (1, 2)} and down_blocks == {64, 32}
     assert not graph_call.LAUNCH_AHEAD  # the -ahead run's switch put back
-    runs = json.loads(capsys.readouterr().out)["runs"]
-    # -split3 is skipped: the run's staging buffer holds 2 blobs.
+    printed = capsys.readouterr()
+    runs = json.loads(printed.out)["runs"]
+    # -split3 is left out, and said: the run's staging buffer holds 2 blobs.
+    assert "-split3 left out: the run's staging buffer holds 2 experts" in printed.err
     # With --sync-cpu each count runs again on the engine's thread, -split1-sync, and with
     # --no-cpu-shrink with the caller's team left grown, -split1-noshrink.
     names = ["decode-stream-2", "decode-stream-2-wake", "decode-stream-2-sync",
@@ -198,8 +200,11 @@ def test_the_offload_bench_interleaves_split_tables_and_refuses_bad_ones(capsys,
             "--stream-misses", "1", "--expert-share", "0.25", "--json", "--interleave",
             "--split-tables", "0,0,1/0,0,0/0,1,2"]
     assert bench.main(argv) == 0
-    runs = json.loads(capsys.readouterr().out)["runs"]
-    # 0,1,2 is left out: the run's staging buffer (--stream-misses 1) holds 1 blob.
+    printed = capsys.readouterr()
+    runs = json.loads(printed.out)["runs"]
+    # 0,1,2 is left out, and said: the run's staging buffer (--stream-misses 1) holds 1 blob.
+    assert "-table012 (0,1,2) left out: it streams up to 2 experts, the run's staging buffer " \
+        "holds 1" in printed.err
     assert sorted(runs) == ["decode-stream-1", "decode-stream-1-table000",
                             "decode-stream-1-table001"]
     assert runs["decode-stream-1-table000"]["split"] == "0,0,0"

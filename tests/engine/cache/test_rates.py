@@ -142,9 +142,8 @@ def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_c
         monkeypatch):
     """Calls that carry a large fixed cost on the CPU's side (a team waking after the timing's
     gap) make each M's fastest call stream more than the two sides' per-expert times balance:
-    the "slopes" rule, the default (`SPLIT_RULE`), fits those times to the calls that use one
-    side alone and balances them; "calls" keeps the fastest call."""
-    assert rates_module.SPLIT_RULE == "slopes"
+    the "slopes" rule (the default before "slopes-upload") fits those times to the calls that
+    use one side alone and balances them; "calls" keeps the fastest call."""
     grid = _grid(8, stream_fixed=0.25, stream_each=0.086, cpu_fixed=0.6, cpu_each=0.083)
     alone = (tuple(0.086 * k for k in range(9)), tuple(0.083 * k for k in range(9)))
     rates = MissRates(*alone, 1000, staged_s=grid)
@@ -154,6 +153,7 @@ def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_c
     assert slopes == balanced_split(tuple(0.086 * k for k in range(9)),
                                     tuple(0.083 * k for k in range(9)))
     assert slopes == (0, 0, 1, 1, 2, 2, 3, 3, 4)
+    monkeypatch.setattr(rates_module, "SPLIT_RULE", "slopes")
     assert rates.split().counts == slopes
     assert "calls split around the graphs, their per-expert times balanced, " in \
         rates.note(rates.split(), 4)
@@ -169,11 +169,12 @@ def test_the_slopes_rule_balances_the_per_expert_times_without_the_calls_fixed_c
         rates.split("fastest")
 
 
-def test_the_slopes_upload_rule_adds_the_uploads_fixed_cost_to_the_device_s_side(monkeypatch):
+def test_the_slopes_upload_rule_adds_the_uploads_fixed_cost_to_the_device_s_side():
     """ "slopes-upload" balances the per-expert times as "slopes" does, with the intercept of
     the calls that stream every miss added to the device's side of any s > 0 (the CPU's
     intercept still left out): it streams no more than "slopes" for any M, and fewer where
-    that fixed cost outweighs an expert's difference."""
+    that fixed cost outweighs an expert's difference. It is the default (`SPLIT_RULE`)."""
+    assert rates_module.SPLIT_RULE == "slopes-upload"
     grid = _grid(8, stream_fixed=0.1, stream_each=0.086, cpu_fixed=0.6, cpu_each=0.072)
     alone = (tuple(0.086 * k for k in range(9)), tuple(0.072 * k for k in range(9)))
     rates = MissRates(*alone, 1000, staged_s=grid)
@@ -186,7 +187,6 @@ def test_the_slopes_upload_rule_adds_the_uploads_fixed_cost_to_the_device_s_side
     assert rates_module.upload_fixed_s(_grid(8, 0.0, 0.086, 0.6, 0.072)) == pytest.approx(0.0)
     assert MissRates(*alone, 1000, staged_s=_grid(8, 0.0, 0.086, 0.6, 0.072)).split(
         "slopes-upload").counts == MissRates(*alone, 1000, staged_s=grid).split("slopes").counts
-    monkeypatch.setattr(rates_module, "SPLIT_RULE", "slopes-upload")  # for its A/B's note
     assert rates.split().counts == upload
     assert "their per-expert times and the uploads' fixed cost balanced, " in \
         rates.note(rates.split(), 4)
@@ -226,6 +226,34 @@ def test_the_documented_splits_of_each_rule_are_the_recorded_rates():
     uniform, skewed = (ratios[f"split-rule-slow-host-h100-2026-12-07.jsonl:{n}"]["median"]
                        for n in (1, 2))
     assert f"took {uniform:.3f}x its rounds uniform and {skewed:.3f}x skewed" in page
+
+
+def test_the_documented_rounds_of_the_upload_rule_are_the_recorded_ones():
+    """docs/expert-cache.md's case for "slopes-upload" as the rule: each machine's splits by
+    both rules, the CPU's per-expert times and the rounds' medians are what the rules and
+    bench/rounds.py give from the files recorded on 2026-12-08."""
+    page = " ".join((Path(__file__).parents[3] / "docs" / "expert-cache.md").read_text().split())
+    name = "split-rule-upload-h100-2026-12-08"
+    machines = [_kept_rates("split-rule-upload-rates-h100-2026-12-08.json", machine)
+                for machine in ("first machine (calls 1-2)", "second machine (call 3)")]
+    cpu_us = [round(rates_module.per_expert_s(rates.staged_s)[1] * 1e6) for rates in machines]
+    assert f"put an expert on the CPU at {cpu_us[1]} µs ({cpu_us[0]} on the first)" in page
+    rounds = load_bench("rounds.py")
+    results = Path(__file__).parents[3] / "bench" / "results"
+    medians = {(ratio["where"], ratio["run"].removeprefix("decode-stream-auto-")):
+               ratio["median"] for ratio in rounds.interleaved_ratios(rounds.read_lines(
+                   [results / f"{name}-call{n}.jsonl" for n in (1, 2, 3)]))}
+    for rates, call in zip(machines, (1, 3), strict=True):
+        uniform, skewed = (medians[f"{name}-call{call}.jsonl:{line}", "ruleslopes-upload"]
+                           for line in (1, 2))
+        assert (f"| {rates.split('slopes').text()} | {rates.split('slopes-upload').text()} | "
+                f"{uniform:.3f} | {skewed:.3f} |") in page
+    tables = [medians[f"{name}-call1.jsonl:{line}", table]
+              for line in (1, 2) for table in ("table001122233", "table000112233")]
+    assert ("the two tables {:.3f}x and {:.3f}x uniform, {:.3f}x and {:.3f}x skewed"
+            .format(*tables)) in page
+    after = [medians[f"{name}-call2.jsonl:{line}", "table001122233"] for line in (1, 2)]
+    assert f"took {after[0]:.3f}x and {after[1]:.3f}x its rounds" in page
 
 
 def test_the_documented_note_has_the_form_strata_prints():
@@ -331,14 +359,17 @@ def test_the_host_twin_measures_and_the_file_keeps_it(small, tmp_path, monkeypat
         assert table[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(table))
         assert table[-1] > 0
     # Each M's calls timed for s = 0..M streamed, whole and split around the graphs; the
-    # split balances the split calls' per-expert times ("calls": their fastest).
+    # split balances the split calls' per-expert times, the uploads' fixed cost on the
+    # device's side ("calls": their fastest).
     for grid in (first.joint_s, first.staged_s):
         assert [len(row) for row in grid] == list(range(1, config.top_k + 2))
         assert all(t > 0 for row in grid[1:] for t in row)
     assert first.timed_calls == "split"
-    per_expert = rates_module.per_expert_s(first.staged_s)
+    stream_t, cpu_t = rates_module.per_expert_s(first.staged_s)
+    fixed_s = rates_module.upload_fixed_s(first.staged_s)
     ks = range(config.top_k + 1)
-    assert first.split().counts == balanced_split(*(tuple(k * t for k in ks) for t in per_expert))
+    assert first.split().counts == balanced_split(
+        tuple(fixed_s * (k > 0) + k * stream_t for k in ks), tuple(k * cpu_t for k in ks))
     assert first.split("calls").counts == tuple(row.index(min(row)) for row in first.staged_s)
     again = kept_rates(key, measure, path)
     assert calls == [1]  # read, not measured again

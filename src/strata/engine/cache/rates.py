@@ -51,10 +51,13 @@ Even so, timed calls carry fixed costs a round's calls do not: on an H100 machin
 90 and 70 µs an expert in the rounds, and each M's fastest call streamed so much
 (0,1,2,3,3,4,4,4,5) that tables streaming less took 0.73-0.88x its rounds
 (bench/results/split-tables-h100-2026-12-07.md). So the split balances the two sides'
-per-expert times fitted to the same calls instead, their fixed costs left out (the "slopes"
-rule, `SPLIT_RULE`, `per_expert_s`): on an H100 machine on 2026-12-07 its rounds took 0.71x
-(uniform routing) and 0.76x (skewed) those of each M's fastest call ("calls"), within 5-8% of
-the best of three hand-picked tables (bench/results/split-rule-h100-2026-12-07.md).
+per-expert times fitted to the same calls instead, their fixed costs left out ("slopes",
+`per_expert_s`): on an H100 machine on 2026-12-07 its rounds took 0.71x (uniform routing) and
+0.76x (skewed) those of each M's fastest call ("calls";
+bench/results/split-rule-h100-2026-12-07.md). The rule, "slopes-upload" (`SPLIT_RULE`,
+`upload_fixed_s`), adds the uploads' fixed cost a call, which a round pays too, to the
+device's side: 0.87-0.94x the slopes' rounds on two H100 machines on 2026-12-08
+(split-rule-upload-h100-2026-12-08.md).
 
 The times depend on the machine and the configuration (`RatesKey`: the GPU's name, the CPU's
 model, the CPU experts' threads, the dtype, the experts' format and the expert's shape), not on
@@ -90,15 +93,12 @@ __all__ = ["SPLIT_RULE", "SPLIT_RULES", "MissRates", "RatesKey", "balanced_split
            "measure_rates", "per_expert_s", "upload_fixed_s"]
 
 REPEAT = 7  # timed rounds of every k, after one untimed
-# How a timed grid of calls gives the split (`MissRates.split`; the module): "slopes", the two
-# sides' per-expert times balanced, the calls' fixed costs left out, whose rounds took
-# 0.71-0.76x those of "calls", each M's fastest call, on an H100 machine
-# (bench/results/split-rule-h100-2026-12-07.md); "slopes-upload", the slopes with the uploads'
-# fixed cost a call on the device's side, staged: tables that stream as little took 0.87-0.90x
-# the slopes' rounds (split-rule-slow-host-h100-2026-12-07.md), the rule itself not yet timed
-# in rounds. bench/offload.py --split-rules times each beside auto's.
+# How a timed grid of calls gives the split (`MissRates.split`; the module): "calls", each M's
+# fastest call; "slopes", the two sides' per-expert times balanced, the calls' fixed costs left
+# out; "slopes-upload", the slopes with the uploads' fixed cost a call on the device's side, the
+# rule. bench/offload.py --split-rules times each beside auto's.
 SPLIT_RULES = ("calls", "slopes", "slopes-upload")
-SPLIT_RULE = "slopes"
+SPLIT_RULE = "slopes-upload"
 TARGET_BYTES = 512 << 20  # the synthetic store: at least this many bytes, read round robin
 # How the calls are timed (`rate_calls`), part of the key: rates kept by a strata that timed
 # them otherwise are measured anew. "round-gap500us-shrunk-grouped-grown-primed": each call
