@@ -93,10 +93,9 @@ __all__ = ["SPLIT_RULE", "SPLIT_RULES", "MissRates", "RatesKey", "balanced_split
            "measure_rates", "per_expert_s", "upload_fixed_s"]
 
 REPEAT = 7  # timed rounds of every k, after one untimed
-# How a timed grid of calls gives the split (`MissRates.split`; the module): "calls", each M's
-# fastest call; "slopes", the two sides' per-expert times balanced, the calls' fixed costs left
-# out; "slopes-upload", the slopes with the uploads' fixed cost a call on the device's side, the
-# rule. bench/offload.py --split-rules times each beside auto's.
+# How a timed grid of calls gives the split (`MissRates.split`; the module): each M's fastest
+# call, the two sides' per-expert times balanced, or those with the uploads' fixed cost a call
+# on the device's side, the rule. bench/offload.py --split-rules times each beside auto's.
 SPLIT_RULES = ("calls", "slopes", "slopes-upload")
 SPLIT_RULE = "slopes-upload"
 TARGET_BYTES = 512 << 20  # the synthetic store: at least this many bytes, read round robin
@@ -176,19 +175,22 @@ _Line = tuple[float, float]  # (seconds an expert, seconds a call): a side's cal
 
 def _one_side_lines(grid: tuple[tuple[float, ...], ...]) -> tuple[_Line, _Line]:
     """((slope, intercept) of the calls that stream every miss, grid[M][M]; the same of those
-    that stream none, grid[M][0]): least-squares lines over M = K // 2 (at least 1) .. K of
-    `grid` (`MissRates.staged_s` or `joint_s`, rows M = 0..K). A slope that is not positive
-    (noise over too few M) is the largest M's call over M instead, its intercept 0."""
+    that stream none, grid[M][0]) over M = K // 2 (at least 1) .. K of `grid` (`staged_s` or
+    `joint_s`): the repeated median (each call's median slope to the others, their median;
+    the intercept the median of what is left): one noisy call of five moves it little, where
+    it flipped least squares' slope (an H100's CPU calls on 2026-12-08: 67 µs an expert, 149
+    by the fallback). A slope that is not positive is the largest M's call over M, intercept 0."""
     k = len(grid) - 1
     ms = range(max(1, k // 2), k + 1)
 
     def line(times: list[float]) -> _Line:
         if len(times) > 1:
-            mean_m, mean_t = statistics.fmean(ms), statistics.fmean(times)
-            fitted = sum((m - mean_m) * (t - mean_t) for m, t in zip(ms, times, strict=True)) \
-                / sum((m - mean_m) ** 2 for m in ms)
+            fitted = statistics.median(statistics.median(
+                (t - t_i) / (m - m_i) for m, t in zip(ms, times, strict=True) if m != m_i)
+                for m_i, t_i in zip(ms, times, strict=True))
             if fitted > 0:
-                return fitted, mean_t - fitted * mean_m
+                return fitted, statistics.median(
+                    t - fitted * m for m, t in zip(ms, times, strict=True))
         return times[-1] / k, 0.0
 
     return line([grid[m][m] for m in ms]), line([grid[m][0] for m in ms])
