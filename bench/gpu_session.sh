@@ -122,10 +122,12 @@
 # of down each, default 16, against the default 64, interleaved, `CpuExperts.down_block_rows`;
 # DOWN_BLOCK_ARGS adds flags; offload-down-block-olmoe, 3: the same on olmoe-1b-7b at 4 GiB),
 # offload-tables (6: qwen3's 16 layers at 22% in int8, uniform then `--router-skew 0.5`
-# (TABLES_SKEWS), auto's kept split against each of SPLIT_TABLES' tables (default the two
-# best of split-rule-h100-2026-12-07.md), the kept rates' split by each of SPLIT_RULES
-# (default none, `rates.SPLIT_RULES`; one streaming more than auto's largest count is said
-# and left out: the staging buffer holds auto's) and the splits of rates
+# (TABLES_SKEWS), auto's kept split against each of SPLIT_TABLES' tables (default
+# 0,0,1,1,1,2,2,3,3, the rule's split by least squares on split-rule-upload-h100-2026-12-08.md's
+# first machine, and 0,0,1,1,2,2,2,3,3, the best table of split-rule-h100-2026-12-07.md), the
+# kept rates' split by each of SPLIT_RULES
+# (default none, `rates.SPLIT_RULES`; the base run's staging buffer holds the largest count
+# any of them streams, `--split-room`) and the splits of rates
 # timed RATES_GAPS (default none) microseconds apart, interleaved, TABLES_REPEAT requests
 # each, default 4; an empty variable runs none of its kind), offload-team (4:
 # the same round with the CPU's own thread's team of CPU_TEAMS threads, default 15,11,
@@ -500,8 +502,8 @@ for stage in "$@"; do
                offload "$(checkpoint "$skew")" qwen3-30b-a3b --expert-share 0.22 \
                    --experts-dtype int8 --share-per-format --stream-misses auto --interleave \
                    --prefill-tokens 0 --repeat "${TABLES_REPEAT:-4}" \
-                   --split-tables "${SPLIT_TABLES-0,0,1,1,2,2,2,3,3/0,0,0,1,1,2,2,3,3}" \
-                   --rates-gaps "${RATES_GAPS-}" --split-rules "${SPLIT_RULES-}"
+                   --split-tables "${SPLIT_TABLES-0,0,1,1,1,2,2,3,3/0,0,1,1,2,2,2,3,3}" \
+                   --rates-gaps "${RATES_GAPS-}" --split-rules "${SPLIT_RULES-}" --split-room
            done ;;
     offload-team)  # the CPU's team smaller than the cores left: A/B in one process
            offload "$(checkpoint 0)" qwen3-30b-a3b --expert-share 0.22 --experts-dtype int8 \

@@ -55,7 +55,8 @@ and bench/kv_grow.py do). The profile is the routing of a few seeded prompts. Me
   `--rates-gaps US[,US...]` with the split auto's rates give when their timed calls are US
   microseconds apart, measured then, named -gap<us>, and `--split-rules R[,R...]` with the
   split the kept rates give by each rule (`rates.SPLIT_RULES`), named -rule<name> (each where
-  the staging buffer holds it; the JSON's `split` says each run's table); `--launch-ahead`
+  the staging buffer holds it, else said and left out; `--split-room` gives the buffer room for
+  the largest; the JSON's `split` says each run's table); `--launch-ahead`
   with each split call's next graph launched before the CPU's rows are done, queued behind a
   wait the host sets when they are (`graph_call.LAUNCH_AHEAD`), named -ahead (interleaved too);
   `--cli-sampling` with
@@ -155,6 +156,7 @@ from offload_variants import (
     cache_settings,
     decode_variants,
     setting_split,
+    split_room,
     split_settings,
     table_splits,
 )
@@ -162,6 +164,7 @@ from strata.engine.cache.build import build_cached_experts, plan_cache, staging_
 from strata.engine.cache.kept_rates import resolve_stream_misses
 from strata.engine.experts import ResidentExperts
 from strata.engine.experts.quant import experts_quant_for
+from strata.engine.experts.streamed import StreamSplit
 from strata.engine.model.checkpoint import Checkpoint, expert_store
 from strata.engine.model.config import ModelConfig
 from strata.engine.model.presets import get_preset
@@ -251,17 +254,25 @@ class Format(NamedTuple):
 
 
 def cached_engine(setup: Setup, fmt: Format, stream: int | str, max_context: int, loan: bool,
-                  prefetch: int = 0) -> tuple[Any, list[str]]:
+                  prefetch: int = 0, room: int = 0) -> tuple[Any, list[str]]:
     """An engine around the model with a cache of `fmt`'s store streaming `stream` misses a
-    call (auto: resolved from the kept rates, which its notes say), and the notes."""
+    call (auto: resolved from the kept rates, which its notes say), and the notes; its
+    staging buffer `room` blobs where that is more than the split streams (`--split-room`)."""
     cfg, args = setup.cfg, setup.args
     value, notes = resolve_stream_misses(stream, cfg, setup.dtype, setup.device,
                                          cpu_threads=args.cpu_threads, quant=fmt.quant)
+    split = value if isinstance(value, StreamSplit) else StreamSplit.fixed(value, cfg.top_k)
+    roomier = room > split.n_blobs > 0  # a buffer of `room` blobs, the split still `value`'s
     config = plan_cache(cfg, setup.dtype, setup.device, rank=setup.rank,
                         max_context=max_context, prefill_chunk=args.prefill_chunk,
-                        prefill_loan=loan, stream_misses=value, experts_quant=fmt.quant,
-                        prefetch_misses=prefetch, **fmt.sized)
+                        prefill_loan=loan, experts_quant=fmt.quant, prefetch_misses=prefetch,
+                        stream_misses=StreamSplit.fixed(room, cfg.top_k) if roomier else value,
+                        **fmt.sized)
     setup.model.experts = build_cached_experts(config, fmt.store, setup.device)
+    if roomier:
+        setup.model.experts.streamer.split_rule = split
+        notes = [*notes, f"--split-room: the staging buffer holds {room} experts, the base "
+                         f"run streams {split.text()}"]
     if prefetch:
         setup.model.experts.use_routers([layer.moe.router for layer in setup.model.layers],
                                         cfg.top_k)
@@ -287,7 +298,8 @@ def decode_runs(setup: Setup, fmt: Format, prompt: list[int], max_context: int
                 continue  # fewer staging blobs (none: 0, or auto off CUDA) than the cap
             name = f"decode-stream-{stream}{variant}{fmt.suffix}"
             engine, notes = cached_engine(setup, fmt, stream, max_context, loan=False,
-                                          prefetch=cap)
+                                          prefetch=cap,
+                                          room=split_room(args) if variant == "" else 0)
             engine.cache.split_calls = variant != "-whole"
             streamer = engine.cache.streamer
             rule = streamer.split_rule if streamer is not None else None

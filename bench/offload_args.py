@@ -115,6 +115,12 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
                         "kept rates give by that rule (`MissRates.split`; the default rule is "
                         "`rates.SPLIT_RULE`), named -rule<name>, where the run's staging buffer "
                         "holds it")
+    parser.add_argument("--split-room", action="store_true",
+                        help="with --interleave, give the base run's staging buffer room for "
+                        "the largest count any --split-counts, --split-tables or --split-rules "
+                        "setting streams, so that none is left out: every setting, the base's "
+                        "split too, then runs with that buffer (where a budget sizes the "
+                        "cache, a few slots fewer, alike for all)")
     for flag, text in VARIANT_FLAGS.items():  # each adds a run of every decode, named -<name>
         parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--profile", metavar="DIR",
@@ -172,6 +178,9 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         parser.error(f"--split-rules takes distinct comma-separated rules of "
                      f"{', '.join(SPLIT_RULES)}, got {args.split_rules!r}")
     args.split_tables, args.rates_gaps, args.split_rules = tables, gaps, rules
+    if args.split_room and not args.interleave:
+        parser.error("--split-room gives the base run's engine room for its settings: give "
+                     "--interleave too")
     if (tables or gaps or rules) and not args.interleave:
         parser.error("--split-tables, --rates-gaps and --split-rules run in the base run's "
                      "engine: give --interleave too")

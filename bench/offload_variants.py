@@ -48,6 +48,15 @@ def decode_variants(args: argparse.Namespace, settings: list[str]) -> list[tuple
             *((f"-prefetch{cap}", cap) for cap in args.prefetch_caps)]
 
 
+def split_room(args: argparse.Namespace) -> int:
+    """The blobs `--split-room` asks the base run's staging buffer to hold: the largest count
+    any `--split-counts` N or `table_splits` table streams (0 without the flag)."""
+    if not args.split_room:
+        return 0
+    return max([*args.split_counts, *(rule.n_blobs for rule in args.table_rules.values())],
+               default=0)
+
+
 def split_settings(args: argparse.Namespace, streamer: Any, say: Any) -> list[str]:
     """-splitN for each `--split-counts` N the run's staging buffer holds (streaming min(N, M)
     of a layer's M misses), each again as -splitN-sync with `--sync-cpu` and -splitN-noshrink

@@ -211,6 +211,18 @@ def test_the_offload_bench_interleaves_split_tables_and_refuses_bad_ones(capsys,
     assert runs["decode-stream-1-table000"]["round"]["streamed_experts_per_round"] == 0
     assert 0 < runs["decode-stream-1-table001"]["round"]["streamed_experts_per_round"] \
         <= runs["decode-stream-1"]["round"]["streamed_experts_per_round"]
+    # --split-room: the base run's buffer holds 2 blobs, so 0,1,2 runs too, the base still
+    # streaming at most 1 (its split said in the JSON) and 0,1,2 more.
+    assert bench.main([*argv, "--split-room"]) == 0
+    printed = capsys.readouterr()
+    roomy = json.loads(printed.out)["runs"]
+    assert sorted(roomy) == [*sorted(runs), "decode-stream-1-table012"]
+    assert "--split-room: the staging buffer holds 2 experts, the base run streams 0,1,1" \
+        in printed.err and "left out" not in printed.err
+    assert roomy["decode-stream-1"]["split"] == "0,1,1"
+    assert roomy["decode-stream-1-table012"]["split"] == "0,1,2"
+    assert roomy["decode-stream-1-table012"]["round"]["streamed_experts_per_round"] \
+        > roomy["decode-stream-1"]["round"]["streamed_experts_per_round"]
     for table, message in [("0,2,1", "each 0 first and counts[M] <= M"),
                            ("1,1,1", "each 0 first"), ("0,0,1/0,0,1", "distinct"),
                            ("0,a", "comma-separated counts")]:
@@ -225,6 +237,9 @@ def test_the_offload_bench_interleaves_split_tables_and_refuses_bad_ones(capsys,
     with pytest.raises(SystemExit):
         bench.main([a for a in argv if a != "--interleave"])
     assert "give --interleave too" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main([*argv[:-3], "--split-room"])  # without --interleave
+    assert "--split-room gives the base run's engine room" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"table 0,0,1,1 is not K \+ 1 = 3 counts \(the "
                        r"model's K is 2\)"):
         bench.main([*argv[:-1], "0,0,1,1"])
