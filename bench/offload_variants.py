@@ -61,9 +61,11 @@ def split_settings(args: argparse.Namespace, streamer: Any, say: Any) -> list[st
     """-splitN for each `--split-counts` N the run's staging buffer holds (streaming min(N, M)
     of a layer's M misses), each again as -splitN-sync with `--sync-cpu` and -splitN-noshrink
     with `--no-cpu-shrink`; then each of `table_splits`' tables the buffer holds; none without
-    a staging buffer. Each one asked for that the buffer cannot hold is said, not run: a larger
-    buffer would take slots from the cache the runs share."""
+    a staging buffer. Each one asked for that the buffer cannot hold is said, not run
+    (`--split-room` gives the buffer room for them: `split_room`)."""
     if streamer is None:
+        if args.split_counts or args.table_rules:
+            say("the split settings left out: the run streams no misses (no staging buffer)")
         return []
     blobs = streamer.n_blobs
     for n in args.split_counts:

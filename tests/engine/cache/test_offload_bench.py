@@ -223,6 +223,12 @@ def test_the_offload_bench_interleaves_split_tables_and_refuses_bad_ones(capsys,
     assert roomy["decode-stream-1-table012"]["split"] == "0,1,2"
     assert roomy["decode-stream-1-table012"]["round"]["streamed_experts_per_round"] \
         > roomy["decode-stream-1"]["round"]["streamed_experts_per_round"]
+    # --stream-misses 0: no staging buffer, so no table runs, and that is said.
+    assert bench.main([("0" if a == "1" and argv[i - 1] == "--stream-misses" else a)
+                       for i, a in enumerate(argv)]) == 0
+    printed = capsys.readouterr()
+    assert sorted(json.loads(printed.out)["runs"]) == ["decode-stream-0"]
+    assert "the split settings left out: the run streams no misses" in printed.err
     for table, message in [("0,2,1", "each 0 first and counts[M] <= M"),
                            ("1,1,1", "each 0 first"), ("0,0,1/0,0,1", "distinct"),
                            ("0,a", "comma-separated counts")]:
